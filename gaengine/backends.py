@@ -1,0 +1,194 @@
+"""Backends: the three gradient-buffer operations the engine needs, behind one small interface.
+
+Every backend implements the same contract (``Backend``):
+
+* ``accumulate_(dst, src, scale, overwrite)`` — ``dst = (0 if overwrite else dst) + src * scale``.
+  ``dst``: fp32, contiguous, written in place. ``src``: fp32 | bf16 | fp16, contiguous, same numel, read.
+  ``scale``: a Python float or a 0-d fp32 tensor on ``dst.device``. Unscaled (``scale == 1``) results
+  are bitwise equal to ``dst.add_(src)`` in torch; scaled ones are within 1 fp32 ulp of the exact value.
+* ``l2norm_sq(x)`` -> ``(sum_of_squares, found_inf)`` — two 0-d fp32 tensors on ``x.device``;
+  ``found_inf`` is 1.0 when ``x`` holds an inf or a NaN, else 0.0. One pass, no host sync.
+* ``scale_(x, coef)`` — ``x *= coef`` in place; ``x`` fp32 contiguous, ``coef`` a 0-d fp32 tensor on
+  ``x.device`` (read on the device, never on the host).
+
+Backends: ``torch`` (plain PyTorch, the reference and the fallback, any device), ``cpu`` (the compiled
+C++ extension ``gaengine._C``, CPU tensors), ``triton`` (``gaengine.kernels``, CUDA tensors, or CPU
+tensors under ``TRITON_INTERPRET=1``). ``auto`` picks the fastest available one for a device and says
+which once; a backend asked for by name that cannot load raises ``RuntimeError`` with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Union
+
+import torch
+
+__all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES"]
+
+logger = logging.getLogger("gaengine")
+
+Scale = Union[float, torch.Tensor]
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
+_FLOAT_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_unit(scale: Scale) -> bool:
+    return not isinstance(scale, torch.Tensor) and float(scale) == 1.0
+
+
+def check_accumulate_args(dst: torch.Tensor, src: torch.Tensor, scale: Scale) -> None:
+    """Validate the arguments of ``accumulate_``; raises ``ValueError`` naming the argument."""
+    if dst.dtype != torch.float32:
+        raise ValueError(f"dst must be float32 (the main_grad buffer), got {dst.dtype}")
+    if not dst.is_contiguous():
+        raise ValueError("dst must be contiguous")
+    if src.dtype not in _FLOAT_GRAD_DTYPES:
+        raise ValueError(f"src must be float32, bfloat16 or float16, got {src.dtype}")
+    if src.numel() != dst.numel():
+        raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}; they must match")
+    if src.device != dst.device:
+        raise ValueError(f"src is on {src.device} but dst is on {dst.device}; they must match")
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or scale.dtype != torch.float32 or scale.device != dst.device:
+            raise ValueError(
+                f"scale must be a Python float or a 0-d float32 tensor on {dst.device}, got a "
+                f"{tuple(scale.shape)} {scale.dtype} tensor on {scale.device}"
+            )
+
+
+def check_scale_args(x: torch.Tensor, coef: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous float32 tensor, got {x.dtype} (contiguous={x.is_contiguous()})")
+    if not isinstance(coef, torch.Tensor) or coef.dim() != 0 or coef.device != x.device:
+        raise ValueError(f"coef must be a 0-d tensor on {x.device} (so it is never read on the host)")
+
+
+class Backend:
+    """Interface of a backend; this base class is the ``torch`` reference implementation."""
+
+    name = "torch"
+
+    def accumulate_(self, dst: torch.Tensor, src: torch.Tensor, scale: Scale = 1.0, overwrite: bool = False) -> torch.Tensor:
+        d, s = dst.view(-1), src.reshape(-1)
+        if _is_unit(scale):
+            # One IEEE add (or an exact widening copy) per element: the definition of "bitwise equal to torch".
+            d.copy_(s) if overwrite else d.add_(s)
+        elif overwrite:
+            torch.mul(s.float(), scale, out=d)
+        else:
+            d.add_(s.float() * scale)
+        return dst
+
+    def l2norm_sq(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.reshape(-1).float()
+        sum_sq = torch.dot(xf, xf) if xf.numel() else xf.new_zeros(())
+        found_inf = (~torch.isfinite(xf)).any().float() if xf.numel() else xf.new_zeros(())
+        return sum_sq, found_inf
+
+    def scale_(self, x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        return x.mul_(coef)
+
+
+class TorchBackend(Backend):
+    """Plain PyTorch: the reference every other backend is tested against, and the fallback."""
+
+
+class CpuBackend(Backend):
+    """The compiled C++ extension ``gaengine._C`` (vectorized, ``at::parallel_for``), CPU tensors only."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
+
+        self._C = _C
+
+    def accumulate_(self, dst, src, scale=1.0, overwrite=False):
+        # A 0-d CPU tensor is read on the host; on CPU this is a plain load, not a device sync.
+        s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)
+        self._C.accumulate_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite))
+        return dst
+
+    def l2norm_sq(self, x):
+        return tuple(self._C.l2norm_sq(x.contiguous()))
+
+    def scale_(self, x, coef):
+        self._C.scale_(x, coef)
+        return x
+
+
+class TritonBackend(Backend):
+    """Triton kernels from ``gaengine.kernels``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from gaengine.kernels import accumulate, norm, scale  # noqa: PLC0415 - imports triton
+
+        self._accumulate, self._norm, self._scale = accumulate, norm, scale
+
+    def accumulate_(self, dst, src, scale=1.0, overwrite=False):
+        return self._accumulate.accumulate_(dst, src.contiguous(), scale, overwrite=overwrite)
+
+    def l2norm_sq(self, x):
+        return self._norm.l2norm_sq(x.contiguous())
+
+    def scale_(self, x, coef):
+        return self._scale.scale_(x, coef)
+
+
+_CLASSES = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend}
+_instances: dict[str, Backend] = {}
+_load_errors: dict[str, BaseException] = {}
+_announced: set[tuple[str, str]] = set()
+
+
+def _load(name: str) -> Backend | None:
+    if name in _instances:
+        return _instances[name]
+    if name in _load_errors:
+        return None
+    try:
+        _instances[name] = _CLASSES[name]()
+    except Exception as exc:  # kept and re-raised only when this backend is asked for by name
+        _load_errors[name] = exc
+        return None
+    return _instances[name]
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
+    """Return the backend ``name`` for tensors on ``device``.
+
+    ``name``: one of ``BACKEND_NAMES``; ``"auto"`` reads ``GAENGINE_BACKEND`` first, then picks
+    ``triton`` for CUDA devices and ``cpu`` for CPU ones, falling back to ``torch`` quietly (logged once).
+    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when a backend asked for by name
+    cannot load or cannot run on ``device`` (the original import error is chained).
+    """
+    device = torch.device(device)
+    if name == "auto":
+        name = os.environ.get("GAENGINE_BACKEND", "auto") or "auto"
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "auto":
+        preferred = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" else "torch"
+        backend = _load(preferred) or _load("torch")
+        if (device.type, backend.name) not in _announced:
+            _announced.add((device.type, backend.name))
+            why = "" if backend.name == preferred else f" ({preferred} unavailable: {_load_errors.get(preferred)})"
+            logger.info("gaengine: backend %r for %s tensors%s", backend.name, device.type, why)
+        return backend
+    if name == "cpu" and device.type != "cpu":
+        raise RuntimeError(f"backend 'cpu' runs on CPU tensors only, got device {device}")
+    if name == "triton" and device.type == "cpu" and not _interpreter_on():
+        raise RuntimeError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    backend = _load(name)
+    if backend is None:
+        hint = " (build it with GAENGINE_BUILD_EXT=1 pip install --no-build-isolation -e .)" if name == "cpu" else ""
+        raise RuntimeError(f"backend {name!r} could not be loaded{hint}: {_load_errors[name]}") from _load_errors[name]
+    return backend
