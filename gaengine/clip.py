@@ -1,0 +1,59 @@
+"""Drop-in ``clip_grad_norm_`` whose norm is one fused pass per gradient and never leaves the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from gaengine.backends import get_backend
+
+__all__ = ["clip_grad_norm_", "clip_coefficient"]
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (clip_grad.py, `max_norm / (total_norm + 1e-6)`).
+CLIP_EPS = 1e-6
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))`` as a 0-d tensor on ``total_norm.device`` (torch's formula)."""
+    return torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` to a global L2 norm of at most ``max_norm``, in place.
+
+    Same signature and result as ``torch.nn.utils.clip_grad_norm_``: returns the total norm of all
+    gradients (before clipping) as a 0-d fp32 tensor on the gradients' device, and scales every ``.grad``
+    by ``min(1, max_norm / (total_norm + 1e-6))`` with no host sync. The L2 norm of each gradient is one
+    pass of the backend's ``l2norm_sq`` (fp32 | bf16 | fp16 grads, fp32 sums). Other ``norm_type`` values,
+    gradients on several devices and sparse gradients go to torch's own implementation. ``foreach`` is
+    accepted for compatibility; the scaling uses ``torch._foreach_mul_``.
+
+    Raises ``RuntimeError`` like torch when ``error_if_nonfinite`` and the norm is inf or NaN (this reads
+    the norm on the host, as torch does).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if (float(norm_type) != 2.0 or not grads or len({g.device for g in grads}) > 1
+            or any(g.is_sparse for g in grads)):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    backend = get_backend("auto", grads[0].device)
+    total_sq = torch.stack([backend.l2norm_sq(g)[0] for g in grads]).sum()
+    total_norm = total_sq.sqrt()
+    if error_if_nonfinite and not bool(torch.isfinite(total_norm)):  # host read, only when asked (as torch)
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    coef = clip_coefficient(total_norm, float(max_norm))
+    torch._foreach_mul_(grads, coef)
+    return total_norm

@@ -1,0 +1,469 @@
+"""``GradientAccumulator``: fp32 flat-buffer gradient accumulation, late normalization, clipping, update.
+
+Data flow of one accumulation window of K micro-batches (DESIGN.md):
+
+* ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook adds its gradient into
+  its view of one flat fp32 ``main_grad`` buffer (the first write of a window overwrites: no zeroing
+  pass) and frees ``p.grad`` at once.
+* Gradients stay raw sums. ``acc.step()`` applies the denominator once — the number of micro-batches
+  (mean mode) or the total item count (item mode, ``num_items=``) — folded into the clip coefficient,
+  so a partial window (``step(force=True)``) and token-count normalization are exact.
+* ``step()`` makes one pass over the buffer for the sum of squares and the non-finite flag, computes
+  the clip coefficient on the device, and runs the optimizer on fp32 gradients (fp32 master weights
+  for bf16/fp16 parameters). A non-finite gradient skips the update.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gaengine.backends import BACKEND_NAMES, get_backend
+from gaengine.buffer import FlatBuffer, FlatLayout
+from gaengine.clip import clip_coefficient
+
+__all__ = ["GradientAccumulator", "StepResult"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_OWNER_ATTR = "_gaengine_accumulator"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one applied (or skipped) update did. Tensors are 0-d and on the parameters' device.
+
+    grad_norm: fp32, L2 norm of the normalized gradient (after dividing by the window's denominator,
+        before clipping).
+    clip_coef: fp32, the clip coefficient ``min(1, max_norm / (grad_norm + 1e-6))`` (1.0 without clipping).
+    skipped: bool, True when a gradient was inf/NaN and the update was not applied.
+    num_micro_batches: micro-batches in the window (K, or fewer for ``step(force=True)``).
+    num_items: total items of the window in item mode (an int, or a 0-d tensor when items were given as
+        tensors); None in mean mode.
+    loss: fp32, the window's loss normalized like the gradient (mean of the micro-batch means, or the
+        sum of the loss sums divided by ``num_items``).
+    """
+
+    grad_norm: torch.Tensor
+    clip_coef: torch.Tensor
+    skipped: torch.Tensor
+    num_micro_batches: int
+    num_items: int | torch.Tensor | None
+    loss: torch.Tensor
+
+
+def _check_accumulation_steps(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"accumulation_steps must be an int >= 1, got {value!r}")
+    return value
+
+
+def _check_max_grad_norm(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"max_grad_norm must be a positive finite float or None, got {value!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"max_grad_norm must be a positive finite float or None (no clipping), got {value!r}")
+    return value
+
+
+def _trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "model is wrapped in torch.nn.parallel.DistributedDataParallel: pass the bare module. "
+            "gaengine frees each gradient in its hook as soon as it is accumulated, so DDP's reducer would "
+            "all-reduce freed (zero) gradients; gaengine reduces across ranks itself."
+        )
+    if isinstance(model, nn.Module):
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                raise ValueError(
+                    f"model.{name or 'self'} produces sparse gradients (sparse=True); gaengine accumulates dense "
+                    "gradients into a flat fp32 buffer: build the embedding with sparse=False"
+                )
+        candidates = model.parameters()
+    else:
+        candidates = model
+    params, seen = [], set()
+    for p in candidates:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"model must be an nn.Module or an iterable of Parameters, got an element of type {type(p).__name__}")
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    if not params:
+        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"model parameters must all be on one device, found {sorted(map(str, devices))}")
+    bad = [p for p in params if not p.is_floating_point() or p.dtype == torch.float64]
+    if bad:
+        raise ValueError(f"model parameters must be float32, bfloat16 or float16, found {bad[0].dtype}")
+    return params
+
+
+class GradientAccumulator:
+    """Accumulate gradients of ``model`` over ``accumulation_steps`` micro-batches in fp32, then update.
+
+    Args:
+        model: an ``nn.Module`` or an iterable of Parameters, all on one device, fp32 | bf16 | fp16.
+            Parameters with ``requires_grad=False`` are skipped. Must not be wrapped in DDP.
+        optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, or None
+            (then ``step()`` leaves the final, normalized and clipped gradients in ``.grad``). For bf16/fp16
+            parameters it is re-pointed at fp32 master weights (param groups and hyper-parameters kept);
+            the model's parameters receive the rounded master weights after every update.
+        accumulation_steps: K, micro-batches per update (int >= 1).
+        max_grad_norm: L2 clipping threshold applied to the normalized gradient; None disables clipping.
+        lr_scheduler: stepped once after every applied (not skipped) update.
+        backend: "auto" | "triton" | "cpu" | "torch" (see ``gaengine.backends``).
+        master_weights: keep fp32 master weights for bf16/fp16 parameters (default True).
+
+    Raises ``ValueError`` / ``TypeError`` naming the argument for bad input (see the tests), and
+    ``RuntimeError`` when a parameter already belongs to another live accumulator.
+
+    With a fused torch optimizer (``Adam``/``AdamW``/``SGD`` with ``fused=True``) the normalization and
+    clip coefficient and the skip flag reach the optimizer through its ``grad_scale``/``found_inf``
+    arguments: no extra pass over the gradients and no host sync. Other optimizers get one scale pass and
+    one host read of the skip flag. An ``lr_scheduler`` also costs one host read of the skip flag per
+    update (it runs on the host).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Iterable[torch.Tensor],
+        optimizer: torch.optim.Optimizer | None,
+        accumulation_steps: int = 8,
+        max_grad_norm: float | None = 1.0,
+        lr_scheduler: Any = None,
+        backend: str = "auto",
+        *,
+        master_weights: bool = True,
+    ) -> None:
+        self.accumulation_steps = _check_accumulation_steps(accumulation_steps)
+        self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        params = _trainable_params(model)
+        for p in params:
+            owner = getattr(p, _OWNER_ATTR, None)
+            if owner is not None and owner() is not None:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} already belongs to another GradientAccumulator; "
+                    "call close() on it first (two accumulators would each free the other's gradients)"
+                )
+        if optimizer is not None:
+            ids = {id(p) for p in params}
+            foreign = [q for g in optimizer.param_groups for q in g["params"] if id(q) not in ids]
+            if foreign:
+                raise ValueError(
+                    f"optimizer holds {len(foreign)} parameter(s) that are not trainable parameters of model "
+                    f"(first of shape {tuple(foreign[0].shape)}); build the optimizer over model.parameters()"
+                )
+
+        self.device = params[0].device
+        self.backend = get_backend(backend, self.device)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        # Reverse registration order: the order in which backward produces the gradients.
+        self.params: list[torch.Tensor] = params[::-1]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.main_grad = FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
+
+        self._masters: dict[int, torch.Tensor] = {}
+        self.master_buffer: FlatBuffer | None = None
+        if optimizer is not None:
+            self._setup_master_weights(master_weights)
+
+        # Window state; host-side Python values only, so the hooks never read the device.
+        self._written = [False] * len(self.params)
+        self._num_micro_batches = 0
+        self._item_mode: bool | None = None
+        self._items_host = 0
+        self._items_dev: torch.Tensor | None = None
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._in_backward = False
+        self._failed_backward = False
+        self._grads_exposed = False
+        self._grad_scale = 1.0  # accumulate scale factor (the inverse loss scale under fp16 loss scaling)
+
+        self._handles = []
+        ref = weakref.ref(self)
+        for i, p in enumerate(self.params):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(ref, i)))
+            setattr(p, _OWNER_ATTR, ref)
+
+    # ------------------------------------------------------------------ setup
+    def _setup_master_weights(self, enabled: bool) -> None:
+        opt_ids = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
+        low = [p for p in self.params if p.dtype in _LOW_PRECISION and id(p) in opt_ids]
+        if not enabled or not low:
+            return
+        self.master_buffer = FlatBuffer(FlatLayout.build(low), torch.float32, self.device)
+        with torch.no_grad():
+            for p, view in zip(low, self.master_buffer.views):
+                view.copy_(p)
+                master = nn.Parameter(view, requires_grad=True)  # aliases the flat master buffer
+                master.grad = self.main_grad.views[self._index[id(p)]]
+                self._masters[id(p)] = master
+        for group in self.optimizer.param_groups:
+            group["params"] = [self._masters.get(id(q), q) for q in group["params"]]
+        for p in low:  # state built before the accumulator (rare) follows its parameter
+            if p in self.optimizer.state:
+                self.optimizer.state[self._masters[id(p)]] = self.optimizer.state.pop(p)
+        self._low_params = low
+        self._low_masters = [self._masters[id(p)] for p in low]
+
+    @staticmethod
+    def _make_hook(ref: weakref.ref, index: int):
+        def hook(param: torch.Tensor) -> None:
+            acc = ref()
+            if acc is not None:
+                acc._accumulate(index, param)
+
+        return hook
+
+    # ------------------------------------------------------------------ hot path
+    def _accumulate(self, i: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if not self._in_backward:
+            param.grad = None
+            raise RuntimeError(
+                "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); "
+                "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)"
+            )
+        if grad.layout != torch.strided:
+            param.grad = None
+            raise ValueError(
+                f"parameter {i} (shape {tuple(param.shape)}) received a {grad.layout} gradient; gaengine "
+                "accumulates dense gradients only (build embeddings with sparse=False)"
+            )
+        self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, not self._written[i])
+        self._written[i] = True
+        param.grad = None  # free the low-precision gradient at once
+
+    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
+        """Backward of one micro-batch, accumulating its gradients into the fp32 buffer.
+
+        loss: 0-d (or one-element) floating tensor that requires grad: the micro-batch's mean loss (mean
+            mode), or its sum over items when ``num_items`` is given (item mode).
+        num_items: number of items (e.g. tokens whose label is not -100) the summed ``loss`` covers; an int
+            >= 0 or a 0-d integer/float tensor on any device (kept on the device: no sync). Either every
+            micro-batch of a window passes it or none does.
+        backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
+
+        Raises ``ValueError`` for a bad ``loss`` or ``num_items`` and ``RuntimeError`` when the window is
+        already complete (call ``step()``); in both cases the accumulated window is left untouched.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss must be a scalar floating tensor (reduce it with .mean() or .sum()), got {what}")
+        if not loss.requires_grad:
+            raise ValueError("loss does not require grad: it was computed under torch.no_grad() or from frozen parameters")
+        if self._num_micro_batches >= self.accumulation_steps:
+            raise RuntimeError(
+                f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
+                "call acc.step() before the next acc.backward()"
+            )
+        item_mode = num_items is not None
+        if self._item_mode is not None and item_mode != self._item_mode:
+            raise ValueError(
+                "num_items must be given for every micro-batch of a window or for none: this window was started "
+                f"{'with' if self._item_mode else 'without'} num_items"
+            )
+        if item_mode:
+            num_items = self._check_num_items(num_items)
+        if self._grads_exposed:
+            self._clear_grads()
+
+        self._in_backward = True
+        try:
+            loss.backward(**backward_kwargs)
+        except BaseException:
+            # Some parameters of this micro-batch may be accumulated and others not: the window is no
+            # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
+            self._failed_backward = True
+            raise
+        finally:
+            self._in_backward = False
+
+        self._item_mode = item_mode
+        self._num_micro_batches += 1
+        self._loss_sum += loss.detach().reshape(()).to(torch.float32)
+        if item_mode:
+            if isinstance(num_items, torch.Tensor):
+                n = num_items.to(device=self.device, dtype=torch.float32, non_blocking=True)
+                self._items_dev = n if self._items_dev is None else self._items_dev + n
+            else:
+                self._items_host += num_items
+
+    @staticmethod
+    def _check_num_items(num_items: Any) -> int | torch.Tensor:
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
+                raise ValueError(f"num_items must be an int or a one-element real tensor, got shape {tuple(num_items.shape)} {num_items.dtype}")
+            return num_items.reshape(())
+        if isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 0:
+            raise ValueError(f"num_items must be an int >= 0 or a one-element tensor, got {num_items!r}")
+        return num_items
+
+    # ------------------------------------------------------------------ update
+    def step(self, force: bool = False) -> StepResult | None:
+        """Finish the window: normalize, clip, update. Returns None while the window is incomplete.
+
+        force: update on a partial window (end of an epoch); its gradient is normalized by the
+            micro-batches (or items) it actually holds, so the result is exact. With no micro-batch in the
+            window, returns None.
+
+        Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``), and
+        ``ValueError`` if item mode counted zero items in total (the window is kept).
+        """
+        k = self._num_micro_batches
+        if k == 0 or (k < self.accumulation_steps and not force):
+            return None
+        if self._failed_backward:
+            raise RuntimeError("a backward in this accumulation window raised; call acc.zero_grad() to drop the window")
+        if self._item_mode and self._items_dev is None and self._items_host == 0:
+            raise ValueError("num_items adds up to 0 over the window: there is nothing to normalize by (window kept)")
+
+        dev = self.device
+        if self._item_mode:
+            denom = self._items_dev + self._items_host if self._items_dev is not None else torch.tensor(
+                float(self._items_host), device=dev)
+            num_items: int | torch.Tensor | None = self._items_dev + self._items_host if self._items_dev is not None else self._items_host
+        else:
+            denom = torch.tensor(float(k), device=dev)
+            num_items = None
+
+        unwritten = [i for i, w in enumerate(self._written) if not w]
+        for i in unwritten:  # parameters with no gradient in this window (unused branches)
+            self.main_grad.flat_views[i].zero_()
+
+        sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
+        grad_norm = sum_sq.sqrt() / denom
+        skipped = (found_inf > 0) | ~torch.isfinite(grad_norm)
+        if self.max_grad_norm is not None:
+            clip_coef = clip_coefficient(grad_norm, self.max_grad_norm)
+        else:
+            clip_coef = torch.ones((), dtype=torch.float32, device=dev)
+        # One coefficient carries normalization and clipping; kept finite so padding stays zero.
+        coef = torch.where(skipped, torch.ones_like(clip_coef), clip_coef / denom)
+        loss = self._loss_sum / denom
+
+        if self.optimizer is None:
+            self.backend.scale_(self.main_grad.data, coef)
+            self._expose_grads(unwritten)
+        else:
+            self._apply_update(coef, skipped, unwritten)
+
+        result = StepResult(grad_norm=grad_norm, clip_coef=clip_coef, skipped=skipped,
+                            num_micro_batches=k, num_items=num_items, loss=loss)
+        self._reset_window()
+        return result
+
+    def _fused_optimizer(self) -> bool:
+        opt = self.optimizer
+        return bool(getattr(opt, "_step_supports_amp_scaling", False) and opt.defaults.get("fused"))
+
+    def _apply_update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int]) -> None:
+        opt = self.optimizer
+        fp32_params = [p for p in self.params if id(p) not in self._masters]
+        unused = {id(self.params[i]) for i in unwritten}
+        for i, p in enumerate(self.params):  # every optimizer-visible param gets its fp32 grad view or None
+            target = self._masters.get(id(p), p)
+            target.grad = None if id(p) in unused else self.main_grad.views[i]
+        try:
+            if self._fused_optimizer():
+                # The fused kernels divide each gradient by grad_scale and skip everything (step counts
+                # included) when found_inf is set: normalization + clipping + skip at no extra pass or sync.
+                opt.grad_scale = coef.reciprocal()
+                opt.found_inf = skipped.to(torch.float32)
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale, opt.found_inf
+                applied = None
+            else:
+                self.backend.scale_(self.main_grad.data, coef)
+                applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
+                if applied:
+                    opt.step()
+        finally:
+            for p in fp32_params:
+                p.grad = None
+            for i in unwritten:
+                master = self._masters.get(id(self.params[i]))
+                if master is not None:
+                    master.grad = self.main_grad.views[i]
+        if self._masters:
+            # A skipped update left the masters unchanged, and the model already holds their rounding:
+            # copying unconditionally is bit-identical and needs no host read of the skip flag.
+            with torch.no_grad():
+                torch._foreach_copy_(self._low_params, self._low_masters)
+        if self.lr_scheduler is not None:
+            if applied is None:
+                applied = not bool(skipped)  # host read: the scheduler runs on the host
+            if applied:
+                self.lr_scheduler.step()
+
+    def _expose_grads(self, unwritten: list[int]) -> None:
+        unused = set(unwritten)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if i in unused:
+                    p.grad = None
+                else:
+                    view = self.main_grad.views[i]
+                    p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+        self._grads_exposed = True
+
+    def _clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self._grads_exposed = False
+
+    def _reset_window(self) -> None:
+        self._written = [False] * len(self.params)
+        self._num_micro_batches = 0
+        self._item_mode = None
+        self._items_host = 0
+        self._items_dev = None
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._failed_backward = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches accumulated in the current window."""
+        return self._num_micro_batches
+
+    def zero_grad(self) -> None:
+        """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params."""
+        self._clear_grads()
+        self._reset_window()
+
+    def close(self) -> None:
+        """Remove the hooks and release the parameters (another accumulator may then take them)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for p in self.params:
+            if getattr(p, _OWNER_ATTR, None) is not None and getattr(p, _OWNER_ATTR)() is self:
+                delattr(p, _OWNER_ATTR)
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,358 @@
+"""GradientAccumulator against the plain PyTorch recipe and fp64 references (single process, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gaengine
+from gaengine.backends import get_backend
+from tests.tolerances import rel_diff
+
+
+def _available_backends() -> list:
+    out = ["torch"]
+    for name in ("cpu", "triton"):
+        try:
+            get_backend(name, "cpu")
+        except RuntimeError:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"backend {name!r} unavailable")))
+        else:
+            out.append(pytest.param(name, marks=pytest.mark.interpreter) if name == "triton" else name)
+    return out
+
+
+BACKENDS = _available_backends()
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=12, d_hidden=24, d_out=5):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.head = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class TinyLM(nn.Module):
+    """Embedding tied with the output layer, as in GPT-2."""
+
+    def __init__(self, vocab=17, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def _mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _make_pair(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = MLP(**kw)
+    return model, copy.deepcopy(model)
+
+
+# ---------------------------------------------------------------- equivalence with the large batch
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "adamw-foreach", "sgd"])
+def test_k_micro_batches_equal_one_large_batch(backend, opt_name):
+    K, B, steps, max_norm = 4, 3, 3, 0.05
+    model, ref = _make_pair()
+
+    def make_opt(params):
+        if opt_name == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **({"fused": True} if opt_name == "adamw-fused" else {"foreach": True}))
+
+    acc = gaengine.GradientAccumulator(model, make_opt(model.parameters()), accumulation_steps=K,
+                                       max_grad_norm=max_norm, backend=backend)
+    ref_opt = make_opt(ref.parameters())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(K * B, 12, generator=gen), torch.randn(K * B, 5, generator=gen)
+        results = []
+        for k in range(K):
+            acc.backward(_mse(model, x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]))
+            results.append(acc.step())
+        assert results[:-1] == [None] * (K - 1)
+        _mse(ref, x, y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        r = results[-1]
+        assert r.num_micro_batches == K and not bool(r.skipped)
+        assert rel_diff(r.grad_norm, ref_norm) <= 1e-5
+        assert float(r.clip_coef) < 1.0  # clipping is active in this test
+        assert rel_diff(r.loss, _mse(ref, x, y).detach() * 0 + r.loss) == 0  # loss is a finite 0-d tensor
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_diff(p, q) <= 1e-5, name
+    acc.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_window_force_is_exact(backend):
+    K, B, done = 5, 2, 3
+    model, ref = _make_pair()
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=K,
+                                       max_grad_norm=None, backend=backend)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, y = torch.randn(done * B, 12), torch.randn(done * B, 5)
+    losses = []
+    for k in range(done):
+        loss = _mse(model, x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+        losses.append(loss.detach())
+        acc.backward(loss)
+        assert acc.step() is None
+    r = acc.step(force=True)
+    assert r.num_micro_batches == done
+    _mse(ref, x, y).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p, q) <= 1e-5
+    assert rel_diff(r.loss, torch.stack(losses).mean()) <= 1e-6
+    assert acc.step(force=True) is None  # an empty window does nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_item_mode_padded_sequences_equal_token_mean(backend):
+    """Variable-length sequences padded with label -100: the window's gradient is the mean over all real tokens."""
+    torch.manual_seed(3)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=3, max_grad_norm=None, backend=backend)
+    micro = []
+    for length, n_real in [(7, 7), (7, 2), (5, 4)]:  # very different token counts per micro-batch
+        tokens = torch.randint(0, 17, (2, length))
+        labels = torch.randint(0, 17, (2, length))
+        labels[:, n_real:] = -100
+        micro.append((tokens, labels))
+    total = 0
+    for tokens, labels in micro:
+        logits = model(tokens)
+        loss_sum = nn.functional.cross_entropy(logits.reshape(-1, 17), labels.reshape(-1), ignore_index=-100, reduction="sum")
+        n = int((labels != -100).sum())
+        total += n
+        acc.backward(loss_sum, num_items=n)
+    r = acc.step()
+    assert r.num_items == total
+    # Reference: token mean over the whole window in one go.
+    ref_loss = sum(nn.functional.cross_entropy(ref(t).reshape(-1, 17), l.reshape(-1), ignore_index=-100, reduction="sum")
+                   for t, l in micro) / total
+    ref_loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-5
+    assert rel_diff(r.loss, ref_loss.detach()) <= 1e-6
+    # The mean of per-micro-batch means (what a naive recipe computes) is measurably different here.
+    naive = torch.stack([nn.functional.cross_entropy(ref(t).reshape(-1, 17), l.reshape(-1), ignore_index=-100)
+                         for t, l in micro]).mean()
+    assert rel_diff(naive, ref_loss) > 1e-3
+
+
+def test_item_mode_with_device_tensor_counts():
+    model, ref = _make_pair()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    x, y = torch.randn(6, 12), torch.randn(6, 5)
+    acc.backward(((model(x[:4]) - y[:4]) ** 2).sum(), num_items=torch.tensor(20))
+    acc.backward(((model(x[4:]) - y[4:]) ** 2).sum(), num_items=torch.tensor(10))
+    r = acc.step()
+    assert isinstance(r.num_items, torch.Tensor) and float(r.num_items) == 30
+    (((ref(x) - y) ** 2).sum() / 30).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-5
+
+
+# ---------------------------------------------------------------- fidelity of fp32 accumulation
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fidelity_64_bf16_gradients(backend):
+    """The same 64 bf16 gradients: engine (fp32 buffer) vs bf16 .grad accumulation, both against fp64."""
+    n, K = 4096, 64
+    gen = torch.Generator().manual_seed(7)
+    grads = [(torch.randn(n, generator=gen) * 1e-2 + 1e-3).to(torch.bfloat16) for _ in range(K)]
+    param = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+    acc = gaengine.GradientAccumulator([param], None, accumulation_steps=K, max_grad_norm=None, backend=backend)
+    bf16_sum = torch.zeros(n, dtype=torch.bfloat16)
+    for g in grads:
+        acc.backward((param * g).sum())  # d/dparam = g exactly, in bf16
+        bf16_sum += g
+    acc.step()
+    exact = torch.stack([g.double() for g in grads]).sum(0) / K
+    engine_err = rel_diff(acc.main_grad.views[0], exact)
+    bf16_err = rel_diff(bf16_sum.double() / K, exact)
+    print(f"relative error vs fp64 after {K} micro-batches: engine {engine_err:.2e}, bf16 .grad {bf16_err:.2e}")
+    assert engine_err <= 1e-6
+    assert bf16_err > 100 * max(engine_err, 1e-9)
+
+
+def test_tied_weight_receives_both_uses_once():
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    assert model.out.weight is model.emb.weight
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    assert len(acc.params) == 3  # the tied weight is one parameter
+    tokens = torch.randint(0, 17, (2, 2, 6))
+    for k in range(2):
+        acc.backward(model(tokens[k]).logsumexp(-1).mean())
+    acc.step()
+    for k in range(2):
+        (ref(tokens[k]).logsumexp(-1).mean() / 2).backward()
+    assert rel_diff(model.emb.weight.grad, ref.emb.weight.grad) <= 1e-6
+    # Both uses contribute: the gradient differs from either use alone.
+    assert rel_diff(model.emb.weight.grad, ref.emb.weight.grad * 0.5) > 0.1
+
+
+# ---------------------------------------------------------------- clipping and non-finite gradients
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clipping_matches_torch(backend):
+    model, ref = _make_pair()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=0.01, backend=backend)
+    x, y = torch.randn(8, 12), torch.randn(8, 5)
+    for k in range(2):
+        acc.backward(_mse(model, x[4 * k:4 * k + 4], y[4 * k:4 * k + 4]))
+    r = acc.step()
+    for k in range(2):
+        (_mse(ref, x[4 * k:4 * k + 4], y[4 * k:4 * k + 4]) / 2).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert rel_diff(r.grad_norm, ref_norm) <= 1e-6
+    assert rel_diff(r.clip_coef, torch.clamp(0.01 / (ref_norm + 1e-6), max=1.0)) <= 1e-6
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "adamw-foreach", "sgd-momentum"])
+def test_nan_in_one_micro_batch_skips_update(opt_name):
+    model, _ = _make_pair()
+
+    def make_opt(params):
+        if opt_name == "sgd-momentum":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-2, **({"fused": True} if opt_name == "adamw-fused" else {"foreach": True}))
+
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=3, max_grad_norm=1.0, lr_scheduler=sched, backend="torch")
+    x, y = torch.randn(9, 12), torch.randn(9, 5)
+
+    def window(poison: bool):
+        for k in range(3):
+            loss = _mse(model, x[3 * k:3 * k + 3], y[3 * k:3 * k + 3])
+            if poison and k == 1:
+                loss = loss * torch.tensor(float("nan"))
+            acc.backward(loss)
+        return acc.step()
+
+    assert not bool(window(False).skipped)  # one real update so the optimizer has state
+    params_before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(opt.state_dict())
+    lr_before = opt.param_groups[0]["lr"]
+    r = window(True)
+    assert bool(r.skipped)
+    for p, q in zip(model.parameters(), params_before):
+        assert torch.equal(p, q)
+    state_after = opt.state_dict()
+    for key, st in state_before["state"].items():
+        for name, value in st.items():
+            assert torch.equal(torch.as_tensor(state_after["state"][key][name]), torch.as_tensor(value)), name
+    assert opt.param_groups[0]["lr"] == lr_before  # the scheduler is not stepped on a skipped update
+    # The next window starts clean and applies.
+    r = window(False)
+    assert not bool(r.skipped) and bool(torch.isfinite(r.grad_norm))
+    assert opt.param_groups[0]["lr"] == lr_before * 0.5
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# ---------------------------------------------------------------- master weights and optimizer=None
+def test_bf16_params_get_fp32_master_weights():
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    ref32 = MLP()
+    ref32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    group_keys = set(opt.param_groups[0]) - {"params"}
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    assert set(opt.param_groups[0]) - {"params"} == group_keys
+    assert all(q.dtype == torch.float32 for g in opt.param_groups for q in g["params"])
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    for _ in range(5):
+        for k in range(2):
+            acc.backward(_mse(model, x[2 * k:2 * k + 2].bfloat16(), y[2 * k:2 * k + 2].bfloat16()))
+        acc.step()
+    masters = opt.param_groups[0]["params"]  # re-pointed in place: same order as model.parameters()
+    moved = []
+    for p, q in zip(model.parameters(), masters):
+        # The model holds the bf16 rounding of its fp32 master, which keeps updates smaller than a bf16 ulp.
+        assert q.shape == p.shape
+        assert torch.equal(p, q.detach().to(torch.bfloat16))
+        moved.append(rel_diff(q, p.float()))
+    assert max(moved) > 0
+
+
+def test_optimizer_none_leaves_final_grads():
+    model, ref = _make_pair()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    for window in range(2):  # grads exposed after window 0 must not leak into window 1
+        for k in range(2):
+            acc.backward(_mse(model, x[2 * k:2 * k + 2], y[2 * k:2 * k + 2]))
+        acc.step()
+    _mse(ref, x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and rel_diff(p.grad, q.grad) <= 1e-5
+
+
+def test_unused_parameter_gets_no_update():
+    class WithUnused(MLP):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(3, 3)
+
+    torch.manual_seed(0)
+    model = WithUnused()
+    before = model.unused.weight.detach().clone()
+    acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5, fused=True),
+                                       accumulation_steps=2, backend="torch")
+    for _ in range(2):
+        acc.backward(_mse(model, torch.randn(2, 12), torch.randn(2, 5)))
+    r = acc.step()
+    assert not bool(r.skipped)
+    assert torch.equal(model.unused.weight, before)  # like torch: a param whose grad is None is not stepped
+
+
+# ---------------------------------------------------------------- drop-in clip_grad_norm_
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_clip_grad_norm_drop_in(dtype):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, dtype=dtype)) for s in [(1,), (127,), (33, 31)]]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, t in zip(params, twins):
+        g = torch.randn_like(p)
+        p.grad, t.grad = g.clone(), g.clone()
+    orig = [p.grad.double() for p in params]
+    exact = torch.cat([g.reshape(-1) for g in orig]).norm()
+    exact_coef = min(1.0, 0.5 / (float(exact) + 1e-6))
+    total = gaengine.clip_grad_norm_(params, 0.5)
+    ref_total = torch.nn.utils.clip_grad_norm_(twins, 0.5)
+    assert total.dim() == 0 and total.dtype == torch.float32
+    # fp32 sums of squares: as close to fp64 as torch in fp32, closer than torch's bf16 norm for bf16 grads.
+    assert rel_diff(total, exact) <= 1e-6
+    assert rel_diff(total, exact) <= rel_diff(ref_total, exact) + 1e-7
+    for p, t, g in zip(params, twins, orig):
+        clipped = g * exact_coef
+        if dtype == torch.float32:
+            assert rel_diff(p.grad, t.grad) <= 1e-6
+        else:  # within one bf16 rounding of the exactly clipped gradient
+            assert rel_diff(p.grad, clipped) <= 2.0**-8
+    with pytest.raises(RuntimeError, match="non-finite"):
+        params[0].grad[0] = float("inf")
+        gaengine.clip_grad_norm_(params, 0.5, error_if_nonfinite=True)
