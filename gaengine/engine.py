@@ -193,7 +193,7 @@ class GradientAccumulator:
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._in_backward = False
         self._failed_backward = False
-        self._grads_exposed = False
+        self._stale_grads = False
         self._grad_scale = 1.0  # accumulate scale factor (the inverse loss scale under fp16 loss scaling)
 
         self._handles = []
@@ -238,7 +238,10 @@ class GradientAccumulator:
         if grad is None:
             return
         if not self._in_backward:
+            # Nothing is accumulated; gradients autograd already left on other parameters are dropped at
+            # the next acc.backward(), so the window stays intact.
             param.grad = None
+            self._stale_grads = True
             raise RuntimeError(
                 "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); "
                 "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)"
@@ -284,7 +287,7 @@ class GradientAccumulator:
             )
         if item_mode:
             num_items = self._check_num_items(num_items)
-        if self._grads_exposed:
+        if self._stale_grads:
             self._clear_grads()
 
         self._in_backward = True
@@ -426,12 +429,12 @@ class GradientAccumulator:
                 else:
                     view = self.main_grad.views[i]
                     p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
-        self._grads_exposed = True
+        self._stale_grads = True
 
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
-        self._grads_exposed = False
+        self._stale_grads = False
 
     def _reset_window(self) -> None:
         self._written = [False] * len(self.params)
