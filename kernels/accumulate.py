@@ -1,0 +1,117 @@
+"""Accumulate a low-precision gradient into an fp32 main_grad buffer: ``dst = (0 if overwrite else dst) + src * scale``.
+
+Bytes per element (bf16 src): 6 B when overwriting (read 2, write 4: micro-batch 0 of a window, no zeroing
+pass), 10 B when adding (read 2 + 4, write 4).
+
+Numerics: ``src`` is widened to fp32 (exact) as it is loaded. Unscaled, each element is one IEEE fp32 add,
+bitwise equal to ``dst.add_(src)`` in torch (and to ``src.float()`` when overwriting). Scaled, each element
+is one fused multiply-add (one rounding: within 0.5 fp32 ulp of the exact value, and the same bits on GPU
+and under the interpreter), or one multiply when overwriting.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gaengine.kernels._utils import (
+    check_block_size,
+    check_device_scalar,
+    check_float_input,
+    check_fp32_buffer,
+    device_guard,
+)
+
+__all__ = ["accumulate_", "BLOCK_SIZE"]
+
+BLOCK_SIZE = 4096  # elements per program: 16 fp32 per thread at 8 warps, four 128-bit loads of dst per thread
+NUM_WARPS = 8
+
+
+@triton.jit
+def _accumulate_kernel(
+    dst_ptr,  # (n_elements,) fp32, read unless OVERWRITE, written
+    src_ptr,  # (n_elements,) fp32 | bf16 | fp16, read
+    scale_ptr,  # () fp32 | any float, read when SCALE_IS_PTR; otherwise unused
+    scale,  # fp32 scalar, used when HAS_SCALE and not SCALE_IS_PTR
+    n_elements,
+    HAS_SCALE: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    OVERWRITE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # int64 before the multiply: buffers pass 2^31 elements
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    grad = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        if SCALE_IS_PTR:
+            s = tl.load(scale_ptr).to(tl.float32)
+        else:
+            s = scale
+        if OVERWRITE:
+            out = grad * s
+        else:
+            out = tl.fma(grad, s, tl.load(dst_ptr + offsets, mask=mask, other=0.0))
+    else:
+        if OVERWRITE:
+            out = grad
+        else:
+            out = tl.load(dst_ptr + offsets, mask=mask, other=0.0) + grad
+    tl.store(dst_ptr + offsets, out, mask=mask)
+
+
+def accumulate_(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    scale: float | torch.Tensor = 1.0,
+    overwrite: bool = False,
+    *,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """``dst = (0 if overwrite else dst) + float(src) * scale``, in place, in one pass; returns ``dst``.
+
+    dst: any shape, fp32, contiguous, on a CUDA device (or CPU under ``TRITON_INTERPRET=1``); treated as
+        flat, accumulated (or, with ``overwrite``, written) in place.
+    src: same numel and device as ``dst``, fp32 | bf16 | fp16, contiguous; read only.
+    scale: a Python float (rounded to fp32, as torch does for an fp32 tensor times a Python scalar; ``1.0``
+        compiles the multiply away) or a 0-d floating tensor on ``dst.device``, read inside the kernel through
+        its pointer, so the host never waits for it.
+    overwrite: write ``src * scale`` without reading ``dst`` (the first micro-batch of a window).
+    block_size: elements per program, a power of two >= 16 (tests use small ones to get many programs).
+
+    Raises ``ValueError`` for a wrong dtype, layout, numel, device or scale, before anything is written.
+    """
+    check_fp32_buffer(dst, "dst")
+    check_float_input(src, "src")
+    check_block_size(block_size)
+    if src.numel() != dst.numel():
+        raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}; they must match")
+    if src.device != dst.device:
+        raise ValueError(f"src is on {src.device} but dst is on {dst.device}; they must match")
+    scale_is_ptr = isinstance(scale, torch.Tensor)
+    if scale_is_ptr:
+        check_device_scalar(scale, "scale", dst.device)
+        scale_ptr, scale_value, has_scale = scale, 1.0, True
+    else:
+        scale_value = float(scale)
+        scale_ptr, has_scale = dst, scale_value != 1.0  # scale_ptr is never read: HAS_SCALE or SCALE_IS_PTR is False
+    n_elements = dst.numel()
+    if n_elements == 0:
+        return dst
+    grid = (triton.cdiv(n_elements, block_size),)
+    with device_guard(dst):
+        _accumulate_kernel[grid](
+            dst,
+            src,
+            scale_ptr,
+            scale_value,
+            n_elements,
+            HAS_SCALE=has_scale,
+            SCALE_IS_PTR=scale_is_ptr,
+            OVERWRITE=bool(overwrite),
+            BLOCK_SIZE=block_size,
+            num_warps=NUM_WARPS,
+        )
+    return dst
