@@ -1,0 +1,157 @@
+// gaengine._C: the compiled CPU backend (gaengine.backends.CpuBackend).
+//
+// Contracts at the top, one dtype dispatch per op, at::parallel_for over fixed-size blocks, the GIL
+// released, and the vector ISA chosen at run time (cpu_kernels.h). GAENGINE_CPU_ISA=auto|avx2|portable
+// (read once, at the first call) forces a path, for testing the fallback on an AVX2 machine.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+#define CHECK_CPU(x) TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got device ", (x).device())
+#define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
+#define CHECK_DTYPE(x, cond, expected) \
+  TORCH_CHECK(cond, #x " must be " expected ", got ", (x).scalar_type())
+#define CHECK_GRAD_DTYPE(x)                                                                              \
+  CHECK_DTYPE(x, (x).scalar_type() == at::kFloat || (x).scalar_type() == at::kBFloat16 ||                \
+                     (x).scalar_type() == at::kHalf,                                                     \
+              "float32, bfloat16 or float16")
+
+// The one dtype dispatch: the gradient dtypes, nothing else (float64 is rejected by CHECK_GRAD_DTYPE).
+#define GAENGINE_DISPATCH_GRAD_TYPES(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace gaengine {
+namespace {
+
+// Elementwise ops split [0, n) at multiples of kBlockNumel (aligned chunks, never a split vector) and hand
+// each thread at least kGrainNumel elements; the norm sums fixed kNormChunkNumel chunks into an array of
+// partials and combines them in index order, so its bits do not depend on the thread count.
+constexpr int64_t kBlockNumel = 4096;
+constexpr int64_t kGrainNumel = 32768;
+constexpr int64_t kNormChunkNumel = 65536;
+
+bool use_avx2() {
+  static const bool avx2 = [] {
+    const char* env = std::getenv("GAENGINE_CPU_ISA");
+    const std::string isa = env ? env : "auto";
+    TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "portable",
+                "GAENGINE_CPU_ISA must be auto, avx2 or portable, got '", isa, "'");
+#if defined(GAENGINE_X86_KERNELS)
+    __builtin_cpu_init();
+    const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    const bool has = false;
+#endif
+    TORCH_CHECK(isa != "avx2" || has, "GAENGINE_CPU_ISA=avx2 but this CPU lacks AVX2, FMA or F16C");
+    return isa != "portable" && has;
+  }();
+  return avx2;
+}
+
+// Run fn(begin, end) over [0, n) in parallel, with boundaries at multiples of kBlockNumel.
+template <typename F>
+void parallel_blocks(int64_t n, const F& fn) {
+  const int64_t n_blocks = (n + kBlockNumel - 1) / kBlockNumel;
+  at::parallel_for(0, n_blocks, kGrainNumel / kBlockNumel, [&](int64_t b0, int64_t b1) {
+    const int64_t begin = b0 * kBlockNumel, end = std::min(b1 * kBlockNumel, n);
+    fn(begin, end);
+  });
+}
+
+void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite) {
+  CHECK_CPU(dst);
+  CHECK_CPU(src);
+  CHECK_CONTIGUOUS(dst);
+  CHECK_CONTIGUOUS(src);
+  CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
+  CHECK_GRAD_DTYPE(src);
+  TORCH_CHECK(src.numel() == dst.numel(), "src has ", src.numel(), " elements but dst has ", dst.numel(),
+              "; they must match");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  float* d = dst.data_ptr<float>();
+  GAENGINE_DISPATCH_GRAD_TYPES(src.scalar_type(), "gaengine.accumulate_", [&] {
+    const scalar_t* s = src.data_ptr<scalar_t>();
+    parallel_blocks(n, [&](int64_t begin, int64_t end) {
+#if defined(GAENGINE_X86_KERNELS)
+      if (avx2) return avx2::accumulate(d + begin, s + begin, end - begin, scale, overwrite);
+#endif
+      portable::accumulate(d + begin, s + begin, end - begin, scale, overwrite);
+    });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_sq(const at::Tensor& x) {
+  CHECK_CPU(x);
+  CHECK_CONTIGUOUS(x);
+  CHECK_GRAD_DTYPE(x);
+  const int64_t n = x.numel();
+  const int64_t n_chunks = (n + kNormChunkNumel - 1) / kNormChunkNumel;
+  std::vector<double> partials(n_chunks, 0.0);
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  GAENGINE_DISPATCH_GRAD_TYPES(x.scalar_type(), "gaengine.l2norm_sq", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t begin = c * kNormChunkNumel, len = std::min(kNormChunkNumel, n - begin);
+#if defined(GAENGINE_X86_KERNELS)
+        if (avx2) {
+          partials[c] = avx2::sum_sq(p + begin, len);
+          continue;
+        }
+#endif
+        partials[c] = portable::sum_sq(p + begin, len);
+      }
+    });
+  });
+  double total = 0.0;
+  for (const double part : partials) total += part;  // fixed order: the same bits for any thread count
+  const auto options = x.options().dtype(at::kFloat);
+  return {at::scalar_tensor(static_cast<float>(total), options),
+          at::scalar_tensor(std::isfinite(total) ? 0.0f : 1.0f, options)};
+}
+
+void scale_(const at::Tensor& x, const at::Tensor& coef) {
+  CHECK_CPU(x);
+  CHECK_CPU(coef);
+  CHECK_CONTIGUOUS(x);
+  CHECK_DTYPE(x, x.scalar_type() == at::kFloat, "float32");
+  TORCH_CHECK(coef.dim() == 0, "coef must be a 0-d tensor, got shape ", coef.sizes());
+  const float c = coef.item<float>();  // a plain load on CPU, not a device sync
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  float* p = x.data_ptr<float>();
+  parallel_blocks(n, [&](int64_t begin, int64_t end) {
+#if defined(GAENGINE_X86_KERNELS)
+    if (avx2) return avx2::scale(p + begin, end - begin, c);
+#endif
+    portable::scale(p + begin, end - begin, c);
+  });
+}
+
+}  // namespace
+}  // namespace gaengine
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "gaengine._C: compiled CPU kernels for gradient buffers (see gaengine.backends.CpuBackend)";
+  m.def("accumulate_", &gaengine::accumulate_, "dst = (0 if overwrite else dst) + float(src) * scale, in place",
+        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("l2norm_sq", &gaengine::l2norm_sq, "(sum of squares, found_inf) of x as two 0-d fp32 tensors",
+        py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("scale_", &gaengine::scale_, "x *= coef in place, coef a 0-d CPU tensor", py::arg("x"), py::arg("coef"),
+        py::call_guard<py::gil_scoped_release>());
+}

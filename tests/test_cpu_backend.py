@@ -1,0 +1,292 @@
+"""The compiled CPU backend ``gaengine._C`` against the fp64 oracles (tests/reference.py).
+
+Budgets (tests/tolerances.py): an unscaled accumulate is bitwise equal to torch's ``dst.add_(src)``, an
+overwrite bitwise equal to ``src.float()``; a scaled one is within 1 fp32 ulp of the fp64 value; a sum of
+squares is within ``sum_sq_rtol(n)`` and has the same bits for any thread count. Every op is reached
+through ``get_backend("cpu")`` and through ``gaengine.ops``; contract errors through ``gaengine._C``.
+Skipped as a whole when the extension is not built (``GAENGINE_BUILD_EXT=0``, or a failed ``auto`` build).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+_C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
+
+from gaengine import ops  # noqa: E402
+from gaengine.backends import get_backend  # noqa: E402
+from tests.reference import accumulate_fp64, sum_sq_fp64  # noqa: E402
+from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol  # noqa: E402
+
+# 1, a partial vector, a partial block, just past one norm chunk (65536), and a large odd size: none is a
+# multiple of the vector width (8), the unroll (32), the parallel block (4096) or the norm chunk.
+SIZES = [1, 127, 4097, 65537 + 3, 1_000_003]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CASES = [pytest.param(n, dt, id=f"n{n}-{name}") for n in SIZES for name, dt in DTYPES.items()]
+DTYPE_PARAMS = [pytest.param(dt, id=name) for name, dt in DTYPES.items()]
+VIA = ["backend", "ops"]
+
+
+def poisoned(n: int) -> torch.Tensor:
+    """An fp32 buffer full of NaN: a slot the kernel forgets to write shows up at once."""
+    return torch.full((n,), float("nan"), dtype=torch.float32)
+
+
+def grad_like(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, dtype=torch.float32).to(dtype)
+
+
+def accumulate(via: str, dst, src, scale=1.0, overwrite=False):
+    if via == "ops":
+        return ops.accumulate_(dst, src, scale, overwrite=overwrite, backend="cpu")
+    return get_backend("cpu").accumulate_(dst, src, scale, overwrite)
+
+
+def l2norm_sq(via: str, x):
+    return ops.l2norm_sq(x, backend="cpu") if via == "ops" else get_backend("cpu").l2norm_sq(x)
+
+
+def scale(via: str, x, coef):
+    return ops.scale_(x, coef, backend="cpu") if via == "ops" else get_backend("cpu").scale_(x, coef)
+
+
+def test_backend_is_the_extension():
+    backend = get_backend("cpu")
+    assert backend.name == "cpu" and backend._C is _C
+
+
+# ---------------------------------------------------------------------------------------------- accumulate_
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_accumulate_unscaled_is_bitwise_torch(n, dtype, via):
+    dst, src = torch.randn(n), grad_like(n, dtype)
+    expected = dst.clone().add_(src)
+    out = accumulate(via, dst, src)
+    assert out is dst
+    assert_bitwise_equal(dst, expected, "dst + src")
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_accumulate_overwrite_is_bitwise_copy(n, dtype, via):
+    dst, src = poisoned(n), grad_like(n, dtype)
+    accumulate(via, dst, src, overwrite=True)
+    assert_bitwise_equal(dst, src.float(), "overwrite")
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
+@pytest.mark.parametrize("scale_value", [1 / 3, 0.125, -7.3e-5], ids=["third", "eighth", "neg-tiny"])
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_accumulate_scaled_within_1ulp(n, dtype, scale_value, overwrite):
+    dst, src = (poisoned(n) if overwrite else torch.randn(n)), grad_like(n, dtype)
+    exact = accumulate_fp64(dst, src, scale_value, overwrite)
+    accumulate("backend", dst, src, scale_value, overwrite)
+    assert_within_ulp(dst, exact, src.to(torch.float64) * scale_value, what=f"dst + src * {scale_value}")
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_accumulate_tensor_scale_and_any_shape_via_ops(dtype):
+    dst, src = torch.randn(37, 29), grad_like(37 * 29, dtype).reshape(29, 37)
+    coef = torch.tensor(0.3, dtype=torch.float32)  # the scale is coef's fp32 value, 0.300000011920929
+    exact = accumulate_fp64(dst, src, coef.item(), False)
+    ops.accumulate_(dst, src, coef, backend="cpu")
+    assert_within_ulp(dst.reshape(-1), exact.reshape(-1), src.to(torch.float64).reshape(-1) * coef.item())
+
+
+def test_accumulate_empty():
+    dst = torch.empty(0)
+    for dtype in DTYPES.values():
+        _C.accumulate_(dst, torch.empty(0, dtype=dtype), 1.0, False)
+        _C.accumulate_(dst, torch.empty(0, dtype=dtype), 0.5, True)
+
+
+def test_accumulate_view_into_flat_buffer_touches_only_the_view():
+    flat = torch.randn(10_000)
+    before = flat.clone()
+    view, src = flat[1003:1003 + 4097], grad_like(4097, torch.bfloat16)  # odd offset: unaligned vectors
+    expected = view.clone().add_(src)
+    get_backend("cpu").accumulate_(view, src)
+    assert_bitwise_equal(flat[1003:1003 + 4097], expected, "view")
+    assert_bitwise_equal(flat[:1003], before[:1003], "before the view")
+    assert_bitwise_equal(flat[1003 + 4097:], before[1003 + 4097:], "after the view")
+
+
+# ------------------------------------------------------------------------------------------------ l2norm_sq
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_l2norm_sq_matches_fp64(n, dtype, via):
+    x = grad_like(n, dtype)
+    sum_sq, found_inf = l2norm_sq(via, x)
+    for t in (sum_sq, found_inf):
+        assert t.dim() == 0 and t.dtype == torch.float32 and t.device.type == "cpu"
+    exact = sum_sq_fp64(x)
+    assert abs(sum_sq.item() - exact) <= sum_sq_rtol(n) * exact, (sum_sq.item(), exact)
+    assert found_inf.item() == 0.0
+
+
+def test_l2norm_sq_empty():
+    for dtype in DTYPES.values():
+        sum_sq, found_inf = _C.l2norm_sq(torch.empty(0, dtype=dtype))
+        assert sum_sq.item() == 0.0 and found_inf.item() == 0.0
+
+
+def test_l2norm_sq_of_huge_finite_values_is_not_found_inf():
+    # Squares of fp32 max overflow fp32, not the fp64 accumulator: the flag stays 0 (and sum_sq reads inf,
+    # as torch.dot's would).
+    x = torch.full((1000,), torch.finfo(torch.float32).max)
+    sum_sq, found_inf = get_backend("cpu").l2norm_sq(x)
+    assert found_inf.item() == 0.0 and sum_sq.item() == float("inf")
+
+
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("via", VIA)
+def test_l2norm_sq_found_inf(dtype, bad, position, via):
+    n = 200_003  # four norm chunks, the last one with a scalar tail
+    x = grad_like(n, dtype)
+    x[{"first": 0, "middle": n // 2, "last": n - 1}[position]] = bad
+    sum_sq, found_inf = l2norm_sq(via, x)
+    assert found_inf.item() == 1.0
+    assert not torch.isfinite(sum_sq)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_l2norm_sq_same_bits_for_any_thread_count(dtype):
+    x = grad_like(1_000_003, dtype) * 3.7
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            results.append(get_backend("cpu").l2norm_sq(x)[0])
+    finally:
+        torch.set_num_threads(threads)
+    for t, r in zip((2, 3), results[1:]):
+        assert_bitwise_equal(r, results[0], f"sum_sq with {t} threads vs 1")
+
+
+# --------------------------------------------------------------------------------------------------- scale_
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize("n", SIZES, ids=[f"n{n}" for n in SIZES])
+def test_scale_is_bitwise_torch(n, via):
+    x, coef = torch.randn(n), torch.tensor(0.37)
+    expected = x.clone().mul_(coef)
+    out = scale(via, x, coef)
+    assert out is x
+    assert_bitwise_equal(x, expected, "x * coef")
+
+
+def test_scale_empty_and_non_fp32_coef():
+    _C.scale_(torch.empty(0), torch.tensor(2.0))
+    x = torch.randn(1000)
+    expected = x.clone().mul_(torch.tensor(0.1, dtype=torch.float64).float())
+    _C.scale_(x, torch.tensor(0.1, dtype=torch.float64))  # read as float, like torch's x.mul_(coef)
+    assert_bitwise_equal(x, expected)
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+
+def strided(n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(n, 2, dtype=dtype)[:, 0]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: _C.accumulate_(torch.zeros(4, dtype=torch.float64), torch.zeros(4), 1.0, False), "dst must be float32"),
+        (lambda: _C.accumulate_(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 1.0, False), "dst must be float32"),
+        (lambda: _C.accumulate_(torch.zeros(4), torch.zeros(4, dtype=torch.int32), 1.0, False),
+         "src must be float32, bfloat16 or float16"),
+        (lambda: _C.accumulate_(torch.zeros(4), torch.zeros(4, dtype=torch.float64), 1.0, False),
+         "src must be float32, bfloat16 or float16"),
+        (lambda: _C.accumulate_(strided(4), torch.zeros(4), 1.0, False), "dst must be contiguous"),
+        (lambda: _C.accumulate_(torch.zeros(4), strided(4, torch.bfloat16), 1.0, False), "src must be contiguous"),
+        (lambda: _C.accumulate_(torch.zeros(4), torch.zeros(3), 1.0, False), "src has 3 elements but dst has 4"),
+        (lambda: _C.accumulate_(torch.zeros(4, device="meta"), torch.zeros(4), 1.0, False), "dst must be a CPU tensor"),
+        (lambda: _C.accumulate_(torch.zeros(4), torch.zeros(4, device="meta"), 1.0, False), "src must be a CPU tensor"),
+        (lambda: _C.l2norm_sq(torch.zeros(4, dtype=torch.int64)), "x must be float32, bfloat16 or float16"),
+        (lambda: _C.l2norm_sq(strided(4)), "x must be contiguous"),
+        (lambda: _C.l2norm_sq(torch.zeros(4, device="meta")), "x must be a CPU tensor"),
+        (lambda: _C.scale_(torch.zeros(4, dtype=torch.bfloat16), torch.tensor(1.0)), "x must be float32"),
+        (lambda: _C.scale_(strided(4), torch.tensor(1.0)), "x must be contiguous"),
+        (lambda: _C.scale_(torch.zeros(4), torch.ones(1)), "coef must be a 0-d tensor"),
+        (lambda: _C.scale_(torch.zeros(4), torch.tensor(1.0, device="meta")), "coef must be a CPU tensor"),
+    ],
+    ids=["dst-fp64", "dst-bf16", "src-int32", "src-fp64", "dst-strided", "src-strided", "numel-mismatch",
+         "dst-meta", "src-meta", "norm-int64", "norm-strided", "norm-meta", "scale-bf16", "scale-strided",
+         "coef-1d", "coef-meta"],
+)
+def test_contract_errors_name_the_argument(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_failed_contract_leaves_dst_untouched():
+    dst = torch.randn(4)
+    before = dst.clone()
+    with pytest.raises(RuntimeError, match="src has 3 elements"):
+        get_backend("cpu").accumulate_(dst, torch.ones(3, dtype=torch.bfloat16))
+    assert_bitwise_equal(dst, before)
+
+
+# ---------------------------------------------------------------------------- portable (non-AVX2) fallback
+
+_PORTABLE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from gaengine import _C
+    from tests.reference import accumulate_fp64, sum_sq_fp64
+    from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
+    torch.manual_seed(0)
+    for n in (1, 127, 4097, 65540, 200_003):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            dst, src = torch.randn(n), torch.randn(n).to(dtype)
+            out = dst.clone(); _C.accumulate_(out, src, 1.0, False)
+            assert_bitwise_equal(out, dst.clone().add_(src), "portable add")
+            out = torch.full((n,), float("nan")); _C.accumulate_(out, src, 1.0, True)
+            assert_bitwise_equal(out, src.float(), "portable overwrite")
+            out = dst.clone(); _C.accumulate_(out, src, 1 / 3, False)
+            assert_within_ulp(out, accumulate_fp64(dst, src, 1 / 3), src.double() / 3, what="portable scaled")
+            sum_sq, found_inf = _C.l2norm_sq(src)
+            assert abs(sum_sq.item() - sum_sq_fp64(src)) <= sum_sq_rtol(n) * sum_sq_fp64(src)
+            assert found_inf.item() == 0.0
+            src[n // 2] = float("nan")
+            assert _C.l2norm_sq(src)[1].item() == 1.0
+        x = torch.randn(n); expected = x.clone().mul_(torch.tensor(0.37))
+        _C.scale_(x, torch.tensor(0.37)); assert_bitwise_equal(x, expected, "portable scale")
+    print("ok")
+    """
+)
+
+
+def _run_with_isa(isa: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "GAENGINE_CPU_ISA": isa, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_portable_fallback_keeps_the_contract():
+    """GAENGINE_CPU_ISA=portable forces the non-AVX2 path (the one an old x86-64 or an aarch64 CPU runs)."""
+    proc = _run_with_isa("portable")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_unknown_isa_is_refused():
+    proc = _run_with_isa("avx9000")
+    assert proc.returncode != 0 and "GAENGINE_CPU_ISA must be auto, avx2 or portable" in proc.stderr
