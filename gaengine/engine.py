@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.clip import clip_coefficient
+from gaengine.comm import BucketReducer, wait_for
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -125,6 +127,17 @@ class GradientAccumulator:
         lr_scheduler: stepped once after every applied (not skipped) update.
         backend: "auto" | "triton" | "cpu" | "torch" (see ``gaengine.backends``).
         master_weights: keep fp32 master weights for bf16/fp16 parameters (default True).
+        process_group: reduce gradients across the ranks of this group; by default the global group when
+            ``torch.distributed`` is initialized with more than one rank. Parameters (and, with
+            ``broadcast_buffers``, buffers) are broadcast from the group's first rank at construction.
+        bucket_size_mb: MiB of fp32 gradient per all-reduce bucket (torch DDP's default, 25).
+        reduce_dtype: dtype on the wire: fp32 (default) or bf16/fp16; accumulation stays fp32.
+        broadcast_buffers: also broadcast the model's buffers at construction (multi-rank only).
+
+    Multi-rank: only the last micro-batch of a window communicates; each bucket's all-reduce starts as
+    soon as backward has produced its last gradient, overlapping the rest of backward. The denominator is
+    micro-batches x world size (mean mode) or the all-reduced item count (item mode), so every rank gets
+    the exact global mean. Every rank must call ``backward`` and ``step`` the same number of times.
 
     Raises ``ValueError`` / ``TypeError`` naming the argument for bad input (see the tests), and
     ``RuntimeError`` when a parameter already belongs to another live accumulator.
@@ -146,8 +159,16 @@ class GradientAccumulator:
         backend: str = "auto",
         *,
         master_weights: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_size_mb: float = 25.0,
+        reduce_dtype: torch.dtype = torch.float32,
+        broadcast_buffers: bool = True,
     ) -> None:
         self.accumulation_steps = _check_accumulation_steps(accumulation_steps)
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be a positive number (MiB of fp32 gradient), got {bucket_size_mb!r}")
+        if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"reduce_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {reduce_dtype!r}")
         self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
         if backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
@@ -172,20 +193,27 @@ class GradientAccumulator:
 
         self.device = params[0].device
         self.backend = get_backend(backend, self.device)
+        self.process_group = process_group
+        self.world_size = 1
+        if process_group is not None or (dist.is_available() and dist.is_initialized()):
+            self.world_size = dist.get_world_size(process_group)
+        self.distributed = self.world_size > 1
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.reduce_dtype = reduce_dtype
+        if self.distributed:
+            self._broadcast_from_first_rank(model, params, broadcast_buffers)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         # Reverse registration order: the order in which backward produces the gradients.
-        self.params: list[torch.Tensor] = params[::-1]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.main_grad = FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
-
         self._masters: dict[int, torch.Tensor] = {}
+        self._set_layout(params[::-1])
+        self._arrival: list[int] | None = []  # first-arrival order of the first window, then None
+
         self.master_buffer: FlatBuffer | None = None
         if optimizer is not None:
             self._setup_master_weights(master_weights)
 
         # Window state; host-side Python values only, so the hooks never read the device.
-        self._written = [False] * len(self.params)
         self._num_micro_batches = 0
         self._item_mode: bool | None = None
         self._items_host = 0
@@ -198,11 +226,46 @@ class GradientAccumulator:
 
         self._handles = []
         ref = weakref.ref(self)
-        for i, p in enumerate(self.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(ref, i)))
+        hook = self._make_hook(ref)
+        for p in self.params:
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
             setattr(p, _OWNER_ATTR, ref)
 
     # ------------------------------------------------------------------ setup
+    def _set_layout(self, order: list[torch.Tensor]) -> None:
+        """Lay ``order`` out in a new zeroed main_grad buffer (and new buckets); only between windows."""
+        self.params = list(order)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.main_grad = FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
+        self._written = [False] * len(self.params)
+        for p, view in zip(self.params, self.main_grad.views):
+            if id(p) in self._masters:
+                self._masters[id(p)].grad = view
+        self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
+                                      self.reduce_dtype, self.process_group) if self.distributed else None)
+
+    def _broadcast_from_first_rank(self, model, params: list[torch.Tensor], with_buffers: bool) -> None:
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        tensors = list(params)
+        if with_buffers and isinstance(model, nn.Module):
+            tensors += [b for b in model.buffers()]
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.data, src=src, group=self.process_group)
+
+    def _relearn_layout(self) -> None:
+        """After the first window: lay the buffer out in the order gradients arrived (rank 0's order on all ranks)."""
+        arrival, self._arrival = self._arrival, None
+        seen = set(arrival)
+        order = arrival + [i for i in range(len(self.params)) if i not in seen]
+        if self.distributed:
+            # Same layout on every rank: the first rank's order wins (one-time host round trip).
+            t = torch.tensor(order, dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            dist.broadcast(t, src=src, group=self.process_group)
+            order = t.tolist()
+        if order != list(range(len(self.params))):
+            self._set_layout([self.params[i] for i in order])
     def _setup_master_weights(self, enabled: bool) -> None:
         opt_ids = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
         low = [p for p in self.params if p.dtype in _LOW_PRECISION and id(p) in opt_ids]
@@ -224,11 +287,11 @@ class GradientAccumulator:
         self._low_masters = [self._masters[id(p)] for p in low]
 
     @staticmethod
-    def _make_hook(ref: weakref.ref, index: int):
+    def _make_hook(ref: weakref.ref):
         def hook(param: torch.Tensor) -> None:
             acc = ref()
             if acc is not None:
-                acc._accumulate(index, param)
+                acc._accumulate(acc._index[id(param)], param)
 
         return hook
 
@@ -253,8 +316,13 @@ class GradientAccumulator:
                 "accumulates dense gradients only (build embeddings with sparse=False)"
             )
         self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, not self._written[i])
-        self._written[i] = True
+        if not self._written[i]:
+            self._written[i] = True
+            if self._arrival is not None:
+                self._arrival.append(i)
         param.grad = None  # free the low-precision gradient at once
+        if self.reducer is not None and self.reducer.armed:
+            self.reducer.mark_ready(i)  # may launch this bucket's all-reduce while backward goes on
 
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
         """Backward of one micro-batch, accumulating its gradients into the fp32 buffer.
@@ -289,6 +357,9 @@ class GradientAccumulator:
             num_items = self._check_num_items(num_items)
         if self._stale_grads:
             self._clear_grads()
+        last = self._num_micro_batches == self.accumulation_steps - 1
+        if self.reducer is not None and last:
+            self.reducer.begin()  # only the window's last micro-batch communicates
 
         self._in_backward = True
         try:
@@ -310,6 +381,36 @@ class GradientAccumulator:
                 self._items_dev = n if self._items_dev is None else self._items_dev + n
             else:
                 self._items_host += num_items
+        if self.reducer is not None and last:
+            self._finish_communication_launch()
+
+    def _finish_communication_launch(self) -> None:
+        """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
+
+        The stats all-reduce carries the window's loss sum, item count and, per parameter, whether this
+        rank produced a gradient for it, so a parameter no rank used gets no update (as torch DDP does).
+        """
+        self._locally_unused = [i for i, w in enumerate(self._written) if not w]
+        for i in self._locally_unused:
+            self.main_grad.flat_views[i].zero_()
+            self._written[i] = True
+        self.reducer.flush()
+        items = self._items_dev + self._items_host if self._items_dev is not None else torch.tensor(
+            float(self._items_host), device=self.device)
+        used = torch.ones(len(self.params), dtype=torch.float64)
+        used[self._locally_unused] = 0.0
+        self._stats = torch.cat([self._loss_sum.double().reshape(1), items.double().reshape(1),
+                                 used.to(self.device, non_blocking=True)])
+        self._stats_work = dist.all_reduce(self._stats, group=self.process_group, async_op=True)
+        self.reducer.collectives_issued += 1
+
+    def _globally_unused(self) -> list[int]:
+        """Parameters no rank produced a gradient for. Reads the flags on the host only on a rank that has
+        locally unused parameters (torch DDP's find_unused_parameters pays the same read)."""
+        if not self._locally_unused:
+            return []
+        flags = self._stats[2:][self._locally_unused].tolist()  # host read: needed to leave .grad None
+        return [i for i, f in zip(self._locally_unused, flags) if f == 0.0]
 
     @staticmethod
     def _check_num_items(num_items: Any) -> int | torch.Tensor:
@@ -337,16 +438,29 @@ class GradientAccumulator:
             return None
         if self._failed_backward:
             raise RuntimeError("a backward in this accumulation window raised; call acc.zero_grad() to drop the window")
-        if self._item_mode and self._items_dev is None and self._items_host == 0:
+        if self._item_mode and not self.distributed and self._items_dev is None and self._items_host == 0:
             raise ValueError("num_items adds up to 0 over the window: there is nothing to normalize by (window kept)")
 
         dev = self.device
+        loss_sum = self._loss_sum
+        if self.distributed:
+            if self.reducer.next_to_launch == 0:  # a partial window (force=True): nothing launched yet
+                self.reducer.begin()
+                self._finish_communication_launch()
+            self.reducer.wait()
+            wait_for(self._stats_work, "all-reduce of the window's loss and item count")
+            loss_sum, global_items = self._stats[0].float(), self._stats[1].float()
+            for i in self._globally_unused():
+                self._written[i] = False
         if self._item_mode:
-            denom = self._items_dev + self._items_host if self._items_dev is not None else torch.tensor(
-                float(self._items_host), device=dev)
-            num_items: int | torch.Tensor | None = self._items_dev + self._items_host if self._items_dev is not None else self._items_host
+            if self.distributed:
+                denom = num_items = global_items
+            else:
+                denom = self._items_dev + self._items_host if self._items_dev is not None else torch.tensor(
+                    float(self._items_host), device=dev)
+                num_items = self._items_dev + self._items_host if self._items_dev is not None else self._items_host
         else:
-            denom = torch.tensor(float(k), device=dev)
+            denom = torch.tensor(float(k * self.world_size), device=dev)
             num_items = None
 
         unwritten = [i for i, w in enumerate(self._written) if not w]
@@ -362,7 +476,7 @@ class GradientAccumulator:
             clip_coef = torch.ones((), dtype=torch.float32, device=dev)
         # One coefficient carries normalization and clipping; kept finite so padding stays zero.
         coef = torch.where(skipped, torch.ones_like(clip_coef), clip_coef / denom)
-        loss = self._loss_sum / denom
+        loss = loss_sum / denom
 
         if self.optimizer is None:
             self.backend.scale_(self.main_grad.data, coef)
@@ -373,6 +487,8 @@ class GradientAccumulator:
         result = StepResult(grad_norm=grad_norm, clip_coef=clip_coef, skipped=skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss)
         self._reset_window()
+        if self._arrival is not None:
+            self._relearn_layout()
         return result
 
     def _fused_optimizer(self) -> bool:

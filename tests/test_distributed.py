@@ -1,0 +1,249 @@
+"""Multi-rank accumulation as real processes on CPU with gloo, against one process and torch DDP + no_sync()."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import gaengine
+from tests.tolerances import rel_diff
+
+pytestmark = pytest.mark.multiproc
+
+K, B, STEPS, MAX_NORM = 3, 2, 3, 0.05
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.unused = nn.Linear(4, 4)  # never used: must not hang any rank
+        self.side = nn.Linear(16, 16)  # used by some ranks only
+        self.out = nn.Linear(16, 11, bias=False)
+        self.out.weight = self.emb.weight  # tied, as in GPT-2
+
+    def forward(self, tokens, use_side=False):
+        h = self.emb(tokens)
+        for blk in self.blocks:
+            h = h + torch.tanh(blk(h))
+        if use_side:
+            h = h + self.side(h)
+        return self.out(h)
+
+
+def _data(world):
+    g = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, 11, (STEPS, world * K * B, 5), generator=g)
+    labels = torch.randint(0, 11, (STEPS, world * K * B, 5), generator=g)
+    return tokens, labels
+
+
+def _mean_loss(model, tokens, labels, **kw):
+    return nn.functional.cross_entropy(model(tokens, **kw).reshape(-1, 11), labels.reshape(-1))
+
+
+def _micro(tokens, labels, step, rank, k):
+    """Micro-batch k of `rank` in update `step`: rows laid out rank-major, so one process sees them in order."""
+    lo = (rank * K + k) * B
+    return tokens[step, lo:lo + B], labels[step, lo:lo + B]
+
+
+def _make_opt(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+
+# ---------------------------------------------------------------- worker side
+def _scenario_equivalence(rank, world, out):
+    torch.manual_seed(0)
+    model = Net()
+    ddp_model = copy.deepcopy(model)
+    acc = gaengine.GradientAccumulator(model, _make_opt(model.parameters()), accumulation_steps=K,
+                                       max_grad_norm=MAX_NORM, bucket_size_mb=0.0005)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model, find_unused_parameters=True)
+    ddp_opt = _make_opt(ddp.parameters())
+    tokens, labels = _data(world)
+    issued, launches, norms = [], [], []
+    for step in range(STEPS):
+        for k in range(K):
+            before = acc.reducer.collectives_issued
+            acc.backward(_mean_loss(model, *_micro(tokens, labels, step, rank, k)))
+            issued.append(acc.reducer.collectives_issued - before)
+            if k == K - 1:
+                launches.append(([t for _, t in acc.reducer.launch_log], acc.reducer.backward_end_time))
+            r = acc.step()
+            if k < K - 1:
+                with ddp.no_sync():
+                    (_mean_loss(ddp, *_micro(tokens, labels, step, rank, k)) / K).backward()
+            else:
+                (_mean_loss(ddp, *_micro(tokens, labels, step, rank, k)) / K).backward()
+        norms.append(float(r.grad_norm))
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=True)
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "ddp_params": [p.detach().clone() for p in ddp_model.parameters()],
+            "issued": issued, "num_buckets": len(acc.reducer.buckets), "launches": launches, "norms": norms}
+
+
+def _scenario_items_unused(rank, world, out):
+    """Item mode with different token counts per rank; a side branch used by rank 0 only; bf16 on the wire."""
+    results = {}
+    for reduce_dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Net()
+        acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=None,
+                                           bucket_size_mb=0.002, reduce_dtype=reduce_dtype)
+        tokens, labels = _data(world)
+        for k in range(K):
+            t, l = _micro(tokens, labels, 0, rank, k)
+            l = l.clone()
+            l[:, (rank + k) % 5 + 1:] = -100  # a different number of real tokens on every rank and micro-batch
+            loss_sum = nn.functional.cross_entropy(model(t, use_side=rank == 0).reshape(-1, 11), l.reshape(-1),
+                                                   ignore_index=-100, reduction="sum")
+            acc.backward(loss_sum, num_items=torch.tensor(int((l != -100).sum())))
+        r = acc.step()
+        results[str(reduce_dtype)] = {"grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+                                      "num_items": float(r.num_items), "loss": float(r.loss)}
+        acc.close()
+    return results
+
+
+def _scenario_rank_fails(rank, world, out):
+    torch.manual_seed(0)
+    model = Net()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=None)
+    tokens, labels = _data(world)
+    acc.backward(_mean_loss(model, *_micro(tokens, labels, 0, rank, 0)))
+    if rank == 1:
+        raise SystemExit(3)  # this rank stops mid-window
+    start = time.perf_counter()
+    try:
+        for k in range(1, K):
+            acc.backward(_mean_loss(model, *_micro(tokens, labels, 0, rank, k)))
+        acc.step()
+    except RuntimeError as exc:
+        return {"error": str(exc), "elapsed": time.perf_counter() - start}
+    return {"error": None}
+
+
+SCENARIOS = {"equivalence": _scenario_equivalence, "items_unused": _scenario_items_unused,
+             "rank_fails": _scenario_rank_fails}
+
+
+def _worker(rank, world, init_file, scenario, out, timeout_s):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = SCENARIOS[scenario](rank, world, out)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if scenario != "rank_fails":
+            dist.destroy_process_group()
+
+
+def _launch(tmp_path, world, scenario, timeout_s=60, join_s=120):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), scenario, str(tmp_path), timeout_s))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{scenario}: {len(alive)} rank(s) hung"
+    return [p.exitcode for p in procs], [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists()
+                                         else None for r in range(world)]
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_equal_one_process_and_ddp(tmp_path, world):
+    codes, results = _launch(tmp_path, world, "equivalence")
+    assert codes == [0] * world
+    # One process over world*K micro-batches, plain recipe (fp32).
+    torch.manual_seed(0)
+    ref = Net()
+    opt = _make_opt(ref.parameters())
+    tokens, labels = _data(world)
+    for step in range(STEPS):
+        for rank in range(world):
+            for k in range(K):
+                (_mean_loss(ref, *_micro(tokens, labels, step, rank, k)) / (world * K)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for rank, res in enumerate(results):
+        for p, q, d in zip(res["params"], ref.parameters(), res["ddp_params"]):
+            assert rel_diff(p, q) <= 1e-5, f"rank {rank} vs one process"
+            assert rel_diff(p, d) <= 1e-5, f"rank {rank} vs DDP no_sync"
+        assert res["norms"] == results[0]["norms"]  # identical decisions on every rank
+        # Communication only in the last micro-batch: buckets + one stats all-reduce.
+        for step in range(STEPS):
+            per_micro = res["issued"][step * K:(step + 1) * K]
+            assert per_micro[:-1] == [0] * (K - 1)
+            assert per_micro[-1] == res["num_buckets"] + 1
+        # Overlap: once the bucket order is learned from the first window, buckets' all-reduces start
+        # before backward ends (in the first window the unused parameters sit in bucket 0 and hold it back).
+        assert res["num_buckets"] >= 4
+        for times, end in res["launches"][1:]:
+            early = sum(t < end for t in times)
+            assert early >= 1, f"no all-reduce launched before the end of backward ({len(times)} buckets)"
+
+
+def test_item_mode_unused_and_tied_params(tmp_path):
+    world = 2
+    codes, results = _launch(tmp_path, world, "items_unused")
+    assert codes == [0] * world
+    torch.manual_seed(0)
+    ref = Net()
+    tokens, labels = _data(world)
+    total, loss = 0, 0.0
+    micro = []
+    for rank in range(world):
+        for k in range(K):
+            t, l = _micro(tokens, labels, 0, rank, k)
+            l = l.clone()
+            l[:, (rank + k) % 5 + 1:] = -100
+            micro.append((t, l, rank == 0))
+            total += int((l != -100).sum())
+    loss = sum(nn.functional.cross_entropy(ref(t, use_side=s).reshape(-1, 11), l.reshape(-1), ignore_index=-100,
+                                           reduction="sum") for t, l, s in micro) / total
+    loss.backward()
+    for rank, res in enumerate(results):
+        for dtype, tol in (("torch.float32", 1e-5), ("torch.bfloat16", 2.0**-7)):
+            got = res[dtype]
+            assert got["num_items"] == total
+            assert abs(got["loss"] - float(loss)) <= 1e-5 * abs(float(loss))
+            for name, q in ref.named_parameters():
+                expected = q.grad if q.grad is not None else torch.zeros_like(q)
+                if name.startswith("unused"):  # no rank used it: no gradient, like one process
+                    assert got["grads"][name] is None and q.grad is None
+                    continue
+                assert rel_diff(got["grads"][name], expected) <= tol, f"rank {rank} {dtype} {name}"
+
+
+def test_rank_failing_mid_window_raises_on_the_others(tmp_path):
+    codes, results = _launch(tmp_path, 2, "rank_fails", timeout_s=5, join_s=90)
+    assert codes[1] == 3
+    assert codes[0] == 0 and results[0]["error"] is not None
+    assert "another rank failed, stopped mid-window" in results[0]["error"]
+    assert results[0]["elapsed"] < 60
