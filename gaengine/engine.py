@@ -26,9 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from gaengine.backends import BACKEND_NAMES, get_backend
+from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.clip import clip_coefficient
 from gaengine.comm import BucketReducer, wait_for
+from gaengine.scaler import LossScaler
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -49,6 +51,7 @@ class StepResult:
         tensors); None in mean mode.
     loss: fp32, the window's loss normalized like the gradient (mean of the micro-batch means, or the
         sum of the loss sums divided by ``num_items``).
+    loss_scale: fp32, the loss scale this window was computed with (None without loss scaling).
     """
 
     grad_norm: torch.Tensor
@@ -57,6 +60,7 @@ class StepResult:
     num_micro_batches: int
     num_items: int | torch.Tensor | None
     loss: torch.Tensor
+    loss_scale: torch.Tensor | None = None
 
 
 def _check_accumulation_steps(value: Any) -> int:
@@ -133,6 +137,16 @@ class GradientAccumulator:
         bucket_size_mb: MiB of fp32 gradient per all-reduce bucket (torch DDP's default, 25).
         reduce_dtype: dtype on the wire: fp32 (default) or bf16/fp16; accumulation stays fp32.
         broadcast_buffers: also broadcast the model's buffers at construction (multi-rank only).
+        loss_scale: "dynamic" (torch.amp.GradScaler's defaults, updated on the device), a fixed float, or
+            None. "auto" (default): dynamic when a parameter is fp16 or a backward runs under
+            ``torch.autocast(dtype=torch.float16)``, else None. The loss is multiplied by the scale in
+            ``backward``; the inverse scale is folded into the step's single coefficient.
+        batchnorm: None (warn once when the model has BatchNorm layers and K > 1) or "window" (running
+            statistics updated once per window from the combined micro-batch statistics).
+        max_consecutive_skips: raise ``RuntimeError`` after this many skipped windows in a row, naming the
+            loss scale and the parameters with non-finite gradients (None: never). Reads the skip flag on
+            the host once per update.
+        micro_batch_size: samples per micro-batch, when fixed; enables ``effective_batch_size``.
 
     Multi-rank: only the last micro-batch of a window communicates; each bucket's all-reduce starts as
     soon as backward has produced its last gradient, overlapping the rest of backward. The denominator is
@@ -163,18 +177,31 @@ class GradientAccumulator:
         bucket_size_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
         broadcast_buffers: bool = True,
+        loss_scale: str | float | None = "auto",
+        batchnorm: str | None = None,
+        max_consecutive_skips: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         self.accumulation_steps = _check_accumulation_steps(accumulation_steps)
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be a positive number (MiB of fp32 gradient), got {bucket_size_mb!r}")
         if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"reduce_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {reduce_dtype!r}")
+        if batchnorm not in (None, "window"):
+            raise ValueError(f"batchnorm must be None or 'window', got {batchnorm!r}")
+        for name, value in (("max_consecutive_skips", max_consecutive_skips), ("micro_batch_size", micro_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if not (loss_scale in ("auto", "dynamic", None) or (isinstance(loss_scale, (int, float))
+                                                             and not isinstance(loss_scale, bool))):
+            raise ValueError(f"loss_scale must be 'auto', 'dynamic', a positive float or None, got {loss_scale!r}")
         self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
         if backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         params = _trainable_params(model)
+        self._named_params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
         for p in params:
             owner = getattr(p, _OWNER_ATTR, None)
             if owner is not None and owner() is not None:
@@ -200,12 +227,29 @@ class GradientAccumulator:
         self.distributed = self.world_size > 1
         self.bucket_size_mb = float(bucket_size_mb)
         self.reduce_dtype = reduce_dtype
+        self.max_consecutive_skips = max_consecutive_skips
+        self.micro_batch_size = micro_batch_size
+        self._consecutive_skips = 0
+        self._auto_loss_scale = loss_scale == "auto"
+        if loss_scale == "auto":
+            loss_scale = "dynamic" if any(p.dtype == torch.float16 for p in params) else None
+        self.scaler: LossScaler | None = None
+        if loss_scale is not None:
+            dynamic = loss_scale == "dynamic"
+            self.scaler = LossScaler(self.device, 2.0**16 if dynamic else float(loss_scale), dynamic=dynamic)
+        self.window_batchnorm: WindowBatchNorm | None = None
+        if isinstance(model, nn.Module):
+            if batchnorm == "window":
+                self.window_batchnorm = WindowBatchNorm(model)
+            else:
+                warn_batchnorm(model, self.accumulation_steps)
         if self.distributed:
             self._broadcast_from_first_rank(model, params, broadcast_buffers)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         # Reverse registration order: the order in which backward produces the gradients.
         self._masters: dict[int, torch.Tensor] = {}
+        self._registration = params  # registration order, the reference frame of state_dict()
         self._set_layout(params[::-1])
         self._arrival: list[int] | None = []  # first-arrival order of the first window, then None
 
@@ -285,6 +329,11 @@ class GradientAccumulator:
                 self.optimizer.state[self._masters[id(p)]] = self.optimizer.state.pop(p)
         self._low_params = low
         self._low_masters = [self._masters[id(p)] for p in low]
+        # An optimizer that writes the rounded master into the model parameter in its own pass
+        # (gaengine.optim.FusedAdamW) saves the separate master -> model copy.
+        self._optimizer_writes_model = hasattr(self.optimizer, "attach_model_params")
+        if self._optimizer_writes_model:
+            self.optimizer.attach_model_params(list(zip(self._low_masters, low)))
 
     @staticmethod
     def _make_hook(ref: weakref.ref):
@@ -361,9 +410,15 @@ class GradientAccumulator:
         if self.reducer is not None and last:
             self.reducer.begin()  # only the window's last micro-batch communicates
 
+        if self.scaler is None and self._auto_loss_scale and torch.is_autocast_enabled(self.device.type) \
+                and torch.get_autocast_dtype(self.device.type) == torch.float16:
+            self.scaler = LossScaler(self.device)  # fp16 autocast seen: dynamic loss scaling from now on
+        self._auto_loss_scale = False
+        scaled = loss if self.scaler is None else loss * self.scaler.scale
+
         self._in_backward = True
         try:
-            loss.backward(**backward_kwargs)
+            scaled.backward(**backward_kwargs)
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not: the window is no
             # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
@@ -467,16 +522,19 @@ class GradientAccumulator:
         for i in unwritten:  # parameters with no gradient in this window (unused branches)
             self.main_grad.flat_views[i].zero_()
 
+        # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
+        grad_denom = denom if self.scaler is None else denom * self.scaler.scale
         sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
-        grad_norm = sum_sq.sqrt() / denom
+        grad_norm = sum_sq.sqrt() / grad_denom
         skipped = (found_inf > 0) | ~torch.isfinite(grad_norm)
         if self.max_grad_norm is not None:
             clip_coef = clip_coefficient(grad_norm, self.max_grad_norm)
         else:
             clip_coef = torch.ones((), dtype=torch.float32, device=dev)
         # One coefficient carries normalization and clipping; kept finite so padding stays zero.
-        coef = torch.where(skipped, torch.ones_like(clip_coef), clip_coef / denom)
+        coef = torch.where(skipped, torch.ones_like(clip_coef), clip_coef / grad_denom)
         loss = loss_sum / denom
+        loss_scale = None if self.scaler is None else self.scaler.scale.clone()
 
         if self.optimizer is None:
             self.backend.scale_(self.main_grad.data, coef)
@@ -484,8 +542,14 @@ class GradientAccumulator:
         else:
             self._apply_update(coef, skipped, unwritten)
 
+        if self.scaler is not None:
+            self.scaler.update(skipped.to(torch.float32))
+        if self.window_batchnorm is not None:
+            self.window_batchnorm.end_window()
         result = StepResult(grad_norm=grad_norm, clip_coef=clip_coef, skipped=skipped,
-                            num_micro_batches=k, num_items=num_items, loss=loss)
+                            num_micro_batches=k, num_items=num_items, loss=loss, loss_scale=loss_scale)
+        if self.max_consecutive_skips is not None:
+            self._check_consecutive_skips(skipped, loss_scale)
         self._reset_window()
         if self._arrival is not None:
             self._relearn_layout()
@@ -525,7 +589,7 @@ class GradientAccumulator:
                 master = self._masters.get(id(self.params[i]))
                 if master is not None:
                     master.grad = self.main_grad.views[i]
-        if self._masters:
+        if self._masters and not self._optimizer_writes_model:
             # A skipped update left the masters unchanged, and the model already holds their rounding:
             # copying unconditionally is bit-identical and needs no host read of the skip flag.
             with torch.no_grad():
@@ -571,12 +635,113 @@ class GradientAccumulator:
         """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params."""
         self._clear_grads()
         self._reset_window()
+        if self.window_batchnorm is not None:
+            self.window_batchnorm.reset()
+
+    _FORMAT = "gaengine.GradientAccumulator/1"
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume mid-window: accumulated buffer, counts, loss scale, bucket order, masters.
+
+        Plain tensors (copied to CPU) and Python scalars: save with ``torch.save`` and load with
+        ``torch.load(..., weights_only=True)``. Save the model's and the optimizer's state dicts beside it
+        (the optimizer holds the master parameters after construction, so its own state dict covers them).
+        """
+        reg = {id(p): i for i, p in enumerate(self._registration)}
+        return {
+            "format": self._FORMAT,
+            "param_shapes": [list(p.shape) for p in self._registration],
+            "param_dtypes": [str(p.dtype) for p in self._registration],
+            "accumulation_steps": self.accumulation_steps,
+            "world_size": self.world_size,
+            "layout_order": [reg[id(p)] for p in self.params],
+            "arrival": None if self._arrival is None else list(self._arrival),
+            "main_grad": self.main_grad.data.detach().cpu().clone(),
+            "written": list(self._written),
+            "num_micro_batches": self._num_micro_batches,
+            "item_mode": self._item_mode,
+            "items_host": self._items_host,
+            "items_dev": None if self._items_dev is None else self._items_dev.detach().cpu().clone(),
+            "loss_sum": self._loss_sum.detach().cpu().clone(),
+            "failed_backward": self._failed_backward,
+            "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "consecutive_skips": self._consecutive_skips,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()``; raises ``ValueError`` (changing nothing) if it was made for other parameters."""
+        if not isinstance(state, dict) or state.get("format") != self._FORMAT:
+            raise ValueError(f"state is not a {self._FORMAT} state dict")
+        shapes = [list(p.shape) for p in self._registration]
+        dtypes = [str(p.dtype) for p in self._registration]
+        if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
+            raise ValueError(
+                f"state was saved for {len(state['param_shapes'])} parameters of shapes/dtypes "
+                f"{list(zip(state['param_shapes'], state['param_dtypes']))[:4]}..., but this accumulator has "
+                f"{len(shapes)} of {list(zip(shapes, dtypes))[:4]}...: it belongs to another model"
+            )
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"state was saved with world_size={state['world_size']}, this run has {self.world_size}")
+        if (state["master"] is None) != (self.master_buffer is None) or (
+                self.master_buffer is not None and state["master"].numel() != self.master_buffer.data.numel()):
+            raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
+        if (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
+        order = [self._registration[i] for i in state["layout_order"]]
+        if [id(p) for p in order] != [id(p) for p in self.params]:
+            self._set_layout(order)
+        if state["main_grad"].numel() != self.main_grad.data.numel():
+            raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
+        with torch.no_grad():
+            self.main_grad.data.copy_(state["main_grad"])
+            if self.master_buffer is not None:
+                self.master_buffer.data.copy_(state["master"])
+                torch._foreach_copy_(self._low_params, self._low_masters)
+        self._arrival = None if state["arrival"] is None else list(state["arrival"])
+        self._written = list(state["written"])
+        self._num_micro_batches = int(state["num_micro_batches"])
+        self._item_mode = state["item_mode"]
+        self._items_host = int(state["items_host"])
+        self._items_dev = None if state["items_dev"] is None else state["items_dev"].to(self.device)
+        self._loss_sum = state["loss_sum"].to(self.device)
+        self._failed_backward = bool(state["failed_backward"])
+        self._consecutive_skips = int(state["consecutive_skips"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._stale_grads = True
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per update: micro_batch_size x accumulation_steps x world size (needs micro_batch_size)."""
+        if self.micro_batch_size is None:
+            raise ValueError("effective_batch_size needs GradientAccumulator(..., micro_batch_size=...)")
+        return self.micro_batch_size * self.accumulation_steps * self.world_size
+
+    def _check_consecutive_skips(self, skipped: torch.Tensor, loss_scale: torch.Tensor | None) -> None:
+        if not bool(skipped):  # host read: only with max_consecutive_skips set
+            self._consecutive_skips = 0
+            return
+        self._consecutive_skips += 1
+        if self._consecutive_skips < self.max_consecutive_skips:
+            return
+        names = {id(p): n for n, p in self._named_params}
+        bad = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)
+               if not bool(torch.isfinite(self.main_grad.flat_views[i]).all())]
+        scale = "none" if loss_scale is None else f"{float(loss_scale):g}"
+        raise RuntimeError(
+            f"{self._consecutive_skips} consecutive accumulation windows were skipped for non-finite gradients "
+            f"(max_consecutive_skips={self.max_consecutive_skips}); loss scale {scale}; parameters with "
+            f"non-finite gradients: {bad or 'none (the norm overflowed)'}"
+        )
 
     def close(self) -> None:
         """Remove the hooks and release the parameters (another accumulator may then take them)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.window_batchnorm is not None:
+            self.window_batchnorm.close()
         for p in self.params:
             if getattr(p, _OWNER_ATTR, None) is not None and getattr(p, _OWNER_ATTR)() is self:
                 delattr(p, _OWNER_ATTR)
