@@ -1,0 +1,299 @@
+"""verify_equivalence: passes where accumulation equals the large batch, fails on the classic pitfalls,
+and leaves the model (grads, buffers, modes, RNG) exactly as it was."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gaengine
+from gaengine.verify import GRAD_RTOL, EquivalenceReport, verify_equivalence
+from tests.test_engine import BACKENDS, MLP, TinyLM
+
+
+def _mse(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def _regression(n_rows=24, d_in=12, d_out=5, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n_rows, d_in, generator=gen).to(dtype), torch.randn(n_rows, d_out, generator=gen).to(dtype)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.fc(x))))
+
+
+class DropNet(MLP):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(self.fc1(x))))
+
+
+def _snapshot(model):
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "modes": {n: m.training for n, m in model.named_modules()},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_unchanged(model, snap):
+    for n, p in model.named_parameters():
+        assert torch.equal(p, snap["params"][n]), n
+        obj, values = snap["grads"][n]
+        assert p.grad is obj, f"{n}: .grad is not the same tensor object"
+        if values is not None:
+            assert torch.equal(p.grad, values), n
+    for n, b in model.named_buffers():
+        assert torch.equal(b, snap["buffers"][n]), n
+    assert {n: m.training for n, m in model.named_modules()} == snap["modes"]
+    assert torch.equal(torch.get_rng_state(), snap["rng"])
+
+
+# ---------------------------------------------------------------- equivalent setups pass
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_rows,k,mode", [(24, 4, "mean"), (23, 4, "rows"), (24, 1, "mean"), (7, 7, "mean")],
+                         ids=["even", "uneven", "k1", "one-row-each"])
+def test_mlp_passes(backend, n_rows, k, mode):
+    torch.manual_seed(0)
+    model = MLP()
+    report = verify_equivalence(model, _mse, _regression(n_rows), k, backend=backend)
+    assert isinstance(report, EquivalenceReport)
+    assert report.passed, str(report)
+    assert report.mode == mode and sum(report.micro_batch_sizes) == n_rows and len(report.micro_batch_sizes) == k
+    assert [d.name for d in report.parameters] == [n for n, _ in model.named_parameters()]
+    assert report.max_rel <= 1e-5 and report.failed == []
+    assert math.isclose(report.engine_loss, report.reference_loss, rel_tol=1e-5)
+
+
+def test_item_mode_token_counts_pass_and_mean_of_means_fails():
+    """Padded sequences: a summed loss over real tokens with num_items_fn is exact; a per-micro-batch token
+    mean (the naive recipe) is not, because the micro-batches hold different numbers of real tokens."""
+    torch.manual_seed(3)
+    model = TinyLM()
+    tokens = torch.randint(0, 17, (6, 7))
+    labels = torch.randint(0, 17, (6, 7))
+    for row, n_real in enumerate([7, 7, 2, 1, 5, 6]):
+        labels[row, n_real:] = -100
+    batch = {"tokens": tokens, "labels": labels}
+
+    def loss_sum(m, b):
+        logits = m(b["tokens"])
+        return nn.functional.cross_entropy(logits.reshape(-1, 17), b["labels"].reshape(-1), ignore_index=-100,
+                                           reduction="sum")
+
+    def token_mean(m, b):
+        logits = m(b["tokens"])
+        return nn.functional.cross_entropy(logits.reshape(-1, 17), b["labels"].reshape(-1), ignore_index=-100)
+
+    report = verify_equivalence(model, loss_sum, batch, 3, num_items_fn=lambda b: (b["labels"] != -100).sum(),
+                                backend="torch")
+    assert report.passed and report.mode == "items", str(report)
+    naive = verify_equivalence(model, token_mean, batch, 3, backend="torch")
+    assert not naive.passed and naive.mode == "mean"
+    assert naive.max_rel > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_model_passes_with_its_tolerance(dtype):
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    report = verify_equivalence(model, _mse, _regression(64, dtype=dtype), 4, backend="torch")
+    assert report.passed, str(report)
+    assert all(d.rtol == GRAD_RTOL[dtype] for d in report.parameters)
+    assert report.max_rel > 0  # not bitwise: the tolerance is doing work
+    strict = verify_equivalence(model, _mse, _regression(64, dtype=dtype), 4, backend="torch", rtol=1e-7)
+    assert not strict.passed
+
+
+# ---------------------------------------------------------------- the pitfalls fail
+def test_batchnorm_in_train_mode_fails():
+    torch.manual_seed(0)
+    model = BNNet().train()
+    report = verify_equivalence(model, _mse, _regression(32), 4, backend="torch")
+    assert not report.passed
+    assert report.max_rel > 1e-3  # far outside the fp32 tolerance, not a rounding effect
+    assert "fc.weight" in report.failed and "head.weight" in report.failed
+    # The bias in front of BatchNorm has a zero gradient in exact arithmetic: all roundoff, judged as such.
+    assert "fc.bias" not in report.failed
+    # Eval mode uses the running statistics: no dependence on the other rows, equivalent again.
+    model.eval()
+    assert verify_equivalence(model, _mse, _regression(32), 4, backend="torch").passed
+
+
+def test_summed_loss_treated_as_mean_fails():
+    """reduction='sum' without num_items: the engine averages the K micro-batch sums, off by a factor K."""
+    torch.manual_seed(0)
+    model = MLP()
+
+    def sse(m, b):
+        return ((m(b[0]) - b[1]) ** 2).sum()
+
+    report = verify_equivalence(model, sse, _regression(24), 4, backend="torch")
+    assert not report.passed and len(report.failed) == len(report.parameters)
+    assert all(math.isclose(d.max_rel, 0.75, rel_tol=1e-4) for d in report.parameters)  # 1 - 1/K
+    fixed = verify_equivalence(model, sse, _regression(24), 4, num_items_fn=lambda b: b[0].shape[0], backend="torch")
+    assert fixed.passed, str(fixed)
+
+
+def test_dropout_with_different_rng_fails():
+    """Each call of the loss draws augmentation noise first, so the micro-batches' dropout masks come from a
+    different part of the RNG stream than the whole batch's."""
+    torch.manual_seed(0)
+    model = DropNet().train()
+
+    def noisy_loss(m, b):
+        x, y = b
+        x = x + 0.01 * torch.randn(3, x.shape[1])[:1]  # consumes RNG per call, not per row
+        return ((m(x) - y) ** 2).mean()
+
+    snap = _snapshot(model)
+    report = verify_equivalence(model, noisy_loss, _regression(24), 4, backend="torch")
+    assert not report.passed
+    _assert_unchanged(model, snap)
+    model.eval()
+    # Without dropout the per-call noise alone still differs; without the noise, eval mode is equivalent.
+    assert not verify_equivalence(model, noisy_loss, _regression(24), 4, backend="torch").passed
+    assert verify_equivalence(model, _mse, _regression(24), 4, backend="torch").passed
+
+
+def test_nan_gradient_fails():
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.head.bias[0] = float("nan")
+    report = verify_equivalence(model, _mse, _regression(8), 2, backend="torch")
+    assert not report.passed and report.worst in report.failed
+
+
+# ---------------------------------------------------------------- the model is left exactly as it was
+def test_grads_buffers_modes_and_rng_restored():
+    torch.manual_seed(0)
+    model = BNNet().train()
+    model.head.eval()  # a mixed mode must survive too
+    for i, p in enumerate(model.parameters()):
+        if i % 2 == 0:
+            p.grad = torch.randn_like(p)  # a half-accumulated window of the user's own loop
+    model(torch.randn(5, 12))  # move the running statistics off their initial values
+    snap = _snapshot(model)
+    report = verify_equivalence(model, _mse, _regression(16), 4, backend="torch")
+    assert not report.passed
+    _assert_unchanged(model, snap)
+    assert any(p.grad is None for p in model.parameters())
+
+
+def test_model_restored_when_loss_fn_raises():
+    torch.manual_seed(0)
+    model = BNNet().train()
+    model.fc.weight.grad = torch.ones_like(model.fc.weight)
+    snap = _snapshot(model)
+    calls = []
+
+    def flaky(m, b):
+        calls.append(b[0].shape[0])
+        if len(calls) == 3:  # the second micro-batch, after the reference and one accumulated micro-batch
+            raise RuntimeError("boom")
+        return _mse(m, b)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        verify_equivalence(model, flaky, _regression(16), 4, backend="torch")
+    _assert_unchanged(model, snap)
+    # The accumulator was closed: the parameters can be checked again and taken by a new accumulator.
+    assert verify_equivalence(model, _mse, _regression(16), 4, backend="torch").passed is False
+    gaengine.GradientAccumulator(model, None, accumulation_steps=2).close()
+
+
+def test_frozen_and_unused_parameters():
+    class Partial(MLP):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(3, 3)
+
+    torch.manual_seed(0)
+    model = Partial()
+    model.fc1.requires_grad_(False)
+    report = verify_equivalence(model, _mse, _regression(12), 3, backend="torch")
+    names = [d.name for d in report.parameters]
+    assert "fc1.weight" not in names and "unused.weight" in names
+    assert report.passed, str(report)
+    unused = next(d for d in report.parameters if d.name == "unused.weight")
+    assert unused.max_abs == 0 and unused.passed
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- report rendering
+def test_report_table_and_str():
+    torch.manual_seed(0)
+    report = verify_equivalence(BNNet(), _mse, _regression(10), 3, backend="torch")
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0].startswith("gradient equivalence FAILED")
+    assert "[4, 3, 3] rows" in lines[0] and "mode 'rows'" in lines[0] and repr(report.worst) in lines[0]
+    assert lines[1].split() == ["parameter", "shape", "dtype", "max", "abs", "diff", "max", "rel", "diff", "rtol",
+                                "abs", "bound"]
+    assert len(lines) == 3 + len(report.parameters)
+    row = next(line for line in lines if line.startswith("fc.weight"))
+    assert "16x12" in row and "float32" in row and row.endswith("FAIL")
+    assert report.table() in text
+    ok = verify_equivalence(MLP(), _mse, _regression(8), 2, backend="torch")
+    assert str(ok).startswith("gradient equivalence PASSED: 2 micro-batches of 4 rows")
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_input():
+    model = MLP()
+    batch = _regression(8)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        verify_equivalence(list(model.parameters()), _mse, batch, 2)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="accumulation_steps must be an int >= 1"):
+            verify_equivalence(model, _mse, batch, bad)
+    with pytest.raises(ValueError, match="num_micro_batches=9 exceeds the batch's 8 rows"):
+        verify_equivalence(model, _mse, batch, 9)
+    with pytest.raises(ValueError, match="rtol must be a float >= 0"):
+        verify_equivalence(model, _mse, batch, 2, rtol=-1.0)
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match="loss_fn must return a one-element tensor"):
+        verify_equivalence(model, lambda m, b: (m(b[0]) - b[1]) ** 2, batch, 2)
+    _assert_unchanged(model, snap)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        verify_equivalence(copy.deepcopy(model).requires_grad_(False), _mse, batch, 2)
+
+
+def test_refuses_a_model_with_a_live_accumulator():
+    model = MLP()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, backend="torch")
+    with pytest.raises(RuntimeError, match="belongs to a live GradientAccumulator"):
+        verify_equivalence(model, _mse, _regression(8), 2)
+    acc.close()
+    assert verify_equivalence(model, _mse, _regression(8), 2, backend="torch").passed
+
+
+def test_refuses_to_run_under_multi_rank_distributed(monkeypatch):
+    """The engine would broadcast and all-reduce over every rank; the check is local to one process."""
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    model = MLP()
+    snap = _snapshot(model)
+    with pytest.raises(RuntimeError, match="single-process check.*2 ranks"):
+        verify_equivalence(model, _mse, _regression(8), 2)
+    _assert_unchanged(model, snap)
