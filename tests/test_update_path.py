@@ -1,0 +1,207 @@
+"""The update path: fp16 loss scaling, no host syncs in step() and the hooks, resume mid-window."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import gaengine
+from tests.tolerances import rel_diff
+
+
+def _mlp(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+
+
+def _batch(seed, n=4, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g).to(dtype), torch.randn(n, 4, generator=g).to(dtype)
+
+
+def _mse(model, x, y):
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+# ---------------------------------------------------------------- fp16 dynamic loss scaling
+def test_fp16_dynamic_loss_scaling_matches_gradscaler_recipe():
+    """fp16 params: the engine vs GradScaler + fp32 master grads + clip_grad_norm_ + AdamW on the same gradients."""
+    K, windows, overflow_window = 2, 5, 2
+    model = _mlp(torch.float16)
+    twin = copy.deepcopy(model)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in twin.parameters()]
+    acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                       accumulation_steps=K, max_grad_norm=1.0)
+    assert acc.scaler is not None and acc.scaler.dynamic  # "auto" picks dynamic for fp16 params
+    ref_opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    for w in range(windows):
+        for k in range(K):
+            x, y = _batch(10 * w + k, dtype=torch.float16)
+            boost = 1e5 if (w == overflow_window and k == 1) else 1.0  # overflows fp16 gradients
+            acc.backward(_mse(model, x, y) * boost)
+            r = acc.step()
+            scaled = scaler.scale(_mse(twin, x, y) * boost / K)
+            scaled.backward()
+            for m, p in zip(masters, twin.parameters()):  # fp32 main grads, as GradScaler needs
+                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                p.grad = None
+        scaler.unscale_(ref_opt)
+        ref_norm = torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        scale_before = scaler.get_scale()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(masters, twin.parameters()):
+                p.copy_(m)
+        assert float(r.loss_scale) == scale_before
+        assert bool(r.skipped) == (w == overflow_window)
+        if not bool(r.skipped):
+            assert rel_diff(r.grad_norm, ref_norm) <= 1e-5
+        assert float(acc.scaler.scale) == scaler.get_scale()  # backed off once, identically
+    assert scaler.get_scale() == 2.0**15
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert rel_diff(p.float(), q.float()) <= 1e-3  # fp16 params: within fp16 rounding of each other
+    masters_engine = acc.optimizer.param_groups[0]["params"]
+    for a, b in zip(masters_engine, masters):
+        assert rel_diff(a, b) <= 1e-5
+
+
+def test_static_loss_scale_and_none():
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, loss_scale=1024.0)
+    for k in range(2):
+        acc.backward(_mse(model, *_batch(k)))
+    r = acc.step()
+    assert float(r.loss_scale) == 1024.0 and float(acc.scaler.scale) == 1024.0
+    for k in range(2):
+        (_mse(ref, *_batch(k)) / 2).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-6
+    acc.close()
+    assert gaengine.GradientAccumulator(model, None, loss_scale=None).scaler is None
+
+
+# ---------------------------------------------------------------- no host sync
+_SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__", "numpy")
+
+
+@contextlib.contextmanager
+def _forbid_host_reads():
+    saved = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
+
+    def make(name):
+        def forbidden(self, *args, **kwargs):
+            raise AssertionError(f"host read Tensor.{name}() on the hot path")
+        return forbidden
+
+    for name in _SYNC_METHODS:
+        setattr(torch.Tensor, name, make(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["mean", "items-tensor"])
+def test_no_host_sync_in_hooks_and_step(dtype, mode):
+    model = _mlp(dtype)
+    acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                       accumulation_steps=3, max_grad_norm=1.0)
+    applied = []
+    for w in range(4):  # fp16 starts at a 2**16 loss scale and backs off on overflow: some windows skip
+        for k in range(3):
+            x, y = _batch(k + 3 * w, dtype=dtype)
+            loss = _mse(model, x, y)
+            n = torch.tensor(4) if mode == "items-tensor" else None
+            if n is not None:
+                loss = loss * 4
+            with _forbid_host_reads():
+                acc.backward(loss, num_items=n)
+                r = acc.step()
+        applied.append(not bool(r.skipped) and bool(torch.isfinite(r.grad_norm)))
+    assert applied[-1] and (all(applied) or dtype == torch.float16)
+
+
+def test_patched_reads_are_caught():
+    """The guard itself works: a non-fused optimizer's skip decision is a host read and is reported."""
+    model = _mlp()
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=1)
+    acc.backward(_mse(model, *_batch(0)))
+    with pytest.raises(AssertionError, match="host read"), _forbid_host_reads():
+        acc.step()
+
+
+# ---------------------------------------------------------------- resume mid-window
+_RESUME_SCRIPT = textwrap.dedent(r"""
+    import sys, torch
+    from torch import nn
+    import gaengine
+    mode, path = sys.argv[1], sys.argv[2]
+    K, WINDOWS, STOP_WINDOW, STOP_MICRO = 3, 4, 2, 2   # stop after micro-batch 2 of window 2 (0-based: 1 done)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=0.5, lr_scheduler=sched)
+    def micro(w, k):
+        g = torch.Generator().manual_seed(100 * w + k)
+        x, y = torch.randn(4, 8, generator=g).bfloat16(), torch.randn(4, 4, generator=g)
+        return ((model(x).float() - y) ** 2).sum(), 4
+    start = (0, 0)
+    if mode == "resume":
+        ck = torch.load(path + ".ckpt", weights_only=True)
+        model.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"]); sched.load_state_dict(ck["sched"])
+        acc.load_state_dict(ck["acc"])
+        start = (STOP_WINDOW, STOP_MICRO)
+    for w in range(start[0], WINDOWS):
+        for k in range(start[1] if w == start[0] else 0, K):
+            if mode == "stop" and (w, k) == (STOP_WINDOW, STOP_MICRO):
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                            "acc": acc.state_dict()}, path + ".ckpt")
+                sys.exit(0)
+            loss, n = micro(w, k)
+            acc.backward(loss, num_items=n)
+            acc.step()
+    torch.save([p.detach().clone() for p in model.parameters()] +
+               [q.detach().clone() for q in opt.param_groups[0]["params"]], path + ".final")
+""")
+
+
+def test_resume_mid_window_in_new_process_is_bit_identical(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(_RESUME_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for mode, name in (("full", "a"), ("stop", "b"), ("resume", "b")):
+        subprocess.run([sys.executable, str(script), mode, str(tmp_path / name)], check=True, env=env, timeout=120)
+    full = torch.load(tmp_path / "a.final", weights_only=True)
+    resumed = torch.load(tmp_path / "b.final", weights_only=True)
+    assert len(full) == len(resumed) == 8
+    for a, b in zip(full, resumed):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_from_another_model_is_refused():
+    model = _mlp()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=3, max_grad_norm=None)
+    acc.backward(_mse(model, *_batch(0)))
+    before = acc.main_grad.data.clone()
+    other = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    other_acc = gaengine.GradientAccumulator(other, None, accumulation_steps=3)
+    with pytest.raises(ValueError, match="another model"):
+        acc.load_state_dict(other_acc.state_dict())
+    with pytest.raises(ValueError, match="state"):
+        acc.load_state_dict({"format": "something else"})
+    assert torch.equal(acc.main_grad.data, before) and acc.num_micro_batches == 1
