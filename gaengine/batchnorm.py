@@ -77,8 +77,13 @@ class WindowBatchNorm:
 
     def _pre(self, module, args):
         if module.training:
+            # The module updates scratch copies (autograd may keep them for backward, so they are never
+            # written again); the real buffers are put back untouched after the forward.
             st = self._stats[id(module)]
-            st.saved = (module.running_mean.clone(), module.running_var.clone(), module.num_batches_tracked.clone())
+            st.saved = (module.running_mean, module.running_var, module.num_batches_tracked)
+            module.running_mean = module.running_mean.clone()
+            module.running_var = module.running_var.clone()
+            module.num_batches_tracked = module.num_batches_tracked.clone()
 
     def _post(self, module, args, output):
         if not module.training:
@@ -90,10 +95,8 @@ class WindowBatchNorm:
         with torch.no_grad():
             var_b, mean = torch.var_mean(x.double(), dim=dims, correction=0)
             st.add(n, mean, var_b)
-            mean, var, nbt = st.saved  # undo the module's per-micro-batch update
-            module.running_mean.copy_(mean)
-            module.running_var.copy_(var)
-            module.num_batches_tracked.copy_(nbt)
+            module.running_mean, module.running_var, module.num_batches_tracked = st.saved
+            st.saved = None
 
     def end_window(self) -> None:
         """Apply one running-statistics update per module from the window's combined statistics."""

@@ -299,7 +299,7 @@ class GradientAccumulator:
 
     def _relearn_layout(self) -> None:
         """After the first window: lay the buffer out in the order gradients arrived (rank 0's order on all ranks)."""
-        arrival, self._arrival = self._arrival, None
+        arrival, self._arrival = list(dict.fromkeys(self._arrival)), None  # first arrival of each parameter
         seen = set(arrival)
         order = arrival + [i for i in range(len(self.params)) if i not in seen]
         if self.distributed:
@@ -635,6 +635,8 @@ class GradientAccumulator:
         """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params."""
         self._clear_grads()
         self._reset_window()
+        if self._arrival is not None:
+            self._arrival = []  # learn the order from a complete window
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
 
