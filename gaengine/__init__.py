@@ -1,20 +1,29 @@
 """gaengine: a gradient accumulation engine for PyTorch.
 
 Low-precision gradients are accumulated into one fp32 flat buffer as autograd produces them, normalized
-once at the end of the accumulation window, clipped with a coefficient that never leaves the device, and
-handed to the optimizer. ``import gaengine`` neither initializes CUDA nor builds anything.
+once at the end of the accumulation window, clipped with a coefficient that never leaves the device,
+reduced across ranks in buckets while backward runs, and handed to the optimizer. ``import gaengine``
+neither initializes CUDA nor loads the compiled extension or triton.
 """
 
 from gaengine import ops
 from gaengine.clip import clip_grad_norm_
 from gaengine.engine import GradientAccumulator, StepResult
+from gaengine.utils import MicroBatches, find_micro_batch_size, scale_lr, split_batch
+from gaengine.verify import EquivalenceReport, verify_equivalence
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EquivalenceReport",
     "GradientAccumulator",
+    "MicroBatches",
     "StepResult",
     "clip_grad_norm_",
+    "find_micro_batch_size",
     "ops",
+    "scale_lr",
+    "split_batch",
+    "verify_equivalence",
     "__version__",
 ]
