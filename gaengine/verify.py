@@ -207,9 +207,10 @@ def verify_equivalence(
     rtol: one relative tolerance for every parameter instead of the dtype-keyed ``GRAD_RTOL``.
 
     Reference: ``loss_fn(model, batch).backward()`` in plain PyTorch (in item mode the summed loss's
-    gradient divided by ``num_items_fn(batch)``). Engine: ``GradientAccumulator(model, None,
-    accumulation_steps=K, max_grad_norm=None, backend=backend)`` fed the micro-batches, whose final
-    gradients ``step()`` leaves in ``.grad``. Weighting of the micro-batches:
+    gradient divided by ``num_items_fn(batch)``). Engine: ``GradientAccumulator(params, None,
+    accumulation_steps=K, max_grad_norm=None, backend=backend, loss_scale=None)`` over the trainable
+    parameters, fed the micro-batches; ``step()`` leaves the final gradients in ``.grad``. Neither side
+    scales the loss, so fp16 gradients underflow alike. Weighting of the micro-batches:
       * ``num_items_fn`` given: ``acc.backward(loss_fn(model, mb), num_items=num_items_fn(mb))`` (``"items"``).
       * equal micro-batches: ``acc.backward(loss_fn(model, mb))``, the mean of the micro-batch means
         (``"mean"``) — the engine's default, and equal to the whole-batch mean for a per-row mean loss.
@@ -290,7 +291,11 @@ def verify_equivalence(
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, device)
-            acc = GradientAccumulator(model, None, accumulation_steps=len(micro), max_grad_norm=None, backend=backend)
+            # The parameters, not the module: a BatchNorm warning is the user's accumulator's to give (it
+            # fires once per module). No loss scaling: the reference backward is unscaled too, so fp16
+            # gradients underflow alike, and a dynamic scale's first windows would overflow and skip.
+            acc = GradientAccumulator([p for _, p in named], None, accumulation_steps=len(micro), max_grad_norm=None,
+                                      backend=backend, loss_scale=None)
             for mb, rows in zip(micro, micro.sizes):
                 if mode == "items":
                     acc.backward(loss_fn(model, mb), num_items=num_items_fn(mb))

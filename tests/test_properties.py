@@ -5,8 +5,9 @@ parameters it uses, so its gradient is exactly ``w_k[p]`` (in ``p``'s dtype) and
 is known in fp64: sum the used ``w_k``, divide by the denominator (micro-batches, or total items), clip
 with torch's formula ``min(1, max_norm / (norm + 1e-6))``. Drawn at random: parameter shapes (0-size and
 one-element included), dtypes (fp32 / bf16 / fp16, mixed), K, partial windows (``step(force=True)``), mean or
-item mode (int or tensor counts, zeros allowed), clip thresholds (None or positive, often active), which
-parameters each micro-batch uses, exactly cancelling gradients, and two windows in a row.
+item mode (int or tensor counts, mixed, zeros allowed), clip thresholds (None or positive, often active),
+no loss scale or a fixed one, which parameters each micro-batch uses, exactly cancelling gradients, and two
+windows in a row.
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def cases(draw):
                            max_size=len(shapes)))
     k = draw(st.integers(1, 5))
     clip = draw(st.one_of(st.none(), st.floats(-3, 2).map(lambda e: 10.0**e)))
+    # A fixed power-of-two loss scale is exact; "dynamic" (the default for fp16 params) starts at 2^16 and
+    # skips its first windows by design, which is not this property.
+    loss_scale = draw(st.sampled_from([None, 8.0]))
     windows = draw(st.lists(window_specs(len(shapes), k), min_size=1, max_size=2))
-    return {"shapes": shapes, "dtypes": dtypes, "k": k, "clip": clip, "windows": windows}
+    return {"shapes": shapes, "dtypes": dtypes, "k": k, "clip": clip, "loss_scale": loss_scale, "windows": windows}
 
 
 def _weights(spec, params):
@@ -153,7 +157,8 @@ def _run(case, backend):
     params = [nn.Parameter(torch.randn(s).to(dt)) for s, dt in zip(case["shapes"], case["dtypes"])]
     before = [p.detach().clone() for p in params]
     k, clip = case["k"], case["clip"]
-    acc = gaengine.GradientAccumulator(params, None, accumulation_steps=k, max_grad_norm=clip, backend=backend)
+    acc = gaengine.GradientAccumulator(params, None, accumulation_steps=k, max_grad_norm=clip, backend=backend,
+                                       loss_scale=case["loss_scale"])
     try:
         for spec in case["windows"]:
             ws = _weights(spec, params)
@@ -193,7 +198,7 @@ def test_window_matches_fp64_reference(backend, case):
 @pytest.mark.parametrize("backend", _backends())
 def test_reference_check_is_sharp(backend):
     """The bounds are tight enough to catch a wrong denominator: the same case with K-1 in place of K fails."""
-    case = {"shapes": [(7,), (3, 5)], "dtypes": [torch.float32, torch.bfloat16], "k": 3, "clip": None,
+    case = {"shapes": [(7,), (3, 5)], "dtypes": [torch.float32, torch.bfloat16], "k": 3, "clip": None, "loss_scale": None,
             "windows": [{"m": 3, "items": None, "items_as_tensor": [False] * 3, "uses": [[True, True]] * 3,
                          "cancel": False, "seed": 5, "scale": 1.0}]}
     _run(case, backend)
