@@ -266,6 +266,7 @@ class GradientAccumulator:
         self._in_backward = False
         self._failed_backward = False
         self._stale_grads = False
+        self._overlap = True  # benchmarks set False to issue every all-reduce after backward
         self._grad_scale = 1.0  # accumulate scale factor (the inverse loss scale under fp16 loss scaling)
 
         self._handles = []
@@ -407,7 +408,7 @@ class GradientAccumulator:
         if self._stale_grads:
             self._clear_grads()
         last = self._num_micro_batches == self.accumulation_steps - 1
-        if self.reducer is not None and last:
+        if self.reducer is not None and last and self._overlap:
             self.reducer.begin()  # only the window's last micro-batch communicates
 
         if self.scaler is None and self._auto_loss_scale and torch.is_autocast_enabled(self.device.type) \
@@ -437,6 +438,8 @@ class GradientAccumulator:
             else:
                 self._items_host += num_items
         if self.reducer is not None and last:
+            if not self._overlap:
+                self.reducer.begin()
             self._finish_communication_launch()
 
     def _finish_communication_launch(self) -> None:
