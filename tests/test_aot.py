@@ -1,0 +1,338 @@
+"""Every Triton kernel of ``gaengine.kernels``, compiled ahead of time for sm_80 and sm_90, read back: no GPU needed.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole NVIDIA pipeline on
+the host (ptxas ships in the triton wheel). For each kernel variant that runs in practice the tests read:
+
+* the PTX: on 16-byte aligned buffers, every global load and store of the gradient data is a 128-bit vector
+  access (``ld.global.v4.b32`` / ``st.global.v4.b32``: four fp32, or eight bf16 | fp16);
+* the cubin (``cuobjdump --dump-resource-usage``): no spills (a 0-byte stack frame, where ptxas puts them,
+  no local memory, no ``.local`` in the PTX) and a register count that allows full occupancy for the ``num_warps`` used.
+
+The alignment the kernels are compiled for is the one the flat buffer guarantees: ``gaengine/buffer.py``
+starts every parameter at a multiple of ``ALIGN_NUMEL`` = 64 elements (256 bytes in fp32, 128 in bf16), so
+main_grad views, their numels' padding and fresh gradients (the caching allocator returns 512-byte aligned
+blocks) are 16-byte aligned. That is the ``tt.divisibility = 16`` attribute below, the specialization
+Triton's launcher itself applies to a pointer whose address is a multiple of 16 and to an integer that is a
+multiple of 16; ``n_elements`` gets it only when the numel is a multiple of 16 (the accumulate and norm
+kernels are not vectorized on other numels; the bucket kernel is, except for each tensor's last chunk).
+
+``triton.compile`` needs real ``JITFunction``s, and under ``TRITON_INTERPRET=1`` (set by ``conftest.py`` on
+machines without a GPU) ``@triton.jit`` builds interpreter objects instead, triton's own ``tl.sum`` /
+``tl.max`` included. So the compilation runs once per session in a subprocess with ``TRITON_INTERPRET``
+unset (this file run as a script, ``python tests/test_aot.py OUT.json``), which writes a summary of each
+compiled variant; the tests read it. Triton's cache (``~/.triton/cache``) makes repeated sessions fast.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+
+ARCHS = {"sm80": 80, "sm90": 90}
+# Per-SM limits of sm_80 (A100) and sm_90 (H100): CUDA C++ Programming Guide, "Compute capabilities" table.
+REGS_PER_SM = 65536
+MAX_THREADS_PER_SM = 2048
+MAX_BLOCKS_PER_SM = 32
+REG_ALLOC_UNIT = 8  # registers per thread are allocated in units of 256 per warp, i.e. 8 per thread
+SRC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TL_TYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+
+
+def full_occupancy_registers(num_warps: int) -> int:
+    """Most registers per thread that still let an SM hold its maximum number of threads of this kernel.
+
+    blocks/SM = min(MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM // threads_per_block); the bound is
+    REGS_PER_SM / (threads_per_block * blocks/SM), rounded down to the allocation unit. 32 for 4, 8 or 16 warps.
+    """
+    threads_per_block = 32 * num_warps
+    blocks_per_sm = min(MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM // threads_per_block)
+    bound = REGS_PER_SM // (threads_per_block * blocks_per_sm)
+    return bound // REG_ALLOC_UNIT * REG_ALLOC_UNIT
+
+
+@dataclass(frozen=True)
+class Case:
+    """One compiled kernel variant.
+
+    signature: argument name -> Triton type (``"constexpr"`` for constexprs), in the kernel's order.
+    constexprs: values of the constexprs (dtypes as ``"tl.bfloat16"`` strings, resolved in the subprocess).
+    aligned: arguments given ``tt.divisibility = 16`` (16-byte aligned pointers, integers multiple of 16).
+    v4_loads, v4_stores: 128-bit accesses the PTX must contain at least (None: not checked).
+    other_loads: global loads that are not 128-bit allowed at most (None: not checked), e.g. a scalar scale.
+    """
+
+    id: str
+    module: str
+    kernel: str
+    signature: dict
+    constexprs: dict
+    aligned: tuple
+    num_warps: int
+    v4_loads: int | None = None
+    v4_stores: int | None = None
+    other_loads: int | None = None
+    single_program: bool = False  # launched with one program: occupancy does not apply
+
+
+def _accesses(n_elements: int, num_warps: int, nbytes: int) -> int:
+    """128-bit accesses per thread to move ``n_elements`` values of ``nbytes`` each over one program."""
+    return n_elements // (32 * num_warps) * nbytes // 16
+
+
+def _cases() -> list[Case]:
+    # Kept in sync with the launchers by test_cases_match_the_launchers (block sizes, warps).
+    block, warps = 4096, 8  # kernels/accumulate.py, norm.py, scale.py
+    cases = []
+    acc_sig = {"dst_ptr": "*fp32", "src_ptr": None, "scale_ptr": "*fp32", "scale": "fp32", "n_elements": "i64",
+               "HAS_SCALE": "constexpr", "SCALE_IS_PTR": "constexpr", "OVERWRITE": "constexpr",
+               "BLOCK_SIZE": "constexpr"}
+    modes = {  # name: HAS_SCALE, SCALE_IS_PTR, OVERWRITE
+        "add": (False, False, False),
+        "add-scaled": (True, False, False),
+        "add-scaled-ptr": (True, True, False),
+        "overwrite": (False, False, True),
+        "overwrite-scaled-ptr": (True, True, True),
+    }
+    for dt in SRC_BYTES:
+        for mode, (has_scale, scale_is_ptr, overwrite) in modes.items():
+            loads = _accesses(block, warps, SRC_BYTES[dt]) + (0 if overwrite else _accesses(block, warps, 4))
+            cases.append(Case(
+                f"accumulate-{dt}-{mode}", "accumulate", "_accumulate_kernel", {**acc_sig, "src_ptr": TL_TYPES[dt]},
+                {"HAS_SCALE": has_scale, "SCALE_IS_PTR": scale_is_ptr, "OVERWRITE": overwrite, "BLOCK_SIZE": block},
+                ("dst_ptr", "src_ptr", "scale_ptr", "n_elements"), warps,
+                v4_loads=loads, v4_stores=_accesses(block, warps, 4), other_loads=int(scale_is_ptr),
+            ))
+    norm_sig = {"x_ptr": None, "partials_ptr": "*fp32", "n_elements": "i64", "n_partials": "i32",
+                "BLOCK_SIZE": "constexpr", "BLOCKS_PER_PROGRAM": "constexpr"}
+    for dt in SRC_BYTES:
+        for bpp in (1, 16):  # kernels/norm.py: 1 below LARGE_NUMEL, LARGE_BLOCKS_PER_PROGRAM above
+            cases.append(Case(
+                f"norm-partial-{dt}-x{bpp}", "norm", "_l2norm_sq_partial_kernel", {**norm_sig, "x_ptr": TL_TYPES[dt]},
+                {"BLOCK_SIZE": block, "BLOCKS_PER_PROGRAM": bpp}, ("x_ptr", "partials_ptr", "n_elements"), warps,
+                v4_loads=_accesses(block, warps, SRC_BYTES[dt]), other_loads=0,
+            ))
+    cases.append(Case(
+        "norm-finalize", "norm", "_l2norm_sq_finalize_kernel",
+        {"partials_ptr": "*fp32", "out_ptr": "*fp32", "n_partials": "i32", "BLOCK_SIZE": "constexpr"},
+        {"BLOCK_SIZE": 1024}, ("partials_ptr", "out_ptr"), 4,  # n_partials: any count, scalar loads are fine
+        single_program=True,
+    ))
+    cases.append(Case(
+        "scale", "scale", "_scale_kernel",
+        {"x_ptr": "*fp32", "coef_ptr": "*fp32", "n_elements": "i64", "BLOCK_SIZE": "constexpr"},
+        {"BLOCK_SIZE": block}, ("x_ptr", "coef_ptr", "n_elements"), warps,
+        v4_loads=_accesses(block, warps, 4), v4_stores=_accesses(block, warps, 4), other_loads=1,
+    ))
+    bucket_block, bucket_warps = 2048, 8  # kernels/bucket.py
+    bucket_sig = {"dst_ptr": "*fp32", "tensor_table_ptr": "*i64", "block_table_ptr": "*i32", "scale_ptr": "*fp32",
+                  "scale": "fp32", "partials_ptr": "*fp32", "partials_stride": "i64", "block_offset": "i64",
+                  **{name: "constexpr" for name in ("SRC_DTYPE", "HAS_SCALE", "SCALE_IS_PTR", "WRITE_PARTIALS",
+                                                    "DST_ALIGNED", "SRC_ALIGNED", "BLOCK_SIZE", "TAIL_SIZE")}}
+    for dt, tl_dtype in (("fp32", "tl.float32"), ("bf16", "tl.bfloat16"), ("fp16", "tl.float16")):
+        for mode, (has_scale, scale_is_ptr, partials) in {"add": (False, False, False),
+                                                          "scaled-ptr-partials": (True, True, True)}.items():
+            # The full-chunk path: the source and dst (read unless overwriting: one predicated load) in 128-bit
+            # accesses; the tables, the scale and each tensor's masked last chunk take scalar accesses.
+            cases.append(Case(
+                f"bucket-{dt}-{mode}", "bucket", "_accumulate_bucket_kernel", bucket_sig,
+                {"SRC_DTYPE": tl_dtype, "HAS_SCALE": has_scale, "SCALE_IS_PTR": scale_is_ptr,
+                 "WRITE_PARTIALS": partials, "DST_ALIGNED": True, "SRC_ALIGNED": True,
+                 "BLOCK_SIZE": bucket_block, "TAIL_SIZE": 256},
+                ("dst_ptr", "tensor_table_ptr", "block_table_ptr", "scale_ptr", "partials_ptr"), bucket_warps,
+                v4_loads=_accesses(bucket_block, bucket_warps, SRC_BYTES[dt]) + _accesses(bucket_block, bucket_warps, 4),
+                v4_stores=_accesses(bucket_block, bucket_warps, 4),
+            ))
+    return cases
+
+
+CASES = _cases()
+
+# Variants over the full-occupancy register budget, as measured with triton 3.9 (case-arch -> registers).
+# Reported, not hidden: each is a non-strict xfail, which shows up as XPASS once the kernel fits.
+_ACCUMULATE_REGS = ("kernels/accumulate.py at BLOCK_SIZE 4096 x 8 warps (16 fp32 per thread) needs more than 32 "
+                    "registers when it adds (6 of 8 blocks per SM: 75% occupancy); measured: 2048 elements x 8 "
+                    "warps, or 4096 x 16 warps, fit in 26-32")
+_NORM_REGS = ("kernels/norm.py stage 1 needs more than 32 registers (16 blocks per program: buffers of 2^24 "
+              "elements or more, 4 of 8 blocks per SM; 16-bit input on sm_90: 6 of 8)")
+KNOWN_OVER_REGISTER_BUDGET = {
+    **dict.fromkeys(["accumulate-fp32-add-sm80", "accumulate-fp32-add-sm90", "accumulate-fp32-add-scaled-sm80",
+                     "accumulate-fp32-add-scaled-ptr-sm80", "accumulate-fp32-add-scaled-ptr-sm90",
+                     *(f"accumulate-{dt}-{mode}-sm90" for dt in ("bf16", "fp16")
+                       for mode in ("add", "add-scaled", "add-scaled-ptr"))], _ACCUMULATE_REGS),
+    **dict.fromkeys([*(f"norm-partial-{dt}-x16-{arch}" for dt in SRC_BYTES for arch in ARCHS),
+                     "norm-partial-bf16-x1-sm90", "norm-partial-fp16-x1-sm90"], _NORM_REGS),
+}
+
+
+# --- the compiler side: runs in a subprocess without TRITON_INTERPRET ---------------------------------------------
+
+_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
+
+
+def _access_bits(qualifiers: str) -> int:
+    """Width in bits of one PTX global access from its qualifiers (``.v4.b32`` -> 128, ``.b16`` -> 16)."""
+    vec = re.search(r"\.v(\d)\b", qualifiers)
+    width = re.search(r"\.[bfsu](\d+)\b", qualifiers)
+    return (int(vec.group(1)) if vec else 1) * (int(width.group(1)) if width else 0)
+
+
+def _summarize(kernel, num_warps: int) -> dict:
+    """What the tests read from one compiled kernel: its global accesses, registers and spills."""
+    import triton  # noqa: PLC0415
+
+    ptx = kernel.asm["ptx"]
+    accesses = collections.Counter(f"{op}{_access_bits(q)}" for op, q in _ACCESS.findall(ptx))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        cuobjdump = triton.knobs.nvidia.cuobjdump.path
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    res = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    return {
+        "accesses": dict(accesses),
+        "ptx_local": bool(re.search(r"^\s*\.local\b", ptx, re.M)),
+        "regs": int(res["REG"]),
+        "stack_bytes": int(res["STACK"]),
+        "local_bytes": int(res["LOCAL"]),
+        "shared_bytes": int(kernel.metadata.shared),
+        "num_warps": num_warps,
+    }
+
+
+def _compile(case: Case, arch: int) -> dict:
+    import importlib  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    fn = getattr(importlib.import_module(f"gaengine.kernels.{case.module}"), case.kernel)
+    names = list(case.signature)
+    constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
+                  for k, v in case.constexprs.items()}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in case.aligned}
+    src = ASTSource(fn=fn, signature=case.signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": case.num_warps})
+    return _summarize(kernel, case.num_warps)
+
+
+def _compile_all(out_path: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "AOT compilation needs TRITON_INTERPRET unset"
+    results = {}
+    for case in CASES:
+        for arch_id, arch in ARCHS.items():
+            try:
+                results[f"{case.id}-{arch_id}"] = _compile(case, arch)
+            except Exception as exc:  # reported by the test of this case, the others still run
+                results[f"{case.id}-{arch_id}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+# --- the tests ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Summaries of every case for every arch, from one subprocess per session."""
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("aot") / "compiled.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"AOT compile subprocess failed:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def _params(select=lambda c: True, register_check=False):
+    params = []
+    for case in CASES:
+        if not select(case):
+            continue
+        for arch_id in ARCHS:
+            marks = []
+            reason = KNOWN_OVER_REGISTER_BUDGET.get(f"{case.id}-{arch_id}") if register_check else None
+            if reason:
+                marks.append(pytest.mark.xfail(reason=reason, strict=False))
+            params.append(pytest.param(case, arch_id, id=f"{case.id}-{arch_id}", marks=marks))
+    return params
+
+
+def _get(compiled, case, arch_id) -> dict:
+    result = compiled[f"{case.id}-{arch_id}"]
+    assert "error" not in result, f"{case.id} did not compile for {arch_id}: {result.get('error')}"
+    return result
+
+
+@pytest.mark.parametrize("case, arch_id", _params(lambda c: c.v4_loads is not None or c.v4_stores is not None))
+def test_global_accesses_are_128_bit_vectors(compiled, case, arch_id):
+    r = _get(compiled, case, arch_id)
+    acc = r["accesses"]
+    v4_loads, v4_stores = acc.get("ld128", 0), acc.get("st128", 0)
+    other_loads = sum(n for k, n in acc.items() if k.startswith("ld") and k != "ld128")
+    if case.v4_loads is not None:
+        assert v4_loads >= case.v4_loads, (
+            f"{case.id} {arch_id}: {v4_loads} 128-bit loads per thread, expected {case.v4_loads} (accesses: {acc})")
+    if case.v4_stores is not None:
+        assert v4_stores >= case.v4_stores, (
+            f"{case.id} {arch_id}: {v4_stores} 128-bit stores per thread, expected {case.v4_stores} (accesses: {acc})")
+    if case.other_loads is not None:
+        assert other_loads <= case.other_loads, (
+            f"{case.id} {arch_id}: {other_loads} narrower global loads, at most {case.other_loads} allowed "
+            f"(accesses: {acc})")
+
+
+@pytest.mark.parametrize("case, arch_id", _params())
+def test_nothing_spills(compiled, case, arch_id):
+    r = _get(compiled, case, arch_id)
+    # ptxas spills registers to the stack frame (STL/LDL in the SASS): a kernel with none has a 0-byte frame.
+    assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, (
+        f"{case.id} {arch_id}: {r['stack_bytes']} B stack frame (register spills), {r['local_bytes']} B local memory")
+    assert not r["ptx_local"], f"{case.id} {arch_id}: the PTX declares .local memory"
+
+
+@pytest.mark.parametrize("case, arch_id", _params(lambda c: not c.single_program, register_check=True))
+def test_registers_allow_full_occupancy(compiled, case, arch_id):
+    r = _get(compiled, case, arch_id)
+    bound = full_occupancy_registers(r["num_warps"])
+    assert r["regs"] <= bound, (
+        f"{case.id} {arch_id}: {r['regs']} registers per thread; full occupancy at {r['num_warps']} warps "
+        f"allows {bound} ({REGS_PER_SM} / ({32 * r['num_warps']} threads x "
+        f"{min(MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM // (32 * r['num_warps']))} blocks))")
+
+
+def test_full_occupancy_register_bound():
+    assert [full_occupancy_registers(w) for w in (1, 2, 4, 8, 16, 32)] == [64, 32, 32, 32, 32, 32]
+
+
+def test_cases_match_the_launchers():
+    pytest.importorskip("triton")
+    from gaengine.kernels import accumulate, bucket, norm, scale  # noqa: PLC0415
+
+    for case in CASES:
+        module = {"accumulate": accumulate, "norm": norm, "scale": scale, "bucket": bucket}[case.module]
+        assert hasattr(module, case.kernel), f"{case.module}.{case.kernel} is gone"
+        fn = getattr(module, case.kernel)
+        arg_names = getattr(fn, "arg_names", None) or list(fn.fn.__code__.co_varnames[:fn.fn.__code__.co_argcount])
+        assert list(case.signature) == list(arg_names), f"{case.id}: signature out of date: {arg_names}"
+        if "BLOCK_SIZE" in case.constexprs and case.kernel != "_l2norm_sq_finalize_kernel":
+            assert case.constexprs["BLOCK_SIZE"] == module.BLOCK_SIZE, f"{case.id}: BLOCK_SIZE out of date"
+            assert case.num_warps == module.NUM_WARPS, f"{case.id}: num_warps out of date"
+    assert norm.FINALIZE_BLOCK_SIZE == 1024 and norm.FINALIZE_NUM_WARPS == 4
+    assert bucket.TAIL_SIZE == 256
+
+
+if __name__ == "__main__":
+    _compile_all(sys.argv[1])
