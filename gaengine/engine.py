@@ -27,9 +27,10 @@ from torch import nn
 
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
+from gaengine.bucket_accumulate import BucketAccumulation
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.clip import clip_coefficient
-from gaengine.comm import BucketReducer, wait_for
+from gaengine.comm import BucketReducer, build_buckets, wait_for
 from gaengine.scaler import LossScaler
 
 __all__ = ["GradientAccumulator", "StepResult"]
@@ -288,6 +289,12 @@ class GradientAccumulator:
                 self._masters[id(p)].grad = view
         self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
                                       self.reduce_dtype, self.process_group) if self.distributed else None)
+        # The Triton backend accumulates a whole bucket per launch (the same buckets the reducer uses).
+        self.bucket_accumulation = None
+        if self.backend.name == "triton":
+            buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
+                self.main_grad.layout, self.bucket_size_mb)
+            self.bucket_accumulation = BucketAccumulation(self.main_grad, buckets)
 
     def _broadcast_from_first_rank(self, model, params: list[torch.Tensor], with_buffers: bool) -> None:
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
@@ -365,14 +372,20 @@ class GradientAccumulator:
                 f"parameter {i} (shape {tuple(param.shape)}) received a {grad.layout} gradient; gaengine "
                 "accumulates dense gradients only (build embeddings with sparse=False)"
             )
-        self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, not self._written[i])
-        if not self._written[i]:
+        overwrite = not self._written[i]
+        if overwrite:
             self._written[i] = True
             if self._arrival is not None:
                 self._arrival.append(i)
-        param.grad = None  # free the low-precision gradient at once
+        param.grad = None  # the parameter lets go of its low-precision gradient at once
+        if self.bucket_accumulation is not None:
+            done = self.bucket_accumulation.add(i, grad, overwrite, self._grad_scale)  # held until its bucket is full
+        else:
+            self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, overwrite)
+            done = (i,)
         if self.reducer is not None and self.reducer.armed:
-            self.reducer.mark_ready(i)  # may launch this bucket's all-reduce while backward goes on
+            for j in done:
+                self.reducer.mark_ready(j)  # may launch a bucket's all-reduce while backward goes on
 
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
         """Backward of one micro-batch, accumulating its gradients into the fp32 buffer.
@@ -417,9 +430,16 @@ class GradientAccumulator:
         self._auto_loss_scale = False
         scaled = loss if self.scaler is None else loss * self.scaler.scale
 
+        if self.bucket_accumulation is not None:
+            self.bucket_accumulation.begin(want_norm=last and not self.distributed)
         self._in_backward = True
         try:
             scaled.backward(**backward_kwargs)
+            if self.bucket_accumulation is not None:
+                done = self.bucket_accumulation.flush(self._grad_scale)  # buckets left incomplete
+                if self.reducer is not None and self.reducer.armed:
+                    for j in done:
+                        self.reducer.mark_ready(j)
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not: the window is no
             # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
@@ -527,7 +547,8 @@ class GradientAccumulator:
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = denom if self.scaler is None else denom * self.scaler.scale
-        sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
+        free = None if self.bucket_accumulation is None or unwritten else self.bucket_accumulation.free_norm()
+        sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
         grad_norm = sum_sq.sqrt() / grad_denom
         skipped = (found_inf > 0) | ~torch.isfinite(grad_norm)
         if self.max_grad_norm is not None:
@@ -636,6 +657,8 @@ class GradientAccumulator:
 
     def zero_grad(self) -> None:
         """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params."""
+        if self.bucket_accumulation is not None:
+            self.bucket_accumulation.drop()
         self._clear_grads()
         self._reset_window()
         if self._arrival is not None:
