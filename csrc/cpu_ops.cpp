@@ -30,6 +30,12 @@
                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
+#if defined(GAENGINE_WITH_CUDA)
+namespace gaengine {
+void register_cuda_ops(pybind11::module_& m);  // csrc/cuda/cuda_ops.cu: the "cuda" backend's ops
+}  // namespace gaengine
+#endif
+
 namespace gaengine {
 namespace {
 
@@ -154,4 +160,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("scale_", &gaengine::scale_, "x *= coef in place, coef a 0-d CPU tensor", py::arg("x"), py::arg("coef"),
         py::call_guard<py::gil_scoped_release>());
+#if defined(GAENGINE_WITH_CUDA)
+  gaengine::register_cuda_ops(m);  // built with CUDA (setup.py): accumulate_cuda_, l2norm_sq_cuda, scale_cuda_
+#endif
 }

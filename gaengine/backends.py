@@ -13,8 +13,10 @@ Every backend implements the same contract (``Backend``):
 
 Backends: ``torch`` (plain PyTorch, the reference and the fallback, any device), ``cpu`` (the compiled
 C++ extension ``gaengine._C``, CPU tensors), ``triton`` (``gaengine.kernels``, CUDA tensors, or CPU
-tensors under ``TRITON_INTERPRET=1``). ``auto`` picks the fastest available one for a device and says
-which once; a backend asked for by name that cannot load raises ``RuntimeError`` with the reason.
+tensors under ``TRITON_INTERPRET=1``), ``cuda`` (the CUDA kernels of ``gaengine._C``, ``csrc/cuda/``, in
+an extension built against a CUDA torch; CUDA tensors). ``auto`` picks the fastest available one for a
+device and says which once; a backend asked for by name that cannot load raises ``RuntimeError`` with the
+reason.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES"]
 logger = logging.getLogger("gaengine")
 
 Scale = Union[float, torch.Tensor]
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 _FLOAT_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -139,7 +141,41 @@ class TritonBackend(Backend):
         return self._scale.scale_(x, coef)
 
 
-_CLASSES = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend}
+class CudaBackend(Backend):
+    """The CUDA kernels of ``gaengine._C`` (``csrc/cuda/``): CUDA tensors only.
+
+    They are in the extension only when it was built against a CUDA torch with a CUDA toolkit (``setup.py``);
+    loading raises ``RuntimeError`` otherwise (a CPU-only build, or an extension built without them).
+    """
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        if not torch.version.cuda:
+            raise RuntimeError("this torch is a CPU-only build (torch.version.cuda is None)")
+        from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
+
+        missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_") if not hasattr(_C, op)]
+        if missing:
+            raise RuntimeError(f"gaengine._C was built without its CUDA ops ({', '.join(missing)} missing); rebuild "
+                               "it against a CUDA torch with CUDA_HOME set")
+        self._C = _C
+
+    def accumulate_(self, dst, src, scale=1.0, overwrite=False):
+        tensor = scale if isinstance(scale, torch.Tensor) else None  # read by the kernel, never on the host
+        self._C.accumulate_cuda_(dst, src.contiguous(), 1.0 if tensor is not None else float(scale), tensor,
+                                 bool(overwrite))
+        return dst
+
+    def l2norm_sq(self, x):
+        return tuple(self._C.l2norm_sq_cuda(x.contiguous()))
+
+    def scale_(self, x, coef):
+        self._C.scale_cuda_(x, coef)
+        return x
+
+
+_CLASSES = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend, "cuda": CudaBackend}
 _instances: dict[str, Backend] = {}
 _load_errors: dict[str, BaseException] = {}
 _announced: set[tuple[str, str]] = set()
@@ -191,4 +227,6 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
     if backend is None:
         hint = " (build it with GAENGINE_BUILD_EXT=1 pip install --no-build-isolation -e .)" if name == "cpu" else ""
         raise RuntimeError(f"backend {name!r} could not be loaded{hint}: {_load_errors[name]}") from _load_errors[name]
+    if name == "cuda" and device.type != "cuda":
+        raise RuntimeError(f"backend 'cuda' runs on CUDA tensors only, got device {device}")
     return backend
