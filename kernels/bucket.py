@@ -120,7 +120,8 @@ def _accumulate_bucket_kernel(
             tl.store(out_ptr + offsets, out, mask=mask)
             out = tl.where(mask, out, 0.0)  # lanes past the end add nothing to the partials
             sum_sq_lanes += out * out
-            non_finite_lanes = tl.maximum(non_finite_lanes, ((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32))
+            bad = ((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32)
+            non_finite_lanes = tl.maximum(non_finite_lanes, bad)
         sum_sq = tl.sum(sum_sq_lanes, axis=0)
         non_finite = tl.max(non_finite_lanes, axis=0)
     if WRITE_PARTIALS:
@@ -133,7 +134,8 @@ def num_blocks(numels: Sequence[int], block_size: int = BLOCK_SIZE) -> int:
     return sum(triton.cdiv(int(n), block_size) for n in numels)
 
 
-def _block_table(numels: tuple[int, ...], order: tuple[int, ...], block_size: int, device: torch.device) -> torch.Tensor:
+def _block_table(numels: tuple[int, ...], order: tuple[int, ...], block_size: int,
+                 device: torch.device) -> torch.Tensor:
     """(n_blocks, 2) int32 on ``device``: [tensor index, chunk index] of every chunk, tensors in ``order``.
 
     Host-only integer work, cached per bucket shape (the same bucket is accumulated every micro-batch).
@@ -285,7 +287,8 @@ def l2norm_sq_from_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch
     """
     if not (isinstance(partials, torch.Tensor) and partials.dtype == torch.float32 and partials.dim() == 2
             and partials.shape[0] == 2 and partials.is_contiguous()):
-        got = f"a {tuple(partials.shape)} {partials.dtype} tensor" if isinstance(partials, torch.Tensor) else type(partials).__name__
+        got = (f"a {tuple(partials.shape)} {partials.dtype} tensor" if isinstance(partials, torch.Tensor)
+               else type(partials).__name__)
         raise ValueError(f"partials must be a contiguous (2, n) float32 tensor, got {got}")
     n_partials = partials.shape[1]
     if n_partials == 0:

@@ -147,7 +147,8 @@ def _cases() -> list[Case]:
                  "WRITE_PARTIALS": partials, "DST_ALIGNED": True, "SRC_ALIGNED": True,
                  "BLOCK_SIZE": bucket_block, "TAIL_SIZE": 256},
                 ("dst_ptr", "tensor_table_ptr", "block_table_ptr", "scale_ptr", "partials_ptr"), bucket_warps,
-                v4_loads=_accesses(bucket_block, bucket_warps, SRC_BYTES[dt]) + _accesses(bucket_block, bucket_warps, 4),
+                v4_loads=(_accesses(bucket_block, bucket_warps, SRC_BYTES[dt])
+                          + _accesses(bucket_block, bucket_warps, 4)),
                 v4_stores=_accesses(bucket_block, bucket_warps, 4),
             ))
     return cases
