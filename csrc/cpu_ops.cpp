@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "adamw.h"
 #include "cpu_kernels.h"
 
 #define CHECK_CPU(x) TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got device ", (x).device())
@@ -159,6 +160,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("l2norm_sq", &gaengine::l2norm_sq, "(sum of squares, found_inf) of x as two 0-d fp32 tensors",
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("scale_", &gaengine::scale_, "x *= coef in place, coef a 0-d CPU tensor", py::arg("x"), py::arg("coef"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_step_", &gaengine::adamw_step_,
+        "fused AdamW step of each param (one pass: m, v, param and the optional bf16/fp16 model copy), skipped "
+        "when found_inf != 0; see csrc/adamw.h",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("model_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"), py::arg("found_inf"),
         py::call_guard<py::gil_scoped_release>());
 #if defined(GAENGINE_WITH_CUDA)
   gaengine::register_cuda_ops(m);  // built with CUDA (setup.py): accumulate_cuda_, l2norm_sq_cuda, scale_cuda_

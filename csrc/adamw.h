@@ -1,0 +1,28 @@
+// The fused AdamW step of gaengine.optim.FusedAdamW on CPU tensors (defined in adamw.cpp, bound in cpu_ops.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace gaengine {
+
+// One AdamW update (torch.optim.AdamW semantics; Loshchilov & Hutter 2019) of every parameter i, one pass
+// over each: reads grads[i], exp_avgs[i], exp_avg_sqs[i], params[i]; writes exp_avgs[i], exp_avg_sqs[i],
+// params[i] and, when model_params[i] is given, its bf16/fp16 rounding of the new params[i].
+//   params[i]:       fp32, contiguous, CPU (the master weight), updated in place
+//   grads[i]:        fp32 | bf16 | fp16, contiguous, same numel, read
+//   exp_avgs[i], exp_avg_sqs[i]: fp32, contiguous, same numel, updated in place
+//   steps[i]:        0-d fp32 step count, incremented in place (the new value sets the bias corrections)
+//   model_params[i]: None, or bf16 | fp16 contiguous with the same numel, overwritten
+//   grad_scale:      None, or a 0-d fp32 CPU tensor: the gradient used is grads[i] / grad_scale
+//   found_inf:       None, or a 0-d fp32 CPU tensor: when != 0 nothing is written (steps included)
+// Contract violations raise (TORCH_CHECK) before anything is written.
+void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                 const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
+                 double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+
+}  // namespace gaengine

@@ -1,0 +1,188 @@
+// Range kernels of the fused AdamW step (gaengine.optim.FusedAdamW): one pass over [0, n) of one
+// parameter that reads grad, exp_avg (m), exp_avg_sq (v) and the fp32 param (the master weight), and writes
+// m, v, the param and, when a low-precision model parameter is attached, its bf16/fp16 rounding.
+//
+// Two implementations, chosen at run time like cpu_kernels.h: portable:: (the specification; plain C++)
+// and avx2:: (AVX2 + FMA + F16C intrinsics in GAENGINE_AVX2 functions, the portable kernel for the tail).
+//
+// Numerics: the fp32 operations of torch's fused CPU AdamW kernel (aten/src/ATen/native/cpu/
+// FusedAdamKernel.cpp, ADAM_MODE::ADAMW), in its order, with its coefficients rounded from double once:
+//   g  = grad / grad_scale                     (when a grad scale is given; then -g under maximize)
+//   p  = p * (1 - lr * wd)                     (decoupled weight decay; skipped when wd == 0)
+//   m  = fma(w, g - m, m)         (w < 0.5)    m.lerp_(g, w) with w = 1 - beta1, one rounding
+//      = fma(w - 1, g - m, g)     (w >= 0.5)
+//   v  = fma((1 - beta2) * g, g, v * beta2)    torch's source says v * beta2 + (1 - beta2) * g * g; its
+//                                              AVX2 build contracts it to this FMA (objdump of libtorch_cpu)
+//   p  = p + (-step_size * m) / (sqrt(v) / sqrt(bias_correction2) + eps)
+// No other contraction: adamw.cpp is built with fp-contract off, so these are exactly the roundings.
+// Both paths produce the same bits (the portable one calls std::fma where the AVX2 one has an FMA).
+// The model parameter receives round-to-nearest-even of the new p, bitwise equal to p.to(bf16 | fp16).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <type_traits>
+
+#include "cpu_kernels.h"  // portable::to_float, avx2::load8, GAENGINE_X86_KERNELS, GAENGINE_AVX2
+
+namespace gaengine {
+
+// The per-step coefficients, fp32 (each rounded once from its double value, as torch does).
+struct AdamWCoefs {
+  float grad_scale;        // g = grad / grad_scale when has_grad_scale
+  bool has_grad_scale;
+  bool maximize;           // g = -g
+  bool decay;              // weight_decay != 0
+  float decay_factor;      // 1 - lr * weight_decay
+  bool lerp_small;         // (1 - beta1) < 0.5: m = fma(w, g - m, m), else fma(w - 1, g - m, g)
+  float lerp_coeff;        // w or w - 1
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float eps;
+  float neg_step_size;     // -lr / bias_correction1
+  bool stream_model;       // write the model parameter with non-temporal stores (large tensors only)
+};
+
+// Tag for "no model parameter attached": nothing is written.
+struct NoModel {};
+
+namespace portable {
+
+inline uint16_t bf16_bits(float x) {  // c10::BFloat16's round_to_nearest_even, bit operations only
+  if (std::isnan(x)) return UINT16_C(0x7FC0);
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + UINT32_C(0x7FFF))) >> 16);
+}
+
+inline void store_model(NoModel*, int64_t, float) {}
+inline void store_model(c10::BFloat16* out, int64_t i, float x) { out[i].x = bf16_bits(x); }
+inline void store_model(c10::Half* out, int64_t i, float x) { out[i] = c10::Half(x); }  // RNE, exact IEEE
+
+template <typename grad_t, typename model_t>
+void adamw(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model, int64_t n,
+           const AdamWCoefs& c) {
+  for (int64_t i = 0; i < n; ++i) {
+    float g = to_float(grad[i]);
+    if (c.has_grad_scale) g = g / c.grad_scale;
+    if (c.maximize) g = -g;
+    float p = param[i];
+    if (c.decay) p = p * c.decay_factor;
+    const float m_old = exp_avg[i];
+    const float m = std::fma(c.lerp_coeff, g - m_old, c.lerp_small ? m_old : g);
+    const float g_scaled = c.one_minus_beta2 * g;
+    const float v_decayed = exp_avg_sq[i] * c.beta2;
+    const float v = std::fma(g_scaled, g, v_decayed);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    p = p + (c.neg_step_size * m) / denom;
+    param[i] = p;
+    store_model(model, i, p);
+  }
+}
+
+}  // namespace portable
+
+#if defined(GAENGINE_X86_KERNELS)
+namespace avx2 {
+
+// The 8 rounded values of x, as 16 bytes.
+GAENGINE_AVX2 inline __m128i round8(c10::BFloat16*, __m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // Every lane is <= 0xFFFF, so the unsigned-saturating pack is exact.
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+GAENGINE_AVX2 inline __m128i round8(c10::Half*, __m256 x) {
+  return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// kStream: a non-temporal store (out 16-byte aligned): the model parameter is only written here, so a large
+// one need not be read into the cache first (saves 2 B/element of read-for-ownership traffic).
+template <bool kStream>
+GAENGINE_AVX2 inline void store8(NoModel*, __m256) {}
+
+template <bool kStream, typename model_t>
+GAENGINE_AVX2 inline void store8(model_t* out, __m256 x) {
+  const __m128i v = round8(out, x);
+  if (kStream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(out), v);
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), v);
+  }
+}
+
+template <typename model_t>
+GAENGINE_AVX2 inline model_t* offset(model_t* p, int64_t i) { return p + i; }
+GAENGINE_AVX2 inline NoModel* offset(NoModel* p, int64_t) { return p; }
+
+template <bool kStream, typename grad_t, typename model_t>
+GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
+                                 int64_t n, const AdamWCoefs& c) {
+  const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 decay_factor = _mm256_set1_ps(c.decay_factor);
+  const __m256 lerp_coeff = _mm256_set1_ps(c.lerp_coeff);
+  const __m256 beta2 = _mm256_set1_ps(c.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
+  const __m256 bc2_sqrt = _mm256_set1_ps(c.bias_correction2_sqrt);
+  const __m256 eps = _mm256_set1_ps(c.eps);
+  const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = load8(grad + i);
+    if (c.has_grad_scale) g = _mm256_div_ps(g, grad_scale);
+    if (c.maximize) g = _mm256_xor_ps(g, sign);
+    __m256 p = _mm256_loadu_ps(param + i);
+    if (c.decay) p = _mm256_mul_ps(p, decay_factor);
+    const __m256 m_old = _mm256_loadu_ps(exp_avg + i);
+    const __m256 m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m_old), c.lerp_small ? m_old : g);
+    const __m256 g_scaled = _mm256_mul_ps(one_minus_beta2, g);
+    const __m256 v_decayed = _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2);
+    const __m256 v = _mm256_fmadd_ps(g_scaled, g, v_decayed);
+    _mm256_storeu_ps(exp_avg + i, m);
+    _mm256_storeu_ps(exp_avg_sq + i, v);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
+    _mm256_storeu_ps(param + i, p);
+    store8<kStream>(offset(model, i), p);
+  }
+  return i;
+}
+
+template <typename grad_t, typename model_t>
+GAENGINE_AVX2 void adamw(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
+                         int64_t n, const AdamWCoefs& c) {
+  int64_t i;
+  if constexpr (!std::is_same_v<model_t, NoModel>) {
+    if (c.stream_model) {
+      // Peel elements until the model pointer is 16-byte aligned (it is 2-byte aligned), then stream.
+      const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(model) & 15);
+      const int64_t head = std::min<int64_t>(n, ((16 - misaligned) & 15) / 2);
+      portable::adamw(param, exp_avg, exp_avg_sq, grad, model, head, c);
+      i = head + adamw_body<true>(param + head, exp_avg + head, exp_avg_sq + head, grad + head, model + head,
+                                  n - head, c);
+      _mm_sfence();  // order the non-temporal stores before whatever follows the parallel region
+      portable::adamw(param + i, exp_avg + i, exp_avg_sq + i, grad + i, model + i, n - i, c);
+      return;
+    }
+  }
+  i = adamw_body<false>(param, exp_avg, exp_avg_sq, grad, model, n, c);
+  portable::adamw(param + i, exp_avg + i, exp_avg_sq + i, grad + i, offset(model, i), n - i, c);
+}
+
+}  // namespace avx2
+#endif  // GAENGINE_X86_KERNELS
+
+}  // namespace gaengine

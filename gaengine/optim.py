@@ -1,0 +1,348 @@
+"""``FusedAdamW``: torch's AdamW in one pass per parameter, with the clip coefficient, the skip flag and the
+fp32 master -> bf16/fp16 model write folded in, and no host sync.
+
+AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2), with
+``torch.optim.AdamW``'s defaults, state layout and fp32 arithmetic: per parameter ``step`` (0-d fp32 tensor on
+the parameter's device, as torch's fused path keeps it), ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's
+shape). A ``FusedAdamW`` state dict loads into ``torch.optim.AdamW`` and back.
+
+One update of a parameter is one kernel pass: read grad, m, v and the fp32 param (the master weight), write
+m, v, the param and, when a model parameter is attached (``attach_model_params``), its bf16/fp16 rounding.
+Bytes per element with an fp32 grad: 16 read + 12 written (+ 2 for an attached bf16 model parameter), against
+28 + 6 for torch's fused AdamW followed by a separate master -> model copy.
+
+Kernels: ``gaengine._C.adamw_step_`` (C++, AVX2 or portable, ``at::parallel_for``) for CPU tensors,
+``gaengine.kernels.adamw`` (Triton) for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a
+plain-torch fallback. On the CPU and Triton paths the result is bitwise equal to ``torch.optim.AdamW(fused=True)``
+on CPU (outside torch's scalar tail: the last ``numel % 8`` elements, where torch skips an FMA), and within
+1e-6 relative of the default ``torch.optim.AdamW`` (which rounds ``sqrt(v) / sqrt(bc2)`` differently).
+
+Integration protocol (the one torch's fused optimizers share with ``torch.amp.GradScaler``):
+``_step_supports_amp_scaling = True`` and ``defaults["fused"] = True``; before ``step()`` a caller may set
+``opt.grad_scale`` (0-d tensor: the gradient used is ``grad / grad_scale``) and ``opt.found_inf`` (0-d tensor:
+when != 0 nothing is written, step counts included). Both are read by the kernels through their pointers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.autograd.graph import increment_version
+
+from gaengine.backends import BACKEND_NAMES, get_backend
+
+__all__ = ["FusedAdamW"]
+
+logger = logging.getLogger("gaengine")
+
+_MODEL_DTYPES = (torch.bfloat16, torch.float16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Keys of torch.optim.AdamW's param groups that are implementation flags, not hyper-parameters: a loaded
+# state dict's values are replaced by FusedAdamW's, which are the ones a torch AdamW then loads back.
+_IMPL_FLAGS = {"foreach": None, "capturable": False, "differentiable": False, "fused": True,
+               "decoupled_weight_decay": True}
+
+KernelFn = Callable[..., None]
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the argument for a hyper-parameter FusedAdamW cannot use."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("lr must be a Python float: a tensor lr is not supported by FusedAdamW (it is passed "
+                         "to the kernels by value); use lr.item() once when building the param group")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0.0 or not math.isfinite(lr):
+        raise ValueError(f"lr must be a finite float >= 0, got {lr!r}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):
+            raise ValueError(f"betas[{i}] must be a Python float: tensor betas are not supported by FusedAdamW")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {beta!r}")
+    eps = group["eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0 or not math.isfinite(eps):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    wd = group["weight_decay"]
+    if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not wd >= 0.0 or not math.isfinite(wd):
+        raise ValueError(f"weight_decay must be a finite float >= 0, got {wd!r}")
+    if group.get("amsgrad", False):
+        raise ValueError("amsgrad=True is not supported by FusedAdamW (use torch.optim.AdamW(amsgrad=True))")
+    if not isinstance(group.get("maximize", False), bool):
+        raise ValueError(f"maximize must be a bool, got {group['maximize']!r}")
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW with ``torch.optim.AdamW``'s semantics and defaults, one fused pass per parameter, no host sync.
+
+    Args:
+        params: an iterable of Parameters or of param-group dicts (each may override any hyper-parameter).
+            Floating point; the ones that receive a gradient must be fp32 at ``step()`` (master weights:
+            ``GradientAccumulator`` swaps bf16/fp16 model parameters for fp32 masters).
+        lr: learning rate, a Python float >= 0 (a tensor lr raises ``ValueError``).
+        betas: ``(beta1, beta2)``, each in [0, 1): decay rates of the first and second moment estimates.
+        eps: added to ``sqrt(v_hat)`` after the bias correction (torch's placement), >= 0.
+        weight_decay: decoupled weight decay ``lambda``: ``p *= 1 - lr * lambda`` before the Adam step.
+        amsgrad: must be False (``ValueError`` otherwise; kept so torch's signature and state dicts fit).
+        maximize: ascend the objective instead.
+        backend: "auto" | "cpu" | "triton" | "torch" (as ``gaengine.backends.get_backend``): "auto" picks the
+            C++ kernel for CPU tensors and Triton for CUDA ones, else the plain-torch fallback.
+
+    Per-parameter state: ``step`` (0-d fp32 on the parameter's device), ``exp_avg``, ``exp_avg_sq`` (fp32,
+    the parameter's shape), created at the parameter's first update.
+
+    The update of parameter ``p`` with gradient ``g`` at step ``t`` (fp32; coefficients rounded from double):
+    ``g = grad / grad_scale``; ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - beta1)``;
+    ``v = beta2 * v + (1 - beta2) * g * g``; ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
+
+    Raises ``ValueError`` naming the argument for a bad hyper-parameter (here and in ``add_param_group`` and
+    ``load_state_dict``); ``step()`` raises ``ValueError`` for a non-fp32 parameter with a gradient, a sparse
+    gradient or a tensor lr, before anything is written.
+    """
+
+    _step_supports_amp_scaling = True  # step() reads grad_scale / found_inf (torch.amp.GradScaler's protocol)
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+                        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, **_IMPL_FLAGS)
+        _check_hyperparameters(defaults)
+        self.backend = backend
+        self._kernels: dict[torch.device, KernelFn] = {}
+        self._model_params: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, model)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ param groups and state
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the hyper-parameters and parameters validated."""
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        _check_hyperparameters(merged)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if isinstance(p, torch.Tensor) and (not p.is_floating_point() or p.is_complex()):
+                raise ValueError(f"params must be floating point tensors, got one of dtype {p.dtype}")
+        super().add_param_group({**param_group, "params": params})
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.update(_IMPL_FLAGS)
+        for p, p_state in self.state.items():
+            if "step" in p_state and not torch.is_tensor(p_state["step"]):
+                p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=p.device)
+        self.__dict__.setdefault("_kernels", {})
+        self.__dict__.setdefault("_model_params", {})
+        self.__dict__.setdefault("backend", "auto")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``FusedAdamW`` or ``torch.optim.AdamW`` state dict.
+
+        The state is converted to FusedAdamW's layout: ``step`` a 0-d fp32 tensor on the parameter's device,
+        ``exp_avg`` / ``exp_avg_sq`` fp32 copies on that device (also when the parameters are still bf16/fp16
+        model parameters, which torch's loader would round the moments to). Raises ``ValueError`` for a group
+        with ``amsgrad=True`` or an invalid hyper-parameter, before anything is loaded.
+        """
+        for group in state_dict["param_groups"]:
+            _check_hyperparameters({**self.defaults, **group})
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            state = self.state[p]
+            # Copies: the kernels update the state in place, which must not write into the caller's dict.
+            step = saved["step"]
+            step = step.detach() if torch.is_tensor(step) else torch.tensor(float(step))
+            state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = saved[key].detach().to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+            state.pop("max_exp_avg_sq", None)
+
+    def attach_model_params(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After this, each update of ``master`` also writes its bf16/fp16 rounding into ``model_param``.
+
+        pairs: ``(master, model_param)`` tuples. ``master``: an fp32 contiguous parameter of this optimizer.
+            ``model_param``: bf16 | fp16, contiguous, same shape and device; overwritten by the update (in the
+            same pass) with exactly ``master.to(model_param.dtype)``. A skipped update (``found_inf``) or a
+            parameter without a gradient leaves it untouched. Attaching a master again replaces its model param.
+
+        Raises ``ValueError`` naming what is wrong, before anything is attached.
+        """
+        pairs = list(pairs)
+        own = {id(p) for g in self.param_groups for p in g["params"]}
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(f"pairs[{i}] must be a (master, model_param) tuple")
+            master, model = pair
+            if not isinstance(master, torch.Tensor) or id(master) not in own:
+                raise ValueError(f"pairs[{i}]: master is not a parameter of this optimizer")
+            if master.dtype != torch.float32 or not master.is_contiguous():
+                raise ValueError(f"pairs[{i}]: master must be a contiguous float32 tensor, got {master.dtype}")
+            if not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES:
+                got = model.dtype if isinstance(model, torch.Tensor) else type(model).__name__
+                raise ValueError(f"pairs[{i}]: model_param must be a bfloat16 or float16 tensor, got {got}")
+            if model.shape != master.shape or model.device != master.device or not model.is_contiguous():
+                raise ValueError(f"pairs[{i}]: model_param must be contiguous with master's shape {tuple(master.shape)} "
+                                 f"and device {master.device}, got {tuple(model.shape)} on {model.device}")
+        for master, model in pairs:
+            self._model_params[id(master)] = (master, model)
+
+    # ------------------------------------------------------------------ update
+    def _kernel(self, device: torch.device) -> KernelFn:
+        kernel = self._kernels.get(device)
+        if kernel is not None:
+            return kernel
+        name = get_backend(self.backend, device).name  # raises when a backend asked for by name cannot run
+        if name == "cpu":
+            from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
+
+            kernel = getattr(_C, "adamw_step_", None)
+            if kernel is None:
+                if self.backend == "cpu":
+                    raise RuntimeError("gaengine._C was built without adamw_step_: rebuild it with "
+                                       "pip install --no-build-isolation -e .")
+                logger.info("gaengine: FusedAdamW uses the torch fallback (gaengine._C lacks adamw_step_)")
+                kernel = adamw_step_torch
+        elif name == "triton":
+            from gaengine.kernels.adamw import adamw_step_  # noqa: PLC0415 - imports triton
+
+            kernel = adamw_step_
+        else:
+            kernel = adamw_step_torch
+        self._kernels[device] = kernel
+        return kernel
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss, if given.
+
+        Reads ``self.grad_scale`` / ``self.found_inf`` when set (0-d floating tensors, moved to each parameter
+        device without a sync): the gradient used is ``grad / grad_scale``, and ``found_inf != 0`` skips the
+        update entirely (parameters, moments, step counts and attached model parameters stay bit-identical).
+        No host sync: nothing here reads a tensor on the host.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            self._step_group(group, grad_scale, found_inf)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None,
+                    found_inf: torch.Tensor | None) -> None:
+        if isinstance(group["lr"], torch.Tensor):
+            raise ValueError("lr must be a Python float: a tensor lr is not supported by FusedAdamW")
+        per_device: dict[torch.device, tuple[list, ...]] = {}
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError("FusedAdamW does not support sparse gradients")
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"FusedAdamW updates float32 parameters (master weights), got one of dtype {p.dtype} with a "
+                    "gradient; keep fp32 masters (gaengine.GradientAccumulator does) or use torch.optim.AdamW"
+                )
+            if grad.dtype not in _GRAD_DTYPES:
+                raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype}")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            lists = per_device.setdefault(p.device, ([], [], [], [], [], []))
+            attached = self._model_params.get(id(p))
+            for out, t in zip(lists, (p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                                      attached[1] if attached is not None else None)):
+                out.append(t)
+        beta1, beta2 = group["betas"]
+        for device, (params, grads, exp_avgs, exp_avg_sqs, steps, models) in per_device.items():
+            self._kernel(device)(
+                params, grads, exp_avgs, exp_avg_sqs, steps, models,
+                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                bool(group["maximize"]), _on(grad_scale, device), _on(found_inf, device),
+            )
+            increment_version(params + [m for m in models if m is not None])  # they were written in place
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``t`` as a 0-d fp32 tensor on ``device`` (a non-blocking copy when it lives elsewhere; no sync)."""
+    if t is None:
+        return None
+    if t.device != device or t.dtype != torch.float32:
+        t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    return t.reshape(())
+
+
+def adamw_step_torch(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    model_params: list[torch.Tensor | None],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """The plain-torch fallback of the fused kernels: same contract (see ``gaengine.kernels.adamw.adamw_step_``).
+
+    Several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
+    Numerics: torch's eager ops (``lerp``, ``addcmul``), within a few fp32 ulps of the fused kernels.
+    """
+    if not params:
+        return
+    skip = None if found_inf is None else found_inf != 0
+    torch._foreach_add_(steps, 1 if found_inf is None else (~skip).to(torch.float32))
+    for p, g, m, v, step, model in zip(params, grads, exp_avgs, exp_avg_sqs, steps, model_params):
+        t = step.to(torch.float64)
+        neg_step_size = (-lr / (1.0 - torch.pow(beta1, t))).to(torch.float32)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).to(torch.float32)
+        grad = g.reshape(p.shape).to(torch.float32)
+        if grad_scale is not None:
+            grad = grad / grad_scale
+        if maximize:
+            grad = -grad
+        new_p = p * (1.0 - lr * weight_decay) if weight_decay != 0 else p.clone()
+        new_m = torch.lerp(m, grad, 1.0 - beta1)
+        new_v = torch.addcmul(v * beta2, grad, grad, value=1.0 - beta2)
+        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
+        if skip is not None:
+            new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
+        p.copy_(new_p)
+        m.copy_(new_m)
+        v.copy_(new_v)
+        if model is not None:
+            rounded = p.reshape(model.shape).to(model.dtype)
+            model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
