@@ -156,23 +156,6 @@ def _cases() -> list[Case]:
 
 CASES = _cases()
 
-# Variants over the full-occupancy register budget, as measured with triton 3.9 (case-arch -> registers).
-# Reported, not hidden: each is a non-strict xfail, which shows up as XPASS once the kernel fits.
-_ACCUMULATE_REGS = ("kernels/accumulate.py at BLOCK_SIZE 4096 x 8 warps (16 fp32 per thread) needs more than 32 "
-                    "registers when it adds (6 of 8 blocks per SM: 75% occupancy); measured: 2048 elements x 8 "
-                    "warps, or 4096 x 16 warps, fit in 26-32")
-_NORM_REGS = ("kernels/norm.py stage 1 needs more than 32 registers (16 blocks per program: buffers of 2^24 "
-              "elements or more, 4 of 8 blocks per SM; 16-bit input on sm_90: 6 of 8)")
-KNOWN_OVER_REGISTER_BUDGET = {
-    **dict.fromkeys(["accumulate-fp32-add-sm80", "accumulate-fp32-add-sm90", "accumulate-fp32-add-scaled-sm80",
-                     "accumulate-fp32-add-scaled-ptr-sm80", "accumulate-fp32-add-scaled-ptr-sm90",
-                     *(f"accumulate-{dt}-{mode}-sm90" for dt in ("bf16", "fp16")
-                       for mode in ("add", "add-scaled", "add-scaled-ptr"))], _ACCUMULATE_REGS),
-    **dict.fromkeys([*(f"norm-partial-{dt}-x16-{arch}" for dt in SRC_BYTES for arch in ARCHS),
-                     "norm-partial-bf16-x1-sm90", "norm-partial-fp16-x1-sm90"], _NORM_REGS),
-}
-
-
 # --- the compiler side: runs in a subprocess without TRITON_INTERPRET ---------------------------------------------
 
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
@@ -257,18 +240,9 @@ def compiled(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _params(select=lambda c: True, register_check=False):
-    params = []
-    for case in CASES:
-        if not select(case):
-            continue
-        for arch_id in ARCHS:
-            marks = []
-            reason = KNOWN_OVER_REGISTER_BUDGET.get(f"{case.id}-{arch_id}") if register_check else None
-            if reason:
-                marks.append(pytest.mark.xfail(reason=reason, strict=False))
-            params.append(pytest.param(case, arch_id, id=f"{case.id}-{arch_id}", marks=marks))
-    return params
+def _params(select=lambda c: True):
+    return [pytest.param(case, arch_id, id=f"{case.id}-{arch_id}")
+            for case in CASES if select(case) for arch_id in ARCHS]
 
 
 def _get(compiled, case, arch_id) -> dict:
@@ -304,7 +278,7 @@ def test_nothing_spills(compiled, case, arch_id):
     assert not r["ptx_local"], f"{case.id} {arch_id}: the PTX declares .local memory"
 
 
-@pytest.mark.parametrize("case, arch_id", _params(lambda c: not c.single_program, register_check=True))
+@pytest.mark.parametrize("case, arch_id", _params(lambda c: not c.single_program))
 def test_registers_allow_full_occupancy(compiled, case, arch_id):
     r = _get(compiled, case, arch_id)
     bound = full_occupancy_registers(r["num_warps"])
