@@ -6,7 +6,7 @@ reduced across ranks in buckets while backward runs, and handed to the optimizer
 neither initializes CUDA nor loads the compiled extension or triton.
 """
 
-from gaengine import ops
+from gaengine import ops, optim
 from gaengine.clip import clip_grad_norm_
 from gaengine.engine import GradientAccumulator, StepResult
 from gaengine.utils import MicroBatches, find_micro_batch_size, scale_lr, split_batch
@@ -22,6 +22,7 @@ __all__ = [
     "clip_grad_norm_",
     "find_micro_batch_size",
     "ops",
+    "optim",
     "scale_lr",
     "split_batch",
     "verify_equivalence",

@@ -1,0 +1,24 @@
+"""The public surface is small and pinned; importing gaengine is lean."""
+
+import subprocess
+import sys
+
+import gaengine
+
+
+def test_all_is_pinned():
+    assert sorted(gaengine.__all__) == sorted([
+        "EquivalenceReport", "GradientAccumulator", "MicroBatches", "StepResult", "clip_grad_norm_",
+        "find_micro_batch_size", "ops", "optim", "scale_lr", "split_batch", "verify_equivalence", "__version__",
+    ])
+    for name in gaengine.__all__:
+        assert hasattr(gaengine, name), name
+    assert callable(gaengine.optim.FusedAdamW)
+
+
+def test_import_is_lean():
+    code = ("import sys, torch, gaengine; "
+            "bad = [m for m in sys.modules if m == 'triton' or m.startswith('triton.') or m == 'gaengine._C']; "
+            "assert not bad, bad; assert not torch.cuda.is_initialized(); print('lean')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "lean" in out.stdout, out.stderr
