@@ -1,0 +1,301 @@
+"""Command line: ``gaengine train`` (and later ``bench`` and ``verify``).
+
+``main(argv)`` parses, runs and prints; the loops live in :mod:`gaengine.train` and write nothing. All
+console output and every file the job writes go through :class:`_Reporter`, the one place a multi-rank
+run will gate on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+class _UsageError(Exception):
+    """A bad combination of arguments found after parsing; reported like an argparse error (status 2)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _grad_norm(text: str) -> Optional[float]:
+    """``--max-grad-norm``: a positive number, or ``0`` / ``none`` / ``off`` to disable clipping."""
+    if text.strip().lower() in ("0", "0.0", "none", "off"):
+        return None
+    return _positive_float(text)
+
+
+def _add_train_parser(subparsers) -> None:
+    from gaengine.train import TrainConfig
+
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train a small byte-level GPT through the engine",
+        description=(
+            "Train a byte-level GPT through gaengine.GradientAccumulator and report loss, throughput and "
+            "memory. Default corpus: the .py files of this Python's standard library."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--data", type=Path, default=None,
+                   help="a text file, or a folder read recursively (*.txt, *.py, *.md, ...); default: the stdlib")
+    g.add_argument("--max-data-mb", type=_positive_float, default=4.0, help="read at most this many MiB of the corpus")
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layers", type=_positive_int, default=d.n_layers, help="transformer blocks")
+    g.add_argument("--d-model", type=_positive_int, default=d.d_model, help="residual width")
+    g.add_argument("--n-heads", type=_positive_int, default=d.n_heads, help="attention heads")
+    g.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="bytes per sequence (context length)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=d.dtype, help="parameter dtype")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer updates")
+    g.add_argument("--micro-batch-size", type=_positive_int, default=d.micro_batch_size, help="sequences per micro-batch")
+    g.add_argument("--accumulation-steps", type=_positive_int, default=d.accumulation_steps,
+                   help="micro-batches per update (K)")
+    g.add_argument("--lr", type=_positive_float, default=d.lr, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps, help="linear warmup updates")
+    g.add_argument("--max-grad-norm", type=_grad_norm, default=d.max_grad_norm,
+                   help="clip the gradient norm to this; 0 or 'none' disables clipping")
+    g.add_argument("--seed", type=int, default=d.seed, help="initialization and sampling seed")
+    g = p.add_argument_group("engine and device")
+    g.add_argument("--backend", choices=_BACKENDS, default=d.backend, help="gaengine backend")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    g = p.add_argument_group("reporting")
+    g.add_argument("--eval-interval", type=_non_negative_int, default=d.eval_interval,
+                   help="evaluate every N updates (0: only at the end)")
+    g.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches, help="fixed validation batches")
+    g.add_argument("--compare", action="store_true",
+                   help="also train the plain PyTorch recipe (same data, init, optimizer) and compare")
+    g.add_argument("--out", type=Path, default=None, help="output folder; default: runs/<timestamp>")
+    g.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gaengine`` argument parser, one subparser per command."""
+    parser = argparse.ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_train_parser(subparsers)
+    # Later: _add_bench_parser(subparsers), _add_verify_parser(subparsers).
+    return parser
+
+
+class _Reporter:
+    """Every line printed and every file written by a command; the single point to gate on rank 0."""
+
+    def __init__(self, out_dir: Path, quiet: bool) -> None:
+        self.out_dir = out_dir
+        self.quiet = quiet
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(out_dir / "metrics.jsonl", "w")
+        self._bar = None
+
+    def print(self, text: str = "") -> None:
+        print(text, flush=True)
+
+    def start_run(self, recipe: str, total: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc=recipe, unit="upd", disable=self.quiet, file=sys.stderr, dynamic_ncols=True)
+
+    def log(self, record: dict) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._bar is None:
+            return
+        if record["kind"] == "train":
+            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+            self._bar.update(1)
+        elif record["kind"] == "eval":
+            self._bar.write(f"  [{record['recipe']}] update {record['step']}: val loss {record['val_loss']:.4f}")
+
+    def end_run(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        self.end_run()
+        self._metrics.close()
+
+    def plot(self, results) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for r, color in zip(results, ("tab:blue", "tab:orange")):
+            steps = range(1, len(r.train_losses) + 1)
+            ax.plot(steps, r.train_losses, color=color, lw=1, alpha=0.8, label=f"{r.recipe} train")
+            if r.evals:
+                xs, ys = zip(*r.evals)
+                ax.plot(xs, ys, "o--", color=color, ms=5, label=f"{r.recipe} validation")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer update")
+        ax.set_ylabel("loss (nats / byte)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = self.out_dir / "loss.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _summary(results, config, corpus) -> str:
+    """The end-of-run table: one column per recipe, plus the gap when there are two."""
+    rows = [
+        ("updates", lambda r: f"{r.updates}" + (f" ({r.skipped_updates} skipped)" if r.skipped_updates else "")),
+        ("tokens", lambda r: f"{r.tokens:,}"),
+        ("wall time", lambda r: f"{r.wall_s:.1f} s"),
+        ("tokens/s (train)", lambda r: f"{r.tokens_per_s:,.0f}"),
+        ("first train loss", lambda r: f"{r.train_losses[0]:.4f}"),
+        ("final train loss", lambda r: f"{r.final_train_loss:.4f}"),
+        ("validation loss", lambda r: f"{r.val_loss:.4f}"),
+        ("grad norm min/max", lambda r: f"{min(r.grad_norms):.3g} / {max(r.grad_norms):.3g}"),
+        ("peak memory", lambda r: f"{_fmt_bytes(r.peak_memory_bytes)}"),
+    ]
+    names = [r.recipe for r in results]
+    table = [[label] + [fn(r) for r in results] for label, fn in rows]
+    if len(results) == 2:
+        a, b = results
+        names.append("gap (gaengine - torch)")
+        for row in table:
+            row.append("")
+        table[5][-1] = f"{a.final_train_loss - b.final_train_loss:+.4f}"
+        table[6][-1] = f"{a.val_loss - b.val_loss:+.4f}"
+    header = ["", *names]
+    widths = [max(len(row[i]) for row in [header] + table) for i in range(len(header))]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    out = [
+        f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
+        f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}",
+        f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}, "
+        f"{config.tokens_per_update:,} tokens per update; max_grad_norm {config.max_grad_norm}; lr {config.lr:g}",
+        f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
+        f"{corpus.val.numel():,} validation bytes",
+        "",
+        line(header),
+        line(["-" * w for w in widths]),
+        *(line(row) for row in table),
+        f"(final train loss: mean window loss over the last 10% of updates; peak memory: {results[0].peak_memory_kind}"
+        + (", cumulative over both runs of this process" if len(results) == 2 and config.device == "cpu" else "")
+        + ")",
+    ]
+    return "\n".join(out)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from gaengine.data import load_corpus
+    from gaengine.train import TrainConfig, train_gaengine, train_reference
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("--device cuda but no CUDA device is available")
+    try:
+        config = TrainConfig(
+            steps=args.steps,
+            micro_batch_size=args.micro_batch_size,
+            accumulation_steps=args.accumulation_steps,
+            seq_len=args.seq_len,
+            n_layers=args.n_layers,
+            d_model=args.d_model,
+            n_heads=args.n_heads,
+            dtype=args.dtype,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            max_grad_norm=args.max_grad_norm,
+            device=device,
+            backend=args.backend,
+            seed=args.seed,
+            eval_interval=args.eval_interval,
+            eval_batches=args.eval_batches,
+        )
+        corpus = load_corpus(args.data, max_bytes=int(args.max_data_mb * 2**20), min_split_bytes=args.seq_len + 1)
+    except (ValueError, FileNotFoundError) as e:
+        raise _UsageError(str(e)) from None
+
+    out_dir = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    reporter = _Reporter(out_dir, args.quiet)
+    try:
+        (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(config), "data": corpus.source}, indent=2) + "\n")
+        results = []
+        recipes = [train_gaengine] + ([train_reference] if args.compare else [])
+        for recipe in recipes:
+            reporter.start_run(recipe.__name__.removeprefix("train_").replace("reference", "torch"), config.steps)
+            results.append(recipe(config, corpus, log=reporter.log))
+            reporter.end_run()
+        plot = reporter.plot(results)
+        reporter.print(_summary(results, config, corpus))
+        reporter.print(f"wrote {out_dir / 'metrics.jsonl'}, {plot}")
+    finally:
+        reporter.close()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``gaengine`` console script; returns the exit status.
+
+    Usage errors exit with status 2 (argparse's convention, raised as ``SystemExit``); a configuration the
+    engine rejects returns 1 after printing its ``ValueError`` message.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except _UsageError as e:
+        parser.exit(2, f"gaengine {args.command}: error: {e}\n")
+    except ValueError as e:
+        # A configuration error raised by the engine (e.g. accumulation_steps=0): the message, no traceback.
+        print(f"gaengine {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Training loops of ``gaengine train``: the byte-level GPT trained through the engine, or the plain recipe.
+
+Two loops over the same micro-batches, the same initialization and the same optimizer configuration:
+
+* :func:`train_gaengine` — ``acc.backward(loss)`` per micro-batch and ``acc.step()`` at the end of each
+  accumulation window (fp32 main_grad accumulation, fp32 master weights, clip coefficient on device).
+* :func:`train_reference` — the standard PyTorch recipe (``research/pytorch_native.md`` §3):
+  ``(loss / K).backward()`` accumulating ``.grad`` in the parameter dtype, ``clip_grad_norm_``,
+  ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
+
+Both return a :class:`TrainResult` and report each update and each evaluation to an optional ``log``
+callback as a plain dict (the CLI turns those into the progress bar and ``metrics.jsonl``); this module
+prints and writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from gaengine.data import ByteCorpus, eval_batches, sample_batch
+from gaengine.engine import GradientAccumulator
+from gaengine.model import GPT, GPTConfig
+
+__all__ = ["DTYPES", "TrainConfig", "TrainResult", "build_model", "train_gaengine", "train_reference", "evaluate"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Parameter dtypes accepted by ``TrainConfig.dtype``."""
+
+LogFn = Callable[[dict], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a training run; both recipes read the same one."""
+
+    steps: int = 120
+    """Optimizer updates (accumulation windows)."""
+    micro_batch_size: int = 16
+    """Sequences per micro-batch."""
+    accumulation_steps: int = 4
+    """Micro-batches per update (K); effective batch = ``micro_batch_size * accumulation_steps`` sequences."""
+    seq_len: int = 128
+    """Tokens (bytes) per sequence; also the model's context length."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Residual width."""
+    n_heads: int = 4
+    """Attention heads."""
+    dtype: str = "bf16"
+    """Parameter dtype: ``bf16`` | ``fp16`` | ``fp32`` (the model is cast with ``model.to(dtype)``)."""
+    lr: float = 3e-3
+    """Peak learning rate (after warmup)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of ``lr``."""
+    warmup_steps: int = 10
+    """Updates of linear warmup from ``lr / warmup_steps``."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    max_grad_norm: Optional[float] = 1.0
+    """L2 clipping threshold of the normalized gradient; ``None`` disables clipping."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    backend: str = "auto"
+    """gaengine backend: ``auto`` | ``torch`` | ``cpu`` | ``triton``."""
+    seed: int = 0
+    """Seeds the initialization and the micro-batch sampler (the same for both recipes)."""
+    eval_interval: int = 50
+    """Evaluate every this many updates (and after the last one); 0: only after the last one."""
+    eval_batches: int = 8
+    """Validation batches of ``micro_batch_size`` sequences, fixed for the whole run."""
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "micro_batch_size", "accumulation_steps", "seq_len", "n_layers", "d_model", "n_heads")
+        for name in positive + ("eval_batches",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_interval < 0 or self.warmup_steps < 0:
+            raise ValueError(f"eval_interval and warmup_steps must be >= 0, got {self.eval_interval}, {self.warmup_steps}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+
+    @property
+    def tokens_per_update(self) -> int:
+        """Tokens consumed by one update: ``micro_batch_size * accumulation_steps * seq_len``."""
+        return self.micro_batch_size * self.accumulation_steps * self.seq_len
+
+    @property
+    def model_config(self) -> GPTConfig:
+        """Shape of the GPT this run trains."""
+        return GPTConfig(context_len=self.seq_len, n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads)
+
+
+@dataclass
+class TrainResult:
+    """Outcome of one training run; losses are mean cross-entropy per byte (nats)."""
+
+    recipe: str
+    """``gaengine`` or ``torch`` (the plain recipe)."""
+    num_params: int
+    """Distinct model parameters."""
+    updates: int = 0
+    """Optimizer updates taken (including skipped ones)."""
+    skipped_updates: int = 0
+    """Updates skipped because of a non-finite gradient (gaengine only)."""
+    tokens: int = 0
+    """Training tokens consumed."""
+    train_s: float = 0.0
+    """Wall time of the training steps, evaluation excluded (seconds)."""
+    wall_s: float = 0.0
+    """Wall time of the whole run, evaluation and setup included (seconds)."""
+    train_losses: list[float] = field(default_factory=list)
+    """Window loss of each update."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Gradient norm of each update (after normalization, before clipping)."""
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    """``(update, validation loss)`` pairs."""
+    peak_memory_bytes: int = 0
+    """Peak memory, see ``peak_memory_kind``."""
+    peak_memory_kind: str = ""
+    """What ``peak_memory_bytes`` measures."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput, evaluation excluded."""
+        return self.tokens / self.train_s if self.train_s > 0 else float("nan")
+
+    @property
+    def final_train_loss(self) -> float:
+        """Mean window loss over the last 10% of updates (at least one)."""
+        tail = self.train_losses[-max(1, len(self.train_losses) // 10) :]
+        return sum(tail) / len(tail) if tail else float("nan")
+
+    @property
+    def val_loss(self) -> float:
+        """Validation loss after the last update."""
+        return self.evals[-1][1] if self.evals else float("nan")
+
+
+def build_model(config: TrainConfig) -> GPT:
+    """The GPT for ``config``: initialized from ``config.seed`` in fp32, then cast to ``config.dtype``.
+
+    Both recipes call this, so they start from bitwise the same parameters.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = GPT(config.model_config)
+    return model.to(device=config.device, dtype=DTYPES[config.dtype])
+
+
+def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True
+    )
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup_steps`` updates, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches) -> float:
+    """Mean loss of ``model`` over ``batches`` (a list of ``(x, y)``), in eval mode; one host sync."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+    for x, y in batches:
+        total += model(x, y).float()
+    model.train(was_training)
+    return total.item() / len(batches)
+
+
+def _peak_memory(device: str) -> tuple[int, str]:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated(), "CUDA max_memory_allocated"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    return (peak if sys.platform == "darwin" else peak * 1024), "process peak RSS"
+
+
+# One update: takes the next-micro-batch function, returns 0-d tensors (loss, grad_norm, clip_coef, skipped).
+_UpdateFn = Callable[[Callable[[], tuple[torch.Tensor, torch.Tensor]]], tuple[torch.Tensor, ...]]
+# Builds a recipe's update function (and the cleanup to run after the last update) for one model.
+_MakeUpdate = Callable[
+    [GPT, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR], tuple[_UpdateFn, Callable[[], None]]
+]
+
+
+def _run(
+    recipe: str,
+    config: TrainConfig,
+    corpus: ByteCorpus,
+    make_update: _MakeUpdate,
+    log: Optional[LogFn],
+) -> TrainResult:
+    """The loop both recipes share: data, model, optimizer, scheduler, evaluation and bookkeeping."""
+    start = time.perf_counter()
+    if config.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model = build_model(config)
+    optimizer = _optimizer(model, config)
+    scheduler = _scheduler(optimizer, config)
+    update, finish = make_update(model, optimizer, scheduler)
+    generator = torch.Generator().manual_seed(config.seed)
+    val_batches = eval_batches(
+        corpus.val, config.eval_batches, config.micro_batch_size, config.seq_len, config.seed + 1, config.device
+    )
+    result = TrainResult(recipe=recipe, num_params=model.num_params())
+    log = log or (lambda record: None)
+
+    def next_micro_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_batch(corpus.train, config.micro_batch_size, config.seq_len, generator, config.device)
+
+    def run_eval(step: int) -> None:
+        val_loss = evaluate(model, val_batches)
+        result.evals.append((step, val_loss))
+        log({"kind": "eval", "recipe": recipe, "step": step, "val_loss": val_loss,
+             "elapsed_s": time.perf_counter() - start})
+
+    model.train()
+    try:
+        for step in range(1, config.steps + 1):
+            lr = scheduler.get_last_lr()[0]
+            t0 = time.perf_counter()
+            stats = update(next_micro_batch)
+            # One host sync per update, for logging only: the four 0-d results are read together.
+            loss, grad_norm, clip_coef, skipped = torch.stack([s.float() for s in stats]).tolist()
+            result.train_s += time.perf_counter() - t0
+            result.updates = step
+            result.tokens += config.tokens_per_update
+            result.skipped_updates += int(skipped)
+            result.train_losses.append(loss)
+            result.grad_norms.append(grad_norm)
+            log({"kind": "train", "recipe": recipe, "step": step, "loss": loss, "grad_norm": grad_norm,
+                 "clip_coef": clip_coef, "skipped": bool(skipped), "lr": lr, "tokens": result.tokens,
+                 "elapsed_s": time.perf_counter() - start, "tokens_per_s": result.tokens_per_s})
+            if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
+                run_eval(step)
+    finally:
+        finish()
+    result.wall_s = time.perf_counter() - start
+    result.peak_memory_bytes, result.peak_memory_kind = _peak_memory(config.device)
+    return result
+
+
+def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None) -> TrainResult:
+    """Train through :class:`gaengine.GradientAccumulator`; see the module docstring.
+
+    Raises what the accumulator raises for a bad configuration (``ValueError``, or ``RuntimeError`` for a
+    backend asked for by name that cannot load).
+    """
+    def make_update(model, optimizer, scheduler):
+        # The optimizer is built over the model's params first; the accumulator re-points it at its fp32
+        # master weights when the params are bf16/fp16.
+        acc = GradientAccumulator(
+            model,
+            optimizer,
+            accumulation_steps=config.accumulation_steps,
+            max_grad_norm=config.max_grad_norm,
+            lr_scheduler=scheduler,
+            backend=config.backend,
+        )
+
+        def update(next_micro_batch):
+            result = None
+            while result is None:
+                x, y = next_micro_batch()
+                acc.backward(model(x, y))
+                result = acc.step()
+            return result.loss, result.grad_norm, result.clip_coef, result.skipped
+
+        return update, acc.close
+
+    return _run("gaengine", config, corpus, make_update, log)
+
+
+def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None) -> TrainResult:
+    """Train with the plain PyTorch recipe on the same data, initialization and optimizer configuration.
+
+    ``.grad`` accumulates in the parameter dtype over ``K`` micro-batches of ``(loss / K).backward()``;
+    then ``clip_grad_norm_`` (or only the norm when clipping is off), ``optimizer.step()``,
+    ``zero_grad(set_to_none=True)`` and ``scheduler.step()``. Nothing is skipped on a non-finite gradient.
+    """
+    k = config.accumulation_steps
+
+    def make_update(model, optimizer, scheduler):
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def update(next_micro_batch):
+            loss_sum = torch.zeros((), dtype=torch.float32, device=config.device)
+            for _ in range(k):
+                x, y = next_micro_batch()
+                loss = model(x, y)
+                (loss / k).backward()
+                loss_sum += loss.detach().float()
+            if config.max_grad_norm is None:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                clip_coef = torch.ones((), device=config.device)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                # The coefficient clip_grad_norm_ applied (torch/nn/utils/clip_grad.py).
+                clip_coef = (config.max_grad_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            skipped = torch.zeros((), dtype=torch.bool, device=config.device)
+            return loss_sum / k, grad_norm, clip_coef, skipped
+
+        return update, lambda: None
+
+    return _run("torch", config, corpus, make_update, log)
