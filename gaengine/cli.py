@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser"]
 
-_BACKENDS = ("auto", "torch", "cpu", "triton")
+_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
 class _UsageError(Exception):
@@ -106,7 +106,53 @@ def _add_train_parser(subparsers) -> None:
                    help="also train the plain PyTorch recipe (same data, init, optimizer) and compare")
     g.add_argument("--out", type=Path, default=None, help="output folder; default: runs/<timestamp>")
     g.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("robustness and multi-rank")
+    g.add_argument("--auto-micro-batch", action="store_true",
+                   help="on an out-of-memory error, drop the window, halve the micro-batch and double the "
+                        "accumulation steps (same effective batch); single process only")
+    g.add_argument("--dist-timeout", type=_positive_float, default=600.0,
+                   help="under torchrun: seconds a rank waits for the others before failing (process group timeout)")
     p.set_defaults(func=_cmd_train)
+
+
+def _add_verify_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check that accumulation over micro-batches equals the large batch on the built-in GPT",
+        description="Compare the gradient of one batch with the engine's accumulated gradient over its split "
+                    "into micro-batches (gaengine.verify_equivalence) and print the per-parameter report.",
+    )
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences in the whole batch")
+    p.add_argument("--accumulation-steps", type=_positive_int, default=4, help="micro-batches it is split into")
+    p.add_argument("--seq-len", type=_positive_int, default=64, help="bytes per sequence")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32", help="parameter dtype")
+    p.add_argument("--backend", choices=_BACKENDS, default="auto", help="gaengine backend")
+    p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
+    p.add_argument("--data", type=Path, default=None, help="text file or folder (default: the standard library)")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from gaengine.data import load_corpus, sample_batch
+    from gaengine.train import TrainConfig, build_model
+    from gaengine.verify import verify_equivalence
+
+    try:
+        config = TrainConfig(seq_len=args.seq_len, dtype=args.dtype, seed=args.seed, backend=args.backend)
+        corpus = load_corpus(args.data, max_bytes=2**20, min_split_bytes=args.seq_len + 1)
+    except (ValueError, FileNotFoundError) as e:
+        raise _UsageError(str(e)) from None
+    if args.accumulation_steps > args.batch_size:
+        raise _UsageError(f"--accumulation-steps ({args.accumulation_steps}) exceeds --batch-size ({args.batch_size})")
+    model = build_model(config)
+    batch = sample_batch(corpus.train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+    report = verify_equivalence(model, lambda m, b: m(*b), batch, args.accumulation_steps, backend=args.backend)
+    print(f"gaengine verify: {model.num_params():,}-parameter byte-level GPT ({args.dtype}), batch of "
+          f"{args.batch_size} x {args.seq_len} bytes vs {args.accumulation_steps} micro-batches")
+    print(report)
+    return 0 if report.passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,22 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(subparsers)
-    # Later: _add_bench_parser(subparsers), _add_verify_parser(subparsers).
+    _add_verify_parser(subparsers)
     return parser
 
 
 class _Reporter:
     """Every line printed and every file written by a command; the single point to gate on rank 0."""
 
-    def __init__(self, out_dir: Path, quiet: bool) -> None:
+    def __init__(self, out_dir: Path, quiet: bool, enabled: bool = True) -> None:
         self.out_dir = out_dir
-        self.quiet = quiet
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(out_dir / "metrics.jsonl", "w")
+        self.quiet = quiet or not enabled
+        self.enabled = enabled  # False on every rank but 0: nothing printed, nothing written
+        if enabled:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(out_dir / "metrics.jsonl", "w") if enabled else None
         self._bar = None
 
     def print(self, text: str = "") -> None:
-        print(text, flush=True)
+        if self.enabled:
+            print(text, flush=True)
 
     def start_run(self, recipe: str, total: int) -> None:
         from tqdm import tqdm
@@ -137,8 +186,16 @@ class _Reporter:
         self._bar = tqdm(total=total, desc=recipe, unit="upd", disable=self.quiet, file=sys.stderr, dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
+        if record["kind"] == "oom":
+            message = (f"  out of memory: window dropped; micro-batch {record['previous'][0]} -> "
+                       f"{record['micro_batch_size']}, accumulation steps {record['previous'][1]} -> "
+                       f"{record['accumulation_steps']} (effective batch {record['effective_batch_size']})")
+            (self._bar.write if self._bar is not None else print)(message)
+            return
         if self._bar is None:
             return
         if record["kind"] == "train":
@@ -154,7 +211,8 @@ class _Reporter:
 
     def close(self) -> None:
         self.end_run()
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     def plot(self, results) -> Path:
         import matplotlib
@@ -186,7 +244,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _summary(results, config, corpus) -> str:
+def _summary(results, config, corpus, world: int = 1) -> str:
     """The end-of-run table: one column per recipe, plus the gap when there are two."""
     rows = [
         ("updates", lambda r: f"{r.updates}" + (f" ({r.skipped_updates} skipped)" if r.skipped_updates else "")),
@@ -215,7 +273,8 @@ def _summary(results, config, corpus) -> str:
         f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
         f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}",
         f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}, "
-        f"{config.tokens_per_update:,} tokens per update; max_grad_norm {config.max_grad_norm}; lr {config.lr:g}",
+        f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update; max_grad_norm {config.max_grad_norm}; "
+        f"lr {config.lr:g}",
         f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
         f"{corpus.val.numel():,} validation bytes",
         "",
@@ -256,27 +315,56 @@ def _cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
             eval_interval=args.eval_interval,
             eval_batches=args.eval_batches,
+            auto_micro_batch=args.auto_micro_batch,
         )
         corpus = load_corpus(args.data, max_bytes=int(args.max_data_mb * 2**20), min_split_bytes=args.seq_len + 1)
     except (ValueError, FileNotFoundError) as e:
         raise _UsageError(str(e)) from None
 
+    rank, world = _init_distributed(device, args.dist_timeout)
+    if world > 1 and args.compare:
+        raise _UsageError("--compare runs the single-process plain recipe; run it without torchrun")
+    if world > 1 and args.auto_micro_batch:
+        raise _UsageError("--auto-micro-batch is single-process only (an out-of-memory error on one rank "
+                          "would leave the others waiting in the all-reduce)")
     out_dir = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    reporter = _Reporter(out_dir, args.quiet)
+    reporter = _Reporter(out_dir, args.quiet, enabled=rank == 0)
     try:
-        (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(config), "data": corpus.source}, indent=2) + "\n")
+        if reporter.enabled:
+            (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(config), "data": corpus.source}, indent=2) + "\n")
         results = []
         recipes = [train_gaengine] + ([train_reference] if args.compare else [])
         for recipe in recipes:
             reporter.start_run(recipe.__name__.removeprefix("train_").replace("reference", "torch"), config.steps)
             results.append(recipe(config, corpus, log=reporter.log))
             reporter.end_run()
-        plot = reporter.plot(results)
-        reporter.print(_summary(results, config, corpus))
-        reporter.print(f"wrote {out_dir / 'metrics.jsonl'}, {plot}")
+        if reporter.enabled:
+            plot = reporter.plot(results)
+            reporter.print(_summary(results, config, corpus, world))
+            reporter.print(f"wrote {out_dir / 'metrics.jsonl'}, {plot}")
     finally:
         reporter.close()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
+
+
+def _init_distributed(device: str, timeout_s: float) -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, gloo on CPU); returns (rank, world)."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

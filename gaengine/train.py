@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from gaengine.data import ByteCorpus, eval_batches, sample_batch
 from gaengine.engine import GradientAccumulator
 from gaengine.model import GPT, GPTConfig
+from gaengine.utils import is_oom_error
 
 __all__ = ["DTYPES", "TrainConfig", "TrainResult", "build_model", "train_gaengine", "train_reference", "evaluate"]
 
@@ -76,6 +78,9 @@ class TrainConfig:
     """Evaluate every this many updates (and after the last one); 0: only after the last one."""
     eval_batches: int = 8
     """Validation batches of ``micro_batch_size`` sequences, fixed for the whole run."""
+    auto_micro_batch: bool = False
+    """On an out-of-memory error mid-window: drop the window (``acc.zero_grad()``), halve the micro-batch,
+    double the accumulation steps (same effective batch) and go on. Single process only."""
 
     def __post_init__(self) -> None:
         positive = ("steps", "micro_batch_size", "accumulation_steps", "seq_len", "n_layers", "d_model", "n_heads")
@@ -195,6 +200,13 @@ def evaluate(model: torch.nn.Module, batches) -> float:
     return total.item() / len(batches)
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (``0, 1`` without an initialized process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _peak_memory(device: str) -> tuple[int, str]:
     if device == "cuda":
         return torch.cuda.max_memory_allocated(), "CUDA max_memory_allocated"
@@ -232,9 +244,15 @@ def _run(
     )
     result = TrainResult(recipe=recipe, num_params=model.num_params())
     log = log or (lambda record: None)
+    # Multi-rank: each rank samples from its own contiguous shard of the training bytes.
+    rank, world = rank_and_world()
+    n = corpus.train.numel()
+    shard = corpus.train[rank * n // world:(rank + 1) * n // world] if world > 1 else corpus.train
+    if shard.numel() <= config.seq_len:
+        raise ValueError(f"the training data is too small for {world} ranks of seq_len {config.seq_len}")
 
-    def next_micro_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_batch(corpus.train, config.micro_batch_size, config.seq_len, generator, config.device)
+    def next_micro_batch(size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_batch(shard, size or config.micro_batch_size, config.seq_len, generator, config.device)
 
     def run_eval(step: int) -> None:
         val_loss = evaluate(model, val_batches)
@@ -252,7 +270,7 @@ def _run(
             loss, grad_norm, clip_coef, skipped = torch.stack([s.float() for s in stats]).tolist()
             result.train_s += time.perf_counter() - t0
             result.updates = step
-            result.tokens += config.tokens_per_update
+            result.tokens += config.tokens_per_update * world
             result.skipped_updates += int(skipped)
             result.train_losses.append(loss)
             result.grad_norms.append(grad_norm)
@@ -284,19 +302,41 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
             max_grad_norm=config.max_grad_norm,
             lr_scheduler=scheduler,
             backend=config.backend,
+            micro_batch_size=config.micro_batch_size,
         )
 
         def update(next_micro_batch):
             result = None
             while result is None:
-                x, y = next_micro_batch()
-                acc.backward(model(x, y))
+                x, y = next_micro_batch(acc.micro_batch_size)
+                try:
+                    acc.backward(model(x, y))
+                except Exception as exc:
+                    if not (config.auto_micro_batch and is_oom_error(exc)) or acc.micro_batch_size == 1:
+                        raise
+                    del exc
+                    _halve_micro_batch(acc, log)
+                    continue
                 result = acc.step()
             return result.loss, result.grad_norm, result.clip_coef, result.skipped
 
         return update, acc.close
 
     return _run("gaengine", config, corpus, make_update, log)
+
+
+def _halve_micro_batch(acc: GradientAccumulator, log: Optional[LogFn]) -> None:
+    """After an out-of-memory error: drop the window, halve the micro-batch, double the steps."""
+    acc.zero_grad()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    old = (acc.micro_batch_size, acc.accumulation_steps)
+    acc.micro_batch_size = max(1, acc.micro_batch_size // 2)
+    acc.accumulation_steps = acc.accumulation_steps * old[0] // acc.micro_batch_size
+    if log is not None:
+        log({"kind": "oom", "recipe": "gaengine", "micro_batch_size": acc.micro_batch_size,
+             "accumulation_steps": acc.accumulation_steps, "previous": list(old),
+             "effective_batch_size": acc.effective_batch_size})
 
 
 def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None) -> TrainResult:
@@ -314,7 +354,7 @@ def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn
         def update(next_micro_batch):
             loss_sum = torch.zeros((), dtype=torch.float32, device=config.device)
             for _ in range(k):
-                x, y = next_micro_batch()
+                x, y = next_micro_batch(config.micro_batch_size)
                 loss = model(x, y)
                 (loss / k).backward()
                 loss_sum += loss.detach().float()

@@ -124,3 +124,50 @@ def test_parser_defaults_and_clip_off():
         assert parser.parse_args(["train", "--max-grad-norm", off]).max_grad_norm is None
     with pytest.raises(SystemExit):
         parser.parse_args([])  # a command is required
+
+
+def test_torchrun_two_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 -m gaengine train --steps 3` (gloo on CPU): rank 0 alone writes the outputs."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+           "-m", "gaengine", "train", "--steps", "3", *TINY, "--out", str(out), "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(out)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert train[-1]["tokens"] == 3 * 2 * 2 * 16 * 2  # both ranks' tokens
+    assert proc.stdout.count("2 rank(s)") == 1  # one summary, from rank 0
+
+
+def test_auto_micro_batch_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from gaengine.model import GPT
+
+    real_forward = GPT.forward
+
+    def forward(self, x, y=None):
+        if x.shape[0] > 1:
+            raise torch.OutOfMemoryError("simulated: micro-batch of more than 1 sequence")
+        return real_forward(self, x, y)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    out = tmp_path / "run"
+    args = ["train", "--steps", "2", *TINY, "--out", str(out), "--eval-batches", "1"]
+    monkeypatch.setattr("gaengine.train.evaluate", lambda model, batches: 1.0)  # eval batches are 2 sequences
+    assert main([*args, "--auto-micro-batch"]) == 0
+    records = _records(out)
+    oom = [r for r in records if r["kind"] == "oom"]
+    assert oom == [{"kind": "oom", "recipe": "gaengine", "micro_batch_size": 1, "accumulation_steps": 4,
+                    "previous": [2, 2], "effective_batch_size": 4}]
+    assert len([r for r in records if r["kind"] == "train"]) == 2
+    assert "out of memory: window dropped" in capsys.readouterr().out
+    with pytest.raises(torch.OutOfMemoryError):  # without the flag the error propagates
+        main([*args, "--out", str(tmp_path / "run2")])
+
+
+def test_verify_prints_a_passing_report(capsys):
+    assert main(["verify", "--batch-size", "8", "--accumulation-steps", "4", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out.upper() and "blocks.0.attn.qkv.weight" in out
