@@ -20,9 +20,15 @@ Bytes model, per parameter (each pass's own reads and writes, fp32 = 4 B, bf16 =
   recipe  46 B = clip_grad_norm_: norm read grad 4 + clip grad *= coef read 4 write 4
                + fused AdamW: read grad, m, v, master 16, write m, v, master 12
                + master -> model copy: read 4 write 2
-So the bytes alone predict a 46 / 34 = 1.35x speedup at equal bandwidth. Two more rows time the optimizer
-step by itself (FusedAdamW 30 B with the model write, torch fused AdamW 28 B), to show each kernel's bandwidth.
-Peak: fp32 ``a.add_(b)`` (12 B/element) on the same device in the same run; ``% of peak`` = GB/s / peak.
+So the bytes alone predict a 46 / 34 = 1.35x speedup at equal bandwidth (not counted: the read-for-ownership
+of the recipe's bf16 copy, +2 B, which the engine's non-temporal model stores avoid for large parameters).
+The indented rows time each pass by itself (same bytes model per pass), to show where the rest comes from.
+On a 2-core CPU the AdamW kernels are compute-bound when memory is fast (each divides and takes a square root
+per element) and memory-bound when other processes take the bandwidth; torch's CPU norm and fp32 -> bf16
+copy fall further behind in the second case, so the measured speedup moves between the bytes ratio and ~2x.
+Peak: fp32 ``a.add_(b)`` (12 B/element) on the same device; ``% of peak`` = GB/s / peak. All rows are timed in
+interleaved rounds (one call of each per round), and a speedup is the median of the per-round ratios, so a
+machine shared with other processes shifts every row alike.
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import gb_per_s, print_table, time_ms, write_json  # noqa: E402
+from common import gb_per_s, print_table, write_json  # noqa: E402
 
-from gaengine import GradientAccumulator  # noqa: E402
+from gaengine import GradientAccumulator, ops  # noqa: E402
 from gaengine.optim import FusedAdamW  # noqa: E402
 
 K = 4  # micro-batches per window
@@ -48,8 +54,11 @@ MAX_GRAD_NORM = 1.0
 LR, WEIGHT_DECAY = 1e-4, 0.01
 ENGINE_BYTES = 4 + 16 + 12 + 2  # norm; FusedAdamW reads; its writes; bf16 model write
 RECIPE_BYTES = 4 + 8 + 16 + 12 + 6  # norm; clip R+W; fused AdamW reads; its writes; master -> model copy
+NORM_BYTES = 4  # the engine's norm + non-finite flag over the fp32 main_grad
 FUSED_ADAMW_STEP_BYTES = 16 + 12 + 2
+CLIP_BYTES = 4 + 8  # clip_grad_norm_: the norm, then grad *= coef
 TORCH_ADAMW_STEP_BYTES = 16 + 12
+COPY_BYTES = 4 + 2  # fp32 master -> bf16 model
 PEAK_BYTES = 12  # fp32 a.add_(b)
 
 
@@ -58,19 +67,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_with_setup(setup: Callable[[], object], fn: Callable[[], object], device: torch.device, warmup: int,
-                    repeats: int) -> dict[str, float]:
-    """Like ``common.time_ms``, but runs ``setup()`` untimed before every call of ``fn``."""
-    samples_ms = []
-    for i in range(warmup + repeats):
-        setup()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i >= warmup:
-            samples_ms.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms)}
+def time_interleaved_with_setup(variants: dict[str, tuple[Callable[[], object] | None, Callable[[], object]]],
+                     device: torch.device, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """``common.time_interleaved`` with an untimed setup per call: every variant once per round, round after round.
+
+    variants: name -> (setup or None, fn); ``setup()`` runs untimed right before each timed ``fn()`` (the
+    device is synchronized around ``fn`` on CUDA). Returns name -> milliseconds of the ``repeats`` timed rounds
+    (``warmup`` rounds first, untimed). Interleaving matters on a shared CPU machine, where the bandwidth
+    available to one process drifts by 2x from one second to the next.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(warmup + repeats):
+        for name, (setup, fn) in variants.items():
+            if setup is not None:
+                setup()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r >= warmup:
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
 
 
 def split(numel: int, n_params: int) -> list[int]:
@@ -82,7 +99,7 @@ def split(numel: int, n_params: int) -> list[int]:
 
 
 def make_grads(sizes: list[int], device: torch.device, seed: int) -> list[list[torch.Tensor]]:
-    """K micro-batches of bf16 gradients per parameter, roughly unit scale (so clipping is active)."""
+    """K micro-batches of bf16 gradients per parameter (their window's norm is above 1: clipping is active)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [[(torch.randn(n, generator=g) * 1e-3).to(device=device, dtype=torch.bfloat16) for n in sizes]
             for _ in range(K)]
@@ -92,64 +109,78 @@ def bench(numel: int, n_params: int, device: torch.device, warmup: int, repeats:
     sizes = split(numel, n_params)
     micro_grads = make_grads(sizes, device, seed=0)
 
-    # Peak: fp32 a.add_(b), same size, same device, same run.
-    a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
-    peak = time_ms(lambda: a.add_(b), device=device, warmup=warmup, repeats=repeats)
-    peak_gbs = gb_per_s(numel, PEAK_BYTES, peak["median_ms"])
-    del a, b
-
-    # (a) the engine.
+    # (a) the engine: bf16 model parameters; the accumulator keeps fp32 masters and the fp32 main_grad.
     g0 = torch.Generator().manual_seed(1)
-    model = [nn.Parameter(torch.randn(n, generator=g0).to(device=device, dtype=torch.bfloat16)) for n in sizes]
-    fused = FusedAdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
-    acc = GradientAccumulator(model, fused, accumulation_steps=K, max_grad_norm=MAX_GRAD_NORM)
-
-    def engine_window() -> None:
-        for grads in micro_grads:
-            acc.backward(sum((p * g).sum() for p, g in zip(model, grads)))
-
-    engine = time_with_setup(engine_window, acc.step, device, warmup, repeats)
+    model_a = [nn.Parameter(torch.randn(n, generator=g0).to(device=device, dtype=torch.bfloat16)) for n in sizes]
+    fused = FusedAdamW(model_a, lr=LR, weight_decay=WEIGHT_DECAY)
+    acc = GradientAccumulator(model_a, fused, accumulation_steps=K, max_grad_norm=MAX_GRAD_NORM)
     writes_model = getattr(acc, "_optimizer_writes_model", False)
-    # FusedAdamW's step alone, on the engine's state (masters keep their main_grad views as .grad).
-    fused.grad_scale = torch.tensor(2.0, device=device)
-    fused.found_inf = torch.tensor(0.0, device=device)
-    fused_step = time_ms(fused.step, device=device, warmup=warmup, repeats=repeats)
-    del fused.grad_scale, fused.found_inf
-    acc.close()
-    del acc, fused, model
 
-    # (b) the standard recipe: fp32 masters with fp32 grads (the accumulated window, untimed).
+    def engine_window() -> None:  # untimed: K backward passes whose gradients are the synthetic ones
+        for grads in micro_grads:
+            acc.backward(sum((p * g).sum() for p, g in zip(model_a, grads)))
+
+    def fused_step_alone() -> None:  # on the engine's state: the masters keep their main_grad views as .grad
+        fused.grad_scale = torch.tensor(2.0, device=device)
+        fused.found_inf = torch.tensor(0.0, device=device)
+        fused.step()
+        del fused.grad_scale, fused.found_inf
+
+    # (b) the standard recipe: fp32 masters with fp32 grads (the accumulated window, made once, untimed).
     g0 = torch.Generator().manual_seed(1)
-    model = [torch.randn(n, generator=g0).to(device=device, dtype=torch.bfloat16) for n in sizes]
-    masters = [nn.Parameter(p.float()) for p in model]
+    model_b = [torch.randn(n, generator=g0).to(device=device, dtype=torch.bfloat16) for n in sizes]
+    masters = [nn.Parameter(p.float()) for p in model_b]
     for m, *gs in zip(masters, *micro_grads):
         m.grad = sum(g.float() for g in gs) / K
     ref = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
-    def recipe_update() -> None:
+    def clip() -> None:
         torch.nn.utils.clip_grad_norm_(masters, MAX_GRAD_NORM, foreach=True)
-        ref.step()
+
+    def copy_to_model() -> None:
         with torch.no_grad():
-            torch._foreach_copy_(model, masters)
+            torch._foreach_copy_(model_b, masters)
 
-    recipe = time_ms(recipe_update, device=device, warmup=warmup, repeats=repeats)
-    torch_step = time_ms(ref.step, device=device, warmup=warmup, repeats=repeats)
-    del ref, masters, model
+    def recipe_update() -> None:
+        clip()
+        ref.step()
+        copy_to_model()
 
+    a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    variants = {  # name -> (setup, fn, bytes per parameter, baseline name for the speedup)
+        "(b) recipe: clip_grad_norm_ + AdamW(fused) + master->bf16 copy": (None, recipe_update, RECIPE_BYTES, "b"),
+        "    clip_grad_norm_(foreach=True)": (None, clip, CLIP_BYTES, None),
+        "    torch AdamW(fused=True).step()": (None, ref.step, TORCH_ADAMW_STEP_BYTES, None),
+        "    torch._foreach_copy_(model, masters)": (None, copy_to_model, COPY_BYTES, None),
+        "(a) engine: acc.step() = norm + FusedAdamW (clip, skip, bf16 write fused)": (
+            engine_window, acc.step, ENGINE_BYTES, "b"),
+        "    l2norm_sq(main_grad) + non-finite flag": (None, lambda: ops.l2norm_sq(acc.main_grad.data), NORM_BYTES,
+                                                       None),
+        "    FusedAdamW.step() (grad_scale, found_inf, bf16 write)": (None, fused_step_alone, FUSED_ADAMW_STEP_BYTES,
+                                                                     "torch-step"),
+        "peak: fp32 a.add_(b)": (None, lambda: a.add_(b), PEAK_BYTES, None),
+    }
+    samples = time_interleaved_with_setup({k: (v[0], v[1]) for k, v in variants.items()}, device, warmup, repeats)
+    acc.close()
+    names = list(variants)
+    baselines = {"b": names[0], "torch-step": names[2]}
+    peak_name = names[-1]
+    peak_gbs = gb_per_s(numel, PEAK_BYTES, statistics.median(samples[peak_name]))
     rows = []
-    for label, t, nbytes, base in (
-        ("(b) recipe: clip_grad_norm_ + AdamW(fused) + master->bf16 copy", recipe, RECIPE_BYTES, recipe),
-        ("(a) engine: acc.step() = norm + FusedAdamW (clip, skip, bf16 write fused)", engine, ENGINE_BYTES, recipe),
-        ("    torch AdamW(fused=True).step() alone", torch_step, TORCH_ADAMW_STEP_BYTES, torch_step),
-        ("    FusedAdamW.step() alone (grad_scale, found_inf, bf16 write)", fused_step, FUSED_ADAMW_STEP_BYTES,
-         torch_step),
-    ):
-        gbs = gb_per_s(numel, nbytes, t["median_ms"])
-        rows.append({"device": str(device), "variant": label, "bytes_per_param": nbytes, "ms": t["median_ms"],
-                     "min_ms": t["min_ms"], "max_ms": t["max_ms"], "gb_s": gbs,
-                     "speedup": base["median_ms"] / t["median_ms"], "pct_of_peak": 100.0 * gbs / peak_gbs})
-    info = {"device": str(device), "peak_op": "fp32 a.add_(b)", "peak_ms": peak["median_ms"], "peak_gb_s": peak_gbs,
-            "engine_writes_model_in_optimizer": writes_model, "param_sizes": sizes}
+    for name, (_, _, nbytes, base) in variants.items():
+        if name == peak_name:
+            continue
+        ms = statistics.median(samples[name])
+        gbs = gb_per_s(numel, nbytes, ms)
+        # Speedup: the median over rounds of the per-round ratio (both timed seconds apart, same conditions).
+        speedup = None
+        if base is not None:
+            speedup = statistics.median(x / y for x, y in zip(samples[baselines[base]], samples[name]))
+        rows.append({"device": str(device), "variant": name, "bytes_per_param": nbytes, "ms": ms,
+                     "min_ms": min(samples[name]), "max_ms": max(samples[name]), "gb_s": gbs, "speedup": speedup,
+                     "pct_of_peak": 100.0 * gbs / peak_gbs})
+    info = {"device": str(device), "peak_op": "fp32 a.add_(b)", "peak_ms": statistics.median(samples[peak_name]),
+            "peak_gb_s": peak_gbs, "engine_writes_model_in_optimizer": writes_model, "param_sizes": sizes}
     return rows, info
 
 
@@ -159,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=int, default=5, help="number of parameter tensors (default 5)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -174,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
              f"torch threads={torch.get_num_threads()}; peak = fp32 a.add_(b) {info['peak_gb_s']:.1f} GB/s; "
              f"engine writes the bf16 model in the optimizer pass: {info['engine_writes_model_in_optimizer']}")
     print_table(rows, [("variant", "variant", "s"), ("bytes_per_param", "B/param", "d"), ("ms", "ms (median)", ".1f"),
-                       ("gb_s", "GB/s", ".1f"), ("speedup", "vs baseline", ".2f"), ("pct_of_peak", "% of peak", ".0f")],
-                title)
-    print("\nvs baseline: rows (a)/(b) against (b) the recipe; the two 'alone' rows against torch AdamW(fused).step().")
+                       ("min_ms", "ms (min)", ".1f"), ("gb_s", "GB/s", ".1f"), ("speedup", "speedup", ".2f"),
+                       ("pct_of_peak", "% of peak", ".0f")], title)
+    print("\nspeedup: median of per-round ratios; (a) against (b) the recipe, FusedAdamW.step() against torch "
+          "AdamW(fused=True).step(). Indented rows: each pass alone.")
     if args.json:
         params = {"numel": args.numel, "n_params": args.params, "accumulation_steps": K, "max_grad_norm": MAX_GRAD_NORM,
                   "engine_bytes_per_param": ENGINE_BYTES, "recipe_bytes_per_param": RECIPE_BYTES,

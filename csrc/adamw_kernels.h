@@ -15,8 +15,13 @@
 //                                              AVX2 build contracts it to this FMA (objdump of libtorch_cpu)
 //   p  = p + (-step_size * m) / (sqrt(v) / sqrt(bias_correction2) + eps)
 // No other contraction: adamw.cpp is built with fp-contract off, so these are exactly the roundings.
+// Every division is the IEEE one, RN(a / b): the AVX2 path computes the two divisions by a per-call scalar
+// (grad_scale, sqrt(bias_correction2)) with Markstein's correction where that is provably exact, and divides
+// elsewhere (avx2::div_by_scalar): on this CPU-bound loop a vdivps costs as much as ten other instructions.
 // Both paths produce the same bits (the portable one calls std::fma where the AVX2 one has an FMA).
-// The model parameter receives round-to-nearest-even of the new p, bitwise equal to p.to(bf16 | fp16).
+// The model parameter receives round-to-nearest-even of the new p, bitwise equal to p.to(bf16 | fp16)
+// (NaN -> 0x7FC0 for bf16, as c10::BFloat16; parameters from 2^20 elements on are written with
+// non-temporal stores).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -127,38 +132,85 @@ template <typename model_t>
 GAENGINE_AVX2 inline model_t* offset(model_t* p, int64_t i) { return p + i; }
 GAENGINE_AVX2 inline NoModel* offset(NoModel* p, int64_t) { return p; }
 
-template <bool kStream, typename grad_t, typename model_t>
+// RN(a / b) for 8 lanes and one divisor, by Markstein's correction instead of a division (as IA-64 does):
+// with y = RN(1 / b), q = RN(a * y), r = a - q * b (exact: one FMA), RN(q + r * y) = RN(a / b), provided
+// nothing underflows or overflows. The callers guarantee 2^-20 <= |b| <= 2^20. A lane whose q is not finite
+// (a inf or NaN, or a / b overflowing) keeps q, which is then a / b (r would be NaN).
+// kCheckRange: a may be anywhere (a gradient): a vector with a lane whose |a| is outside [2^-100, 2^100)
+// (zero, subnormal, tiny, huge, inf, NaN) takes the IEEE division. Without it, a must be 0 or in
+// [2^-100, 2^100) or inf/NaN (a square root of an fp32: [2^-75, 2^64]); a zero gives +0 (its sign is lost).
+// Checked against _mm256_div_ps on 8e8 random and adversarial (all-ones significand) pairs: no difference.
+template <bool kCheckRange>
+GAENGINE_AVX2 inline __m256 div_by_scalar(__m256 a, __m256 b, __m256 y) {
+  if (kCheckRange) {
+    const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7F800000));
+    const __m256i in_range = _mm256_and_si256(_mm256_cmpgt_epi32(exponent, _mm256_set1_epi32(26 << 23)),
+                                              _mm256_cmpgt_epi32(_mm256_set1_epi32(227 << 23), exponent));
+    if (_mm256_movemask_ps(_mm256_castsi256_ps(in_range)) != 0xFF) return _mm256_div_ps(a, b);
+  }
+  const __m256 q = _mm256_mul_ps(a, y);
+  const __m256 r = _mm256_fnmadd_ps(q, b, a);
+  const __m256 corrected = _mm256_fmadd_ps(r, y, q);
+  if (kCheckRange) return corrected;
+  return _mm256_blendv_ps(corrected, q, _mm256_cmp_ps(corrected, corrected, _CMP_UNORD_Q));
+}
+
+// How the gradient is divided by grad_scale: not at all, by Markstein's correction, or by vdivps (for a
+// grad_scale outside [2^-20, 2^20]).
+enum class Scale { kNone, kFast, kDivide };
+
+// The vector loop over whole vectors of [0, n); returns the number of elements it did (a multiple of 8).
+// Every per-call choice is a template argument or a local hoisted out of the loop: GCC reloads a struct
+// member on every iteration, because the stores through float* may alias it.
+template <bool kStream, Scale kScale, typename grad_t, typename model_t>
 GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
                                  int64_t n, const AdamWCoefs& c) {
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 grad_scale_rcp = _mm256_set1_ps(1.0f / c.grad_scale);
+  const bool maximize = c.maximize, decay = c.decay, lerp_small = c.lerp_small;
+  const bool fast_bc2 = c.bias_correction2_sqrt >= 0x1p-20f && c.bias_correction2_sqrt <= 0x1p20f;
   const __m256 decay_factor = _mm256_set1_ps(c.decay_factor);
   const __m256 lerp_coeff = _mm256_set1_ps(c.lerp_coeff);
   const __m256 beta2 = _mm256_set1_ps(c.beta2);
   const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
   const __m256 bc2_sqrt = _mm256_set1_ps(c.bias_correction2_sqrt);
+  const __m256 bc2_sqrt_rcp = _mm256_set1_ps(1.0f / c.bias_correction2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps);
   const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 g = load8(grad + i);
-    if (c.has_grad_scale) g = _mm256_div_ps(g, grad_scale);
-    if (c.maximize) g = _mm256_xor_ps(g, sign);
+    if constexpr (kScale == Scale::kFast) g = div_by_scalar<true>(g, grad_scale, grad_scale_rcp);
+    if constexpr (kScale == Scale::kDivide) g = _mm256_div_ps(g, grad_scale);
+    if (maximize) g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
     __m256 p = _mm256_loadu_ps(param + i);
-    if (c.decay) p = _mm256_mul_ps(p, decay_factor);
+    if (decay) p = _mm256_mul_ps(p, decay_factor);
     const __m256 m_old = _mm256_loadu_ps(exp_avg + i);
-    const __m256 m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m_old), c.lerp_small ? m_old : g);
+    const __m256 m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m_old), lerp_small ? m_old : g);
     const __m256 g_scaled = _mm256_mul_ps(one_minus_beta2, g);
     const __m256 v_decayed = _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2);
     const __m256 v = _mm256_fmadd_ps(g_scaled, g, v_decayed);
     _mm256_storeu_ps(exp_avg + i, m);
     _mm256_storeu_ps(exp_avg_sq + i, v);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+    const __m256 sqrt_v = _mm256_sqrt_ps(v);
+    const __m256 denom = _mm256_add_ps(
+        fast_bc2 ? div_by_scalar<false>(sqrt_v, bc2_sqrt, bc2_sqrt_rcp) : _mm256_div_ps(sqrt_v, bc2_sqrt), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(param + i, p);
     store8<kStream>(offset(model, i), p);
   }
   return i;
+}
+
+template <bool kStream, typename grad_t, typename model_t>
+GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
+                                 int64_t n, const AdamWCoefs& c) {
+  if (!c.has_grad_scale) return adamw_body<kStream, Scale::kNone>(param, exp_avg, exp_avg_sq, grad, model, n, c);
+  const float gs = std::fabs(c.grad_scale);
+  if (gs >= 0x1p-20f && gs <= 0x1p20f) {
+    return adamw_body<kStream, Scale::kFast>(param, exp_avg, exp_avg_sq, grad, model, n, c);
+  }
+  return adamw_body<kStream, Scale::kDivide>(param, exp_avg, exp_avg_sq, grad, model, n, c);
 }
 
 template <typename grad_t, typename model_t>

@@ -204,8 +204,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 got = model.dtype if isinstance(model, torch.Tensor) else type(model).__name__
                 raise ValueError(f"pairs[{i}]: model_param must be a bfloat16 or float16 tensor, got {got}")
             if model.shape != master.shape or model.device != master.device or not model.is_contiguous():
-                raise ValueError(f"pairs[{i}]: model_param must be contiguous with master's shape {tuple(master.shape)} "
-                                 f"and device {master.device}, got {tuple(model.shape)} on {model.device}")
+                raise ValueError(f"pairs[{i}]: model_param must be contiguous with master's shape "
+                                 f"{tuple(master.shape)} and device {master.device}, got {tuple(model.shape)} "
+                                 f"on {model.device}")
         for master, model in pairs:
             self._model_params[id(master)] = (master, model)
 
