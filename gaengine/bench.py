@@ -1,0 +1,841 @@
+"""``gaengine bench``: the kernel benchmarks and the end-to-end benchmark on one device, in one table.
+
+    gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale e2e] [--quick] [--threads N]
+                   [--json PATH] [--plot PNG]
+
+Every row is ``benchmark | variant | ms | GB/s | % of measured peak | ratio vs the torch baseline``.
+
+Kernel benchmarks, on flat buffers of ``--numel`` elements (2^25 on CPU, 2^28 on CUDA; 2^20 with ``--quick``),
+each gaengine backend that loads on the device (``torch``; ``cpu`` on CPU; ``triton``, ``cuda`` on CUDA) against
+the eager torch recipe it replaces. GB/s comes from one bytes model per benchmark (the kernel's own reads and
+writes), so a baseline that moves more bytes shows as slow as it is:
+
+* ``accumulate`` bf16 -> fp32, 10 B/element (read grad 2 + read main_grad 4 + write main_grad 4); baseline
+  ``main_grad.add_(grad.float())`` (the expression of ``tests.reference.eager_accumulate_``, written out here
+  because an installed package has no ``tests``: a cast pass, a temporary, an add).
+* ``l2norm`` sum of squares + non-finite flag of an fp32 buffer, 4 B/element (read 4); baselines
+  ``torch.linalg.vector_norm(x)`` and ``clip_grad_norm_``'s ``torch._foreach_norm`` over per-parameter views
+  followed by the norm of the stacked norms. Neither torch baseline returns a non-finite flag.
+* ``scale`` ``x *= coef`` with a 0-d device coefficient, 8 B/element (read 4 + write 4); baselines
+  ``x.mul_(coef)`` and ``clip_grad_norm_``'s ``torch._foreach_mul_`` over per-parameter views.
+
+Peak: ``dst.copy_(src)`` of fp32 buffers of the same size on the same device in the same run, 8 B/element
+(read 4 + write 4): the streaming bandwidth this device reaches now. ``% of peak`` = GB/s / peak GB/s.
+All kernel rows and the peak are timed in interleaved rounds (one call of each per round, in a shuffled
+order); ``ms`` is the median over rounds, and a ratio is the median of the per-round ratios ``baseline ms /
+variant ms`` (> 1: faster than torch), so a machine shared with other processes shifts every row alike.
+
+End-to-end (``e2e``): the byte-level GPT of :mod:`gaengine.model` in bf16, K = 8 micro-batches per update,
+AdamW (lr 1e-3, betas (0.9, 0.95), weight decay 0.1), clipping at 1.0, the same initialization and micro-batches
+for every variant. Variants (see :data:`E2E_VARIANTS`): gaengine with ``gaengine.optim.FusedAdamW`` and with
+``torch.optim.AdamW(fused=True)``; the plain recipe (bf16 ``.grad`` accumulation of ``(loss / K).backward()``,
+``clip_grad_norm_``, fused AdamW on the bf16 params, ``zero_grad(set_to_none=True)``); torch's native fp32
+accumulation (``param.grad_dtype = torch.float32``, fp32 master weights with ``master.grad = param.grad``,
+``clip_grad_norm_`` and fused AdamW on the masters, then ``torch._foreach_copy_(params, masters)``).
+Throughput: every variant on its own model in this process, one update of each per round, round after round;
+``ms`` is the median update, tokens/s = tokens per update / that median, the ratio is the median per-round
+speedup over the plain recipe. Memory: each variant again in a fresh subprocess (RSS is per process), a short
+run: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's peak RSS (``VmHWM``) and its growth
+above the RSS once the model and data exist; and on both an exact count of gradient + optimizer-state +
+master-weight bytes at their high point (the end of a window's last backward), deduplicated by storage.
+
+The generic helpers (``time_ms``, ``time_interleaved``, ``gb_per_s``, ``environment``, ``print_table``,
+``write_json``) are the ones ``benchmarks/*.py`` import, through ``benchmarks/common.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = [
+    "BENCHMARKS",
+    "E2EConfig",
+    "E2E_VARIANTS",
+    "add_parser",
+    "bench_kernels",
+    "bench_e2e",
+    "device_name",
+    "e2e_config",
+    "environment",
+    "gb_per_s",
+    "git_sha",
+    "print_table",
+    "run",
+    "time_interleaved",
+    "time_ms",
+    "write_json",
+]
+
+BENCHMARKS = ("accumulate", "l2norm", "scale", "e2e")
+"""Names accepted by ``--only``, in the order they run."""
+
+ACCUMULATE_BYTES_PER_ELEMENT = 10  # read bf16 grad 2 + read fp32 main_grad 4 + write fp32 main_grad 4
+L2NORM_BYTES_PER_ELEMENT = 4  # read fp32 4
+SCALE_BYTES_PER_ELEMENT = 8  # read fp32 4 + write fp32 4
+PEAK_BYTES_PER_ELEMENT = 8  # fp32 dst.copy_(src): read 4 + write 4
+NUM_VIEWS = 16  # per-parameter views of the flat buffer for the foreach baselines (clip_grad_norm_'s kernels)
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the repository root in a checkout / editable install
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], *, device: torch.device | str | None = None, warmup: int = 3,
+            repeats: int = 15) -> dict[str, float]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed one by one.
+
+    Returns ``{"median_ms", "min_ms", "max_ms"}`` in milliseconds of wall time per call (the device is
+    synchronized before and after each timed call when ``device`` is a CUDA device).
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples_ms = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples_ms.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms)}
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.device | str | None = None,
+                     warmup: int = 3, repeats: int = 15) -> dict[str, list[float]]:
+    """Time every function once per round, round after round, so that all of them see the same machine.
+
+    Returns name -> the ``repeats`` timed milliseconds of wall time per call (``warmup`` untimed rounds first;
+    the device is synchronized around each call when ``device`` is a CUDA device). On a shared machine the
+    bandwidth one process gets drifts by 2x from one second to the next; per-round ratios cancel that drift.
+    The order is shuffled each round (seeded), so that no function always runs first or after the same
+    neighbour (whose data may still sit in a cache, or whose temporaries the allocator must hand back).
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    order = random.Random(0)
+    for r in range(warmup + repeats):
+        order.shuffle(items)
+        for name, fn in items:
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r >= warmup:
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def gb_per_s(numel: int, bytes_per_element: float, ms: float) -> float:
+    """Bandwidth by a bytes model: ``numel * bytes_per_element`` bytes in ``ms`` milliseconds, in GB/s (1e9)."""
+    return numel * bytes_per_element / (ms * 1e-3) / 1e9
+
+
+def git_sha() -> str:
+    """HEAD of the checkout this package runs from (``-dirty`` when tracked files changed), or ``"unknown"``."""
+    if not (_PACKAGE_ROOT / ".git").exists():  # an installed wheel: no repository to ask
+        return "unknown"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_PACKAGE_ROOT, capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_PACKAGE_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable name of ``device``: the GPU's name, or the CPU model with the core and thread counts."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores, torch threads={torch.get_num_threads()})"
+
+
+def environment(devices: Sequence[torch.device | str]) -> dict[str, object]:
+    """Versions and machine facts recorded next to every result (torch, triton, CUDA, git SHA, device names)."""
+    env: dict[str, object] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_sha": git_sha(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "devices": {str(torch.device(d)): device_name(d) for d in devices},
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton  # noqa: PLC0415 - optional, and only its version is read
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def print_table(rows: Sequence[dict[str, object]], columns: Sequence[tuple[str, str, str]],
+                title: str | None = None) -> None:
+    """Print ``rows`` as a Markdown table; ``columns`` are ``(key, header, format)``, e.g. ``("ms", "ms", ".2f")``.
+
+    A missing or None value prints as an empty cell; text columns are left-aligned, numbers right-aligned.
+    """
+    cells = [[("" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns] for row in rows]
+    left = [any(isinstance(row.get(key), str) for row in rows) for key, _, _ in columns]
+    headers = [header for _, header, _ in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for c in cells:
+        print("| " + " | ".join(v.ljust(w) if lj else v.rjust(w) for v, w, lj in zip(c, widths, left)) + " |")
+
+
+def write_json(path: str | os.PathLike, benchmark: str, params: dict[str, object], rows: Sequence[dict[str, object]],
+               devices: Sequence[torch.device | str]) -> None:
+    """Write ``{"benchmark", "params", "environment", "results"}`` to ``path`` (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": benchmark, "params": params, "environment": environment(devices), "results": list(rows)}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+def _median_ratio(baseline_ms: Sequence[float], ms: Sequence[float]) -> float:
+    """Median over rounds of ``baseline / variant`` (> 1: the variant is faster)."""
+    return statistics.median(b / v for b, v in zip(baseline_ms, ms))
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+def _backends(device: torch.device) -> dict[str, Any]:
+    """gaengine backends that load and run on ``device``: torch; cpu on CPU; triton and cuda on CUDA.
+
+    Triton on CPU tensors (the interpreter) is a correctness tool, not a benchmark: it is left out.
+    """
+    from gaengine.backends import get_backend  # noqa: PLC0415 - keeps ``import gaengine.bench`` light
+
+    names = ("torch", "cpu") if device.type == "cpu" else ("torch", "triton", "cuda")
+    found = {}
+    for name in names:
+        try:
+            found[name] = get_backend(name, device)
+        except RuntimeError as exc:
+            print(f"skipping backend {name!r} on {device}: {str(exc).splitlines()[0]}")
+    return found
+
+
+def _split_views(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` contiguous views of flat ``x`` (the last one odd-sized), like a model's per-parameter grads."""
+    base = x.numel() // n
+    sizes = [base] * (n - 1) + [x.numel() - base * (n - 1)]
+    return list(x.split(sizes))
+
+
+def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, warmup: int = 3,
+                  repeats: int = 15) -> tuple[list[dict], dict]:
+    """Time the kernel benchmarks in ``which`` (of accumulate, l2norm, scale) and the peak copy, interleaved.
+
+    Returns the rows (one per variant; the first row of each benchmark is its torch baseline) and the peak
+    ``{"op", "ms", "gb_s", "bytes_per_element", "numel"}``. Each gaengine backend is checked against the torch
+    result before it is timed (accumulate bitwise, the norm within 1e-2 of fp64).
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    main_grad = torch.randn(numel, generator=g, device=device)
+    grad = torch.randn(numel, generator=g, device=device).to(torch.bfloat16)
+    x = torch.randn(numel, generator=g, device=device)
+    coef = torch.tensor(1.0 - 2.0**-10, device=device)  # < 1 so that repeated calls stay finite
+    src, dst = torch.randn(numel, generator=g, device=device), torch.empty(numel, device=device)
+    backends = _backends(device)
+
+    # benchmark -> (bytes per element, [(variant, fn)]); the first variant is the torch baseline.
+    plan: dict[str, tuple[int, list[tuple[str, Callable[[], object]]]]] = {}
+    if "accumulate" in which:
+        variants = [("torch: main_grad.add_(grad.float())", lambda: main_grad.add_(grad.float()))]
+        for name, b in backends.items():
+            expected = main_grad.clone().add_(grad.float())
+            actual = b.accumulate_(main_grad.clone(), grad)
+            if not torch.equal(actual.view(torch.int32), expected.view(torch.int32)):
+                raise AssertionError(f"backend {name!r}: accumulate_ is not bitwise equal to the eager recipe")
+            variants.append((f"gaengine {name}: accumulate_", lambda b=b: b.accumulate_(main_grad, grad)))
+        del expected, actual
+        plan["accumulate bf16->fp32"] = (ACCUMULATE_BYTES_PER_ELEMENT, variants)
+    if "l2norm" in which:
+        views = _split_views(main_grad, NUM_VIEWS)
+        variants = [
+            ("torch: linalg.vector_norm(x)", lambda: torch.linalg.vector_norm(main_grad)),
+            (f"torch: _foreach_norm({NUM_VIEWS} views) + norm (clip_grad_norm_)",
+             lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(views)))),
+        ]
+        reference = float(torch.linalg.vector_norm(main_grad.double())) ** 2
+        for name, b in backends.items():
+            sum_sq, found_inf = b.l2norm_sq(main_grad)
+            # 1e-2: a sanity bound, not the tests' tolerance (on one CPU thread torch.dot's fp32 sum of 2^25
+            # squares, the torch backend's, is off by 1.3e-3).
+            if abs(float(sum_sq) - reference) > 1e-2 * reference or float(found_inf) != 0.0:
+                raise AssertionError(f"backend {name!r}: l2norm_sq {float(sum_sq)} != fp64 {reference}")
+            variants.append((f"gaengine {name}: l2norm_sq (+ non-finite flag)", lambda b=b: b.l2norm_sq(main_grad)))
+        plan["l2norm_sq fp32"] = (L2NORM_BYTES_PER_ELEMENT, variants)
+    if "scale" in which:
+        x_views = _split_views(x, NUM_VIEWS)
+        variants = [("torch: x.mul_(coef)", lambda: x.mul_(coef)),
+                    (f"torch: _foreach_mul_({NUM_VIEWS} views, coef) (clip_grad_norm_)",
+                     lambda: torch._foreach_mul_(x_views, coef))]
+        variants += [(f"gaengine {name}: scale_", lambda b=b: b.scale_(x, coef)) for name, b in backends.items()]
+        plan["scale_ fp32"] = (SCALE_BYTES_PER_ELEMENT, variants)
+
+    peak_name = "peak: fp32 dst.copy_(src)"
+    fns = {peak_name: lambda: dst.copy_(src)}
+    for bench, (_, variants) in plan.items():
+        fns.update({(bench, label): fn for label, fn in variants})
+    samples = time_interleaved(fns, device=device, warmup=warmup, repeats=repeats)
+
+    peak_ms = statistics.median(samples[peak_name])
+    peak = {"op": "fp32 dst.copy_(src)", "ms": peak_ms, "numel": numel, "bytes_per_element": PEAK_BYTES_PER_ELEMENT,
+            "gb_s": gb_per_s(numel, PEAK_BYTES_PER_ELEMENT, peak_ms)}
+    rows = []
+    for bench, (nbytes, variants) in plan.items():
+        baseline = samples[(bench, variants[0][0])]
+        for label, _ in variants:
+            t = samples[(bench, label)]
+            ms = statistics.median(t)
+            gbs = gb_per_s(numel, nbytes, ms)
+            rows.append({"benchmark": bench, "variant": label, "device": str(device), "numel": numel,
+                         "bytes_per_element": nbytes, "ms": ms, "min_ms": min(t), "max_ms": max(t), "gb_s": gbs,
+                         "pct_of_peak": 100.0 * gbs / peak["gb_s"], "ratio_vs_torch": _median_ratio(baseline, t)})
+    return rows, peak
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+E2E_VARIANTS = {
+    "gaengine-fused": "(a) gaengine: GradientAccumulator + gaengine.optim.FusedAdamW",
+    "gaengine-torch": "(a') gaengine: GradientAccumulator + torch AdamW(fused=True)",
+    "plain": "(b) plain: bf16 .grad, (loss/K).backward(), clip, AdamW(fused) on bf16",
+    "native-fp32": "(c) native: grad_dtype=fp32, clip, AdamW(fused) on fp32 masters",
+}
+"""End-to-end variants: key -> label. The plain recipe ``plain`` is the baseline of the ratio."""
+
+E2E_BASELINE = "plain"
+
+
+@dataclass(frozen=True, kw_only=True)
+class E2EConfig:
+    """Shape and length of the end-to-end benchmark; every variant runs this same configuration."""
+
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    n_layers: int = 4
+    """Transformer blocks of the GPT."""
+    d_model: int = 256
+    """Residual width."""
+    n_heads: int = 4
+    """Attention heads."""
+    seq_len: int = 128
+    """Tokens (bytes) per sequence; also the model's context length."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    accumulation_steps: int = 8
+    """Micro-batches per update (K)."""
+    warmup_updates: int = 1
+    """Untimed updates of every variant first (optimizer state allocated, kernels warmed up); >= 1."""
+    timed_updates: int = 5
+    """Timed rounds; each round times one update of every variant, one after the other."""
+    seed: int = 0
+    """Initialization and data seed (the same for every variant)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("n_layers", "d_model", "n_heads", "seq_len", "micro_batch_size", "accumulation_steps",
+                     "warmup_updates", "timed_updates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+
+    @property
+    def tokens_per_update(self) -> int:
+        """``micro_batch_size * seq_len * accumulation_steps`` (every position is a predicted token)."""
+        return self.micro_batch_size * self.seq_len * self.accumulation_steps
+
+
+def e2e_config(device: str, quick: bool = False) -> E2EConfig:
+    """The end-to-end configuration for ``device``: GPT-2 small (124 M with the byte vocabulary: 85 M) on CUDA,
+    a 3.3 M-parameter GPT on CPU (about 30 s for the four variants on two cores), a tiny one with ``quick``."""
+    if quick:
+        return E2EConfig(device=device, n_layers=2, d_model=64, n_heads=2, seq_len=32, micro_batch_size=2,
+                         warmup_updates=1, timed_updates=2)
+    if device == "cuda":
+        return E2EConfig(device=device, n_layers=12, d_model=768, n_heads=12, seq_len=1024, micro_batch_size=8,
+                         warmup_updates=2, timed_updates=10)
+    return E2EConfig(device=device)
+
+
+def _rss_bytes() -> int:
+    """Current resident set size of this process (Linux ``/proc/self/statm``; else the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process image: Linux ``VmHWM``, else ``ru_maxrss``.
+
+    ``VmHWM`` starts afresh at ``exec``; ``ru_maxrss`` does not (Linux carries the parent's RSS at ``fork``
+    into the child's ``ru_maxrss``), so a child started by a large parent would report the parent's size.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux, bytes on macOS
+
+
+def _state_bytes(tensors: Sequence[torch.Tensor | None], exclude: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``, leaving out those of ``exclude`` (the model params)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters (fp32 masters, when it holds them), their grads, and its state tensors."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out += [p, p.grad]
+            out += [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+@dataclass
+class _Variant:
+    """One end-to-end variant on its own model: ``accumulate(window) -> loss sum``, ``update()``, ``state()``."""
+
+    model: torch.nn.Module
+    accumulate: Callable[[list], torch.Tensor]
+    update: Callable[[], None]
+    state: Callable[[], list]  # tensors holding its gradients and optimizer state
+
+
+def _e2e_model(cfg: E2EConfig) -> torch.nn.Module:
+    """The bf16 GPT of ``cfg``, initialized from ``cfg.seed`` in fp32 (the same weights for every variant)."""
+    from gaengine.model import GPT, GPTConfig  # noqa: PLC0415
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = GPT(GPTConfig(context_len=cfg.seq_len, n_layers=cfg.n_layers, d_model=cfg.d_model,
+                              n_heads=cfg.n_heads))
+    return model.to(device=cfg.device, dtype=torch.bfloat16).train()
+
+
+def _e2e_windows(cfg: E2EConfig, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``n`` windows of K micro-batches ``(x, y)`` of random bytes, ``(micro_batch_size, seq_len)`` int64 each."""
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+    tokens = torch.randint(0, 256, (n, cfg.accumulation_steps, cfg.micro_batch_size, cfg.seq_len + 1), generator=g)
+    tokens = tokens.to(cfg.device)
+    return [[(mb[:, :-1], mb[:, 1:]) for mb in window] for window in tokens]
+
+
+def _build_variant(variant: str, cfg: E2EConfig, model: torch.nn.Module | None = None) -> _Variant:
+    """The update path of ``variant`` (a key of :data:`E2E_VARIANTS`) over ``model`` (default: a fresh one)."""
+    from gaengine import GradientAccumulator  # noqa: PLC0415
+    from gaengine.optim import FusedAdamW  # noqa: PLC0415
+
+    model = _e2e_model(cfg) if model is None else model
+    params = list(model.parameters())
+    k = cfg.accumulation_steps
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    max_norm = 1.0
+
+    def accumulate_plain(window):
+        loss_sum = torch.zeros((), device=cfg.device)
+        for x, y in window:
+            loss = model(x, y)
+            (loss / k).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    if variant in ("gaengine-fused", "gaengine-torch"):
+        opt = FusedAdamW(params, **hyper) if variant == "gaengine-fused" else torch.optim.AdamW(
+            params, **hyper, fused=True)
+        acc = GradientAccumulator(model, opt, accumulation_steps=k, max_grad_norm=max_norm)
+
+        def accumulate(window):
+            loss_sum = torch.zeros((), device=cfg.device)
+            for x, y in window:
+                loss = model(x, y)
+                acc.backward(loss)
+                loss_sum += loss.detach()
+            return loss_sum
+
+        def state():
+            buffers = [acc.main_grad.data] + ([acc.master_buffer.data] if acc.master_buffer is not None else [])
+            return buffers + _optimizer_tensors(opt) + [p.grad for p in params]
+
+        return _Variant(model, accumulate, acc.step, state)
+
+    if variant == "plain":
+        opt = torch.optim.AdamW(params, **hyper, fused=True)
+
+        def update():
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return _Variant(model, accumulate_plain, update, lambda: _optimizer_tensors(opt))
+
+    if variant == "native-fp32":
+        if not hasattr(torch.Tensor, "grad_dtype"):
+            raise RuntimeError(f"torch {torch.__version__} has no Tensor.grad_dtype (added in 2.10): no native "
+                               "fp32 accumulation of bf16 gradients to compare with")
+        for p in params:
+            p.grad_dtype = torch.float32  # autograd casts each incoming bf16 grad, then accumulates in fp32
+        masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+        opt = torch.optim.AdamW(masters, **hyper, fused=True)
+
+        def update():
+            for m, p in zip(masters, params):
+                m.grad = p.grad  # the fp32 .grad itself (no copy)
+            torch.nn.utils.clip_grad_norm_(masters, max_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)  # fp32 master -> bf16 model
+
+        return _Variant(model, accumulate_plain, update,
+                        lambda: _optimizer_tensors(opt) + [p.grad for p in params])
+
+    raise ValueError(f"unknown e2e variant {variant!r}; expected one of {sorted(E2E_VARIANTS)}")
+
+
+def e2e_throughput(cfg: E2EConfig, variants: Sequence[str]) -> dict[str, dict]:
+    """Train every variant in this process on its own model, round-robin: one update of each per round.
+
+    Round ``r`` feeds every variant the same window of micro-batches. Returns variant -> ``{"update_ms": [wall
+    ms of each timed round], "cpu_ms": [process CPU ms of each timed round], "losses": [window mean loss of
+    every update]}``. On a CPU shared with other jobs, with one torch thread, CPU time counts only the time
+    this process ran: far steadier than wall time (with more threads it also counts their spin-waits).
+    """
+    built = {v: _build_variant(v, cfg) for v in variants}
+    windows = _e2e_windows(cfg, cfg.warmup_updates + cfg.timed_updates)
+    out = {v: {"update_ms": [], "cpu_ms": [], "losses": []} for v in variants}
+    device = torch.device(cfg.device)
+    for i, window in enumerate(windows):
+        for v, b in built.items():
+            _sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss_sum = b.accumulate(window)
+            b.update()
+            _sync(device)
+            if i >= cfg.warmup_updates:
+                out[v]["update_ms"].append((time.perf_counter() - t0) * 1e3)
+                out[v]["cpu_ms"].append((time.process_time() - c0) * 1e3)
+            out[v]["losses"].append(loss_sum / cfg.accumulation_steps)
+    for v in variants:
+        out[v]["losses"] = torch.stack(out[v]["losses"]).float().tolist()  # one host read, after timing
+    return out
+
+
+def _e2e_memory_worker(variant: str, cfg: E2EConfig) -> dict:
+    """In a fresh process: ``warmup_updates + 1`` updates of ``variant``; its peak memory and state bytes.
+
+    A tiny model of the same variant trains first, so that lazy imports and first-use allocations of torch's
+    kernels (about 150 MiB of RSS on CPU, whatever the model size) happen before the baseline is taken.
+    """
+    device = torch.device(cfg.device)
+    tiny = replace(cfg, n_layers=1, d_model=8 * cfg.n_heads, seq_len=8, micro_batch_size=1, accumulation_steps=2)
+    warm = _build_variant(variant, tiny)
+    for window in _e2e_windows(tiny, 2):
+        warm.accumulate(window)
+        warm.update()
+    del warm, window
+    gc.collect()
+    model = _e2e_model(cfg)
+    windows = _e2e_windows(cfg, cfg.warmup_updates + 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_bytes = torch.cuda.memory_allocated()
+    else:
+        base_bytes = _rss_bytes()
+    b = _build_variant(variant, cfg, model)
+    state_bytes = 0
+    for i, window in enumerate(windows):
+        b.accumulate(window)
+        if i == len(windows) - 1:  # the high point of gradient + optimizer state (optimizer state exists by now)
+            state_bytes = _state_bytes(b.state(), exclude=list(b.model.parameters()))
+        b.update()
+    _sync(device)
+    if device.type == "cuda":
+        peak_bytes, kind = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
+    else:
+        peak_bytes, kind = _peak_rss_bytes(), "peak RSS (VmHWM)"
+    return {"variant": variant, "num_params": sum(p.numel() for p in b.model.parameters()), "peak_bytes": peak_bytes,
+            "peak_delta_bytes": peak_bytes - base_bytes, "peak_kind": kind, "state_bytes": state_bytes}
+
+
+_WORKER_MARK = "GAENGINE_E2E_RESULT "
+
+
+def _run_memory_subprocess(variant: str, cfg: E2EConfig) -> dict:
+    """``_e2e_memory_worker`` in a fresh interpreter, so its peak is its own; raises with its stderr on failure."""
+    code = ("import json, sys; from gaengine import bench; cfg = bench.E2EConfig(**json.loads(sys.argv[2])); "
+            f"print({_WORKER_MARK!r} + json.dumps(bench._e2e_memory_worker(sys.argv[1], cfg)))")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # the parent's thread count
+    proc = subprocess.run([sys.executable, "-c", code, variant, json.dumps(asdict(cfg))], capture_output=True,
+                          text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_WORKER_MARK):
+            return json.loads(line[len(_WORKER_MARK):])
+    raise RuntimeError(f"e2e memory run of {variant!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
+              progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
+    """Throughput of every variant (in this process, interleaved) and its peak memory (a fresh subprocess each).
+
+    Returns one row per variant (median update ms, tokens/s at that median, the median per-round speedup over
+    the plain recipe, peak memory, state bytes, losses) and the run's facts (parameter count, what memory means).
+    """
+    variants = list(dict.fromkeys([*variants, E2E_BASELINE]))  # the baseline always runs
+    progress = progress or (lambda s: None)
+    progress(f"e2e throughput: {len(variants)} variants x ({cfg.warmup_updates} + {cfg.timed_updates}) updates, "
+             "interleaved")
+    timing = e2e_throughput(cfg, variants)
+    memory = {}
+    for v in variants:
+        progress(f"e2e memory: {v} (fresh process)")
+        memory[v] = _run_memory_subprocess(v, cfg)
+    base_ms = timing[E2E_BASELINE]["update_ms"]
+    mib = 2.0**20
+    rows = []
+    for v in variants:
+        t, m = timing[v], memory[v]
+        ms = statistics.median(t["update_ms"])
+        rows.append({
+            "benchmark": f"e2e GPT bf16, K={cfg.accumulation_steps}",
+            "variant": E2E_VARIANTS[v],
+            "key": v,
+            "device": cfg.device,
+            "ms": ms,
+            "min_ms": min(t["update_ms"]),
+            "max_ms": max(t["update_ms"]),
+            "update_ms": t["update_ms"],
+            "cpu_ms": statistics.median(t["cpu_ms"]),
+            "cpu_ms_runs": t["cpu_ms"],
+            "ratio_cpu_time": _median_ratio(timing[E2E_BASELINE]["cpu_ms"], t["cpu_ms"]),
+            "tokens_per_s": cfg.tokens_per_update / (ms * 1e-3),
+            "ratio_vs_torch": _median_ratio(base_ms, t["update_ms"]),
+            "peak_mib": m["peak_bytes"] / mib,
+            "peak_delta_mib": m["peak_delta_bytes"] / mib,
+            "state_mib": m["state_bytes"] / mib,
+            "state_bytes_per_param": m["state_bytes"] / m["num_params"],
+            "final_loss": t["losses"][-1],
+            "losses": t["losses"],
+        })
+    if cfg.device == "cuda":
+        how = ("peak = torch.cuda.max_memory_allocated of the variant's own process; peak delta = that minus the "
+               "memory allocated once the bf16 model and the data were on the device (after a tiny warm-up model)")
+    else:
+        how = ("peak = peak RSS (VmHWM) of the variant's own fresh process (one process per variant: RSS "
+               "is not shared); peak delta = that minus the RSS once the bf16 model and the data were built, after "
+               "a tiny model of the same variant trained first (torch runtime and first-use allocations excluded): "
+               "activations, gradients, optimizer state, master weights, temporaries, allocator slack")
+    info = {"config": asdict(cfg), "num_params": memory[E2E_BASELINE]["num_params"],
+            "tokens_per_update": cfg.tokens_per_update, "memory": how,
+            "state": ("bytes of gradients + optimizer state + master weights + flat buffers at the end of a "
+                      "window's last backward, distinct storages, model params excluded (exact count)")}
+    return rows, info
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def _device_slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` command to an ``argparse`` subparsers object; its ``func`` default is :func:`run`."""
+    p = subparsers.add_parser(
+        "bench",
+        help="kernel and end-to-end benchmarks on this device, one table",
+        description=("Time gaengine's kernels (accumulate, l2norm_sq, scale_) against the torch ops they replace "
+                     "and an end-to-end bf16 GPT against the plain recipe and torch's native fp32 accumulation, "
+                     "on one device; peak bandwidth is measured in the same run."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
+                   help=f"run only these benchmarks, of {', '.join(BENCHMARKS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="small sizes, one e2e round (tests, smoke runs)")
+    p.add_argument("--numel", type=int, default=None,
+                   help="kernel buffer elements (default 2^25 on CPU, 2^28 on CUDA, 2^20 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds of the kernels (default 15, 5 quick)")
+    p.add_argument("--e2e-updates", type=int, default=None,
+                   help="timed e2e rounds, one update of each variant per round (default 5 CPU, 10 CUDA, 2 quick)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for every benchmark (e2e subprocesses too); default: torch's. On a "
+                        "CPU shared with other jobs, 1 is far steadier")
+    p.add_argument("--json", metavar="PATH", type=Path, default=None,
+                   help="write results, device name, torch/triton versions and git SHA as JSON")
+    p.add_argument("--plot", metavar="PNG", type=Path, default=None, help="write a bar chart of the ratios")
+    p.set_defaults(func=run)
+    return p
+
+
+def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
+    import matplotlib  # noqa: PLC0415 - only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = [f"{r['benchmark']}: {r['variant']}" for r in rows]
+    ratios = [r["ratio_vs_torch"] for r in rows]
+    colors = ["tab:blue" if r["variant"].startswith(("gaengine", "(a")) else "tab:gray" for r in rows]
+    fig, ax = plt.subplots(figsize=(12, 0.32 * len(rows) + 1.8))
+    y = range(len(rows))[::-1]
+    ax.barh(list(y), ratios, color=colors)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_xlabel("speedup over the torch baseline (median per-round ratio; e2e: over the plain recipe); > 1 is faster",
+                  fontsize=8)
+    ax.set_title(textwrap.fill(title, 120), fontsize=8)
+    for yi, v in zip(y, ratios):
+        ax.text(v, yi, f" {v:.2f}", va="center", fontsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+TABLE_COLUMNS = [("benchmark", "benchmark", "s"), ("variant", "variant", "s"), ("ms", "ms", ".3f"),
+                 ("gb_s", "GB/s", ".1f"), ("pct_of_peak", "% of peak", ".0f"),
+                 ("ratio_vs_torch", "vs torch", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
+                 ("peak_delta_mib", "peak delta MiB", ",.1f"), ("state_mib", "state MiB", ",.2f")]
+"""``(key, header, format)`` of the one table ``run`` prints."""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmarks ``args`` selects (from :func:`add_parser`), print one table; returns 0 (2: no CUDA).
+
+    ``--threads`` holds only for the run: torch's thread count is restored afterwards.
+    """
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gaengine bench: error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    which = list(args.only or BENCHMARKS)
+    quick = bool(args.quick)
+    numel = args.numel or (2**20 if quick else 2**28 if device.type == "cuda" else 2**25)
+    repeats = args.repeats or (5 if quick else 15)
+    warmup = 1 if quick else 3
+    name = device_name(device)
+    print(f"gaengine bench on {device} ({name}); torch {torch.__version__}, git {git_sha()}", flush=True)
+
+    rows: list[dict] = []
+    params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
+                                 "torch_threads": torch.get_num_threads()}
+    kernels = [w for w in which if w != "e2e"]
+    peak = None
+    if kernels:
+        print(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
+        kernel_rows, peak = bench_kernels(device, numel, kernels, warmup=warmup, repeats=repeats)
+        rows += kernel_rows
+        params.update(numel=numel, warmup=warmup, repeats=repeats, peak=peak,
+                      bytes_per_element={"accumulate": ACCUMULATE_BYTES_PER_ELEMENT, "l2norm": L2NORM_BYTES_PER_ELEMENT,
+                                         "scale": SCALE_BYTES_PER_ELEMENT, "peak": PEAK_BYTES_PER_ELEMENT})
+    e2e_info = None
+    if "e2e" in which:
+        cfg = e2e_config(device.type, quick)
+        if args.e2e_updates:
+            cfg = E2EConfig(**{**asdict(cfg), "timed_updates": args.e2e_updates})
+        e2e_rows, e2e_info = bench_e2e(cfg, progress=lambda s: print(f"  {s}", flush=True))
+        rows += e2e_rows
+        params["e2e"] = e2e_info
+
+    title = f"gaengine bench, {device} ({name}), torch {torch.__version__}"
+    if peak is not None:
+        title += (f"; measured peak: {peak['op']} {peak['gb_s']:.1f} GB/s "
+                  f"({peak['bytes_per_element']} B/element, {peak['ms']:.3f} ms for {peak['numel']:,} elements)")
+    print_table(rows, TABLE_COLUMNS, title)
+    if kernels:
+        print(f"kernels: ms = median of {repeats} interleaved rounds; GB/s by the benchmark's bytes model "
+              f"(accumulate {ACCUMULATE_BYTES_PER_ELEMENT}, l2norm {L2NORM_BYTES_PER_ELEMENT}, scale "
+              f"{SCALE_BYTES_PER_ELEMENT} B/element); vs torch = median per-round ratio over the benchmark's first "
+              "row (> 1: faster).")
+    if e2e_info is not None:
+        c = e2e_info["config"]
+        print(f"e2e: {e2e_info['num_params']:,}-parameter GPT ({c['n_layers']} layers, d_model {c['d_model']}), "
+              f"{c['micro_batch_size']} x {c['seq_len']} tokens x K={c['accumulation_steps']} = "
+              f"{e2e_info['tokens_per_update']:,} tokens per update, {c['timed_updates']} timed updates after "
+              f"{c['warmup_updates']}, variants interleaved; ms = median per update; vs torch = median per-round "
+              "speedup over the plain recipe (b).")
+        print(f"e2e memory: {e2e_info['memory']}. state = {e2e_info['state']}.")
+    if args.json is not None:
+        write_json(args.json, "gaengine bench", params, rows, [device])
+    if args.plot is not None:
+        _plot(rows, args.plot, title)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - ``python -m gaengine.bench`` until cli.py wires ``gaengine bench``
+    _parser = argparse.ArgumentParser(prog="gaengine")
+    add_parser(_parser.add_subparsers(dest="command", required=True))
+    _args = _parser.parse_args()
+    sys.exit(_args.func(_args))
