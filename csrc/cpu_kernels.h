@@ -17,6 +17,9 @@
 //                           overflow fp64 over any realistic length, so the sum is non-finite exactly when
 //                           an input is inf or NaN: found_inf is read off the sum, at no extra cost.
 //   scale:                  x = x * coef, one fp32 multiply (bitwise equal to torch's x.mul_(coef)).
+//   accumulate_sumsq:       accumulate (the same arithmetic, the same bits) and, in the same pass, the sum of
+//                           squares in fp64 of the values it wrote: the "free norm". Non-finite exactly
+//                           when a written value is inf or NaN (as for sum_sq).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -83,6 +86,46 @@ double sum_sq(const src_t* x, int64_t n) {
     acc[0] += v * v;
   }
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// One written value of accumulate, by mode (the arithmetic of accumulate above, element for element).
+enum AccMode { kCopy, kAdd, kScaledCopy, kScaledAdd };
+
+template <AccMode kMode, typename src_t>
+inline float accumulated(float d, src_t s, double scale) {
+  if (kMode == kCopy) return to_float(s);
+  if (kMode == kAdd) return d + to_float(s);
+  if (kMode == kScaledCopy) return static_cast<float>(static_cast<double>(to_float(s)) * scale);
+  return static_cast<float>(static_cast<double>(d) + static_cast<double>(to_float(s)) * scale);
+}
+
+template <AccMode kMode, typename src_t>
+double accumulate_sumsq_mode(float* dst, const src_t* src, int64_t n, double scale) {
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four fixed lanes, as in sum_sq
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int k = 0; k < 4; ++k) {
+      const float r = accumulated<kMode>(dst[i + k], src[i + k], scale);
+      dst[i + k] = r;
+      acc[k] += static_cast<double>(r) * static_cast<double>(r);
+    }
+  }
+  for (; i < n; ++i) {
+    const float r = accumulated<kMode>(dst[i], src[i], scale);
+    dst[i] = r;
+    acc[0] += static_cast<double>(r) * static_cast<double>(r);
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// accumulate(dst, src, n, scale, overwrite), returning the fp64 sum of squares of the values written.
+template <typename src_t>
+double accumulate_sumsq(float* dst, const src_t* src, int64_t n, double scale, bool overwrite) {
+  if (scale == 1.0) {
+    return overwrite ? accumulate_sumsq_mode<kCopy>(dst, src, n, scale) : accumulate_sumsq_mode<kAdd>(dst, src, n, scale);
+  }
+  return overwrite ? accumulate_sumsq_mode<kScaledCopy>(dst, src, n, scale)
+                   : accumulate_sumsq_mode<kScaledAdd>(dst, src, n, scale);
 }
 
 inline void scale(float* x, int64_t n, float coef) {
@@ -175,6 +218,58 @@ GAENGINE_AVX2 double sum_sq(const src_t* x, int64_t n) {
   alignas(32) double lanes[4];
   _mm256_store_pd(lanes, acc);
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + portable::sum_sq(x + i, n - i);
+}
+
+// acc_lo/acc_hi += r*r in fp64 (the low and the high four lanes of r).
+GAENGINE_AVX2 inline void sq_acc(__m256 r, __m256d& acc_lo, __m256d& acc_hi) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(r)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1));
+  acc_lo = _mm256_fmadd_pd(lo, lo, acc_lo);
+  acc_hi = _mm256_fmadd_pd(hi, hi, acc_hi);
+}
+
+// Eight written values of accumulate, by mode: exactly the vectors accumulate() above stores.
+template <portable::AccMode kMode, typename src_t>
+GAENGINE_AVX2 inline __m256 accumulated8(float* dst, const src_t* src, __m256d scale) {
+  if (kMode == portable::kCopy) return load8(src);
+  if (kMode == portable::kAdd) return _mm256_add_ps(_mm256_loadu_ps(dst), load8(src));
+  return scaled8<kMode == portable::kScaledCopy>(load8(src), dst, scale);
+}
+
+template <portable::AccMode kMode, typename src_t>
+GAENGINE_AVX2 double accumulate_sumsq_mode(float* dst, const src_t* src, int64_t n, double scale) {
+  const __m256d s = _mm256_set1_pd(scale);
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  __m256d acc2 = _mm256_setzero_pd(), acc3 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 r0 = accumulated8<kMode>(dst + i, src + i, s);
+    const __m256 r1 = accumulated8<kMode>(dst + i + 8, src + i + 8, s);
+    _mm256_storeu_ps(dst + i, r0);
+    _mm256_storeu_ps(dst + i + 8, r1);
+    sq_acc(r0, acc0, acc1);
+    sq_acc(r1, acc2, acc3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 r = accumulated8<kMode>(dst + i, src + i, s);
+    _mm256_storeu_ps(dst + i, r);
+    sq_acc(r, acc0, acc1);
+  }
+  const __m256d acc = _mm256_add_pd(_mm256_add_pd(acc0, acc1), _mm256_add_pd(acc2, acc3));
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  // tail: < 8 elements, the portable arithmetic (as accumulate's tail)
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         portable::accumulate_sumsq_mode<kMode>(dst + i, src + i, n - i, scale);
+}
+
+template <typename src_t>
+GAENGINE_AVX2 double accumulate_sumsq(float* dst, const src_t* src, int64_t n, double scale, bool overwrite) {
+  if (scale == 1.0) {
+    return overwrite ? accumulate_sumsq_mode<portable::kCopy>(dst, src, n, scale)
+                     : accumulate_sumsq_mode<portable::kAdd>(dst, src, n, scale);
+  }
+  return overwrite ? accumulate_sumsq_mode<portable::kScaledCopy>(dst, src, n, scale)
+                   : accumulate_sumsq_mode<portable::kScaledAdd>(dst, src, n, scale);
 }
 
 GAENGINE_AVX2 inline void scale(float* x, int64_t n, float coef) {

@@ -129,6 +129,55 @@ std::tuple<at::Tensor, at::Tensor> l2norm_sq(const at::Tensor& x) {
           at::scalar_tensor(std::isfinite(total) ? 0.0f : 1.0f, options)};
 }
 
+// accumulate_ and, in the same pass, the sum of squares (fp64) of the values written into dst and whether
+// any is inf/NaN, stored into partials[index] = (sum_sq, found_inf). The norm chunks of l2norm_sq (fixed
+// kNormChunkNumel boundaries, partials combined in index order): the same bits for any thread count.
+void accumulate_sumsq_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
+                       const at::Tensor& partials, int64_t index) {
+  CHECK_CPU(dst);
+  CHECK_CPU(src);
+  CHECK_CPU(partials);
+  CHECK_CONTIGUOUS(dst);
+  CHECK_CONTIGUOUS(src);
+  CHECK_CONTIGUOUS(partials);
+  CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
+  CHECK_GRAD_DTYPE(src);
+  CHECK_DTYPE(partials, partials.scalar_type() == at::kDouble, "float64");
+  TORCH_CHECK(src.numel() == dst.numel(), "src has ", src.numel(), " elements but dst has ", dst.numel(),
+              "; they must match");
+  TORCH_CHECK(partials.dim() == 2 && partials.size(1) == 2, "partials must have shape (n, 2), got ",
+              partials.sizes());
+  TORCH_CHECK(index >= 0 && index < partials.size(0), "index ", index, " is out of range for partials with ",
+              partials.size(0), " rows");
+  const int64_t n = dst.numel();
+  const int64_t n_chunks = (n + kNormChunkNumel - 1) / kNormChunkNumel;
+  std::vector<double> chunk_sums(n_chunks, 0.0);
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  float* d = dst.data_ptr<float>();
+  if (n > 0) {
+    GAENGINE_DISPATCH_GRAD_TYPES(src.scalar_type(), "gaengine.accumulate_sumsq_", [&] {
+      const scalar_t* s = src.data_ptr<scalar_t>();
+      at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t begin = c * kNormChunkNumel, len = std::min(kNormChunkNumel, n - begin);
+#if defined(GAENGINE_X86_KERNELS)
+          if (avx2) {
+            chunk_sums[c] = avx2::accumulate_sumsq(d + begin, s + begin, len, scale, overwrite);
+            continue;
+          }
+#endif
+          chunk_sums[c] = portable::accumulate_sumsq(d + begin, s + begin, len, scale, overwrite);
+        }
+      });
+    });
+  }
+  double total = 0.0;
+  for (const double part : chunk_sums) total += part;  // fixed order: the same bits for any thread count
+  double* out = partials.data_ptr<double>() + 2 * index;
+  out[0] = total;
+  out[1] = std::isfinite(total) ? 0.0 : 1.0;
+}
+
 void scale_(const at::Tensor& x, const at::Tensor& coef) {
   CHECK_CPU(x);
   CHECK_CPU(coef);
@@ -157,6 +206,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_", &gaengine::accumulate_, "dst = (0 if overwrite else dst) + float(src) * scale, in place",
         py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("accumulate_sumsq_", &gaengine::accumulate_sumsq_,
+        "accumulate_ and, in the same pass, partials[index] = (sum of squares in fp64 of the values written into "
+        "dst, 1.0 if any is inf/NaN else 0.0); partials a contiguous (n, 2) float64 CPU tensor",
+        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"), py::arg("partials"),
+        py::arg("index"), py::call_guard<py::gil_scoped_release>());
   m.def("l2norm_sq", &gaengine::l2norm_sq, "(sum of squares, found_inf) of x as two 0-d fp32 tensors",
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("scale_", &gaengine::scale_, "x *= coef in place, coef a 0-d CPU tensor", py::arg("x"), py::arg("coef"),

@@ -8,6 +8,12 @@ Every backend implements the same contract (``Backend``):
   are bitwise equal to ``dst.add_(src)`` in torch; scaled ones are within 1 fp32 ulp of the exact value.
 * ``l2norm_sq(x)`` -> ``(sum_of_squares, found_inf)`` — two 0-d fp32 tensors on ``x.device``;
   ``found_inf`` is 1.0 when ``x`` holds an inf or a NaN, else 0.0. One pass, no host sync.
+* ``accumulate_sumsq_(dst, src, scale, overwrite, partials, index)`` -> ``dst`` — ``accumulate_`` (the same
+  arguments, the same bits in ``dst``) that also writes, without a host sync, ``partials[index, 0]`` = the
+  sum of squares (in fp64) of the values it wrote into ``dst`` and ``partials[index, 1]`` = 1.0 if any of
+  them is inf or NaN, else 0.0: the "free norm" of the buffer, read off the accumulate pass. ``partials``:
+  a contiguous ``(n, 2)`` float64 tensor on ``dst.device``; ``index``: an int in ``[0, n)``. Its bits do not
+  depend on the thread count.
 * ``scale_(x, coef)`` — ``x *= coef`` in place; ``x`` fp32 contiguous, ``coef`` a 0-d fp32 tensor on
   ``x.device`` (read on the device, never on the host).
 
@@ -60,6 +66,20 @@ def check_accumulate_args(dst: torch.Tensor, src: torch.Tensor, scale: Scale) ->
             )
 
 
+def check_sumsq_partials(dst: torch.Tensor, partials: torch.Tensor, index: int) -> None:
+    """Validate ``partials`` and ``index`` of ``accumulate_sumsq_``; raises ``ValueError`` naming the argument."""
+    if not isinstance(partials, torch.Tensor) or partials.dtype != torch.float64:
+        raise ValueError(f"partials must be a float64 tensor, got {getattr(partials, 'dtype', type(partials))}")
+    if partials.dim() != 2 or partials.shape[1] != 2:
+        raise ValueError(f"partials must have shape (n, 2), got {tuple(partials.shape)}")
+    if not partials.is_contiguous():
+        raise ValueError("partials must be contiguous")
+    if partials.device != dst.device:
+        raise ValueError(f"partials is on {partials.device} but dst is on {dst.device}; they must match")
+    if not 0 <= int(index) < partials.shape[0]:
+        raise ValueError(f"index {index} is out of range for partials with {partials.shape[0]} rows")
+
+
 def check_scale_args(x: torch.Tensor, coef: torch.Tensor) -> None:
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 tensor, got {x.dtype} (contiguous={x.is_contiguous()})")
@@ -81,6 +101,15 @@ class Backend:
             torch.mul(s.float(), scale, out=d)
         else:
             d.add_(s.float() * scale)
+        return dst
+
+    def accumulate_sumsq_(self, dst: torch.Tensor, src: torch.Tensor, scale: Scale, overwrite: bool,
+                          partials: torch.Tensor, index: int) -> torch.Tensor:
+        check_sumsq_partials(dst, partials, index)
+        self.accumulate_(dst, src, scale, overwrite)
+        d = dst.reshape(-1).double()
+        stats = torch.stack([(d * d).sum(), (~torch.isfinite(d)).any().double()])
+        partials[int(index)].copy_(stats)  # tensor ops only: no host sync
         return dst
 
     def l2norm_sq(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +140,12 @@ class CpuBackend(Backend):
         # A 0-d CPU tensor is read on the host; on CPU this is a plain load, not a device sync.
         s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)
         self._C.accumulate_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite))
+        return dst
+
+    def accumulate_sumsq_(self, dst, src, scale, overwrite, partials, index):
+        s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)  # a plain load on CPU
+        self._C.accumulate_sumsq_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite),
+                                  partials, int(index))
         return dst
 
     def l2norm_sq(self, x):

@@ -198,6 +198,142 @@ def test_scale_empty_and_non_fp32_coef():
     assert_bitwise_equal(x, expected)
 
 
+# ----------------------------------------------------------------------------------------- accumulate_sumsq_
+
+SUMSQ_SIZES = [1, 127, 4097, 1_000_003]
+SUMSQ_CASES = [pytest.param(n, dt, id=f"n{n}-{name}") for n in SUMSQ_SIZES for name, dt in DTYPES.items()]
+SUMSQ_MODES = [pytest.param(1.0, False, id="add"), pytest.param(1.0, True, id="overwrite"),
+               pytest.param(1 / 3, False, id="scaled-add"), pytest.param(-0.125, True, id="scaled-overwrite")]
+
+
+def sumsq_partials(rows: int = 3) -> torch.Tensor:
+    return torch.full((rows, 2), float("nan"), dtype=torch.float64)  # a slot left unwritten shows up at once
+
+
+@pytest.mark.parametrize("scale_value, overwrite", SUMSQ_MODES)
+@pytest.mark.parametrize("n, dtype", SUMSQ_CASES)
+def test_accumulate_sumsq_dst_is_accumulate_and_sum_is_fp64(n, dtype, scale_value, overwrite):
+    dst, src = torch.randn(n), grad_like(n, dtype)
+    expected = dst.clone()
+    get_backend("cpu").accumulate_(expected, src, scale_value, overwrite)
+    partials = sumsq_partials()
+    out = get_backend("cpu").accumulate_sumsq_(dst, src, scale_value, overwrite, partials, 1)
+    assert out is dst
+    assert_bitwise_equal(dst, expected, "dst vs accumulate_")
+    if scale_value == 1.0:
+        assert_bitwise_equal(dst, (src.float() if overwrite else expected), "dst vs torch")
+    exact = sum_sq_fp64(dst)  # the oracle of the values written
+    assert abs(partials[1, 0].item() - exact) <= sum_sq_rtol(n) * exact, (partials[1, 0].item(), exact)
+    assert partials[1, 1].item() == 0.0
+    assert torch.isnan(partials[0]).all() and torch.isnan(partials[2]).all(), "other rows must be untouched"
+
+
+@pytest.mark.parametrize("n, dtype", SUMSQ_CASES)
+def test_accumulate_sumsq_torch_base_agrees(n, dtype):
+    dst, src = torch.randn(n), grad_like(n, dtype)
+    dst_ref, p_ref, p = dst.clone(), sumsq_partials(2), sumsq_partials(2)
+    get_backend("torch").accumulate_sumsq_(dst_ref, src, 1.0, False, p_ref, 0)
+    get_backend("cpu").accumulate_sumsq_(dst, src, 1.0, False, p, 0)
+    assert_bitwise_equal(dst, dst_ref, "cpu dst vs torch base")
+    assert abs(p[0, 0].item() - p_ref[0, 0].item()) <= sum_sq_rtol(n) * p_ref[0, 0].item()
+    assert p[0, 1].item() == p_ref[0, 1].item() == 0.0
+    assert torch.isnan(p[1]).all() and torch.isnan(p_ref[1]).all()
+
+
+def test_accumulate_sumsq_tensor_scale_and_empty():
+    dst, src = torch.randn(37, 29), grad_like(37 * 29, torch.bfloat16).reshape(29, 37)
+    coef = torch.tensor(0.3, dtype=torch.float32)
+    expected = dst.clone()
+    get_backend("cpu").accumulate_(expected, src, coef)
+    partials = sumsq_partials(1)
+    get_backend("cpu").accumulate_sumsq_(dst, src, coef, False, partials, 0)
+    assert_bitwise_equal(dst, expected)
+    exact = sum_sq_fp64(dst)
+    assert abs(partials[0, 0].item() - exact) <= sum_sq_rtol(dst.numel()) * exact
+    for dtype in DTYPES.values():
+        partials = sumsq_partials(1)
+        _C.accumulate_sumsq_(torch.empty(0), torch.empty(0, dtype=dtype), 1.0, False, partials, 0)
+        assert partials.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_accumulate_sumsq_found_inf(dtype, bad, position, backend):
+    n = 200_003  # four norm chunks, the last one with a scalar tail
+    dst, src = torch.randn(n), grad_like(n, dtype)
+    src[{"first": 0, "middle": n // 2, "last": n - 1}[position]] = bad
+    partials = torch.zeros(2, 2, dtype=torch.float64)
+    get_backend(backend).accumulate_sumsq_(dst, src, 1.0, False, partials, 1)
+    assert partials[1, 1].item() == 1.0
+    assert not torch.isfinite(partials[1, 0])
+    assert partials[0].tolist() == [0.0, 0.0]
+
+
+def test_accumulate_sumsq_flags_only_the_written_values():
+    # An inf in dst that an overwrite replaces is not counted; huge finite values do not set the flag.
+    dst, src = torch.randn(5000), grad_like(5000, torch.float32)
+    dst[17] = float("inf")
+    partials = torch.zeros(1, 2, dtype=torch.float64)
+    _C.accumulate_sumsq_(dst, src, 1.0, True, partials, 0)
+    assert partials[0, 1].item() == 0.0 and torch.isfinite(partials[0, 0])
+    big = torch.full((1000,), torch.finfo(torch.float32).max)
+    _C.accumulate_sumsq_(torch.zeros(1000), big, 1.0, False, partials, 0)
+    # fp64 partials keep the sum finite (l2norm_sq's fp32 result would read inf)
+    assert partials[0, 1].item() == 0.0
+    assert partials[0, 0].item() == pytest.approx(1000 * torch.finfo(torch.float32).max ** 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_accumulate_sumsq_same_bits_for_any_thread_count(dtype):
+    dst0, src = torch.randn(1_000_003), grad_like(1_000_003, dtype) * 3.7
+    threads = torch.get_num_threads()
+    dsts, sums = [], []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            dst, partials = dst0.clone(), torch.zeros(1, 2, dtype=torch.float64)
+            get_backend("cpu").accumulate_sumsq_(dst, src, 1.0, False, partials, 0)
+            dsts.append(dst)
+            sums.append(partials[0, 0].clone())
+    finally:
+        torch.set_num_threads(threads)
+    for t, d, s in zip((2, 3), dsts[1:], sums[1:]):
+        assert_bitwise_equal(d, dsts[0], f"dst with {t} threads vs 1")
+        assert s.item() == sums[0].item(), f"sum_sq with {t} threads vs 1: {s.item()!r} != {sums[0].item()!r}"
+
+
+_F64 = torch.float64
+
+
+@pytest.mark.parametrize(
+    "partials, index, message",
+    [
+        (torch.zeros(2, 2), 0, "partials must be (a )?float64"),
+        (torch.zeros(2, 3, dtype=_F64), 0, r"partials must have shape \(n, 2\)"),
+        (torch.zeros(4, dtype=_F64), 0, r"partials must have shape \(n, 2\)"),
+        (torch.zeros(2, 4, dtype=_F64)[:, :2], 0, "partials must be contiguous"),
+        (torch.zeros(2, 2, dtype=_F64), 2, "index 2 is out of range"),
+        (torch.zeros(2, 2, dtype=_F64), -1, "index -1 is out of range"),
+        (torch.zeros(2, 2, dtype=_F64, device="meta"), 0, "partials (must be a CPU tensor|is on meta)"),
+    ],
+    ids=["fp32", "shape-n3", "1d", "strided", "index-past-end", "index-negative", "meta"],
+)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_accumulate_sumsq_contract_errors_name_the_argument(partials, index, message, backend):
+    dst = torch.randn(8)
+    before = dst.clone()
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        get_backend(backend).accumulate_sumsq_(dst, torch.ones(8, dtype=torch.bfloat16), 1.0, False, partials, index)
+    assert_bitwise_equal(dst, before, "dst after a refused call")
+    if backend == "cpu":  # the C++ contracts themselves
+        with pytest.raises(RuntimeError, match=message):
+            _C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, index)
+    with pytest.raises(RuntimeError, match="src has 3 elements but dst has 8"):
+        _C.accumulate_sumsq_(dst, torch.ones(3), 1.0, False, torch.zeros(1, 2, dtype=_F64), 0)
+
+
 # --------------------------------------------------------------------------------------------------- errors
 
 
@@ -265,8 +401,19 @@ _PORTABLE_CHECK = textwrap.dedent(
             sum_sq, found_inf = _C.l2norm_sq(src)
             assert abs(sum_sq.item() - sum_sq_fp64(src)) <= sum_sq_rtol(n) * sum_sq_fp64(src)
             assert found_inf.item() == 0.0
+            for scale, ow in ((1.0, False), (1.0, True), (1 / 3, False)):
+                out, ref = dst.clone(), dst.clone()
+                _C.accumulate_(ref, src, scale, ow)
+                partials = torch.zeros(2, 2, dtype=torch.float64)
+                _C.accumulate_sumsq_(out, src, scale, ow, partials, 1)
+                assert_bitwise_equal(out, ref, "portable accumulate_sumsq_")
+                assert abs(partials[1, 0].item() - sum_sq_fp64(ref)) <= sum_sq_rtol(n) * sum_sq_fp64(ref)
+                assert partials[1, 1].item() == 0.0
             src[n // 2] = float("nan")
             assert _C.l2norm_sq(src)[1].item() == 1.0
+            partials = torch.zeros(1, 2, dtype=torch.float64)
+            _C.accumulate_sumsq_(dst.clone(), src, 1.0, False, partials, 0)
+            assert partials[0, 1].item() == 1.0
         x = torch.randn(n); expected = x.clone().mul_(torch.tensor(0.37))
         _C.scale_(x, torch.tensor(0.37)); assert_bitwise_equal(x, expected, "portable scale")
     print("ok")
