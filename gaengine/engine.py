@@ -267,6 +267,8 @@ class GradientAccumulator:
         self._in_backward = False
         self._failed_backward = False
         self._stale_grads = False
+        self._norm_partials: torch.Tensor | None = None  # (P, 2) fp64 sums of squares / flags, CPU free norm
+        self._norm_arrivals = 0
         self._overlap = True  # benchmarks set False to issue every all-reduce after backward
         self._grad_scale = 1.0  # accumulate scale factor (the inverse loss scale under fp16 loss scaling)
 
@@ -381,7 +383,12 @@ class GradientAccumulator:
         if self.bucket_accumulation is not None:
             done = self.bucket_accumulation.add(i, grad, overwrite, self._grad_scale)  # held until its bucket is full
         else:
-            self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, overwrite)
+            if self._norm_partials is not None:  # last micro-batch, one rank: the norm comes with the pass
+                self.backend.accumulate_sumsq_(self.main_grad.flat_views[i], grad, self._grad_scale, overwrite,
+                                               self._norm_partials, i)
+                self._norm_arrivals += 1
+            else:
+                self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, overwrite)
             done = (i,)
         if self.reducer is not None and self.reducer.armed:
             for j in done:
@@ -432,6 +439,10 @@ class GradientAccumulator:
 
         if self.bucket_accumulation is not None:
             self.bucket_accumulation.begin(want_norm=last and not self.distributed)
+        elif last and not self.distributed and self.backend.name == "cpu":
+            # Per-parameter sums of squares from the last micro-batch's accumulate: step() reads no buffer.
+            self._norm_partials = torch.empty(len(self.params), 2, dtype=torch.float64)
+            self._norm_arrivals = 0
         self._in_backward = True
         try:
             scaled.backward(**backward_kwargs)
@@ -547,7 +558,13 @@ class GradientAccumulator:
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = denom if self.scaler is None else denom * self.scaler.scale
-        free = None if self.bucket_accumulation is None or unwritten else self.bucket_accumulation.free_norm()
+        free = None
+        if self.bucket_accumulation is not None and not unwritten:
+            free = self.bucket_accumulation.free_norm()
+        elif self._norm_partials is not None and self._norm_arrivals == len(self.params):
+            # Every parameter was written in the last micro-batch: fixed-order sum of its partials.
+            sums = self._norm_partials.sum(0)
+            free = sums[0].to(torch.float32), (sums[1] > 0).to(torch.float32)
         sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
         grad_norm = sum_sq.sqrt() / grad_denom
         skipped = (found_inf > 0) | ~torch.isfinite(grad_norm)
@@ -641,6 +658,8 @@ class GradientAccumulator:
         self._stale_grads = False
 
     def _reset_window(self) -> None:
+        self._norm_partials = None
+        self._norm_arrivals = 0
         self._written = [False] * len(self.params)
         self._num_micro_batches = 0
         self._item_mode = None

@@ -356,3 +356,35 @@ def test_clip_grad_norm_drop_in(dtype):
     with pytest.raises(RuntimeError, match="non-finite"):
         params[0].grad[0] = float("inf")
         gaengine.clip_grad_norm_(params, 0.5, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("skip_in_last", [False, True], ids=["all-params", "param-missing-in-last"])
+def test_cpu_free_norm_from_the_last_accumulate(monkeypatch, skip_in_last):
+    """backend 'cpu', one rank: the last micro-batch's accumulate yields the norm; step() reads no buffer."""
+    try:
+        backend = get_backend("cpu", "cpu")
+    except RuntimeError:
+        pytest.skip("backend 'cpu' unavailable")
+    calls = []
+    original = backend.l2norm_sq
+    monkeypatch.setattr(backend, "l2norm_sq", lambda x: calls.append(x.numel()) or original(x))
+    model, ref = _make_pair()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=3, max_grad_norm=0.05, backend="cpu")
+    x, y = torch.randn(9, 12), torch.randn(9, 5)
+
+    def fwd(m, k):
+        h = torch.tanh(m.fc1(x[3 * k:3 * k + 3]))
+        if not (skip_in_last and k == 2):
+            h = torch.tanh(m.fc2(h))
+        return ((m.head(h) - y[3 * k:3 * k + 3]) ** 2).mean()
+
+    for k in range(3):
+        acc.backward(fwd(model, k))
+    r = acc.step()
+    for k in range(3):
+        (fwd(ref, k) / 3).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert calls == ([acc.main_grad.data.numel()] if skip_in_last else [])
+    assert rel_diff(r.grad_norm, ref_norm) <= 1e-6
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-5
