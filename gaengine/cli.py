@@ -1,4 +1,4 @@
-"""Command line: ``gaengine train`` (and later ``bench`` and ``verify``).
+"""Command line: ``gaengine train``, ``gaengine bench`` and ``gaengine verify``.
 
 ``main(argv)`` parses, runs and prints; the loops live in :mod:`gaengine.train` and write nothing. All
 console output and every file the job writes go through :class:`_Reporter`, the one place a multi-rank
@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(subparsers)
+    from gaengine import bench
+
+    bench.add_parser(subparsers)
     _add_verify_parser(subparsers)
     return parser
 
