@@ -19,10 +19,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "adamw_kernels.h"
+#include "cpu_isa.h"
 
 #define ADAMW_CHECK_TENSOR(x, what, i)                                                                   \
   do {                                                                                                   \
@@ -38,25 +37,6 @@ constexpr int64_t kGrainNumel = 32768;  // at least this many elements per threa
 // Parameters from this size on (30 MB of streams) write their model copy with non-temporal stores: it
 // would leave the caches before the next forward anyway. Smaller ones keep it cached.
 constexpr int64_t kStreamNumel = int64_t{1} << 20;
-
-// The ISA choice of cpu_ops.cpp (same GAENGINE_CPU_ISA variable, same rule), kept per translation unit.
-bool adamw_use_avx2() {
-  static const bool avx2 = [] {
-    const char* env = std::getenv("GAENGINE_CPU_ISA");
-    const std::string isa = env ? env : "auto";
-    TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "portable",
-                "GAENGINE_CPU_ISA must be auto, avx2 or portable, got '", isa, "'");
-#if defined(GAENGINE_X86_KERNELS)
-    __builtin_cpu_init();
-    const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-    const bool has = false;
-#endif
-    TORCH_CHECK(isa != "avx2" || has, "GAENGINE_CPU_ISA=avx2 but this CPU lacks AVX2, FMA or F16C");
-    return isa != "portable" && has;
-  }();
-  return avx2;
-}
 
 void check_scalar(const std::optional<at::Tensor>& t, const char* name) {
   if (!t.has_value()) return;
@@ -131,7 +111,7 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
   }
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.0f) return;  // skipped: nothing written
 
-  const bool avx2 = adamw_use_avx2();
+  const bool avx2 = use_avx2();
   const double lerp_weight = 1.0 - beta1;
   AdamWCoefs c{};
   c.has_grad_scale = grad_scale.has_value();

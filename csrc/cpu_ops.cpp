@@ -9,11 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "adamw.h"
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 
 #define CHECK_CPU(x) TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got device ", (x).device())
@@ -46,24 +45,6 @@ namespace {
 constexpr int64_t kBlockNumel = 4096;
 constexpr int64_t kGrainNumel = 32768;
 constexpr int64_t kNormChunkNumel = 65536;
-
-bool use_avx2() {
-  static const bool avx2 = [] {
-    const char* env = std::getenv("GAENGINE_CPU_ISA");
-    const std::string isa = env ? env : "auto";
-    TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "portable",
-                "GAENGINE_CPU_ISA must be auto, avx2 or portable, got '", isa, "'");
-#if defined(GAENGINE_X86_KERNELS)
-    __builtin_cpu_init();
-    const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-    const bool has = false;
-#endif
-    TORCH_CHECK(isa != "avx2" || has, "GAENGINE_CPU_ISA=avx2 but this CPU lacks AVX2, FMA or F16C");
-    return isa != "portable" && has;
-  }();
-  return avx2;
-}
 
 // Run fn(begin, end) over [0, n) in parallel, with boundaries at multiples of kBlockNumel.
 template <typename F>
