@@ -39,6 +39,22 @@ def check_device_scalar(t: torch.Tensor, name: str, device: torch.device) -> Non
         raise ValueError(f"{name} must be a 0-d floating tensor on {device}, got {got}")
 
 
+def scale_args(scale: float | torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, float, bool, bool]:
+    """The launch arguments of a ``scale`` (a Python float or a 0-d floating tensor on ``dst.device``).
+
+    Returns ``(scale_ptr, scale_value, has_scale, scale_is_ptr)``: for a tensor, its pointer (read inside the
+    kernel, so the host never waits for it) and ``1.0``; for a float, ``dst`` as a pointer that is never read
+    (``HAS_SCALE`` or ``SCALE_IS_PTR`` is False) and the value, with ``has_scale`` False for ``1.0``.
+    Raises ``ValueError`` for a tensor that is not a 0-d floating tensor on ``dst.device``.
+    """
+    scale_is_ptr = isinstance(scale, torch.Tensor)
+    if scale_is_ptr:
+        check_device_scalar(scale, "scale", dst.device)
+        return scale, 1.0, True, True
+    scale_value = float(scale)
+    return dst, scale_value, scale_value != 1.0, False
+
+
 def check_block_size(block_size: int, name: str = "block_size") -> int:
     """Return ``block_size`` if it is a power of two >= 16 (one 128-bit vector of fp32 per lane group), else raise."""
     if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):

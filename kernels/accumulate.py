@@ -21,10 +21,10 @@ import triton.language as tl
 
 from gaengine.kernels._utils import (
     check_block_size,
-    check_device_scalar,
     check_float_input,
     check_fp32_buffer,
     device_guard,
+    scale_args,
 )
 
 __all__ = ["accumulate_", "BLOCK_SIZE"]
@@ -105,13 +105,7 @@ def accumulate_(
         raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}; they must match")
     if src.device != dst.device:
         raise ValueError(f"src is on {src.device} but dst is on {dst.device}; they must match")
-    scale_is_ptr = isinstance(scale, torch.Tensor)
-    if scale_is_ptr:
-        check_device_scalar(scale, "scale", dst.device)
-        scale_ptr, scale_value, has_scale = scale, 1.0, True
-    else:
-        scale_value = float(scale)
-        scale_ptr, has_scale = dst, scale_value != 1.0  # scale_ptr is never read: HAS_SCALE or SCALE_IS_PTR is False
+    scale_ptr, scale_value, has_scale, scale_is_ptr = scale_args(scale, dst)
     n_elements = dst.numel()
     if n_elements == 0:
         return dst

@@ -36,10 +36,10 @@ import triton.language as tl
 from gaengine.kernels import norm
 from gaengine.kernels._utils import (
     check_block_size,
-    check_device_scalar,
     check_float_input,
     check_fp32_buffer,
     device_guard,
+    scale_args,
 )
 
 __all__ = ["accumulate_bucket_", "l2norm_sq_from_partials", "num_blocks", "BLOCK_SIZE"]
@@ -215,13 +215,7 @@ def accumulate_bucket_(
     for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
         if start < end:
             raise ValueError(f"the dst slices of srcs[{i}] and srcs[{j}] overlap")
-    scale_is_ptr = isinstance(scale, torch.Tensor)
-    if scale_is_ptr:
-        check_device_scalar(scale, "scale", dst.device)
-        scale_ptr, scale_value, has_scale = scale, 1.0, True
-    else:
-        scale_value = float(scale)
-        scale_ptr, has_scale = dst, scale_value != 1.0  # scale_ptr is never read: HAS_SCALE or SCALE_IS_PTR is False
+    scale_ptr, scale_value, has_scale, scale_is_ptr = scale_args(scale, dst)
     total_blocks = num_blocks(numels, block_size)
     if partials is not None:
         if not (isinstance(partials, torch.Tensor) and partials.dtype == torch.float32
