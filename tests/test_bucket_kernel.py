@@ -10,20 +10,16 @@ parameter. Runs under ``TRITON_INTERPRET=1`` on CPU tensors, on CUDA tensors whe
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol, triton_device
+
+DEVICE = triton_device()  # skips this module without triton, or without a GPU and the interpreter
 
 from gaengine.buffer import FlatLayout  # noqa: E402
 from tests.reference import accumulate_fp64, sum_sq_fp64  # noqa: E402
-from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from gaengine.kernels import bucket  # noqa: E402
 

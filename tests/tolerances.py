@@ -9,7 +9,9 @@ tolerance that grows with the number of terms.
 from __future__ import annotations
 
 import math
+import os
 
+import pytest
 import torch
 
 # Relative error per term of a float32 reduction, against fp64 (unit roundoff of fp32).
@@ -57,3 +59,16 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b64.abs().max().item() if b64.numel() else 0.0
     num = (a64 - b64).abs().max().item() if b64.numel() else 0.0
     return 0.0 if num == 0 else num / max(denom, 1e-300)
+
+
+def triton_device() -> torch.device:
+    """The device the Triton kernel tests run on; call it at the top of a test module, before importing a kernel.
+
+    CUDA when there is a GPU, else CPU under ``TRITON_INTERPRET=1`` (set by ``conftest.py``). Skips the calling
+    module when triton is missing, or when there is no GPU and the interpreter is off.
+    """
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+    return device
