@@ -66,6 +66,17 @@ def _grads(params, step: int, seed=1) -> list[torch.Tensor]:
             for p in params]
 
 
+def _step_both_and_compare(opt, ours, ref_opt, ref, steps=10) -> None:
+    """``steps`` updates of ``opt`` and ``ref_opt`` on the same gradients, then ours within RTOL of ref."""
+    for k in range(steps):
+        for p, q, g in zip(ours, ref, _grads(ours, k)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        assert rel_diff(p, q) <= RTOL
+
+
 def _state_tensors(opt) -> list[torch.Tensor]:
     return [t for s in opt.state.values() for t in (s["step"], s["exp_avg"], s["exp_avg_sq"])]
 
@@ -112,13 +123,7 @@ def test_betas_and_maximize_match_torch(backend, device, betas, maximize):
     ours, ref = _params(device), _params(device)
     opt = FusedAdamW(ours, lr=3e-3, betas=betas, eps=1e-6, weight_decay=0.1, maximize=maximize, backend=backend)
     ref_opt = torch.optim.AdamW(ref, lr=3e-3, betas=betas, eps=1e-6, weight_decay=0.1, maximize=maximize)
-    for k in range(10):
-        for p, q, g in zip(ours, ref, _grads(ours, k)):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref):
-        assert rel_diff(p, q) <= RTOL
+    _step_both_and_compare(opt, ours, ref_opt, ref)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
@@ -276,13 +281,7 @@ def test_param_groups_with_their_own_lr_and_weight_decay(backend, device):
 
     opt = FusedAdamW(groups(ours), lr=1e-2, weight_decay=0.3, backend=backend)
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.3)
-    for k in range(10):
-        for p, q, g in zip(ours, ref, _grads(ours, k)):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref):
-        assert rel_diff(p, q) <= RTOL
+    _step_both_and_compare(opt, ours, ref_opt, ref)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
