@@ -23,7 +23,7 @@ Bytes of gradient + optimizer state per parameter (no activations): (a), (a'), (
 Throughput: all variants in one process, each on its own model, one update of each per round (the same
 micro-batches), ``--timed-updates`` rounds after ``--warmup-updates``; update ms is the median, tokens/s =
 tokens per update / median ms, the ratio is the median of per-round speedups over (b); the same by process
-CPU time too (steadier on a shared machine, with ``--threads 1``). Memory: each variant
+CPU time too (with ``--threads 1`` it leaves out time spent descheduled on a shared machine). Memory: each variant
 again in a fresh subprocess (a short run), so its peak is its own: CUDA ``max_memory_allocated``; CPU peak
 RSS (``VmHWM``) and its growth above the RSS once model and data exist; and an exact count of the
 gradient/optimizer/master storages at their high point (the end of a window's last backward).
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{c['warmup_updates']}, variants interleaved; torch threads={torch.get_num_threads()}")
     print_table(rows, COLUMNS, title)
     print("ms: median wall time per update; vs (b): median per-round speedup over (b); CPU ms: process CPU time "
-          "(steadier than wall time on a shared machine with one torch thread; with more threads it also counts "
-          "their spin-waits).")
+          "(with one torch thread it leaves out time spent descheduled on a shared machine; with more threads it "
+          "also counts their spin-waits).")
     print(f"memory: {info['memory']}.\nstate: {info['state']}.")
     if args.json:
         params = {"device": args.device, **info}

@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu.sh            # from anywhere; torch (a CUDA build) must already be installed
 #
 # Environment: PYTHON (default python3); SKIP_BUILD=1 to reuse an existing build; SKIP_TESTS=1 to skip
-# `pytest -m cuda` (needs pytest and hypothesis installed). Then commit benchmarks/results/<device-slug>*.json (see benchmarks/README.md).
+# `pytest -m cuda` (needs pytest and hypothesis installed). Then commit benchmarks/results/<device-slug>*
+# (see benchmarks/README.md).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,7 +15,8 @@ PYTHON="${PYTHON:-python3}"
 "$PYTHON" - <<'EOF'
 import sys, torch
 if not torch.cuda.is_available():
-    sys.exit(f"run_gpu.sh: no CUDA device visible to torch {torch.__version__} (torch.version.cuda={torch.version.cuda})")
+    sys.exit(f"run_gpu.sh: no CUDA device visible to torch {torch.__version__} "
+             f"(torch.version.cuda={torch.version.cuda})")
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
 EOF
 
@@ -23,7 +25,8 @@ if [[ "${SKIP_BUILD:-0}" != "1" ]]; then
     GAENGINE_BUILD_EXT=1 "$PYTHON" -m pip install --disable-pip-version-check -q --no-build-isolation -e .
 fi
 
-slug="$("$PYTHON" -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')"
+slug="$("$PYTHON" -c 'import re, torch
+print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')"
 out="benchmarks/results"
 mkdir -p "$out"
 echo "device slug: $slug"
@@ -32,13 +35,7 @@ if [[ "${SKIP_TESTS:-0}" != "1" ]]; then
     "$PYTHON" -m pytest -m cuda -q
 fi
 
-# `gaengine bench` once gaengine/cli.py has the command; the module's own entry point until then.
-if "$PYTHON" -m gaengine bench --help >/dev/null 2>&1; then
-    bench=("$PYTHON" -m gaengine bench)
-else
-    bench=("$PYTHON" -m gaengine.bench bench)
-fi
-"${bench[@]}" --device cuda --json "$out/$slug.json" --plot "$out/$slug.png"
+"$PYTHON" -m gaengine bench --device cuda --json "$out/$slug.json" --plot "$out/$slug.png"
 "$PYTHON" benchmarks/bench_accumulate.py --device cuda --json "$out/$slug-accumulate.json"
 "$PYTHON" benchmarks/bench_step.py --device cuda --json "$out/$slug-step.json"
 

@@ -556,8 +556,9 @@ def e2e_throughput(cfg: E2EConfig, variants: Sequence[str]) -> dict[str, dict]:
 
     Round ``r`` feeds every variant the same window of micro-batches. Returns variant -> ``{"update_ms": [wall
     ms of each timed round], "cpu_ms": [process CPU ms of each timed round], "losses": [window mean loss of
-    every update]}``. On a CPU shared with other jobs, with one torch thread, CPU time counts only the time
-    this process ran: far steadier than wall time (with more threads it also counts their spin-waits).
+    every update]}``. With one torch thread, CPU time leaves out the time this process waited descheduled on a
+    CPU shared with other jobs (with more threads it also counts their spin-waits); it does not remove their
+    competition for memory bandwidth.
     """
     built = {v: _build_variant(v, cfg) for v in variants}
     windows = _e2e_windows(cfg, cfg.warmup_updates + cfg.timed_updates)
@@ -694,10 +695,6 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-def _device_slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` command to an ``argparse`` subparsers object; its ``func`` default is :func:`run`."""
     p = subparsers.add_parser(
@@ -706,20 +703,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=("Time gaengine's kernels (accumulate, l2norm_sq, scale_) against the torch ops they replace "
                      "and an end-to-end bf16 GPT against the plain recipe and torch's native fp32 accumulation, "
                      "on one device; peak bandwidth is measured in the same run."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
                    help=f"run only these benchmarks, of {', '.join(BENCHMARKS)} (default: all)")
-    p.add_argument("--quick", action="store_true", help="small sizes, one e2e round (tests, smoke runs)")
-    p.add_argument("--numel", type=int, default=None,
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds (tests, smoke runs)")
+    p.add_argument("--numel", type=int, default=None, metavar="N",
                    help="kernel buffer elements (default 2^25 on CPU, 2^28 on CUDA, 2^20 with --quick)")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds of the kernels (default 15, 5 quick)")
-    p.add_argument("--e2e-updates", type=int, default=None,
+    p.add_argument("--repeats", type=int, default=None, metavar="N",
+                   help="timed rounds of the kernels (default 15, 5 quick)")
+    p.add_argument("--e2e-updates", type=int, default=None, metavar="N",
                    help="timed e2e rounds, one update of each variant per round (default 5 CPU, 10 CUDA, 2 quick)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch.set_num_threads for every benchmark (e2e subprocesses too); default: torch's. On a "
-                        "CPU shared with other jobs, 1 is far steadier")
+                        "CPU shared with other jobs use 1: several OpenMP threads wait on each other whenever one "
+                        "of them is descheduled")
     p.add_argument("--json", metavar="PATH", type=Path, default=None,
                    help="write results, device name, torch/triton versions and git SHA as JSON")
     p.add_argument("--plot", metavar="PNG", type=Path, default=None, help="write a bar chart of the ratios")
@@ -832,10 +830,3 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     if args.plot is not None:
         _plot(rows, args.plot, title)
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover - ``python -m gaengine.bench`` until cli.py wires ``gaengine bench``
-    _parser = argparse.ArgumentParser(prog="gaengine")
-    add_parser(_parser.add_subparsers(dest="command", required=True))
-    _args = _parser.parse_args()
-    sys.exit(_args.func(_args))
