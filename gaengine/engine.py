@@ -270,7 +270,6 @@ class GradientAccumulator:
         self._norm_partials: torch.Tensor | None = None  # (P, 2) fp64 sums of squares / flags, CPU free norm
         self._norm_arrivals = 0
         self._overlap = True  # benchmarks set False to issue every all-reduce after backward
-        self._grad_scale = 1.0  # accumulate scale factor (the inverse loss scale under fp16 loss scaling)
 
         self._handles = []
         ref = weakref.ref(self)
@@ -381,18 +380,23 @@ class GradientAccumulator:
                 self._arrival.append(i)
         param.grad = None  # the parameter lets go of its low-precision gradient at once
         if self.bucket_accumulation is not None:
-            done = self.bucket_accumulation.add(i, grad, overwrite, self._grad_scale)  # held until its bucket is full
+            done = self.bucket_accumulation.add(i, grad, overwrite, 1.0)  # held until its bucket is full
         else:
             if self._norm_partials is not None:  # last micro-batch, one rank: the norm comes with the pass
-                self.backend.accumulate_sumsq_(self.main_grad.flat_views[i], grad, self._grad_scale, overwrite,
+                self.backend.accumulate_sumsq_(self.main_grad.flat_views[i], grad, 1.0, overwrite,
                                                self._norm_partials, i)
                 self._norm_arrivals += 1
             else:
-                self.backend.accumulate_(self.main_grad.flat_views[i], grad, self._grad_scale, overwrite)
+                self.backend.accumulate_(self.main_grad.flat_views[i], grad, 1.0, overwrite)
             done = (i,)
+        self._mark_final(done)
+
+    def _mark_final(self, indices) -> None:
+        """Parameters whose window gradient is complete: in the last micro-batch this may launch buckets'
+        all-reduces while backward goes on."""
         if self.reducer is not None and self.reducer.armed:
-            for j in done:
-                self.reducer.mark_ready(j)  # may launch a bucket's all-reduce while backward goes on
+            for j in indices:
+                self.reducer.mark_ready(j)
 
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
         """Backward of one micro-batch, accumulating its gradients into the fp32 buffer.
@@ -447,10 +451,7 @@ class GradientAccumulator:
         try:
             scaled.backward(**backward_kwargs)
             if self.bucket_accumulation is not None:
-                done = self.bucket_accumulation.flush(self._grad_scale)  # buckets left incomplete
-                if self.reducer is not None and self.reducer.armed:
-                    for j in done:
-                        self.reducer.mark_ready(j)
+                self._mark_final(self.bucket_accumulation.flush(1.0))  # buckets left incomplete
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not: the window is no
             # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
@@ -464,7 +465,7 @@ class GradientAccumulator:
         self._loss_sum += loss.detach().reshape(()).to(torch.float32)
         if item_mode:
             if isinstance(num_items, torch.Tensor):
-                n = num_items.to(device=self.device, dtype=torch.float32, non_blocking=True)
+                n = num_items.to(device=self.device, dtype=torch.float64, non_blocking=True)  # exact past 2**24
                 self._items_dev = n if self._items_dev is None else self._items_dev + n
             else:
                 self._items_host += num_items
@@ -484,14 +485,19 @@ class GradientAccumulator:
             self.main_grad.flat_views[i].zero_()
             self._written[i] = True
         self.reducer.flush()
-        items = self._items_dev + self._items_host if self._items_dev is not None else torch.tensor(
-            float(self._items_host), device=self.device)
+        items = self._window_items()
         used = torch.ones(len(self.params), dtype=torch.float64)
         used[self._locally_unused] = 0.0
         self._stats = torch.cat([self._loss_sum.double().reshape(1), items.double().reshape(1),
                                  used.to(self.device, non_blocking=True)])
         self._stats_work = dist.all_reduce(self._stats, group=self.process_group, async_op=True)
         self.reducer.collectives_issued += 1
+
+    def _window_items(self) -> torch.Tensor:
+        """This rank's item count of the window: 0-d fp64 on the device (host ints added without a read)."""
+        if self._items_dev is None:
+            return torch.tensor(float(self._items_host), dtype=torch.float64, device=self.device)
+        return self._items_dev + self._items_host
 
     def _globally_unused(self) -> list[int]:
         """Parameters no rank produced a gradient for. Reads the flags on the host only on a rank that has
@@ -545,9 +551,9 @@ class GradientAccumulator:
             if self.distributed:
                 denom = num_items = global_items
             else:
-                denom = self._items_dev + self._items_host if self._items_dev is not None else torch.tensor(
-                    float(self._items_host), device=dev)
-                num_items = self._items_dev + self._items_host if self._items_dev is not None else self._items_host
+                items = self._window_items()
+                denom = items.float()
+                num_items = items if self._items_dev is not None else self._items_host
         else:
             denom = torch.tensor(float(k * self.world_size), device=dev)
             num_items = None
