@@ -131,7 +131,12 @@ class GradientAccumulator:
         max_grad_norm: L2 clipping threshold applied to the normalized gradient; None disables clipping.
         lr_scheduler: stepped once after every applied (not skipped) update.
         backend: "auto" | "triton" | "cpu" | "torch" (see ``gaengine.backends``).
-        master_weights: keep fp32 master weights for bf16/fp16 parameters (default True).
+        master_weights: keep fp32 master weights for bf16/fp16 parameters (default True: 4 B/param, the
+            optimizer and its state work in fp32). False: the optimizer updates the low-precision parameters
+            in place (its state in their dtype, as torch's optimizers keep it); at ``step()`` one fp32 pass
+            normalizes and clips the buffer, and each parameter gets it rounded once to its dtype (a
+            transient copy, 2 B/param while the optimizer runs). Accumulation stays fp32 either way. Raises
+            ``ValueError`` with ``gaengine.optim.FusedAdamW``, which updates fp32 masters only.
         process_group: reduce gradients across the ranks of this group; by default the global group when
             ``torch.distributed`` is initialized with more than one rank. Parameters (and, with
             ``broadcast_buffers``, buffers) are broadcast from the group's first rank at construction.
@@ -250,6 +255,8 @@ class GradientAccumulator:
         self.lr_scheduler = lr_scheduler
         # Reverse registration order: the order in which backward produces the gradients.
         self._masters: dict[int, torch.Tensor] = {}
+        self._unmastered: set[int] = set()  # low-precision params the optimizer updates in place (no master)
+        self._optimized: set[int] = set()  # ids of the model params the optimizer holds (before master swap)
         self._registration = params  # registration order, the reference frame of state_dict()
         self._set_layout(params[::-1])
         self._arrival: list[int] | None = []  # first-arrival order of the first window, then None
@@ -321,8 +328,18 @@ class GradientAccumulator:
             self._set_layout([self.params[i] for i in order])
     def _setup_master_weights(self, enabled: bool) -> None:
         opt_ids = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
+        self._optimized = opt_ids
         low = [p for p in self.params if p.dtype in _LOW_PRECISION and id(p) in opt_ids]
-        if not enabled or not low:
+        if not low:
+            return
+        if not enabled:
+            if hasattr(self.optimizer, "attach_model_params"):
+                raise ValueError(
+                    f"master_weights=False leaves the {low[0].dtype} parameters to the optimizer, but "
+                    f"{type(self.optimizer).__name__} updates float32 master weights only; use master_weights=True "
+                    "or a torch optimizer (e.g. torch.optim.AdamW(fused=True)) over the low-precision parameters"
+                )
+            self._unmastered = {id(p) for p in low}
             return
         self.master_buffer = FlatBuffer(FlatLayout.build(low), torch.float32, self.device)
         with torch.no_grad():
@@ -610,22 +627,37 @@ class GradientAccumulator:
         opt = self.optimizer
         fp32_params = [p for p in self.params if id(p) not in self._masters]
         unused = {id(self.params[i]) for i in unwritten}
-        for i, p in enumerate(self.params):  # every optimizer-visible param gets its fp32 grad view or None
+        fused = self._fused_optimizer()
+        scaled = not fused or bool(self._unmastered)
+        if scaled:
+            # One fp32 pass applies normalization and clipping before any rounding: a low-precision
+            # parameter without a master then gets its gradient rounded once, already at its final scale
+            # (no fp16 overflow of loss-scaled sums, no double rounding).
+            self.backend.scale_(self.main_grad.data, coef)
+        for i, p in enumerate(self.params):  # every param the optimizer holds gets its gradient or None
+            if id(p) not in self._optimized:
+                continue  # trainable but not optimized: counted in the norm, left alone
             target = self._masters.get(id(p), p)
-            target.grad = None if id(p) in unused else self.main_grad.views[i]
+            if id(p) in unused:
+                target.grad = None
+            elif id(p) in self._unmastered:
+                target.grad = self.main_grad.views[i].to(p.dtype)  # a transient copy, freed after the step
+            else:
+                target.grad = self.main_grad.views[i]
         try:
-            if self._fused_optimizer():
+            if fused:
                 # The fused kernels divide each gradient by grad_scale and skip everything (step counts
                 # included) when found_inf is set: normalization + clipping + skip at no extra pass or sync.
-                opt.grad_scale = coef.reciprocal()
+                if not scaled:
+                    opt.grad_scale = coef.reciprocal()
                 opt.found_inf = skipped.to(torch.float32)
                 try:
                     opt.step()
                 finally:
-                    del opt.grad_scale, opt.found_inf
+                    opt.__dict__.pop("grad_scale", None)
+                    del opt.found_inf
                 applied = None
             else:
-                self.backend.scale_(self.main_grad.data, coef)
                 applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
                 if applied:
                     opt.step()
