@@ -10,6 +10,9 @@ bytes) for every variant:
 (a)  gaengine: ``GradientAccumulator`` + ``gaengine.optim.FusedAdamW`` (fp32 main_grad, fp32 masters,
      clip folded into the update, bf16 model written in the optimizer pass)
 (a') gaengine: ``GradientAccumulator`` + ``torch.optim.AdamW(fused=True)`` (+ a master -> bf16 copy)
+(a'') gaengine, ``master_weights=False``: fp32 main_grad, ``torch.optim.AdamW(fused=True)`` on the bf16 params
+     (bf16 m and v, as in (b)); at the update one fp32 pass normalizes and clips, each gradient is rounded
+     once to bf16 (a transient copy while the optimizer runs)
 (b)  plain recipe: bf16 ``.grad`` accumulated by ``(loss / K).backward()``, ``clip_grad_norm_``, fused AdamW
      on the bf16 params (bf16 m and v), ``zero_grad(set_to_none=True)``  <- the baseline of the ratio
 (c)  torch-native fp32 accumulation: ``p.grad_dtype = torch.float32`` on every bf16 param (autograd casts
@@ -18,14 +21,18 @@ bytes) for every variant:
      ``torch._foreach_copy_(params, masters)``. Same precision as (a): the like-for-like comparison.
 
 Bytes of gradient + optimizer state per parameter (no activations): (a), (a'), (c): fp32 grad 4 + fp32 master 4
-+ fp32 m, v 8 = 16 B; (b): bf16 grad 2 + bf16 m, v 4 = 6 B. Every variant also holds the bf16 model (2 B).
++ fp32 m, v 8 = 16 B; (a''): fp32 grad 4 + bf16 m, v 4 = 8 B; (b): bf16 grad 2 + bf16 m, v 4 = 6 B. Every
+variant also holds the bf16 model (2 B). An fp32 gradient sum (4 B) plus AdamW's two moments kept at least
+in bf16 (4 B) is 8 B: no exact fp32-accumulating AdamW holds less than (b)'s 6 B unless its moments drop below
+8 bits each.
 
 Throughput: all variants in one process, each on its own model, one update of each per round (the same
 micro-batches), ``--timed-updates`` rounds after ``--warmup-updates``; update ms is the median, tokens/s =
 tokens per update / median ms, the ratio is the median of per-round speedups over (b); the same by process
 CPU time too (with ``--threads 1`` it leaves out time spent descheduled on a shared machine). Memory: each variant
 again in a fresh subprocess (a short run), so its peak is its own: CUDA ``max_memory_allocated``; CPU peak
-RSS (``VmHWM``) and its growth above the RSS once model and data exist; and an exact count of the
+RSS (``VmHWM``) and its growth above the RSS once model and data exist, and the peak of live tensor bytes
+(``torch.profiler`` allocation events, a second run of the same updates); and an exact count of the
 gradient/optimizer/master storages at their high point (the end of a window's last backward).
 """
 
@@ -46,7 +53,8 @@ from gaengine.bench import E2E_VARIANTS, E2EConfig, bench_e2e, e2e_config  # noq
 COLUMNS = [("variant", "variant", "s"), ("ms", "ms / update", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),
            ("ratio_vs_torch", "vs (b)", ".3f"), ("cpu_ms", "CPU ms / update", ".1f"),
            ("ratio_cpu_time", "vs (b), CPU time", ".3f"), ("peak_mib", "peak MiB", ",.1f"),
-           ("peak_delta_mib", "peak delta MiB", ",.1f"), ("state_mib", "state MiB", ",.2f"),
+           ("peak_delta_mib", "peak delta MiB", ",.1f"), ("peak_live_mib", "peak live MiB", ",.1f"),
+           ("state_mib", "state MiB", ",.2f"),
            ("state_bytes_per_param", "state B/param", ".1f"), ("final_loss", "last loss", ".4f")]
 
 

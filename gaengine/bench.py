@@ -56,6 +56,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass, replace
@@ -339,6 +340,7 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
 E2E_VARIANTS = {
     "gaengine-fused": "(a) gaengine: GradientAccumulator + gaengine.optim.FusedAdamW",
     "gaengine-torch": "(a') gaengine: GradientAccumulator + torch AdamW(fused=True)",
+    "gaengine-lean": "(a'') gaengine, master_weights=False: torch AdamW(fused) on bf16 (bf16 m, v)",
     "plain": "(b) plain: bf16 .grad, (loss/K).backward(), clip, AdamW(fused) on bf16",
     "native-fp32": "(c) native: grad_dtype=fp32, clip, AdamW(fused) on fp32 masters",
 }
@@ -497,10 +499,11 @@ def _build_variant(variant: str, cfg: E2EConfig, model: torch.nn.Module | None =
             loss_sum += loss.detach()
         return loss_sum
 
-    if variant in ("gaengine-fused", "gaengine-torch"):
+    if variant in ("gaengine-fused", "gaengine-torch", "gaengine-lean"):
         opt = FusedAdamW(params, **hyper) if variant == "gaengine-fused" else torch.optim.AdamW(
             params, **hyper, fused=True)
-        acc = GradientAccumulator(model, opt, accumulation_steps=k, max_grad_norm=max_norm)
+        acc = GradientAccumulator(model, opt, accumulation_steps=k, max_grad_norm=max_norm,
+                                  master_weights=variant != "gaengine-lean")
 
         def accumulate(window):
             loss_sum = torch.zeros((), device=cfg.device)
@@ -580,11 +583,30 @@ def e2e_throughput(cfg: E2EConfig, variants: Sequence[str]) -> dict[str, dict]:
     return out
 
 
+def _peak_live_cpu_bytes(run: Callable[[], None]) -> int:
+    """Peak bytes of CPU tensors allocated inside ``run()`` and alive at once: the largest running total of
+    ``torch.profiler``'s allocation events (``profile_memory=True``). Tensors that existed before ``run`` are
+    not counted; no allocator slack, unlike RSS."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return max((e["args"]["Total Allocated"] for e in events
+                if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0), default=0)
+
+
 def _e2e_memory_worker(variant: str, cfg: E2EConfig) -> dict:
     """In a fresh process: ``warmup_updates + 1`` updates of ``variant``; its peak memory and state bytes.
 
     A tiny model of the same variant trains first, so that lazy imports and first-use allocations of torch's
-    kernels (about 150 MiB of RSS on CPU, whatever the model size) happen before the baseline is taken.
+    kernels (about 150 MiB of RSS on CPU, whatever the model size) happen before the baseline is taken. On
+    CPU the same updates then run again on a fresh model under ``torch.profiler`` for the peak of live tensor
+    bytes (after the RSS peak was read: the profiler's own buffers do not count).
     """
     device = torch.device(cfg.device)
     tiny = replace(cfg, n_layers=1, d_model=8 * cfg.n_heads, seq_len=8, micro_batch_size=1, accumulation_steps=2)
@@ -602,20 +624,32 @@ def _e2e_memory_worker(variant: str, cfg: E2EConfig) -> dict:
         base_bytes = torch.cuda.memory_allocated()
     else:
         base_bytes = _rss_bytes()
-    b = _build_variant(variant, cfg, model)
     state_bytes = 0
-    for i, window in enumerate(windows):
-        b.accumulate(window)
-        if i == len(windows) - 1:  # the high point of gradient + optimizer state (optimizer state exists by now)
-            state_bytes = _state_bytes(b.state(), exclude=list(b.model.parameters()))
-        b.update()
-    _sync(device)
+
+    def train(model: torch.nn.Module) -> None:
+        nonlocal state_bytes
+        b = _build_variant(variant, cfg, model)
+        for i, window in enumerate(windows):
+            b.accumulate(window)
+            if i == len(windows) - 1:  # the high point of gradient + optimizer state (optimizer state exists by now)
+                state_bytes = _state_bytes(b.state(), exclude=list(b.model.parameters()))
+            b.update()
+        _sync(device)
+
+    train(model)
+    num_params = sum(p.numel() for p in model.parameters())
     if device.type == "cuda":
         peak_bytes, kind = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
+        live_bytes = peak_bytes - base_bytes
     else:
         peak_bytes, kind = _peak_rss_bytes(), "peak RSS (VmHWM)"
-    return {"variant": variant, "num_params": sum(p.numel() for p in b.model.parameters()), "peak_bytes": peak_bytes,
-            "peak_delta_bytes": peak_bytes - base_bytes, "peak_kind": kind, "state_bytes": state_bytes}
+        del model
+        gc.collect()
+        fresh = _e2e_model(cfg)
+        live_bytes = _peak_live_cpu_bytes(lambda: train(fresh))
+    return {"variant": variant, "num_params": num_params, "peak_bytes": peak_bytes,
+            "peak_delta_bytes": peak_bytes - base_bytes, "peak_kind": kind, "state_bytes": state_bytes,
+            "peak_live_bytes": live_bytes}
 
 
 _WORKER_MARK = "GAENGINE_E2E_RESULT "
@@ -674,6 +708,7 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
             "ratio_vs_torch": _median_ratio(base_ms, t["update_ms"]),
             "peak_mib": m["peak_bytes"] / mib,
             "peak_delta_mib": m["peak_delta_bytes"] / mib,
+            "peak_live_mib": m["peak_live_bytes"] / mib,
             "state_mib": m["state_bytes"] / mib,
             "state_bytes_per_param": m["state_bytes"] / m["num_params"],
             "final_loss": t["losses"][-1],
@@ -681,12 +716,15 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
         })
     if cfg.device == "cuda":
         how = ("peak = torch.cuda.max_memory_allocated of the variant's own process; peak delta = that minus the "
-               "memory allocated once the bf16 model and the data were on the device (after a tiny warm-up model)")
+               "memory allocated once the bf16 model and the data were on the device (after a tiny warm-up model); "
+               "peak live = peak delta (the caching allocator's count is already of live tensors)")
     else:
         how = ("peak = peak RSS (VmHWM) of the variant's own fresh process (one process per variant: RSS "
                "is not shared); peak delta = that minus the RSS once the bf16 model and the data were built, after "
                "a tiny model of the same variant trained first (torch runtime and first-use allocations excluded): "
-               "activations, gradients, optimizer state, master weights, temporaries, allocator slack")
+               "activations, gradients, optimizer state, master weights, temporaries, allocator slack; peak live = "
+               "the peak of the CPU tensor bytes allocated after the model and the data, alive at once, from "
+               "torch.profiler's allocation events in a second run of the same updates (no allocator slack)")
     info = {"config": asdict(cfg), "num_params": memory[E2E_BASELINE]["num_params"],
             "tokens_per_update": cfg.tokens_per_update, "memory": how,
             "state": ("bytes of gradients + optimizer state + master weights + flat buffers at the end of a "
@@ -755,7 +793,7 @@ def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
 TABLE_COLUMNS = [("benchmark", "benchmark", "s"), ("variant", "variant", "s"), ("ms", "ms", ".3f"),
                  ("gb_s", "GB/s", ".1f"), ("pct_of_peak", "% of peak", ".0f"),
                  ("ratio_vs_torch", "vs torch", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
-                 ("peak_delta_mib", "peak delta MiB", ",.1f"), ("state_mib", "state MiB", ",.2f")]
+                 ("peak_live_mib", "peak live MiB", ",.1f"), ("state_mib", "state MiB", ",.2f")]
 """``(key, header, format)`` of the one table ``run`` prints."""
 
 

@@ -513,7 +513,7 @@ class GradientAccumulator:
     def _window_items(self) -> torch.Tensor:
         """This rank's item count of the window: 0-d fp64 on the device (host ints added without a read)."""
         if self._items_dev is None:
-            return torch.tensor(float(self._items_host), dtype=torch.float64, device=self.device)
+            return torch.full((), float(self._items_host), dtype=torch.float64, device=self.device)  # a fill, no copy
         return self._items_dev + self._items_host
 
     def _globally_unused(self) -> list[int]:
@@ -572,7 +572,7 @@ class GradientAccumulator:
                 denom = items.float()
                 num_items = items if self._items_dev is not None else self._items_host
         else:
-            denom = torch.tensor(float(k * self.world_size), device=dev)
+            denom = torch.full((), float(k * self.world_size), dtype=torch.float32, device=dev)  # a fill, no H2D copy
             num_items = None
 
         unwritten = [i for i, w in enumerate(self._written) if not w]

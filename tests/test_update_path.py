@@ -144,6 +144,47 @@ def test_patched_reads_are_caught():
         acc.step()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("variant", ["torch-fused", "gaengine-fused", "no-master"])
+def test_no_device_sync_on_cuda(backend, variant):
+    """On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronizing CUDA call (a copy to
+    the host, a blocking host-to-device copy, a stream synchronize) inside the hooks and ``step()``; the
+    updates then match the same engine run on the CPU (fp32 masters, or bf16 params with master_weights=False)."""
+    import gaengine.optim  # noqa: PLC0415
+
+    def make(device):
+        model = _mlp(torch.bfloat16).to(device)
+        params = model.parameters()
+        opt = (gaengine.optim.FusedAdamW(params, lr=1e-3) if variant == "gaengine-fused"
+               else torch.optim.AdamW(params, lr=1e-3, fused=True))
+        acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=3, max_grad_norm=0.5,
+                                           backend=backend if device == "cuda" else "cpu",
+                                           master_weights=variant != "no-master")
+        return model, acc
+
+    model, acc = make("cuda")
+    cpu_model, cpu_acc = make("cpu")
+    batches = [_batch(i, dtype=torch.bfloat16) for i in range(9)]
+    on_gpu = [(x.cuda(), y.cuda()) for x, y in batches]
+    torch.cuda.synchronize()
+    for w in range(3):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for k in range(3):
+                acc.backward(_mse(model, *on_gpu[3 * w + k]))
+            result = acc.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for k in range(3):
+            cpu_acc.backward(_mse(cpu_model, *batches[3 * w + k]))
+        cpu_result = cpu_acc.step()
+        assert not bool(result.skipped)
+        assert rel_diff(result.grad_norm.cpu(), cpu_result.grad_norm) <= 1e-5
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        assert rel_diff(p.float().cpu(), q.float()) <= 2.0**-7  # bf16 params: within a rounding of each other
+
+
 # ---------------------------------------------------------------- resume mid-window
 _RESUME_SCRIPT = textwrap.dedent(r"""
     import sys, torch
