@@ -98,6 +98,8 @@ def _add_train_parser(subparsers) -> None:
     g = p.add_argument_group("engine and device")
     g.add_argument("--backend", choices=_BACKENDS, default=d.backend, help="gaengine backend")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
+                   help="bf16/fp16 params: AdamW updates them in place, state in their dtype (8 instead of 16 B/param)")
     g = p.add_argument_group("reporting")
     g.add_argument("--eval-interval", type=_non_negative_int, default=d.eval_interval,
                    help="evaluate every N updates (0: only at the end)")
@@ -315,6 +317,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             max_grad_norm=args.max_grad_norm,
             device=device,
             backend=args.backend,
+            master_weights=args.master_weights,
             seed=args.seed,
             eval_interval=args.eval_interval,
             eval_batches=args.eval_batches,

@@ -72,6 +72,9 @@ class TrainConfig:
     """``cpu`` or ``cuda``."""
     backend: str = "auto"
     """gaengine backend: ``auto`` | ``torch`` | ``cpu`` | ``triton``."""
+    master_weights: bool = True
+    """gaengine keeps fp32 master weights (and fp32 AdamW state) for bf16/fp16 parameters; False: AdamW updates
+    the low-precision parameters in place with its state in their dtype (8 instead of 16 B/param)."""
     seed: int = 0
     """Seeds the initialization and the micro-batch sampler (the same for both recipes)."""
     eval_interval: int = 50
@@ -303,6 +306,7 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
             lr_scheduler=scheduler,
             backend=config.backend,
             micro_batch_size=config.micro_batch_size,
+            master_weights=config.master_weights,
         )
 
         def update(next_micro_batch):

@@ -74,6 +74,16 @@ def test_compare(tmp_path, capsys):
     assert "gap (gaengine - torch)" in stdout and "torch" in stdout
 
 
+def test_no_master_weights(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", *TINY, "--no-master-weights", "--compare", "--out", str(out)]) == 0
+    records = _check_run(out, 2, recipes=("gaengine", "torch"))
+    first = {r["recipe"]: r["loss"] for r in records if r["kind"] == "train" and r["step"] == 1}
+    assert first["gaengine"] == pytest.approx(first["torch"], rel=1e-6)
+    assert json.loads((out / "config.json").read_text())["master_weights"] is False
+    assert build_parser().parse_args(["train"]).master_weights is True
+
+
 def test_data_file_and_folder(tmp_path):
     text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200))
     (tmp_path / "corpus").mkdir()
