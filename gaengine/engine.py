@@ -255,7 +255,10 @@ class GradientAccumulator:
         self.lr_scheduler = lr_scheduler
         # Reverse registration order: the order in which backward produces the gradients.
         self._masters: dict[int, torch.Tensor] = {}
-        self._unmastered: set[int] = set()  # low-precision params the optimizer updates in place (no master)
+        # master_weights=False: step() normalizes and clips the fp32 buffer before rounding it to the low-
+        # precision params, so each gradient is rounded once at its final scale (and a loss-scaled sum
+        # cannot overflow fp16).
+        self._normalize_before_rounding = False
         self._optimized: set[int] = set()  # ids of the model params the optimizer holds (before master swap)
         self._registration = params  # registration order, the reference frame of state_dict()
         self._set_layout(params[::-1])
@@ -339,7 +342,7 @@ class GradientAccumulator:
                     f"{type(self.optimizer).__name__} updates float32 master weights only; use master_weights=True "
                     "or a torch optimizer (e.g. torch.optim.AdamW(fused=True)) over the low-precision parameters"
                 )
-            self._unmastered = {id(p) for p in low}
+            self._normalize_before_rounding = True
             return
         self.master_buffer = FlatBuffer(FlatLayout.build(low), torch.float32, self.device)
         with torch.no_grad():
@@ -628,22 +631,18 @@ class GradientAccumulator:
         fp32_params = [p for p in self.params if id(p) not in self._masters]
         unused = {id(self.params[i]) for i in unwritten}
         fused = self._fused_optimizer()
-        scaled = not fused or bool(self._unmastered)
+        scaled = not fused or self._normalize_before_rounding
         if scaled:
-            # One fp32 pass applies normalization and clipping before any rounding: a low-precision
-            # parameter without a master then gets its gradient rounded once, already at its final scale
-            # (no fp16 overflow of loss-scaled sums, no double rounding).
-            self.backend.scale_(self.main_grad.data, coef)
+            self.backend.scale_(self.main_grad.data, coef)  # one fp32 pass: normalization and clipping
         for i, p in enumerate(self.params):  # every param the optimizer holds gets its gradient or None
             if id(p) not in self._optimized:
                 continue  # trainable but not optimized: counted in the norm, left alone
             target = self._masters.get(id(p), p)
+            view = self.main_grad.views[i]
             if id(p) in unused:
                 target.grad = None
-            elif id(p) in self._unmastered:
-                target.grad = self.main_grad.views[i].to(p.dtype)  # a transient copy, freed after the step
-            else:
-                target.grad = self.main_grad.views[i]
+            else:  # a low-precision param without a master gets a rounded copy, freed after the step
+                target.grad = view if target.dtype == torch.float32 else view.to(target.dtype)
         try:
             if fused:
                 # The fused kernels divide each gradient by grad_scale and skip everything (step counts
@@ -654,7 +653,8 @@ class GradientAccumulator:
                 try:
                     opt.step()
                 finally:
-                    opt.__dict__.pop("grad_scale", None)
+                    if not scaled:
+                        del opt.grad_scale
                     del opt.found_inf
                 applied = None
             else:

@@ -16,6 +16,7 @@ from torch import nn
 
 import gaengine
 from gaengine.optim import FusedAdamW
+from tests.tolerances import low_precision_ulp
 
 K = 4
 MAX_NORM = 0.05  # small enough that clipping is active in these windows
@@ -48,13 +49,6 @@ def _reference_grads(twin: nn.Module, window: int, dtype, loss_scale: float) -> 
     means = [s / (K * loss_scale) for s in sums]
     norm = math.sqrt(sum(float((m * m).sum()) for m in means))
     return means, min(1.0, MAX_NORM / (norm + 1e-6))
-
-
-def _bf16_ulp(p: torch.Tensor) -> torch.Tensor:
-    """One ulp of ``p``'s own dtype at |p| (as fp64)."""
-    mant = {torch.bfloat16: 7, torch.float16: 10}[p.dtype]
-    ax = p.abs().double().clamp_min(torch.finfo(p.dtype).tiny)
-    return torch.exp2(torch.floor(torch.log2(ax)) - mant)
 
 
 @pytest.mark.parametrize("dtype,loss_scale,opt_name", [
@@ -99,7 +93,7 @@ def test_no_master_matches_plain_recipe_with_exact_accumulation(dtype, loss_scal
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert p.dtype == dtype and p.grad is None
             diff = (p.double() - q.double()).abs()
-            assert bool((diff <= _bf16_ulp(q)).all()), f"window {w}, {name}: max diff {float(diff.max())}"
+            assert bool((diff <= low_precision_ulp(q)).all()), f"window {w}, {name}: max diff {float(diff.max())}"
     assert any(clipped)
     if opt_name == "adamw-fused":
         assert opt.state[model[0].weight]["exp_avg"].dtype == dtype  # state in the parameter dtype
@@ -182,4 +176,4 @@ def test_optimizer_over_a_subset_of_low_precision_params(master_weights):
     for p, r in zip(model[0].parameters(), refs):
         expected = r.detach().to(dtype)
         diff = (p.double() - expected.double()).abs()
-        assert bool((diff <= _bf16_ulp(expected)).all()), float(diff.max())
+        assert bool((diff <= low_precision_ulp(expected)).all()), float(diff.max())

@@ -37,6 +37,13 @@ def fp32_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(ax)) - 23)
 
 
+def low_precision_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Size of one ulp of ``x``'s own dtype (bf16 or fp16) at |x| (fp64 tensor), the smallest normal's for tiny values."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[x.dtype]
+    ax = x.abs().to(torch.float64).clamp_min(torch.finfo(x.dtype).tiny)
+    return torch.exp2(torch.floor(torch.log2(ax)) - mantissa_bits)
+
+
 def assert_within_ulp(actual: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, ulps: float = 1.0,
                       what: str = "result") -> None:
     """|actual - exact| <= ulps * ulp(magnitude), elementwise; exact and magnitude are fp64."""
