@@ -14,6 +14,7 @@
 #include "adamw.h"
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
+#include "cpu_ops.h"
 
 #define CHECK_CPU(x) TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got device ", (x).device())
 #define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
@@ -29,6 +30,10 @@
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace gaengine {
+void register_hot_path(pybind11::module_& m);  // csrc/hot_path.cpp
+}  // namespace gaengine
 
 #if defined(GAENGINE_WITH_CUDA)
 namespace gaengine {
@@ -179,6 +184,104 @@ void scale_(const at::Tensor& x, const at::Tensor& coef) {
 }
 
 }  // namespace
+
+void accumulate_bucket_cpu(const std::vector<BucketSource>& sources) {
+  // Chunk table: (source, chunk start) for every kNormChunkNumel-element chunk of every source.
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  int64_t total_numel = 0;
+  bool want_partials = false;
+  for (size_t j = 0; j < sources.size(); ++j) {
+    const int64_t n = sources[j].numel;
+    total_numel += n;
+    want_partials = want_partials || sources[j].partial != nullptr;
+    for (int64_t begin = 0; begin < n; begin += kNormChunkNumel) chunks.emplace_back(static_cast<int64_t>(j), begin);
+  }
+  std::vector<double> chunk_sums(want_partials ? chunks.size() : 0, 0.0);
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  auto run_chunk = [&](int64_t c) {
+    const BucketSource& s = sources[chunks[c].first];
+    const int64_t begin = chunks[c].second, len = std::min(kNormChunkNumel, s.numel - begin);
+    float* d = s.dst + begin;
+    GAENGINE_DISPATCH_GRAD_TYPES(s.src->scalar_type(), "gaengine.accumulate_bucket", [&] {
+      const scalar_t* p = s.src->const_data_ptr<scalar_t>() + begin;
+      if (s.partial != nullptr) {
+#if defined(GAENGINE_X86_KERNELS)
+        if (avx2) {
+          chunk_sums[c] = avx2::accumulate_sumsq(d, p, len, 1.0, s.overwrite);
+          return;
+        }
+#endif
+        chunk_sums[c] = portable::accumulate_sumsq(d, p, len, 1.0, s.overwrite);
+        return;
+      }
+#if defined(GAENGINE_X86_KERNELS)
+      if (avx2) return avx2::accumulate(d, p, len, 1.0, s.overwrite);
+#endif
+      portable::accumulate(d, p, len, 1.0, s.overwrite);
+    });
+  };
+  const auto n_chunks = static_cast<int64_t>(chunks.size());
+  if (total_numel < kGrainNumel) {  // a bucket of small parameters: not worth waking the thread pool
+    for (int64_t c = 0; c < n_chunks; ++c) run_chunk(c);
+  } else {
+    at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) run_chunk(c);
+    });
+  }
+  if (!want_partials) return;
+  for (int64_t c = 0; c < n_chunks;) {  // each source's chunks are consecutive: sum them in chunk order
+    const BucketSource& s = sources[chunks[c].first];
+    double total = 0.0;
+    const int64_t j = chunks[c].first;
+    for (; c < n_chunks && chunks[c].first == j; ++c) total += chunk_sums[c];
+    if (s.partial != nullptr) {
+      s.partial[0] = total;
+      s.partial[1] = std::isfinite(total) ? 0.0 : 1.0;
+    }
+  }
+  for (const BucketSource& s : sources) {  // an empty source has no chunk: its partial is an empty sum
+    if (s.partial != nullptr && s.numel == 0) s.partial[0] = s.partial[1] = 0.0;
+  }
+}
+
+namespace {
+
+// gaengine._C.accumulate_bucket_: the checked binding of accumulate_bucket_cpu, for tests and callers that own
+// their buffers. partials: None, or a (len(srcs), 2) float64 tensor whose row j receives source j's partial.
+void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
+                        const std::vector<bool>& overwrite, const std::optional<at::Tensor>& partials) {
+  CHECK_CPU(dst);
+  CHECK_CONTIGUOUS(dst);
+  CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
+  TORCH_CHECK(offsets.size() == srcs.size() && overwrite.size() == srcs.size(),
+              "srcs, offsets and overwrite must have the same length, got ", srcs.size(), ", ", offsets.size(),
+              " and ", overwrite.size());
+  if (partials.has_value()) {
+    CHECK_CPU(*partials);
+    CHECK_CONTIGUOUS(*partials);
+    CHECK_DTYPE(*partials, partials->scalar_type() == at::kDouble, "float64");
+    TORCH_CHECK(partials->dim() == 2 && partials->size(0) == static_cast<int64_t>(srcs.size()) &&
+                    partials->size(1) == 2,
+                "partials must have shape (", srcs.size(), ", 2), got ", partials->sizes());
+  }
+  std::vector<BucketSource> sources;
+  sources.reserve(srcs.size());
+  for (size_t j = 0; j < srcs.size(); ++j) {
+    const at::Tensor& src = srcs[j];
+    TORCH_CHECK(src.device().is_cpu(), "srcs[", j, "] must be a CPU tensor, got device ", src.device());
+    TORCH_CHECK(src.is_contiguous(), "srcs[", j, "] must be contiguous");
+    const auto t = src.scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "srcs[", j,
+                "] must be float32, bfloat16 or float16, got ", t);
+    TORCH_CHECK(offsets[j] >= 0 && offsets[j] + src.numel() <= dst.numel(), "offsets[", j, "] = ", offsets[j],
+                " puts srcs[", j, "] (", src.numel(), " elements) outside dst (", dst.numel(), " elements)");
+    double* partial = partials.has_value() ? partials->data_ptr<double>() + 2 * j : nullptr;
+    sources.push_back({&src, dst.data_ptr<float>() + offsets[j], src.numel(), static_cast<bool>(overwrite[j]), partial});
+  }
+  accumulate_bucket_cpu(sources);
+}
+
+}  // namespace
 }  // namespace gaengine
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -203,6 +306,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("model_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"), py::arg("found_inf"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("accumulate_bucket_", &gaengine::accumulate_bucket_,
+        "dst[offsets[j]:offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else dst[...]) + srcs[j] for every j, in "
+        "one parallel region; partials: None or a (len(srcs), 2) float64 tensor receiving each source's (sum of "
+        "squares of the values written, found_inf)",
+        py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("overwrite"), py::arg("partials") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  gaengine::register_hot_path(m);  // csrc/hot_path.cpp: HotPath, the accumulator's per-parameter work
 #if defined(GAENGINE_WITH_CUDA)
   gaengine::register_cuda_ops(m);  // built with CUDA (setup.py): accumulate_cuda_, l2norm_sq_cuda, scale_cuda_
 #endif
