@@ -205,10 +205,11 @@ class HotPath {
     return arrival_;
   }
 
-  void set_learning(bool learning) {
+  // Learn the layout from this window's first arrivals, continuing `order` (None: stop learning).
+  void set_arrival(const std::optional<std::vector<int64_t>>& order) {
     std::lock_guard<std::mutex> lock(mutex_);
-    learning_ = learning;
-    arrival_.clear();
+    learning_ = order.has_value();
+    arrival_ = order.value_or(std::vector<int64_t>{});
   }
 
   // True when a hook dropped a gradient that arrived outside acc.backward() since the last call; clears it.
@@ -400,7 +401,8 @@ void register_hot_path(py::module_& m) {
       .def("set_written", &HotPath::set_written, py::arg("index"), py::arg("value"))
       .def("set_all_written", &HotPath::set_all_written, py::arg("values"))
       .def("arrival", &HotPath::arrival, "first-arrival order being learned, or None")
-      .def("set_learning", &HotPath::set_learning, py::arg("learning"))
+      .def("set_arrival", &HotPath::set_arrival, "learn from first arrivals after `order` (None: stop)",
+           py::arg("order"))
       .def("take_stale", &HotPath::take_stale, "a gradient was dropped outside acc.backward() (clears the flag)")
       .def("launches", &HotPath::launches, "accumulate launches since construction")
       .def("num_buckets", &HotPath::num_buckets);
