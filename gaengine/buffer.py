@@ -1,10 +1,14 @@
-"""Flat fp32 storage for a list of parameters: offsets, per-parameter views, aligned starts.
+"""Flat fp32 storage for a list of parameters: offsets, per-parameter views, aligned starts; the layout order.
 
-Parameters are laid out in the order given (the engine passes reverse registration order, the order in
-which backward produces their gradients). Every parameter starts on a multiple of ``ALIGN_NUMEL``
-elements, so each view is 256-byte aligned in fp32 and the matching 16-bit gradient is 128-byte aligned
-(Megatron-Core pads parameter starts the same way, ``param_layout.py`` ``pad_param_start``): every kernel
-can use 16-byte vector loads and stores. The padding between parameters is zero and stays zero.
+Parameters are laid out in the order given. The engine starts from ``initial_order`` (reverse registration
+order, the order in which backward usually produces their gradients) and, after the first window, re-lays
+the buffer out in the order the gradients actually arrived (``learned_order``; on several ranks, the first
+rank's order, so every rank has the same layout and the same buckets).
+
+Every parameter starts on a multiple of ``ALIGN_NUMEL`` elements, so each view is 256-byte aligned in fp32
+and the matching 16-bit gradient is 128-byte aligned (Megatron-Core pads parameter starts the same way,
+``param_layout.py`` ``pad_param_start``): every kernel can use 16-byte vector loads and stores. The padding
+between parameters is zero and stays zero.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["ALIGN_NUMEL", "FlatLayout", "FlatBuffer"]
+__all__ = ["ALIGN_NUMEL", "FlatLayout", "FlatBuffer", "initial_order", "learned_order"]
 
 ALIGN_NUMEL = 64
 
@@ -61,3 +66,28 @@ class FlatBuffer:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def initial_order(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Reverse registration order: the order in which backward produces the gradients of most models."""
+    return list(params[::-1])
+
+
+def learned_order(arrival: Sequence[int], num_params: int, device: torch.device, *, distributed: bool = False,
+                  group: dist.ProcessGroup | None = None) -> list[int]:
+    """The layout order learned from a window: ``order[j]`` is the current layout index to put at position j.
+
+    arrival: current layout indices in the order their gradients first arrived (repeats are ignored);
+    parameters that never arrived follow in their current order. distributed: every rank takes the first
+    rank of ``group``'s order (one broadcast of ``num_params`` int64 on ``device`` if it is CUDA, else on the
+    CPU, and one host read: a one-time round trip), so the layouts and buckets agree across ranks.
+    """
+    arrival = list(dict.fromkeys(arrival))  # first arrival of each parameter
+    seen = set(arrival)
+    order = arrival + [i for i in range(num_params) if i not in seen]
+    if distributed:
+        t = torch.tensor(order, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(t, src=src, group=group)
+        order = t.tolist()
+    return order

@@ -1,16 +1,20 @@
 """``GradientAccumulator``: fp32 flat-buffer gradient accumulation, late normalization, clipping, update.
 
-Data flow of one accumulation window of K micro-batches (DESIGN.md):
+Data flow of one accumulation window of K micro-batches (DESIGN.md); this module orchestrates it, each
+stage lives in the module named after it:
 
-* ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook adds its gradient into
-  its view of one flat fp32 ``main_grad`` buffer (the first write of a window overwrites: no zeroing
-  pass) and frees ``p.grad`` at once.
+* ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook (``gaengine.hooks``) adds
+  its gradient into its view of one flat fp32 ``main_grad`` buffer (``gaengine.buffer``; the first write of
+  a window overwrites: no zeroing pass) and frees ``p.grad`` at once, one launch per bucket with Triton
+  (``gaengine.bucket``). In the last micro-batch on several ranks, each bucket's all-reduce starts as soon
+  as it is complete (``gaengine.reduce``).
 * Gradients stay raw sums. ``acc.step()`` applies the denominator once — the number of micro-batches
   (mean mode) or the total item count (item mode, ``num_items=``) — folded into the clip coefficient,
   so a partial window (``step(force=True)``) and token-count normalization are exact.
-* ``step()`` makes one pass over the buffer for the sum of squares and the non-finite flag, computes
-  the clip coefficient on the device, and runs the optimizer on fp32 gradients (fp32 master weights
-  for bf16/fp16 parameters). A non-finite gradient skips the update.
+* ``step()`` makes one pass over the buffer (or none) for the sum of squares and the non-finite flag,
+  computes the clip coefficient on the device (``gaengine.norm``), and runs the optimizer on fp32
+  gradients (fp32 master weights for bf16/fp16 parameters, ``gaengine.update``). A non-finite gradient
+  skips the update.
 """
 
 from __future__ import annotations
@@ -27,15 +31,17 @@ from torch import nn
 
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine.bucket_accumulate import BucketAccumulation
-from gaengine.buffer import FlatBuffer, FlatLayout
-from gaengine.clip import clip_coefficient
-from gaengine.comm import BucketReducer, build_buckets, wait_for
+from gaengine.bucket import BucketAccumulation, build_buckets
+from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
+from gaengine.hooks import PythonHooks
+from gaengine.hot_path import NativeHooks, make_hooks
+from gaengine.norm import window_norm
+from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats
 from gaengine.scaler import LossScaler
+from gaengine.update import MasterWeights, apply_update, expose_grads
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _OWNER_ATTR = "_gaengine_accumulator"
 
 
@@ -250,23 +256,24 @@ class GradientAccumulator:
             else:
                 warn_batchnorm(model, self.accumulation_steps)
         if self.distributed:
-            self._broadcast_from_first_rank(model, params, broadcast_buffers)
+            tensors = list(params)
+            if broadcast_buffers and isinstance(model, nn.Module):
+                tensors += [b for b in model.buffers()]
+            broadcast_from_first_rank(tensors, self.process_group)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        # Reverse registration order: the order in which backward produces the gradients.
-        self._masters: dict[int, torch.Tensor] = {}
-        # master_weights=False: step() normalizes and clips the fp32 buffer before rounding it to the low-
-        # precision params, so each gradient is rounded once at its final scale (and a loss-scaled sum
-        # cannot overflow fp16).
-        self._normalize_before_rounding = False
-        self._optimized: set[int] = set()  # ids of the model params the optimizer holds (before master swap)
+        # Per-parameter, per-micro-batch state lives in the hooks object (gaengine.hooks); a gradient that
+        # gaengine left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
+        self.hooks: NativeHooks | PythonHooks | None = None
+        self._grads_left = False
+        self._masters: MasterWeights | None = None  # the optimizer's params and fp32 masters (gaengine.update)
         self._registration = params  # registration order, the reference frame of state_dict()
-        self._set_layout(params[::-1])
-        self._arrival: list[int] | None = []  # first-arrival order of the first window, then None
+        self._set_layout(initial_order(params))
 
         self.master_buffer: FlatBuffer | None = None
         if optimizer is not None:
-            self._setup_master_weights(master_weights)
+            self._masters = MasterWeights(optimizer, self.params, self.main_grad, self.device, master_weights)
+            self.master_buffer = self._masters.buffer
 
         # Window state; host-side Python values only, so the hooks never read the device.
         self._num_micro_batches = 0
@@ -274,150 +281,53 @@ class GradientAccumulator:
         self._items_host = 0
         self._items_dev: torch.Tensor | None = None
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._in_backward = False
         self._failed_backward = False
-        self._stale_grads = False
-        self._norm_partials: torch.Tensor | None = None  # (P, 2) fp64 sums of squares / flags, CPU free norm
-        self._norm_arrivals = 0
+        self._stats: WindowStats | None = None  # the last micro-batch's stats all-reduce (multi-rank)
         self._overlap = True  # benchmarks set False to issue every all-reduce after backward
 
-        self._handles = []
         ref = weakref.ref(self)
-        hook = self._make_hook(ref)
         for p in self.params:
-            self._handles.append(p.register_post_accumulate_grad_hook(hook))
             setattr(p, _OWNER_ATTR, ref)
 
     # ------------------------------------------------------------------ setup
     def _set_layout(self, order: list[torch.Tensor]) -> None:
-        """Lay ``order`` out in a new zeroed main_grad buffer (and new buckets); only between windows."""
+        """Lay ``order`` out in a new zeroed main_grad buffer (new buckets, new hooks); only between windows."""
         self.params = list(order)
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.main_grad = FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
-        self._written = [False] * len(self.params)
-        for p, view in zip(self.params, self.main_grad.views):
-            if id(p) in self._masters:
-                self._masters[id(p)].grad = view
+        if self._masters is not None:
+            self._masters.attach_grads(self.params, self.main_grad)
         self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
                                       self.reduce_dtype, self.process_group) if self.distributed else None)
-        # The Triton backend accumulates a whole bucket per launch (the same buckets the reducer uses).
-        self.bucket_accumulation = None
-        if self.backend.name == "triton":
-            buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
-                self.main_grad.layout, self.bucket_size_mb)
-            self.bucket_accumulation = BucketAccumulation(self.main_grad, buckets)
-
-    def _broadcast_from_first_rank(self, model, params: list[torch.Tensor], with_buffers: bool) -> None:
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        tensors = list(params)
-        if with_buffers and isinstance(model, nn.Module):
-            tensors += [b for b in model.buffers()]
-        with torch.no_grad():
-            for t in tensors:
-                dist.broadcast(t.data, src=src, group=self.process_group)
+        buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
+            self.main_grad.layout, self.bucket_size_mb)
+        learning = True
+        if self.hooks is not None:
+            learning = self.hooks.arrival is not None
+            self._grads_left |= self.hooks.take_stale()
+            self.hooks.close()
+        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer)
+        if not learning:
+            self.hooks.stop_learning()
 
     def _relearn_layout(self) -> None:
         """After the first window: lay the buffer out in the order gradients arrived (rank 0's order on all ranks)."""
-        arrival, self._arrival = list(dict.fromkeys(self._arrival)), None  # first arrival of each parameter
-        seen = set(arrival)
-        order = arrival + [i for i in range(len(self.params)) if i not in seen]
-        if self.distributed:
-            # Same layout on every rank: the first rank's order wins (one-time host round trip).
-            t = torch.tensor(order, dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
-            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-            dist.broadcast(t, src=src, group=self.process_group)
-            order = t.tolist()
+        arrival = self.hooks.arrival
+        self.hooks.stop_learning()
+        order = learned_order(arrival, len(self.params), self.device, distributed=self.distributed,
+                              group=self.process_group)
         if order != list(range(len(self.params))):
             self._set_layout([self.params[i] for i in order])
-    def _setup_master_weights(self, enabled: bool) -> None:
-        opt_ids = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
-        self._optimized = opt_ids
-        low = [p for p in self.params if p.dtype in _LOW_PRECISION and id(p) in opt_ids]
-        if not low:
-            return
-        if not enabled:
-            if hasattr(self.optimizer, "attach_model_params"):
-                raise ValueError(
-                    f"master_weights=False leaves the {low[0].dtype} parameters to the optimizer, but "
-                    f"{type(self.optimizer).__name__} updates float32 master weights only; use master_weights=True "
-                    "or a torch optimizer (e.g. torch.optim.AdamW(fused=True)) over the low-precision parameters"
-                )
-            self._normalize_before_rounding = True
-            return
-        self.master_buffer = FlatBuffer(FlatLayout.build(low), torch.float32, self.device)
-        with torch.no_grad():
-            for p, view in zip(low, self.master_buffer.views):
-                view.copy_(p)
-                master = nn.Parameter(view, requires_grad=True)  # aliases the flat master buffer
-                master.grad = self.main_grad.views[self._index[id(p)]]
-                self._masters[id(p)] = master
-        for group in self.optimizer.param_groups:
-            group["params"] = [self._masters.get(id(q), q) for q in group["params"]]
-        for p in low:  # state built before the accumulator (rare) follows its parameter
-            if p in self.optimizer.state:
-                self.optimizer.state[self._masters[id(p)]] = self.optimizer.state.pop(p)
-        self._low_params = low
-        self._low_masters = [self._masters[id(p)] for p in low]
-        # An optimizer that writes the rounded master into the model parameter in its own pass
-        # (gaengine.optim.FusedAdamW) saves the separate master -> model copy.
-        self._optimizer_writes_model = hasattr(self.optimizer, "attach_model_params")
-        if self._optimizer_writes_model:
-            self.optimizer.attach_model_params(list(zip(self._low_masters, low)))
 
-    @staticmethod
-    def _make_hook(ref: weakref.ref):
-        def hook(param: torch.Tensor) -> None:
-            acc = ref()
-            if acc is not None:
-                acc._accumulate(acc._index[id(param)], param)
+    @property
+    def bucket_accumulation(self) -> BucketAccumulation | None:
+        """The Triton path's per-bucket accumulation (``.launches``, ``.buckets``), else None."""
+        return getattr(self.hooks, "bucket_accumulation", None)
 
-        return hook
+    @property
+    def _optimizer_writes_model(self) -> bool:
+        return self._masters is not None and self._masters.optimizer_writes_model
 
     # ------------------------------------------------------------------ hot path
-    def _accumulate(self, i: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        if not self._in_backward:
-            # Nothing is accumulated; gradients autograd already left on other parameters are dropped at
-            # the next acc.backward(), so the window stays intact.
-            param.grad = None
-            self._stale_grads = True
-            raise RuntimeError(
-                "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); "
-                "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)"
-            )
-        if grad.layout != torch.strided:
-            param.grad = None
-            raise ValueError(
-                f"parameter {i} (shape {tuple(param.shape)}) received a {grad.layout} gradient; gaengine "
-                "accumulates dense gradients only (build embeddings with sparse=False)"
-            )
-        overwrite = not self._written[i]
-        if overwrite:
-            self._written[i] = True
-            if self._arrival is not None:
-                self._arrival.append(i)
-        param.grad = None  # the parameter lets go of its low-precision gradient at once
-        if self.bucket_accumulation is not None:
-            done = self.bucket_accumulation.add(i, grad, overwrite, 1.0)  # held until its bucket is full
-        else:
-            if self._norm_partials is not None:  # last micro-batch, one rank: the norm comes with the pass
-                self.backend.accumulate_sumsq_(self.main_grad.flat_views[i], grad, 1.0, overwrite,
-                                               self._norm_partials, i)
-                self._norm_arrivals += 1
-            else:
-                self.backend.accumulate_(self.main_grad.flat_views[i], grad, 1.0, overwrite)
-            done = (i,)
-        self._mark_final(done)
-
-    def _mark_final(self, indices) -> None:
-        """Parameters whose window gradient is complete: in the last micro-batch this may launch buckets'
-        all-reduces while backward goes on."""
-        if self.reducer is not None and self.reducer.armed:
-            for j in indices:
-                self.reducer.mark_ready(j)
-
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
         """Backward of one micro-batch, accumulating its gradients into the fp32 buffer.
 
@@ -449,10 +359,11 @@ class GradientAccumulator:
             )
         if item_mode:
             num_items = self._check_num_items(num_items)
-        if self._stale_grads:
+        if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = self._num_micro_batches == self.accumulation_steps - 1
-        if self.reducer is not None and last and self._overlap:
+        armed = self.reducer is not None and last and self._overlap
+        if armed:
             self.reducer.begin()  # only the window's last micro-batch communicates
 
         if self.scaler is None and self._auto_loss_scale and torch.is_autocast_enabled(self.device.type) \
@@ -461,24 +372,16 @@ class GradientAccumulator:
         self._auto_loss_scale = False
         scaled = loss if self.scaler is None else loss * self.scaler.scale
 
-        if self.bucket_accumulation is not None:
-            self.bucket_accumulation.begin(want_norm=last and not self.distributed)
-        elif last and not self.distributed and self.backend.name == "cpu":
-            # Per-parameter sums of squares from the last micro-batch's accumulate: step() reads no buffer.
-            self._norm_partials = torch.empty(len(self.params), 2, dtype=torch.float64)
-            self._norm_arrivals = 0
-        self._in_backward = True
+        self.hooks.begin(last, want_norm=last and not self.distributed, armed=armed)
         try:
             scaled.backward(**backward_kwargs)
-            if self.bucket_accumulation is not None:
-                self._mark_final(self.bucket_accumulation.flush(1.0))  # buckets left incomplete
+            self.hooks.end()  # buckets left incomplete are launched
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not: the window is no
             # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
+            self.hooks.abort()
             self._failed_backward = True
             raise
-        finally:
-            self._in_backward = False
 
         self._item_mode = item_mode
         self._num_micro_batches += 1
@@ -495,37 +398,19 @@ class GradientAccumulator:
             self._finish_communication_launch()
 
     def _finish_communication_launch(self) -> None:
-        """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
-
-        The stats all-reduce carries the window's loss sum, item count and, per parameter, whether this
-        rank produced a gradient for it, so a parameter no rank used gets no update (as torch DDP does).
-        """
-        self._locally_unused = [i for i, w in enumerate(self._written) if not w]
-        for i in self._locally_unused:
-            self.main_grad.flat_views[i].zero_()
-            self._written[i] = True
-        self.reducer.flush()
-        items = self._window_items()
-        used = torch.ones(len(self.params), dtype=torch.float64)
-        used[self._locally_unused] = 0.0
-        self._stats = torch.cat([self._loss_sum.double().reshape(1), items.double().reshape(1),
-                                 used.to(self.device, non_blocking=True)])
-        self._stats_work = dist.all_reduce(self._stats, group=self.process_group, async_op=True)
-        self.reducer.collectives_issued += 1
+        """End of the last backward: launch the remaining buckets and the stats all-reduce (``gaengine.reduce``);
+        the slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
+        unused = [i for i, w in enumerate(self.hooks.written) if not w]
+        for i in unused:
+            self.hooks.set_written(i, True)
+        self._stats = launch_window_stats(self.reducer, self.main_grad, unused, self._loss_sum,
+                                          self._window_items(), self.process_group)
 
     def _window_items(self) -> torch.Tensor:
         """This rank's item count of the window: 0-d fp64 on the device (host ints added without a read)."""
         if self._items_dev is None:
             return torch.full((), float(self._items_host), dtype=torch.float64, device=self.device)  # a fill, no copy
         return self._items_dev + self._items_host
-
-    def _globally_unused(self) -> list[int]:
-        """Parameters no rank produced a gradient for. Reads the flags on the host only on a rank that has
-        locally unused parameters (torch DDP's find_unused_parameters pays the same read)."""
-        if not self._locally_unused:
-            return []
-        flags = self._stats[2:][self._locally_unused].tolist()  # host read: needed to leave .grad None
-        return [i for i, f in zip(self._locally_unused, flags) if f == 0.0]
 
     @staticmethod
     def _check_num_items(num_items: Any) -> int | torch.Tensor:
@@ -563,10 +448,9 @@ class GradientAccumulator:
                 self.reducer.begin()
                 self._finish_communication_launch()
             self.reducer.wait()
-            wait_for(self._stats_work, "all-reduce of the window's loss and item count")
-            loss_sum, global_items = self._stats[0].float(), self._stats[1].float()
-            for i in self._globally_unused():
-                self._written[i] = False
+            loss_sum, global_items = self._stats.wait()
+            for i in self._stats.globally_unused():
+                self.hooks.set_written(i, False)
         if self._item_mode:
             if self.distributed:
                 denom = num_items = global_items
@@ -578,127 +462,46 @@ class GradientAccumulator:
             denom = torch.full((), float(k * self.world_size), dtype=torch.float32, device=dev)  # a fill, no H2D copy
             num_items = None
 
-        unwritten = [i for i, w in enumerate(self._written) if not w]
+        unwritten = [i for i, w in enumerate(self.hooks.written) if not w]
         for i in unwritten:  # parameters with no gradient in this window (unused branches)
             self.main_grad.flat_views[i].zero_()
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = denom if self.scaler is None else denom * self.scaler.scale
-        free = None
-        if self.bucket_accumulation is not None and not unwritten:
-            free = self.bucket_accumulation.free_norm()
-        elif self._norm_partials is not None and self._norm_arrivals == len(self.params):
-            # Every parameter was written in the last micro-batch: fixed-order sum of its partials.
-            sums = self._norm_partials.sum(0)
-            free = sums[0].to(torch.float32), (sums[1] > 0).to(torch.float32)
-        sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
-        grad_norm = sum_sq.sqrt() / grad_denom
-        skipped = (found_inf > 0) | ~torch.isfinite(grad_norm)
-        if self.max_grad_norm is not None:
-            clip_coef = clip_coefficient(grad_norm, self.max_grad_norm)
-        else:
-            clip_coef = torch.ones((), dtype=torch.float32, device=dev)
-        # One coefficient carries normalization and clipping; kept finite so padding stays zero.
-        coef = torch.where(skipped, torch.ones_like(clip_coef), clip_coef / grad_denom)
+        norm = window_norm(self.main_grad.data, grad_denom, self.max_grad_norm, self.backend,
+                           free=self.hooks.free_norm())
         loss = loss_sum / denom
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
 
         if self.optimizer is None:
-            self.backend.scale_(self.main_grad.data, coef)
-            self._expose_grads(unwritten)
+            self.backend.scale_(self.main_grad.data, norm.coef)
+            expose_grads(self.params, self.main_grad, unwritten)
+            self._grads_left = True
         else:
-            self._apply_update(coef, skipped, unwritten)
+            apply_update(self.optimizer, self.lr_scheduler, self._masters, self.backend, self.params,
+                         self.main_grad, norm.coef, norm.skipped, unwritten)
 
         if self.scaler is not None:
-            self.scaler.update(skipped.to(torch.float32))
+            self.scaler.update(norm.skipped.to(torch.float32))
         if self.window_batchnorm is not None:
             self.window_batchnorm.end_window()
-        result = StepResult(grad_norm=grad_norm, clip_coef=clip_coef, skipped=skipped,
+        result = StepResult(grad_norm=norm.grad_norm, clip_coef=norm.clip_coef, skipped=norm.skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss, loss_scale=loss_scale)
         if self.max_consecutive_skips is not None:
-            self._check_consecutive_skips(skipped, loss_scale)
+            self._check_consecutive_skips(norm.skipped, loss_scale)
         self._reset_window()
-        if self._arrival is not None:
+        if self.hooks.arrival is not None:
             self._relearn_layout()
         return result
-
-    def _fused_optimizer(self) -> bool:
-        opt = self.optimizer
-        return bool(getattr(opt, "_step_supports_amp_scaling", False) and opt.defaults.get("fused"))
-
-    def _apply_update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int]) -> None:
-        opt = self.optimizer
-        fp32_params = [p for p in self.params if id(p) not in self._masters]
-        unused = {id(self.params[i]) for i in unwritten}
-        fused = self._fused_optimizer()
-        scaled = not fused or self._normalize_before_rounding
-        if scaled:
-            self.backend.scale_(self.main_grad.data, coef)  # one fp32 pass: normalization and clipping
-        for i, p in enumerate(self.params):  # every param the optimizer holds gets its gradient or None
-            if id(p) not in self._optimized:
-                continue  # trainable but not optimized: counted in the norm, left alone
-            target = self._masters.get(id(p), p)
-            view = self.main_grad.views[i]
-            if id(p) in unused:
-                target.grad = None
-            else:  # a low-precision param without a master gets a rounded copy, freed after the step
-                target.grad = view if target.dtype == torch.float32 else view.to(target.dtype)
-        try:
-            if fused:
-                # The fused kernels divide each gradient by grad_scale and skip everything (step counts
-                # included) when found_inf is set: normalization + clipping + skip at no extra pass or sync.
-                if not scaled:
-                    opt.grad_scale = coef.reciprocal()
-                opt.found_inf = skipped.to(torch.float32)
-                try:
-                    opt.step()
-                finally:
-                    if not scaled:
-                        del opt.grad_scale
-                    del opt.found_inf
-                applied = None
-            else:
-                applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
-                if applied:
-                    opt.step()
-        finally:
-            for p in fp32_params:
-                p.grad = None
-            for i in unwritten:
-                master = self._masters.get(id(self.params[i]))
-                if master is not None:
-                    master.grad = self.main_grad.views[i]
-        if self._masters and not self._optimizer_writes_model:
-            # A skipped update left the masters unchanged, and the model already holds their rounding:
-            # copying unconditionally is bit-identical and needs no host read of the skip flag.
-            with torch.no_grad():
-                torch._foreach_copy_(self._low_params, self._low_masters)
-        if self.lr_scheduler is not None:
-            if applied is None:
-                applied = not bool(skipped)  # host read: the scheduler runs on the host
-            if applied:
-                self.lr_scheduler.step()
-
-    def _expose_grads(self, unwritten: list[int]) -> None:
-        unused = set(unwritten)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if i in unused:
-                    p.grad = None
-                else:
-                    view = self.main_grad.views[i]
-                    p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
-        self._stale_grads = True
 
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
-        self._stale_grads = False
+        self.hooks.take_stale()
+        self._grads_left = False
 
     def _reset_window(self) -> None:
-        self._norm_partials = None
-        self._norm_arrivals = 0
-        self._written = [False] * len(self.params)
+        self.hooks.reset_window()
         self._num_micro_batches = 0
         self._item_mode = None
         self._items_host = 0
@@ -714,12 +517,11 @@ class GradientAccumulator:
 
     def zero_grad(self) -> None:
         """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params."""
-        if self.bucket_accumulation is not None:
-            self.bucket_accumulation.drop()
+        self.hooks.drop()
         self._clear_grads()
         self._reset_window()
-        if self._arrival is not None:
-            self._arrival = []  # learn the order from a complete window
+        if self.hooks.arrival is not None:
+            self.hooks.restart_learning()  # learn the order from a complete window
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
 
@@ -740,9 +542,9 @@ class GradientAccumulator:
             "accumulation_steps": self.accumulation_steps,
             "world_size": self.world_size,
             "layout_order": [reg[id(p)] for p in self.params],
-            "arrival": None if self._arrival is None else list(self._arrival),
+            "arrival": self.hooks.arrival,
             "main_grad": self.main_grad.data.detach().cpu().clone(),
-            "written": list(self._written),
+            "written": self.hooks.written,
             "num_micro_batches": self._num_micro_batches,
             "item_mode": self._item_mode,
             "items_host": self._items_host,
@@ -782,9 +584,9 @@ class GradientAccumulator:
             self.main_grad.data.copy_(state["main_grad"])
             if self.master_buffer is not None:
                 self.master_buffer.data.copy_(state["master"])
-                torch._foreach_copy_(self._low_params, self._low_masters)
-        self._arrival = None if state["arrival"] is None else list(state["arrival"])
-        self._written = list(state["written"])
+                self._masters.copy_to_model()
+        self.hooks.set_arrival(state["arrival"])
+        self.hooks.set_all_written(list(state["written"]))
         self._num_micro_batches = int(state["num_micro_batches"])
         self._item_mode = state["item_mode"]
         self._items_host = int(state["items_host"])
@@ -794,7 +596,7 @@ class GradientAccumulator:
         self._consecutive_skips = int(state["consecutive_skips"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
-        self._stale_grads = True
+        self._grads_left = True
 
     @property
     def effective_batch_size(self) -> int:
@@ -822,9 +624,8 @@ class GradientAccumulator:
 
     def close(self) -> None:
         """Remove the hooks and release the parameters (another accumulator may then take them)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        if self.hooks is not None:
+            self.hooks.close()
         if self.window_batchnorm is not None:
             self.window_batchnorm.close()
         for p in self.params:

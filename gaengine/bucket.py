@@ -1,26 +1,66 @@
-"""One kernel launch per bucket per micro-batch (the Triton path), and the norm it yields for free.
+"""Buckets of the flat main_grad buffer, and the Triton path's one kernel launch per bucket per micro-batch.
 
-The hook hands each gradient over as autograd produces it; it is held (no copy) until every parameter of
-its bucket has arrived in this micro-batch, then the whole bucket is accumulated into the flat fp32 buffer
-by one launch of ``gaengine.kernels.bucket.accumulate_bucket_`` and the held gradients are dropped. With
-gradients arriving in layout order (the layout is re-learned from the first window), at most about one
-bucket of low-precision gradients is held at a time. Parameters that get no gradient in a micro-batch
-leave their bucket incomplete; ``flush()`` at the end of backward launches what is held.
+A bucket is a contiguous range of the flat fp32 buffer, cut at parameter boundaries once ``bucket_size_mb``
+MiB of fp32 gradient is reached, in the buffer's layout order (the order in which backward produces
+gradients). The same buckets serve two stages: the all-reduce of the window's last micro-batch
+(``gaengine.reduce.BucketReducer``, one collective per bucket) and, with the Triton backend, the accumulation
+itself (``BucketAccumulation``, one launch per bucket).
+
+``BucketAccumulation``: the hook hands each gradient over as autograd produces it; it is held (no copy)
+until every parameter of its bucket has arrived in this micro-batch, then the whole bucket is accumulated
+into the flat fp32 buffer by one launch of ``gaengine.kernels.bucket.accumulate_bucket_`` and the held
+gradients are dropped. With gradients arriving in layout order (the layout is re-learned from the first
+window), at most about one bucket of low-precision gradients is held at a time. Parameters that get no
+gradient in a micro-batch leave their bucket incomplete; ``flush()`` at the end of backward launches what
+is held.
 
 Free norm (single rank): in the window's last micro-batch each launch also writes per-block sums of
-squares and non-finite flags of the values it wrote into one ``(2, n_blocks)`` table; when every bucket
-was complete, that table covers every parameter, so ``step()`` finishes the norm from it with a
-deterministic fixed-order reduction and reads the buffer zero extra times.
+squares and non-finite flags of the values it wrote into one ``(2, n_blocks)`` fp32 table on the buffer's
+device; when every bucket was complete, that table covers every parameter, so ``step()`` finishes the norm
+from it with a deterministic fixed-order reduction and reads the buffer zero extra times.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from gaengine.buffer import FlatBuffer
-from gaengine.comm import Bucket
+from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["BucketAccumulation"]
+__all__ = ["Bucket", "BucketAccumulation", "build_buckets"]
+
+
+@dataclass
+class Bucket:
+    """Parameters ``[first, last)`` of the layout and the buffer range ``[start, end)`` (elements) they cover."""
+
+    index: int
+    first: int
+    last: int
+    start: int
+    end: int
+    pending: int = 0
+    work: object = None
+    wire: torch.Tensor | None = None
+    launched_at: float | None = field(default=None, repr=False)
+
+
+def build_buckets(layout: FlatLayout, bucket_size_mb: float) -> list[Bucket]:
+    """Cut ``layout`` into buckets of at least ``bucket_size_mb`` MiB of fp32 gradient (the last may be smaller).
+
+    A bucket always ends at a parameter boundary (the padding after a parameter belongs to it), so every
+    parameter is in exactly one bucket and the buckets tile ``[0, layout.total_numel)``.
+    """
+    cap_numel = max(1, int(bucket_size_mb * 2**20) // 4)
+    n = len(layout.offsets)
+    buckets, first = [], 0
+    for i in range(n):
+        end = layout.offsets[i + 1] if i + 1 < n else layout.total_numel
+        if end - layout.offsets[first] >= cap_numel or i == n - 1:
+            buckets.append(Bucket(len(buckets), first, i + 1, layout.offsets[first], end))
+            first = i + 1
+    return buckets
 
 
 class BucketAccumulation:

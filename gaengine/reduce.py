@@ -1,0 +1,176 @@
+"""Cross-rank reduction: the bucketed all-reduce of main_grad, the window's stats, the initial broadcast.
+
+Buckets (``gaengine.bucket``) are contiguous ranges of the flat fp32 main_grad buffer, so each all-reduce
+is one call on one view, no copy. A bucket's all-reduce (sum) is launched asynchronously as soon as its
+last parameter has been accumulated in the window's last micro-batch, overlapping the rest of backward.
+Buckets are launched strictly in index order, as torch DDP's reducer does (``reducer.cpp``,
+``next_bucket_``), because collectives must be issued in the same order on every rank.
+
+At the end of the last backward, ``launch_window_stats`` zeroes the slices this rank never wrote, launches
+the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P))`` in fp64 on the
+device: ``step()`` gets the global loss and item count from it, and the parameters no rank produced a
+gradient for (``WindowStats.globally_unused``), which get no update, as with torch DDP.
+
+All of this is torch.distributed underneath (NCCL on GPU, gloo on CPU); gaengine owns only the bucketing
+and the schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gaengine.bucket import build_buckets
+from gaengine.buffer import FlatBuffer, FlatLayout
+
+__all__ = ["BucketReducer", "WindowStats", "broadcast_from_first_rank", "launch_window_stats", "wait_for"]
+
+
+class BucketReducer:
+    """Launches and completes the all-reduce (sum) of each bucket of one flat fp32 buffer.
+
+    data: (layout.total_numel,) fp32 main_grad. reduce_dtype: fp32, or bf16/fp16 on the wire (the
+    reduced values are written back into the fp32 buffer). group: the process group (None: the default).
+    """
+
+    def __init__(self, data: torch.Tensor, layout: FlatLayout, bucket_size_mb: float, reduce_dtype: torch.dtype,
+                 group: dist.ProcessGroup | None) -> None:
+        self.data = data
+        self.reduce_dtype = reduce_dtype
+        self.group = group
+        self.buckets = build_buckets(layout, bucket_size_mb)
+        self.bucket_of = [b.index for b in self.buckets for _ in range(b.first, b.last)]
+        self.next_to_launch = len(self.buckets)
+        self.launch_log: list[tuple[int, float]] = []  # (bucket index, time.perf_counter()) of the current window
+        self.backward_end_time: float | None = None  # when the last micro-batch's backward finished
+        self.collectives_issued = 0
+
+    def begin(self) -> None:
+        """Arm for the window's last micro-batch: every bucket waits for all of its parameters."""
+        for b in self.buckets:
+            b.pending = b.last - b.first
+            b.work = b.wire = b.launched_at = None
+        self.next_to_launch = 0
+        self.launch_log = []
+        self.backward_end_time = None
+
+    @property
+    def armed(self) -> bool:
+        return self.next_to_launch < len(self.buckets)
+
+    def mark_ready(self, param_index: int) -> None:
+        """Parameter ``param_index`` is final for this window; launch every bucket that is now complete, in order."""
+        self.buckets[self.bucket_of[param_index]].pending -= 1
+        self._launch_in_order()
+
+    def bucket_ready(self, b: int) -> None:
+        """Every parameter of bucket ``b`` is final for this window (a hook implementation that tracks whole
+        buckets calls this once per bucket instead of ``mark_ready`` per parameter); launch in order."""
+        self.buckets[b].pending = 0
+        self._launch_in_order()
+
+    def flush(self) -> None:
+        """End of backward: launch every bucket not launched yet (parameters that got no gradient are final)."""
+        self.backward_end_time = time.perf_counter()
+        for b in self.buckets[self.next_to_launch:]:
+            b.pending = 0
+        self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending == 0:
+            b = self.buckets[self.next_to_launch]
+            view = self.data[b.start:b.end]
+            b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
+            b.work = dist.all_reduce(b.wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            b.launched_at = time.perf_counter()
+            self.launch_log.append((b.index, b.launched_at))
+            self.collectives_issued += 1
+            self.next_to_launch += 1
+
+    def wait(self) -> None:
+        """Wait for every launched bucket (on CUDA: the current stream waits, the host does not)."""
+        for b in self.buckets:
+            if b.work is None:
+                continue
+            wait_for(b.work, f"all-reduce of gradient bucket {b.index} ({b.end - b.start} elements)")
+            if b.wire is not None and b.wire.dtype != self.data.dtype:
+                self.data[b.start:b.end].copy_(b.wire)
+            b.work = b.wire = None
+
+
+def wait_for(work, what: str) -> None:
+    """``work.wait()``, turning a peer's failure or a timeout into an error that says what happened."""
+    try:
+        work.wait()
+    except Exception as exc:
+        raise RuntimeError(
+            f"gaengine: {what} failed: another rank failed, stopped mid-window, or is out of step with this one "
+            "(every rank must call acc.backward() the same number of times per window and acc.step() together). "
+            "The wait is bounded by the process group's timeout: torch.distributed.init_process_group(timeout=...)."
+        ) from exc
+
+
+@dataclass
+class WindowStats:
+    """The window's stats all-reduce, launched at the end of the last backward.
+
+    data: (2 + P,) fp64 on the device: the loss sum, the item count and, per parameter (layout order),
+    1.0 where this rank produced a gradient (summed over ranks once ``wait()`` returned).
+    locally_unused: layout indices of the parameters this rank got no gradient for in the window.
+    """
+
+    data: torch.Tensor
+    work: object
+    locally_unused: list[int]
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the all-reduce; returns the global ``(loss_sum, items)``, 0-d fp32 on the device."""
+        wait_for(self.work, "all-reduce of the window's loss and item count")
+        return self.data[0].float(), self.data[1].float()
+
+    def globally_unused(self) -> list[int]:
+        """Parameters no rank produced a gradient for (after ``wait()``). Reads the flags on the host only on a
+        rank that has locally unused parameters (torch DDP's find_unused_parameters pays the same read)."""
+        if not self.locally_unused:
+            return []
+        flags = self.data[2:][self.locally_unused].tolist()  # host read: needed to leave .grad None
+        return [i for i, f in zip(self.locally_unused, flags) if f == 0.0]
+
+
+def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_unused: list[int],
+                        loss_sum: torch.Tensor, items: torch.Tensor,
+                        group: dist.ProcessGroup | None) -> WindowStats:
+    """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
+
+    locally_unused: layout indices this rank wrote no gradient for in the window (their slices of
+    ``main_grad`` are zeroed here, so the all-reduce sums zeros for them). loss_sum, items: 0-d, this rank's
+    window loss sum (fp32) and item count (fp64), on the device. The stats all-reduce carries them and, per
+    parameter, whether this rank produced a gradient for it, so a parameter no rank used gets no update.
+    """
+    for i in locally_unused:
+        main_grad.flat_views[i].zero_()
+    reducer.flush()
+    used = torch.ones(len(main_grad.flat_views), dtype=torch.float64)
+    used[locally_unused] = 0.0
+    data = torch.cat([loss_sum.double().reshape(1), items.double().reshape(1),
+                      used.to(loss_sum.device, non_blocking=True)])
+    work = dist.all_reduce(data, group=group, async_op=True)
+    reducer.collectives_issued += 1
+    return WindowStats(data, work, locally_unused)
+
+
+def _first_rank(group: dist.ProcessGroup | None) -> int:
+    """Global rank of the first rank of ``group`` (None: the default group), the source of every broadcast."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def broadcast_from_first_rank(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` (parameters, buffers; any dtype, on the group's device) with the first rank's."""
+    src = _first_rank(group)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=src, group=group)

@@ -1,0 +1,175 @@
+"""The update: fp32 master weights, the optimizer step with the step's coefficient folded in, the model copy.
+
+* ``MasterWeights``: for the bf16/fp16 parameters the optimizer holds, fp32 masters in one flat buffer
+  (4 B/param), swapped into the optimizer's param groups; each master's ``.grad`` is its view of the fp32
+  main_grad buffer (re-pointed by ``attach_grads`` when the layout changes), so the optimizer reads the
+  accumulated gradient in place. After the update the masters are rounded into the model parameters (one
+  ``_foreach_copy_``), unless the optimizer writes them itself (``gaengine.optim.FusedAdamW``).
+* ``apply_update``: gives every optimized parameter (or its master) its gradient, runs the optimizer with
+  ``coef`` (0-d fp32 on the device: normalization x clipping) and the skip flag, then steps the scheduler.
+  A fused torch optimizer takes both through ``grad_scale``/``found_inf`` (no pass, no host sync); any
+  other gets one scale pass over main_grad and one host read of the skip flag.
+* ``expose_grads``: without an optimizer, leave the final gradients in ``p.grad`` (views of main_grad for
+  fp32 params, rounded copies for bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gaengine.buffer import FlatBuffer, FlatLayout
+
+__all__ = ["MasterWeights", "apply_update", "expose_grads", "fused_optimizer"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    """The optimizer's view of the model: which params it holds, and fp32 masters for the low-precision ones.
+
+    optimizer: re-pointed at the masters (param groups, hyper-parameters and any existing state kept).
+    params: the trainable parameters in layout order; main_grad: the fp32 flat gradient buffer over them.
+    enabled: keep masters (``master_weights=True``); False: the optimizer updates the low-precision params
+        in place and ``normalize_before_rounding`` is set (raises ``ValueError`` for an optimizer that
+        updates fp32 masters only).
+
+    optimized: ids of the model parameters the optimizer holds. masters: model param id -> fp32 master
+    (a ``Parameter`` aliasing ``buffer``). buffer: the flat fp32 master buffer, or None when no optimized
+    param is bf16/fp16 (or masters are disabled).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], main_grad: FlatBuffer,
+                 device: torch.device, enabled: bool) -> None:
+        self.optimized: set[int] = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        self.masters: dict[int, nn.Parameter] = {}
+        self.buffer: FlatBuffer | None = None
+        self.low_params: list[torch.Tensor] = []
+        self.low_masters: list[nn.Parameter] = []
+        # An optimizer that writes the rounded master into the model parameter in its own pass
+        # (gaengine.optim.FusedAdamW) saves the separate master -> model copy.
+        self.optimizer_writes_model = False
+        # master_weights=False: step() normalizes and clips the fp32 buffer before rounding it to the low-
+        # precision params, so each gradient is rounded once at its final scale (and a loss-scaled sum
+        # cannot overflow fp16).
+        self.normalize_before_rounding = False
+        low = [p for p in params if p.dtype in _LOW_PRECISION and id(p) in self.optimized]
+        if not low:
+            return
+        if not enabled:
+            if hasattr(optimizer, "attach_model_params"):
+                raise ValueError(
+                    f"master_weights=False leaves the {low[0].dtype} parameters to the optimizer, but "
+                    f"{type(optimizer).__name__} updates float32 master weights only; use master_weights=True "
+                    "or a torch optimizer (e.g. torch.optim.AdamW(fused=True)) over the low-precision parameters"
+                )
+            self.normalize_before_rounding = True
+            return
+        index = {id(p): i for i, p in enumerate(params)}
+        self.buffer = FlatBuffer(FlatLayout.build(low), torch.float32, device)
+        with torch.no_grad():
+            for p, view in zip(low, self.buffer.views):
+                view.copy_(p)
+                master = nn.Parameter(view, requires_grad=True)  # aliases the flat master buffer
+                master.grad = main_grad.views[index[id(p)]]
+                self.masters[id(p)] = master
+        for group in optimizer.param_groups:
+            group["params"] = [self.masters.get(id(q), q) for q in group["params"]]
+        for p in low:  # state built before the accumulator (rare) follows its parameter
+            if p in optimizer.state:
+                optimizer.state[self.masters[id(p)]] = optimizer.state.pop(p)
+        self.low_params = low
+        self.low_masters = [self.masters[id(p)] for p in low]
+        self.optimizer_writes_model = hasattr(optimizer, "attach_model_params")
+        if self.optimizer_writes_model:
+            optimizer.attach_model_params(list(zip(self.low_masters, low)))
+
+    def attach_grads(self, params: list[torch.Tensor], main_grad: FlatBuffer) -> None:
+        """Point each master's ``.grad`` at its parameter's view of a new main_grad (a new layout)."""
+        for p, view in zip(params, main_grad.views):
+            if id(p) in self.masters:
+                self.masters[id(p)].grad = view
+
+    def copy_to_model(self) -> None:
+        """Round the fp32 masters into the bf16/fp16 model parameters (one ``_foreach_copy_``)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.low_params, self.low_masters)
+
+
+def fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """A torch optimizer with ``fused=True`` that takes ``grad_scale``/``found_inf`` (Adam, AdamW, SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
+
+
+def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: MasterWeights, backend,
+                 params: list[torch.Tensor], main_grad: FlatBuffer, coef: torch.Tensor, skipped: torch.Tensor,
+                 unwritten: list[int]) -> None:
+    """Run the optimizer on the window's gradient ``main_grad · coef``, skipping it when ``skipped``.
+
+    params: layout order; main_grad: (n,) fp32 raw sums, scaled in place by ``coef`` unless a fused optimizer
+    takes it. coef: 0-d fp32, skipped: 0-d bool, both on the device. unwritten: layout indices with no
+    gradient in the window: their params get ``.grad = None`` (no update, as torch optimizers do).
+    ``lr_scheduler`` (or None) is stepped only when the update was applied (one host read of ``skipped``).
+    """
+    fp32_params = [p for p in params if id(p) not in masters.masters]
+    unused = {id(params[i]) for i in unwritten}
+    fused = fused_optimizer(optimizer)
+    scaled = not fused or masters.normalize_before_rounding
+    if scaled:
+        backend.scale_(main_grad.data, coef)  # one fp32 pass: normalization and clipping
+    for i, p in enumerate(params):  # every param the optimizer holds gets its gradient or None
+        if id(p) not in masters.optimized:
+            continue  # trainable but not optimized: counted in the norm, left alone
+        target = masters.masters.get(id(p), p)
+        view = main_grad.views[i]
+        if id(p) in unused:
+            target.grad = None
+        else:  # a low-precision param without a master gets a rounded copy, freed after the step
+            target.grad = view if target.dtype == torch.float32 else view.to(target.dtype)
+    try:
+        if fused:
+            # The fused kernels divide each gradient by grad_scale and skip everything (step counts
+            # included) when found_inf is set: normalization + clipping + skip at no extra pass or sync.
+            if not scaled:
+                optimizer.grad_scale = coef.reciprocal()
+            optimizer.found_inf = skipped.to(torch.float32)
+            try:
+                optimizer.step()
+            finally:
+                if not scaled:
+                    del optimizer.grad_scale
+                del optimizer.found_inf
+            applied = None
+        else:
+            applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
+            if applied:
+                optimizer.step()
+    finally:
+        for p in fp32_params:
+            p.grad = None
+        for i in unwritten:
+            master = masters.masters.get(id(params[i]))
+            if master is not None:
+                master.grad = main_grad.views[i]
+    if masters.masters and not masters.optimizer_writes_model:
+        # A skipped update left the masters unchanged, and the model already holds their rounding:
+        # copying unconditionally is bit-identical and needs no host read of the skip flag.
+        masters.copy_to_model()
+    if lr_scheduler is not None:
+        if applied is None:
+            applied = not bool(skipped)  # host read: the scheduler runs on the host
+        if applied:
+            lr_scheduler.step()
+
+
+def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int]) -> None:
+    """No optimizer: ``p.grad`` = the final gradient (the view of main_grad for fp32 params, a rounded copy for
+    bf16/fp16), None for the params in ``unwritten`` (no gradient in the window)."""
+    unused = set(unwritten)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if i in unused:
+                p.grad = None
+            else:
+                view = main_grad.views[i]
+                p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
