@@ -1,7 +1,9 @@
 // The "cuda" backend's ops (gaengine.backends.CudaBackend), registered into gaengine._C by
 // register_cuda_ops when the extension is built with CUDA (setup.py defines GAENGINE_WITH_CUDA and
-// csrc/cpu_ops.cpp calls it). The kernels are in kernels.cuh; this file holds the contracts, the dtype
-// dispatch and the launches on the current stream. No op syncs the host or allocates beyond its outputs.
+// csrc/cpu_ops.cpp calls it), and the C++ entry points of bucket_ops.h. The kernels are in kernels.cuh; this
+// file holds the contracts (all checked before any launch), the dtype dispatch and the launches on the current
+// stream. No op syncs the host or allocates beyond its outputs (adamw_step_cuda_: one 4-byte counter per
+// device and stream, allocated at its first use).
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAStream.h>
@@ -10,8 +12,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
+#include "bucket_ops.h"
 #include "kernels.cuh"
 
 #define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got device ", (x).device())
@@ -110,7 +119,219 @@ void scale_cuda_(const at::Tensor& x, const at::Tensor& coef) {
                                   c10::cuda::getCurrentCUDAStream()));
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// multi-tensor ops: one launch for a list of tensors (kernels.cuh, "Multi-tensor kernels")
+// ---------------------------------------------------------------------------------------------------------
+int32_t kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? cuda::kDtypeBf16 : (t == at::kHalf ? cuda::kDtypeFp16 : cuda::kDtypeFp32);
+}
+
+// A tensor of a list: "what[i] must be ...", on `device`.
+void check_list_tensor(const at::Tensor& t, const char* what, size_t i, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), what, "[", i, "] must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == device, what, "[", i, "] is on ", t.device(), " but must be on ", device);
+  TORCH_CHECK(t.is_contiguous(), what, "[", i, "] must be contiguous");
+}
+
+void check_bucket(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
+                  size_t n_overwrite) {
+  CHECK_CUDA(dst);
+  CHECK_CONTIGUOUS(dst);
+  CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
+  TORCH_CHECK(offsets.size() == srcs.size(), "offsets has ", offsets.size(), " entries but srcs has ", srcs.size(),
+              "; they must match");
+  TORCH_CHECK(n_overwrite == srcs.size(), "overwrite has ", n_overwrite, " flags but srcs has ", srcs.size(),
+              "; they must match");
+  std::vector<std::tuple<int64_t, int64_t, size_t>> spans;  // [begin, end) of each non-empty slice
+  spans.reserve(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor& src = srcs[i];
+    check_list_tensor(src, "srcs", i, dst.device());
+    const auto st = src.scalar_type();
+    TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "srcs[", i,
+                "] must be float32, bfloat16 or float16, got ", st);
+    const int64_t n = src.numel();
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= dst.numel() - n, "offsets[", i, "] = ", offsets[i], " puts the ",
+                n, " elements of srcs[", i, "] outside dst (", dst.numel(), " elements)");
+    if (n > 0) spans.emplace_back(offsets[i], offsets[i] + n, i);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t k = 1; k < spans.size(); ++k) {
+    TORCH_CHECK(std::get<0>(spans[k]) >= std::get<1>(spans[k - 1]), "the dst slices of srcs[",
+                std::get<2>(spans[k - 1]), "] and srcs[", std::get<2>(spans[k]), "] overlap");
+  }
+}
+
+// The launches, after check_bucket.
+int64_t launch_bucket(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
+                      const std::vector<uint8_t>& overwrite, float* partials, int64_t partials_stride) {
+  std::vector<cuda::BucketEntry> entries(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    entries[i] = cuda::BucketEntry{srcs[i].data_ptr(), offsets[i], srcs[i].numel(),
+                                   kernel_dtype(srcs[i].scalar_type()), overwrite[i] != 0 ? 1 : 0};
+  }
+  const c10::cuda::CUDAGuard guard(dst.device());
+  int launches = 0;
+  CHECK_LAUNCH(cuda::launch_accumulate_bucket(dst.data_ptr<float>(), entries.data(), static_cast<int>(entries.size()),
+                                              partials, c10::cuda::getCurrentCUDAStream(), &launches,
+                                              partials_stride));
+  return launches;
+}
+
+// Python: accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials) -> launches issued.
+// partials: None, or a (2, bucket_num_chunks(numels)) fp32 CUDA tensor with unit column stride (rows may be
+// strided: a column slice of a whole-buffer table), written.
+int64_t accumulate_bucket_cuda_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
+                                const std::vector<int64_t>& offsets, const std::vector<bool>& overwrite,
+                                const std::optional<at::Tensor>& partials_or_none) {
+  check_bucket(dst, srcs, offsets, overwrite.size());
+  float* partials_ptr = nullptr;
+  int64_t partials_stride = 0;
+  if (partials_or_none.has_value()) {
+    const at::Tensor& partials = *partials_or_none;
+    CHECK_CUDA(partials);
+    CHECK_SAME_DEVICE(partials, dst);
+    CHECK_DTYPE(partials, partials.scalar_type() == at::kFloat, "float32");
+    std::vector<int64_t> numels(srcs.size());
+    for (size_t i = 0; i < srcs.size(); ++i) numels[i] = srcs[i].numel();
+    const int64_t n_chunks = cuda::bucket_num_chunks(numels.data(), static_cast<int>(numels.size()));
+    TORCH_CHECK(partials.dim() == 2 && partials.size(0) == 2 && partials.size(1) == n_chunks &&
+                    (partials.stride(1) == 1 || n_chunks <= 1) && partials.stride(0) >= n_chunks,
+                "partials must be a (2, ", n_chunks, ") tensor (bucket_num_chunks of the srcs' numels) with unit "
+                "column stride, got shape ", partials.sizes(), " and strides ", partials.strides());
+    partials_ptr = partials.data_ptr<float>();
+    partials_stride = partials.stride(0);
+  }
+  const std::vector<uint8_t> flags(overwrite.begin(), overwrite.end());
+  return launch_bucket(dst, srcs, offsets, flags, partials_ptr, partials_stride);
+}
+
+// (sum of row 0, 1.0 if a row-1 flag is set else 0.0) of (2, n) fp32 partials: two 0-d fp32 tensors, views of
+// one (2,) output, reduced in a fixed order (the same bits every run).
+std::tuple<at::Tensor, at::Tensor> sum_partials_cuda(const at::Tensor& partials) {
+  CHECK_CUDA(partials);
+  CHECK_CONTIGUOUS(partials);
+  CHECK_DTYPE(partials, partials.scalar_type() == at::kFloat, "float32");
+  TORCH_CHECK(partials.dim() == 2 && partials.size(0) == 2, "partials must have shape (2, n_chunks), got ",
+              partials.sizes());
+  const c10::cuda::CUDAGuard guard(partials.device());
+  at::Tensor out = at::empty({2}, partials.options());  // both written by the kernel
+  float* o = out.data_ptr<float>();
+  CHECK_LAUNCH(cuda::launch_sum_partials(partials.data_ptr<float>(), partials.size(1), o, o + 1,
+                                         c10::cuda::getCurrentCUDAStream()));
+  return {out.select(0, 0), out.select(0, 1)};
+}
+
+void check_device_scalar(const std::optional<at::Tensor>& t, const char* name,
+                         const std::optional<at::Device>& device) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->is_cuda(), name, " must be a CUDA tensor, got device ", t->device());
+  TORCH_CHECK(!device.has_value() || t->device() == *device, name, " is on ", t->device(), " but params are on ",
+              *device);
+  TORCH_CHECK(t->dim() == 0 && t->scalar_type() == at::kFloat, name, " must be a 0-d float32 tensor, got ",
+              t->sizes(), " ", t->scalar_type());
+}
+
+// The () u32 completion counter of launch_adamw_multi for (device, stream): zeroed once on that stream, left
+// zero by every launch. One per stream, so concurrent steps on different streams never share one. Never
+// freed (the map outlives the CUDA context at exit on purpose).
+unsigned int* adamw_counter(const at::Device& device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static auto* counters = new std::map<std::pair<c10::DeviceIndex, cudaStream_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device.index(), stream);
+  auto it = counters->find(key);
+  if (it == counters->end()) {
+    it = counters->emplace(key, at::zeros({1}, at::TensorOptions().device(device).dtype(at::kInt))).first;
+  }
+  return reinterpret_cast<unsigned int*>(it->second.data_ptr<int32_t>());
+}
+
+// gaengine._C.adamw_step_ (csrc/adamw.h) on CUDA tensors, one launch for the whole list: the same
+// arguments and semantics, found_inf / grad_scale / steps read on the device (no host sync).
+void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                      const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
+                      double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const size_t n_params = params.size();
+  TORCH_CHECK(grads.size() == n_params && exp_avgs.size() == n_params && exp_avg_sqs.size() == n_params &&
+                  steps.size() == n_params && model_params.size() == n_params,
+              "params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length");
+  std::optional<at::Device> device;
+  if (n_params > 0) {
+    TORCH_CHECK(params[0].is_cuda(), "params[0] must be a CUDA tensor, got device ", params[0].device());
+    device = params[0].device();
+  }
+  check_device_scalar(grad_scale, "grad_scale", device);
+  check_device_scalar(found_inf, "found_inf", device);
+  if (n_params == 0) return;
+  std::vector<cuda::AdamWEntry> entries(n_params);
+  for (size_t i = 0; i < n_params; ++i) {
+    check_list_tensor(params[i], "params", i, *device);
+    check_list_tensor(grads[i], "grads", i, *device);
+    check_list_tensor(exp_avgs[i], "exp_avgs", i, *device);
+    check_list_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, *device);
+    TORCH_CHECK(params[i].scalar_type() == at::kFloat, "params[", i, "] must be float32 (the master weight), got ",
+                params[i].scalar_type());
+    TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
+                "exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32");
+    const auto gt = grads[i].scalar_type();
+    TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, "grads[", i,
+                "] must be float32, bfloat16 or float16, got ", gt);
+    const int64_t n = params[i].numel();
+    TORCH_CHECK(grads[i].numel() == n && exp_avgs[i].numel() == n && exp_avg_sqs[i].numel() == n, "grads[", i,
+                "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must have the ", n, " elements of params[", i, "]");
+    TORCH_CHECK(steps[i].is_cuda() && steps[i].device() == *device && steps[i].dim() == 0 &&
+                    steps[i].scalar_type() == at::kFloat,
+                "steps[", i, "] must be a 0-d float32 tensor on ", *device, ", got ", steps[i].sizes(), " ",
+                steps[i].scalar_type(), " on ", steps[i].device());
+    cuda::AdamWEntry& e = entries[i];
+    e.param = params[i].data_ptr<float>();
+    e.grad = grads[i].data_ptr();
+    e.exp_avg = exp_avgs[i].data_ptr<float>();
+    e.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    e.model = nullptr;
+    e.step = steps[i].data_ptr<float>();
+    e.numel = n;
+    e.grad_dtype = kernel_dtype(gt);
+    e.model_dtype = cuda::kDtypeBf16;
+    if (model_params[i].has_value()) {
+      const at::Tensor& model = *model_params[i];
+      check_list_tensor(model, "model_params", i, *device);
+      TORCH_CHECK(model.scalar_type() == at::kBFloat16 || model.scalar_type() == at::kHalf, "model_params[", i,
+                  "] must be bfloat16 or float16, got ", model.scalar_type());
+      TORCH_CHECK(model.numel() == n, "model_params[", i, "] must have the ", n, " elements of params[", i, "]");
+      e.model = model.data_ptr();
+      e.model_dtype = kernel_dtype(model.scalar_type());
+    }
+  }
+  const c10::cuda::CUDAGuard guard(*device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  CHECK_LAUNCH(cuda::launch_adamw_multi(entries.data(), static_cast<int>(entries.size()),
+                                        cuda::make_adamw_hyper(lr, beta1, beta2, eps, weight_decay, maximize),
+                                        grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
+                                        found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
+                                        adamw_counter(*device, stream), stream));
+}
+
 }  // namespace
+
+// bucket_ops.h: the C++ entry points (csrc/hot_path.cpp).
+int64_t bucket_num_chunks(const std::vector<int64_t>& numels) {
+  for (size_t i = 0; i < numels.size(); ++i) {
+    TORCH_CHECK(numels[i] >= 0, "numels[", i, "] must be >= 0, got ", numels[i]);
+  }
+  return cuda::bucket_num_chunks(numels.data(), static_cast<int>(numels.size()));
+}
+
+int64_t accumulate_bucket_cuda(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
+                               const std::vector<int64_t>& offsets, const std::vector<uint8_t>& overwrite,
+                               float* partials_or_null, int64_t partials_stride) {
+  check_bucket(dst, srcs, offsets, overwrite.size());
+  TORCH_CHECK(partials_stride >= 0, "partials_stride must be >= 0, got ", partials_stride);
+  return launch_bucket(dst, srcs, offsets, overwrite, partials_or_null, partials_stride);
+}
 
 void register_cuda_ops(pybind11::module_& m) {
   namespace py = pybind11;
@@ -122,6 +343,24 @@ void register_cuda_ops(pybind11::module_& m) {
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("scale_cuda_", &scale_cuda_, "x *= coef in place on CUDA tensors, coef a 0-d fp32 tensor", py::arg("x"),
         py::arg("coef"), py::call_guard<py::gil_scoped_release>());
+  m.def("accumulate_bucket_cuda_", &accumulate_bucket_cuda_,
+        "dst[offsets[i]:][:n_i] = (0 if overwrite[i] else dst[...]) + float(srcs[i]) for every i, unscaled, in one "
+        "launch (per 512 sources); partials (2, bucket_num_chunks) fp32 or None: per-chunk sum of squares and "
+        "non-finite flag of the values written; returns the launches issued",
+        py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("overwrite"), py::arg("partials"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sum_partials_cuda", &sum_partials_cuda,
+        "(sum of squares, found_inf) of accumulate_bucket_cuda_'s (2, n) fp32 partials, two 0-d fp32 tensors",
+        py::arg("partials"), py::call_guard<py::gil_scoped_release>());
+  m.def("bucket_num_chunks", &bucket_num_chunks,
+        "chunks (partials columns) of accumulate_bucket_cuda_ over sources of these numels", py::arg("numels"));
+  m.def("adamw_step_cuda_", &adamw_step_cuda_,
+        "adamw_step_ on CUDA tensors: the fused AdamW step of every param in one launch (per 384 params), skipped "
+        "when found_inf != 0; see csrc/adamw.h",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("model_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"), py::arg("found_inf"),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace gaengine
