@@ -17,6 +17,11 @@ Every backend implements the same contract (``Backend``):
 * ``scale_(x, coef)`` — ``x *= coef`` in place; ``x`` fp32 contiguous, ``coef`` a 0-d fp32 tensor on
   ``x.device`` (read on the device, never on the host).
 
+Bad arguments raise ``ContractError`` (a ``ValueError``, and a ``RuntimeError`` for code written against the
+compiled ops' ``TORCH_CHECK`` contracts) or ``TypeError`` naming the argument, in Python, before anything is
+written and before any call into ``gaengine._C``: a failed ``TORCH_CHECK`` must never be the first line of
+defence (on some images it crashes the interpreter instead of raising, see ``csrc/README.md``).
+
 Backends: ``torch`` (plain PyTorch, the reference and the fallback, any device), ``cpu`` (the compiled
 C++ extension ``gaengine._C``, CPU tensors), ``triton`` (``gaengine.kernels``, CUDA tensors, or CPU
 tensors under ``TRITON_INTERPRET=1``), ``cuda`` (the CUDA kernels of ``gaengine._C``, ``csrc/cuda/``, in
@@ -28,12 +33,14 @@ reason.
 from __future__ import annotations
 
 import logging
+import numbers
+import operator
 import os
 from typing import Union
 
 import torch
 
-__all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES"]
+__all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES", "ContractError"]
 
 logger = logging.getLogger("gaengine")
 
@@ -42,49 +49,97 @@ BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 _FLOAT_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class ContractError(ValueError, RuntimeError):
+    """A bad argument to a backend op, found in Python before any kernel runs and before anything is written.
+
+    A ``ValueError``; also a ``RuntimeError``, which is what the compiled ops' ``TORCH_CHECK`` contracts raise,
+    so code written against those keeps catching it.
+    """
+
+
 def _is_unit(scale: Scale) -> bool:
     return not isinstance(scale, torch.Tensor) and float(scale) == 1.0
 
 
+def _check_tensor(x: object, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_device_type(x: torch.Tensor, name: str, device_type: str) -> None:
+    """``x`` must live on a ``device_type`` device (the compiled backends' ``CHECK_CPU`` / ``CHECK_CUDA``)."""
+    _check_tensor(x, name)
+    if x.device.type != device_type:
+        kind = "CPU" if device_type == "cpu" else device_type.upper()
+        raise ContractError(f"{name} must be a {kind} tensor, got device {x.device}")
+
+
 def check_accumulate_args(dst: torch.Tensor, src: torch.Tensor, scale: Scale) -> None:
-    """Validate the arguments of ``accumulate_``; raises ``ValueError`` naming the argument."""
+    """Validate the arguments of ``accumulate_``; raises ``ContractError`` (a ``ValueError``) or ``TypeError``
+    naming the argument."""
+    _check_tensor(dst, "dst")
+    _check_tensor(src, "src")
     if dst.dtype != torch.float32:
-        raise ValueError(f"dst must be float32 (the main_grad buffer), got {dst.dtype}")
+        raise ContractError(f"dst must be float32 (the main_grad buffer), got {dst.dtype}")
     if not dst.is_contiguous():
-        raise ValueError("dst must be contiguous")
+        raise ContractError("dst must be contiguous")
     if src.dtype not in _FLOAT_GRAD_DTYPES:
-        raise ValueError(f"src must be float32, bfloat16 or float16, got {src.dtype}")
+        raise ContractError(f"src must be float32, bfloat16 or float16, got {src.dtype}")
     if src.numel() != dst.numel():
-        raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}; they must match")
+        raise ContractError(f"src has {src.numel()} elements but dst has {dst.numel()}; they must match")
     if src.device != dst.device:
-        raise ValueError(f"src is on {src.device} but dst is on {dst.device}; they must match")
+        raise ContractError(f"src is on {src.device} but dst is on {dst.device}; they must match")
     if isinstance(scale, torch.Tensor):
         if scale.dim() != 0 or scale.dtype != torch.float32 or scale.device != dst.device:
-            raise ValueError(
+            raise ContractError(
                 f"scale must be a Python float or a 0-d float32 tensor on {dst.device}, got a "
                 f"{tuple(scale.shape)} {scale.dtype} tensor on {scale.device}"
             )
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a Python float or a 0-d float32 tensor, got {type(scale).__name__}")
 
 
 def check_sumsq_partials(dst: torch.Tensor, partials: torch.Tensor, index: int) -> None:
-    """Validate ``partials`` and ``index`` of ``accumulate_sumsq_``; raises ``ValueError`` naming the argument."""
+    """Validate ``partials`` and ``index`` of ``accumulate_sumsq_``; raises ``ContractError`` (a ``ValueError``)
+    or ``TypeError`` naming the argument."""
     if not isinstance(partials, torch.Tensor) or partials.dtype != torch.float64:
-        raise ValueError(f"partials must be a float64 tensor, got {getattr(partials, 'dtype', type(partials))}")
+        raise ContractError(f"partials must be a float64 tensor, got {getattr(partials, 'dtype', type(partials))}")
     if partials.dim() != 2 or partials.shape[1] != 2:
-        raise ValueError(f"partials must have shape (n, 2), got {tuple(partials.shape)}")
+        raise ContractError(f"partials must have shape (n, 2), got {tuple(partials.shape)}")
     if not partials.is_contiguous():
-        raise ValueError("partials must be contiguous")
+        raise ContractError("partials must be contiguous")
     if partials.device != dst.device:
-        raise ValueError(f"partials is on {partials.device} but dst is on {dst.device}; they must match")
-    if not 0 <= int(index) < partials.shape[0]:
-        raise ValueError(f"index {index} is out of range for partials with {partials.shape[0]} rows")
+        raise ContractError(f"partials is on {partials.device} but dst is on {dst.device}; they must match")
+    if isinstance(index, bool):
+        raise TypeError("index must be an int, got bool")
+    try:
+        index = operator.index(index)
+    except TypeError:
+        raise TypeError(f"index must be an int, got {type(index).__name__}") from None
+    if not 0 <= index < partials.shape[0]:
+        raise ContractError(f"index {index} is out of range for partials with {partials.shape[0]} rows")
+
+
+def check_grad_tensor(x: torch.Tensor, name: str = "x") -> None:
+    """``x`` of ``l2norm_sq``: a float32 | bfloat16 | float16 tensor."""
+    _check_tensor(x, name)
+    if x.dtype not in _FLOAT_GRAD_DTYPES:
+        raise ContractError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
 def check_scale_args(x: torch.Tensor, coef: torch.Tensor) -> None:
+    """Validate the arguments of ``scale_``; raises ``ContractError`` (a ``ValueError``) or ``TypeError``."""
+    _check_tensor(x, "x")
     if x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous float32 tensor, got {x.dtype} (contiguous={x.is_contiguous()})")
-    if not isinstance(coef, torch.Tensor) or coef.dim() != 0 or coef.device != x.device:
-        raise ValueError(f"coef must be a 0-d tensor on {x.device} (so it is never read on the host)")
+        raise ContractError(f"x must be a contiguous float32 tensor, got {x.dtype} (contiguous={x.is_contiguous()})")
+    if not isinstance(coef, torch.Tensor):
+        raise TypeError(f"coef must be a 0-d tensor on {x.device} (so it is never read on the host), got "
+                        f"{type(coef).__name__}")
+    if coef.dim() != 0 or coef.device != x.device:
+        raise ContractError(f"coef must be a 0-d tensor on {x.device} (so it is never read on the host), got shape "
+                            f"{tuple(coef.shape)} on {coef.device}")
+    if coef.is_complex():
+        raise ContractError(f"coef must be a real tensor, got {coef.dtype}")
 
 
 class Backend:
@@ -136,23 +191,40 @@ class CpuBackend(Backend):
 
         self._C = _C
 
+    # Every argument is checked here, in Python, before ``self._C``: its TORCH_CHECKs are a second line only.
+    @staticmethod
+    def _check_accumulate(dst, src, scale):
+        check_device_type(dst, "dst", "cpu")
+        check_device_type(src, "src", "cpu")
+        check_accumulate_args(dst, src, scale)
+
     def accumulate_(self, dst, src, scale=1.0, overwrite=False):
+        self._check_accumulate(dst, src, scale)
         # A 0-d CPU tensor is read on the host; on CPU this is a plain load, not a device sync.
         s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)
         self._C.accumulate_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite))
         return dst
 
     def accumulate_sumsq_(self, dst, src, scale, overwrite, partials, index):
+        self._check_accumulate(dst, src, scale)
+        check_device_type(partials, "partials", "cpu")
+        check_sumsq_partials(dst, partials, index)
         s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)  # a plain load on CPU
         self._C.accumulate_sumsq_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite),
-                                  partials, int(index))
+                                  partials, operator.index(index))
         return dst
 
     def l2norm_sq(self, x):
+        check_device_type(x, "x", "cpu")
+        check_grad_tensor(x)
         return tuple(self._C.l2norm_sq(x.contiguous()))
 
     def scale_(self, x, coef):
-        self._C.scale_(x, coef)
+        check_device_type(x, "x", "cpu")
+        check_scale_args(x, coef)
+        # The kernel reads coef as a float (coef.item<float>(), which throws for a double out of float range):
+        # the same rounding as torch's cast, and inf instead of an error for an out-of-range double.
+        self._C.scale_(x, coef if coef.dtype == torch.float32 else coef.to(torch.float32))
         return x
 
 
@@ -196,17 +268,27 @@ class CudaBackend(Backend):
                                "it against a CUDA torch with CUDA_HOME set")
         self._C = _C
 
+    # Every argument is checked here, in Python, before ``self._C``: its TORCH_CHECKs are a second line only.
+    # Nothing below reads a tensor on the host.
     def accumulate_(self, dst, src, scale=1.0, overwrite=False):
+        check_device_type(dst, "dst", "cuda")
+        check_device_type(src, "src", "cuda")
+        check_accumulate_args(dst, src, scale)  # same device, dtypes, numel; a tensor scale: 0-d fp32 on dst's
         tensor = scale if isinstance(scale, torch.Tensor) else None  # read by the kernel, never on the host
         self._C.accumulate_cuda_(dst, src.contiguous(), 1.0 if tensor is not None else float(scale), tensor,
                                  bool(overwrite))
         return dst
 
     def l2norm_sq(self, x):
+        check_device_type(x, "x", "cuda")
+        check_grad_tensor(x)
         return tuple(self._C.l2norm_sq_cuda(x.contiguous()))
 
     def scale_(self, x, coef):
-        self._C.scale_cuda_(x, coef)
+        check_device_type(x, "x", "cuda")
+        check_scale_args(x, coef)
+        # The kernel reads a float through coef's pointer: a cast on the device (no host read), torch's rounding.
+        self._C.scale_cuda_(x, coef if coef.dtype == torch.float32 else coef.to(torch.float32))
         return x
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -12,6 +13,8 @@ __all__ = ["clip_grad_norm_", "clip_coefficient"]
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (clip_grad.py, `max_norm / (total_norm + 1e-6)`).
 CLIP_EPS = 1e-6
+# The dtypes the backends' l2norm_sq takes; any other gradient (float64, complex) goes to torch's clip_grad_norm_.
+_FUSED_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -32,18 +35,28 @@ def clip_grad_norm_(
     gradients (before clipping) as a 0-d fp32 tensor on the gradients' device, and scales every ``.grad``
     by ``min(1, max_norm / (total_norm + 1e-6))`` with no host sync. The L2 norm of each gradient is one
     pass of the backend's ``l2norm_sq`` (fp32 | bf16 | fp16 grads, fp32 sums). Other ``norm_type`` values,
-    gradients on several devices and sparse gradients go to torch's own implementation. ``foreach`` is
-    accepted for compatibility; the scaling uses ``torch._foreach_mul_``.
+    gradients on several devices, sparse gradients and gradients of other dtypes (float64) go to torch's own
+    implementation. ``foreach`` is accepted for compatibility; the scaling uses ``torch._foreach_mul_``.
 
-    Raises ``RuntimeError`` like torch when ``error_if_nonfinite`` and the norm is inf or NaN (this reads
+    Raises ``TypeError`` naming ``max_norm`` / ``norm_type`` when it is not a number, before any gradient is
+    read; and ``RuntimeError`` like torch when ``error_if_nonfinite`` and the norm is inf or NaN (this reads
     the norm on the host, as torch does).
     """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"max_norm must be a float, got {type(max_norm).__name__}")
+    if isinstance(max_norm, torch.Tensor) and (max_norm.numel() != 1 or max_norm.is_complex()):
+        raise TypeError(f"max_norm must be a float or a one-element real tensor, got shape "
+                        f"{tuple(max_norm.shape)} {max_norm.dtype}")
+    try:
+        norm_type = float(norm_type)  # a float, or a string float() reads ("inf"), as torch takes
+    except (TypeError, ValueError):
+        raise TypeError(f"norm_type must be a float or 'inf', got {norm_type!r}") from None
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if (float(norm_type) != 2.0 or not grads or len({g.device for g in grads}) > 1
-            or any(g.is_sparse for g in grads)):
+            or any(g.is_sparse or g.dtype not in _FUSED_GRAD_DTYPES for g in grads)):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     backend = get_backend("auto", grads[0].device)
     total_sq = torch.stack([backend.l2norm_sq(g)[0] for g in grads]).sum()

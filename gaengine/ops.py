@@ -1,15 +1,16 @@
 """Functional gradient-buffer ops for code that manages its own flat buffers.
 
 The backend is chosen by the tensors' device (``auto``, see ``gaengine.backends``) unless ``backend=``
-names one. Each op validates its arguments and raises ``ValueError`` naming the bad one; ``dst`` is
-untouched when it raises.
+names one. Each op validates its arguments in Python, before any kernel (and any call into ``gaengine._C``),
+and raises ``ValueError`` (``gaengine.backends.ContractError``) or ``TypeError`` naming the bad one; ``dst``
+is untouched when it raises.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gaengine.backends import Scale, check_accumulate_args, check_scale_args, get_backend
+from gaengine.backends import Scale, check_accumulate_args, check_grad_tensor, check_scale_args, get_backend
 
 __all__ = ["accumulate_", "l2norm_sq", "scale_"]
 
@@ -32,8 +33,7 @@ def l2norm_sq(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, 
     x: fp32 | bf16 | fp16, any shape. Returns ``(sum_of_squares, found_inf)``: 0-d fp32 tensors on
     ``x.device``; ``found_inf`` is 1.0 if ``x`` contains an inf or NaN, else 0.0.
     """
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    check_grad_tensor(x)
     return get_backend(backend, x.device).l2norm_sq(x)
 
 

@@ -101,8 +101,11 @@ class FusedAdamW(torch.optim.Optimizer):
     ``v = beta2 * v + (1 - beta2) * g * g``; ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
 
     Raises ``ValueError`` naming the argument for a bad hyper-parameter (here and in ``add_param_group`` and
-    ``load_state_dict``); ``step()`` raises ``ValueError`` for a non-fp32 parameter with a gradient, a sparse
-    gradient or a tensor lr, before anything is written.
+    ``load_state_dict``); ``step()`` raises ``ValueError`` naming the parameter for anything its kernel cannot
+    take (a non-fp32 or non-contiguous parameter with a gradient, a sparse or mis-sized gradient, state of the
+    wrong dtype / size / device, an attached model parameter that changed since, a multi-element ``grad_scale`` or
+    ``found_inf``, a bad hyper-parameter set on a group later), for every group, before anything is created
+    or written.
     """
 
     _step_supports_amp_scaling = True  # step() reads grad_scale / found_inf (torch.amp.GradScaler's protocol)
@@ -216,7 +219,23 @@ class FusedAdamW(torch.optim.Optimizer):
         if kernel is not None:
             return kernel
         name = get_backend(self.backend, device).name  # raises when a backend asked for by name cannot run
-        if name == "cpu":
+        # "cuda", or "auto" without a GAENGINE_BACKEND naming another backend: the CUDA kernel of gaengine._C
+        # (csrc/cuda/) when built, one launch for the whole list (Triton launches once per parameter).
+        import os  # noqa: PLC0415
+
+        if device.type == "cuda" and (self.backend == "cuda" or (
+                self.backend == "auto" and (os.environ.get("GAENGINE_BACKEND") or "auto") in ("auto", "cuda"))):
+            try:
+                from gaengine import _C  # noqa: PLC0415
+            except ImportError:
+                _C = None
+            kernel = getattr(_C, "adamw_step_cuda_", None)
+            if kernel is None and name == "cuda":
+                raise RuntimeError("gaengine._C was built without adamw_step_cuda_: rebuild it against a CUDA torch "
+                                   "with CUDA_HOME set (pip install --no-build-isolation -e .)")
+        if kernel is not None:
+            pass
+        elif name == "cpu":
             from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
 
             kernel = getattr(_C, "adamw_step_", None)
@@ -250,28 +269,67 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self._check_step(grad_scale, found_inf)  # every group, before any state is created or written
         for group in self.param_groups:
             self._step_group(group, grad_scale, found_inf)
         return loss
 
+    def _check_step(self, grad_scale: Any, found_inf: Any) -> None:
+        """Everything ``step()`` passes to a kernel, checked in Python before anything is created or written.
+
+        It covers every contract of the C++ kernel (``adamw_step_``'s ``TORCH_CHECK``s: a failed one must never
+        be the first line of defence, see ``csrc/README.md``) and the Triton one's: raises ``ValueError`` (or
+        ``TypeError`` for a non-tensor) naming the parameter and the argument.
+        """
+        for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a 0-d tensor or None, got {type(t).__name__}")
+            if t.numel() != 1 or t.is_complex() or t.is_sparse:
+                raise ValueError(f"{name} must be a 0-d (one-element) real tensor, got shape {tuple(t.shape)} "
+                                 f"{t.dtype}")
+        for g, group in enumerate(self.param_groups):
+            _check_hyperparameters(group)
+            for i, p in enumerate(group["params"]):
+                grad = p.grad
+                if grad is None:
+                    continue
+                where = f"param_groups[{g}]['params'][{i}]"
+                if grad.is_sparse:
+                    raise ValueError(f"FusedAdamW does not support sparse gradients ({where})")
+                if p.dtype != torch.float32:
+                    raise ValueError(
+                        f"FusedAdamW updates float32 parameters (master weights), got one of dtype {p.dtype} with a "
+                        f"gradient ({where}); keep fp32 masters (gaengine.GradientAccumulator does) or use "
+                        "torch.optim.AdamW"
+                    )
+                if not p.is_contiguous():
+                    raise ValueError(f"{where} must be contiguous (the kernels update it in place as a flat "
+                                     "buffer); make the parameter contiguous before building the optimizer")
+                if grad.dtype not in _GRAD_DTYPES:
+                    raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype} ({where})")
+                if grad.numel() != p.numel() or grad.device != p.device:
+                    raise ValueError(f"the gradient of {where} has {grad.numel()} elements on {grad.device}; the "
+                                     f"parameter has {p.numel()} on {p.device}")
+                _check_state(self.state.get(p), p, where)
+                attached = self._model_params.get(id(p))
+                if attached is not None:
+                    model = attached[1]
+                    if (not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES
+                            or not model.is_contiguous() or model.numel() != p.numel() or model.device != p.device):
+                        raise ValueError(f"the model param attached to {where} is no longer a contiguous bf16/fp16 "
+                                         f"tensor with the master's {p.numel()} elements on {p.device}; attach it "
+                                         "again (attach_model_params)")
+
     def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None,
                     found_inf: torch.Tensor | None) -> None:
-        if isinstance(group["lr"], torch.Tensor):
-            raise ValueError("lr must be a Python float: a tensor lr is not supported by FusedAdamW")
+        # Arguments checked by _check_step (all groups, before anything is written).
         per_device: dict[torch.device, tuple[list, ...]] = {}
         for p in group["params"]:
             grad = p.grad
             if grad is None:
                 continue
-            if grad.is_sparse:
-                raise ValueError("FusedAdamW does not support sparse gradients")
-            if p.dtype != torch.float32:
-                raise ValueError(
-                    f"FusedAdamW updates float32 parameters (master weights), got one of dtype {p.dtype} with a "
-                    "gradient; keep fp32 masters (gaengine.GradientAccumulator does) or use torch.optim.AdamW"
-                )
-            if grad.dtype not in _GRAD_DTYPES:
-                raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype}")
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -290,6 +348,27 @@ class FusedAdamW(torch.optim.Optimizer):
                 bool(group["maximize"]), _on(grad_scale, device), _on(found_inf, device),
             )
             increment_version(params + [m for m in models if m is not None])  # they were written in place
+
+
+def _check_state(state: dict[str, Any] | None, p: torch.Tensor, where: str) -> None:
+    """A parameter's existing AdamW state, as the kernels take it (a missing state is created by ``step``)."""
+    if not state:
+        return
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        if not isinstance(state.get(key), torch.Tensor):
+            raise ValueError(f"state[{key!r}] of {where} must be a tensor, got {type(state.get(key)).__name__}; "
+                             "load AdamW state with load_state_dict, which converts it")
+    step = state["step"]
+    # 0-d fp32 on the parameter's device: the C++ / CUDA kernels read it through its pointer.
+    if step.dim() != 0 or step.dtype != torch.float32 or step.device != p.device:
+        raise ValueError(f"state['step'] of {where} must be a 0-d float32 tensor on {p.device}, got shape "
+                         f"{tuple(step.shape)} {step.dtype} on {step.device}; load AdamW state with load_state_dict")
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = state[key]
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != p.numel() or t.device != p.device:
+            raise ValueError(f"state[{key!r}] of {where} must be a contiguous float32 tensor with the parameter's "
+                             f"{p.numel()} elements on {p.device}, got {t.numel()} {t.dtype} on {t.device} "
+                             f"(contiguous={t.is_contiguous()}); load AdamW state with load_state_dict")
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

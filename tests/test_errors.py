@@ -187,3 +187,157 @@ def test_plain_loss_backward_is_refused(started):
     with pytest.raises(RuntimeError, match="acc.backward"):
         _loss(model, 1).backward()
     _assert_window_intact(acc, model, ref, done=1)
+
+
+# ------------------------------------------------------------------ gaengine.ops / clip_grad_norm_: checked in Python
+# Bad input to the public functions is refused in Python before any kernel (and any call into gaengine._C, whose
+# failed TORCH_CHECKs crash some images: csrc/README.md), with a ValueError or TypeError naming the argument.
+
+
+def _strided(n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(n, 2, dtype=dtype)[:, 0]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        pytest.param(lambda d: (d.double(), torch.zeros(4)), ValueError, "dst must be float32", id="dst-fp64"),
+        pytest.param(lambda d: (_strided(4), torch.zeros(4)), ValueError, "dst must be contiguous", id="dst-strided"),
+        pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.int32)), ValueError,
+                     "src must be float32, bfloat16 or float16", id="src-int32"),
+        pytest.param(lambda d: (d, torch.zeros(3)), ValueError, "src has 3 elements but dst has 4", id="numel"),
+        pytest.param(lambda d: (d, torch.zeros(4, device="meta")), ValueError, "src is on meta but dst is on cpu",
+                     id="src-meta"),
+        pytest.param(lambda d: (d, [0.0] * 4), TypeError, "src must be a torch.Tensor", id="src-list"),
+    ],
+)
+def test_ops_accumulate_bad_input(make, error, message, backend):
+    dst = torch.randn(4)
+    before = dst.clone()
+    bad_dst, src = make(dst)
+    with pytest.raises(error, match=message):
+        gaengine.ops.accumulate_(bad_dst, src, backend=backend)
+    assert torch.equal(dst, before)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize(
+    "scale, error, message",
+    [
+        pytest.param(torch.ones(2), ValueError, r"scale must be a Python float or a 0-d float32 tensor on cpu, got a "
+                     r"\(2,\)", id="vector"),
+        pytest.param(torch.tensor(2.0, dtype=torch.float64), ValueError, "scale must be .* torch.float64 tensor",
+                     id="fp64"),
+        pytest.param(torch.tensor(2.0, device="meta"), ValueError, "scale must be .* on meta", id="meta"),
+        pytest.param("2", TypeError, "scale must be a Python float", id="str"),
+        pytest.param(None, TypeError, "scale must be a Python float", id="none"),
+    ],
+)
+def test_ops_accumulate_bad_scale(scale, error, message, backend):
+    dst = torch.randn(4)
+    before = dst.clone()
+    with pytest.raises(error, match=message):
+        gaengine.ops.accumulate_(dst, torch.ones(4, dtype=torch.bfloat16), scale, backend=backend)
+    assert torch.equal(dst, before)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_ops_l2norm_sq_bad_input(backend):
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16, got torch.int64"):
+        gaengine.ops.l2norm_sq(torch.zeros(4, dtype=torch.int64), backend=backend)
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16, got torch.float64"):
+        gaengine.ops.l2norm_sq(torch.zeros(4, dtype=torch.float64), backend=backend)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        gaengine.ops.l2norm_sq([1.0, 2.0], backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize(
+    "make_x, coef, error, message",
+    [
+        pytest.param(lambda: torch.randn(4).to(torch.bfloat16), torch.tensor(2.0), ValueError,
+                     "x must be a contiguous float32 tensor", id="x-bf16"),
+        pytest.param(lambda: _strided(4), torch.tensor(2.0), ValueError, r"x must be a contiguous float32 tensor.*"
+                     "contiguous=False", id="x-strided"),
+        pytest.param(lambda: torch.randn(4), torch.ones(2), ValueError, r"coef must be a 0-d tensor on cpu.*\(2,\)",
+                     id="coef-vector"),
+        pytest.param(lambda: torch.randn(4), torch.tensor(2.0, device="meta"), ValueError,
+                     "coef must be a 0-d tensor on cpu .* on meta", id="coef-meta"),
+        pytest.param(lambda: torch.randn(4), torch.tensor(2 + 0j), ValueError, "coef must be a real tensor",
+                     id="coef-complex"),
+        pytest.param(lambda: torch.randn(4), 2.0, TypeError, "coef must be a 0-d tensor on cpu", id="coef-float"),
+    ],
+)
+def test_ops_scale_bad_input(make_x, coef, error, message, backend):
+    x = make_x()
+    before = x.clone()
+    with pytest.raises(error, match=message):
+        gaengine.ops.scale_(x, coef, backend=backend)
+    assert torch.equal(x, before)
+
+
+def test_contract_error_is_a_value_error_and_a_runtime_error():
+    """Code written against the compiled ops' TORCH_CHECK (RuntimeError) keeps catching the Python checks."""
+    from gaengine.backends import ContractError  # noqa: PLC0415
+
+    assert issubclass(ContractError, ValueError) and issubclass(ContractError, RuntimeError)
+    with pytest.raises(RuntimeError, match="src has 3 elements"):
+        gaengine.ops.accumulate_(torch.zeros(4), torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_accumulate_sumsq_bad_index_type(backend):
+    from gaengine.backends import get_backend  # noqa: PLC0415
+
+    try:
+        b = get_backend(backend)
+    except RuntimeError:
+        pytest.skip(f"backend {backend!r} unavailable")
+    dst, partials = torch.randn(8), torch.zeros(2, 2, dtype=torch.float64)
+    before = dst.clone()
+    for index in (0.5, "0", True):
+        with pytest.raises(TypeError, match="index must be an int"):
+            b.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, index)
+    assert torch.equal(dst, before) and not partials.any()
+
+
+def test_clip_grad_norm_float64_grads_go_to_torch():
+    """float64 gradients (which the fused l2norm_sq does not take) are clipped by torch's implementation."""
+    ours = [nn.Parameter(torch.randn(10, dtype=torch.float64)) for _ in range(2)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    for p, q in zip(ours, ref):
+        p.grad = torch.randn_like(p) * 10
+        q.grad = p.grad.clone()
+    total = gaengine.clip_grad_norm_(ours, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert total.dtype == torch.float64 and torch.equal(total, expected)
+    for p, q in zip(ours, ref):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        pytest.param(dict(max_norm="1.0"), "max_norm must be a float", id="max_norm-str"),
+        pytest.param(dict(max_norm=None), "max_norm must be a float", id="max_norm-none"),
+        pytest.param(dict(max_norm=torch.ones(2)), "max_norm must be a float or a one-element", id="max_norm-vector"),
+        pytest.param(dict(max_norm=1.0, norm_type="two"), "norm_type must be a float or 'inf'", id="norm_type-str"),
+    ],
+)
+def test_clip_grad_norm_bad_arguments(kwargs, message):
+    p = nn.Parameter(torch.randn(6))
+    p.grad = torch.randn(6) * 10
+    before = p.grad.clone()
+    with pytest.raises(TypeError, match=message):
+        gaengine.clip_grad_norm_([p], **kwargs)
+    assert torch.equal(p.grad, before)
+
+
+def test_clip_grad_norm_accepts_inf_norm_type_like_torch():
+    p, q = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+    p.grad = torch.randn(6) * 10
+    q.grad = p.grad.clone()
+    assert torch.equal(gaengine.clip_grad_norm_([p], 1.0, norm_type="inf"),
+                       torch.nn.utils.clip_grad_norm_([q], 1.0, norm_type="inf"))
+    assert torch.equal(p.grad, q.grad)

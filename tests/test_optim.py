@@ -507,21 +507,183 @@ def test_attach_model_params_validates():
     assert not opt._model_params
 
 
+# adamw_step_'s TORCH_CHECKs (csrc/adamw.cpp) on gaengine._C directly, in a child process
+# (tests/child_contracts.py): skipped where every extension's failed TORCH_CHECK crashes, failed where only ours
+# does. check(): a refused call writes nothing.
+_ADAMW_SETUP = (
+    "p, m, v, s = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(())\n"
+    "snap = [t.clone() for t in (p, m, v, s)]\n"
+    "def check(): assert all(torch.equal(a, b) for a, b in zip((p, m, v, s), snap)), 'state was written'\n"
+)
+_ADAMW_TAIL = "1e-3, 0.9, 0.999, 1e-8, 0.0, False"
+_ADAMW_RAW_CONTRACTS = [
+    ("grads-numel", f"_C.adamw_step_([p], [torch.zeros(5)], [m], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
+     r"grads\[0\]"),
+    ("params-fp64", f"_C.adamw_step_([p.double()], [p], [m], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
+     r"params\[0\] must be float32"),
+    ("params-strided", f"_C.adamw_step_([torch.zeros(4, 2)[:, 0]], [p], [m], [v], [s], [None], {_ADAMW_TAIL}, "
+     "None, None)", r"params\[0\] must be contiguous"),
+    ("grads-int", f"_C.adamw_step_([p], [p.int()], [m], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
+     r"grads\[0\] must be float32, bfloat16 or float16"),
+    ("moments-fp64", f"_C.adamw_step_([p], [p], [m.double()], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
+     r"exp_avgs\[0\] and exp_avg_sqs\[0\] must be float32"),
+    ("step-1d", f"_C.adamw_step_([p], [p], [m], [v], [torch.zeros(1)], [None], {_ADAMW_TAIL}, None, None)",
+     r"steps\[0\] must be a 0-d float32 CPU tensor"),
+    ("model-fp32", f"_C.adamw_step_([p], [p], [m], [v], [s], [torch.zeros(4)], {_ADAMW_TAIL}, None, None)",
+     r"model_params\[0\]"),
+    ("model-numel", f"_C.adamw_step_([p], [p], [m], [v], [s], [torch.zeros(5, dtype=torch.bfloat16)], "
+     f"{_ADAMW_TAIL}, None, None)", r"model_params\[0\] must have the 4 elements"),
+    ("found-inf-1d", f"_C.adamw_step_([p], [p], [m], [v], [s], [None], {_ADAMW_TAIL}, None, torch.zeros(1))",
+     "found_inf"),
+    ("grad-scale-fp64", f"_C.adamw_step_([p], [p], [m], [v], [s], [None], {_ADAMW_TAIL}, "
+     "torch.ones((), dtype=torch.float64), None)", "grad_scale must be a 0-d float32 tensor"),
+    ("lengths", f"_C.adamw_step_([p], [], [m], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
+     "must have the same length"),
+]
+
+
 def test_cpu_extension_contract_errors():
     if not _available("cpu"):
         pytest.skip("gaengine._C.adamw_step_ unavailable")
-    from gaengine import _C
+    from tests.child_contracts import check_raw_contracts  # noqa: PLC0415
 
-    p, m, v, s = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(())
-    with pytest.raises(RuntimeError, match="grads\\[0\\]"):
-        _C.adamw_step_([p], [torch.zeros(5)], [m], [v], [s], [None], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, None, None)
-    with pytest.raises(RuntimeError, match="params\\[0\\] must be float32"):
-        _C.adamw_step_([p.double()], [p], [m], [v], [s], [None], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, None, None)
-    with pytest.raises(RuntimeError, match="model_params\\[0\\]"):
-        _C.adamw_step_([p], [p], [m], [v], [s], [torch.zeros(4)], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, None, None)
-    with pytest.raises(RuntimeError, match="found_inf"):
-        _C.adamw_step_([p], [p], [m], [v], [s], [None], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, None, torch.zeros(1))
-    assert s.item() == 0.0  # nothing written by a rejected call
+    check_raw_contracts([(case_id, _ADAMW_SETUP, call, regex) for case_id, call, regex in _ADAMW_RAW_CONTRACTS])
+
+
+def _snapshot(opt: FusedAdamW, params) -> list[torch.Tensor]:
+    """Every tensor step() may write: the parameters and each state tensor (by value)."""
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        out += [t.clone() for t in opt.state[p].values() if isinstance(t, torch.Tensor)] if p in opt.state else []
+    return out
+
+
+def _assert_unchanged(opt: FusedAdamW, params, before: list[torch.Tensor], n_states: int) -> None:
+    assert sum(1 for p in params if p in opt.state and opt.state[p]) == n_states, "state created by a refused step"
+    after = _snapshot(opt, params)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        assert_bitwise_equal(a, b, "parameter / state after a refused step")
+
+
+def _stepped_twice(backend: str = "auto"):
+    """Two parameter groups, each stepped once (state exists), then fresh gradients: ready for a third step."""
+    ps = _params("cpu", [4, 6, 5])
+    opt = FusedAdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 1e-2}], lr=1e-3, backend=backend)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return opt, ps
+
+
+def _bad_state_dtype(opt, ps):
+    opt.state[ps[2]]["exp_avg"] = opt.state[ps[2]]["exp_avg"].double()
+
+
+def _bad_state_numel(opt, ps):
+    opt.state[ps[2]]["exp_avg_sq"] = torch.zeros(7)
+
+
+def _bad_state_strided(opt, ps):
+    opt.state[ps[2]]["exp_avg"] = torch.zeros(5, 2)[:, 0]
+
+
+def _bad_step_shape(opt, ps):
+    opt.state[ps[2]]["step"] = torch.ones(1)
+
+
+def _bad_step_dtype(opt, ps):
+    opt.state[ps[2]]["step"] = torch.ones((), dtype=torch.float64)
+
+
+def _bad_step_type(opt, ps):
+    opt.state[ps[2]]["step"] = 1
+
+
+def _bad_grad_scale(opt, ps):
+    opt.grad_scale = torch.ones(2)
+
+
+def _bad_found_inf(opt, ps):
+    opt.found_inf = torch.zeros(3)
+
+
+def _non_tensor_found_inf(opt, ps):
+    opt.found_inf = 0.0
+
+
+def _bad_betas_later(opt, ps):
+    opt.param_groups[1]["betas"] = (0.9, 1.5)
+
+
+def _strided_param(opt, ps):
+    ps[2].data = torch.zeros(5, 2)[:, 0]
+
+
+def _model_param_changed(opt, ps):
+    model = torch.zeros(5, dtype=torch.bfloat16)
+    opt.attach_model_params([(ps[2], model)])
+    model.data = torch.zeros(5)  # fp32 now: the fused kernel cannot write it
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize(
+    "spoil, error, message",
+    [
+        pytest.param(_bad_state_dtype, ValueError, r"state\['exp_avg'\] of param_groups\[1\]\['params'\]\[0\] "
+                     "must be a contiguous float32", id="exp_avg-fp64"),
+        pytest.param(_bad_state_numel, ValueError, r"state\['exp_avg_sq'\].*5 elements", id="exp_avg_sq-numel"),
+        pytest.param(_bad_state_strided, ValueError, r"state\['exp_avg'\].*contiguous=False", id="exp_avg-strided"),
+        pytest.param(_bad_step_shape, ValueError, r"state\['step'\].*must be a 0-d float32", id="step-1d"),
+        pytest.param(_bad_step_dtype, ValueError, r"state\['step'\].*must be a 0-d float32", id="step-fp64"),
+        pytest.param(_bad_step_type, ValueError, r"state\['step'\].*must be a tensor", id="step-int"),
+        pytest.param(_bad_grad_scale, ValueError, "grad_scale must be a 0-d", id="grad_scale-2"),
+        pytest.param(_bad_found_inf, ValueError, "found_inf must be a 0-d", id="found_inf-3"),
+        pytest.param(_non_tensor_found_inf, TypeError, "found_inf must be a 0-d tensor or None", id="found_inf-float"),
+        pytest.param(_bad_betas_later, ValueError, r"betas\[1\] must be in \[0, 1\)", id="betas-set-later"),
+        pytest.param(_strided_param, ValueError, r"param_groups\[1\]\['params'\]\[0\] must be contiguous",
+                     id="param-strided"),
+        pytest.param(_model_param_changed, ValueError, "model param attached to param_groups", id="model-param-fp32"),
+    ],
+)
+def test_step_refuses_bad_input_before_writing_anything(spoil, error, message, backend):
+    """step() checks every argument its kernel takes, in Python, for every group before any is updated: the
+    first group (valid) is not stepped either, and no state is created or written."""
+    if backend == "auto" and not _available("cpu"):
+        pytest.skip("gaengine._C.adamw_step_ unavailable")
+    opt, ps = _stepped_twice(backend)
+    spoil(opt, ps)
+    before = _snapshot(opt, ps)
+    with pytest.raises(error, match=message):
+        opt.step()
+    _assert_unchanged(opt, ps, before, n_states=3)
+
+
+def test_step_refuses_a_bad_param_before_creating_any_state():
+    """The first step: a valid parameter before the bad one gets no state (nothing is created, then refused)."""
+    good, bad = nn.Parameter(torch.randn(4)), nn.Parameter(torch.zeros(5, 2)[:, 0])
+    opt = FusedAdamW([good, bad])
+    good.grad, bad.grad = torch.ones(4), torch.ones(5)
+    before = _snapshot(opt, [good, bad])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] must be contiguous"):
+        opt.step()
+    _assert_unchanged(opt, [good, bad], before, n_states=0)
+
+
+def test_step_never_reaches_a_failed_torch_check(monkeypatch):
+    """The bad steps above stop in Python: no kernel is called with them (a spy that fails if it is)."""
+    for spoil in (_bad_state_dtype, _bad_step_shape, _bad_grad_scale, _strided_param, _model_param_changed):
+        opt, ps = _stepped_twice("torch")
+
+        def spy(*args, **kwargs):
+            raise AssertionError("a kernel was called with arguments Python should have refused")
+
+        monkeypatch.setattr(opt, "_kernel", lambda device: spy)
+        spoil(opt, ps)
+        with pytest.raises((ValueError, TypeError)):
+            opt.step()
 
 
 # --------------------------------------------------------------------------------------- with the engine
