@@ -262,7 +262,8 @@ class CudaBackend(Backend):
             raise RuntimeError("this torch is a CPU-only build (torch.version.cuda is None)")
         from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
 
-        missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_") if not hasattr(_C, op)]
+        missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_",
+                                  "sum_partials_cuda") if not hasattr(_C, op)]
         if missing:
             raise RuntimeError(f"gaengine._C was built without its CUDA ops ({', '.join(missing)} missing); rebuild "
                                "it against a CUDA torch with CUDA_HOME set")
@@ -318,8 +319,10 @@ def _interpreter_on() -> bool:
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
     """Return the backend ``name`` for tensors on ``device``.
 
-    ``name``: one of ``BACKEND_NAMES``; ``"auto"`` reads ``GAENGINE_BACKEND`` first, then picks
-    ``triton`` for CUDA devices and ``cpu`` for CPU ones, falling back to ``torch`` quietly (logged once).
+    ``name``: one of ``BACKEND_NAMES``; ``"auto"`` reads ``GAENGINE_BACKEND`` first, then picks ``cuda``
+    for CUDA devices when ``gaengine._C`` carries its CUDA kernels (the native hot path launches them from C++,
+    ``gaengine.hot_path``), else ``triton``, and ``cpu`` for CPU ones, falling back to ``torch`` quietly
+    (logged once).
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` when a backend asked for by name
     cannot load or cannot run on ``device`` (the original import error is chained).
     """
@@ -329,8 +332,8 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        preferred = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" else "torch"
-        backend = _load(preferred) or _load("torch")
+        preferred = "cuda" if device.type == "cuda" else "cpu" if device.type == "cpu" else "torch"
+        backend = _load(preferred) or (_load("triton") if device.type == "cuda" else None) or _load("torch")
         if (device.type, backend.name) not in _announced:
             _announced.add((device.type, backend.name))
             why = "" if backend.name == preferred else f" ({preferred} unavailable: {_load_errors.get(preferred)})"

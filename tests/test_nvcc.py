@@ -26,6 +26,7 @@ import subprocess
 import pytest
 import torch
 
+from tests.child_contracts import check_raw_contracts
 from tests.reference import accumulate_fp64, sum_sq_fp64
 from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
 
@@ -473,30 +474,32 @@ def test_cuda_bucket_of_nothing(cuda_ops):
 
 @pytest.mark.cuda
 def test_cuda_bucket_contracts_name_the_argument_and_write_nothing(cuda_ops):
-    dst = torch.zeros(256, device=DEVICE)
-    good = torch.ones(64, device=DEVICE)
-    cases = [
-        (([good, torch.ones(64)], [0, 64], [False, False], None), r"srcs\[1\] must be a CUDA tensor"),
-        (([good, torch.ones(64, device=DEVICE, dtype=torch.float64)], [0, 64], [False, False], None),
+    # In a child process (tests/child_contracts.py): on an image where a failed TORCH_CHECK crashes, it must not
+    # take the test run down with it.
+    setup = ("dst = torch.zeros(256, device='cuda'); good = torch.ones(64, device='cuda')\n"
+             "def check():\n    assert dst.eq(0).all(), 'dst written before raising'\n")
+    calls = [
+        ("[good, torch.ones(64)], [0, 64], [False, False], None", r"srcs\[1\] must be a CUDA tensor"),
+        ("[good, torch.ones(64, device='cuda', dtype=torch.float64)], [0, 64], [False, False], None",
          r"srcs\[1\] must be float32, bfloat16 or float16"),
-        (([good, torch.ones(8, 8, device=DEVICE).t()], [0, 64], [False, False], None), r"srcs\[1\] must be contiguous"),
-        (([good, good], [0], [False, False], None), r"offsets has 1 entries but srcs has 2"),
-        (([good, good], [0, 64], [False], None), r"overwrite has 1 flags but srcs has 2"),
-        (([good, good], [0, 200], [False, False], None), r"offsets\[1\] = 200 puts the 64 elements of srcs\[1\] out"),
-        (([good, good], [0, 32], [False, False], None), r"the dst slices of srcs\[0\] and srcs\[1\] overlap"),
-        (([good, good], [0, 64], [False, False], torch.zeros(2, 3, device=DEVICE)), r"partials must be a \(2, 2\)"),
-        (([good, good], [0, 64], [False, False], torch.zeros(2, 2)), r"partials must be a CUDA tensor"),
+        ("[good, torch.ones(8, 8, device='cuda').t()], [0, 64], [False, False], None", r"srcs\[1\] must be contiguous"),
+        ("[good, good], [0], [False, False], None", r"offsets has 1 entries but srcs has 2"),
+        ("[good, good], [0, 64], [False], None", r"overwrite has 1 flags but srcs has 2"),
+        ("[good, good], [0, 200], [False, False], None", r"offsets\[1\] = 200 puts the 64 elements of srcs\[1\] out"),
+        ("[good, good], [0, 32], [False, False], None", r"the dst slices of srcs\[0\] and srcs\[1\] overlap"),
+        ("[good, good], [0, 64], [False, False], torch.zeros(2, 3, device='cuda')", r"partials must be a \(2, 2\)"),
+        ("[good, good], [0, 64], [False, False], torch.zeros(2, 2)", r"partials must be a CUDA tensor"),
     ]
-    for (srcs, offsets, overwrite, partials), match in cases:
-        with pytest.raises(RuntimeError, match=match):
-            cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials)
-        assert dst.eq(0).all(), f"written before raising: {match}"
-    with pytest.raises(RuntimeError, match="dst must be float32"):
-        cuda_ops.accumulate_bucket_cuda_(dst.bfloat16(), [good], [0], [False], None)
-    with pytest.raises(RuntimeError, match=r"numels\[1\] must be >= 0"):
-        cuda_ops.bucket_num_chunks([1, -1])
-    with pytest.raises(RuntimeError, match=r"partials must have shape \(2, n_chunks\)"):
-        cuda_ops.sum_partials_cuda(torch.zeros(3, 4, device=DEVICE))
+    cases = [(f"bucket-{i}", setup, f"_C.accumulate_bucket_cuda_(dst, {args})", match)
+             for i, (args, match) in enumerate(calls)]
+    cases += [
+        ("bucket-dst-dtype", setup, "_C.accumulate_bucket_cuda_(dst.bfloat16(), [good], [0], [False], None)",
+         "dst must be float32"),
+        ("num-chunks", "", "_C.bucket_num_chunks([1, -1])", r"numels\[1\] must be >= 0"),
+        ("sum-partials", "", "_C.sum_partials_cuda(torch.zeros(3, 4, device='cuda'))",
+         r"partials must have shape \(2, n_chunks\)"),
+    ]
+    check_raw_contracts(cases)
 
 
 # AdamW: sizes with a tail, an empty parameter, one over many blocks, and an unaligned one (scalar path).
@@ -583,17 +586,23 @@ def test_cuda_adamw_many_params_one_increment_each(cuda_ops):
 
 @pytest.mark.cuda
 def test_cuda_adamw_contracts_name_the_argument(cuda_ops):
-    state = _adamw_state(DEVICE)
-    before = _to(state, "cpu")
-    bad = list(state)
-    bad[1] = state[1][:2] + [state[1][2].cpu()] + state[1][3:]
-    with pytest.raises(RuntimeError, match=r"grads\[2\] must be a CUDA tensor"):
-        cuda_ops.adamw_step_cuda_(*bad, *ADAMW_HYPER["default"], None, None)
-    with pytest.raises(RuntimeError, match="found_inf must be a 0-d float32 tensor"):
-        cuda_ops.adamw_step_cuda_(*state, *ADAMW_HYPER["default"], None, torch.zeros(1, device=DEVICE))
-    with pytest.raises(RuntimeError, match="must have the same length"):
-        cuda_ops.adamw_step_cuda_(*state[:5], state[5][:-1], *ADAMW_HYPER["default"], None, None)
-    _assert_state_bitwise(state, before, "after the failed calls")
+    setup = ("d = 'cuda'; n = [5, 7, 9]\n"
+             "ps = [torch.randn(k, device=d) for k in n]; gs = [torch.randn(k, device=d) for k in n]\n"
+             "ms = [torch.zeros(k, device=d) for k in n]; vs = [torch.zeros(k, device=d) for k in n]\n"
+             "steps = [torch.zeros((), device=d) for k in n]; models = [None] * 3\n"
+             "before = [t.clone() for t in ps + ms + vs + steps]\n"
+             "def check():\n"
+             "    assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs + steps, before)), 'written before raising'\n")
+    hyper = "1e-3, 0.9, 0.999, 1e-8, 1e-2, False"
+    cases = [
+        ("adamw-grad-device", setup, f"_C.adamw_step_cuda_(ps, gs[:2] + [gs[2].cpu()], ms, vs, steps, models, {hyper}, "
+         "None, None)", r"grads\[2\] must be a CUDA tensor"),
+        ("adamw-found-inf", setup, f"_C.adamw_step_cuda_(ps, gs, ms, vs, steps, models, {hyper}, None, "
+         "torch.zeros(1, device=d))", "found_inf must be a 0-d float32 tensor"),
+        ("adamw-lengths", setup, f"_C.adamw_step_cuda_(ps, gs, ms, vs, steps, models[:-1], {hyper}, None, None)",
+         "must have the same length"),
+    ]
+    check_raw_contracts(cases)
 
 
 @pytest.mark.cuda
