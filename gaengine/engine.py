@@ -3,11 +3,12 @@
 Data flow of one accumulation window of K micro-batches (DESIGN.md); this module orchestrates it, each
 stage lives in the module named after it:
 
-* ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook (``gaengine.hooks``) adds
-  its gradient into its view of one flat fp32 ``main_grad`` buffer (``gaengine.buffer``; the first write of
-  a window overwrites: no zeroing pass) and frees ``p.grad`` at once, one launch per bucket with Triton
-  (``gaengine.bucket``). In the last micro-batch on several ranks, each bucket's all-reduce starts as soon
-  as it is complete (``gaengine.reduce``).
+* ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook takes ``p.grad`` at once and,
+  when its bucket (``gaengine.bucket``) is complete, the whole bucket is added into its views of one flat
+  fp32 ``main_grad`` buffer (``gaengine.buffer``; the first write of a window overwrites: no zeroing pass)
+  in one launch. The hooks are C++ (``gaengine.hot_path`` over ``csrc/hot_path.cpp``: no Python per
+  parameter) when ``gaengine._C`` is built, else Python (``gaengine.hooks``). In the last micro-batch on
+  several ranks, each bucket's all-reduce starts as soon as it is complete (``gaengine.reduce``).
 * Gradients stay raw sums. ``acc.step()`` applies the denominator once — the number of micro-batches
   (mean mode) or the total item count (item mode, ``num_items=``) — folded into the clip coefficient,
   so a partial window (``step(force=True)``) and token-count normalization are exact.
@@ -136,7 +137,8 @@ class GradientAccumulator:
         accumulation_steps: K, micro-batches per update (int >= 1).
         max_grad_norm: L2 clipping threshold applied to the normalized gradient; None disables clipping.
         lr_scheduler: stepped once after every applied (not skipped) update.
-        backend: "auto" | "triton" | "cpu" | "torch" (see ``gaengine.backends``).
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch" (see ``gaengine.backends``; the hooks are native
+            for all but "triton", see ``gaengine.hot_path``).
         master_weights: keep fp32 master weights for bf16/fp16 parameters (default True: 4 B/param, the
             optimizer and its state work in fp32). False: the optimizer updates the low-precision parameters
             in place (its state in their dtype, as torch's optimizers keep it); at ``step()`` one fp32 pass
