@@ -45,8 +45,12 @@ void check_scalar(const std::optional<at::Tensor>& t, const char* name) {
               t->sizes(), " ", t->scalar_type());
 }
 
-template <typename grad_t, typename model_t>
-void run(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model, int64_t n,
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kFloat ? "float32" : t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "other";
+}
+
+template <typename param_t, typename grad_t, typename model_t>
+void run(param_t* param, param_t* exp_avg, param_t* exp_avg_sq, const grad_t* grad, model_t* model, int64_t n,
          const AdamWCoefs& c, bool avx2) {
   const int64_t n_blocks = (n + kBlockNumel - 1) / kBlockNumel;
   at::parallel_for(0, n_blocks, kGrainNumel / kBlockNumel, [&](int64_t b0, int64_t b1) {
@@ -63,12 +67,30 @@ template <typename grad_t>
 void run_model(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad,
                const std::optional<at::Tensor>& model, int64_t n, const AdamWCoefs& c, bool avx2) {
   if (!model.has_value()) {
-    return run<grad_t, NoModel>(param, exp_avg, exp_avg_sq, grad, nullptr, n, c, avx2);
+    return run<float, grad_t, NoModel>(param, exp_avg, exp_avg_sq, grad, nullptr, n, c, avx2);
   }
   if (model->scalar_type() == at::kBFloat16) {
     return run(param, exp_avg, exp_avg_sq, grad, model->data_ptr<c10::BFloat16>(), n, c, avx2);
   }
   run(param, exp_avg, exp_avg_sq, grad, model->data_ptr<c10::Half>(), n, c, avx2);
+}
+
+// A bf16 | fp16 parameter updated in place, m and v in its dtype (no model parameter).
+template <typename param_t>
+void run_in_place(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                  const at::Tensor& grad, int64_t n, const AdamWCoefs& c, bool avx2) {
+  param_t* p = param.data_ptr<param_t>();
+  param_t* m = exp_avg.data_ptr<param_t>();
+  param_t* v = exp_avg_sq.data_ptr<param_t>();
+  NoModel* none = nullptr;
+  switch (grad.scalar_type()) {
+    case at::kBFloat16:
+      return run(p, m, v, grad.data_ptr<c10::BFloat16>(), none, n, c, avx2);
+    case at::kHalf:
+      return run(p, m, v, grad.data_ptr<c10::Half>(), none, n, c, avx2);
+    default:
+      return run(p, m, v, grad.data_ptr<float>(), none, n, c, avx2);
+  }
 }
 
 }  // namespace
@@ -90,10 +112,12 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
     ADAMW_CHECK_TENSOR(grads[i], "grads", i);
     ADAMW_CHECK_TENSOR(exp_avgs[i], "exp_avgs", i);
     ADAMW_CHECK_TENSOR(exp_avg_sqs[i], "exp_avg_sqs", i);
-    TORCH_CHECK(params[i].scalar_type() == at::kFloat, "params[", i, "] must be float32 (the master weight), got ",
-                params[i].scalar_type());
-    TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
-                "exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32");
+    const auto pt = params[i].scalar_type();
+    TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf, "params[", i,
+                "] must be float32, bfloat16 or float16, got ", pt);
+    TORCH_CHECK(exp_avgs[i].scalar_type() == pt && exp_avg_sqs[i].scalar_type() == pt, "exp_avgs[", i,
+                "] and exp_avg_sqs[", i, "] must be ", dtype_name(pt), " (the dtype of params[", i, "]), got ",
+                exp_avgs[i].scalar_type(), " and ", exp_avg_sqs[i].scalar_type());
     const auto gt = grads[i].scalar_type();
     TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, "grads[", i,
                 "] must be float32, bfloat16 or float16, got ", gt);
@@ -107,6 +131,8 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
       TORCH_CHECK(model.scalar_type() == at::kBFloat16 || model.scalar_type() == at::kHalf, "model_params[", i,
                   "] must be bfloat16 or float16, got ", model.scalar_type());
       TORCH_CHECK(model.numel() == n, "model_params[", i, "] must have the ", n, " elements of params[", i, "]");
+      TORCH_CHECK(pt == at::kFloat, "model_params[", i, "] must be None: params[", i, "] is ", dtype_name(pt),
+                  " and updated in place (a model parameter is written from an fp32 master only)");
     }
   }
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.0f) return;  // skipped: nothing written
@@ -138,6 +164,14 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
     const int64_t n = params[i].numel();
     if (n == 0) continue;
     c.stream_model = n >= kStreamNumel;
+    if (params[i].scalar_type() == at::kBFloat16) {
+      run_in_place<c10::BFloat16>(params[i], exp_avgs[i], exp_avg_sqs[i], grads[i], n, c, avx2);
+      continue;
+    }
+    if (params[i].scalar_type() == at::kHalf) {
+      run_in_place<c10::Half>(params[i], exp_avgs[i], exp_avg_sqs[i], grads[i], n, c, avx2);
+      continue;
+    }
     float* param = params[i].data_ptr<float>();
     float* exp_avg = exp_avgs[i].data_ptr<float>();
     float* exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();

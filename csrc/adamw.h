@@ -11,11 +11,12 @@ namespace gaengine {
 // One AdamW update (torch.optim.AdamW semantics; Loshchilov & Hutter 2019) of every parameter i, one pass
 // over each: reads grads[i], exp_avgs[i], exp_avg_sqs[i], params[i]; writes exp_avgs[i], exp_avg_sqs[i],
 // params[i] and, when model_params[i] is given, its bf16/fp16 rounding of the new params[i].
-//   params[i]:       fp32, contiguous, CPU (the master weight), updated in place
+//   params[i]:       contiguous, CPU, updated in place: fp32 (the master weight), or bf16 | fp16 (the model
+//                    parameter itself, no master: computed in fp32, p, m, v each rounded to nearest even)
 //   grads[i]:        fp32 | bf16 | fp16, contiguous, same numel, read
-//   exp_avgs[i], exp_avg_sqs[i]: fp32, contiguous, same numel, updated in place
+//   exp_avgs[i], exp_avg_sqs[i]: params[i]'s dtype, contiguous, same numel, updated in place
 //   steps[i]:        0-d fp32 step count, incremented in place (the new value sets the bias corrections)
-//   model_params[i]: None, or bf16 | fp16 contiguous with the same numel, overwritten
+//   model_params[i]: None, or (fp32 params[i] only) bf16 | fp16 contiguous with the same numel, overwritten
 //   grad_scale:      None, or a 0-d fp32 CPU tensor: the gradient used is grads[i] / grad_scale
 //   found_inf:       None, or a 0-d fp32 CPU tensor: when != 0 nothing is written (steps included)
 // Contract violations raise (TORCH_CHECK) before anything is written.

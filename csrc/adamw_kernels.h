@@ -1,6 +1,11 @@
 // Range kernels of the fused AdamW step (gaengine.optim.FusedAdamW): one pass over [0, n) of one
-// parameter that reads grad, exp_avg (m), exp_avg_sq (v) and the fp32 param (the master weight), and writes
-// m, v, the param and, when a low-precision model parameter is attached, its bf16/fp16 rounding.
+// parameter that reads grad, exp_avg (m), exp_avg_sq (v) and the param, and writes m, v, the param and, when a
+// low-precision model parameter is attached, its bf16/fp16 rounding. Templated on the param/state type param_t:
+//   float:          the fp32 master weight with fp32 m, v (16 B read + 12 B written with an fp32 grad, + 2 B for
+//                   an attached bf16/fp16 model parameter);
+//   bf16 | fp16:    the model parameter updated in place with m, v in its dtype (master_weights=False): p, m, v
+//                   widened to fp32 (exact), the same fp32 arithmetic, then each rounded to nearest even, as
+//                   torch's .to(bf16 | fp16): 4 (fp32 grad) + 2 + 2 + 2 read, 2 + 2 + 2 written = 16 B/param.
 //
 // Two implementations, chosen at run time like cpu_kernels.h: portable:: (the specification; plain C++)
 // and avx2:: (AVX2 + FMA + F16C intrinsics in GAENGINE_AVX2 functions, the portable kernel for the tail).
@@ -19,9 +24,9 @@
 // (grad_scale, sqrt(bias_correction2)) with Markstein's correction where that is provably exact, and divides
 // elsewhere (avx2::div_by_scalar): on this CPU-bound loop a vdivps costs as much as ten other instructions.
 // Both paths produce the same bits (the portable one calls std::fma where the AVX2 one has an FMA).
-// The model parameter receives round-to-nearest-even of the new p, bitwise equal to p.to(bf16 | fp16)
-// (NaN -> 0x7FC0 for bf16, as c10::BFloat16; parameters from 2^20 elements on are written with
-// non-temporal stores).
+// The model parameter (and a bf16 | fp16 param_t's new p, m, v) receives round-to-nearest-even of the fp32
+// value, bitwise equal to .to(bf16 | fp16) (NaN -> 0x7FC0 for bf16, as c10::BFloat16; model parameters from
+// 2^20 elements on are written with non-temporal stores).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -66,30 +71,33 @@ inline uint16_t bf16_bits(float x) {  // c10::BFloat16's round_to_nearest_even, 
   return static_cast<uint16_t>((u + (((u >> 16) & 1u) + UINT32_C(0x7FFF))) >> 16);
 }
 
-inline void store_model(NoModel*, int64_t, float) {}
-inline void store_model(c10::BFloat16* out, int64_t i, float x) { out[i].x = bf16_bits(x); }
-inline void store_model(c10::Half* out, int64_t i, float x) { out[i] = c10::Half(x); }  // RNE, exact IEEE
+// x stored as out's type: fp32 as is, bf16 | fp16 rounded to nearest even (torch's .to(dtype)).
+inline void store_rounded(NoModel*, int64_t, float) {}
+inline void store_rounded(float* out, int64_t i, float x) { out[i] = x; }
+inline void store_rounded(c10::BFloat16* out, int64_t i, float x) { out[i].x = bf16_bits(x); }
+inline void store_rounded(c10::Half* out, int64_t i, float x) { out[i] = c10::Half(x); }  // RNE, exact IEEE
 
-template <typename grad_t, typename model_t>
-void adamw(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model, int64_t n,
+// param_t: float (model_t: NoModel | bf16 | fp16) or bf16 | fp16 (model_t: NoModel; p, m, v in place).
+template <typename param_t, typename grad_t, typename model_t>
+void adamw(param_t* param, param_t* exp_avg, param_t* exp_avg_sq, const grad_t* grad, model_t* model, int64_t n,
            const AdamWCoefs& c) {
   for (int64_t i = 0; i < n; ++i) {
     float g = to_float(grad[i]);
     if (c.has_grad_scale) g = g / c.grad_scale;
     if (c.maximize) g = -g;
-    float p = param[i];
+    float p = to_float(param[i]);
     if (c.decay) p = p * c.decay_factor;
-    const float m_old = exp_avg[i];
+    const float m_old = to_float(exp_avg[i]);
     const float m = std::fma(c.lerp_coeff, g - m_old, c.lerp_small ? m_old : g);
     const float g_scaled = c.one_minus_beta2 * g;
-    const float v_decayed = exp_avg_sq[i] * c.beta2;
+    const float v_decayed = to_float(exp_avg_sq[i]) * c.beta2;
     const float v = std::fma(g_scaled, g, v_decayed);
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    store_rounded(exp_avg, i, m);  // the fp32 m and v feed the update below; only the stored copies are rounded
+    store_rounded(exp_avg_sq, i, v);
     const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
     p = p + (c.neg_step_size * m) / denom;
-    param[i] = p;
-    store_model(model, i, p);
+    store_rounded(param, i, p);
+    store_rounded(model, i, p);
   }
 }
 
@@ -117,6 +125,9 @@ GAENGINE_AVX2 inline __m128i round8(c10::Half*, __m256 x) {
 // one need not be read into the cache first (saves 2 B/element of read-for-ownership traffic).
 template <bool kStream>
 GAENGINE_AVX2 inline void store8(NoModel*, __m256) {}
+
+template <bool kStream>
+GAENGINE_AVX2 inline void store8(float* out, __m256 x) { _mm256_storeu_ps(out, x); }  // an fp32 param_t's stream
 
 template <bool kStream, typename model_t>
 GAENGINE_AVX2 inline void store8(model_t* out, __m256 x) {
@@ -162,9 +173,9 @@ enum class Scale { kNone, kFast, kDivide };
 // The vector loop over whole vectors of [0, n); returns the number of elements it did (a multiple of 8).
 // Every per-call choice is a template argument or a local hoisted out of the loop: GCC reloads a struct
 // member on every iteration, because the stores through float* may alias it.
-template <bool kStream, Scale kScale, typename grad_t, typename model_t>
-GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
-                                 int64_t n, const AdamWCoefs& c) {
+template <bool kStream, Scale kScale, typename param_t, typename grad_t, typename model_t>
+GAENGINE_AVX2 int64_t adamw_body(param_t* param, param_t* exp_avg, param_t* exp_avg_sq, const grad_t* grad,
+                                 model_t* model, int64_t n, const AdamWCoefs& c) {
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 grad_scale_rcp = _mm256_set1_ps(1.0f / c.grad_scale);
   const bool maximize = c.maximize, decay = c.decay, lerp_small = c.lerp_small;
@@ -183,28 +194,28 @@ GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq
     if constexpr (kScale == Scale::kFast) g = div_by_scalar<true>(g, grad_scale, grad_scale_rcp);
     if constexpr (kScale == Scale::kDivide) g = _mm256_div_ps(g, grad_scale);
     if (maximize) g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
-    __m256 p = _mm256_loadu_ps(param + i);
+    __m256 p = load8(param + i);
     if (decay) p = _mm256_mul_ps(p, decay_factor);
-    const __m256 m_old = _mm256_loadu_ps(exp_avg + i);
+    const __m256 m_old = load8(exp_avg + i);
     const __m256 m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m_old), lerp_small ? m_old : g);
     const __m256 g_scaled = _mm256_mul_ps(one_minus_beta2, g);
-    const __m256 v_decayed = _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2);
+    const __m256 v_decayed = _mm256_mul_ps(load8(exp_avg_sq + i), beta2);
     const __m256 v = _mm256_fmadd_ps(g_scaled, g, v_decayed);
-    _mm256_storeu_ps(exp_avg + i, m);
-    _mm256_storeu_ps(exp_avg_sq + i, v);
+    store8<false>(exp_avg + i, m);  // fp32, or rounded to bf16 | fp16 (the update uses the fp32 m, v)
+    store8<false>(exp_avg_sq + i, v);
     const __m256 sqrt_v = _mm256_sqrt_ps(v);
     const __m256 denom = _mm256_add_ps(
         fast_bc2 ? div_by_scalar<false>(sqrt_v, bc2_sqrt, bc2_sqrt_rcp) : _mm256_div_ps(sqrt_v, bc2_sqrt), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(param + i, p);
+    store8<false>(param + i, p);
     store8<kStream>(offset(model, i), p);
   }
   return i;
 }
 
-template <bool kStream, typename grad_t, typename model_t>
-GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
-                                 int64_t n, const AdamWCoefs& c) {
+template <bool kStream, typename param_t, typename grad_t, typename model_t>
+GAENGINE_AVX2 int64_t adamw_body(param_t* param, param_t* exp_avg, param_t* exp_avg_sq, const grad_t* grad,
+                                 model_t* model, int64_t n, const AdamWCoefs& c) {
   if (!c.has_grad_scale) return adamw_body<kStream, Scale::kNone>(param, exp_avg, exp_avg_sq, grad, model, n, c);
   const float gs = std::fabs(c.grad_scale);
   if (gs >= 0x1p-20f && gs <= 0x1p20f) {
@@ -213,8 +224,8 @@ GAENGINE_AVX2 int64_t adamw_body(float* param, float* exp_avg, float* exp_avg_sq
   return adamw_body<kStream, Scale::kDivide>(param, exp_avg, exp_avg_sq, grad, model, n, c);
 }
 
-template <typename grad_t, typename model_t>
-GAENGINE_AVX2 void adamw(float* param, float* exp_avg, float* exp_avg_sq, const grad_t* grad, model_t* model,
+template <typename param_t, typename grad_t, typename model_t>
+GAENGINE_AVX2 void adamw(param_t* param, param_t* exp_avg, param_t* exp_avg_sq, const grad_t* grad, model_t* model,
                          int64_t n, const AdamWCoefs& c) {
   int64_t i;
   if constexpr (!std::is_same_v<model_t, NoModel>) {

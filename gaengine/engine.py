@@ -133,7 +133,20 @@ class GradientAccumulator:
         optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, or None
             (then ``step()`` leaves the final, normalized and clipped gradients in ``.grad``). For bf16/fp16
             parameters it is re-pointed at fp32 master weights (param groups and hyper-parameters kept);
-            the model's parameters receive the rounded master weights after every update.
+            the model's parameters receive the rounded master weights after every update. With masters, those
+            bf16/fp16 parameters (the same ``Parameter`` objects: ``p.data`` is re-pointed, dtype and device
+            unchanged, so autograd and gaengine's hooks are kept) become views of one flat buffer per dtype laid
+            out like the master buffer, and the master -> model write is one flat copy per dtype (or part of
+            ``gaengine.optim.FusedAdamW``'s pass). What users see: a parameter (and each tensor of
+            ``model.state_dict()``) shares that buffer's storage, so ``torch.save`` of a few of them writes the
+            whole buffer (``.clone()`` them first); a non-contiguous (e.g. channels_last) parameter becomes
+            contiguous; ``model.load_state_dict`` writes into the buffer in place but not into the fp32
+            masters (restore those with ``acc.load_state_dict``, or load the model before building the
+            accumulator); ``copy.deepcopy(model)`` gives ordinary independent parameters; ``torch.compile``
+            and activation checkpointing work unchanged. Moving or converting the model afterwards
+            (``model.to(another device or dtype)``, ``.float()``, ``.cuda()``, ``load_state_dict(assign=True)``)
+            is not supported: build the accumulator last (``step()`` raises ``RuntimeError`` when it sees the
+            parameters left the buffer; a same-device, same-dtype ``.to()`` is a no-op and fine).
         accumulation_steps: K, micro-batches per update (int >= 1).
         max_grad_norm: L2 clipping threshold applied to the normalized gradient; None disables clipping.
         lr_scheduler: stepped once after every applied (not skipped) update.
@@ -141,10 +154,13 @@ class GradientAccumulator:
             for all but "triton", see ``gaengine.hot_path``).
         master_weights: keep fp32 master weights for bf16/fp16 parameters (default True: 4 B/param, the
             optimizer and its state work in fp32). False: the optimizer updates the low-precision parameters
-            in place (its state in their dtype, as torch's optimizers keep it); at ``step()`` one fp32 pass
-            normalizes and clips the buffer, and each parameter gets it rounded once to its dtype (a
-            transient copy, 2 B/param while the optimizer runs). Accumulation stays fp32 either way. Raises
-            ``ValueError`` with ``gaengine.optim.FusedAdamW``, which updates fp32 masters only.
+            in place (its state in their dtype, as torch's optimizers keep it). With
+            ``gaengine.optim.FusedAdamW`` that is one pass per parameter: it reads the fp32 main_grad view
+            (as ``p.main_grad``) with normalization and clipping as its ``grad_scale`` and the skip as
+            ``found_inf``, computes in fp32 and rounds p, m, v to their dtype (16 B/param, no host sync).
+            With a torch optimizer, at ``step()`` one fp32 pass normalizes and clips the buffer, and each
+            parameter gets it rounded once to its dtype (a transient copy, 2 B/param while the optimizer
+            runs). Accumulation stays fp32 either way.
         process_group: reduce gradients across the ranks of this group; by default the global group when
             ``torch.distributed`` is initialized with more than one rank. Parameters (and, with
             ``broadcast_buffers``, buffers) are broadcast from the group's first rank at construction.
@@ -625,7 +641,11 @@ class GradientAccumulator:
         )
 
     def close(self) -> None:
-        """Remove the hooks and release the parameters (another accumulator may then take them)."""
+        """Remove the hooks and release the parameters (another accumulator may then take them).
+
+        The parameters keep their values; re-pointed bf16/fp16 parameters stay views of the flat model buffer
+        (kept alive by them), until another accumulator re-points them into its own.
+        """
         if self.hooks is not None:
             self.hooks.close()
         if self.window_batchnorm is not None:

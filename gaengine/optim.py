@@ -3,13 +3,21 @@ fp32 master -> bf16/fp16 model write folded in, and no host sync.
 
 AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2), with
 ``torch.optim.AdamW``'s defaults, state layout and fp32 arithmetic: per parameter ``step`` (0-d fp32 tensor on
-the parameter's device, as torch's fused path keeps it), ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's
-shape). A ``FusedAdamW`` state dict loads into ``torch.optim.AdamW`` and back.
+the parameter's device, as torch's fused path keeps it), ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape
+and dtype: fp32 for fp32 parameters, bf16/fp16 for bf16/fp16 ones, the dtype ``torch.optim.AdamW`` keeps). A
+``FusedAdamW`` state dict loads into ``torch.optim.AdamW`` and back.
 
-One update of a parameter is one kernel pass: read grad, m, v and the fp32 param (the master weight), write
-m, v, the param and, when a model parameter is attached (``attach_model_params``), its bf16/fp16 rounding.
-Bytes per element with an fp32 grad: 16 read + 12 written (+ 2 for an attached bf16 model parameter), against
-28 + 6 for torch's fused AdamW followed by a separate master -> model copy.
+One update of a parameter is one kernel pass. fp32 parameters (the master weights): read grad, m, v and the
+param, write m, v, the param and, when a model parameter is attached (``attach_model_params``), its bf16/fp16
+rounding. Bytes per element with an fp32 grad: 16 read + 12 written (+ 2 for an attached bf16 model parameter),
+against 28 + 6 for torch's fused AdamW followed by a separate master -> model copy. bf16/fp16 parameters (no
+masters, ``GradientAccumulator(master_weights=False)``): updated in place from an fp32 gradient, computed in
+fp32 and each of p, m, v rounded to nearest even: 10 B read + 6 B written = 16 B per element, against 28 B for
+an fp32 scale pass, a rounding copy of the gradient and torch's fused AdamW on the bf16 parameters.
+
+The gradient of a parameter ``p`` is ``p.main_grad`` when that attribute is set and not None (Megatron-Core's
+name: an fp32 gradient of a bf16/fp16 parameter, which ``p.grad`` cannot hold; ``GradientAccumulator`` sets it
+to its view of the fp32 main_grad buffer for the duration of ``step()``), else ``p.grad``.
 
 Kernels: ``gaengine._C.adamw_step_`` (C++, AVX2 or portable, ``at::parallel_for``) for CPU tensors,
 ``gaengine.kernels.adamw`` (Triton) for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a
@@ -34,13 +42,16 @@ import torch
 from torch.autograd.graph import increment_version
 
 from gaengine.backends import BACKEND_NAMES, get_backend
+from gaengine.buffer import FlatLayout
 
-__all__ = ["FusedAdamW"]
+__all__ = ["FusedAdamW", "flat_moments"]
 
 logger = logging.getLogger("gaengine")
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PARAM_DTYPES = _GRAD_DTYPES  # fp32 (master weights) or bf16/fp16 updated in place, m and v in the same dtype
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Keys of torch.optim.AdamW's param groups that are implementation flags, not hyper-parameters: a loaded
 # state dict's values are replaced by FusedAdamW's, which are the ones a torch AdamW then loads back.
 _IMPL_FLAGS = {"foreach": None, "capturable": False, "differentiable": False, "fused": True,
@@ -82,8 +93,12 @@ class FusedAdamW(torch.optim.Optimizer):
 
     Args:
         params: an iterable of Parameters or of param-group dicts (each may override any hyper-parameter).
-            Floating point; the ones that receive a gradient must be fp32 at ``step()`` (master weights:
-            ``GradientAccumulator`` swaps bf16/fp16 model parameters for fp32 masters).
+            Floating point; the ones that receive a gradient must be fp32, bf16 or fp16 and contiguous at
+            ``step()``. fp32: master weights (``GradientAccumulator`` swaps bf16/fp16 model parameters for fp32
+            masters by default). bf16/fp16: updated in place, no master (``master_weights=False``): the update is
+            computed in fp32 from the widened p, m, v and the gradient (best an fp32 one, ``p.main_grad``), then
+            p, m and v are each rounded to nearest even, as ``torch.optim.AdamW`` in fp32 on fp32 copies
+            followed by ``.to(p.dtype)`` of each.
         lr: learning rate, a Python float >= 0 (a tensor lr raises ``ValueError``).
         betas: ``(beta1, beta2)``, each in [0, 1): decay rates of the first and second moment estimates.
         eps: added to ``sqrt(v_hat)`` after the bias correction (torch's placement), >= 0.
@@ -93,8 +108,18 @@ class FusedAdamW(torch.optim.Optimizer):
         backend: "auto" | "cpu" | "triton" | "torch" (as ``gaengine.backends.get_backend``): "auto" picks the
             C++ kernel for CPU tensors and Triton for CUDA ones, else the plain-torch fallback.
 
-    Per-parameter state: ``step`` (0-d fp32 on the parameter's device), ``exp_avg``, ``exp_avg_sq`` (fp32,
-    the parameter's shape), created at the parameter's first update.
+    Per-parameter state: ``step`` (0-d fp32 on the parameter's device), ``exp_avg``, ``exp_avg_sq`` (the
+    parameter's shape and dtype: fp32, or bf16/fp16 for a parameter updated in place), created at the
+    parameter's first update.
+
+    Gradient of ``p``: ``p.main_grad`` when set and not None (fp32 | bf16 | fp16, ``p``'s numel), else ``p.grad``.
+
+    The moments of the parameters of a group whose state is created in the same ``step()`` (or loaded by
+    ``load_state_dict``) are contiguous views of one flat buffer per group, device and moment dtype
+    (``flat_moments``): ``[exp_avg | exp_avg_sq]``, each
+    half laid out by ``gaengine.buffer.FlatLayout`` (aligned starts, zero padding). ``state[p]`` keeps
+    torch's keys, so state dicts load into ``torch.optim.AdamW`` and back; a saved state dict holds the
+    views (``torch.save`` writes each flat buffer once).
 
     The update of parameter ``p`` with gradient ``g`` at step ``t`` (fp32; coefficients rounded from double):
     ``g = grad / grad_scale``; ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - beta1)``;
@@ -102,8 +127,9 @@ class FusedAdamW(torch.optim.Optimizer):
 
     Raises ``ValueError`` naming the argument for a bad hyper-parameter (here and in ``add_param_group`` and
     ``load_state_dict``); ``step()`` raises ``ValueError`` naming the parameter for anything its kernel cannot
-    take (a non-fp32 or non-contiguous parameter with a gradient, a sparse or mis-sized gradient, state of the
-    wrong dtype / size / device, an attached model parameter that changed since, a multi-element ``grad_scale`` or
+    take (a parameter with a gradient that is not fp32/bf16/fp16 or not contiguous, a sparse or mis-sized
+    gradient, state of another dtype than the parameter's (e.g. fp32 moments of an fp16 parameter) or of the
+    wrong size / device, an attached model parameter that changed since, a multi-element ``grad_scale`` or
     ``found_inf``, a bad hyper-parameter set on a group later), for every group, before anything is created
     or written.
     """
@@ -161,9 +187,13 @@ class FusedAdamW(torch.optim.Optimizer):
         """Load a ``FusedAdamW`` or ``torch.optim.AdamW`` state dict.
 
         The state is converted to FusedAdamW's layout: ``step`` a 0-d fp32 tensor on the parameter's device,
-        ``exp_avg`` / ``exp_avg_sq`` fp32 copies on that device (also when the parameters are still bf16/fp16
-        model parameters, which torch's loader would round the moments to). Raises ``ValueError`` for a group
-        with ``amsgrad=True`` or an invalid hyper-parameter, before anything is loaded.
+        ``exp_avg`` / ``exp_avg_sq`` copies on that device: fp32 for an fp32 parameter; for a bf16/fp16
+        parameter, in the saved dtype when that is the parameter's (state of an in-place update, or torch's)
+        or fp32, else fp32. Saved fp32 moments of a bf16/fp16 parameter stay fp32 (a master-weights checkpoint
+        loaded before ``GradientAccumulator`` swaps in the fp32 masters, which then take them unrounded;
+        ``master_weights=False`` rounds them to the parameter's dtype once; a ``step()`` on the bf16/fp16
+        parameter itself refuses them). Raises ``ValueError`` for a group with ``amsgrad=True`` or an invalid
+        hyper-parameter, before anything is loaded.
         """
         for group in state_dict["param_groups"]:
             _check_hyperparameters({**self.defaults, **group})
@@ -180,8 +210,20 @@ class FusedAdamW(torch.optim.Optimizer):
             step = step.detach() if torch.is_tensor(step) else torch.tensor(float(step))
             state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = saved[key].detach().to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+                dtype = saved[key].dtype if saved[key].dtype in (p.dtype, torch.float32) else torch.float32
+                state[key] = saved[key].detach().to(device=p.device, dtype=dtype, copy=True).contiguous()
             state.pop("max_exp_avg_sq", None)
+        # The loaded moments as step() creates them: per group, views of one flat buffer (copied in; moments
+        # that do not fit their parameter keep their own copy, for step() to refuse naming them).
+        for group in self.param_groups:
+            fit = [p for p in group["params"] if self.state.get(p) and all(
+                torch.is_tensor(self.state[p].get(k)) and self.state[p][k].numel() == p.numel()
+                and self.state[p][k].device == p.device and self.state[p][k].dtype == _moment_dtype(p)
+                for k in ("exp_avg", "exp_avg_sq"))]
+            for p, views in zip(fit, flat_moments(fit)):
+                for key, view in zip(("exp_avg", "exp_avg_sq"), views):
+                    view.view(-1).copy_(self.state[p][key].reshape(-1))
+                    self.state[p][key] = view
 
     def attach_model_params(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """After this, each update of ``master`` also writes its bf16/fp16 rounding into ``model_param``.
@@ -259,8 +301,9 @@ class FusedAdamW(torch.optim.Optimizer):
         """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss, if given.
 
         Reads ``self.grad_scale`` / ``self.found_inf`` when set (0-d floating tensors, moved to each parameter
-        device without a sync): the gradient used is ``grad / grad_scale``, and ``found_inf != 0`` skips the
-        update entirely (parameters, moments, step counts and attached model parameters stay bit-identical).
+        device without a sync): the gradient used is ``grad / grad_scale`` (``grad``: ``p.main_grad`` when set,
+        else ``p.grad``), and ``found_inf != 0`` skips the update entirely (parameters, moments, step counts and
+        attached model parameters stay bit-identical).
         No host sync: nothing here reads a tensor on the host.
         """
         loss = None
@@ -292,17 +335,18 @@ class FusedAdamW(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             _check_hyperparameters(group)
             for i, p in enumerate(group["params"]):
-                grad = p.grad
+                grad = _grad_of(p)
                 if grad is None:
                     continue
                 where = f"param_groups[{g}]['params'][{i}]"
+                if not isinstance(grad, torch.Tensor):
+                    raise TypeError(f"the main_grad of {where} must be a tensor or None, got {type(grad).__name__}")
                 if grad.is_sparse:
                     raise ValueError(f"FusedAdamW does not support sparse gradients ({where})")
-                if p.dtype != torch.float32:
+                if p.dtype not in _PARAM_DTYPES:
                     raise ValueError(
-                        f"FusedAdamW updates float32 parameters (master weights), got one of dtype {p.dtype} with a "
-                        f"gradient ({where}); keep fp32 masters (gaengine.GradientAccumulator does) or use "
-                        "torch.optim.AdamW"
+                        f"FusedAdamW updates float32 (master weights), bfloat16 or float16 parameters, got one of "
+                        f"dtype {p.dtype} with a gradient ({where}); use torch.optim.AdamW"
                     )
                 if not p.is_contiguous():
                     raise ValueError(f"{where} must be contiguous (the kernels update it in place as a flat "
@@ -314,6 +358,9 @@ class FusedAdamW(torch.optim.Optimizer):
                                      f"parameter has {p.numel()} on {p.device}")
                 _check_state(self.state.get(p), p, where)
                 attached = self._model_params.get(id(p))
+                if attached is not None and p.dtype != torch.float32:
+                    raise ValueError(f"{where} has an attached model param but is {p.dtype} now: a model param is "
+                                     "written from a float32 master only")
                 if attached is not None:
                     model = attached[1]
                     if (not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES
@@ -326,15 +373,16 @@ class FusedAdamW(torch.optim.Optimizer):
                     found_inf: torch.Tensor | None) -> None:
         # Arguments checked by _check_step (all groups, before anything is written).
         per_device: dict[torch.device, tuple[list, ...]] = {}
+        # The group's params updated for the first time: their moments are views of one flat buffer.
+        new = [p for p in group["params"] if _grad_of(p) is not None and not self.state.get(p)]
+        for p, (exp_avg, exp_avg_sq) in zip(new, flat_moments(new)):
+            self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                                 exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         for p in group["params"]:
-            grad = p.grad
+            grad = _grad_of(p)
             if grad is None:
                 continue
             state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             lists = per_device.setdefault(p.device, ([], [], [], [], [], []))
             attached = self._model_params.get(id(p))
             for out, t in zip(lists, (p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], state["step"],
@@ -350,6 +398,35 @@ class FusedAdamW(torch.optim.Optimizer):
             increment_version(params + [m for m in models if m is not None])  # they were written in place
 
 
+def flat_moments(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(exp_avg, exp_avg_sq)`` for each of ``params``: contiguous, shaped like the parameter, in
+    ``_moment_dtype(p)`` (fp32, or the dtype of a bf16/fp16 parameter updated in place), views of one flat
+    buffer per device and dtype holding ``[exp_avg | exp_avg_sq]``, each half laid out by ``FlatLayout.build``
+    over those params (aligned starts, zero padding that stays zero)."""
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    by_device: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault((p.device, _moment_dtype(p)), []).append((i, p))
+    for (device, dtype), entries in by_device.items():
+        layout = FlatLayout.build([p for _, p in entries])
+        n = layout.total_numel
+        flat = torch.zeros(2 * n, dtype=dtype, device=device)
+        for (i, p), offset, numel in zip(entries, layout.offsets, layout.numels):
+            out[i] = (flat.narrow(0, offset, numel).view(p.shape), flat.narrow(0, n + offset, numel).view(p.shape))
+    return [out[i] for i in range(len(params))]
+
+
+def _moment_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of ``p``'s moments: its own for a bf16/fp16 parameter (updated in place), else fp32."""
+    return p.dtype if p.dtype in _MODEL_DTYPES else torch.float32
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ``step()`` uses for ``p``: ``p.main_grad`` when set and not None, else ``p.grad``."""
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if main_grad is not None else p.grad
+
+
 def _check_state(state: dict[str, Any] | None, p: torch.Tensor, where: str) -> None:
     """A parameter's existing AdamW state, as the kernels take it (a missing state is created by ``step``)."""
     if not state:
@@ -363,12 +440,16 @@ def _check_state(state: dict[str, Any] | None, p: torch.Tensor, where: str) -> N
     if step.dim() != 0 or step.dtype != torch.float32 or step.device != p.device:
         raise ValueError(f"state['step'] of {where} must be a 0-d float32 tensor on {p.device}, got shape "
                          f"{tuple(step.shape)} {step.dtype} on {step.device}; load AdamW state with load_state_dict")
+    name = _DTYPE_NAMES[p.dtype]
     for key in ("exp_avg", "exp_avg_sq"):
         t = state[key]
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != p.numel() or t.device != p.device:
-            raise ValueError(f"state[{key!r}] of {where} must be a contiguous float32 tensor with the parameter's "
-                             f"{p.numel()} elements on {p.device}, got {t.numel()} {t.dtype} on {t.device} "
-                             f"(contiguous={t.is_contiguous()}); load AdamW state with load_state_dict")
+        if t.dtype != p.dtype or not t.is_contiguous() or t.numel() != p.numel() or t.device != p.device:
+            hint = (f"the moments of a {name} parameter are kept in its dtype (convert them with .to({p.dtype}), or "
+                    "keep float32 master weights)" if t.dtype != p.dtype and p.dtype != torch.float32
+                    else "load AdamW state with load_state_dict")
+            raise ValueError(f"state[{key!r}] of {where} must be a contiguous {name} tensor (the parameter's dtype) "
+                             f"with the parameter's {p.numel()} elements on {p.device}, got {t.numel()} {t.dtype} on "
+                             f"{t.device} (contiguous={t.is_contiguous()}); {hint}")
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -399,7 +480,8 @@ def adamw_step_torch(
     """The plain-torch fallback of the fused kernels: same contract (see ``gaengine.kernels.adamw.adamw_step_``).
 
     Several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
-    Numerics: torch's eager ops (``lerp``, ``addcmul``), within a few fp32 ulps of the fused kernels.
+    Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
+    (bf16/fp16 parameters: on fp32 copies of p, m, v, each rounded back by ``copy_``).
     """
     if not params:
         return
@@ -414,9 +496,10 @@ def adamw_step_torch(
             grad = grad / grad_scale
         if maximize:
             grad = -grad
-        new_p = p * (1.0 - lr * weight_decay) if weight_decay != 0 else p.clone()
-        new_m = torch.lerp(m, grad, 1.0 - beta1)
-        new_v = torch.addcmul(v * beta2, grad, grad, value=1.0 - beta2)
+        p32, m32, v32 = p.float(), m.float(), v.float()  # fp32 copies of bf16/fp16 ones (exact); fp32: no copy
+        new_p = p32 * (1.0 - lr * weight_decay) if weight_decay != 0 else p32.clone()
+        new_m = torch.lerp(m32, grad, 1.0 - beta1)
+        new_v = torch.addcmul(v32 * beta2, grad, grad, value=1.0 - beta2)
         new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
         if skip is not None:
             new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))

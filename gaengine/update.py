@@ -3,12 +3,18 @@
 * ``MasterWeights``: for the bf16/fp16 parameters the optimizer holds, fp32 masters in one flat buffer
   (4 B/param), swapped into the optimizer's param groups; each master's ``.grad`` is its view of the fp32
   main_grad buffer (re-pointed by ``attach_grads`` when the layout changes), so the optimizer reads the
-  accumulated gradient in place. After the update the masters are rounded into the model parameters (one
-  ``_foreach_copy_``), unless the optimizer writes them itself (``gaengine.optim.FusedAdamW``).
+  accumulated gradient in place. The bf16/fp16 model parameters themselves (the same ``Parameter`` objects,
+  ``p.data`` re-pointed) become views of one flat buffer per dtype laid out exactly like their range of the
+  master buffer (Megatron-Core's distributed optimizer re-points its params the same way), so after the
+  update the masters are rounded into the model with one flat copy per dtype, unless the optimizer writes
+  them itself (``gaengine.optim.FusedAdamW``).
 * ``apply_update``: gives every optimized parameter (or its master) its gradient, runs the optimizer with
   ``coef`` (0-d fp32 on the device: normalization x clipping) and the skip flag, then steps the scheduler.
   A fused torch optimizer takes both through ``grad_scale``/``found_inf`` (no pass, no host sync); any
-  other gets one scale pass over main_grad and one host read of the skip flag.
+  other gets one scale pass over main_grad and one host read of the skip flag. Without masters, a torch
+  optimizer gets each low-precision parameter's gradient normalized, clipped and rounded to its dtype;
+  ``gaengine.optim.FusedAdamW`` reads the fp32 main_grad views themselves (``p.main_grad``) and updates the
+  bf16/fp16 parameters in place in one pass (16 B/param), coef and skip through ``grad_scale``/``found_inf``.
 * ``expose_grads``: without an optimizer, leave the final gradients in ``p.grad`` (views of main_grad for
   fp32 params, rounded copies for bf16/fp16).
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from gaengine.buffer import FlatBuffer, FlatLayout
 
@@ -31,12 +38,21 @@ class MasterWeights:
     optimizer: re-pointed at the masters (param groups, hyper-parameters and any existing state kept).
     params: the trainable parameters in layout order; main_grad: the fp32 flat gradient buffer over them.
     enabled: keep masters (``master_weights=True``); False: the optimizer updates the low-precision params
-        in place and ``normalize_before_rounding`` is set (raises ``ValueError`` for an optimizer that
-        updates fp32 masters only).
+        in place: ``optimizer_reads_main_grad`` is set for ``gaengine.optim.FusedAdamW`` (it takes the fp32
+        main_grad views as ``p.main_grad``; existing fp32 moments of those params, e.g. a master-weights
+        checkpoint loaded before, are rounded to the param dtype once, as torch's loader would), else
+        ``normalize_before_rounding``.
 
     optimized: ids of the model parameters the optimizer holds. masters: model param id -> fp32 master
     (a ``Parameter`` aliasing ``buffer``). buffer: the flat fp32 master buffer, or None when no optimized
-    param is bf16/fp16 (or masters are disabled).
+    param is bf16/fp16 (or masters are disabled). Its params are grouped by dtype (bf16 first, then fp16;
+    layout order within a dtype), so each dtype's params fill one aligned range of it.
+
+    model_buffers: dtype -> ``FlatBuffer`` of that dtype laid out exactly like the dtype's range of
+    ``buffer`` (the same offsets relative to the range's start, which is ``ALIGN_NUMEL``-aligned; with one
+    low-precision dtype, the same offsets). Each optimized bf16/fp16 model parameter is re-pointed at its
+    view (``p.data = view``: same ``Parameter`` object, same dtype and device, so autograd keeps its
+    AccumulateGrad node and the hooks registered on it). Padding is zero and stays zero.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], main_grad: FlatBuffer,
@@ -46,6 +62,9 @@ class MasterWeights:
         self.buffer: FlatBuffer | None = None
         self.low_params: list[torch.Tensor] = []
         self.low_masters: list[nn.Parameter] = []
+        self.model_buffers: dict[torch.dtype, FlatBuffer] = {}
+        self._model_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model flat buffer, master range)
+        self._model_firsts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model flat buffer, its first param)
         # An optimizer that writes the rounded master into the model parameter in its own pass
         # (gaengine.optim.FusedAdamW) saves the separate master -> model copy.
         self.optimizer_writes_model = False
@@ -53,19 +72,27 @@ class MasterWeights:
         # precision params, so each gradient is rounded once at its final scale (and a loss-scaled sum
         # cannot overflow fp16).
         self.normalize_before_rounding = False
+        # master_weights=False with gaengine.optim.FusedAdamW: each low-precision param's fp32 main_grad view is
+        # passed as p.main_grad (p.grad cannot hold an fp32 gradient of a bf16 tensor) and coef as grad_scale:
+        # no scale pass, no rounding copy, one in-place pass per param.
+        self.optimizer_reads_main_grad = False
         low = [p for p in params if p.dtype in _LOW_PRECISION and id(p) in self.optimized]
         if not low:
             return
         if not enabled:
-            if hasattr(optimizer, "attach_model_params"):
-                raise ValueError(
-                    f"master_weights=False leaves the {low[0].dtype} parameters to the optimizer, but "
-                    f"{type(optimizer).__name__} updates float32 master weights only; use master_weights=True "
-                    "or a torch optimizer (e.g. torch.optim.AdamW(fused=True)) over the low-precision parameters"
-                )
-            self.normalize_before_rounding = True
+            if hasattr(optimizer, "attach_model_params"):  # gaengine.optim.FusedAdamW
+                self.optimizer_reads_main_grad = True
+                for p in low:  # its in-place update keeps m, v in the param dtype (torch.optim.AdamW's layout)
+                    state = optimizer.state.get(p, {})
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        t = state.get(key)
+                        if isinstance(t, torch.Tensor) and t.dtype != p.dtype:
+                            state[key] = t.to(p.dtype).contiguous()
+            else:
+                self.normalize_before_rounding = True
             return
         index = {id(p): i for i, p in enumerate(params)}
+        low = [p for dtype in _LOW_PRECISION for p in low if p.dtype == dtype]  # each dtype one range
         self.buffer = FlatBuffer(FlatLayout.build(low), torch.float32, device)
         with torch.no_grad():
             for p, view in zip(low, self.buffer.views):
@@ -73,6 +100,22 @@ class MasterWeights:
                 master = nn.Parameter(view, requires_grad=True)  # aliases the flat master buffer
                 master.grad = main_grad.views[index[id(p)]]
                 self.masters[id(p)] = master
+            start = 0
+            for dtype in _LOW_PRECISION:
+                group = [p for p in low if p.dtype == dtype]
+                if not group:
+                    continue
+                # Offsets relative to an aligned start are those of the master range (FlatLayout rounds up
+                # to ALIGN_NUMEL from there), and its length reaches the next dtype's start.
+                model = FlatBuffer(FlatLayout.build(group), dtype, device)
+                master_range = self.buffer.data.narrow(0, start, model.layout.total_numel)
+                model.data.copy_(master_range)  # exact: every master is a bf16/fp16 value; padding 0
+                for p, view in zip(group, model.views):
+                    p.data = view  # same dtype and device: the AccumulateGrad node and its hooks are kept
+                self.model_buffers[dtype] = model
+                self._model_copies.append((model.data, master_range))
+                self._model_firsts.append((model.data, group[0]))
+                start += model.layout.total_numel
         for group in optimizer.param_groups:
             group["params"] = [self.masters.get(id(q), q) for q in group["params"]]
         for p in low:  # state built before the accumulator (rare) follows its parameter
@@ -90,10 +133,28 @@ class MasterWeights:
             if id(p) in self.masters:
                 self.masters[id(p)].grad = view
 
+    def check_model(self) -> None:
+        """Raise ``RuntimeError`` when the re-pointed parameters no longer live in the flat model buffers (the
+        model was moved or converted after the accumulator was built: ``model.to(other device or dtype)``,
+        ``.float()``, ...). One parameter per dtype is looked at: ``Module._apply`` moves them all."""
+        for model, first in self._model_firsts:
+            if first.device != model.device or first.untyped_storage().data_ptr() != model.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    f"a {model.dtype} model parameter of shape {tuple(first.shape)} is no longer a view of the "
+                    f"accumulator's flat {model.dtype} buffer (it is {first.dtype} on {first.device}): the model was "
+                    "moved or converted after the GradientAccumulator was built (model.to(...), .float(), "
+                    ".cuda(), ...). Move and convert the model first, then build the optimizer and the accumulator"
+                )
+
     def copy_to_model(self) -> None:
-        """Round the fp32 masters into the bf16/fp16 model parameters (one ``_foreach_copy_``)."""
+        """Round the fp32 masters into the bf16/fp16 model parameters: one flat copy per dtype (the padding is
+        zero in both buffers), then the parameters' version counters are bumped as an in-place op would.
+        Raises ``RuntimeError`` as ``check_model``."""
+        self.check_model()
         with torch.no_grad():
-            torch._foreach_copy_(self.low_params, self.low_masters)
+            for model, master_range in self._model_copies:
+                model.copy_(master_range)
+        increment_version(self.low_params)  # p.data = view gave each parameter its own version counter
 
 
 def fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -111,7 +172,9 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
     gradient in the window: their params get ``.grad = None`` (no update, as torch optimizers do).
     ``lr_scheduler`` (or None) is stepped only when the update was applied (one host read of ``skipped``).
     """
+    masters.check_model()  # before anything is written
     fp32_params = [p for p in params if id(p) not in masters.masters]
+    main_grad_params = []  # low-precision params handed their fp32 main_grad view (FusedAdamW, no masters)
     unused = {id(params[i]) for i in unwritten}
     fused = fused_optimizer(optimizer)
     scaled = not fused or masters.normalize_before_rounding
@@ -122,7 +185,11 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
             continue  # trainable but not optimized: counted in the norm, left alone
         target = masters.masters.get(id(p), p)
         view = main_grad.views[i]
-        if id(p) in unused:
+        if masters.optimizer_reads_main_grad and target.dtype != torch.float32:
+            target.grad = None
+            target.main_grad = None if id(p) in unused else view  # read by FusedAdamW in fp32, no copy
+            main_grad_params.append(target)
+        elif id(p) in unused:
             target.grad = None
         else:  # a low-precision param without a master gets a rounded copy, freed after the step
             target.grad = view if target.dtype == torch.float32 else view.to(target.dtype)
@@ -147,6 +214,8 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
     finally:
         for p in fp32_params:
             p.grad = None
+        for p in main_grad_params:
+            del p.main_grad
         for i in unwritten:
             master = masters.masters.get(id(params[i]))
             if master is not None:

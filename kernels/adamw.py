@@ -1,9 +1,13 @@
 """Fused AdamW step on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``): one pass per parameter.
 
-Each program reads ``BLOCK_SIZE`` elements of grad, exp_avg (m), exp_avg_sq (v) and the fp32 param (the
-master weight) and writes m, v, the param and, when a model parameter is attached, its bf16 | fp16 rounding.
-Bytes per element: read 4 (fp32 grad) + 4 + 4 + 4, write 4 + 4 + 4 (+ 2 for a bf16 | fp16 model parameter):
-28 B, or 30 B with the model write (the separate master -> model copy it replaces moves 6 B).
+Each program reads ``BLOCK_SIZE`` elements of grad, exp_avg (m), exp_avg_sq (v) and the param and writes m, v,
+the param and, when a model parameter is attached, its bf16 | fp16 rounding. The param and its moments are
+either fp32 (the master weight) or bf16 | fp16 (the model parameter updated in place, ``master_weights=False``):
+then p, m, v are widened to fp32, updated with the same fp32 operations, and each rounded to nearest even
+(torch's ``.to(dtype)``). Bytes per element with an fp32 gradient: fp32 param read 4 + 4 + 4 + 4, write
+4 + 4 + 4 (+ 2 for a bf16 | fp16 model parameter): 28 B, or 30 B with the model write (the separate master ->
+model copy it replaces moves 6 B); bf16 | fp16 param in place: read 4 + 2 + 2 + 2, write 2 + 2 + 2 = 16 B
+(an fp32 scale pass 8 B + a rounding copy of the gradient 6 B + torch's fused AdamW on bf16 params 14 B = 28 B).
 
 Device-side control, no host sync (the protocol of torch's fused optimizers with ``GradScaler``):
 ``grad_scale`` and ``found_inf`` are 0-d tensors read by every program through their pointers; when
@@ -46,12 +50,25 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _rounded(x, TO_BF16: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even to bf16 (TO_BF16) or fp16, as torch's ``.to(dtype)``."""
+    if TO_BF16:
+        # By integer ops (c10::BFloat16's rule, NaN -> 0x7FC0): the same bits compiled and under the
+        # interpreter, whose float casts to bf16 truncate.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16
+        bits = tl.where(x != x, 0x7FC0, bits)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.float16)  # round to nearest even
+
+
+@triton.jit
 def _adamw_kernel(
-    param_ptr,  # (n_elements,) fp32, read and written (the master weight)
+    param_ptr,  # (n_elements,) fp32 (the master weight) | bf16 (PARAM_BF16) | fp16 (PARAM_FP16), read and written
     grad_ptr,  # (n_elements,) fp32 | bf16 | fp16, read
-    exp_avg_ptr,  # (n_elements,) fp32, read and written
-    exp_avg_sq_ptr,  # (n_elements,) fp32, read and written
-    model_ptr,  # (n_elements,) bf16 (MODEL_BF16) | fp16, written when HAS_MODEL; otherwise unused
+    exp_avg_ptr,  # (n_elements,) the param's dtype, read and written
+    exp_avg_sq_ptr,  # (n_elements,) the param's dtype, read and written
+    model_ptr,  # (n_elements,) bf16 (MODEL_BF16) | fp16, written when HAS_MODEL (fp32 param only); otherwise unused
     step_ptr,  # () fp32, read: the step count after this update's increment
     grad_scale_ptr,  # () fp32, read when HAS_GRAD_SCALE
     found_inf_ptr,  # () fp32, read when HAS_FOUND_INF: nothing is written unless it is 0
@@ -68,6 +85,8 @@ def _adamw_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_MODEL: tl.constexpr,
     MODEL_BF16: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    PARAM_FP16: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     DECAY: tl.constexpr,
     LERP_SMALL: tl.constexpr,
@@ -91,31 +110,28 @@ def _adamw_kernel(
         g = tl.math.div_rn(g, tl.load(grad_scale_ptr).to(tl.float32))
     if MAXIMIZE:
         g = -g
-    p = tl.load(param_ptr + offsets, mask=mask, other=0.0)
+    p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # widening: exact
     if DECAY:
         p = p * decay_factor
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if LERP_SMALL:
         m = tl.fma(g - m, lerp_coeff, m)
     else:
         m = tl.fma(g - m, lerp_coeff, g)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.fma(g * one_minus_beta2, g, v * beta2)
     denom = tl.math.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p + tl.math.div_rn(m * neg_step_size, denom)
-    tl.store(exp_avg_ptr + offsets, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
-    tl.store(param_ptr + offsets, p, mask=mask)
+    if PARAM_BF16 or PARAM_FP16:  # in place: the fp32 results rounded once each (m, v fed the update unrounded)
+        tl.store(exp_avg_ptr + offsets, _rounded(m, PARAM_BF16), mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, _rounded(v, PARAM_BF16), mask=mask)
+        tl.store(param_ptr + offsets, _rounded(p, PARAM_BF16), mask=mask)
+    else:
+        tl.store(exp_avg_ptr + offsets, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+        tl.store(param_ptr + offsets, p, mask=mask)
     if HAS_MODEL:
-        if MODEL_BF16:
-            # Round to nearest even by integer ops (c10::BFloat16's rule, NaN -> 0x7FC0): the same bits
-            # compiled and under the interpreter, whose float casts to bf16 truncate.
-            bits = p.to(tl.uint32, bitcast=True)
-            bits = (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16
-            bits = tl.where(p != p, 0x7FC0, bits)
-            tl.store(model_ptr + offsets, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(model_ptr + offsets, p.to(tl.float16), mask=mask)  # round to nearest even
+        tl.store(model_ptr + offsets, _rounded(p, MODEL_BF16), mask=mask)
 
 
 def _fp32(x: float) -> float:
@@ -152,13 +168,14 @@ def adamw_step_(
 ) -> None:
     """One AdamW update of every ``params[i]``, one kernel launch (one pass) per parameter.
 
-    params[i]: fp32, contiguous, on one CUDA device (or CPU under ``TRITON_INTERPRET=1``): the master
-        weight, updated in place.
+    params[i]: contiguous, on one CUDA device (or CPU under ``TRITON_INTERPRET=1``), updated in place: fp32 (the
+        master weight), or bf16 | fp16 (the model parameter itself: computed in fp32, rounded to nearest even).
     grads[i]: fp32 | bf16 | fp16, contiguous, same numel; read only.
-    exp_avgs[i], exp_avg_sqs[i]: fp32, contiguous, same numel; updated in place.
+    exp_avgs[i], exp_avg_sqs[i]: params[i]'s dtype, contiguous, same numel; updated in place.
     steps[i]: 0-d fp32 on the same device: incremented by ``found_inf == 0`` (by 1 without ``found_inf``)
         with one device op before the launches; the kernels read the new value.
-    model_params[i]: None, or bf16 | fp16 contiguous with the same numel: receives the rounded new param.
+    model_params[i]: None, or (fp32 params[i] only) bf16 | fp16 contiguous with the same numel: receives the
+        rounded new param.
     lr, beta1, beta2, eps, weight_decay: Python floats (torch.optim.AdamW's hyper-parameters).
     maximize: ascend the gradient instead.
     grad_scale: None or a 0-d floating tensor on the device; the gradient used is ``grads[i] / grad_scale``.
@@ -178,8 +195,16 @@ def adamw_step_(
         if t is not None:
             check_device_scalar(t, name, device)
     for i in range(n):
-        for name, t in (("params", params[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
-            check_fp32_buffer(t, f"{name}[{i}]")
+        if params[i].dtype in _LOW_PRECISION:  # updated in place, moments in its dtype
+            for name, t in (("params", params[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+                check_float_input(t, f"{name}[{i}]")
+                if t.dtype != params[i].dtype:
+                    raise ValueError(f"{name}[{i}] must be {params[i].dtype} (the dtype of params[{i}]), got {t.dtype}")
+            if model_params[i] is not None:
+                raise ValueError(f"model_params[{i}] must be None: params[{i}] is {params[i].dtype}, updated in place")
+        else:
+            for name, t in (("params", params[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+                check_fp32_buffer(t, f"{name}[{i}]")
         check_float_input(grads[i], f"grads[{i}]")
         _check_step(steps[i], i, device)
         numel = params[i].numel()
@@ -238,6 +263,8 @@ def adamw_step_(
                 **scalars,
                 HAS_MODEL=model is not None,
                 MODEL_BF16=model is not None and model.dtype == torch.bfloat16,
+                PARAM_BF16=params[i].dtype == torch.bfloat16,
+                PARAM_FP16=params[i].dtype == torch.float16,
                 **flags,
                 BLOCK_SIZE=block_size,
                 num_warps=NUM_WARPS,

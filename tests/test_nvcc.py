@@ -38,7 +38,7 @@ FULL_OCCUPANCY_REGISTERS = 65536 // 2048  # sm_80 / sm_90: 64 K registers and 20
 # runs 4 blocks of 256 threads per SM (kAdamWMinBlocksPerSm), 64 registers: two IEEE divisions, a square root
 # and the double pow of the bias corrections do not fit in 32 without spilling, and 1024 threads per SM, each
 # with four independent 16-byte loads in flight (grad, param, exp_avg, exp_avg_sq), still saturate HBM.
-REGISTER_BUDGET = {"adamw-multi": 65536 // (4 * 256)}
+REGISTER_BUDGET = {k: 65536 // (4 * 256) for k in ("adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16")}
 KERNEL_PARAM_LIMIT_BYTES = 32764  # CUDA >= 12.1 on sm_70+ (kernels.cuh kMaxKernelParamBytes)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CUDA_TYPES = {"fp32": "f", "bf16": "13__nv_bfloat16", "fp16": "6__half"}  # as mangled in kernel names
@@ -61,8 +61,11 @@ cudaError_t (*const keep_launch_accumulate_bucket)(float*, const g::BucketEntry*
                                                    int64_t) = g::launch_accumulate_bucket;
 cudaError_t (*const keep_launch_sum_partials)(const float*, int64_t, float*, float*, cudaStream_t) =
     g::launch_sum_partials;
-cudaError_t (*const keep_launch_adamw_multi)(const g::AdamWEntry*, int, const g::AdamWHyper&, const float*,
-                                             const float*, unsigned int*, cudaStream_t, int*) = g::launch_adamw_multi;
+using LaunchAdamW = cudaError_t (*)(const g::AdamWEntry*, int, const g::AdamWHyper&, const float*, const float*,
+                                    unsigned int*, cudaStream_t, int*);
+LaunchAdamW const keep_launch_adamw_multi = g::launch_adamw_multi<float>;  // fp32 masters
+LaunchAdamW const keep_launch_adamw_multi_bf16 = g::launch_adamw_multi<__nv_bfloat16>;  // bf16 params in place
+LaunchAdamW const keep_launch_adamw_multi_fp16 = g::launch_adamw_multi<__half>;  // fp16 params in place
 """
 
 
@@ -83,8 +86,9 @@ def _kernel_id(mangled: str) -> str | None:
     m = re.search(r"accumulate_bucket_kernelILb([01])E", mangled)
     if m:
         return "bucket-accumulate" + ("-partials" if m.group(1) == "1" else "")
-    if "adamw_multi_kernel" in mangled:
-        return "adamw-multi"
+    m = re.search(r"adamw_multi_kernelI(f|13__nv_bfloat16|6__half)E", mangled)
+    if m:  # param_t: float (fp32 masters) is "adamw-multi"; bf16 | fp16 params updated in place get a suffix
+        return "adamw-multi" + ("" if m.group(1) == "f" else f"-{types[m.group(1)]}")
     m = re.search(r"accumulate_kernelI(f|13__nv_bfloat16|6__half)Lb([01])ELb([01])E", mangled)
     if m:
         return f"accumulate-{types[m.group(1)]}-{'overwrite' if m.group(2) == '1' else 'add'}" + (
@@ -102,9 +106,10 @@ def _kernel_id(mangled: str) -> str | None:
 EXPECTED_KERNELS = sorted(
     [f"accumulate-{dt}-{mode}{scaled}" for dt in DTYPES for mode in ("add", "overwrite") for scaled in ("", "-scaled")]
     + [f"norm-partial-{dt}" for dt in DTYPES] + ["norm-finalize", "scale"]
-    + ["bucket-accumulate", "bucket-accumulate-partials", "adamw-multi"]
+    + ["bucket-accumulate", "bucket-accumulate-partials", "adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16"]
 )
-MULTI_TENSOR_KERNELS = ("bucket-accumulate", "bucket-accumulate-partials", "adamw-multi")
+MULTI_TENSOR_KERNELS = ("bucket-accumulate", "bucket-accumulate-partials", "adamw-multi", "adamw-multi-bf16",
+                        "adamw-multi-fp16")
 PTX_PARAM_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "b32": 4, "u32": 4, "s32": 4,
                    "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
 
@@ -112,6 +117,11 @@ PTX_PARAM_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16
 def _vector_accesses(ptx: str, op: str) -> int:
     """128-bit global accesses (``ld`` or ``st``) in one kernel's PTX: ``.v4`` of a 32-bit type, or ``.v2`` of 64."""
     return len(re.findall(rf"\b{op}\.global(?:\.[\w:]+)*\.(?:v4\.[bfu]32|v2\.[bfu]64)\b", ptx))
+
+
+def _vector64_accesses(ptx: str, op: str) -> int:
+    """64-bit global accesses (``ld`` or ``st``) in one kernel's PTX: ``.v2`` of a 32-bit type."""
+    return len(re.findall(rf"\b{op}\.global(?:\.[\w:]+)*\.v2\.[bfu]32\b", ptx))
 
 
 def _param_bytes(ptx: str) -> int:
@@ -206,6 +216,12 @@ def test_streaming_accesses_are_128_bit(compiled, kernel, arch_id):
     elif kernel == "adamw-multi":
         # Nine grad x model paths, each with float4 loads and stores of param, exp_avg and exp_avg_sq.
         assert loads >= 9 * 3 and stores >= 9 * 3, f"{kernel} {arch_id}: {loads} 128-bit loads, {stores} stores"
+    elif kernel.startswith("adamw-multi-"):
+        # bf16 | fp16 params in place, three grad paths: the fp32 gradient as a float4; four 16-bit p, m, v per
+        # thread and step as 64-bit accesses (one ld / st.global.v2.u32 each), loaded and stored on every path.
+        loads64, stores64 = _vector64_accesses(ptx, "ld"), _vector64_accesses(ptx, "st")
+        assert loads >= 1, f"{kernel} {arch_id}: no float4 load of the fp32 gradient"
+        assert loads64 >= 3 * 3 and stores64 >= 3 * 3, f"{kernel} {arch_id}: {loads64} 64-bit loads, {stores64} stores"
     else:  # scale
         assert loads >= 1 and stores >= 1, f"{kernel} {arch_id}: {loads} 128-bit loads, {stores} stores"
 
@@ -239,7 +255,7 @@ def test_multi_tensor_kernels_are_deterministic_and_ieee(compiled, kernel, arch_
     """No float atomics (each chunk writes its own partials slot); AdamW: one counter atomic, IEEE div / sqrt."""
     ptx = compiled[arch_id][kernel]["ptx"]
     atomics = re.findall(r"(?<![\w.])(?:atom|red)\.[\w.]+", ptx)  # not bar.red (__syncthreads_or)
-    if kernel == "adamw-multi":
+    if kernel.startswith("adamw-multi"):
         assert atomics == ["atom.global.add.u32"], f"{kernel} {arch_id}: {atomics}"
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, f"{kernel} {arch_id}: no IEEE fp32 division / sqrt"
         assert not re.search(r"\b(?:div\.(?:approx|full)|sqrt\.approx|rsqrt)\.", ptx), f"{kernel} {arch_id}: fast math"
@@ -561,6 +577,34 @@ def test_cuda_adamw_bitwise_equal_to_cpu_kernel(cuda_ops, hyper, scaled):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "grad_scale"])
+@pytest.mark.parametrize("hyper", ADAMW_HYPER)
+def test_cuda_adamw_in_place_bitwise_equal_to_cpu_kernel(cuda_ops, hyper, scaled):
+    """bf16 and fp16 params updated in place (m, v in their dtype; adamw_multi_kernel<__nv_bfloat16 | __half>),
+    mixed with fp32 masters in one call (one launch per param dtype), against the CPU kernel: bitwise."""
+    sizes = [1, 127, 4097, 70 * 4096 + 3, 1000, 4096]
+    param_dtypes = [torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32]
+    grads = ["fp32", "fp32", "bf16", "fp32", "fp16", "fp32"]
+    params, grad_list, exp_avgs, exp_avg_sqs, steps, models = _adamw_state(DEVICE, sizes, grads, [None] * len(sizes))
+    cast = lambda ts: [t.to(d) for t, d in zip(ts, param_dtypes)]  # noqa: E731
+    state = (cast(params), grad_list, cast(exp_avgs), cast(exp_avg_sqs), steps, models)
+    reference = _to(state, "cpu")
+    for step in range(3):
+        grad_scale = torch.tensor(512.0 * (step + 1)) if scaled else None
+        cuda_ops.adamw_step_cuda_(*state, *ADAMW_HYPER[hyper], None if grad_scale is None else grad_scale.to(DEVICE),
+                                  torch.zeros((), device=DEVICE))
+        cuda_ops.adamw_step_(*reference, *ADAMW_HYPER[hyper], grad_scale, torch.tensor(0.0))
+        for name, xs, ys in zip(("params", "exp_avgs", "exp_avg_sqs", "steps"), (state[0], state[2], state[3], state[4]),
+                                (reference[0], reference[2], reference[3], reference[4])):
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                bits = (lambda t: t.view(torch.int16) if t.element_size() == 2 else t)  # noqa: E731
+                assert_bitwise_equal(bits(x.cpu()), bits(y), f"step {step}: {name}[{i}]")
+        for g, g_ref in zip(state[1], reference[1]):
+            g.copy_(torch.randn(g.numel()).to(g.dtype))
+            g_ref.copy_(g)
+
+
+@pytest.mark.cuda
 def test_cuda_adamw_found_inf_skips_everything(cuda_ops):
     state = _adamw_state(DEVICE)
     before = _to(state, "cpu")
@@ -601,6 +645,8 @@ def test_cuda_adamw_contracts_name_the_argument(cuda_ops):
          "torch.zeros(1, device=d))", "found_inf must be a 0-d float32 tensor"),
         ("adamw-lengths", setup, f"_C.adamw_step_cuda_(ps, gs, ms, vs, steps, models[:-1], {hyper}, None, None)",
          "must have the same length"),
+        ("adamw-moments-mix", setup, f"_C.adamw_step_cuda_([p.half() for p in ps], gs, ms, vs, steps, models, {hyper}, "
+         "None, None)", r"exp_avgs\[0\] and exp_avg_sqs\[0\] must be float16 \(the dtype of params\[0\]\)"),
     ]
     check_raw_contracts(cases)
 

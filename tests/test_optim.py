@@ -25,7 +25,7 @@ from torch import nn
 import gaengine
 from gaengine.backends import get_backend
 from gaengine.optim import FusedAdamW
-from tests.tolerances import assert_bitwise_equal, rel_diff
+from tests.tolerances import assert_bitwise_equal, low_precision_ulp, rel_diff
 
 RTOL = 1e-6
 SIZES = [1, 127, 4097]  # one element, a partial vector, one past a CPU block / two Triton blocks
@@ -243,13 +243,25 @@ _PORTABLE_CHECK = textwrap.dedent("""
         _C.adamw_step_([p], [g.to(torch.bfloat16)], [m], [v], [step], [model], 1e-2, 0.3 if k == 1 else 0.9,
                        1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1, False,
                        torch.tensor(2.0**-30 if k == 2 else 0.7), None)
-    torch.save([p, m, v, step, model], __import__("sys").argv[1])
+    in_place = []  # bf16 | fp16 params updated in place (no master) from fp32 gradients
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(1)
+        q, qs = torch.randn(n).to(dtype), torch.tensor(2.0)
+        qm, qv = (torch.randn(n) * 0.1).to(dtype), (torch.rand(n) * 0.01).to(dtype)
+        for k in range(3):
+            g = torch.randn(n) * 3
+            g[torch.randperm(n)[:64]] = specials.repeat(8)
+            _C.adamw_step_([q], [g], [qm], [qv], [qs], [None], 1e-2, 0.9, 0.999, 1e-8, 0.1, k == 1,
+                           torch.tensor(2.0**-30 if k == 2 else 0.7), None)
+        in_place += [q, qm, qv]
+    torch.save([p, m, v, step, model] + in_place, __import__("sys").argv[1])
 """)
 
 
 def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
     """The portable kernel divides; the AVX2 one uses Markstein's correction where exact: same bits, special
-    gradients (+-0, subnormal, tiny, huge), grad scales outside [2^-20, 2^20] and a tiny sqrt(bc2) included."""
+    gradients (+-0, subnormal, tiny, huge), grad scales outside [2^-20, 2^20] and a tiny sqrt(bc2) included;
+    also for bf16 | fp16 params updated in place (portable: c10 rounding; AVX2: bit ops / F16C)."""
     if not _available("cpu"):
         pytest.skip("gaengine._C.adamw_step_ unavailable")
     root = Path(__file__).resolve().parent.parent
@@ -261,7 +273,10 @@ def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out[isa] = torch.load(path)
-    for a, b, what in zip(out["auto"], out["portable"], ["param", "exp_avg", "exp_avg_sq", "step", "model"]):
+    names = ["param", "exp_avg", "exp_avg_sq", "step", "model"] + [
+        f"in-place {d} {w}" for d in ("bf16", "fp16") for w in ("param", "exp_avg", "exp_avg_sq")]
+    assert len(out["auto"]) == len(names)
+    for a, b, what in zip(out["auto"], out["portable"], names):
         if a.dtype != torch.float32:
             a, b = a.view(torch.int16), b.view(torch.int16)  # bits, not values (some params overflow to NaN)
         assert_bitwise_equal(b, a, f"portable vs auto: {what}")
@@ -473,13 +488,13 @@ def test_integer_params_are_rejected():
         FusedAdamW([torch.zeros(3, dtype=torch.int64)])
 
 
-def test_low_precision_param_with_grad_raises_before_writing():
-    p = nn.Parameter(torch.randn(8).to(torch.bfloat16))
+def test_float64_param_with_grad_raises_before_writing():
+    p = nn.Parameter(torch.randn(8, dtype=torch.float64))
     q = nn.Parameter(torch.randn(8))
     before = q.detach().clone()
     opt = FusedAdamW([q, p])
     p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="float32 .*bfloat16 or float16 parameters, got one of dtype torch.float64"):
         opt.step()
     assert_bitwise_equal(q.detach(), before, "fp32 param of the failed step")
 
@@ -539,6 +554,10 @@ _ADAMW_RAW_CONTRACTS = [
      "torch.ones((), dtype=torch.float64), None)", "grad_scale must be a 0-d float32 tensor"),
     ("lengths", f"_C.adamw_step_([p], [], [m], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
      "must have the same length"),
+    ("moments-mix", f"_C.adamw_step_([p.half()], [p], [m], [v], [s], [None], {_ADAMW_TAIL}, None, None)",
+     r"exp_avgs\[0\] and exp_avg_sqs\[0\] must be float16 \(the dtype of params\[0\]\), got Float"),
+    ("model-in-place", f"_C.adamw_step_([p.bfloat16()], [p], [m.bfloat16()], [v.bfloat16()], [s], "
+     f"[torch.zeros(4, dtype=torch.bfloat16)], {_ADAMW_TAIL}, None, None)", r"model_params\[0\] must be None"),
 ]
 
 
@@ -761,3 +780,422 @@ def test_grad_scaler_protocol():
             opt.zero_grad()
     assert rel_diff(ours[0], ref[0]) <= RTOL
     assert opts[0].state[ours[0]]["step"].item() == opts[1].state[ref[0]]["step"].item() == 5.0
+
+
+# ------------------------------------------------------------------- bf16/fp16 parameters updated in place
+# No master weights (GradientAccumulator(master_weights=False)): the parameter, exp_avg and exp_avg_sq are all
+# bf16 | fp16, the gradient fp32. The specification: torch.optim.AdamW in fp32 on fp32 copies of p, m, v with the
+# same fp32 gradient, then each of p, m, v rounded to the parameter dtype (round to nearest even, .to(dtype)).
+
+IN_PLACE_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+IN_PLACE_CASES = {  # lr, betas, weight_decay, maximize, grad_scale
+    "default": (1e-2, (0.9, 0.999), 0.0, False, None),
+    "wd-scale": (1e-2, (0.9, 0.999), 0.1, False, 37.5),
+    "maximize-lerp-large": (3e-3, (0.3, 0.95), 0.05, True, 0.25),
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype != torch.float32 else t.view(torch.int32)
+
+
+def _in_place_state(n: int, dtype: torch.dtype, seed: int = 0):
+    """A bf16 | fp16 param with a non-trivial state (step 2) and its fp32 gradient source."""
+    g = torch.Generator().manual_seed(seed)
+    p = nn.Parameter(torch.randn(n, generator=g).to(dtype))
+    m = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    v = (torch.rand(n, generator=g) * 0.01).to(dtype)
+    return p, m, v
+
+
+def _reference_step(p, m, v, step, grad, lr, betas, wd, maximize, grad_scale, *, fused_torch: bool):
+    """The specification: one torch.optim.AdamW (``fused_torch``) or one fp32 FusedAdamW ("cpu" kernel, bitwise
+    torch's fused CPU AdamW outside its scalar tail) step on fp32 copies of p, m, v at ``step``, each rounded back
+    to p's dtype. Returns (p, m, v) in p's dtype."""
+    ref = nn.Parameter(p.detach().float())
+    kwargs = dict(lr=lr, betas=betas, weight_decay=wd, maximize=maximize)
+    opt = (torch.optim.AdamW([ref], fused=True, **kwargs) if fused_torch
+           else FusedAdamW([ref], backend="cpu" if _available("cpu") else "torch", **kwargs))
+    opt.state[ref] = {"step": torch.tensor(float(step)), "exp_avg": m.float(), "exp_avg_sq": v.float()}
+    ref.grad = grad.clone()
+    if grad_scale is not None:
+        opt.grad_scale = torch.tensor(grad_scale)
+    opt.step()
+    state = opt.state[ref]
+    return ref.detach().to(p.dtype), state["exp_avg"].to(p.dtype), state["exp_avg_sq"].to(p.dtype)
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES)
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", IN_PLACE_DTYPES)
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_in_place_update_matches_rounded_fp32_reference(backend, device, dtype, n, case):
+    """Three updates of a bf16 | fp16 parameter from fp32 gradients, each against the specification applied to
+    the current state. C++ and Triton: bitwise equal to the fp32 kernel's result rounded (the same fp32
+    operations), and to torch.optim.AdamW(fused=True)'s rounded, outside torch's scalar tail (x86-64: its last
+    n % 16 elements skip an FMA, a few fp32 ulps that may flip one rounding: within 1 ulp of the dtype there).
+    The plain-torch fallback (eager lerp / addcmul, a few fp32 ulps off the fused kernels): within 1 ulp."""
+    lr, betas, wd, maximize, grad_scale = IN_PLACE_CASES[case]
+    p, m0, v0 = _in_place_state(n, dtype)
+    p = nn.Parameter(p.detach().to(device))
+    opt = FusedAdamW([p], lr=lr, betas=betas, weight_decay=wd, maximize=maximize, backend=backend)
+    opt.state[p] = {"step": torch.tensor(2.0, device=device), "exp_avg": m0.to(device), "exp_avg_sq": v0.to(device)}
+    bitwise = backend in ("cpu", "triton")
+    body = n - n % 16 if platform.machine() in ("x86_64", "AMD64") else 0
+    for k in range(3):
+        grad = _grads([p], k)[0].float() * (grad_scale or 1.0)  # fp32, as a loss-scaled sum would leave it
+        before = [t.detach().cpu().clone() for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+        p.main_grad = grad.to(device)
+        if grad_scale is not None:
+            opt.grad_scale = torch.tensor(grad_scale, device=device)
+        opt.step()
+        del p.main_grad
+        ours = [p.detach().cpu(), opt.state[p]["exp_avg"].cpu(), opt.state[p]["exp_avg_sq"].cpu()]
+        assert all(t.dtype == dtype for t in ours)
+        spec = _reference_step(*before, 2 + k, grad.cpu(), lr, betas, wd, maximize, grad_scale, fused_torch=False)
+        torch_ref = _reference_step(*before, 2 + k, grad.cpu(), lr, betas, wd, maximize, grad_scale, fused_torch=True)
+        for what, a, b, t in zip(("param", "exp_avg", "exp_avg_sq"), ours, spec, torch_ref):
+            if bitwise:
+                assert_bitwise_equal(_bits(a), _bits(b), f"update {k}: {what} vs the rounded fp32 kernel")
+                assert_bitwise_equal(_bits(a[:body]), _bits(t[:body]), f"update {k}: {what} vs rounded torch fused")
+            diff = (a.double() - t.double()).abs()
+            assert bool((diff <= low_precision_ulp(t)).all()), f"update {k}: {what} off by {float(diff.max())}"
+    assert opt.state[p]["step"].item() == 5.0
+
+
+@pytest.mark.parametrize("dtype", IN_PLACE_DTYPES)
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_in_place_skipped_update_changes_no_bit(backend, device, dtype):
+    p, _, _ = _in_place_state(127, dtype)
+    p = nn.Parameter(p.detach().to(device))
+    opt = FusedAdamW([p], lr=1e-2, weight_decay=0.1, backend=backend)
+    p.main_grad = torch.randn(127, device=device)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == dtype and opt.state[p]["exp_avg_sq"].dtype == dtype
+    snapshot = [t.detach().clone() for t in (p, *opt.state[p].values())]
+    p.main_grad = torch.full((127,), float("inf"), device=device)
+    opt.grad_scale = torch.tensor(0.5, device=device)
+    opt.found_inf = torch.tensor(1.0, device=device)
+    opt.step()
+    for before, after in zip(snapshot, (p, *opt.state[p].values())):
+        assert_bitwise_equal(_bits(after.detach()), _bits(before), "a tensor of a skipped in-place update")
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g-fp32", "g-bf16"])
+@pytest.mark.parametrize("dtype", IN_PLACE_DTYPES)
+def test_in_place_cpu_and_triton_kernels_agree_bitwise(dtype, grad_dtype):
+    """Special gradients (+-0, subnormal, tiny, huge), grad scales in and outside [2^-20, 2^20] (the AVX2 path's
+    Markstein division and its IEEE fallback), maximize, a tiny sqrt(bc2): the same bits from both kernels."""
+    if TRITON_DEVICE.type != "cpu" or not (_available("cpu") and _available("triton")):
+        pytest.skip("needs both kernels on CPU tensors (gaengine._C and the Triton interpreter)")
+    from gaengine import _C
+    from gaengine.kernels import adamw
+
+    n = 3000
+    out = {}
+    for name in ("cpu", "triton"):
+        torch.manual_seed(0)  # the same gradients for both
+        p, m, v = _in_place_state(n, dtype)
+        p, step = p.detach(), torch.tensor(3.0)
+        for k in range(4):
+            g = _special_grads(n, grad_dtype, k) if k % 2 else (torch.randn(n) * 5).to(grad_dtype)
+            args = ([p], [g], [m], [v], [step], [None], 1e-2, 0.9, 1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1,
+                    k == 2, torch.tensor((2.5, 2.0**-30, 3.0e7, 0.7)[k]), torch.tensor(0.0))
+            _C.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
+        out[name] = (p, m, v, step)
+    for a, b, what in zip(out["cpu"], out["triton"], ("param", "exp_avg", "exp_avg_sq", "step")):
+        assert_bitwise_equal(_bits(b), _bits(a), f"triton vs cpu: {what}")
+
+
+def test_in_place_matches_torch_fused_adamw_on_bf16_params():
+    """FusedAdamW on bf16 params with fp32 gradients vs torch.optim.AdamW(fused=True) on the same bf16 params, fed
+    the gradients rounded to bf16 (torch's fused kernel takes grads in the param dtype; it also computes in fp32
+    and rounds p, m, v back). Five updates, torch re-synced to our state before each, so the budget is one
+    update's: the only difference is the gradient's rounding (|dg| <= 2^-8 |g|, bf16's unit roundoff). m = lerp(m, g, 1 - beta1) moves by
+    (1 - beta1)|dg| and v by about 2(1 - beta2)|g||dg|, plus one rounding each to bf16 on both sides; the param
+    moves by lr x (a ratio m_hat / sqrt(v_hat) perturbed by ~2^-7 relative), far below a bf16 ulp of |p| ~ 1 at
+    lr = 1e-3, so it can differ by one flipped rounding: 1 ulp."""
+    dtype = torch.bfloat16
+    ours = [nn.Parameter(p.detach()) for p in (_in_place_state(n, dtype, seed=n)[0] for n in SIZES)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdamW(ours, lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
+    beta1, beta2 = 0.9, 0.999
+    for k in range(5):
+        grads = _grads(ours, k)
+        for p, q, g in zip(ours, ref, grads):
+            p.main_grad, q.grad = g, g.to(dtype)
+        opt.step()
+        ref_opt.step()
+        for i, (p, q, g) in enumerate(zip(ours, ref, grads)):
+            del p.main_grad
+            assert p.dtype == dtype and opt.state[p]["exp_avg"].dtype == dtype
+            diff = (p.detach().double() - q.detach().double()).abs()
+            assert bool((diff <= low_precision_ulp(q.detach())).all()), f"update {k}, param {i}: {float(diff.max())}"
+            s, t = opt.state[p], ref_opt.state[q]
+            g64, dg = g.double().abs(), 2.0**-8 * g.double().abs()
+            for key, moved in (("exp_avg", (1 - beta1) * dg), ("exp_avg_sq", 2 * (1 - beta2) * g64 * dg * 1.01)):
+                a, b = s[key].double(), t[key].double()
+                bound = moved + low_precision_ulp(s[key]) + low_precision_ulp(t[key])
+                assert bool(((a - b).abs() <= bound).all()), f"update {k}, param {i}: {key}"
+            assert s["step"].item() == t["step"].item() == k + 1
+        with torch.no_grad():  # re-sync: the next update starts from our state on both sides
+            for p, q in zip(ours, ref):
+                q.copy_(p)
+                ref_opt.state[q]["exp_avg"].copy_(opt.state[p]["exp_avg"])
+                ref_opt.state[q]["exp_avg_sq"].copy_(opt.state[p]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("dtype", IN_PLACE_DTYPES)
+def test_in_place_state_dict_round_trips_with_torch_adamw(dtype):
+    """bf16 | fp16 moments load into torch.optim.AdamW over the same params unchanged (torch keeps them in the
+    param dtype) and back into FusedAdamW in that dtype, bitwise; training goes on from the loaded state."""
+    ps = [nn.Parameter(_in_place_state(n, dtype, seed=n)[0].detach()) for n in SIZES]
+    opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.05)
+    for k in range(3):
+        for p, g in zip(ps, _grads(ps, k)):
+            p.main_grad = g
+        opt.step()
+    for p in ps:
+        del p.main_grad
+    saved = copy.deepcopy(opt.state_dict())
+    torch_ps = [nn.Parameter(p.detach().clone()) for p in ps]
+    torch_opt = torch.optim.AdamW(torch_ps, lr=0.5)
+    torch_opt.load_state_dict(saved)
+    back_ps = [nn.Parameter(p.detach().clone()) for p in ps]
+    back = FusedAdamW(back_ps, lr=0.5)
+    back.load_state_dict(torch_opt.state_dict())
+    assert back.param_groups[0]["lr"] == 1e-2
+    for p, q, r in zip(ps, torch_ps, back_ps):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch_opt.state[q][key].dtype == back.state[r][key].dtype == dtype
+            assert_bitwise_equal(_bits(torch_opt.state[q][key]), _bits(opt.state[p][key]), f"torch {key}")
+            assert_bitwise_equal(_bits(back.state[r][key]), _bits(opt.state[p][key]), f"back {key}")
+        assert back.state[r]["step"].item() == 3.0
+    for a, b in ((opt, ps), (back, back_ps)):  # the same next update from the original and the reloaded state
+        for p, g in zip(b, _grads(b, 3)):
+            p.main_grad = g
+        a.step()
+    for p, r in zip(ps, back_ps):
+        assert_bitwise_equal(_bits(r.detach()), _bits(p.detach()), "param after the update from the loaded state")
+
+
+@pytest.mark.parametrize("spoil, message", [
+    pytest.param(lambda opt, p: opt.state[p].update(exp_avg=opt.state[p]["exp_avg"].float()),
+                 r"state\['exp_avg'\] of param_groups\[0\]\['params'\]\[1\] must be a contiguous float16 tensor "
+                 r"\(the parameter's dtype\).*torch.float32.*kept in its dtype", id="fp16-param-fp32-exp_avg"),
+    pytest.param(lambda opt, p: opt.state[p].update(exp_avg_sq=opt.state[p]["exp_avg_sq"].bfloat16()),
+                 r"state\['exp_avg_sq'\].*must be a contiguous float16.*torch.bfloat16", id="fp16-param-bf16-v"),
+])
+def test_in_place_state_of_another_dtype_raises_in_python(spoil, message, monkeypatch):
+    """An fp16 parameter with an fp32 gradient and moments in another dtype: refused by step() in Python, naming
+    the parameter, before any kernel (C++ or Triton) is called and before anything is written."""
+    q = nn.Parameter(torch.randn(4))
+    p = nn.Parameter(torch.randn(6).half())
+    opt = FusedAdamW([q, p], backend="cpu" if _available("cpu") else "torch")
+    q.grad, p.main_grad = torch.randn(4), torch.randn(6)
+    opt.step()
+    spoil(opt, p)
+    before = _snapshot(opt, [q, p])
+
+    def spy(*args, **kwargs):
+        raise AssertionError("a kernel was called with arguments Python should have refused")
+
+    monkeypatch.setattr(opt, "_kernel", lambda device: spy)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    _assert_unchanged(opt, [q, p], before, n_states=2)
+
+
+def test_load_state_dict_keeps_fp32_moments_of_a_bf16_param_for_masters():
+    """A master-weights checkpoint (fp32 moments) loaded into FusedAdamW over bf16 params keeps them fp32 (the
+    masters GradientAccumulator swaps in take them unrounded); torch's bf16 moments stay bf16."""
+    p = nn.Parameter(torch.randn(8).bfloat16())
+    master = nn.Parameter(p.detach().float())
+    fp32_opt = FusedAdamW([master])
+    master.grad = torch.randn(8)
+    fp32_opt.step()
+    opt = FusedAdamW([p])
+    opt.load_state_dict(fp32_opt.state_dict())
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    assert_bitwise_equal(opt.state[p]["exp_avg"], fp32_opt.state[master]["exp_avg"], "fp32 exp_avg kept")
+
+
+# ------------------------------------------------------------------------------------- flat state, one call per group
+def _three_groups(device, per_group=12, seed=0):
+    """Three param groups of ``per_group`` params of assorted shapes, each group with its own lr / weight_decay."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5), (7,), (2, 3, 4), (1,), (65,), (4, 4)]
+    groups = []
+    for j, (lr, wd) in enumerate(((1e-2, 0.0), (3e-3, 0.1), (5e-2, 0.01))):
+        params = [nn.Parameter(torch.randn(shapes[(i + j) % len(shapes)], generator=g).to(device))
+                  for i in range(per_group)]
+        groups.append({"params": params, "lr": lr, "weight_decay": wd})
+    return groups
+
+
+def _clone_groups(groups):
+    return [{**grp, "params": [nn.Parameter(p.detach().clone()) for p in grp["params"]]} for grp in groups]
+
+
+def _all_params(groups):
+    return [p for grp in groups for p in grp["params"]]
+
+
+def _assert_flat_moments(opt):
+    """Each group's moments: contiguous, shaped like the param, views of one flat fp32 buffer of that group
+    ([exp_avg | exp_avg_sq], aligned starts, zero padding); no two groups share a buffer; steps are 0-d."""
+    storages = []
+    for group in opt.param_groups:
+        states = [opt.state[p] for p in group["params"]]
+        flat_ptr = states[0]["exp_avg"].untyped_storage().data_ptr()
+        used = set()
+        for p, s in zip(group["params"], states):
+            assert s["step"].dim() == 0 and s["step"].dtype == torch.float32
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = s[key]
+                assert t.shape == p.shape and t.is_contiguous() and t.dtype == torch.float32
+                assert t.untyped_storage().data_ptr() == flat_ptr
+                assert t.storage_offset() % gaengine.buffer.ALIGN_NUMEL == 0
+                used.update(range(t.storage_offset(), t.storage_offset() + t.numel()))
+            assert s["exp_avg_sq"].storage_offset() > s["exp_avg"].storage_offset()
+        flat = torch.empty(0, device=states[0]["exp_avg"].device).set_(states[0]["exp_avg"].untyped_storage())
+        padding = torch.ones(flat.numel(), dtype=torch.bool)
+        padding[sorted(used)] = False
+        assert not bool(flat[padding.to(flat.device)].any())
+        storages.append(flat_ptr)
+    assert len(set(storages)) == len(storages)
+
+
+def _train_groups(opt, params, steps, seed):
+    for k in range(steps):
+        for p, g in zip(params, _grads(params, k, seed=seed)):
+            p.grad = g.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_one_kernel_call_per_param_group_per_step(backend, device):
+    """3 groups x 12 params with their own lr / weight_decay: one kernel call per group per step, each with the
+    whole group's lists and the group's hyper-parameters, and the result within RTOL of torch's AdamW."""
+    groups = _three_groups(device)
+    ref_groups = _clone_groups(groups)
+    opt = FusedAdamW(groups, backend=backend)
+    kernel = opt._kernel(device)
+    calls = []
+
+    def counting(params, *args):
+        calls.append((len(params), args[5], args[9]))  # list length, lr, weight_decay
+        return kernel(params, *args)
+
+    opt._kernels[device] = counting
+    ref = torch.optim.AdamW(ref_groups)
+    ours, theirs = _all_params(groups), _all_params(ref_groups)
+    for k in range(4):
+        for p, q, g in zip(ours, theirs, _grads(ours, k)):
+            p.grad, q.grad = g.clone(), g.clone()
+        calls.clear()
+        opt.step()
+        ref.step()
+        assert calls == [(12, grp["lr"], grp["weight_decay"]) for grp in groups], calls
+    for p, q in zip(ours, theirs):
+        assert rel_diff(p, q) <= RTOL
+    _assert_flat_moments(opt)
+
+
+def test_moments_created_later_get_their_own_flat_buffer():
+    """A param of the group that first gets a gradient in a later step gets moments in a new flat buffer."""
+    ps = _params("cpu", [5, 9, 70])
+    opt = FusedAdamW(ps, backend="cpu" if _available("cpu") else "torch")
+    ps[0].grad, ps[1].grad = torch.randn(5), torch.randn(9)
+    opt.step()
+    s0, s1 = opt.state[ps[0]], opt.state[ps[1]]
+    assert s0["exp_avg"].untyped_storage().data_ptr() == s1["exp_avg_sq"].untyped_storage().data_ptr()
+    assert ps[2] not in opt.state or not opt.state[ps[2]]
+    ps[2].grad = torch.randn(70)
+    opt.step()
+    s2 = opt.state[ps[2]]
+    assert s2["exp_avg"].untyped_storage().data_ptr() != s0["exp_avg"].untyped_storage().data_ptr()
+    assert s2["exp_avg"].shape == ps[2].shape and float(s0["step"]) == 2.0 and float(s2["step"]) == 1.0
+
+
+def _save_load(obj):
+    import io  # noqa: PLC0415
+
+    f = io.BytesIO()
+    torch.save(obj, f)
+    f.seek(0)
+    return torch.load(f, weights_only=True)
+
+
+def test_flat_state_dict_round_trips_through_torch_adamw_and_torch_save():
+    """FusedAdamW (flat moments, 3 groups) -> torch.save / torch.load(weights_only=True) -> torch.optim.AdamW ->
+    torch.save / torch.load -> FusedAdamW (flat again): the moments are bit-identical at every hop and training
+    continues as the uninterrupted optimizer does."""
+    backend = "cpu" if _available("cpu") else "torch"
+    groups = _three_groups("cpu")
+    opt = FusedAdamW(groups, backend=backend)
+    ours = _all_params(groups)
+    _train_groups(opt, ours, 3, seed=4)
+    _assert_flat_moments(opt)
+
+    saved = _save_load(opt.state_dict())
+    for i, p in enumerate(ours):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(saved["state"][i][key], opt.state[p][key], key)
+    torch_groups = _clone_groups(groups)
+    torch_opt = torch.optim.AdamW(torch_groups)
+    torch_opt.load_state_dict(saved)
+    theirs = _all_params(torch_groups)
+    assert [g["lr"] for g in torch_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+    _train_groups(opt, ours, 2, seed=5)
+    _train_groups(torch_opt, theirs, 2, seed=5)
+    for p, q in zip(ours, theirs):
+        assert rel_diff(q, p) <= RTOL
+
+    back_groups = _clone_groups(torch_groups)
+    back = FusedAdamW(back_groups, backend=backend)
+    back.load_state_dict(_save_load(torch_opt.state_dict()))
+    _assert_flat_moments(back)
+    back_params = _all_params(back_groups)
+    for p, q in zip(theirs, back_params):
+        assert float(back.state[q]["step"]) == 5.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(back.state[q][key], torch_opt.state[p][key], key)
+            assert back.state[q][key].data_ptr() != torch_opt.state[p][key].data_ptr()
+    _train_groups(back, back_params, 2, seed=6)
+    _train_groups(torch_opt, theirs, 2, seed=6)
+    for p, q in zip(theirs, back_params):
+        assert rel_diff(q, p) <= RTOL
+    _assert_flat_moments(back)
+
+
+@pytest.mark.cuda
+def test_one_cuda_kernel_launch_per_param_group():
+    """On a GPU: ``opt.step()`` of 3 groups x 20 params launches exactly 3 CUDA kernels (csrc/cuda's multi-tensor
+    AdamW, one launch per list of up to 384 params), counted by torch.profiler; no memcpy or memset either."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    try:
+        from gaengine import _C  # noqa: PLC0415
+    except ImportError:
+        _C = None
+    if not hasattr(_C, "adamw_step_cuda_"):
+        pytest.skip("gaengine._C built without adamw_step_cuda_ (the Triton path launches once per parameter)")
+    device = torch.device("cuda")
+    groups = _three_groups(device, per_group=20)
+    opt = FusedAdamW(groups, backend="auto")
+    params = _all_params(groups)
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    opt.step()  # creates the state (one fill per group buffer) and loads the kernel
+    torch.cuda.synchronize()
+    _assert_flat_moments(opt)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    assert len(gpu) == len(opt.param_groups) == 3, [e.name for e in gpu]

@@ -135,6 +135,26 @@ def test_no_host_sync_in_hooks_and_step(dtype, mode):
     assert applied[-1] and (all(applied) or dtype == torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_no_host_sync_fused_adamw_without_masters(dtype):
+    """master_weights=False + FusedAdamW: coef as grad_scale, the skip as found_inf, the fp32 views as main_grad."""
+    import gaengine.optim  # noqa: PLC0415
+
+    model = _mlp(dtype)
+    opt = gaengine.optim.FusedAdamW(model.parameters(), lr=1e-3)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=3, max_grad_norm=1.0, master_weights=False)
+    applied = []
+    for w in range(4):  # fp16 starts at a 2**16 loss scale and backs off on overflow: some windows skip
+        for k in range(3):
+            x, y = _batch(k + 3 * w, dtype=dtype)
+            with _forbid_host_reads():
+                acc.backward(_mse(model, x, y))
+                r = acc.step()
+        applied.append(not bool(r.skipped))
+    assert applied[-1] and (all(applied) or dtype == torch.float16)
+    assert all(s["exp_avg"].dtype == dtype for s in opt.state.values())
+
+
 def test_patched_reads_are_caught():
     """The guard itself works: a non-fused optimizer's skip decision is a host read and is reported."""
     model = _mlp()
@@ -162,7 +182,7 @@ def _copy_run_state(src_model, src_acc, dst_model, dst_acc) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
-@pytest.mark.parametrize("variant", ["torch-fused", "gaengine-fused", "no-master"])
+@pytest.mark.parametrize("variant", ["torch-fused", "gaengine-fused", "no-master", "gaengine-no-master"])
 def test_no_device_sync_on_cuda(backend, variant):
     """On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronizing CUDA call (a copy to
     the host, a blocking host-to-device copy, a stream synchronize) inside the hooks and ``step()``.
@@ -191,10 +211,10 @@ def test_no_device_sync_on_cuda(backend, variant):
     def make(engine_backend):
         model = _mlp(torch.bfloat16).to("cuda")
         params = model.parameters()
-        opt = (gaengine.optim.FusedAdamW(params, lr=1e-3) if variant == "gaengine-fused"
+        opt = (gaengine.optim.FusedAdamW(params, lr=1e-3) if variant.startswith("gaengine")
                else torch.optim.AdamW(params, lr=1e-3, fused=True))
         acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=3, max_grad_norm=0.5,
-                                           backend=engine_backend, master_weights=variant != "no-master")
+                                           backend=engine_backend, master_weights=not variant.endswith("no-master"))
         return model, acc
 
     model, acc = make(backend)

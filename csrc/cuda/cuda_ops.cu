@@ -247,8 +247,13 @@ unsigned int* adamw_counter(const at::Device& device, cudaStream_t stream) {
   return reinterpret_cast<unsigned int*>(it->second.data_ptr<int32_t>());
 }
 
-// gaengine._C.adamw_step_ (csrc/adamw.h) on CUDA tensors, one launch for the whole list: the same
-// arguments and semantics, found_inf / grad_scale / steps read on the device (no host sync).
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kFloat ? "float32" : t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "other";
+}
+
+// gaengine._C.adamw_step_ (csrc/adamw.h) on CUDA tensors, one launch for the whole list per parameter dtype
+// (fp32 masters; bf16 or fp16 parameters updated in place): the same arguments and semantics, found_inf /
+// grad_scale / steps read on the device (no host sync).
 void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                       const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
@@ -267,15 +272,19 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
   check_device_scalar(found_inf, "found_inf", device);
   if (n_params == 0) return;
   std::vector<cuda::AdamWEntry> entries(n_params);
+  std::vector<at::ScalarType> param_dtypes(n_params);
   for (size_t i = 0; i < n_params; ++i) {
     check_list_tensor(params[i], "params", i, *device);
     check_list_tensor(grads[i], "grads", i, *device);
     check_list_tensor(exp_avgs[i], "exp_avgs", i, *device);
     check_list_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, *device);
-    TORCH_CHECK(params[i].scalar_type() == at::kFloat, "params[", i, "] must be float32 (the master weight), got ",
-                params[i].scalar_type());
-    TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
-                "exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32");
+    const auto pt = params[i].scalar_type();
+    TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf, "params[", i,
+                "] must be float32, bfloat16 or float16, got ", pt);
+    TORCH_CHECK(exp_avgs[i].scalar_type() == pt && exp_avg_sqs[i].scalar_type() == pt, "exp_avgs[", i,
+                "] and exp_avg_sqs[", i, "] must be ", dtype_name(pt), " (the dtype of params[", i, "]), got ",
+                exp_avgs[i].scalar_type(), " and ", exp_avg_sqs[i].scalar_type());
+    param_dtypes[i] = pt;
     const auto gt = grads[i].scalar_type();
     TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, "grads[", i,
                 "] must be float32, bfloat16 or float16, got ", gt);
@@ -287,10 +296,10 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
                 "steps[", i, "] must be a 0-d float32 tensor on ", *device, ", got ", steps[i].sizes(), " ",
                 steps[i].scalar_type(), " on ", steps[i].device());
     cuda::AdamWEntry& e = entries[i];
-    e.param = params[i].data_ptr<float>();
+    e.param = params[i].data_ptr();
     e.grad = grads[i].data_ptr();
-    e.exp_avg = exp_avgs[i].data_ptr<float>();
-    e.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    e.exp_avg = exp_avgs[i].data_ptr();
+    e.exp_avg_sq = exp_avg_sqs[i].data_ptr();
     e.model = nullptr;
     e.step = steps[i].data_ptr<float>();
     e.numel = n;
@@ -302,17 +311,32 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
       TORCH_CHECK(model.scalar_type() == at::kBFloat16 || model.scalar_type() == at::kHalf, "model_params[", i,
                   "] must be bfloat16 or float16, got ", model.scalar_type());
       TORCH_CHECK(model.numel() == n, "model_params[", i, "] must have the ", n, " elements of params[", i, "]");
+      TORCH_CHECK(pt == at::kFloat, "model_params[", i, "] must be None: params[", i, "] is ", dtype_name(pt),
+                  " and updated in place (a model parameter is written from an fp32 master only)");
       e.model = model.data_ptr();
       e.model_dtype = kernel_dtype(model.scalar_type());
     }
   }
   const c10::cuda::CUDAGuard guard(*device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  CHECK_LAUNCH(cuda::launch_adamw_multi(entries.data(), static_cast<int>(entries.size()),
-                                        cuda::make_adamw_hyper(lr, beta1, beta2, eps, weight_decay, maximize),
-                                        grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
-                                        found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
-                                        adamw_counter(*device, stream), stream));
+  const cuda::AdamWHyper hyper = cuda::make_adamw_hyper(lr, beta1, beta2, eps, weight_decay, maximize);
+  const float* scale_ptr = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  const float* found_inf_ptr = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  unsigned int* counter = adamw_counter(*device, stream);  // launches on one stream run one after another
+  // One launch (per kMaxAdamWEntries) per parameter dtype present, in list order within each.
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    std::vector<cuda::AdamWEntry> group;
+    for (size_t i = 0; i < n_params; ++i) {
+      if (param_dtypes[i] == dtype) group.push_back(entries[i]);
+    }
+    if (group.empty()) continue;
+    const int n_group = static_cast<int>(group.size());
+    const auto launch = dtype == at::kBFloat16 ? cuda::launch_adamw_multi<__nv_bfloat16>
+                        : dtype == at::kHalf   ? cuda::launch_adamw_multi<__half>
+                                               : cuda::launch_adamw_multi<float>;
+    const cudaError_t err = launch(group.data(), n_group, hyper, scale_ptr, found_inf_ptr, counter, stream, nullptr);
+    CHECK_LAUNCH(err);
+  }
 }
 
 }  // namespace
@@ -355,8 +379,8 @@ void register_cuda_ops(pybind11::module_& m) {
   m.def("bucket_num_chunks", &bucket_num_chunks,
         "chunks (partials columns) of accumulate_bucket_cuda_ over sources of these numels", py::arg("numels"));
   m.def("adamw_step_cuda_", &adamw_step_cuda_,
-        "adamw_step_ on CUDA tensors: the fused AdamW step of every param in one launch (per 384 params), skipped "
-        "when found_inf != 0; see csrc/adamw.h",
+        "adamw_step_ on CUDA tensors: the fused AdamW step of every param in one launch (per 384 params and param "
+        "dtype: fp32 masters, or bf16 | fp16 params in place), skipped when found_inf != 0; see csrc/adamw.h",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
         py::arg("model_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"), py::arg("found_inf"),

@@ -9,9 +9,11 @@
 //   scale_kernel                                     x *= *coef (coef read on the device)
 //   accumulate_bucket_kernel<kPartials>              a bucket of sources into slices of dst, one launch (+ the
 //                                                    per-chunk free-norm partials of the values written)
-//   adamw_multi_kernel                               the fused AdamW step of a list of parameters, one launch
+//   adamw_multi_kernel<param_t>                      the fused AdamW step of a list of parameters, one launch:
+//                                                    param_t float (fp32 masters, fp32 m, v, an optional bf16 |
+//                                                    fp16 model write) or bf16 | fp16 (in place, m, v in that dtype)
 // and a host launcher for each (launch_accumulate, launch_l2norm_sq, launch_scale, launch_accumulate_bucket,
-// launch_sum_partials, launch_adamw_multi) that returns the launch's cudaError_t. The two multi-tensor kernels
+// launch_sum_partials, launch_adamw_multi<param_t>) that returns the launch's cudaError_t. The two multi-tensor kernels
 // take their tensor list by value as the kernel-parameter struct (see "Multi-tensor kernels" below).
 //
 // Memory access: 128-bit loads and stores (float4 for fp32, uint4 = eight bf16 | fp16 for 16-bit sources)
@@ -20,7 +22,7 @@
 // scalar tail; unaligned pointers take the scalar loop throughout. The choice is made in the kernel from the
 // pointer values (uniform per launch; per chunk in the multi-tensor kernels), so the host needs no knowledge of
 // alignment. (The multi-tensor AdamW moves 4 elements a step: float4 for its fp32 streams, 64-bit accesses for
-// bf16 | fp16 gradients and model parameters.)
+// bf16 | fp16 gradients, model parameters and the p, m, v of a bf16 | fp16 param_t.)
 //
 // Numerics, the contract of gaengine.backends (the Triton kernels round the same way):
 //   accumulate, unscaled:   one IEEE fp32 add (__fadd_rn), bitwise equal to torch's dst.add_(src);
@@ -523,6 +525,11 @@ inline cudaError_t launch_sum_partials(const float* partials, int64_t n_chunks, 
 // two FMAs written; the bias corrections 1 - beta^step in double from step + 1 (pow, sqrt), rounded to fp32
 // once, as adamw.cpp does. The model parameter receives bf16 | fp16 round-to-nearest-even of the new param
 // (bf16 NaN -> 0x7FC0 and fp16 NaN -> sign | 0x7E00, as c10 on the CPU).
+// param_t (one kernel instantiation per type; every entry of a launch has it): float, the fp32 master weight
+// with fp32 m, v and an optional model parameter (28 B/param with an fp32 grad, + 2 for the model write); or
+// __nv_bfloat16 | __half, the model parameter updated in place with m, v in its dtype (master_weights=False):
+// p, m, v widened to fp32, the same fp32 update, each rounded to nearest even as model_bits does (4 B of fp32
+// grad + 3 x 2 read, 3 x 2 written = 16 B/param).
 // Skip: when *found_inf != 0 every block returns before touching memory (step counts included).
 // Step counts: every block reads step (the old count) for the bias corrections; the LAST block to finish
 // (__threadfence + atomicAdd on *counter, the threadFenceReduction pattern) adds 1 to every step of the launch
@@ -539,15 +546,15 @@ constexpr int kMaxAdamWEntries = 384;
 constexpr int kAdamWMinBlocksPerSm = 4;
 
 struct AdamWEntry {
-  float* param;         // (numel,) fp32 (the master weight), read and written
+  void* param;          // (numel,) param_t of the launch (fp32: the master weight; bf16 | fp16: in place), read and written
   const void* grad;     // (numel,) fp32 | bf16 | fp16 (grad_dtype), read
-  float* exp_avg;       // (numel,) fp32, read and written
-  float* exp_avg_sq;    // (numel,) fp32, read and written
+  void* exp_avg;        // (numel,) param_t, read and written
+  void* exp_avg_sq;     // (numel,) param_t, read and written
   void* model;          // null, or (numel,) bf16 | fp16 (model_dtype), written
   float* step;          // () fp32: read (the count before this update), then incremented by 1
   int64_t numel;
   int32_t grad_dtype;   // kDtypeFp32 | kDtypeBf16 | kDtypeFp16
-  int32_t model_dtype;  // kDtypeBf16 | kDtypeFp16 when model is not null
+  int32_t model_dtype;  // kDtypeBf16 | kDtypeFp16 when model is not null (fp32 param_t only)
 };
 static_assert(sizeof(AdamWEntry) == 64, "AdamWEntry is part of the kernel-parameter budget");
 
@@ -664,10 +671,10 @@ __device__ __forceinline__ bool aligned_to(const void* p, uintptr_t bytes) {
 template <typename grad_t, typename model_t>
 __device__ __forceinline__ void adamw_chunk(const AdamWEntry& e, int64_t begin, int64_t end, const AdamWHyper& h,
                                             bool has_grad_scale, float grad_scale, const AdamWStepCoefs& s) {
-  float* __restrict__ param = e.param;
+  float* __restrict__ param = static_cast<float*>(e.param);
   const grad_t* __restrict__ grad = static_cast<const grad_t*>(e.grad);
-  float* __restrict__ exp_avg = e.exp_avg;
-  float* __restrict__ exp_avg_sq = e.exp_avg_sq;
+  float* __restrict__ exp_avg = static_cast<float*>(e.exp_avg);
+  float* __restrict__ exp_avg_sq = static_cast<float*>(e.exp_avg_sq);
   model_t* __restrict__ model = static_cast<model_t*>(e.model);
   constexpr bool kHasModel = !std::is_same<model_t, NoModelParam>::value;
   int64_t scalar_start = begin;
@@ -719,6 +726,45 @@ __device__ __forceinline__ void adamw_chunk_model(const AdamWEntry& e, int64_t b
   }
 }
 
+// Elements [begin, end) of a bf16 | fp16 parameter updated in place (param_t = __nv_bfloat16 | __half): p, m, v
+// loaded as four 16-bit values (one 64-bit access each), computed in fp32 (adamw_element), stored rounded.
+template <typename param_t, typename grad_t>
+__device__ __forceinline__ void adamw_chunk_in_place(const AdamWEntry& e, int64_t begin, int64_t end,
+                                                     const AdamWHyper& h, bool has_grad_scale, float grad_scale,
+                                                     const AdamWStepCoefs& s) {
+  param_t* __restrict__ param = static_cast<param_t*>(e.param);
+  const grad_t* __restrict__ grad = static_cast<const grad_t*>(e.grad);
+  param_t* __restrict__ exp_avg = static_cast<param_t*>(e.exp_avg);
+  param_t* __restrict__ exp_avg_sq = static_cast<param_t*>(e.exp_avg_sq);
+  int64_t scalar_start = begin;
+  if (aligned_to(param, 8) && aligned_to(exp_avg, 8) && aligned_to(exp_avg_sq, 8) &&
+      aligned_to(grad, 4 * sizeof(grad_t))) {
+    const int64_t vector_end = begin + (end - begin) / 4 * 4;
+    for (int64_t i = begin + static_cast<int64_t>(threadIdx.x) * 4; i < vector_end; i += kThreads * 4) {
+      float g[4], p[4], m[4], v[4];
+      load4(grad + i, g);
+      load4(param + i, p);
+      load4(exp_avg + i, m);
+      load4(exp_avg_sq + i, v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) adamw_element(p[k], m[k], v[k], g[k], h, has_grad_scale, grad_scale, s);
+      store4(exp_avg + i, m);
+      store4(exp_avg_sq + i, v);
+      store4(param + i, p);
+    }
+    scalar_start = vector_end;
+  }
+#pragma unroll 1
+  for (int64_t i = scalar_start + threadIdx.x; i < end; i += kThreads) {  // unaligned tensors, and the last < 4
+    float p = to_float(param[i]), m = to_float(exp_avg[i]), v = to_float(exp_avg_sq[i]);
+    adamw_element(p, m, v, to_float(grad[i]), h, has_grad_scale, grad_scale, s);
+    store1(exp_avg, i, m);
+    store1(exp_avg_sq, i, v);
+    store1(param, i, p);
+  }
+}
+
+template <typename param_t>
 __global__ void __launch_bounds__(kThreads, kAdamWMinBlocksPerSm)
     adamw_multi_kernel(const __grid_constant__ AdamWParams params) {
   if (params.found_inf != nullptr && *params.found_inf != 0.f) return;  // skipped by every block: nothing written
@@ -740,12 +786,20 @@ __global__ void __launch_bounds__(kThreads, kAdamWMinBlocksPerSm)
     }
     const int64_t begin = (c - params.chunk_start[entry]) * kAdamWChunkNumel;
     const int64_t end = begin + kAdamWChunkNumel < e.numel ? begin + kAdamWChunkNumel : e.numel;
-    if (e.grad_dtype == kDtypeBf16) {
-      adamw_chunk_model<__nv_bfloat16>(e, begin, end, h, has_grad_scale, grad_scale, s);
+    if constexpr (std::is_same<param_t, float>::value) {
+      if (e.grad_dtype == kDtypeBf16) {
+        adamw_chunk_model<__nv_bfloat16>(e, begin, end, h, has_grad_scale, grad_scale, s);
+      } else if (e.grad_dtype == kDtypeFp16) {
+        adamw_chunk_model<__half>(e, begin, end, h, has_grad_scale, grad_scale, s);
+      } else {
+        adamw_chunk_model<float>(e, begin, end, h, has_grad_scale, grad_scale, s);
+      }
+    } else if (e.grad_dtype == kDtypeBf16) {
+      adamw_chunk_in_place<param_t, __nv_bfloat16>(e, begin, end, h, has_grad_scale, grad_scale, s);
     } else if (e.grad_dtype == kDtypeFp16) {
-      adamw_chunk_model<__half>(e, begin, end, h, has_grad_scale, grad_scale, s);
+      adamw_chunk_in_place<param_t, __half>(e, begin, end, h, has_grad_scale, grad_scale, s);
     } else {
-      adamw_chunk_model<float>(e, begin, end, h, has_grad_scale, grad_scale, s);
+      adamw_chunk_in_place<param_t, float>(e, begin, end, h, has_grad_scale, grad_scale, s);
     }
   }
   // The last block to finish increments every step count (all reads of them are done), then resets the counter.
@@ -766,10 +820,12 @@ __global__ void __launch_bounds__(kThreads, kAdamWMinBlocksPerSm)
 }
 
 // One AdamW update of every entry (gaengine::adamw_step_'s semantics; see above), one launch per
-// kMaxAdamWEntries entries; *n_launches (when given) receives the number issued.
+// kMaxAdamWEntries entries; *n_launches (when given) receives the number issued. param_t: float | __nv_bfloat16 |
+// __half, the dtype of every entry's param, exp_avg and exp_avg_sq (model: null unless param_t is float).
 // grad_scale, found_inf: null or () fp32 device pointers read by the kernel. counter: () u32 device scratch,
 // 0 on entry and left 0; launches that may run concurrently need distinct counters.
 // entries: a host array, read before this returns. Returns the first launch error.
+template <typename param_t>
 inline cudaError_t launch_adamw_multi(const AdamWEntry* entries, int n_entries, const AdamWHyper& hyper,
                                       const float* grad_scale, const float* found_inf, unsigned int* counter,
                                       cudaStream_t stream, int* n_launches = nullptr) {
@@ -791,7 +847,7 @@ inline cudaError_t launch_adamw_multi(const AdamWEntry* entries, int n_entries, 
     params.n_entries = k;
     params.n_chunks = chunks;
     // At least one block, for the step counts of a list of empty parameters.
-    adamw_multi_kernel<<<chunk_blocks(chunks), kThreads, 0, stream>>>(params);
+    adamw_multi_kernel<param_t><<<chunk_blocks(chunks), kThreads, 0, stream>>>(params);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     if (n_launches != nullptr) *n_launches = ++launches;
