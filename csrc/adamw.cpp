@@ -95,45 +95,58 @@ void run_in_place(const at::Tensor& param, const at::Tensor& exp_avg, const at::
 
 }  // namespace
 
+void check_adamw_lengths(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                         const std::vector<at::Tensor>& steps,
+                         const std::vector<std::optional<at::Tensor>>& model_params) {
+  const size_t n_params = params.size();
+  TORCH_CHECK(grads.size() == n_params && exp_avgs.size() == n_params && exp_avg_sqs.size() == n_params &&
+                  steps.size() == n_params && model_params.size() == n_params,
+              "params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length");
+}
+
+void check_adamw_param(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<std::optional<at::Tensor>>& model_params, size_t i) {
+  const int64_t n = params[i].numel();
+  const auto pt = params[i].scalar_type();
+  TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf, "params[", i,
+              "] must be float32, bfloat16 or float16, got ", pt);
+  TORCH_CHECK(exp_avgs[i].scalar_type() == pt && exp_avg_sqs[i].scalar_type() == pt, "exp_avgs[", i,
+              "] and exp_avg_sqs[", i, "] must be ", dtype_name(pt), " (the dtype of params[", i, "]), got ",
+              exp_avgs[i].scalar_type(), " and ", exp_avg_sqs[i].scalar_type());
+  const auto gt = grads[i].scalar_type();
+  TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, "grads[", i,
+              "] must be float32, bfloat16 or float16, got ", gt);
+  TORCH_CHECK(grads[i].numel() == n && exp_avgs[i].numel() == n && exp_avg_sqs[i].numel() == n, "grads[", i,
+              "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must have the ", n, " elements of params[", i, "]");
+  if (!model_params[i].has_value()) return;
+  const at::Tensor& model = *model_params[i];
+  TORCH_CHECK(model.scalar_type() == at::kBFloat16 || model.scalar_type() == at::kHalf, "model_params[", i,
+              "] must be bfloat16 or float16, got ", model.scalar_type());
+  TORCH_CHECK(model.numel() == n, "model_params[", i, "] must have the ", n, " elements of params[", i, "]");
+  TORCH_CHECK(pt == at::kFloat, "model_params[", i, "] must be None: params[", i, "] is ", dtype_name(pt),
+              " and updated in place (a model parameter is written from an fp32 master only)");
+}
+
 void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                  const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                  const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
                  double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const size_t n_params = params.size();
-  TORCH_CHECK(grads.size() == n_params && exp_avgs.size() == n_params && exp_avg_sqs.size() == n_params &&
-                  steps.size() == n_params && model_params.size() == n_params,
-              "params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length");
+  check_adamw_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, model_params);
   check_scalar(grad_scale, "grad_scale");
   check_scalar(found_inf, "found_inf");
   for (size_t i = 0; i < n_params; ++i) {
-    const int64_t n = params[i].numel();
     ADAMW_CHECK_TENSOR(params[i], "params", i);
     ADAMW_CHECK_TENSOR(grads[i], "grads", i);
     ADAMW_CHECK_TENSOR(exp_avgs[i], "exp_avgs", i);
     ADAMW_CHECK_TENSOR(exp_avg_sqs[i], "exp_avg_sqs", i);
-    const auto pt = params[i].scalar_type();
-    TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf, "params[", i,
-                "] must be float32, bfloat16 or float16, got ", pt);
-    TORCH_CHECK(exp_avgs[i].scalar_type() == pt && exp_avg_sqs[i].scalar_type() == pt, "exp_avgs[", i,
-                "] and exp_avg_sqs[", i, "] must be ", dtype_name(pt), " (the dtype of params[", i, "]), got ",
-                exp_avgs[i].scalar_type(), " and ", exp_avg_sqs[i].scalar_type());
-    const auto gt = grads[i].scalar_type();
-    TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, "grads[", i,
-                "] must be float32, bfloat16 or float16, got ", gt);
-    TORCH_CHECK(grads[i].numel() == n && exp_avgs[i].numel() == n && exp_avg_sqs[i].numel() == n, "grads[", i,
-                "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must have the ", n, " elements of params[", i, "]");
     TORCH_CHECK(steps[i].device().is_cpu() && steps[i].dim() == 0 && steps[i].scalar_type() == at::kFloat,
                 "steps[", i, "] must be a 0-d float32 CPU tensor");
-    if (model_params[i].has_value()) {
-      const at::Tensor& model = *model_params[i];
-      ADAMW_CHECK_TENSOR(model, "model_params", i);
-      TORCH_CHECK(model.scalar_type() == at::kBFloat16 || model.scalar_type() == at::kHalf, "model_params[", i,
-                  "] must be bfloat16 or float16, got ", model.scalar_type());
-      TORCH_CHECK(model.numel() == n, "model_params[", i, "] must have the ", n, " elements of params[", i, "]");
-      TORCH_CHECK(pt == at::kFloat, "model_params[", i, "] must be None: params[", i, "] is ", dtype_name(pt),
-                  " and updated in place (a model parameter is written from an fp32 master only)");
-    }
+    if (model_params[i].has_value()) ADAMW_CHECK_TENSOR(*model_params[i], "model_params", i);
+    check_adamw_param(params, grads, exp_avgs, exp_avg_sqs, model_params, i);
   }
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.0f) return;  // skipped: nothing written
 

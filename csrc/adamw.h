@@ -26,4 +26,17 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
                  double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
 
+// The contracts of adamw_step_ that do not depend on the device, checked by the CPU op and by the CUDA op
+// (csrc/cuda/cuda_ops.cu) before anything is written; each op checks devices and contiguity itself.
+// check_adamw_lengths: every list has params.size() entries. check_adamw_param(i): params[i] fp32 | bf16 | fp16;
+// its moments in its dtype; grads[i] fp32 | bf16 | fp16; all with params[i]'s numel; model_params[i], when
+// given, bf16 | fp16 with that numel and beside an fp32 params[i] only. Raise c10::Error naming the argument.
+void check_adamw_lengths(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                         const std::vector<at::Tensor>& steps,
+                         const std::vector<std::optional<at::Tensor>>& model_params);
+void check_adamw_param(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<std::optional<at::Tensor>>& model_params, size_t i);
+
 }  // namespace gaengine

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "../adamw.h"
 #include "bucket_ops.h"
 #include "kernels.cuh"
 
@@ -247,10 +248,6 @@ unsigned int* adamw_counter(const at::Device& device, cudaStream_t stream) {
   return reinterpret_cast<unsigned int*>(it->second.data_ptr<int32_t>());
 }
 
-const char* dtype_name(at::ScalarType t) {
-  return t == at::kFloat ? "float32" : t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "other";
-}
-
 // gaengine._C.adamw_step_ (csrc/adamw.h) on CUDA tensors, one launch for the whole list per parameter dtype
 // (fp32 masters; bf16 or fp16 parameters updated in place): the same arguments and semantics, found_inf /
 // grad_scale / steps read on the device (no host sync).
@@ -260,9 +257,7 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
                       double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const size_t n_params = params.size();
-  TORCH_CHECK(grads.size() == n_params && exp_avgs.size() == n_params && exp_avg_sqs.size() == n_params &&
-                  steps.size() == n_params && model_params.size() == n_params,
-              "params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length");
+  check_adamw_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, model_params);
   std::optional<at::Device> device;
   if (n_params > 0) {
     TORCH_CHECK(params[0].is_cuda(), "params[0] must be a CUDA tensor, got device ", params[0].device());
@@ -278,19 +273,12 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
     check_list_tensor(grads[i], "grads", i, *device);
     check_list_tensor(exp_avgs[i], "exp_avgs", i, *device);
     check_list_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, *device);
+    if (model_params[i].has_value()) check_list_tensor(*model_params[i], "model_params", i, *device);
+    check_adamw_param(params, grads, exp_avgs, exp_avg_sqs, model_params, i);  // csrc/adamw.h
     const auto pt = params[i].scalar_type();
-    TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf, "params[", i,
-                "] must be float32, bfloat16 or float16, got ", pt);
-    TORCH_CHECK(exp_avgs[i].scalar_type() == pt && exp_avg_sqs[i].scalar_type() == pt, "exp_avgs[", i,
-                "] and exp_avg_sqs[", i, "] must be ", dtype_name(pt), " (the dtype of params[", i, "]), got ",
-                exp_avgs[i].scalar_type(), " and ", exp_avg_sqs[i].scalar_type());
     param_dtypes[i] = pt;
     const auto gt = grads[i].scalar_type();
-    TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, "grads[", i,
-                "] must be float32, bfloat16 or float16, got ", gt);
     const int64_t n = params[i].numel();
-    TORCH_CHECK(grads[i].numel() == n && exp_avgs[i].numel() == n && exp_avg_sqs[i].numel() == n, "grads[", i,
-                "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must have the ", n, " elements of params[", i, "]");
     TORCH_CHECK(steps[i].is_cuda() && steps[i].device() == *device && steps[i].dim() == 0 &&
                     steps[i].scalar_type() == at::kFloat,
                 "steps[", i, "] must be a 0-d float32 tensor on ", *device, ", got ", steps[i].sizes(), " ",
@@ -307,12 +295,6 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
     e.model_dtype = cuda::kDtypeBf16;
     if (model_params[i].has_value()) {
       const at::Tensor& model = *model_params[i];
-      check_list_tensor(model, "model_params", i, *device);
-      TORCH_CHECK(model.scalar_type() == at::kBFloat16 || model.scalar_type() == at::kHalf, "model_params[", i,
-                  "] must be bfloat16 or float16, got ", model.scalar_type());
-      TORCH_CHECK(model.numel() == n, "model_params[", i, "] must have the ", n, " elements of params[", i, "]");
-      TORCH_CHECK(pt == at::kFloat, "model_params[", i, "] must be None: params[", i, "] is ", dtype_name(pt),
-                  " and updated in place (a model parameter is written from an fp32 master only)");
       e.model = model.data_ptr();
       e.model_dtype = kernel_dtype(model.scalar_type());
     }
