@@ -43,6 +43,8 @@ import time
 import pytest
 from torch.utils import cpp_extension
 
+from tests.test_nvcc import _find_nvcc  # the same nvcc the PTX tests use
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,14 +76,6 @@ GENERATED_HEADER_STUBS = {
     "#define AT_MAGMA_ENABLED() 0\n"
     '#define NVCC_FLAGS_EXTRA ""\n',
 }
-
-
-def _find_nvcc() -> str | None:
-    candidates = [shutil.which("nvcc")]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            candidates.append(os.path.join(home, "bin", "nvcc"))
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
 def _find_cxx() -> str | None:

@@ -16,6 +16,7 @@ from torch import nn
 
 import gaengine
 from gaengine.optim import FusedAdamW
+from tests.test_pitfalls import Deep
 from tests.tolerances import low_precision_ulp
 
 K = 4
@@ -532,23 +533,9 @@ def test_model_write_is_one_flat_copy_and_bumps_versions(monkeypatch):
 def test_compile_and_checkpointing_with_flat_low_precision_params(how):
     """torch.compile (aot_eager) and activation checkpointing over re-pointed bf16 params: the same updates
     as the eager model, bit for bit, for three windows (the compiled graph reads the updated buffer)."""
-    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
-
-    class Deep(nn.Module):
-        def __init__(self, how=None):
-            super().__init__()
-            self.how = how
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
-            self.head = nn.Linear(8, 1)
-
-        def forward(self, x):
-            for blk in self.blocks:
-                x = blk(x) if self.how in (None, "compile") else checkpoint(blk, x, use_reentrant=self.how == "reentrant")
-            return self.head(x)
-
     def run(how):
         torch.manual_seed(0)
-        model = Deep(how).to(torch.bfloat16)
+        model = Deep(None if how == "compile" else how).to(torch.bfloat16)  # the checkpointing variants
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2, max_grad_norm=None)
         fwd = torch.compile(model, backend="aot_eager") if how == "compile" else model
