@@ -263,7 +263,7 @@ class CudaBackend(Backend):
         from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
 
         missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_",
-                                  "sum_partials_cuda") if not hasattr(_C, op)]
+                                  "sum_partials_cuda", "adamw_step_cuda_") if not hasattr(_C, op)]
         if missing:
             raise RuntimeError(f"gaengine._C was built without its CUDA ops ({', '.join(missing)} missing); rebuild "
                                "it against a CUDA torch with CUDA_HOME set")

@@ -260,23 +260,13 @@ class FusedAdamW(torch.optim.Optimizer):
         kernel = self._kernels.get(device)
         if kernel is not None:
             return kernel
-        name = get_backend(self.backend, device).name  # raises when a backend asked for by name cannot run
-        # "cuda", or "auto" without a GAENGINE_BACKEND naming another backend: the CUDA kernel of gaengine._C
-        # (csrc/cuda/) when built, one launch for the whole list (Triton launches once per parameter).
-        import os  # noqa: PLC0415
+        # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
+        # its CUDA kernels: one launch for the whole list (Triton launches once per parameter).
+        name = get_backend(self.backend, device).name
+        if name == "cuda":
+            from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
 
-        if device.type == "cuda" and (self.backend == "cuda" or (
-                self.backend == "auto" and (os.environ.get("GAENGINE_BACKEND") or "auto") in ("auto", "cuda"))):
-            try:
-                from gaengine import _C  # noqa: PLC0415
-            except ImportError:
-                _C = None
-            kernel = getattr(_C, "adamw_step_cuda_", None)
-            if kernel is None and name == "cuda":
-                raise RuntimeError("gaengine._C was built without adamw_step_cuda_: rebuild it against a CUDA torch "
-                                   "with CUDA_HOME set (pip install --no-build-isolation -e .)")
-        if kernel is not None:
-            pass
+            kernel = _C.adamw_step_cuda_
         elif name == "cpu":
             from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
 
