@@ -62,6 +62,7 @@ class PythonHooks:
         self._written = [False] * len(self.params)
         self._arrival: list[int] | None = []  # first-arrival order of the first window, then None
         self._in_backward = False
+        self._armed = False
         self._stale = False
         self._norm_partials: torch.Tensor | None = None  # (P, 2) fp64 sums of squares / flags, CPU free norm
         self._norm_arrivals = 0
@@ -122,7 +123,7 @@ class PythonHooks:
     def _mark_final(self, indices) -> None:
         """Parameters whose window gradient is complete: in the last micro-batch this may launch buckets'
         all-reduces while backward goes on."""
-        if self.reducer is not None and self.reducer.armed:
+        if self._armed:
             for j in indices:
                 self.reducer.mark_ready(j)
 
@@ -131,9 +132,10 @@ class PythonHooks:
         """Start of ``acc.backward()``'s autograd call.
 
         last: the window's last micro-batch. want_norm: collect the free norm (last micro-batch, one rank).
-        armed: this micro-batch launches bucket all-reduces (the reducer was armed with ``begin()``; this
-        implementation reads ``reducer.armed`` in each hook).
+        armed: this micro-batch launches bucket all-reduces (the reducer was armed with ``begin()``). Only
+        this flag arms the hooks: a reducer left armed by a failed last micro-batch launches nothing later.
         """
+        self._armed = armed and self.reducer is not None
         if self.bucket_accumulation is not None:
             self.bucket_accumulation.begin(want_norm=want_norm)
         elif want_norm and self.backend.name == "cpu":
