@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gaengine
+from gaengine.reduce import BucketReducer
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -65,6 +66,17 @@ def _make_opt(params):
 
 # ---------------------------------------------------------------- worker side
 def _scenario_equivalence(rank, world, out):
+    # Python entered from the hooks: the native path calls bucket_ready once per complete bucket, never mark_ready.
+    # Counted on the class: every re-layout makes a new reducer. (This worker process is the test's alone.)
+    calls = {"bucket_ready": 0, "mark_ready": 0}
+    for name in calls:
+        original = getattr(BucketReducer, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        setattr(BucketReducer, name, counted)
     torch.manual_seed(0)
     model = Net()
     ddp_model = copy.deepcopy(model)
@@ -74,7 +86,9 @@ def _scenario_equivalence(rank, world, out):
     ddp_opt = _make_opt(ddp.parameters())
     tokens, labels = _data(world)
     issued, launches, norms = [], [], []
+    ready_calls = []
     for step in range(STEPS):
+        calls["bucket_ready"] = 0
         for k in range(K):
             before = acc.reducer.collectives_issued
             acc.backward(_mean_loss(model, *_micro(tokens, labels, step, rank, k)))
@@ -88,12 +102,14 @@ def _scenario_equivalence(rank, world, out):
             else:
                 (_mean_loss(ddp, *_micro(tokens, labels, step, rank, k)) / K).backward()
         norms.append(float(r.grad_norm))
+        ready_calls.append((calls["bucket_ready"], calls["mark_ready"], acc.hooks.native))
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
         ddp_opt.step()
         ddp_opt.zero_grad(set_to_none=True)
     return {"params": [p.detach().clone() for p in model.parameters()],
             "ddp_params": [p.detach().clone() for p in ddp_model.parameters()],
-            "issued": issued, "num_buckets": len(acc.reducer.buckets), "launches": launches, "norms": norms}
+            "issued": issued, "num_buckets": len(acc.reducer.buckets), "launches": launches, "norms": norms,
+            "ready_calls": ready_calls}
 
 
 def _scenario_items_unused(rank, world, out):
@@ -211,6 +227,14 @@ def test_ranks_equal_one_process_and_ddp(tmp_path, world):
         for times, end in res["launches"][1:]:
             early = sum(t < end for t in times)
             assert early >= 1, f"no all-reduce launched before the end of backward ({len(times)} buckets)"
+        # The native hooks enter Python at most once per bucket per window (the rest is launched by the flush);
+        # the Python hooks (GAENGINE_HOT_PATH=python) report each parameter instead.
+        for step, (bucket_ready, mark_ready, native) in enumerate(res["ready_calls"]):
+            if native:
+                assert mark_ready == 0 and bucket_ready <= res["num_buckets"]
+                assert bucket_ready >= 1 or step == 0
+            else:
+                assert bucket_ready == 0
 
 
 def test_item_mode_unused_and_tied_params(tmp_path):
