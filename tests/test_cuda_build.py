@@ -29,6 +29,7 @@ the host compiler is not found. About 1.5 minutes on 2 idle cores: nvcc's ~90 s 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import glob
 import inspect
 import os
@@ -94,14 +95,12 @@ def _toolkit_include() -> str | None:
     """The CUDA toolkit's include dir: ``$CUDA_HOME``, ``$CUDA_PATH``, nvcc's own ``TOP`` (nvcc may be a
     wrapper script on the PATH), ``/usr/local/cuda``: the first that has ``cuda_runtime.h``."""
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # no TOP from nvcc: the other candidates
         dry = subprocess.run([NVCC, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
                              capture_output=True, text=True, timeout=60)
         m = re.search(r"^#\$ TOP=(.+)$", dry.stderr + dry.stdout, re.MULTILINE)
         if m:
             homes.append(m.group(1).strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
     homes += [os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), "/usr/local/cuda"]
     for home in filter(None, homes):
         for inc in (os.path.join(home, "include"), os.path.join(home, "targets", "x86_64-linux", "include")):

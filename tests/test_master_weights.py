@@ -52,6 +52,18 @@ def _reference_grads(twin: nn.Module, window: int, dtype, loss_scale: float) -> 
     return means, min(1.0, MAX_NORM / (norm + 1e-6))
 
 
+def _windows(acc, model, twin, dtype, loss_scale, n_windows=3):
+    """Drive ``acc`` over ``n_windows`` windows of K micro-batches; yield ``(w, result, means, coef)`` per window,
+    ``means``/``coef`` the fp64 reference gradients and clip coefficient of ``twin`` (``_reference_grads``)."""
+    for w in range(n_windows):
+        for k in range(K):
+            x, y = _batch(100 * w + k, dtype)
+            acc.backward(_loss(model, x, y))
+        result = acc.step()
+        means, coef = _reference_grads(twin, w, dtype, loss_scale or 1.0)
+        yield w, result, means, coef
+
+
 @pytest.mark.parametrize("dtype,loss_scale,opt_name", [
     (torch.bfloat16, None, "adamw-fused"),
     (torch.bfloat16, None, "sgd"),
@@ -78,12 +90,7 @@ def test_no_master_matches_plain_recipe_with_exact_accumulation(dtype, loss_scal
     assert acc.master_buffer is None
     ref_opt = make_opt(twin.parameters())
     clipped = []
-    for w in range(3):
-        for k in range(K):
-            x, y = _batch(100 * w + k, dtype)
-            acc.backward(_loss(model, x, y))
-        result = acc.step()
-        means, coef = _reference_grads(twin, w, dtype, loss_scale or 1.0)
+    for w, result, means, coef in _windows(acc, model, twin, dtype, loss_scale):
         clipped.append(coef < 1.0)
         for p, m in zip(twin.parameters(), means):
             p.grad = (m * coef).to(dtype)
@@ -178,12 +185,7 @@ def test_no_master_fused_adamw_matches_plain_recipe_with_exact_accumulation(dtyp
     params = list(model.parameters())
     states = [(torch.zeros(()), torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     clipped = []
-    for w in range(3):
-        for k in range(K):
-            x, y = _batch(100 * w + k, dtype)
-            acc.backward(_loss(model, x, y))
-        result = acc.step()
-        means, coef = _reference_grads(twin, w, dtype, loss_scale or 1.0)
+    for w, result, means, coef in _windows(acc, model, twin, dtype, loss_scale):
         clipped.append(coef < 1.0)
         expected = _rounded_fp32_adamw(list(twin.parameters()), [(m * coef).float() for m in means], states, 1e-2)
         assert not bool(result.skipped)
