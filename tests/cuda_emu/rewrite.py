@@ -44,14 +44,18 @@ def _kernel_start(text: str, end: int) -> int:
     i = end
     while i > 0 and text[i - 1].isspace():
         i -= 1
-    if i > 0 and text[i - 1] == ">":  # template arguments: walk back to the matching '<'
-        depth = 0
+    if i > 0 and text[i - 1] == ">":  # template arguments: walk back to the matching '<' (outside parentheses)
+        depth = parens = 0
         while i > 0:
             i -= 1
             c = text[i]
-            if c == ">":
+            if c in ")]":
+                parens += 1
+            elif c in "([":
+                parens -= 1
+            elif parens == 0 and c == ">":
                 depth += 1
-            elif c == "<":
+            elif parens == 0 and c == "<":
                 depth -= 1
                 if depth == 0:
                     break
