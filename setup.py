@@ -1,73 +1,182 @@
 """Build gaengine, with the optional compiled extension ``gaengine._C`` from ``csrc/``.
 
-GAENGINE_BUILD_EXT=auto (default): build the extension, and fall back to a pure-Python install with a
-warning if the build fails. ``1``: the build must succeed. ``0``: skip it (the ``torch`` and ``triton``
-backends still work). torch must be importable at build time: install with
-``pip install --no-build-isolation -e .`` after installing torch.
+GAENGINE_BUILD_EXT=auto (default): build the extension; if the build with CUDA kernels fails, build the CPU ops
+alone; if that fails too, fall back to a pure-Python install, with a line saying why at each step. ``1``: the
+build must succeed (no retry). ``0``: skip it (the ``torch`` and ``triton`` backends still work). torch must be
+importable at build time: install with ``pip install --no-build-isolation -e .`` after installing torch.
 
-CUDA: when torch is a CUDA build (``torch.version.cuda``) and a toolkit is found (``CUDA_HOME``), the same
-module is a ``CUDAExtension`` that also compiles ``csrc/cuda/*.cu`` and defines ``GAENGINE_WITH_CUDA``, so
-``gaengine._C`` carries the ``cuda`` backend's ops too (``GAENGINE_BUILD_CUDA=0`` leaves them out).
-Architectures come from ``TORCH_CUDA_ARCH_LIST`` (torch's default: the visible GPUs, or its list).
+CUDA: when torch is a CUDA build (``torch.version.cuda``) and a toolkit is found (``CUDA_HOME``), both CUDA
+>= 12.1, the same module is a ``CUDAExtension`` that also compiles ``csrc/cuda/*.cu`` and defines
+``GAENGINE_WITH_CUDA``, so ``gaengine._C`` carries the ``cuda`` backend's ops too (``GAENGINE_BUILD_CUDA=0``
+leaves them out). An older toolkit or torch gets the CPU ops alone, and a line that says so: the multi-tensor
+kernels pass up to 27.7 KB of kernel parameters by value (``csrc/cuda/README.md``). Architectures come from
+``TORCH_CUDA_ARCH_LIST`` (torch's default: the visible GPUs, or its list).
+
+setuptools runs this file as ``__main__``; importing it under another name (the tests) defines the helpers
+and builds nothing.
 """
 
+import copy
 import glob
 import os
+import re
+import subprocess
 import sys
 
 from setuptools import setup
 
-BUILD_EXT = os.environ.get("GAENGINE_BUILD_EXT", "auto").strip().lower()
-if BUILD_EXT not in ("auto", "0", "1"):
-    sys.exit(f"GAENGINE_BUILD_EXT must be auto, 0 or 1, got {BUILD_EXT!r}")
+# The multi-tensor kernels' parameter structs (20.5 KB bucket, 27.7 KB AdamW) need the 32764-byte kernel
+# parameter limit of CUDA 12.1, in the toolkit that compiles them and the driver that launches them.
+MIN_CUDA = (12, 1)
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+NVCC_FLAGS = ["-O3", "-lineinfo"]  # no fast math: the numerics are the contract
+LINK_FLAGS = ["-fopenmp"]
 
-ext_modules, cmdclass = [], {}
-if BUILD_EXT != "0":
+
+def parse_cuda_version(text):
+    """``(major, minor)`` from ``nvcc --version``'s ``release 12.4, V12.4.131`` or a bare ``12.4``
+    (``torch.version.cuda``); ``None`` when ``text`` is ``None`` or holds neither."""
+    if not text:
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", text) or re.fullmatch(r"\s*(\d+)\.(\d+)(?:\.\d+)*\s*", text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def nvcc_version_output(cuda_home):
+    """The stdout of ``$cuda_home/bin/nvcc --version``, or ``None`` when there is no toolkit or it cannot run."""
+    if not cuda_home:
+        return None
     try:
-        import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-    except ImportError as exc:
-        if BUILD_EXT == "1":
-            raise
-        print(f"gaengine: torch not importable at build time ({exc}); building without gaengine._C")
-    else:
-        sources = sorted(glob.glob("csrc/*.cpp"))
-        with_cuda = (bool(torch.version.cuda) and CUDA_HOME is not None
-                     and os.environ.get("GAENGINE_BUILD_CUDA", "1").strip() != "0")
-        if sources:
-            extra_compile_args = {"cxx": ["-O3", "-std=c++17", "-fopenmp"]}
-            extension, define_macros = CppExtension, []
+        done = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True,
+                              text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout
+
+
+def cuda_build_decision(torch_cuda, cuda_home, nvcc_output, build_cuda="1"):
+    """Whether ``gaengine._C`` gets its CUDA kernels: ``(with_cuda, why)``, ``why`` the line setup prints.
+
+    torch_cuda: ``torch.version.cuda`` (``None`` for a CPU torch). cuda_home: torch's ``CUDA_HOME`` or ``None``.
+    nvcc_output: ``nvcc --version``'s stdout (``nvcc_version_output``). build_cuda: ``GAENGINE_BUILD_CUDA``.
+    Pure: runs nothing, so the tests call it with made-up versions.
+    """
+    need = "%d.%d" % MIN_CUDA
+    if build_cuda.strip() == "0":
+        return False, "without CUDA kernels (GAENGINE_BUILD_CUDA=0)"
+    if not torch_cuda:
+        return False, "without CUDA kernels (torch is a CPU-only build)"
+    if not cuda_home:
+        return False, (f"without CUDA kernels (torch is a CUDA {torch_cuda} build, but no CUDA toolkit was found: "
+                       "set CUDA_HOME)")
+    why_needed = (f"the multi-tensor kernels pass up to 27.7 KB of kernel parameters by value, which needs CUDA >= "
+                  f"{need}; building the CPU ops alone (the 'cuda' backend will be unavailable; 'triton' runs on "
+                  f"CUDA tensors). Install CUDA >= {need} and reinstall to get them")
+    toolkit = parse_cuda_version(nvcc_output)
+    if toolkit is None:
+        return False, (f"without CUDA kernels: could not read the CUDA toolkit version from {cuda_home}/bin/nvcc "
+                       f"--version; {why_needed}")
+    if toolkit < MIN_CUDA:
+        found = f"{toolkit[0]}.{toolkit[1]}"
+        return False, f"without CUDA kernels: the CUDA toolkit at {cuda_home} is {found}; {why_needed}"
+    runtime = parse_cuda_version(torch_cuda)
+    if runtime is None or runtime < MIN_CUDA:
+        return False, f"without CUDA kernels: torch is built with CUDA {torch_cuda}; {why_needed}"
+    return True, f"with CUDA kernels (toolkit {toolkit[0]}.{toolkit[1]}, torch built with CUDA {torch_cuda})"
+
+
+def build_with_fallback(attempts, strict, log=print):
+    """Run ``attempts``, ``[(what, build)]`` in order of preference, until one ``build()`` returns; the ``what``
+    built, or ``None`` when every one failed (a pure-Python install). ``strict`` (``GAENGINE_BUILD_EXT=1``):
+    the first failure raises. Each failure is logged with the next step."""
+    for i, (what, build) in enumerate(attempts):
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 - any build failure leaves the next configuration to try
+            if strict:
+                raise
+            nxt = (f"retrying {attempts[i + 1][0]}" if i + 1 < len(attempts)
+                   else "installing without it: the 'cpu' and 'cuda' backends are unavailable")
+            log(f"gaengine: building gaengine._C {what} failed ({exc}); {nxt}")
+        else:
+            return what
+    return None
+
+
+# The configuration an Extension carries (what CppExtension / CUDAExtension fill in), copied for the retry.
+_EXTENSION_CONFIG = ("sources", "include_dirs", "define_macros", "undef_macros", "library_dirs", "libraries",
+                     "runtime_library_dirs", "extra_objects", "extra_compile_args", "extra_link_args", "language")
+
+
+def optional_build_ext(base, cpu_fallback, strict, log=print):
+    """A ``build_ext`` over ``base`` (torch's ``BuildExtension``) for the one extension ``gaengine._C``.
+
+    cpu_fallback: the CPU-only configuration (a ``CppExtension``) to rebuild as when the build with CUDA kernels
+    fails, or ``None`` when the extension is already CPU-only. Not strict: a last failure leaves a pure-Python
+    install. The retry rewrites the same ``Extension`` object (setuptools keeps per-extension state from
+    ``finalize_options``) and restores what a failed ``run`` leaves changed (``compiler``, ``inplace``).
+    """
+
+    class OptionalBuildExtension(base):
+        def run(self):
+            compiler, inplace = self.compiler, self.inplace
+
+            def build():
+                self.compiler, self.inplace = compiler, inplace
+                base.run(self)
+
+            def build_cpu_only():
+                for ext in self.extensions:
+                    for attr in _EXTENSION_CONFIG:
+                        setattr(ext, attr, copy.deepcopy(getattr(cpu_fallback, attr)))
+                build()
+
+            attempts = [("with CUDA kernels", build), ("without CUDA kernels", build_cpu_only)] if cpu_fallback \
+                else [("without CUDA kernels", build)]
+            build_with_fallback(attempts, strict, log)
+
+    return OptionalBuildExtension
+
+
+def main():
+    build_ext_mode = os.environ.get("GAENGINE_BUILD_EXT", "auto").strip().lower()
+    if build_ext_mode not in ("auto", "0", "1"):
+        sys.exit(f"GAENGINE_BUILD_EXT must be auto, 0 or 1, got {build_ext_mode!r}")
+
+    ext_modules, cmdclass = [], {}
+    sources = sorted(glob.glob("csrc/*.cpp"))
+    if build_ext_mode != "0" and sources:
+        try:
+            import torch
+            from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+        except ImportError as exc:
+            if build_ext_mode == "1":
+                raise
+            print(f"gaengine: torch not importable at build time ({exc}); building without gaengine._C")
+        else:
+            with_cuda, why = cuda_build_decision(torch.version.cuda, CUDA_HOME, nvcc_version_output(CUDA_HOME),
+                                                 os.environ.get("GAENGINE_BUILD_CUDA", "1"))
+            print(f"gaengine: building gaengine._C {why}")
+            cpu_only = CppExtension("gaengine._C", sources, extra_compile_args={"cxx": list(CXX_FLAGS)},
+                                    extra_link_args=list(LINK_FLAGS))
+            extension = cpu_only
             if with_cuda:  # the same module, plus the cuda backend's kernels (csrc/cuda/README.md)
-                sources += sorted(glob.glob("csrc/cuda/*.cu"))
-                extra_compile_args["nvcc"] = ["-O3", "-lineinfo"]  # no fast math: the numerics are the contract
-                extension, define_macros = CUDAExtension, [("GAENGINE_WITH_CUDA", None)]
-            print(f"gaengine: building gaengine._C {'with' if with_cuda else 'without'} CUDA kernels")
-            ext_modules.append(
-                extension(
-                    "gaengine._C",
-                    sources,
-                    define_macros=define_macros,
-                    extra_compile_args=extra_compile_args,
-                    extra_link_args=["-fopenmp"],
-                )
-            )
+                extension = CUDAExtension("gaengine._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
+                                          define_macros=[("GAENGINE_WITH_CUDA", None)],
+                                          extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+                                          extra_link_args=list(LINK_FLAGS))
+            ext_modules.append(extension)
+            build_ext = optional_build_ext(BuildExtension, cpu_only if with_cuda else None,
+                                           strict=build_ext_mode == "1")
+            cmdclass["build_ext"] = build_ext.with_options(use_ninja=True)
 
-            class OptionalBuildExtension(BuildExtension):
-                """In ``auto`` mode a failed build leaves a working pure-Python install."""
+    setup(
+        packages=["gaengine", "gaengine.kernels"],
+        package_dir={"gaengine": "gaengine", "gaengine.kernels": "kernels"},
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )
 
-                def run(self):
-                    try:
-                        super().run()
-                    except Exception as exc:  # noqa: BLE001
-                        if BUILD_EXT == "1":
-                            raise
-                        print(f"gaengine: building gaengine._C failed ({exc}); the 'cpu' backend is unavailable")
 
-            cmdclass["build_ext"] = OptionalBuildExtension.with_options(use_ninja=True)
-
-setup(
-    packages=["gaengine", "gaengine.kernels"],
-    package_dir={"gaengine": "gaengine", "gaengine.kernels": "kernels"},
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+if __name__ == "__main__":
+    main()

@@ -248,26 +248,82 @@ class TritonBackend(Backend):
         return self._scale.scale_(x, coef)
 
 
+# cudaDriverGetVersion()'s 1000 * major + 10 * minor of CUDA 12.1: the first driver that launches kernels with more
+# than 4 KB of parameters, which the multi-tensor kernels pass (20.5 KB bucket, 27.7 KB AdamW; csrc/cuda/README.md).
+MIN_CUDA_DRIVER = 12010
+
+
+def _cuda_driver_version() -> int | None:
+    """The CUDA version the installed driver supports, as ``cudaDriverGetVersion`` encodes it (12040 for 12.4),
+    or ``None`` when this torch cannot say (a CPU build, or the query failed)."""
+    query = getattr(torch._C, "_cuda_getDriverVersion", None)  # CUDA builds of torch only
+    try:
+        return int(query()) if query is not None else None
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def cuda_driver_problem(driver_version: int | None) -> str | None:
+    """Why a driver reporting ``driver_version`` (``cudaDriverGetVersion``'s encoding) cannot launch the CUDA
+    kernels of ``gaengine._C``, or ``None`` when it can. An unknown version (``None``) is given the benefit of
+    the doubt."""
+    if driver_version is None or driver_version >= MIN_CUDA_DRIVER:
+        return None
+    found = f"{driver_version // 1000}.{driver_version % 1000 // 10}"
+    need = f"{MIN_CUDA_DRIVER // 1000}.{MIN_CUDA_DRIVER % 1000 // 10}"
+    return (f"the CUDA driver supports CUDA {found} (cudaDriverGetVersion() = {driver_version}), but the CUDA kernels "
+            f"of gaengine._C need CUDA >= {need}: the multi-tensor ones pass up to 27.7 KB of kernel parameters by "
+            f"value, which an older driver refuses at every launch. Update the NVIDIA driver (R530 or newer), or use "
+            f"backend='triton'")
+
+
+def _load_cuda_kernels():
+    """``gaengine._C`` when its CUDA kernels can run in this process; else raises ``RuntimeError`` with the reason
+    (``ImportError`` when the extension is not built). The driver is checked when a GPU is visible."""
+    if not torch.version.cuda:
+        raise RuntimeError("this torch is a CPU-only build (torch.version.cuda is None)")
+    if torch.cuda.is_available():
+        problem = cuda_driver_problem(_cuda_driver_version())
+        if problem is not None:
+            raise RuntimeError(problem)
+    from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
+
+    missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_",
+                              "sum_partials_cuda", "adamw_step_cuda_") if not hasattr(_C, op)]
+    if missing:
+        raise RuntimeError(f"gaengine._C was built without its CUDA ops ({', '.join(missing)} missing); rebuild it "
+                           "against a CUDA torch with CUDA_HOME set, both CUDA >= 12.1 (setup.py prints why it left "
+                           "them out)")
+    return _C
+
+
+def cuda_kernels_unusable() -> str | None:
+    """Why the CUDA kernels of ``gaengine._C`` cannot run in this process, or ``None`` when they can.
+
+    The one decision behind the ``cuda`` backend (``CudaBackend`` loads only when this is ``None``), so behind
+    ``auto``'s choice on CUDA devices, the native hot path's bucket kernel (``gaengine.hot_path.make_hooks``) and
+    ``FusedAdamW``'s ``adamw_step_cuda_``: a CPU-only torch, an extension without its CUDA ops, or a CUDA driver
+    older than 12.1 (``cuda_driver_problem``).
+    """
+    try:
+        _load_cuda_kernels()
+    except (ImportError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
 class CudaBackend(Backend):
     """The CUDA kernels of ``gaengine._C`` (``csrc/cuda/``): CUDA tensors only.
 
-    They are in the extension only when it was built against a CUDA torch with a CUDA toolkit (``setup.py``);
-    loading raises ``RuntimeError`` otherwise (a CPU-only build, or an extension built without them).
+    They are in the extension only when it was built against a CUDA torch with a CUDA toolkit, both >= 12.1
+    (``setup.py``), and they launch only on a driver for CUDA >= 12.1; loading raises ``RuntimeError`` with the
+    reason otherwise (``cuda_kernels_unusable``).
     """
 
     name = "cuda"
 
     def __init__(self) -> None:
-        if not torch.version.cuda:
-            raise RuntimeError("this torch is a CPU-only build (torch.version.cuda is None)")
-        from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
-
-        missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_",
-                                  "sum_partials_cuda", "adamw_step_cuda_") if not hasattr(_C, op)]
-        if missing:
-            raise RuntimeError(f"gaengine._C was built without its CUDA ops ({', '.join(missing)} missing); rebuild "
-                               "it against a CUDA torch with CUDA_HOME set")
-        self._C = _C
+        self._C = _load_cuda_kernels()
 
     # Every argument is checked here, in Python, before ``self._C``: its TORCH_CHECKs are a second line only.
     # Nothing below reads a tensor on the host.
@@ -320,9 +376,9 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
     """Return the backend ``name`` for tensors on ``device``.
 
     ``name``: one of ``BACKEND_NAMES``; ``"auto"`` reads ``GAENGINE_BACKEND`` first, then picks ``cuda``
-    for CUDA devices when ``gaengine._C`` carries its CUDA kernels (the native hot path launches them from C++,
-    ``gaengine.hot_path``), else ``triton``, and ``cpu`` for CPU ones, falling back to ``torch`` quietly
-    (logged once).
+    for CUDA devices when ``gaengine._C`` carries its CUDA kernels and the driver can launch them
+    (``cuda_kernels_unusable``; the native hot path launches them from C++, ``gaengine.hot_path``), else
+    ``triton``, and ``cpu`` for CPU ones, falling back to ``torch`` quietly (logged once).
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` when a backend asked for by name
     cannot load or cannot run on ``device`` (the original import error is chained).
     """

@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from gaengine.backends import cuda_kernels_unusable
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
 from gaengine.hooks import PythonHooks
@@ -73,8 +74,8 @@ def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, bucke
         why = f"backend {backend.name!r} launches its kernels from Python"
     else:
         _C, why = _load_native()
-        if _C is not None and backend.name == "cuda" and not hasattr(_C, "accumulate_bucket_cuda_"):
-            why = "gaengine._C was built without its CUDA kernels"
+        if _C is not None and backend.name == "cuda":
+            why = cuda_kernels_unusable()  # the cuda backend's own decision: ops built, driver >= 12.1
     if why is None:
         return NativeHooks(params, main_grad, _KERNELS[backend.name], buckets, reducer)
     if setting == "native":

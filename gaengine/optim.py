@@ -261,7 +261,8 @@ class FusedAdamW(torch.optim.Optimizer):
         if kernel is not None:
             return kernel
         # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
-        # its CUDA kernels: one launch for the whole list (Triton launches once per parameter).
+        # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
+        # launch for the whole list (Triton launches once per parameter).
         name = get_backend(self.backend, device).name
         if name == "cuda":
             from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above

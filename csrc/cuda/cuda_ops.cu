@@ -59,6 +59,19 @@
 namespace gaengine {
 namespace {
 
+// The multi-tensor kernels take up to 27.7 KB of parameters by value (README.md): a driver for CUDA < 12.1 refuses
+// every launch of them (cudaErrorInvalidValue). Read once per process, before the first; Python checks first
+// (gaengine.backends.cuda_kernels_unusable). A failed query is let through, as in Python: the launch then says why.
+void check_driver_for_multi_tensor() {
+  static const int driver = [] {
+    int version = 0;
+    return cudaDriverGetVersion(&version) == cudaSuccess ? version : -1;
+  }();
+  TORCH_CHECK(driver < 0 || driver >= 12010, "the CUDA driver supports CUDA ", driver / 1000, ".", driver % 1000 / 10,
+              " (cudaDriverGetVersion() = ", driver, "), but the multi-tensor CUDA kernels of gaengine._C need CUDA >= "
+              "12.1: update the NVIDIA driver (R530 or newer), or use backend='triton'");
+}
+
 // dst = (0 if overwrite else dst) + float(src) * scale; scale_tensor (0-d fp32, same device) replaces scale.
 void accumulate_cuda_(const at::Tensor& dst, const at::Tensor& src, double scale,
                       const c10::optional<at::Tensor>& scale_tensor, bool overwrite) {
@@ -166,6 +179,7 @@ void check_bucket(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, co
 // The launches, after check_bucket.
 int64_t launch_bucket(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
                       const std::vector<uint8_t>& overwrite, float* partials, int64_t partials_stride) {
+  check_driver_for_multi_tensor();
   std::vector<cuda::BucketEntry> entries(srcs.size());
   for (size_t i = 0; i < srcs.size(); ++i) {
     entries[i] = cuda::BucketEntry{srcs[i].data_ptr(), offsets[i], srcs[i].numel(),
@@ -299,6 +313,7 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
       e.model_dtype = kernel_dtype(model.scalar_type());
     }
   }
+  check_driver_for_multi_tensor();
   const c10::cuda::CUDAGuard guard(*device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cuda::AdamWHyper hyper = cuda::make_adamw_hyper(lr, beta1, beta2, eps, weight_decay, maximize);
