@@ -421,7 +421,8 @@ struct BucketCase {
   std::vector<int64_t> numels;
   std::vector<int> dtypes;
   std::vector<int> overwrite;
-  bool unaligned = false;      // slices at 64k + 1 elements, sources one element past 16 bytes
+  bool dst_unaligned = false;  // slices at 64k + 1 elements (else at multiples of 64)
+  bool src_unaligned = false;  // sources one element past a 16-byte boundary
   int64_t partials_extra = 0;  // > 0: partials are a column slice (starting at column 3) of a wider table
   bool partials = true;
   int64_t dst_base = 0;        // element offset of the first slice (past 2^31 for the sparse case)
@@ -437,8 +438,8 @@ void run_bucket(const BucketCase& bc, const std::string& name, uint64_t seed, fl
   std::vector<int64_t> offsets(static_cast<size_t>(n));
   int64_t cursor = bc.dst_base;
   for (int i = 0; i < n; ++i) {
-    srcs.emplace_back(bc.dtypes[static_cast<size_t>(i)], bc.numels[static_cast<size_t>(i)], bc.unaligned, rng);
-    offsets[static_cast<size_t>(i)] = cursor + (bc.unaligned ? 1 : 0);
+    srcs.emplace_back(bc.dtypes[static_cast<size_t>(i)], bc.numels[static_cast<size_t>(i)], bc.src_unaligned, rng);
+    offsets[static_cast<size_t>(i)] = cursor + (bc.dst_unaligned ? 1 : 0);
     cursor += (bc.numels[static_cast<size_t>(i)] + 1 + 63) / 64 * 64;  // gaengine/buffer.py: ALIGN_NUMEL = 64, a gap
   }
   if (cursor > dst_numel) {
@@ -558,9 +559,10 @@ void run_bucket(const BucketCase& bc, const std::string& name, uint64_t seed, fl
   check(out[1] == (any ? 1.0f : 0.0f), name + "/sum_partials-found_inf");
 }
 
-BucketCase mixed_bucket(const std::vector<int64_t>& sizes, bool unaligned) {
+BucketCase mixed_bucket(const std::vector<int64_t>& sizes, bool dst_unaligned, bool src_unaligned) {
   BucketCase bc;
-  bc.unaligned = unaligned;
+  bc.dst_unaligned = dst_unaligned;
+  bc.src_unaligned = src_unaligned;
   for (size_t i = 0; i < sizes.size(); ++i) {
     bc.numels.push_back(sizes[i]);
     bc.dtypes.push_back(static_cast<int>(i % 3));
@@ -578,7 +580,7 @@ void test_bucket(const BucketCase& bc, const std::string& name, uint64_t seed) {
 
 // A non-finite source value: exactly its chunk's flag, and sum_partials' found_inf.
 void test_bucket_non_finite(uint64_t seed) {
-  BucketCase bc = mixed_bucket({4097, 100, 8193, 3}, false);
+  BucketCase bc = mixed_bucket({4097, 100, 8193, 3}, false, false);
   const std::string name = "bucket/non-finite";
   Rng rng(seed);
   int64_t total = 0;
@@ -655,7 +657,7 @@ void test_sum_partials(int64_t n, uint64_t seed) {
 // 8 GiB MAP_NORESERVE mapping of which only the touched pages are backed.
 void test_bucket_past_2_31(uint64_t seed) {
   const int64_t base = (int64_t{1} << 31) - 4100;  // the first slice straddles element 2^31
-  BucketCase bc = mixed_bucket({10000, 5003, 8192, 4097, 1, 70000}, false);
+  BucketCase bc = mixed_bucket({10000, 5003, 8192, 4097, 1, 70000}, false, false);
   bc.dst_base = base;
   int64_t total = base;
   for (int64_t x : bc.numels) total += (x + 1 + 63) / 64 * 64;
@@ -667,7 +669,7 @@ void test_bucket_past_2_31(uint64_t seed) {
   }
   float* dst = static_cast<float*>(mem);
   run_bucket(bc, "bucket/past-2^31/aligned", seed, dst, total);
-  bc.unaligned = true;
+  bc.dst_unaligned = bc.src_unaligned = true;
   bc.partials_extra = 5;
   run_bucket(bc, "bucket/past-2^31/unaligned-strided", seed + 1, dst, total);
   munmap(mem, bytes);
@@ -726,7 +728,10 @@ void store_as(int dtype, void* base, int64_t i, float v) {
   if (dtype == kFp16) static_cast<c10::Half*>(base)[i] = c10::Half(v);
 }
 
-AdamWParam make_param(int64_t n, int param_dtype, int grad_dtype, int model_dtype, bool unaligned, float step, Rng& rng) {
+// unaligned: a mask of the streams (bit k: param, grad, exp_avg, exp_avg_sq, model) that start one element past a
+// 16-byte boundary (kAllStreams: every one).
+constexpr int kAllStreams = 0x1F;
+AdamWParam make_param(int64_t n, int param_dtype, int grad_dtype, int model_dtype, int unaligned, float step, Rng& rng) {
   AdamWParam p;
   p.n = n;
   p.param_dtype = param_dtype, p.grad_dtype = grad_dtype, p.model_dtype = model_dtype;
@@ -735,7 +740,7 @@ AdamWParam make_param(int64_t n, int param_dtype, int grad_dtype, int model_dtyp
     const size_t es = AdamWParam::esize(dtypes[k]);
     p.dev[k].assign(static_cast<size_t>(n + 1) * es + 32, 0);
     const uintptr_t a = (reinterpret_cast<uintptr_t>(p.dev[k].data()) + 15) & ~uintptr_t{15};
-    p.shift[k] = (a - reinterpret_cast<uintptr_t>(p.dev[k].data())) + (unaligned ? es : 0);
+    p.shift[k] = (a - reinterpret_cast<uintptr_t>(p.dev[k].data())) + (((unaligned >> k) & 1) ? es : 0);
     void* v = p.view(p.dev, k);
     for (int64_t i = 0; i < n; ++i) {
       float x = 0.0f;
@@ -859,13 +864,15 @@ void test_adamw(const std::vector<int64_t>& sizes, int steps, uint64_t seed) {
         std::vector<AdamWParam> ps;
         for (size_t i = 0; i < sizes.size(); ++i) {
           const int grad_dtype = static_cast<int>(i % 3), model_dtype = static_cast<int>((i / 3) % 3) - 1;
-          ps.push_back(make_param(sizes[i], kFp32, grad_dtype, model_dtype, false, static_cast<float>(i % 3), rng));
+          ps.push_back(make_param(sizes[i], kFp32, grad_dtype, model_dtype, 0, static_cast<float>(i % 3), rng));
         }
         for (int gd = 0; gd < 3; ++gd) {
           for (int md = -1; md < 3; ++md) {
-            ps.push_back(make_param(1000 + gd * 4 + md, kFp32, gd, md, true, 0.0f, rng));  // unaligned: scalar path
+            ps.push_back(make_param(1000 + gd * 4 + md, kFp32, gd, md, kAllStreams, 0.0f, rng));  // unaligned: scalar path
           }
         }
+        // one stream off its boundary, the others aligned: the scalar path too
+        for (int stream : {0, 1, 2, 3, 4}) ps.push_back(make_param(777, kFp32, stream % 3, kBf16, 1 << stream, 1.0f, rng));
         adamw_case<float>(fmt("adamw/fp32-masters/%s/%s", h.name, scaled ? "grad_scale" : "unscaled"), ps, h, scaled,
                           1, steps);
       }
@@ -874,9 +881,10 @@ void test_adamw(const std::vector<int64_t>& sizes, int steps, uint64_t seed) {
         Rng rng(seed++);
         std::vector<AdamWParam> ps;
         for (size_t i = 0; i < sizes.size(); ++i) {
-          ps.push_back(make_param(sizes[i], pd, static_cast<int>(i % 3), -1, false, static_cast<float>(i % 3), rng));
+          ps.push_back(make_param(sizes[i], pd, static_cast<int>(i % 3), -1, 0, static_cast<float>(i % 3), rng));
         }
-        for (int gd = 0; gd < 3; ++gd) ps.push_back(make_param(999 + gd, pd, gd, -1, true, 1.0f, rng));
+        for (int gd = 0; gd < 3; ++gd) ps.push_back(make_param(999 + gd, pd, gd, -1, kAllStreams, 1.0f, rng));
+        for (int stream : {0, 1, 2, 3}) ps.push_back(make_param(555, pd, (stream + 1) % 3, -1, 1 << stream, 2.0f, rng));
         const std::string name = fmt("adamw/%s-in-place/%s/%s", dtype_name(pd), h.name, scaled ? "grad_scale" : "unscaled");
         if (pd == kBf16) adamw_case<__nv_bfloat16>(name, ps, h, scaled, 1, steps);
         if (pd == kFp16) adamw_case<__half>(name, ps, h, scaled, 1, steps);
@@ -887,11 +895,38 @@ void test_adamw(const std::vector<int64_t>& sizes, int steps, uint64_t seed) {
   {
     Rng rng(seed++);
     std::vector<AdamWParam> ps;
-    for (size_t i = 0; i < sizes.size(); ++i) ps.push_back(make_param(sizes[i], kFp32, static_cast<int>(i % 3), kBf16, false, 2.0f, rng));
+    for (size_t i = 0; i < sizes.size(); ++i) ps.push_back(make_param(sizes[i], kFp32, static_cast<int>(i % 3), kBf16, 0, 2.0f, rng));
     adamw_case<float>("adamw/found_inf-skips/fp32", ps, kHypers[0], true, 2, 1);
     std::vector<AdamWParam> qs;
-    for (size_t i = 0; i < sizes.size(); ++i) qs.push_back(make_param(sizes[i], kBf16, static_cast<int>(i % 3), -1, false, 2.0f, rng));
+    for (size_t i = 0; i < sizes.size(); ++i) qs.push_back(make_param(sizes[i], kBf16, static_cast<int>(i % 3), -1, 0, 2.0f, rng));
     adamw_case<__nv_bfloat16>("adamw/found_inf-skips/bf16", qs, kHypers[0], false, 2, 1);
+  }
+  // non-finite gradients (NaN of both signs, inf): the CPU kernel's NaN and inf propagation, and the model /
+  // in-place roundings of a NaN (bf16 -> 0x7FC0, fp16 -> sign | 0x7E00)
+  {
+    Rng rng(seed++);
+    std::vector<AdamWParam> ps, bf, hf;
+    for (int i = 0; i < 6; ++i) ps.push_back(make_param(4097 + i, kFp32, i % 3, i / 3 == 0 ? kBf16 : kFp16, i == 5 ? kAllStreams : 0, 1.0f, rng));
+    for (int i = 0; i < 3; ++i) bf.push_back(make_param(300 + i, kBf16, i, -1, i == 2 ? kAllStreams : 0, 0.0f, rng));
+    for (int i = 0; i < 3; ++i) hf.push_back(make_param(300 + i, kFp16, i, -1, i == 2 ? kAllStreams : 0, 0.0f, rng));
+    for (std::vector<AdamWParam>* list : {&ps, &bf, &hf}) {
+      for (AdamWParam& p : *list) {
+        const int64_t at[3] = {3, p.n / 2, p.n - 1};
+        for (int j = 0; j < 3; ++j) {
+          for (std::vector<uint8_t>* copy : {p.dev, p.ref}) {
+            void* g = p.view(copy, 1);
+            const uint32_t f32[3] = {0x7FC00000u, 0xFFC00000u, 0x7F800000u};  // NaN, -NaN, inf
+            const uint16_t b16[3] = {0x7FC0u, 0xFFC0u, 0x7F80u}, h16[3] = {0x7E00u, 0xFE00u, 0x7C00u};
+            if (p.grad_dtype == kFp32) memcpy(static_cast<uint32_t*>(g) + at[j], &f32[j], 4);
+            if (p.grad_dtype == kBf16) memcpy(static_cast<uint16_t*>(g) + at[j], &b16[j], 2);
+            if (p.grad_dtype == kFp16) memcpy(static_cast<uint16_t*>(g) + at[j], &h16[j], 2);
+          }
+        }
+      }
+    }
+    adamw_case<float>("adamw/non-finite-grads/fp32-masters", ps, kHypers[0], false, 0, 2);
+    adamw_case<__nv_bfloat16>("adamw/non-finite-grads/bf16-in-place", bf, kHypers[1], true, 0, 2);
+    adamw_case<__half>("adamw/non-finite-grads/fp16-in-place", hf, kHypers[0], false, 0, 2);
   }
   // more parameters than one launch takes (kMaxAdamWEntries = 384): two launches, every step once
   {
@@ -899,12 +934,12 @@ void test_adamw(const std::vector<int64_t>& sizes, int steps, uint64_t seed) {
     std::vector<AdamWParam> ps;
     for (int i = 0; i < g::kMaxAdamWEntries + 21; ++i) {
       ps.push_back(make_param(i % 7 == 0 ? 0 : 1 + i % 37, kFp32, i % 3, (i % 4) - 1 < 2 ? (i % 4) - 1 : -1,
-                              i % 5 == 0, static_cast<float>(i % 4), rng));
+                              i % 5 == 0 ? kAllStreams : 0, static_cast<float>(i % 4), rng));
     }
     adamw_case<float>("adamw/split-launches/fp32", ps, kHypers[1], true, 0, 2);
     std::vector<AdamWParam> qs;
     for (int i = 0; i < 2 * g::kMaxAdamWEntries + 5; ++i) {
-      qs.push_back(make_param(i % 11 == 0 ? 0 : 1 + i % 13, kFp16, i % 3, -1, i % 2 == 0, 0.0f, rng));
+      qs.push_back(make_param(i % 11 == 0 ? 0 : 1 + i % 13, kFp16, i % 3, -1, i % 2 == 0 ? kAllStreams : 0, 0.0f, rng));
     }
     adamw_case<__half>("adamw/split-launches/fp16", qs, kHypers[0], false, 0, 1);
   }
@@ -912,7 +947,7 @@ void test_adamw(const std::vector<int64_t>& sizes, int steps, uint64_t seed) {
   {
     Rng rng(seed++);
     std::vector<AdamWParam> ps;
-    for (int i = 0; i < 5; ++i) ps.push_back(make_param(0, kFp32, i % 3, -1, false, static_cast<float>(i), rng));
+    for (int i = 0; i < 5; ++i) ps.push_back(make_param(0, kFp32, i % 3, -1, 0, static_cast<float>(i), rng));
     adamw_case<float>("adamw/all-empty", ps, kHypers[0], false, 0, 2);
   }
 }
@@ -971,7 +1006,7 @@ int main(int argc, char** argv) {
       reduced ? std::vector<int64_t>{1, 127, 0, 4097, 3, 8200, 4096, 2, 64}
               : std::vector<int64_t>{1, 127, 0, 4097, 3, 4095, 4096, 16385, 0, 100003, 5, 8192, 64, 4099, 1, 777};
   for (bool unaligned : {false, true}) {
-    BucketCase bc = mixed_bucket(bucket_sizes, unaligned);
+    BucketCase bc = mixed_bucket(bucket_sizes, unaligned, unaligned);
     const char* al = unaligned ? "unaligned" : "aligned";
     bc.partials = false;
     test_bucket(bc, fmt("bucket/mixed/%s", al), seed++);
@@ -979,6 +1014,11 @@ int main(int argc, char** argv) {
     test_bucket(bc, fmt("bucket/mixed-partials/%s", al), seed++);
     bc.partials_extra = 5;
     test_bucket(bc, fmt("bucket/mixed-partials-strided/%s", al), seed++);
+  }
+  // one side aligned, the other not: the scalar path (the 128-bit path needs both)
+  for (int side = 0; side < 2; ++side) {
+    BucketCase bc = mixed_bucket(bucket_sizes, side == 0, side == 1);
+    test_bucket(bc, side == 0 ? "bucket/mixed-partials/dst-unaligned" : "bucket/mixed-partials/src-unaligned", seed++);
   }
   {  // past kMaxBucketEntries: ~1300 sources (3 launches), empties between, partials across the launches
     BucketCase bc;
@@ -990,7 +1030,7 @@ int main(int argc, char** argv) {
     }
     test_bucket(bc, fmt("bucket/split-%d-sources", n), seed++);
     bc.partials = false;
-    bc.unaligned = true;
+    bc.dst_unaligned = bc.src_unaligned = true;
     test_bucket(bc, fmt("bucket/split-%d-sources-unaligned", n), seed++);
   }
   test_bucket_non_finite(seed++);
