@@ -16,17 +16,36 @@
 //   * the errors of a hook: a gradient outside acc.backward() (RuntimeError) and a sparse gradient
 //     (ValueError); both drop that gradient and leave the window's buffer untouched.
 //
+// A parameter's AccumulateGrad post-hook may fire more than once in one backward: a layer shared by two segments
+// under reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) gets one arrival per
+// segment, because each segment's backward is its own autograd pass. A later arrival of the same micro-batch is
+// added to what that micro-batch already holds (or wrote) for the parameter: never a second source on the same
+// slice, never a second count toward the bucket's readiness. The number of arrivals per backward is learned per
+// parameter (torch DDP's static_graph learns the same count); a bucket is complete once each of its parameters has
+// arrived as often as learned, so a bucket whose parameter comes twice is launched (and reduced) after the second
+// arrival. An arrival beyond the learned count after its bucket's all-reduce already started cannot be reduced
+// correctly: it raises, and the next try knows the count.
+//
+// Streams (CUDA): each held gradient remembers the stream current at its hook (where autograd made it ready). The
+// bucket launch runs on the stream current at the hook that completes the bucket (or the caller's, in end()); it
+// waits on an event of every other stream it reads from and records its stream on those gradients' storage (and
+// on the partials), as torch DDP's reducer does, so the caching allocator cannot reuse them under the kernel.
+//
 // Threading: autograd calls the hooks on the thread that runs backward (the caller's for CPU tensors, a device
 // thread for CUDA ones) with the GIL released; the methods below are called from Python between backwards. A
 // mutex orders the two; the GIL is taken only around the callback, with the mutex released.
 #include <torch/extension.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -99,6 +118,9 @@ class HotPath {
     bucket_size_.assign(n_buckets, 0);
     for (int64_t b : bucket_of_) ++bucket_size_[b];
     written_.assign(n, 0);
+    arrivals_.assign(n, 0);
+    expected_.assign(n, 1);
+    held_at_.assign(n, -1);
     held_.resize(n_buckets);
     pending_ = bucket_size_;
     // One hook per parameter on its AccumulateGrad node, which we keep alive (a parameter holds its node only
@@ -128,16 +150,21 @@ class HotPath {
     for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_[i]);
     nodes_.clear();
     keys_.clear();
-    for (auto& held : held_) held.clear();
+    drop_held();
   }
 
   // Start of one micro-batch's backward. want_norm: write the free-norm partials (the window's last micro-batch
   // on one rank). armed: call on_bucket_ready for each bucket completed in this micro-batch.
   void begin(bool want_norm, bool armed) {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& held : held_) held.clear();
-    pending_ = bucket_size_;
+    drop_held();
+    std::fill(arrivals_.begin(), arrivals_.end(), 0);
+    std::fill(pending_.begin(), pending_.end(), 0);
+    for (size_t i = 0; i < params_.size(); ++i) pending_[bucket_of_[i]] += expected_[i];
     arrived_ = 0;
+    norm_missed_ = false;
+    late_.clear();
+    late_count_ = 0;
     armed_ = armed;
     want_norm_ = want_norm;
     if (want_norm) {
@@ -158,6 +185,14 @@ class HotPath {
   void end() {
     std::lock_guard<std::mutex> lock(mutex_);
     in_backward_ = false;
+    if (!late_.empty()) {
+      const std::string first = std::exchange(late_, std::string());
+      const int64_t n = std::exchange(late_count_, 0);
+      TORCH_CHECK(false, first, n > 1 ? c10::str(" (and ", n - 1, " more late arrival(s))") : std::string(),
+                  " (a layer shared by reentrant-checkpointed segments, or a graph that changed) after its bucket's ",
+                  "all-reduce had started, so the window cannot be reduced exactly. The accumulator has learned the ",
+                  "new counts: call acc.zero_grad() and run the window again");
+    }
     for (size_t b = 0; b < held_.size(); ++b) {
       if (!held_[b].empty()) launch(b);
     }
@@ -167,7 +202,7 @@ class HotPath {
   void abort() {
     std::lock_guard<std::mutex> lock(mutex_);
     in_backward_ = false;
-    for (auto& held : held_) held.clear();
+    drop_held();
     partials_ = at::Tensor();
   }
 
@@ -175,7 +210,7 @@ class HotPath {
   // float64 rows (sum of squares, found_inf) per parameter; CUDA: (2, n_chunks) float32 per-chunk partials.
   std::optional<at::Tensor> norm_partials() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!partials_.defined() || arrived_ != static_cast<int64_t>(params_.size())) return std::nullopt;
+    if (!partials_.defined() || norm_missed_ || arrived_ != static_cast<int64_t>(params_.size())) return std::nullopt;
     return partials_;
   }
 
@@ -218,6 +253,22 @@ class HotPath {
     return std::exchange(stale_, false);
   }
 
+  // Per parameter: the gradient arrivals per backward learned so far (1 unless a hook fired more often).
+  std::vector<int64_t> expected_arrivals() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {expected_.begin(), expected_.end()};
+  }
+
+  void set_expected_arrivals(const std::vector<int64_t>& values) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK_VALUE(values.size() == expected_.size(), "values must have ", expected_.size(), " entries, got ",
+                      values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      TORCH_CHECK_VALUE(values[i] >= 1, "expected arrivals must be >= 1, got ", values[i], " at index ", i);
+      expected_[i] = static_cast<int32_t>(values[i]);
+    }
+  }
+
   int64_t launches() {
     std::lock_guard<std::mutex> lock(mutex_);
     return launches_;
@@ -230,9 +281,31 @@ class HotPath {
     int64_t index;
     at::Tensor grad;
     bool overwrite;
+    c10::Stream stream;  // current at the hook that made it ready (CPU: the one default stream)
   };
 
-  // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p into p.grad.
+  c10::Stream current_stream() const {
+    return c10::impl::getDeviceGuardImpl(main_grad_.device().type())->getStream(main_grad_.device());
+  }
+
+  // Make `stream` safe to read `h.grad`: wait for the stream that produced it, and tell the caching allocator
+  // that `stream` uses its memory (DDP's reducer does the same). Nothing to do on one stream (always on CPU).
+  void use_on(const Held& h, const c10::Stream& stream) const {
+    if (h.stream == stream) return;
+    c10::Event ready(stream.device_type());
+    ready.record(h.stream);
+    ready.block(stream);
+    c10::impl::getDeviceGuardImpl(stream.device_type())
+        ->recordDataPtrOnStream(h.grad.storage().data_ptr(), stream);
+  }
+
+  void drop_held() {
+    for (auto& held : held_) held.clear();
+    std::fill(held_at_.begin(), held_at_.end(), -1);
+  }
+
+  // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p in this autograd
+  // pass into p.grad. Several passes of one backward (reentrant checkpointing) each call it.
   void on_gradient(size_t i) {
     int64_t ready = -1;
     {
@@ -254,19 +327,43 @@ class HotPath {
       at::Tensor grad = std::move(slot);  // the parameter lets go of its low-precision gradient at once
       slot.reset();
       if (!grad.is_contiguous()) grad = grad.contiguous();
-      const bool overwrite = !written_[i];
-      if (overwrite) {
-        written_[i] = 1;
-        if (learning_) arrival_.push_back(static_cast<int64_t>(i));
-      }
-      ++arrived_;
       const int64_t b = bucket_of_[i];
-      if (kernels_ == Kernels::kAten) {
-        accumulate_aten(i, grad, overwrite);
-      } else {
-        held_[b].push_back({static_cast<int64_t>(i), std::move(grad), overwrite});
+      const int32_t count = ++arrivals_[i];
+      const bool counts = count <= expected_[i];  // toward its bucket's readiness
+      if (!counts) {
+        expected_[i] = count;  // learned: later micro-batches wait for this many arrivals
+        if (armed_ && pending_[b] == 0) {
+          // Too late to be reduced. Backward goes on so that every such parameter is learned; end() raises.
+          if (late_.empty()) {
+            late_ = c10::str("parameter ", i, " (shape ", params_[i].sizes(), ") received its gradient ", count,
+                             " times in one backward");
+          }
+          ++late_count_;
+          return;
+        }
       }
-      if (--pending_[b] == 0) {
+      bool overwrite = false;
+      if (count == 1) {
+        ++arrived_;
+        overwrite = !written_[i];
+        if (overwrite) {
+          written_[i] = 1;
+          if (learning_) arrival_.push_back(static_cast<int64_t>(i));
+        }
+      }
+      if (kernels_ == Kernels::kAten) {
+        accumulate_aten(i, grad, overwrite);  // a later arrival adds to what the earlier one wrote
+      } else if (held_at_[i] >= 0) {
+        combine(held_[b][held_at_[i]], grad);
+      } else {
+        held_at_[i] = static_cast<int64_t>(held_[b].size());
+        held_[b].push_back({static_cast<int64_t>(i), std::move(grad), overwrite, current_stream()});
+        if (pending_[b] == 0) {
+          norm_missed_ = true;  // bucket b was launched already: this arrival goes on its own
+          launch(b);
+        }
+      }
+      if (counts && --pending_[b] == 0) {
         if (!held_[b].empty()) launch(b);
         if (armed_) ready = b;
       }
@@ -275,6 +372,21 @@ class HotPath {
       py::gil_scoped_acquire gil;  // the one Python call of a hook: start bucket `ready`'s all-reduce
       on_bucket_ready_(ready);
     }
+  }
+
+  // A later arrival of a parameter whose earlier one is still held: the held source becomes the fp32 value that
+  // one add per arrival would have left in the slice (bitwise: an exact widening, or main_grad + earlier, then
+  // + this one, each one IEEE fp32 add), written over the slice. Runs on the current stream.
+  void combine(Held& h, const at::Tensor& grad) {
+    const c10::Stream stream = current_stream();
+    use_on(h, stream);
+    const at::Tensor earlier = h.grad.reshape({-1});
+    at::Tensor sum = h.overwrite ? earlier.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                                 : at::add(main_grad_.narrow(0, offsets_[h.index], earlier.numel()), earlier);
+    sum.add_(grad.reshape({-1}));
+    h.grad = std::move(sum);
+    h.overwrite = true;
+    h.stream = stream;
   }
 
   void accumulate_aten(size_t i, const at::Tensor& grad, bool overwrite) {
@@ -307,6 +419,7 @@ class HotPath {
 #if defined(GAENGINE_WITH_CUDA)
     if (kernels_ == Kernels::kCuda) launch_cuda(b, held);
 #endif
+    for (const Held& h : held) held_at_[h.index] = -1;
     held.clear();
   }
 
@@ -325,10 +438,14 @@ class HotPath {
       }
       total_chunks_ = total;
     }
-    partials_ = at::empty({2, std::max<int64_t>(total_chunks_, 1)}, main_grad_.options());
+    // (2, 0) when every parameter is empty: sum_partials_cuda reduces no column to (0, 0), reading nothing.
+    partials_ = at::empty({2, total_chunks_}, main_grad_.options());
+    partials_stream_ = current_stream();
   }
 
   void launch_cuda(size_t b, const std::vector<Held>& held) {
+    const c10::Stream stream = current_stream();
+    for (const Held& h : held) use_on(h, stream);
     std::vector<at::Tensor> srcs;
     std::vector<int64_t> offsets;
     std::vector<uint8_t> overwrite;
@@ -346,12 +463,16 @@ class HotPath {
     if (partials_.defined() && complete) {
       partials = partials_.data_ptr<float>() + chunk_offset_[b];
       partials_stride = partials_.size(1);
+      if (partials_stream_.has_value() && *partials_stream_ != stream) {  // made on the caller's stream in begin()
+        use_on(Held{-1, partials_, false, *partials_stream_}, stream);
+      }
     }
     launches_ += accumulate_bucket_cuda(main_grad_, srcs, offsets, overwrite, partials, partials_stride);
   }
 
   std::vector<int64_t> chunk_offset_;
   int64_t total_chunks_ = 0;
+  std::optional<c10::Stream> partials_stream_;
 #endif
 
   std::vector<at::Tensor> params_;
@@ -370,8 +491,14 @@ class HotPath {
   std::vector<int64_t> arrival_;        // first arrivals of the window being learned
   bool learning_ = false;
   std::vector<std::vector<Held>> held_;  // per bucket: gradients waiting for the rest of their bucket
-  std::vector<int64_t> pending_;         // per bucket: parameters not yet arrived in this micro-batch
-  int64_t arrived_ = 0;                  // parameters arrived in this micro-batch
+  std::vector<int64_t> pending_;         // per bucket: arrivals still expected in this micro-batch
+  std::vector<int32_t> arrivals_;        // per parameter: hook calls in this micro-batch
+  std::vector<int32_t> expected_;        // per parameter: hook calls per backward, learned (>= 1)
+  std::vector<int64_t> held_at_;         // per parameter: its entry in held_[bucket], or -1
+  int64_t arrived_ = 0;                  // distinct parameters arrived in this micro-batch
+  bool norm_missed_ = false;             // a launch wrote values the partials do not cover
+  std::string late_;                     // the first arrival too late to be reduced (armed), raised by end()
+  int64_t late_count_ = 0;
   bool in_backward_ = false;
   bool armed_ = false;
   bool want_norm_ = false;
@@ -403,6 +530,8 @@ void register_hot_path(py::module_& m) {
       .def("arrival", &HotPath::arrival, "first-arrival order being learned, or None")
       .def("set_arrival", &HotPath::set_arrival, "learn from first arrivals after `order` (None: stop)",
            py::arg("order"))
+      .def("expected_arrivals", &HotPath::expected_arrivals, "per parameter: gradient arrivals per backward, learned")
+      .def("set_expected_arrivals", &HotPath::set_expected_arrivals, py::arg("values"))
       .def("take_stale", &HotPath::take_stale, "a gradient was dropped outside acc.backward() (clears the flag)")
       .def("launches", &HotPath::launches, "accumulate launches since construction")
       .def("num_buckets", &HotPath::num_buckets);

@@ -12,7 +12,9 @@ into the flat fp32 buffer by one launch of ``gaengine.kernels.bucket.accumulate_
 gradients are dropped. With gradients arriving in layout order (the layout is re-learned from the first
 window), at most about one bucket of low-precision gradients is held at a time. Parameters that get no
 gradient in a micro-batch leave their bucket incomplete; ``flush()`` at the end of backward launches what
-is held.
+is held. A parameter whose gradient arrives again in the same micro-batch (reentrant checkpointing of a
+shared layer) is combined with what is held for it (``combine_arrival``), never held as a second source on
+the same slice; a bucket waits for each parameter's learned number of arrivals (``gaengine.hooks``).
 
 Free norm (single rank): in the window's last micro-batch each launch also writes per-block sums of
 squares and non-finite flags of the values it wrote into one ``(2, n_blocks)`` fp32 table on the buffer's
@@ -28,7 +30,7 @@ import torch
 
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["Bucket", "BucketAccumulation", "build_buckets"]
+__all__ = ["Bucket", "BucketAccumulation", "build_buckets", "combine_arrival"]
 
 
 @dataclass
@@ -63,6 +65,25 @@ def build_buckets(layout: FlatLayout, bucket_size_mb: float) -> list[Bucket]:
     return buckets
 
 
+def combine_arrival(main_grad: torch.Tensor, offset: int, held: torch.Tensor, overwrite: bool,
+                    grad: torch.Tensor) -> torch.Tensor:
+    """The fp32 value one add per arrival would leave in a parameter's slice, as a source to write over it.
+
+    main_grad: (n,) fp32, read at ``[offset, offset + held.numel())`` unless ``overwrite``. held: the earlier
+    arrival of this micro-batch, fp32 | bf16 | fp16, not yet accumulated; overwrite: whether it was to be
+    written over the slice (the window's first write) or added to it. grad: the later arrival, same numel.
+    Returns a new (numel,) fp32 tensor: ``float(held) + grad`` or ``(slice + held) + grad``, each one IEEE fp32
+    add, bitwise what accumulating the two arrivals one after the other gives (``csrc/hot_path.cpp`` does the
+    same for the native hooks).
+    """
+    earlier = held.reshape(-1)
+    if overwrite:
+        total = earlier.to(torch.float32, copy=True)
+    else:
+        total = main_grad[offset:offset + earlier.numel()] + earlier
+    return total.add_(grad.reshape(-1))
+
+
 class BucketAccumulation:
     """Held gradients and launches for the buckets of one flat buffer (see the module docstring)."""
 
@@ -84,20 +105,38 @@ class BucketAccumulation:
         self.launches = 0  # kernel-launching calls, for tests and benchmarks
         self.begin(want_norm=False)
 
-    def begin(self, want_norm: bool) -> None:
-        """Start a micro-batch; ``want_norm``: collect the free-norm partials (the last one, single rank)."""
-        self._held: list[list[tuple[int, torch.Tensor, bool]]] = [[] for _ in self.buckets]
-        self._remaining = list(self._sizes)
+    def begin(self, want_norm: bool, expected_arrivals: list[int] | None = None) -> None:
+        """Start a micro-batch; ``want_norm``: collect the free-norm partials (the last one, single rank).
+        ``expected_arrivals[i]``: the arrivals parameter i's bucket waits for (default 1 each)."""
+        self._held: list[dict[int, tuple[torch.Tensor, bool]]] = [{} for _ in self.buckets]
+        if expected_arrivals is None:
+            self._remaining = list(self._sizes)
+        else:
+            self._remaining = [sum(expected_arrivals[b.first:b.last]) for b in self.buckets]
         self._partials = (torch.empty(2, self._n_blocks, dtype=torch.float32, device=self.data.device)
                           if want_norm else None)
         self._norm_complete = want_norm
 
-    def add(self, i: int, grad: torch.Tensor, overwrite: bool, scale: float | torch.Tensor) -> list[int]:
-        """Hold parameter ``i``'s gradient; returns the parameters accumulated by a launch it completed."""
+    def add(self, i: int, grad: torch.Tensor, overwrite: bool, counts: bool = True) -> list[int]:
+        """Hold parameter ``i``'s gradient; returns the parameters accumulated by a launch it completed.
+
+        counts: this arrival counts toward its bucket's readiness (False for an arrival beyond the learned
+        count, which is combined with the held one, or launched on its own when the bucket already was).
+        """
         b = self.bucket_of[i]
-        self._held[b].append((i, grad, overwrite))
-        self._remaining[b] -= 1
-        return self._launch(b, scale) if self._remaining[b] == 0 else []
+        held = self._held[b]
+        if i in held:
+            held[i] = (combine_arrival(self.data, self.layout.offsets[i], *held[i], grad), True)
+        else:
+            held[i] = (grad, overwrite)
+            if self._remaining[b] == 0:  # the bucket was launched already: this arrival goes on its own
+                self._norm_complete = False
+                self._launch(b, 1.0)
+        if counts:
+            self._remaining[b] -= 1
+            if self._remaining[b] == 0:
+                return self._launch(b, 1.0)
+        return []
 
     def flush(self, scale: float | torch.Tensor) -> list[int]:
         """End of backward: launch every bucket still holding gradients; returns the parameters accumulated."""
@@ -110,8 +149,8 @@ class BucketAccumulation:
         return done
 
     def _launch(self, b: int, scale: float | torch.Tensor) -> list[int]:
-        held = sorted(self._held[b], key=lambda item: item[0])  # fixed order: deterministic partials
-        self._held[b] = []
+        held = [(i, g, ow) for i, (g, ow) in sorted(self._held[b].items())]  # fixed order: deterministic partials
+        self._held[b] = {}
         complete = len(held) == self._sizes[b]
         partials = None
         if self._partials is not None and complete:

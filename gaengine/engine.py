@@ -21,6 +21,7 @@ stage lives in the module named after it:
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -248,6 +249,17 @@ class GradientAccumulator:
                     f"(first of shape {tuple(foreign[0].shape)}); build the optimizer over model.parameters()"
                 )
 
+        stale = [p for p in params if p.grad is not None]
+        if stale:
+            # Megatron-Core and torch DDP start from zeroed gradients too: a window is the sum of its own
+            # micro-batches only, so a gradient left from an earlier loss.backward() must not be summed into it.
+            warnings.warn(
+                f"{len(stale)} of {len(params)} trainable parameters already hold a .grad (from a loss.backward() "
+                "before the accumulator was built, or another accumulator); gaengine drops them so that the first "
+                "window holds only its own micro-batches",
+                UserWarning, stacklevel=2)
+            for p in stale:
+                p.grad = None
         self.device = params[0].device
         self.backend = get_backend(backend, self.device)
         self.process_group = process_group
@@ -292,6 +304,10 @@ class GradientAccumulator:
         if optimizer is not None:
             self._masters = MasterWeights(optimizer, self.params, self.main_grad, self.device, master_weights)
             self.master_buffer = self._masters.buffer
+        # One parameter per dtype tells whether the model was moved or converted afterwards (Module._apply
+        # converts them all); a re-pointed bf16/fp16 one must also still be a view of its flat buffer.
+        self._model_sentinels = {p.dtype: p for p in reversed(self.params)}
+        self._model_error: str | None = None
 
         # Window state; host-side Python values only, so the hooks never read the device.
         self._num_micro_batches = 0
@@ -318,12 +334,15 @@ class GradientAccumulator:
                                       self.reduce_dtype, self.process_group) if self.distributed else None)
         buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
             self.main_grad.layout, self.bucket_size_mb)
-        learning = True
+        learning, expected = True, {}
         if self.hooks is not None:
             learning = self.hooks.arrival is not None
+            expected = {id(p): n for p, n in zip(self.hooks.params, self.hooks.expected_arrivals)}
             self._grads_left |= self.hooks.take_stale()
             self.hooks.close()
         self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer)
+        if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
+            self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])
         if not learning:
             self.hooks.stop_learning()
 
@@ -364,6 +383,10 @@ class GradientAccumulator:
             raise ValueError(f"loss must be a scalar floating tensor (reduce it with .mean() or .sum()), got {what}")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: it was computed under torch.no_grad() or from frozen parameters")
+        self._check_model()
+        if self._failed_backward:
+            raise RuntimeError("a backward in this accumulation window raised, so the window is no longer a sum of "
+                               "whole micro-batches; call acc.zero_grad() to drop it, then go on")
         if self._num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
@@ -380,7 +403,9 @@ class GradientAccumulator:
         if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = self._num_micro_batches == self.accumulation_steps - 1
-        armed = self.reducer is not None and last and self._overlap
+        # The first window (the layout and each parameter's arrivals per backward are being learned) reduces after
+        # backward: a bucket whose parameter arrives twice (reentrant checkpointing) must not start early.
+        armed = self.reducer is not None and last and self._overlap and self.hooks.arrival is None
         if armed:
             self.reducer.begin()  # only the window's last micro-batch communicates
 
@@ -399,6 +424,8 @@ class GradientAccumulator:
             # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
             self.hooks.abort()
             self._failed_backward = True
+            for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
+                p.grad = None
             raise
 
         self._item_mode = item_mode
@@ -411,7 +438,7 @@ class GradientAccumulator:
             else:
                 self._items_host += num_items
         if self.reducer is not None and last:
-            if not self._overlap:
+            if not armed:
                 self.reducer.begin()
             self._finish_communication_launch()
 
@@ -436,8 +463,14 @@ class GradientAccumulator:
             if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
                 raise ValueError(f"num_items must be an int or a one-element real tensor, got shape {tuple(num_items.shape)} {num_items.dtype}")
             return num_items.reshape(())
-        if isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 0:
-            raise ValueError(f"num_items must be an int >= 0 or a one-element tensor, got {num_items!r}")
+        if isinstance(num_items, bool) or not isinstance(num_items, int):
+            raise ValueError(f"num_items must be an int >= 1 or a one-element tensor, got {num_items!r}")
+        if num_items < 1:
+            raise ValueError(
+                f"num_items must be >= 1 (the items the summed loss covers), got {num_items}: a micro-batch with no "
+                "items adds nothing to the gradient, so skip its acc.backward() (the window is unchanged). On several "
+                "ranks, where every rank must call acc.backward() together, pass it as a tensor: "
+                "num_items=torch.tensor(0)")
         return num_items
 
     # ------------------------------------------------------------------ update
@@ -448,16 +481,21 @@ class GradientAccumulator:
             micro-batches (or items) it actually holds, so the result is exact. With no micro-batch in the
             window, returns None.
 
-        Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``), and
-        ``ValueError`` if item mode counted zero items in total (the window is kept).
+        Item mode with ``num_items`` given as tensors that add up to 0 over the window (every micro-batch was
+        empty): there is nothing to normalize by, so the update is skipped on the device (``result.skipped``
+        is True, ``grad_norm`` and ``loss`` are inf or NaN, the window is dropped; with dynamic loss scaling the
+        scale backs off as for any skipped update). Python ints are checked in ``backward()`` instead.
+
+        Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
+        the model was moved or converted after the accumulator was built (build a new one).
         """
         k = self._num_micro_batches
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
+        self._check_model()
         if self._failed_backward:
-            raise RuntimeError("a backward in this accumulation window raised; call acc.zero_grad() to drop the window")
-        if self._item_mode and not self.distributed and self._items_dev is None and self._items_host == 0:
-            raise ValueError("num_items adds up to 0 over the window: there is nothing to normalize by (window kept)")
+            raise RuntimeError("a backward in this accumulation window raised, so the window is no longer a sum of "
+                               "whole micro-batches; call acc.zero_grad() to drop it, then go on")
 
         dev = self.device
         loss_sum = self._loss_sum
@@ -512,6 +550,28 @@ class GradientAccumulator:
             self._relearn_layout()
         return result
 
+    def _check_model(self) -> None:
+        """Raise ``RuntimeError`` (for good) when the model was moved or converted after construction."""
+        if self._model_error is None:
+            moved = next(((dtype, p) for dtype, p in self._model_sentinels.items()
+                          if p.dtype != dtype or p.device != self.device), None)
+            try:
+                if self._masters is not None:
+                    self._masters.check_model()
+                if moved is not None:
+                    dtype, p = moved
+                    raise RuntimeError(
+                        f"a model parameter of shape {tuple(p.shape)} is now {p.dtype} on {p.device}, but the "
+                        f"accumulator was built for {dtype} on {self.device}: the model was moved or converted after the "
+                        "GradientAccumulator was built (model.to(...), .float(), .cuda(), ...)")
+            except RuntimeError as exc:
+                self._model_error = (
+                    f"{exc}. acc.zero_grad() cannot recover from this: the accumulator's buffers belong to the model "
+                    "as it was. Call acc.close(), then build the optimizer and a new GradientAccumulator over the "
+                    "model as it is now (move and convert the model first)")
+        if self._model_error is not None:
+            raise RuntimeError(self._model_error)
+
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
@@ -526,6 +586,7 @@ class GradientAccumulator:
         self._items_dev = None
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._failed_backward = False
+        self._stats = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -534,7 +595,20 @@ class GradientAccumulator:
         return self._num_micro_batches
 
     def zero_grad(self) -> None:
-        """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params."""
+        """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params.
+
+        Always returns the accumulator to a clean window, after any error of ``backward()`` or ``step()`` (on
+        several ranks it first waits for the all-reduces a failed last micro-batch had launched). It cannot
+        undo moving or converting the model after construction: then build a new accumulator.
+        """
+        if self.reducer is not None:
+            self.reducer.drain()
+        if self._stats is not None:
+            try:
+                self._stats.work.wait()
+            except Exception:  # noqa: BLE001 - the window is dropped either way
+                pass
+            self._stats = None
         self.hooks.drop()
         self._clear_grads()
         self._reset_window()
@@ -563,6 +637,7 @@ class GradientAccumulator:
             "arrival": self.hooks.arrival,
             "main_grad": self.main_grad.data.detach().cpu().clone(),
             "written": self.hooks.written,
+            "expected_arrivals": self.hooks.expected_arrivals,
             "num_micro_batches": self._num_micro_batches,
             "item_mode": self._item_mode,
             "items_host": self._items_host,
@@ -605,6 +680,8 @@ class GradientAccumulator:
                 self._masters.copy_to_model()
         self.hooks.set_arrival(state["arrival"])
         self.hooks.set_all_written(list(state["written"]))
+        if "expected_arrivals" in state:  # absent from state dicts saved before it was learned
+            self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
         self._num_micro_batches = int(state["num_micro_batches"])
         self._item_mode = state["item_mode"]
         self._items_host = int(state["items_host"])
@@ -641,11 +718,18 @@ class GradientAccumulator:
         )
 
     def close(self) -> None:
-        """Remove the hooks and release the parameters (another accumulator may then take them).
+        """Remove the hooks, drop the ``.grad`` the accumulator left on the parameters, and release them
+        (another accumulator may then take them, and its first window holds only its own micro-batches).
 
         The parameters keep their values; re-pointed bf16/fp16 parameters stay views of the flat model buffer
-        (kept alive by them), until another accumulator re-points them into its own.
+        (kept alive by them), until another accumulator re-points them into its own. With ``optimizer=None``,
+        read (or ``.clone()``) the gradients ``step()`` left in ``.grad`` before calling ``close()``.
         """
+        for p in self.params:
+            p.grad = None
+        self._release()
+
+    def _release(self) -> None:
         if self.hooks is not None:
             self.hooks.close()
         if self.window_batchnorm is not None:
@@ -656,6 +740,6 @@ class GradientAccumulator:
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
-            self.close()
+            self._release()  # garbage collection leaves .grad alone: only an explicit close() drops it
         except Exception:
             pass

@@ -17,8 +17,15 @@ In the window's last micro-batch on several ranks, every parameter whose gradien
 the ``BucketReducer`` (``mark_ready``), which launches each bucket's all-reduce once all of its parameters
 are final, while backward goes on.
 
+A hook may fire more than once per parameter in one backward (a layer shared by segments under reentrant
+activation checkpointing: each segment's backward is its own autograd pass). A later arrival is added to what
+the micro-batch already wrote or holds for that parameter, and counts toward readiness only up to the number of
+arrivals per backward learned for it (``expected_arrivals``, as torch DDP's ``static_graph`` learns it): a bucket
+is complete once each of its parameters has arrived that often.
+
 Raises ``RuntimeError`` (from the hook, through autograd) when a gradient arrives outside
-``acc.backward()`` and ``ValueError`` for a sparse gradient; both drop the offending gradient.
+``acc.backward()``, or arrives more often than learned after its bucket's all-reduce started, and
+``ValueError`` for a sparse gradient; all drop the offending gradient.
 """
 
 from __future__ import annotations
@@ -60,7 +67,10 @@ class PythonHooks:
         # The Triton backend accumulates a whole bucket per launch (the same buckets the reducer uses).
         self.bucket_accumulation = BucketAccumulation(main_grad, buckets) if backend.name == "triton" else None
         self._written = [False] * len(self.params)
+        self._arrivals = [0] * len(self.params)  # hook calls per parameter in this micro-batch
+        self.expected_arrivals = [1] * len(self.params)  # hook calls per backward, learned (>= 1)
         self._arrival: list[int] | None = []  # first-arrival order of the first window, then None
+        self._late: list[str] = []
         self._in_backward = False
         self._armed = False
         self._stale = False
@@ -101,23 +111,33 @@ class PythonHooks:
                 f"parameter {i} (shape {tuple(param.shape)}) received a {grad.layout} gradient; gaengine "
                 "accumulates dense gradients only (build embeddings with sparse=False)"
             )
-        overwrite = not self._written[i]
+        param.grad = None  # the parameter lets go of its low-precision gradient at once
+        count = self._arrivals[i] = self._arrivals[i] + 1
+        counts = count <= self.expected_arrivals[i]  # toward its bucket's readiness
+        if not counts:
+            self.expected_arrivals[i] = count  # later micro-batches wait for this many arrivals
+            if self._armed and self.reducer.launched(i):
+                # Too late to be reduced. Backward goes on so that every such parameter is learned; end() raises.
+                self._late.append(f"parameter {i} (shape {tuple(param.shape)}) received its gradient {count} times "
+                                  "in one backward")
+                return
+        overwrite = count == 1 and not self._written[i]
         if overwrite:
             self._written[i] = True
             if self._arrival is not None:
                 self._arrival.append(i)
-        param.grad = None  # the parameter lets go of its low-precision gradient at once
         if self.bucket_accumulation is not None:
-            done = self.bucket_accumulation.add(i, grad, overwrite, 1.0)  # held until its bucket is full
+            done = self.bucket_accumulation.add(i, grad, overwrite, counts)  # held until its bucket is full
         else:
+            # Each arrival goes in at once: a later one adds to what the earlier one wrote.
             if self._norm_partials is not None:  # last micro-batch, one rank: the norm comes with the pass
                 self.backend.accumulate_sumsq_(self.main_grad.flat_views[i], grad, 1.0, overwrite,
-                                               self._norm_partials, i)
-                self._norm_arrivals += 1
+                                               self._norm_partials, i)  # row i: the values written last
+                self._norm_arrivals += count == 1
             else:
                 self.backend.accumulate_(self.main_grad.flat_views[i], grad, 1.0, overwrite)
             self._launches += 1
-            done = (i,)
+            done = (i,) if count == self.expected_arrivals[i] and counts else ()
         self._mark_final(done)
 
     def _mark_final(self, indices) -> None:
@@ -136,8 +156,10 @@ class PythonHooks:
         this flag arms the hooks: a reducer left armed by a failed last micro-batch launches nothing later.
         """
         self._armed = armed and self.reducer is not None
+        self._arrivals = [0] * len(self.params)
+        self._late: list[str] = []  # arrivals too late to be reduced (armed micro-batch), raised by end()
         if self.bucket_accumulation is not None:
-            self.bucket_accumulation.begin(want_norm=want_norm)
+            self.bucket_accumulation.begin(want_norm, self.expected_arrivals)
         elif want_norm and self.backend.name == "cpu":
             # Per-parameter sums of squares from the last micro-batch's accumulate: step() reads no buffer.
             self._norm_partials = torch.empty(len(self.params), 2, dtype=torch.float64)
@@ -147,6 +169,12 @@ class PythonHooks:
     def end(self) -> None:
         """Autograd returned normally: launch the buckets left incomplete and report their params final."""
         try:
+            if self._late:
+                more = f" (and {len(self._late) - 1} more late arrival(s))" if len(self._late) > 1 else ""
+                raise RuntimeError(
+                    f"{self._late[0]}{more} (a layer shared by reentrant-checkpointed segments, or a graph that "
+                    "changed) after its bucket's all-reduce had started, so the window cannot be reduced exactly. The "
+                    "accumulator has learned the new counts: call acc.zero_grad() and run the window again")
             if self.bucket_accumulation is not None:
                 self._mark_final(self.bucket_accumulation.flush(1.0))  # buckets left incomplete
         finally:
@@ -211,6 +239,12 @@ class PythonHooks:
         """``zero_grad()``: forget gradients held for incomplete buckets."""
         if self.bucket_accumulation is not None:
             self.bucket_accumulation.drop()
+
+    def set_expected_arrivals(self, values: list[int]) -> None:
+        """Restore learned arrivals per backward (a new layout, ``load_state_dict``)."""
+        if len(values) != len(self.params) or any(int(v) < 1 for v in values):
+            raise ValueError(f"expected_arrivals must hold {len(self.params)} ints >= 1, got {values!r}")
+        self.expected_arrivals = [int(v) for v in values]
 
     @property
     def launches(self) -> int:

@@ -149,6 +149,15 @@ class NativeHooks:
     def take_stale(self) -> bool:
         return self._hot.take_stale()
 
+    @property
+    def expected_arrivals(self) -> list[int]:
+        return self._hot.expected_arrivals()
+
+    def set_expected_arrivals(self, values: list[int]) -> None:
+        if len(values) != len(self.params) or any(int(v) < 1 for v in values):
+            raise ValueError(f"expected_arrivals must hold {len(self.params)} ints >= 1, got {values!r}")
+        self._hot.set_expected_arrivals([int(v) for v in values])
+
     def free_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         partials = self._hot.norm_partials()
         if partials is None:

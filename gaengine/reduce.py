@@ -62,6 +62,10 @@ class BucketReducer:
     def armed(self) -> bool:
         return self.next_to_launch < len(self.buckets)
 
+    def launched(self, param_index: int) -> bool:
+        """Whether the all-reduce of parameter ``param_index``'s bucket has started since ``begin()``."""
+        return self.bucket_of[param_index] < self.next_to_launch
+
     def mark_ready(self, param_index: int) -> None:
         """Parameter ``param_index`` is final for this window; launch every bucket that is now complete, in order."""
         self.buckets[self.bucket_of[param_index]].pending -= 1
@@ -90,6 +94,19 @@ class BucketReducer:
             self.launch_log.append((b.index, b.launched_at))
             self.collectives_issued += 1
             self.next_to_launch += 1
+
+    def drain(self) -> None:
+        """Drop the window (``zero_grad()`` after a failed last micro-batch): wait for the all-reduces already
+        launched, so that none still writes into main_grad when the next window does, ignoring their errors (a
+        peer that failed too), and launch nothing more."""
+        for b in self.buckets:
+            if b.work is not None:
+                try:
+                    b.work.wait()
+                except Exception:  # noqa: BLE001 - the window is dropped either way
+                    pass
+            b.work = b.wire = None
+        self.next_to_launch = len(self.buckets)
 
     def wait(self) -> None:
         """Wait for every launched bucket (on CUDA: the current stream waits, the host does not)."""

@@ -22,6 +22,7 @@ from tests.tolerances import rel_diff
 pytestmark = pytest.mark.multiproc
 
 K, B, STEPS, MAX_NORM = 3, 2, 3, 0.05
+DOUBLE_D = 128  # tests.test_double_arrival.D
 
 
 class Net(nn.Module):
@@ -153,8 +154,43 @@ def _scenario_rank_fails(rank, world, out):
     return {"error": None}
 
 
+def _shared_batch(window, rank, k, world, k_steps):
+    g = torch.Generator().manual_seed(1000 * window + k_steps * rank + k)
+    return torch.randn(3, DOUBLE_D, generator=g)
+
+
+def _scenario_double_arrival(rank, world, out):
+    """A layer shared by two reentrant-checkpointed segments (its hook fires twice per backward), one bucket per
+    parameter. Phase 1, K=1: every micro-batch is armed, the first window learns the arrivals. Phase 2, K=2: the
+    graph changes so that `shared` arrives twice for the first time in an armed micro-batch, after its bucket's
+    all-reduce started: every rank raises, zero_grad(), and the retried window is exact."""
+    from tests.test_double_arrival import SharedCheckpointed  # noqa: PLC0415
+
+    results = {}
+    for phase, k_steps in (("k1", 1), ("graph-change", 2)):
+        torch.manual_seed(0)
+        model = SharedCheckpointed()
+        acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                           accumulation_steps=k_steps, max_grad_norm=None, bucket_size_mb=1e-6)
+        errors = []
+        for window in range(3):
+            twice = [phase == "k1" or window == 2 and k == 1 for k in range(k_steps)]
+            for attempt in range(2):
+                try:
+                    for k in range(k_steps):
+                        acc.backward(model(_shared_batch(window, rank, k, world, k_steps), twice=twice[k]))
+                    acc.step()
+                    break
+                except RuntimeError as exc:
+                    errors.append((window, attempt, str(exc)))
+                    acc.zero_grad()
+        results[phase] = {"params": [p.detach().clone() for p in model.parameters()], "errors": errors}
+        acc.close()
+    return results
+
+
 SCENARIOS = {"equivalence": _scenario_equivalence, "items_unused": _scenario_items_unused,
-             "rank_fails": _scenario_rank_fails}
+             "rank_fails": _scenario_rank_fails, "double_arrival": _scenario_double_arrival}
 
 
 def _worker(rank, world, init_file, scenario, out, timeout_s):
@@ -275,3 +311,36 @@ def test_rank_failing_mid_window_raises_on_the_others(tmp_path):
     assert codes[0] == 0 and results[0]["error"] is not None
     assert "another rank failed, stopped mid-window" in results[0]["error"]
     assert results[0]["elapsed"] < 60
+
+
+@pytest.mark.parametrize("world,hot_path", [(2, "native"), (3, "native"), (2, "python")])
+def test_double_arrival_on_several_ranks_equals_one_process(tmp_path, world, hot_path, monkeypatch):
+    from tests.test_double_arrival import D, SharedCheckpointed  # noqa: PLC0415
+
+    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)  # the spawned ranks inherit it
+
+    assert D == DOUBLE_D
+    codes, results = _launch(tmp_path, world, "double_arrival")
+    assert codes == [0] * world
+    for phase, k_steps in (("k1", 1), ("graph-change", 2)):
+        torch.manual_seed(0)
+        ref = SharedCheckpointed()
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for window in range(3):
+            for rank in range(world):
+                for k in range(k_steps):
+                    twice = phase == "k1" or window == 2 and k == 1
+                    ref(_shared_batch(window, rank, k, world, k_steps), twice=twice).backward()
+            for q in ref.parameters():
+                q.grad /= world * k_steps  # the window mean (the nested pass is not scaled by a loss factor)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for rank, res in enumerate(results):
+            got = res[phase]
+            for p, q in zip(got["params"], ref.parameters()):
+                assert rel_diff(p, q) <= 1e-5, f"{phase}: rank {rank} vs one process"
+            if phase == "k1":
+                assert got["errors"] == []
+            else:  # the new double arrival came after its bucket's all-reduce started: refused once, then exact
+                assert [(w, a) for w, a, _ in got["errors"]] == [(2, 0)]
+                assert "2 times in one backward" in got["errors"][0][2] and "acc.zero_grad()" in got["errors"][0][2]

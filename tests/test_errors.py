@@ -158,12 +158,10 @@ def test_zero_items_in_total():
     model = _model()
     ref = copy.deepcopy(model)
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None)
-    acc.backward(_loss(model, 0) * 0, num_items=0)
-    acc.backward(_loss(model, 1) * 0, num_items=0)
-    with pytest.raises(ValueError, match="num_items adds up to 0"):
-        acc.step()
-    assert acc.num_micro_batches == 2  # window kept: the user decides (zero_grad() drops it)
-    acc.zero_grad()
+    # An int 0 is refused by backward() itself, before autograd runs: the window is untouched.
+    with pytest.raises(ValueError, match="num_items must be >= 1"):
+        acc.backward(_loss(model, 0) * 0, num_items=0)
+    assert acc.num_micro_batches == 0 and all(p.grad is None for p in model.parameters())
     acc.backward(_loss(model, 0) * 4, num_items=4)
     acc.backward(_loss(model, 1) * 4, num_items=4)
     acc.step()

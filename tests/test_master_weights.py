@@ -503,12 +503,14 @@ def test_converting_the_model_after_building_the_accumulator_raises(opt_name, co
     opt = (FusedAdamW(model.parameters(), lr=1e-2) if opt_name == "gaengine-fused"
            else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=1)
+    acc.backward(_loss(model, *_batch(0, torch.bfloat16)))
     getattr(model, convert)()  # the parameters leave the flat bf16 buffer
     dtype = next(model.parameters()).dtype
-    acc.backward(_loss(model, *_batch(0, dtype)))
     masters = [m.detach().clone() for m in acc._masters.low_masters]
     with pytest.raises(RuntimeError, match="no longer a view.*moved or converted"):
         acc.step()
+    with pytest.raises(RuntimeError, match="no longer a view.*moved or converted"):  # found before autograd runs
+        acc.backward(_loss(model, *_batch(0, dtype)))
     assert all(torch.equal(m, b) for m, b in zip(acc._masters.low_masters, masters))  # nothing was updated
 
 

@@ -154,8 +154,9 @@ def _accumulated_grads(model, xs):
     for x in xs:
         acc.backward(model(x).pow(2).mean())
     acc.step()
+    grads = [p.grad.clone() for p in model.parameters()]  # close() drops the .grad the accumulator left
     acc.close()
-    return [p.grad.clone() for p in model.parameters()]
+    return grads
 
 
 @pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
