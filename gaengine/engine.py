@@ -130,7 +130,10 @@ class GradientAccumulator:
 
     Args:
         model: an ``nn.Module`` or an iterable of Parameters, all on one device, fp32 | bf16 | fp16.
-            Parameters with ``requires_grad=False`` are skipped. Must not be wrapped in DDP.
+            Parameters with ``requires_grad=False`` are skipped. Must not be wrapped in DDP. A ``.grad`` already
+            on a parameter (a ``loss.backward()`` before construction) is dropped with one ``UserWarning`` naming
+            how many: a window holds only its own micro-batches (Megatron-Core and torch DDP start from zeroed
+            gradients too).
         optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, or None
             (then ``step()`` leaves the final, normalized and clipped gradients in ``.grad``). For bf16/fp16
             parameters it is re-pointed at fp32 master weights (param groups and hyper-parameters kept);

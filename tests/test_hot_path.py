@@ -206,3 +206,58 @@ def test_bad_hot_path_setting(monkeypatch):
     monkeypatch.setenv("GAENGINE_HOT_PATH", "fast")
     with pytest.raises(ValueError, match="GAENGINE_HOT_PATH"):
         gaengine.GradientAccumulator(Chain(2), None, accumulation_steps=2)
+
+
+class _TwoStreams(torch.nn.Module):
+    """`side`'s forward (so its backward and its gradients) runs on a side stream, slowed by a sleep kernel, while
+    the rest runs on the caller's stream: a bucket mixes gradients made ready on two streams."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.main = torch.nn.Linear(d, d)
+        self.side = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(d, 1)
+        self.stream = None
+
+    def forward(self, x):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(1_000_000)  # the side stream runs late
+            s = torch.tanh(self.side(x))
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return self.out(torch.tanh(self.main(x)) + s).float().pow(2).mean()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bucket_size_mb", [1e-4, 25.0], ids=["bucket-per-param", "one-bucket"])
+def test_gradients_from_two_streams_equal_one_op_per_parameter(bucket_size_mb, monkeypatch):
+    """The native hooks' bucket launch waits on the stream of every gradient it reads and records its own stream on
+    them (csrc/hot_path.cpp), against backend='torch' (one ATen op per gradient, ordered by autograd itself)."""
+    monkeypatch.setenv("GAENGINE_HOT_PATH", "native")
+    results = {}
+    for backend in ("auto", "torch"):
+        torch.manual_seed(0)
+        model = _TwoStreams().cuda().to(torch.bfloat16)
+        acc = gaengine.GradientAccumulator(model, None, accumulation_steps=4, max_grad_norm=None, backend=backend,
+                                           bucket_size_mb=bucket_size_mb)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(4):
+            acc.backward(model(torch.randn(64, 256, device="cuda", generator=g, dtype=torch.bfloat16)))
+            torch.cuda.empty_cache()  # freed gradients go back to the allocator at once
+        results[backend] = acc.main_grad.data.clone()
+        acc.close()
+    assert_bitwise_equal(results["auto"], results["torch"], "main_grad")
+
+
+@pytest.mark.parametrize("hot_path", ["native", "python"])
+def test_window_of_empty_parameters_has_norm_zero(hot_path, monkeypatch):
+    """Every parameter empty: the free-norm partials have no column (no uninitialised one read as the norm)."""
+    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    params = [nn.Parameter(torch.empty(0)), nn.Parameter(torch.empty(0, 3))]
+    acc = gaengine.GradientAccumulator(params, None, accumulation_steps=2, max_grad_norm=1.0)
+    for _ in range(2):
+        acc.backward(sum(p.sum() for p in params) + torch.zeros((), requires_grad=True))
+    result = acc.step()
+    assert float(result.grad_norm) == 0.0 and not bool(result.skipped) and float(result.clip_coef) == 1.0
