@@ -71,7 +71,7 @@ Kernels parse_kernels(const std::string& name, const at::Tensor& main_grad) {
   }
   if (name == "cuda") {
 #if defined(GAENGINE_WITH_CUDA)
-    TORCH_CHECK_VALUE(main_grad.device().is_cuda(), "kernels='cuda' needs a CUDA main_grad, got ",
+    TORCH_CHECK_VALUE(GAENGINE_IS_CUDA_TENSOR(main_grad), "kernels='cuda' needs a CUDA main_grad, got ",
                       main_grad.device());
     return Kernels::kCuda;
 #else

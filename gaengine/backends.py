@@ -277,9 +277,22 @@ def cuda_driver_problem(driver_version: int | None) -> str | None:
             f"backend='triton'")
 
 
+# A test hook, None in every real run: tests/cuda_emu/engine.py sets it to an emulated build of gaengine._C (csrc/cuda's
+# kernels executed on CPU by the shim, built with CPU tensors standing in for CUDA ones). The cuda backend, the native
+# hot path's kernels="cuda" and FusedAdamW's adamw_step_cuda_ then take their ops from it, on CPU tensors.
+_EMULATED_CUDA_MODULE = None
+
+
+def _cuda_device_type() -> str:
+    """The device type of the cuda backend's tensors: "cuda" ("cpu" only under the test hook above)."""
+    return "cuda" if _EMULATED_CUDA_MODULE is None else "cpu"
+
+
 def _load_cuda_kernels():
     """``gaengine._C`` when its CUDA kernels can run in this process; else raises ``RuntimeError`` with the reason
     (``ImportError`` when the extension is not built). The driver is checked when a GPU is visible."""
+    if _EMULATED_CUDA_MODULE is not None:
+        return _EMULATED_CUDA_MODULE
     if not torch.version.cuda:
         raise RuntimeError("this torch is a CPU-only build (torch.version.cuda is None)")
     if torch.cuda.is_available():
@@ -328,8 +341,8 @@ class CudaBackend(Backend):
     # Every argument is checked here, in Python, before ``self._C``: its TORCH_CHECKs are a second line only.
     # Nothing below reads a tensor on the host.
     def accumulate_(self, dst, src, scale=1.0, overwrite=False):
-        check_device_type(dst, "dst", "cuda")
-        check_device_type(src, "src", "cuda")
+        check_device_type(dst, "dst", _cuda_device_type())
+        check_device_type(src, "src", _cuda_device_type())
         check_accumulate_args(dst, src, scale)  # same device, dtypes, numel; a tensor scale: 0-d fp32 on dst's
         tensor = scale if isinstance(scale, torch.Tensor) else None  # read by the kernel, never on the host
         self._C.accumulate_cuda_(dst, src.contiguous(), 1.0 if tensor is not None else float(scale), tensor,
@@ -337,12 +350,12 @@ class CudaBackend(Backend):
         return dst
 
     def l2norm_sq(self, x):
-        check_device_type(x, "x", "cuda")
+        check_device_type(x, "x", _cuda_device_type())
         check_grad_tensor(x)
         return tuple(self._C.l2norm_sq_cuda(x.contiguous()))
 
     def scale_(self, x, coef):
-        check_device_type(x, "x", "cuda")
+        check_device_type(x, "x", _cuda_device_type())
         check_scale_args(x, coef)
         # The kernel reads a float through coef's pointer: a cast on the device (no host read), torch's rounding.
         self._C.scale_cuda_(x, coef if coef.dtype == torch.float32 else coef.to(torch.float32))
@@ -403,6 +416,6 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
     if backend is None:
         hint = " (build it with GAENGINE_BUILD_EXT=1 pip install --no-build-isolation -e .)" if name == "cpu" else ""
         raise RuntimeError(f"backend {name!r} could not be loaded{hint}: {_load_errors[name]}") from _load_errors[name]
-    if name == "cuda" and device.type != "cuda":
+    if name == "cuda" and device.type != _cuda_device_type():
         raise RuntimeError(f"backend 'cuda' runs on CUDA tensors only, got device {device}")
     return backend

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from gaengine.backends import cuda_kernels_unusable
+from gaengine.backends import _load_cuda_kernels, cuda_kernels_unusable
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
 from gaengine.hooks import PythonHooks
@@ -102,6 +102,8 @@ class NativeHooks:
         _C, why = _load_native()
         if _C is None:
             raise RuntimeError(why)
+        if kernels == "cuda":
+            _C = _load_cuda_kernels()  # the cuda backend's extension: gaengine._C (or the tests' emulated build)
         self._C = _C
         self.params = list(params)
         self.kernels = kernels

@@ -263,11 +263,10 @@ class FusedAdamW(torch.optim.Optimizer):
         # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
         # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
         # launch for the whole list (Triton launches once per parameter).
-        name = get_backend(self.backend, device).name
+        backend = get_backend(self.backend, device)
+        name = backend.name
         if name == "cuda":
-            from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
-
-            kernel = _C.adamw_step_cuda_
+            kernel = backend._C.adamw_step_cuda_  # the extension CudaBackend loaded (gaengine._C)
         elif name == "cpu":
             from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
 

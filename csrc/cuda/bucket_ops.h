@@ -9,6 +9,13 @@
 #include <cstdint>
 #include <vector>
 
+// The device test of the CUDA ops' contracts (cuda_ops.cu) and of HotPath's kernels="cuda" (hot_path.cpp): t is a
+// CUDA tensor. Only tests/cuda_emu/engine.py's emulated build (the kernels executed on CPU by the shim, CPU tensors
+// standing in for CUDA ones) defines it otherwise, as (t).is_cpu(); production builds never define it.
+#ifndef GAENGINE_IS_CUDA_TENSOR
+#define GAENGINE_IS_CUDA_TENSOR(t) ((t).is_cuda())
+#endif
+
 namespace gaengine {
 
 // Chunks of a bucket of sources with these numels: the columns of its (2, n) fp32 free-norm partials. Chunks

@@ -24,7 +24,7 @@
 #include "bucket_ops.h"
 #include "kernels.cuh"
 
-#define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got device ", (x).device())
+#define CHECK_CUDA(x) TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(x), #x " must be a CUDA tensor, got device ", (x).device())
 #define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
 #define CHECK_DTYPE(x, cond, expected) TORCH_CHECK(cond, #x " must be " expected ", got ", (x).scalar_type())
 #define CHECK_SAME_DEVICE(x, y) \
@@ -142,7 +142,7 @@ int32_t kernel_dtype(at::ScalarType t) {
 
 // A tensor of a list: "what[i] must be ...", on `device`.
 void check_list_tensor(const at::Tensor& t, const char* what, size_t i, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda(), what, "[", i, "] must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(t), what, "[", i, "] must be a CUDA tensor, got device ", t.device());
   TORCH_CHECK(t.device() == device, what, "[", i, "] is on ", t.device(), " but must be on ", device);
   TORCH_CHECK(t.is_contiguous(), what, "[", i, "] must be contiguous");
 }
@@ -240,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor> sum_partials_cuda(const at::Tensor& partials)
 void check_device_scalar(const std::optional<at::Tensor>& t, const char* name,
                          const std::optional<at::Device>& device) {
   if (!t.has_value()) return;
-  TORCH_CHECK(t->is_cuda(), name, " must be a CUDA tensor, got device ", t->device());
+  TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(*t), name, " must be a CUDA tensor, got device ", t->device());
   TORCH_CHECK(!device.has_value() || t->device() == *device, name, " is on ", t->device(), " but params are on ",
               *device);
   TORCH_CHECK(t->dim() == 0 && t->scalar_type() == at::kFloat, name, " must be a 0-d float32 tensor, got ",
@@ -274,7 +274,7 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
   check_adamw_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, model_params);
   std::optional<at::Device> device;
   if (n_params > 0) {
-    TORCH_CHECK(params[0].is_cuda(), "params[0] must be a CUDA tensor, got device ", params[0].device());
+    TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(params[0]), "params[0] must be a CUDA tensor, got device ", params[0].device());
     device = params[0].device();
   }
   check_device_scalar(grad_scale, "grad_scale", device);
@@ -293,7 +293,7 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
     param_dtypes[i] = pt;
     const auto gt = grads[i].scalar_type();
     const int64_t n = params[i].numel();
-    TORCH_CHECK(steps[i].is_cuda() && steps[i].device() == *device && steps[i].dim() == 0 &&
+    TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(steps[i]) && steps[i].device() == *device && steps[i].dim() == 0 &&
                     steps[i].scalar_type() == at::kFloat,
                 "steps[", i, "] must be a 0-d float32 tensor on ", *device, ", got ", steps[i].sizes(), " ",
                 steps[i].scalar_type(), " on ", steps[i].device());

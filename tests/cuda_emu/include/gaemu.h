@@ -34,6 +34,7 @@
 //                               several chunks per block run at small sizes
 //   GAENGINE_EMU_ORDER=reverse  blocks in descending order, threads scheduled in descending order
 //   GAENGINE_EMU_STACK_KB=K     fiber stack size (default 256 KiB; a guard page below each)
+//   GAENGINE_EMU_DRIVER_VERSION=N  what cudaDriverGetVersion reports (default 12040: CUDA 12.4)
 //
 // API for drivers (namespace gaemu)
 //   launch(&kernel, "name", grid, block, shmem = 0, stream = 0)(args...)  what rewrite.py turns
@@ -1024,6 +1025,13 @@ inline const char* cudaGetErrorName(cudaError_t err) {
 }
 inline cudaError_t cudaGetDevice(int* device) {
   *device = 0;
+  return cudaSuccess;
+}
+// The CUDA version the driver supports, encoded 1000 * major + 10 * minor: 12040 (12.4), or
+// GAENGINE_EMU_DRIVER_VERSION=N (an older driver: csrc/cuda/cuda_ops.cu's check_driver_for_multi_tensor).
+inline cudaError_t cudaDriverGetVersion(int* version) {
+  const char* env = getenv("GAENGINE_EMU_DRIVER_VERSION");
+  *version = env != nullptr && *env != '\0' ? atoi(env) : 12040;
   return cudaSuccess;
 }
 inline cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }

@@ -1,0 +1,116 @@
+"""The engine on the CUDA kernels, executed on CPU: an emulated build of ``gaengine._C`` and the switch to use it.
+
+``build()`` compiles what ``setup.py``'s ``CUDAExtension`` compiles, ``csrc/*.cpp`` + ``csrc/cuda/cuda_ops.cu`` in the
+CUDA configuration (``GAENGINE_WITH_CUDA``: ``register_cuda_ops``, ``HotPath``'s ``kernels="cuda"`` branch calling
+``gaengine::accumulate_bucket_cuda``), with g++ as C++ against the shim (``include/``, first on the include path),
+into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, ninja). What makes it build on CPU:
+
+* ``cuda_ops.cu`` is copied as ``src/cuda/cuda_ops.cpp`` next to ``kernels.cuh`` rewritten by ``rewrite.py`` (the
+  ``<<<...>>>`` launches; ``cuda_ops.cu`` itself has none), a ``#line`` directive pointing reports at the original;
+* ``torch_include/`` (searched before torch's headers): stubs of ``c10/cuda/CUDAStream.h`` (the current stream is
+  the shim's null stream) and ``CUDAGuard.h`` (a no-op), and ``gaengine_emu_build.h``, force-included, which
+  defines ``GAENGINE_WITH_CUDA`` and ``GAENGINE_IS_CUDA_TENSOR(t)`` as ``t.is_cpu()``: the device test of every
+  contract in ``cuda_ops.cu`` and of ``HotPath``'s ``kernels="cuda"`` (``csrc/cuda/bucket_ops.h`` defines it as
+  ``t.is_cuda()`` otherwise), so CPU tensors stand in for CUDA ones and a meta tensor is "not a CUDA tensor";
+* the shim's flags (``-ffp-contract=off -fno-strict-aliasing``, ``-fsanitize=alignment``: a misaligned 128-bit
+  access aborts), ``-fvisibility=hidden`` (nothing interposes between this module and ``gaengine._C``), ``-O1``.
+
+``hot_path.cpp``'s streams are device-generic (``c10::impl::getDeviceGuardImpl``, ``c10::Event``,
+``recordDataPtrOnStream``): on CPU tensors the one CPU stream, so they do nothing.
+
+``use(monkeypatch, module)`` points ``gaengine.backends._EMULATED_CUDA_MODULE`` (the one test hook) at the module,
+with fresh backend caches: ``backend="cuda"`` on a CPU device is then a ``CudaBackend`` over its ops, the native
+hot path's ``kernels="cuda"`` builds its ``HotPath``, and ``FusedAdamW(backend="cuda")`` takes its
+``adamw_step_cuda_``. The build is cached under ``build/cuda_emu_engine`` (ninja rebuilds what changed).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CSRC = os.path.join(ROOT, "csrc")
+SHIM_INCLUDE = os.path.join(HERE, "include")
+TORCH_STUBS = os.path.join(HERE, "torch_include")
+KERNELS = os.path.join(CSRC, "cuda", "kernels.cuh")
+BUILD_DIR = os.path.join(ROOT, "build", "cuda_emu_engine")
+MODULE_NAME = "gaengine_emu_C"
+CUDA_OPS = ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_", "sum_partials_cuda",
+            "bucket_num_chunks", "adamw_step_cuda_", "HotPath")
+CFLAGS = ["-O1", "-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisibility=hidden",
+          "-fsanitize=alignment", "-fno-sanitize-recover=all", "-include",
+          os.path.join(TORCH_STUBS, "gaengine_emu_build.h")]
+LDFLAGS = ["-fsanitize=alignment"]
+
+sys.path.insert(0, HERE)
+import rewrite  # noqa: E402
+
+
+def _write_if_changed(path: str, text: str) -> None:
+    """Write ``text`` unless ``path`` holds it already (ninja then sees nothing new)."""
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return
+    except OSError:
+        pass
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def sources(build_dir: str = BUILD_DIR, kernels: str = KERNELS) -> list[str]:
+    """The translation units, after mirroring ``cuda_ops.cu`` and the rewritten ``kernels`` (``kernels.cuh``, or a
+    mutant of it) into ``build_dir``."""
+    cuda_dir = os.path.join(build_dir, "src", "cuda")
+    os.makedirs(cuda_dir, exist_ok=True)
+    with open(kernels) as f:
+        kernels, n_launches = rewrite.rewrite(f.read(), require_caps=True)
+    assert n_launches > 0
+    _write_if_changed(os.path.join(cuda_dir, "kernels.cuh"), kernels)
+    ops_path = os.path.join(CSRC, "cuda", "cuda_ops.cu")
+    with open(ops_path) as f:
+        ops = f.read()
+    if "<<<" in ops:
+        ops, _ = rewrite.rewrite(ops)
+    else:
+        ops = f'#line 1 "{ops_path}"\n' + ops
+    _write_if_changed(os.path.join(cuda_dir, "cuda_ops.cpp"), ops)
+    return sorted(glob.glob(os.path.join(CSRC, "*.cpp"))) + [os.path.join(cuda_dir, "cuda_ops.cpp")]
+
+
+def build(build_dir: str = BUILD_DIR, kernels: str = KERNELS, verbose: bool = False):
+    """The emulated ``gaengine._C``, built (or rebuilt where its sources changed) and imported; with the
+    seconds the build took. ``kernels``: the ``kernels.cuh`` to compile (``mutate.py``'s mutants: another
+    ``build_dir``). Raises what ``torch.utils.cpp_extension.load`` raises on a compile error."""
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    start = time.perf_counter()
+    srcs = sources(build_dir, kernels)
+    # "bucket_ops.h" and "../adamw.h" of cuda_ops.cpp resolve through csrc/cuda; the copy's own directory holds the
+    # rewritten kernels.cuh, found first.
+    includes = [SHIM_INCLUDE, TORCH_STUBS, os.path.join(CSRC, "cuda"), CSRC]
+    module = cpp_extension.load(name=MODULE_NAME, sources=srcs, extra_include_paths=includes, extra_cflags=CFLAGS,
+                                extra_ldflags=LDFLAGS, build_directory=build_dir, verbose=verbose)
+    missing = [op for op in CUDA_OPS if not hasattr(module, op)]
+    if missing:
+        raise RuntimeError(f"{MODULE_NAME} lacks {missing}: GAENGINE_WITH_CUDA did not reach cpu_ops.cpp")
+    return module, time.perf_counter() - start
+
+
+def use(monkeypatch, module) -> None:
+    """Make ``module`` the cuda backend's extension for the rest of the test (``monkeypatch`` undoes it)."""
+    from gaengine import backends  # noqa: PLC0415
+
+    monkeypatch.setattr(backends, "_EMULATED_CUDA_MODULE", module)
+    monkeypatch.setattr(backends, "_instances", {})
+    monkeypatch.setattr(backends, "_load_errors", {})
+    monkeypatch.setattr(backends, "_announced", set())
+
+
+if __name__ == "__main__":
+    _, seconds = build(verbose=True)
+    print(f"{MODULE_NAME}: {seconds:.1f} s")

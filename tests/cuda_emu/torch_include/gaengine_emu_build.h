@@ -1,0 +1,9 @@
+// Force-included (g++ -include) first into every translation unit of tests/cuda_emu/engine.py's emulated build of
+// gaengine._C: csrc/*.cpp + csrc/cuda/cuda_ops.cu compiled as C++ against the shim, in the CUDA configuration, with
+// CPU tensors standing in for CUDA ones. Nothing else includes it.
+#pragma once
+
+// As setup.py's CUDAExtension: cpu_ops.cpp calls register_cuda_ops, HotPath has its kernels="cuda" branch.
+#define GAENGINE_WITH_CUDA 1
+// csrc/cuda/bucket_ops.h: the device the CUDA kernels' tensors are on (here the CPU, standing in).
+#define GAENGINE_IS_CUDA_TENSOR(t) ((t).is_cpu())

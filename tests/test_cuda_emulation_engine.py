@@ -1,0 +1,442 @@
+"""The engine on the ``cuda`` backend, executed on CPU: ``csrc/cuda/cuda_ops.cu`` and ``HotPath``'s ``kernels="cuda"``
+branch (``csrc/hot_path.cpp``) run under the engine's own tests, with CPU tensors standing in for CUDA ones.
+
+``tests/cuda_emu/engine.py`` builds ``csrc/*.cpp`` + ``cuda_ops.cu`` in the CUDA configuration against the shim
+(``csrc/cuda/kernels.cuh``'s kernels run on CPU with fibers and real barriers, ``-fsanitize=alignment``) into
+``gaengine_emu_C``, once per session (cached under ``build/cuda_emu_engine``), and points the cuda backend at it:
+``GradientAccumulator(backend="cuda")`` on a CPU model then accumulates through the native hot path's multi-tensor
+bucket kernel (``accumulate_bucket_cuda``, per-chunk free-norm partials, ``sum_partials_cuda``), normalizes and
+clips with ``l2norm_sq_cuda`` / ``scale_cuda_``, and ``FusedAdamW(backend="cuda")`` steps with ``adamw_step_cuda_``.
+
+Every run is compared with the same run on ``backend="cpu"`` (the real ``gaengine._C``, whose kernels are tested
+against fp64 oracles elsewhere): ``main_grad`` after each window's backwards, parameters, master weights and
+optimizer state after every step, bitwise, as the backend contract says (unscaled accumulate: one IEEE add;
+AdamW: the same fp32 operations). The gradient norm is the exception the contract makes: CUDA sums fp32 squares
+per 4096- or 16384-element chunk, the CPU sums in fp64, so ``grad_norm`` is checked against an fp64 oracle within
+``tests/tolerances.py``'s ``sum_sq_rtol`` on both backends, and a clipped window against the clip coefficient the
+run itself computed (``scale_cuda_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival and
+stale-gradient tests of ``tests/test_double_arrival.py`` / ``tests/test_stale_gradients.py`` run again on the
+emulated backend, and the ops' contracts raise their named errors. Skipped only when no C++ compiler is found; the
+build takes about two minutes on 2 cores the first time.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gaengine
+from gaengine import backends
+from gaengine.optim import FusedAdamW
+from tests import test_double_arrival, test_stale_gradients
+from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "cuda_emu"))
+import build as emu_build  # noqa: E402
+import engine as emu_engine  # noqa: E402
+
+pytestmark = pytest.mark.skipif(emu_build.find_cxx() is None,
+                                reason="no C++ compiler ($CXX, g++, c++, clang++) to build the emulation")
+
+# Parametrize ids never say just "cuda": conftest.py skips items with a "cuda" keyword when no GPU is present.
+EMU = "emu-cuda"
+
+
+@pytest.fixture(scope="session")
+def emulated_module():
+    try:
+        module, seconds = emu_engine.build()
+    except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
+        pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
+    print(f"\n{emu_engine.MODULE_NAME}: built or loaded in {seconds:.1f} s")
+    return module
+
+
+@pytest.fixture
+def emu(emulated_module, monkeypatch):
+    """The cuda backend on CPU tensors, from the emulated build; native hooks; no GAENGINE_BACKEND."""
+    emu_engine.use(monkeypatch, emulated_module)
+    monkeypatch.setenv("GAENGINE_HOT_PATH", "native")
+    monkeypatch.delenv("GAENGINE_BACKEND", raising=False)
+    return emulated_module
+
+
+# ----------------------------------------------------------------------------------------------------- the model
+class Net(nn.Module):
+    """Odd sizes (a 4773-element weight: two bucket chunks; 1, 37, 65, 129 elements), a tied weight (``enc.weight``
+    used twice: AccumulateGrad sums both uses, one arrival), an empty parameter (0 elements, used), and optionally
+    an unused branch (no gradient: its bucket is launched incomplete in ``end()``, the norm needs a pass)."""
+
+    def __init__(self, dtype: torch.dtype, unused: bool):
+        super().__init__()
+        self.enc = nn.Linear(37, 129)
+        self.mid = nn.Linear(129, 65)
+        self.out = nn.Linear(65, 1)
+        self.gain = nn.Parameter(torch.randn(1) * 0.5 + 1)
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.unused = nn.Linear(5, 3) if unused else None
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.enc(x))
+        back = h @ self.enc.weight  # the tied use
+        y = self.out(torch.tanh(self.mid(h))) * self.gain + self.empty.sum()
+        return y.float().pow(2).sum(-1) + 0.1 * back.float().pow(2).mean(-1)  # per item
+
+
+def _batches(n: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(int(torch.randint(3, 7, (), generator=g)), 37, generator=g).to(dtype) for _ in range(n)]
+
+
+def _loss(model, x, item_mode):
+    per_item = model(x)
+    return (per_item.sum(), x.shape[0]) if item_mode else (per_item.mean(), None)
+
+
+def _fp64_norm(main_grad: torch.Tensor, denom: float) -> torch.Tensor:
+    return torch.sqrt((main_grad.double() ** 2).sum()) / denom
+
+
+def _assert_norm(result, main_grad, denom, what):
+    """grad_norm within sum_sq_rtol of the fp64 oracle: the CUDA norm sums fp32 squares per chunk, the CPU one in
+    fp64, so the two may differ in their last bits; both must be within the budget."""
+    exact = _fp64_norm(main_grad, denom)
+    rel = abs(result.grad_norm.double().item() - exact.item()) / max(exact.item(), 1e-300)
+    assert rel <= sum_sq_rtol(main_grad.numel()), f"{what}: grad_norm off by {rel:.3e} relative"
+
+
+class Run:
+    """One training run over ``model`` (a copy) on ``backend``: what each window left, for comparison."""
+
+    def __init__(self, model, backend, *, optimizer=None, master_weights=True, bucket_size_mb=25.0,
+                 max_grad_norm=None, accumulation_steps=3, lr=1e-2):
+        self.model = copy.deepcopy(model)
+        self.backend = backend
+        self.optimizer = None
+        if optimizer == "fused_adamw":
+            self.optimizer = FusedAdamW(self.model.parameters(), lr=lr, weight_decay=0.1, backend=backend)
+        self.acc = gaengine.GradientAccumulator(self.model, self.optimizer, accumulation_steps=accumulation_steps,
+                                                max_grad_norm=max_grad_norm, backend=backend,
+                                                bucket_size_mb=bucket_size_mb, master_weights=master_weights)
+        assert self.acc.hooks.native and self.acc.hooks.kernels == backend
+        if backend == "cuda":  # every op from the emulated build: the hooks' HotPath, the backend's, the optimizer's
+            emulated = backends._EMULATED_CUDA_MODULE
+            assert emulated is not None and self.acc.hooks._C is emulated and self.acc.backend._C is emulated
+        self.windows: list[dict] = []
+
+    def window(self, batches, item_mode, force=False):
+        acc = self.acc
+        for x in batches:
+            loss, n = _loss(self.model, x, item_mode)
+            acc.backward(loss, num_items=n)
+        free = acc.hooks.free_norm()
+        record = {"main_grad": acc.main_grad.data.clone(), "free_norm": free is not None,
+                  "written": list(acc.hooks.written)}
+        # Per model parameter (the layout may be re-learned at step): its main_grad slice and whether it was written.
+        slot = {id(p): i for i, p in enumerate(acc.params)}
+        record["views"] = [acc.main_grad.flat_views[slot[id(p)]].clone() if id(p) in slot else None
+                           for p in self.model.parameters()]
+        record["written_by_param"] = [id(p) in slot and record["written"][slot[id(p)]]
+                                      for p in self.model.parameters()]
+        result = acc.step(force=force)
+        record["result"] = result
+        record["params"] = [p.detach().clone() for p in self.model.parameters()]
+        record["grads"] = [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
+        if self.optimizer is not None:
+            record["state"] = [{k: v.clone() for k, v in self.optimizer.state[p].items()}
+                               for g in self.optimizer.param_groups for p in g["params"]]
+            record["opt_params"] = [p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]]
+        self.windows.append(record)
+        return record
+
+
+def _assert_runs_bitwise(emu_run: Run, ref_run: Run, check_params=True):
+    for w, (e, r) in enumerate(zip(emu_run.windows, ref_run.windows, strict=True)):
+        assert e["written"] == r["written"], f"window {w}"
+        # Unwritten slices hold whatever the last window left (zeroed at step): compare the whole buffer.
+        assert_bitwise_equal(e["main_grad"], r["main_grad"], f"window {w}: main_grad after the backwards")
+        assert e["free_norm"] == r["free_norm"], f"window {w}: the free norm was taken on one backend only"
+        assert bool(e["result"].skipped) == bool(r["result"].skipped), f"window {w}"
+        if not check_params:
+            continue
+        for i, (a, b) in enumerate(zip(e["params"], r["params"], strict=True)):
+            assert_bitwise_equal(a, b, f"window {w}: parameter {i}")
+        for i, (a, b) in enumerate(zip(e["grads"], r["grads"], strict=True)):
+            assert (a is None) == (b is None), f"window {w}: grad {i}"
+            if a is not None:
+                assert_bitwise_equal(a, b, f"window {w}: grad {i}")
+        if "state" in e:
+            for i, (a, b) in enumerate(zip(e["opt_params"], r["opt_params"], strict=True)):
+                assert_bitwise_equal(a, b, f"window {w}: optimizer parameter {i} (master weight)")
+            for i, (sa, sb) in enumerate(zip(e["state"], r["state"], strict=True)):
+                assert sa.keys() == sb.keys(), f"window {w}: state {i}"
+                for k in sa:
+                    assert_bitwise_equal(sa[k], sb[k], f"window {w}: optimizer state {i} {k}")
+
+
+def _run_both(model, windows, item_mode=False, forces=None, min_applied=2, **kwargs):
+    """The same windows on backend "cuda" (the emulated build) and "cpu"; grad_norm checked against fp64 on both.
+    At least ``min_applied`` windows must be applied (fp16's dynamic loss scale skips its first windows)."""
+    runs = {name: Run(model, name, **kwargs) for name in ("cuda", "cpu")}
+    k = kwargs.get("accumulation_steps", 3)
+    dtype = next(model.parameters()).dtype
+    for w in range(windows):
+        force = forces is not None and forces[w]
+        n = k - 1 if force else k
+        batches = _batches(n, dtype, seed=100 + w)
+        for run in runs.values():
+            record = run.window(batches, item_mode, force=force)
+            denom = float(sum(x.shape[0] for x in batches)) if item_mode else float(n)
+            if run.acc.scaler is not None:
+                denom *= float(record["result"].loss_scale)
+            if not bool(record["result"].skipped):
+                _assert_norm(record["result"], record["main_grad"], denom, f"{run.backend} window {w}")
+    for run in runs.values():
+        applied = sum(not bool(w["result"].skipped) for w in run.windows)
+        assert applied >= min_applied, f"{run.backend}: only {applied} of {windows} windows were applied"
+    return runs
+
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+          pytest.param(torch.float16, id="fp16")]
+# 25 MiB: one bucket; 2e-3 MiB (524 fp32 elements): two, one holding the 4773-element weight alone, the other the
+# rest; 1e-4 MiB: one bucket per parameter.
+BUCKETS = [pytest.param(25.0, id="one-bucket"), pytest.param(2e-3, id="two-buckets"),
+           pytest.param(1e-4, id="bucket-per-param")]
+
+
+# --------------------------------------------------------------------------------------------- accumulate + norm
+@pytest.mark.parametrize("bucket_size_mb", BUCKETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windows_bitwise_against_the_cpu_backend(emu, dtype, bucket_size_mb):
+    """Mean mode, no optimizer: the exposed gradients after step() are main_grad / K on both backends. Every
+    parameter arrives in the last micro-batch: the norm is the free one (per-chunk partials, sum_partials_cuda)."""
+    torch.manual_seed(1)
+    model = Net(dtype, unused=False)
+    runs = _run_both(model, windows=4, bucket_size_mb=bucket_size_mb)
+    assert all(w["free_norm"] for w in runs["cuda"].windows)
+    assert runs["cuda"].acc.hooks.launches > 0
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"])
+
+
+@pytest.mark.parametrize("bucket_size_mb", BUCKETS)
+def test_item_mode_partial_window_and_an_unused_parameter(emu, bucket_size_mb):
+    """Item mode, a partial window (step(force=True) after K - 1 micro-batches), an unused branch: the last bucket
+    launched incomplete in end(), the norm by an l2norm_sq_cuda pass over the buffer (no free norm)."""
+    torch.manual_seed(2)
+    model = Net(torch.bfloat16, unused=True)
+    runs = _run_both(model, windows=3, item_mode=True, forces=[False, True, False], bucket_size_mb=bucket_size_mb)
+    assert not any(w["free_norm"] for w in runs["cuda"].windows)
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"])
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["free-norm", "norm-pass"])
+def test_clipping_scales_by_the_runs_own_coefficient(emu, unused):
+    """max_grad_norm below the gradient's norm: main_grad bitwise as on the CPU backend before the step; the
+    exposed gradient is main_grad * (clip_coef / K) with the run's own clip_coef, bitwise (scale_cuda_ is one
+    fp32 multiply); grad_norm within the fp64 budget (checked in _run_both)."""
+    torch.manual_seed(3)
+    model = Net(torch.float32, unused=unused)
+    runs = _run_both(model, windows=2, max_grad_norm=1e-3, bucket_size_mb=2e-3)
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"], check_params=False)
+    for run in runs.values():
+        for w, record in enumerate(run.windows):
+            clip = record["result"].clip_coef
+            assert float(clip) < 1.0, f"{run.backend} window {w} was not clipped"
+            coef = clip / torch.full((), 3.0)  # the engine's coef: clip_coef / grad_denom, both 0-d fp32
+            for i, (view, grad) in enumerate(zip(record["views"], record["grads"], strict=True)):
+                if record["written_by_param"][i]:
+                    assert_bitwise_equal(grad, view.view_as(grad) * coef, f"{run.backend} window {w}: grad {i}")
+
+
+# ---------------------------------------------------------------------------------------------------- FusedAdamW
+@pytest.mark.parametrize("master_weights", [True, False], ids=["masters", "in-place"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_adamw_bitwise_against_the_cpu_backend(emu, dtype, master_weights):
+    """GradientAccumulator + FusedAdamW(backend="cuda") (adamw_step_cuda_: fp32 masters, or bf16 / fp16 parameters
+    updated in place with moments in their dtype): parameters, masters and optimizer state bitwise after every
+    step; fp16 runs under dynamic loss scaling (grad_scale / found_inf read on the device)."""
+    if master_weights is False and dtype == torch.float32:
+        pytest.skip("fp32 parameters have no master weights either way")
+    torch.manual_seed(4)
+    model = Net(dtype, unused=True)
+    runs = _run_both(model, windows=5 if dtype == torch.float16 else 3, optimizer="fused_adamw",
+                     master_weights=master_weights, bucket_size_mb=2e-3)
+    for run in runs.values():
+        assert run.optimizer._kernel(torch.device("cpu")).__name__ == ("adamw_step_cuda_" if run.backend == "cuda"
+                                                                        else "adamw_step_")
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"])
+
+
+def test_fused_adamw_skips_a_non_finite_window(emu):
+    """A NaN gradient: found_inf from the free-norm partials, the step skipped on both backends with nothing
+    written (parameters, moments and step counts bitwise unchanged)."""
+    torch.manual_seed(5)
+    model = Net(torch.float32, unused=False)
+    runs = {name: Run(model, name, optimizer="fused_adamw") for name in ("cuda", "cpu")}
+    batches = _batches(3, torch.float32, seed=7)
+    for run in runs.values():
+        run.window(batches, item_mode=False)
+    bad = [b.clone() for b in _batches(3, torch.float32, seed=8)]
+    bad[2][0, 0] = float("nan")
+    for run in runs.values():
+        before = run.windows[-1]
+        record = run.window(bad, item_mode=False)
+        assert bool(record["result"].skipped) and record["free_norm"]
+        for a, b in zip(record["params"], before["params"]):
+            assert_bitwise_equal(a, b, f"{run.backend}: a skipped step wrote a parameter")
+        for sa, sb in zip(record["state"], before["state"]):
+            for k in sa:
+                assert_bitwise_equal(sa[k], sb[k], f"{run.backend}: a skipped step wrote {k}")
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"])
+
+
+# --------------------------------------------------------------------------- the existing tests, on the emulation
+def test_double_arrival_one_op_per_arrival(emu, monkeypatch):
+    """tests/test_double_arrival.py's one-op-per-arrival test on backend="cuda": a shared layer under reentrant
+    checkpointing and a nested backward (a second arrival combined with the held one), bucket per parameter and
+    one bucket, fp32 and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for bucket_size_mb in (1e-6, 25.0):
+            test_double_arrival.test_double_arrival_equals_one_op_per_arrival(
+                "cuda", "native", dtype, bucket_size_mb, monkeypatch)
+
+
+def test_double_arrival_plain_recipe(emu, monkeypatch):
+    for bucket_size_mb in (1e-6, 25.0):
+        test_double_arrival.test_double_arrival_equals_the_plain_recipe("cuda", "native", bucket_size_mb, monkeypatch)
+
+
+def _stale_cases():
+    """Every test of tests/test_stale_gradients.py with its parametrizations (by name, one argument each)."""
+    cases = []
+    for name, fn in inspect.getmembers(test_stale_gradients, inspect.isfunction):
+        if not name.startswith("test_"):
+            continue
+        grid = [{}]
+        for mark in getattr(fn, "pytestmark", []):
+            if mark.name != "parametrize":
+                continue
+            argname, values = mark.args[0], mark.args[1]
+            assert "," not in argname, f"{name}: only one-argument parametrizations are replayed"
+            values = [v.values[0] if hasattr(v, "values") else v for v in values]
+            grid = [{**g, argname: v} for g in grid for v in values]
+        for kwargs in grid:
+            case_id = "-".join([name.removeprefix("test_")] + [f"{k}={v}" for k, v in kwargs.items()])
+            cases.append(pytest.param(name, kwargs, id=case_id))
+    return cases
+
+
+@pytest.mark.parametrize("name, kwargs", _stale_cases())
+def test_stale_gradients_on_the_emulated_backend(emu, monkeypatch, name, kwargs):
+    """tests/test_stale_gradients.py on backend "auto" with GAENGINE_BACKEND=cuda (its accumulators take the
+    default backend) and the native hooks."""
+    monkeypatch.setenv("GAENGINE_BACKEND", "cuda")
+    fn = getattr(test_stale_gradients, name)
+    params = inspect.signature(fn).parameters
+    if "hot_path" in params:
+        kwargs = {**kwargs, "hot_path": "native"}
+    if "monkeypatch" in params:
+        kwargs = {**kwargs, "monkeypatch": monkeypatch}
+    probe = backends.get_backend("auto", "cpu")
+    assert probe.name == "cuda" and probe._C is emu
+    fn(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ the contracts
+def test_the_cuda_ops_contracts_raise_named_errors(emu):
+    """cuda_ops.cu's TORCH_CHECKs (a meta tensor is "not a CUDA tensor" here): each names the argument, before
+    anything is written."""
+    C = emu
+    dst = torch.zeros(256)
+    meta = torch.empty(256, device="meta")
+    cases = [
+        (lambda: C.accumulate_cuda_(meta, dst, 1.0, None, False), r"dst must be a CUDA tensor, got device meta"),
+        (lambda: C.accumulate_cuda_(dst, meta, 1.0, None, False), r"src must be a CUDA tensor"),
+        (lambda: C.accumulate_cuda_(dst.double(), dst, 1.0, None, False), r"dst must be float32"),
+        (lambda: C.accumulate_cuda_(dst, dst.int(), 1.0, None, False), r"src must be float32, bfloat16 or float16"),
+        (lambda: C.accumulate_cuda_(dst, dst[:7], 1.0, None, False), r"src has 7 elements but dst has 256"),
+        (lambda: C.accumulate_cuda_(dst, dst, 1.0, torch.ones(1), False), r"scale must be a 0-d tensor"),
+        (lambda: C.accumulate_cuda_(dst[::2], dst[:128], 1.0, None, False), r"dst must be contiguous"),
+        (lambda: C.l2norm_sq_cuda(meta), r"x must be a CUDA tensor"),
+        (lambda: C.scale_cuda_(dst, torch.ones(())[None]), r"coef must be a 0-d tensor"),
+        (lambda: C.scale_cuda_(dst, torch.ones((), dtype=torch.float64)), r"coef must be float32"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [0, 8], [False], None),
+         r"offsets has 2 entries but srcs has 1"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [0], [False, True], None),
+         r"overwrite has 2 flags but srcs has 1"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [250], [False], None),
+         r"offsets\[0\] = 250 puts the 8 elements of srcs\[0\] outside dst"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8), torch.ones(8)], [0, 4], [False, False], None),
+         r"the dst slices of srcs\[0\] and srcs\[1\] overlap"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.empty(8, device="meta")], [0], [False], None),
+         r"srcs\[0\] must be a CUDA tensor, got device meta"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8).t()[None].expand(2, 8)], [0], [False], None),
+         r"srcs\[0\] must be contiguous"),
+        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [0], [False], torch.zeros(2, 3)),
+         r"partials must be a \(2, 1\) tensor"),
+        (lambda: C.sum_partials_cuda(torch.zeros(3, 4)), r"partials must have shape \(2, n_chunks\)"),
+        (lambda: C.bucket_num_chunks([4096, -1]), r"numels\[1\] must be >= 0, got -1"),
+    ]
+    for call, message in cases:
+        before = dst.clone()
+        with pytest.raises(RuntimeError, match=message):
+            call()
+        assert_bitwise_equal(dst, before, f"{message}: dst was written before the contract failed")
+
+
+def test_adamw_step_cuda_contracts(emu):
+    C = emu
+    p = torch.zeros(8)
+    g, m, v, step = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(())
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, False)
+    with pytest.raises(RuntimeError, match=r"params\[0\] must be a CUDA tensor, got device meta"):
+        C.adamw_step_cuda_([p.to("meta")], [g], [m], [v], [step], [None], *hyper, None, None)
+    with pytest.raises(RuntimeError, match=r"steps\[0\] must be a 0-d float32 tensor"):
+        C.adamw_step_cuda_([p], [g], [m], [v], [torch.zeros(1)], [None], *hyper, None, None)
+    with pytest.raises(RuntimeError, match=r"grad_scale must be a 0-d float32 tensor"):
+        C.adamw_step_cuda_([p], [g], [m], [v], [step], [None], *hyper, torch.ones(2), None)
+    with pytest.raises(RuntimeError, match=r"found_inf must be a CUDA tensor"):
+        C.adamw_step_cuda_([p], [g], [m], [v], [step], [None], *hyper, None, torch.zeros((), device="meta"))
+    assert bool((p == 0).all()) and float(step) == 0.0
+
+
+def test_hot_path_cuda_kernels_need_a_device_main_grad(emu):
+    """HotPath(kernels="cuda") refuses a main_grad not on the kernels' device (a meta tensor here) with a
+    ValueError naming it."""
+    w = nn.Parameter(torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match=r"kernels='cuda' needs a CUDA main_grad, got meta"):
+        emu.HotPath([w], torch.zeros(64, device="meta"), [0], [0], "cuda", None)
+
+
+OLD_DRIVER = """
+import sys, torch
+sys.path.insert(0, {emu_dir!r})
+import engine
+module, _ = engine.build()
+try:
+    module.accumulate_bucket_cuda_(torch.zeros(8), [torch.ones(8)], [0], [False], None)
+except RuntimeError as exc:
+    print("RAISED", str(exc).splitlines()[0])
+"""
+
+
+def test_an_old_driver_is_refused_before_a_multi_tensor_launch(emulated_module):
+    """cudaDriverGetVersion below 12010: check_driver_for_multi_tensor raises naming the driver's CUDA version and
+    12.1 (a child process: the version is read once per process)."""
+    code = OLD_DRIVER.format(emu_dir=os.path.join(HERE, "cuda_emu"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "GAENGINE_EMU_DRIVER_VERSION": "12000"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RAISED the CUDA driver supports CUDA 12.0 (cudaDriverGetVersion() = 12000)" in proc.stdout
+    assert "CUDA >= 12.1" in proc.stdout, proc.stdout
