@@ -138,10 +138,13 @@ def diagnose(rc: int | None, out: str) -> str:
     m = re.search(r"AddressSanitizer: ([\w-]+)", out)
     if m:
         return f"ASan {m.group(1)}"
-    m = re.search(r"runtime error: (misaligned address|[^\n]{0,60})", out)
+    m = re.search(r"runtime error: [^\n]*misaligned address [^\n]*for type '(?:const )?(?:struct )?(\w+)', which "
+                  r"requires (\d+) byte alignment", out)
     if m:
-        what = m.group(1)
-        return "UBSan: misaligned 128-bit access" if "misaligned" in out[m.start():m.start() + 200] else f"UBSan: {what}"
+        return f"UBSan: misaligned `{m.group(1)}` access ({m.group(2)}-byte alignment required)"
+    m = re.search(r"runtime error: ([^\n]{0,70})", out)
+    if m:
+        return f"UBSan: {m.group(1)}"
     m = re.search(r"(free\(\)|malloc\(\)|double free|corrupted)[^\n]{0,50}", out)
     if m:
         return f"glibc heap-corruption abort (`{m.group(0).strip()}`)"

@@ -943,6 +943,16 @@ void test_adamw(const std::vector<int64_t>& sizes, int steps, uint64_t seed) {
     }
     adamw_case<__half>("adamw/split-launches/fp16", qs, kHypers[0], false, 0, 1);
   }
+  // no parameters: no launch
+  {
+    Buffer<unsigned int> counter(1);
+    counter[0] = 0;
+    int launches = -1;
+    const g::AdamWHyper hyper = g::make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, false);
+    check_launch(g::launch_adamw_multi<float>(nullptr, 0, hyper, nullptr, nullptr, counter.p, nullptr, &launches),
+                 "adamw/no-entries");
+    check(launches == 0 && counter[0] == 0u, "adamw/no-entries/no-launch", "%d launches", launches);
+  }
   // only empty parameters: one block still bumps every step
   {
     Rng rng(seed++);
