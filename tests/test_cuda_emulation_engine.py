@@ -22,6 +22,7 @@ build takes about two minutes on 2 cores the first time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -37,7 +38,8 @@ import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
 from tests import test_double_arrival, test_stale_gradients
-from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
+from tests.reference import accumulate_fp64, sum_sq_fp64
+from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "cuda_emu"))
@@ -115,26 +117,47 @@ def _assert_norm(result, main_grad, denom, what):
     assert rel <= sum_sq_rtol(main_grad.numel()), f"{what}: grad_norm off by {rel:.3e} relative"
 
 
+@contextlib.contextmanager
+def _hot_path(setting: str):
+    """GAENGINE_HOT_PATH=setting while a run builds its hooks (at construction and when its layout is re-learned)."""
+    old = os.environ.get("GAENGINE_HOT_PATH")
+    os.environ["GAENGINE_HOT_PATH"] = setting
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["GAENGINE_HOT_PATH"]
+        else:
+            os.environ["GAENGINE_HOT_PATH"] = old
+
+
 class Run:
     """One training run over ``model`` (a copy) on ``backend``: what each window left, for comparison."""
 
     def __init__(self, model, backend, *, optimizer=None, master_weights=True, bucket_size_mb=25.0,
-                 max_grad_norm=None, accumulation_steps=3, lr=1e-2):
+                 max_grad_norm=None, accumulation_steps=3, lr=1e-2, hot_path="native"):
         self.model = copy.deepcopy(model)
         self.backend = backend
+        self.hot_path = hot_path
         self.optimizer = None
         if optimizer == "fused_adamw":
             self.optimizer = FusedAdamW(self.model.parameters(), lr=lr, weight_decay=0.1, backend=backend)
-        self.acc = gaengine.GradientAccumulator(self.model, self.optimizer, accumulation_steps=accumulation_steps,
-                                                max_grad_norm=max_grad_norm, backend=backend,
-                                                bucket_size_mb=bucket_size_mb, master_weights=master_weights)
-        assert self.acc.hooks.native and self.acc.hooks.kernels == backend
-        if backend == "cuda":  # every op from the emulated build: the hooks' HotPath, the backend's, the optimizer's
+        with _hot_path(hot_path):
+            self.acc = gaengine.GradientAccumulator(self.model, self.optimizer, accumulation_steps=accumulation_steps,
+                                                    max_grad_norm=max_grad_norm, backend=backend,
+                                                    bucket_size_mb=bucket_size_mb, master_weights=master_weights)
+        assert self.acc.hooks.native == (hot_path == "native")
+        assert hot_path != "native" or self.acc.hooks.kernels == backend
+        if backend == "cuda" and hot_path == "native":  # every op from the emulated build: the hooks' HotPath, the backend's, the optimizer's
             emulated = backends._EMULATED_CUDA_MODULE
             assert emulated is not None and self.acc.hooks._C is emulated and self.acc.backend._C is emulated
         self.windows: list[dict] = []
 
     def window(self, batches, item_mode, force=False):
+        with _hot_path(self.hot_path):
+            return self._window(batches, item_mode, force)
+
+    def _window(self, batches, item_mode, force):
         acc = self.acc
         for x in batches:
             loss, n = _loss(self.model, x, item_mode)
@@ -165,7 +188,8 @@ def _assert_runs_bitwise(emu_run: Run, ref_run: Run, check_params=True):
         assert e["written"] == r["written"], f"window {w}"
         # Unwritten slices hold whatever the last window left (zeroed at step): compare the whole buffer.
         assert_bitwise_equal(e["main_grad"], r["main_grad"], f"window {w}: main_grad after the backwards")
-        assert e["free_norm"] == r["free_norm"], f"window {w}: the free norm was taken on one backend only"
+        if emu_run.hot_path == ref_run.hot_path:
+            assert e["free_norm"] == r["free_norm"], f"window {w}: the free norm was taken on one backend only"
         assert bool(e["result"].skipped) == bool(r["result"].skipped), f"window {w}"
         if not check_params:
             continue
@@ -184,10 +208,11 @@ def _assert_runs_bitwise(emu_run: Run, ref_run: Run, check_params=True):
                     assert_bitwise_equal(sa[k], sb[k], f"window {w}: optimizer state {i} {k}")
 
 
-def _run_both(model, windows, item_mode=False, forces=None, min_applied=2, **kwargs):
-    """The same windows on backend "cuda" (the emulated build) and "cpu"; grad_norm checked against fp64 on both.
-    At least ``min_applied`` windows must be applied (fp16's dynamic loss scale skips its first windows)."""
-    runs = {name: Run(model, name, **kwargs) for name in ("cuda", "cpu")}
+def _run_both(model, windows, item_mode=False, forces=None, min_applied=2, cuda_hot_path="native", **kwargs):
+    """The same windows on backend "cuda" (the emulated build; native hooks unless ``cuda_hot_path`` says
+    "python") and "cpu" (native hooks); grad_norm checked against fp64 on both. At least ``min_applied`` windows
+    must be applied (fp16's dynamic loss scale skips its first windows)."""
+    runs = {"cuda": Run(model, "cuda", hot_path=cuda_hot_path, **kwargs), "cpu": Run(model, "cpu", **kwargs)}
     k = kwargs.get("accumulation_steps", 3)
     dtype = next(model.parameters()).dtype
     for w in range(windows):
@@ -229,6 +254,24 @@ def test_windows_bitwise_against_the_cpu_backend(emu, dtype, bucket_size_mb):
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_python_hooks_on_the_emulated_backend(emu, dtype, monkeypatch):
+    """GAENGINE_HOT_PATH=python with backend="cuda": one accumulate_cuda_ per gradient from Python (the bucket
+    kernel is not used), the norm by an l2norm_sq_cuda pass; bitwise against the CPU backend's native hooks."""
+    calls = {"accumulate_cuda_": 0, "l2norm_sq_cuda": 0}
+    for op in calls:
+        def counted(*args, _op=getattr(emu, op), _name=op):
+            calls[_name] += 1
+            return _op(*args)
+        monkeypatch.setattr(emu, op, counted)
+    torch.manual_seed(7)
+    model = Net(dtype, unused=True)
+    runs = _run_both(model, windows=4, cuda_hot_path="python", optimizer="fused_adamw", bucket_size_mb=2e-3)
+    assert not runs["cuda"].acc.hooks.native
+    assert calls["accumulate_cuda_"] >= 4 * 3 * 7 and calls["l2norm_sq_cuda"] == 4, calls
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"])
+
+
 @pytest.mark.parametrize("bucket_size_mb", BUCKETS)
 def test_item_mode_partial_window_and_an_unused_parameter(emu, bucket_size_mb):
     """Item mode, a partial window (step(force=True) after K - 1 micro-batches), an unused branch: the last bucket
@@ -257,6 +300,72 @@ def test_clipping_scales_by_the_runs_own_coefficient(emu, unused):
             for i, (view, grad) in enumerate(zip(record["views"], record["grads"], strict=True)):
                 if record["written_by_param"][i]:
                     assert_bitwise_equal(grad, view.view_as(grad) * coef, f"{run.backend} window {w}: grad {i}")
+
+
+class Many(nn.Module):
+    """800 parameters of 1..23 elements, alternately fp32 and bf16: more sources than one bucket launch takes (512:
+    a split launch, its partials columns after the first launch's) and more parameters than one AdamW launch takes
+    (384) in each of its two dtype groups. Plus two pairs used through torch.cat, whose second gradient autograd hands over as
+    a view 3 elements into the cat's gradient (12 or 6 bytes off 16: the bucket kernel's unaligned path)."""
+
+    def __init__(self, n: int = 800):
+        super().__init__()
+        dtypes = (torch.float32, torch.bfloat16)
+        self.ws = nn.ParameterList(nn.Parameter((torch.randn(1 + i % 23) * 0.3).to(dtypes[i % 2])) for i in range(n))
+        self.pairs = nn.ParameterList(nn.Parameter((torch.randn(n_el) * 0.1).to(dtype))
+                                      for dtype in dtypes for n_el in (3, 4097))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.float().mean(-1, keepdim=True)
+        total = sum(torch.tanh(w.float() * s).sum(-1) for w in self.ws)
+        for a, b in zip(self.pairs[0::2], self.pairs[1::2]):
+            c = torch.cat([a, b]).float()
+            total = total + (c * c.roll(1) * s).sum(-1)
+        return total.pow(2)
+
+
+def test_unaligned_gradients_exist():
+    """The premise of Many's pairs: autograd hands b's gradient over 12 bytes off a 16-byte boundary."""
+    a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(4097))
+    offsets = {}
+
+    def hook(p):
+        offsets["b"] = p.grad.data_ptr() % 16
+
+    b.register_post_accumulate_grad_hook(hook)
+    c = torch.cat([a, b])
+    (c * c.roll(1)).sum().backward()
+    assert offsets["b"] == 12
+
+
+@pytest.mark.parametrize("optimizer", [None, "fused_adamw"], ids=["no-optimizer", "fused-adamw"])
+def test_split_launches_mixed_dtypes_and_unaligned_sources(emu, optimizer):
+    """Many in one bucket: the bucket kernel split over two launches (partials of the second after the first's
+    columns, the free norm over both), unaligned sources; FusedAdamW over 800 + 4 parameters in place
+    (master_weights=False: an fp32 and a bf16 launch group, each split), bitwise against the CPU backend."""
+    torch.manual_seed(6)
+    model = Many()
+    runs = _run_both(model, windows=2, optimizer=optimizer, master_weights=False, accumulation_steps=2)
+    assert all(w["free_norm"] for w in runs["cuda"].windows)
+    assert runs["cuda"].acc.hooks.num_buckets == 1
+    assert runs["cuda"].acc.hooks.launches == 2 * runs["cpu"].acc.hooks.launches > 0  # 804 sources: 2 launches
+    _assert_runs_bitwise(runs["cuda"], runs["cpu"])
+
+
+def test_a_window_of_empty_parameters(emu):
+    """Every parameter empty: one launch of no chunks, (2, 0) partials, sum_partials_cuda reduces nothing to 0."""
+    model = nn.ParameterDict({"a": nn.Parameter(torch.zeros(0)), "b": nn.Parameter(torch.zeros(0, 3))})
+    results = {}
+    for backend in ("cuda", "cpu"):
+        acc = gaengine.GradientAccumulator(model.parameters(), None, accumulation_steps=2, max_grad_norm=1.0,
+                                           backend=backend)
+        for _ in range(2):
+            acc.backward((model["a"].sum() + model["b"].sum()) * torch.ones((), requires_grad=True))
+        assert acc.hooks.free_norm() is not None
+        results[backend] = acc.step()
+        acc.close()
+    for backend, result in results.items():
+        assert float(result.grad_norm) == 0.0 and not bool(result.skipped), backend
 
 
 # ---------------------------------------------------------------------------------------------------- FusedAdamW
@@ -351,6 +460,49 @@ def test_stale_gradients_on_the_emulated_backend(emu, monkeypatch, name, kwargs)
     probe = backends.get_backend("auto", "cpu")
     assert probe.name == "cuda" and probe._C is emu
     fn(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ the backend's ops
+@pytest.mark.parametrize("n", [0, 1, 127, 4097, 70001], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_backend_ops_against_fp64(emu, dtype, n):
+    """CudaBackend's accumulate_ (unscaled: bitwise torch; scaled by a float or a 0-d tensor: within 1 ulp of
+    fp64; overwrite never reads dst), l2norm_sq (within sum_sq_rtol; found_inf) and scale_ (bitwise x.mul_(coef))
+    through cuda_ops.cu, on 16-byte-aligned tensors and on views one element off (the kernels' scalar paths)."""
+    backend = backends.get_backend("cuda", "cpu")
+    assert backend._C is emu
+    g = torch.Generator().manual_seed(n)
+    for off in (0, 1):
+        def fresh(values, off=off):  # a copy of values starting `off` elements into its allocation
+            buf = torch.empty(n + off, dtype=values.dtype)
+            buf[off:] = values
+            return buf[off:]
+
+        dst = fresh(torch.randn(n, generator=g))
+        src = fresh(torch.randn(n, generator=g).to(dtype))
+        out = fresh(dst)
+        backend.accumulate_(out, src)
+        assert_bitwise_equal(out, dst + src.float(), f"off {off}: unscaled")
+        for scale in (0.37, torch.tensor(0.37)):
+            out = fresh(dst)
+            backend.accumulate_(out, src, scale)
+            exact = accumulate_fp64(dst, src, 0.37 if isinstance(scale, float) else float(scale))
+            assert_within_ulp(out, exact, src.double() * 0.37, what=f"off {off}: scaled by {type(scale).__name__}")
+        out = fresh(torch.full_like(dst, float("nan")))
+        backend.accumulate_(out, src, overwrite=True)
+        assert_bitwise_equal(out, src.float(), f"off {off}: overwrite")
+        sum_sq, found_inf = backend.l2norm_sq(src)
+        exact = sum_sq_fp64(src)
+        assert abs(float(sum_sq) - exact) <= sum_sq_rtol(n) * exact, f"off {off}: l2norm_sq"
+        assert float(found_inf) == 0.0
+        if n:
+            bad = src.clone()
+            bad[n // 2] = float("inf")
+            assert float(backend.l2norm_sq(bad)[1]) == 1.0
+        x = fresh(dst)
+        coef = torch.tensor(0.731)
+        backend.scale_(x, coef)
+        assert_bitwise_equal(x, dst * coef, f"off {off}: scale_")
 
 
 # ------------------------------------------------------------------------------------------------ the contracts
