@@ -1,22 +1,76 @@
 # The two entry points of the README: `make demo` (install, then the main job) and `make test`.
+#
+# Everything goes into a project virtualenv, $(VENV) (created with `$(PY) -m venv`); `make` never installs
+# into the Python it finds on PATH. Steps, each skipped when its inputs have not changed:
+#   1. $(VENV)              the virtualenv
+#   2. $(DEPS_STAMP)        torch ($(TORCH_SPEC)) and the build tools; redone when TORCH_SPEC changes
+#   3. $(BUILD_STAMP)       `pip install -e ".[dev]"`: compiles gaengine._C from csrc/ (1-3 minutes, its
+#                           progress shown, the whole log in $(BUILD_LOG)); redone when csrc/, setup.py,
+#                           pyproject.toml or torch changed, or when the compiled module is missing
+#   4. `gaengine info`      what was built and what loads: gaengine._C, CPU ops, CUDA kernels, hooks, triton
 # TORCH_SPEC pins the torch build; override it for a CUDA machine, e.g.
 #   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
 PY ?= python3
+VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-PIP := $(PY) -m pip install --disable-pip-version-check -q
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip install --disable-pip-version-check
+DEPS_STAMP := $(VENV)/.gaengine-deps
+BUILD_STAMP := $(VENV)/.gaengine-built
+BUILD_LOG := $(VENV)/build.log
+SPEC_FILE := $(VENV)/.torch-spec
+EXT_SOURCES := setup.py pyproject.toml $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null)
 
-.PHONY: install demo test bench
+# A build stamp without the compiled module beside the sources (deleted, or a build that fell back to pure
+# Python) is stale: the next make tries the build again.
+ifneq ($(wildcard $(BUILD_STAMP)),)
+ifeq ($(wildcard gaengine/_C*.so gaengine/_C*.pyd),)
+$(shell rm -f $(BUILD_STAMP))
+endif
+endif
 
-install:
-	$(PIP) $(TORCH_SPEC)
-	$(PIP) "setuptools>=64" wheel ninja pybind11
-	$(PIP) --no-build-isolation -e ".[dev]"
+.PHONY: install info demo test bench FORCE
+
+install: $(BUILD_STAMP)
+	@echo "== gaengine info"
+	@$(VPY) -m gaengine info
+
+info: $(BUILD_STAMP)
+	@$(VPY) -m gaengine info
 
 demo: install
-	$(PY) -m gaengine train
+	$(VPY) -m gaengine train
 
 test: install
-	$(PY) -m pytest -q
+	$(VPY) -m pytest -q
 
 bench: install
-	$(PY) benchmarks/bench_accumulate.py
+	$(VPY) benchmarks/bench_accumulate.py
+
+$(VPY):
+	@echo "== creating the virtualenv $(VENV) with $(PY) ($$($(PY) --version))"
+	$(PY) -m venv $(VENV)
+
+# Rewritten only when TORCH_SPEC changes, so that a new torch (and a rebuild against it) follows.
+$(SPEC_FILE): FORCE | $(VPY)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(DEPS_STAMP): $(SPEC_FILE)
+	@echo "== installing $(TORCH_SPEC) and the build tools into $(VENV)"
+	$(PIP) $(TORCH_SPEC)
+	$(PIP) -q "setuptools>=64" wheel ninja pybind11
+	@touch $@
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
+	@echo "== building gaengine._C from csrc/ and installing gaengine (editable) into $(VENV): 1-3 minutes"
+	@echo "   compiler progress below; the whole log: $(BUILD_LOG)"
+	@$(PIP) --no-build-isolation -v -e ".[dev]" 2>&1 | tee $(BUILD_LOG) \
+	  | sed -nuE -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) -o .*/   \1 compiled \2/p' \
+	      -e 's/^ *[^ ]+ .* -shared .* -o ([^ ]+).*/   linked \1/p' \
+	      -e 's/^ *(gaengine: .*)/   \1/p' -e '/ error: |^ *FAILED: |^ *error: /p'
+	@touch $@
+
+FORCE:

@@ -1,9 +1,15 @@
-"""``gaengine bench``: the kernel benchmarks and the end-to-end benchmark on one device, in one table.
+"""``gaengine bench``: the kernel, host-overhead and end-to-end benchmarks on one device, a table per benchmark.
 
     gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale host e2e] [--quick] [--threads N]
                    [--host-params P ...] [--json PATH] [--plot PNG]
 
-Every row is ``benchmark | variant | ms | GB/s | % of measured peak | ratio vs the torch baseline``.
+Each benchmark prints its own table with the columns it has: a kernel ``variant | ms | GB/s | % of peak | vs
+torch``, the host benchmark ``dtype | P | variant | ms/window | us/param/mb | added us/param/mb | vs (b) |
+launches/mb | buckets``, the end-to-end one ``variant | ms/update | tokens/s | vs plain | peak, peak delta and
+peak live MiB | state MiB | state B/param``. Every ratio is the median of per-round ratios, printed with the
+25th to 75th percentile of them (:func:`ratio_text`); one whose spread contains 1, or that comes from fewer than
+:data:`MIN_ROUNDS` rounds, is printed as noise, not as a figure (:func:`ratio_stats`). The JSON (``--json``)
+holds every row with all its fields.
 
 Kernel benchmarks, on flat buffers of ``--numel`` elements (2^25 on CPU, 2^28 on CUDA; 2^20 with ``--quick``),
 each gaengine backend that loads on the device (``torch``; ``cpu`` on CPU; ``triton``, ``cuda`` on CUDA) against
@@ -66,12 +72,14 @@ The generic helpers (``time_ms``, ``time_interleaved``, ``gb_per_s``, ``environm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
 import os
 import platform
 import random
+import re
 import resource
 import statistics
 import subprocess
@@ -88,6 +96,7 @@ import torch
 __all__ = [
     "BENCHMARKS",
     "E2EConfig",
+    "MIN_ROUNDS",
     "E2E_VARIANTS",
     "add_parser",
     "bench_kernels",
@@ -99,6 +108,8 @@ __all__ = [
     "gb_per_s",
     "git_sha",
     "print_table",
+    "ratio_stats",
+    "ratio_text",
     "run",
     "time_interleaved",
     "time_ms",
@@ -258,6 +269,47 @@ def _median_ratio(baseline_ms: Sequence[float], ms: Sequence[float]) -> float:
     return statistics.median(b / v for b, v in zip(baseline_ms, ms))
 
 
+MIN_ROUNDS = 5
+"""A ratio from fewer timed rounds than this is reported as noise, whatever its value."""
+
+
+def ratio_stats(baseline_ms: Sequence[float], ms: Sequence[float], *, baseline: bool = False) -> dict[str, object]:
+    """The per-round ratios ``baseline / variant`` (> 1: the variant is faster) summarized for a result row.
+
+    ``ratio_vs_torch``: their median; ``ratio_p25``/``ratio_p75``: the quartiles (``statistics.quantiles``,
+    inclusive), the spread printed beside it; ``ratio_min``/``ratio_max``; ``ratio_rounds``; ``ratio_noise``:
+    True when the figure is below the noise, i.e. fewer than :data:`MIN_ROUNDS` rounds or a spread from the
+    25th to the 75th percentile that contains 1.0 (half the rounds on either side of "as fast"). ``baseline``:
+    the row is the baseline itself (every ratio is 1 by definition, never noise).
+    """
+    ratios = [b / v for b, v in zip(baseline_ms, ms)]
+    if not ratios:
+        raise ValueError("ratio_stats needs at least one round")
+    p25, _, p75 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    noise = not baseline and (len(ratios) < MIN_ROUNDS or p25 <= 1.0 <= p75)
+    return {"ratio_vs_torch": statistics.median(ratios), "ratio_p25": p25, "ratio_p75": p75,
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_rounds": len(ratios), "ratio_noise": noise,
+            "ratio_baseline": baseline}
+
+
+def ratio_text(row: dict) -> str:
+    """A row's ratio as printed: ``7.70x [7.12-8.03]`` (median [25th-75th percentile of the per-round ratios]),
+    ``~1 (noise) [...]`` when the spread contains 1, ``noise (2 rounds) [...]`` when too few rounds ran,
+    ``1 (baseline)`` for the baseline itself, empty for a row without a ratio."""
+    if row.get("ratio_vs_torch") is None:
+        return ""
+    if row.get("ratio_baseline"):
+        return "1 (baseline)"
+    if "ratio_p25" not in row:
+        return f"{row['ratio_vs_torch']:.2f}x"
+    spread = f"[{row['ratio_p25']:.2f}-{row['ratio_p75']:.2f}]"
+    if row["ratio_rounds"] < MIN_ROUNDS:
+        return f"noise ({row['ratio_rounds']} rounds) {spread}"
+    if row["ratio_noise"]:
+        return f"~1 (noise) {spread}"
+    return f"{row['ratio_vs_torch']:.2f}x {spread}"
+
+
 # ---------------------------------------------------------------------------------------------------- kernels
 def _backends(device: torch.device) -> dict[str, Any]:
     """gaengine backends that load and run on ``device``: torch; cpu on CPU; triton and cuda on CUDA.
@@ -347,13 +399,13 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
     rows = []
     for bench, (nbytes, variants) in plan.items():
         baseline = samples[(bench, variants[0][0])]
-        for label, _ in variants:
+        for i, (label, _) in enumerate(variants):
             t = samples[(bench, label)]
             ms = statistics.median(t)
             gbs = gb_per_s(numel, nbytes, ms)
             rows.append({"benchmark": bench, "variant": label, "device": str(device), "numel": numel,
                          "bytes_per_element": nbytes, "ms": ms, "min_ms": min(t), "max_ms": max(t), "gb_s": gbs,
-                         "pct_of_peak": 100.0 * gbs / peak["gb_s"], "ratio_vs_torch": _median_ratio(baseline, t)})
+                         "pct_of_peak": 100.0 * gbs / peak["gb_s"], **ratio_stats(baseline, t, baseline=i == 0)})
     return rows, peak
 
 
@@ -409,6 +461,37 @@ def _accumulate_ops(events) -> int:
     return sum(count(ch) for e in events if e.name == _ACCUMULATE_GRAD for ch in e.cpu_children)
 
 
+# kineto (torch.profiler's backend) writes its own log straight to file descriptor 2 at every profiler start and
+# stop, e.g. ``USDT:2026-11-23 15:53:10 16485:16485 SyncActivityProfilerHandler.cpp:52] profiler_start``.
+_KINETO_LOG_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_kineto_log():
+    """Run the block with file descriptor 2 captured, then pass on to stderr every line but kineto's own log.
+
+    Kineto prints from C++ (not through Python's ``sys.stderr``, and whatever ``KINETO_LOG_LEVEL`` says in this
+    torch: its profiler_start / profiler_stop lines show at the default level), so only the descriptor catches
+    it; a warning the profiled code writes meanwhile is kept, in order.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured.read().splitlines(keepends=True)
+                            if not _KINETO_LOG_LINE.match(line))
+            if kept:
+                sys.stderr.write(kept.decode(errors="replace"))
+                sys.stderr.flush()
+
+
 def _profile_launches(fn: Callable[[], object], device: torch.device) -> dict[str, int | None]:
     """Run ``fn`` once under ``torch.profiler``; count what it launched.
 
@@ -421,10 +504,11 @@ def _profile_launches(fn: Callable[[], object], device: torch.device) -> dict[st
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(device)
-    with profile(activities=activities) as prof:
-        fn()
-        _sync(device)
-    events = prof.events()
+    with _without_kineto_log():
+        with profile(activities=activities) as prof:
+            fn()
+            _sync(device)
+        events = prof.events()
     out: dict[str, int | None] = {"accumulate_ops": _accumulate_ops(events), "launch_calls": None,
                                   "gpu_kernels": None}
     if cuda:
@@ -597,7 +681,7 @@ def bench_host(device: torch.device, param_counts: Sequence[int] = HOST_PARAM_CO
                     "min_ms": min(t) * 1e3,
                     "max_ms": max(t) * 1e3,
                     "window_ms": [s * 1e3 for s in t],
-                    "ratio_vs_torch": _median_ratio(tb, t),
+                    **ratio_stats(tb, t, baseline=v == "plain"),
                     "us_per_param_mb": ms * 1e3 / (n * k),
                     "added_us_per_param_mb": (statistics.median(diffs) / (n * k) * 1e6) if v == "gaengine" else None,
                     "target_us": HOST_TARGET_US if cpu and v == "gaengine" else None,
@@ -715,7 +799,7 @@ def e2e_config(device: str, quick: bool = False) -> E2EConfig:
     a 3.3 M-parameter GPT on CPU (about 30 s for the four variants on two cores), a tiny one with ``quick``."""
     if quick:
         return E2EConfig(device=device, n_layers=2, d_model=64, n_heads=2, seq_len=32, micro_batch_size=2,
-                         warmup_updates=1, timed_updates=2)
+                         warmup_updates=1, timed_updates=MIN_ROUNDS)
     if device == "cuda":
         return E2EConfig(device=device, n_layers=12, d_model=768, n_heads=12, seq_len=1024, micro_batch_size=8,
                          warmup_updates=2, timed_updates=10)
@@ -909,7 +993,7 @@ def _peak_live_cpu_bytes(run: Callable[[], None]) -> int:
     not counted; no allocator slack, unlike RSS."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _without_kineto_log():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run()
         path = os.path.join(tmp, "trace.json")
@@ -1025,7 +1109,7 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
             "cpu_ms_runs": t["cpu_ms"],
             "ratio_cpu_time": _median_ratio(timing[E2E_BASELINE]["cpu_ms"], t["cpu_ms"]),
             "tokens_per_s": cfg.tokens_per_update / (ms * 1e-3),
-            "ratio_vs_torch": _median_ratio(base_ms, t["update_ms"]),
+            **ratio_stats(base_ms, t["update_ms"], baseline=v == E2E_BASELINE),
             "peak_mib": m["peak_bytes"] / mib,
             "peak_delta_mib": m["peak_delta_bytes"] / mib,
             "peak_live_mib": m["peak_live_bytes"] / mib,
@@ -1057,7 +1141,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` command to an ``argparse`` subparsers object; its ``func`` default is :func:`run`."""
     p = subparsers.add_parser(
         "bench",
-        help="kernel and end-to-end benchmarks on this device, one table",
+        help="kernel, host-overhead and end-to-end benchmarks on this device, a table per benchmark",
         description=("Time gaengine's kernels (accumulate, l2norm_sq, scale_) against the torch ops they replace, "
                      "the host time gaengine's backward adds per parameter per micro-batch over the plain recipe "
                      "(and the launches per micro-batch of both), and an end-to-end bf16 GPT against the plain "
@@ -1077,7 +1161,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"{' '.join(map(str, HOST_PARAM_COUNTS_QUICK))} quick; the per-parameter figure is the "
                         "slope over them)")
     p.add_argument("--e2e-updates", type=int, default=None, metavar="N",
-                   help="timed e2e rounds, one update of each variant per round (default 5 CPU, 10 CUDA, 2 quick)")
+                   help="timed e2e rounds, one update of each variant per round (default 5 CPU, 10 CUDA, 5 quick)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch.set_num_threads for every benchmark (e2e subprocesses too); default: torch's. On a "
                         "CPU shared with other jobs use 1: several OpenMP threads wait on each other whenever one "
@@ -1117,25 +1201,54 @@ def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
     print(f"wrote {path}")
 
 
-TABLE_COLUMNS = [("benchmark", "benchmark", "s"), ("variant", "variant", "s"), ("ms", "ms", ".3f"),
-                 ("gb_s", "GB/s", ".1f"), ("pct_of_peak", "% of peak", ".0f"),
-                 ("ratio_vs_torch", "vs torch", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
-                 ("peak_live_mib", "peak live MiB", ",.1f"), ("state_mib", "state MiB", ",.2f")]
-"""``(key, header, format)`` of the one table ``run`` prints."""
+KERNEL_COLUMNS = [("variant", "variant", "s"), ("ms", "ms", ".3f"), ("gb_s", "GB/s", ".1f"),
+                  ("pct_of_peak", "% of peak", ".0f"), ("ratio_text", "vs torch [p25-p75]", "s")]
+"""``(key, header, format)`` of each kernel benchmark's table (one table per benchmark)."""
 
-HOST_COLUMNS = [("us_per_param_mb", "us/param/mb", ".2f"), ("added_us_per_param_mb", "added us/param/mb", ".2f"),
-                ("target", "target us", "s"), ("launches_per_mb", "launches/mb", ""), ("buckets", "buckets", "d")]
-"""Columns added to the table when the ``host`` benchmark ran."""
+HOST_COLUMNS = [("dtype", "dtype", "s"), ("num_params", "P", "d"), ("variant", "variant", "s"),
+                ("ms", "ms/window", ".3f"), ("us_per_param_mb", "us/param/mb", ".2f"),
+                ("added_us_per_param_mb", "added us/param/mb", ".2f"), ("ratio_text", "vs (b) [p25-p75]", "s"),
+                ("launches_per_mb", "launches/mb", ""), ("buckets", "buckets", "d")]
+"""Columns of the host benchmark's table (its measured rows)."""
+
+E2E_COLUMNS = [("key", "variant", "s"), ("ms", "ms/update", ",.1f"), ("tokens_per_s", "tokens/s", ",.0f"),
+               ("ratio_text", "vs plain [p25-p75]", "s"), ("peak_mib", "peak MiB", ",.1f"),
+               ("peak_delta_mib", "peak delta MiB", ",.1f"), ("peak_live_mib", "peak live MiB", ",.1f"),
+               ("state_mib", "state MiB", ",.2f"), ("state_bytes_per_param", "state B/param", ".1f")]
+"""Columns of the end-to-end table; the variants' full labels follow it as a legend."""
+
+_RATIO_NOTE = ("[p25-p75]: 25th to 75th percentile of the per-round ratios; '~1 (noise)': that spread contains 1, "
+               f"'noise (n rounds)': fewer than {MIN_ROUNDS} rounds, too few to tell")
 
 
-def _print_host_notes(info: dict, device: torch.device) -> None:
-    """The footnote of the host rows, and the per-parameter figure (fit) against the target."""
-    k, counts = info["accumulation_steps"], info["param_counts"]
-    print(f"host: {info['model']} ({info['param_numel']} elements per param: kernel time ~0, host time dominates). "
-          f"ms = {info['ms']}, {info['repeats']} interleaved rounds; us/param/mb = ms / (P * K); added us/param/mb "
-          f"= {info['added']}; vs torch = median per-round (b) / variant. gaengine backend: {info['backend']}, "
-          f"hooks: {info['hooks']}.")
-    print(f"host launches/mb: {info['launches']}. buckets: gaengine's buckets (a bucketed accumulate needs "
+def _display(rows: Sequence[dict]) -> list[dict]:
+    """The rows with their printed ratio (:func:`ratio_text`) added."""
+    return [{**r, "ratio_text": ratio_text(r)} for r in rows]
+
+
+def _print_kernel_tables(rows: Sequence[dict], peak: dict, repeats: int) -> None:
+    """One table per kernel benchmark, its bytes model in the title, then what the columns mean."""
+    for bench in dict.fromkeys(r["benchmark"] for r in rows):
+        some = [r for r in rows if r["benchmark"] == bench]
+        print_table(_display(some), KERNEL_COLUMNS,
+                    f"{bench}: {some[0]['numel']:,} elements, {some[0]['bytes_per_element']} B/element")
+    print(f"kernels: ms = median of {repeats} interleaved rounds; GB/s by the benchmark's bytes model (accumulate "
+          f"{ACCUMULATE_BYTES_PER_ELEMENT}, l2norm {L2NORM_BYTES_PER_ELEMENT}, scale {SCALE_BYTES_PER_ELEMENT} "
+          f"B/element); % of peak = GB/s / the measured peak, {peak['op']} at {peak['gb_s']:.1f} GB/s "
+          f"({peak['bytes_per_element']} B/element, {peak['ms']:.3f} ms); vs torch = median per-round ratio of the "
+          f"table's first row (the torch baseline) to the variant's time, > 1: faster. {_RATIO_NOTE}.")
+
+
+def _print_host_tables(rows: Sequence[dict], info: dict, device: torch.device) -> None:
+    """The host benchmark's measured rows, what the columns mean, and its fit over P against the target."""
+    measured = [r for r in rows if not r["key"].endswith("-fit")]
+    print_table(_display(measured), HOST_COLUMNS,
+                f"host: P leaf params x {info['param_numel']} elements, K = {info['accumulation_steps']} micro-batches "
+                f"per window, backward only; gaengine backend {info['backend']}, hooks {info['hooks']}")
+    print(f"host: {info['model']} (kernel time ~0: host time dominates). ms/window = {info['ms']}, "
+          f"{info['repeats']} interleaved rounds; us/param/mb = ms/window / (P * K); added us/param/mb = "
+          f"{info['added']}; vs (b) = median per-round ratio (b) / variant, > 1: faster. {_RATIO_NOTE}.")
+    print(f"host: launches/mb = {info['launches']}; buckets = gaengine's buckets (a bucketed accumulate needs "
           "buckets + the model's own launches).")
     for name, fit in info["fit"].items():
         added = ", ".join(f"P={n}: {us / n:.2f}" for n, us in fit["added_us_per_mb"].items())
@@ -1146,6 +1259,21 @@ def _print_host_notes(info: dict, device: torch.device) -> None:
             met = fit["slope_us_per_param_mb"] <= HOST_TARGET_US
             line += f"; CPU target <= {HOST_TARGET_US:g} us: {'met' if met else 'NOT met'}"
         print(line + ".")
+
+
+def _print_e2e_table(rows: Sequence[dict], info: dict) -> None:
+    """The end-to-end table, the variants' labels, and what each column means."""
+    c = info["config"]
+    print_table(_display(rows), E2E_COLUMNS,
+                f"e2e: {info['num_params']:,}-parameter GPT in bf16 ({c['n_layers']} layers, d_model {c['d_model']}), "
+                f"{c['micro_batch_size']} x {c['seq_len']} tokens x K={c['accumulation_steps']} = "
+                f"{info['tokens_per_update']:,} tokens per update on {c['device']}")
+    for r in rows:
+        print(f"  {r['key']}: {r['variant']}")
+    print(f"e2e: {c['timed_updates']} timed rounds after {c['warmup_updates']}, one update of every variant per "
+          "round; ms/update = median; tokens/s = tokens per update / that median; vs plain = median per-round "
+          f"ratio of the plain recipe's (b) update time to the variant's, > 1: faster. {_RATIO_NOTE}.")
+    print(f"e2e memory: {info['memory']}. state = {info['state']}; state B/param = state / parameters.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1205,28 +1333,15 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         rows += e2e_rows
         params["e2e"] = e2e_info
 
-    title = f"gaengine bench, {device} ({name}), torch {torch.__version__}"
-    if peak is not None:
-        title += (f"; measured peak: {peak['op']} {peak['gb_s']:.1f} GB/s "
-                  f"({peak['bytes_per_element']} B/element, {peak['ms']:.3f} ms for {peak['numel']:,} elements)")
-    print_table(rows, TABLE_COLUMNS + (HOST_COLUMNS if host_info is not None else []), title)
+    print(f"\ngaengine bench, {device} ({name}), torch {torch.__version__}")
     if kernels:
-        print(f"kernels: ms = median of {repeats} interleaved rounds; GB/s by the benchmark's bytes model "
-              f"(accumulate {ACCUMULATE_BYTES_PER_ELEMENT}, l2norm {L2NORM_BYTES_PER_ELEMENT}, scale "
-              f"{SCALE_BYTES_PER_ELEMENT} B/element); vs torch = median per-round ratio over the benchmark's first "
-              "row (> 1: faster).")
+        _print_kernel_tables(kernel_rows, peak, repeats)
     if host_info is not None:
-        _print_host_notes(host_info, device)
+        _print_host_tables(host_rows, host_info, device)
     if e2e_info is not None:
-        c = e2e_info["config"]
-        print(f"e2e: {e2e_info['num_params']:,}-parameter GPT ({c['n_layers']} layers, d_model {c['d_model']}), "
-              f"{c['micro_batch_size']} x {c['seq_len']} tokens x K={c['accumulation_steps']} = "
-              f"{e2e_info['tokens_per_update']:,} tokens per update, {c['timed_updates']} timed updates after "
-              f"{c['warmup_updates']}, variants interleaved; ms = median per update; vs torch = median per-round "
-              "speedup over the plain recipe (b).")
-        print(f"e2e memory: {e2e_info['memory']}. state = {e2e_info['state']}.")
+        _print_e2e_table(e2e_rows, e2e_info)
     if args.json is not None:
         write_json(args.json, "gaengine bench", params, rows, [device])
     if args.plot is not None:
-        _plot(rows, args.plot, title)
+        _plot(rows, args.plot, f"gaengine bench, {device} ({name}), torch {torch.__version__}")
     return 0

@@ -1,4 +1,4 @@
-"""Command line: ``gaengine train``, ``gaengine bench`` and ``gaengine verify``.
+"""Command line: ``gaengine train``, ``gaengine bench``, ``gaengine verify`` and ``gaengine info``.
 
 ``main(argv)`` parses, runs and prints; the loops live in :mod:`gaengine.train` and write nothing. All
 console output and every file the job writes go through :class:`_Reporter`, the one place a multi-rank
@@ -14,45 +14,54 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["main", "build_parser"]
 
 _BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default (a switch's as ``on``/``off``), except where the default is
+    ``None`` (the help says what happens then)."""
+
+    def _get_help_string(self, action):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            text = (action.help or "").replace(" (default: %(default)s)", "")  # Python < 3.13 appends it itself
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class _UsageError(Exception):
     """A bad combination of arguments found after parsing; reported like an argparse error (status 2)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(kind: type, accept: Callable[[float], bool], requirement: str) -> Callable[[str], float]:
+    """An argparse ``type``: ``kind(text)`` (``int`` or ``float``), finite and accepted by ``accept``; else an
+    ``ArgumentTypeError`` that says what was expected (``requirement``, e.g. ``"must be >= 1"``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not (math.isfinite(value) and accept(value)):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text.strip()}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "must be >= 1")
+_non_negative_int = _number(int, lambda v: v >= 0, "must be >= 0")
+_positive_float = _number(float, lambda v: v > 0, "must be a positive finite number")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
+def _threads(text: str) -> Optional[int]:
+    """``--threads``: ``auto`` (``None``: :func:`gaengine.train.choose_threads` decides) or a count >= 1."""
+    return None if text.strip().lower() == "auto" else _positive_int(text)
 
 
 def _grad_norm(text: str) -> Optional[float]:
@@ -73,7 +82,7 @@ def _add_train_parser(subparsers) -> None:
             "Train a byte-level GPT through gaengine.GradientAccumulator and report loss, throughput and "
             "memory. Default corpus: the .py files of this Python's standard library."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", type=Path, default=None,
@@ -98,8 +107,15 @@ def _add_train_parser(subparsers) -> None:
     g = p.add_argument_group("engine and device")
     g.add_argument("--backend", choices=_BACKENDS, default=d.backend, help="gaengine backend")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
-                   help="bf16/fp16 params: AdamW updates them in place, state in their dtype (8 instead of 16 B/param)")
+    g.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=d.master_weights,
+                   help="keep fp32 master weights and fp32 AdamW state for bf16/fp16 params; --no-master-weights: "
+                        "AdamW updates the bf16/fp16 params in place, state in their dtype (8 instead of 16 B/param)")
+    g.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
+                   help="torch CPU threads (torch.set_num_threads), set before any work. auto: half of the CPUs "
+                        "this process may use, at least 1, which holds up when other processes take some cores "
+                        "(torch's own default, one per core, ran 10x slower on a 2-core machine with one core "
+                        "taken); under torchrun (WORLD_SIZE > 1) or with OMP_NUM_THREADS set: torch's count, "
+                        "which follows OMP_NUM_THREADS")
     g = p.add_argument_group("reporting")
     g.add_argument("--eval-interval", type=_non_negative_int, default=d.eval_interval,
                    help="evaluate every N updates (0: only at the end)")
@@ -123,14 +139,18 @@ def _add_verify_parser(subparsers) -> None:
         help="check that accumulation over micro-batches equals the large batch on the built-in GPT",
         description="Compare the gradient of one batch with the engine's accumulated gradient over its split "
                     "into micro-batches (gaengine.verify_equivalence) and print the per-parameter report.",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences in the whole batch")
     p.add_argument("--accumulation-steps", type=_positive_int, default=4, help="micro-batches it is split into")
     p.add_argument("--seq-len", type=_positive_int, default=64, help="bytes per sequence")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32", help="parameter dtype")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
+                   help="parameter dtype. fp32, unlike train's bf16: in bf16 each side rounds every activation and "
+                        "gradient on its own, and on this 4-layer GPT the embedding's gradient can differ by more "
+                        "than the bf16 tolerance (2^-5) on rounding alone (4 of seeds 0-5 fail with the defaults); fp32 separates a wrong setup from rounding by 100x or more")
     p.add_argument("--backend", choices=_BACKENDS, default="auto", help="gaengine backend")
     p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
-    p.add_argument("--data", type=Path, default=None, help="text file or folder (default: the standard library)")
+    p.add_argument("--data", type=Path, default=None, help="text file or folder; default: the standard library")
     p.set_defaults(func=_cmd_verify)
 
 
@@ -166,7 +186,87 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parser(subparsers)
     _add_verify_parser(subparsers)
+    p = subparsers.add_parser(
+        "info", help="what this install has: gaengine._C, its CPU ops and CUDA kernels, the hooks, triton",
+        description="Report what was built and what loads: gaengine._C and where it is, its CPU ops and CUDA "
+                    "kernels (the cpu and cuda backends), the hooks a GradientAccumulator gets (native C++ or "
+                    "Python) and the backend 'auto' picks, and whether triton imports. Exit status 0 either way.")
+    p.set_defaults(func=_cmd_info)
     return parser
+
+
+def _probe(fn: Callable[[], str]) -> str:
+    """``fn()``, or ``no (<the first line of the reason>)`` when it raises."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer to report
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"no ({reason})"
+
+
+def build_report() -> list[tuple[str, str]]:
+    """``(item, finding)`` rows of ``gaengine info``: what this install built and what loads in this process."""
+    import importlib
+    import os
+
+    import torch
+
+    import gaengine
+
+    def extension() -> str:
+        module = importlib.import_module("gaengine._C")
+        return f"yes, {module.__file__}"
+
+    def backend(name: str, device: str) -> str:
+        from gaengine.backends import get_backend  # noqa: PLC0415
+
+        return f"yes (backend {get_backend(name, device).name!r} loads)"
+
+    def cuda_kernels() -> str:
+        if not torch.version.cuda:
+            return "no (torch is a CPU-only build)"
+        from gaengine import backends  # noqa: PLC0415
+
+        why = backends.cuda_kernels_unusable()
+        return "yes (backend 'cuda' loads)" if why is None else f"no ({why.splitlines()[0]})"
+
+    def hooks(device: str) -> str:
+        model = torch.nn.Linear(4, 4, device=device)
+        acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2)
+        try:
+            kind = type(acc.hooks).__name__
+            native = {"NativeHooks": "native C++", "PythonHooks": "Python"}.get(kind, kind)
+            return f"{native} hooks ({kind}), backend 'auto' -> {acc.backend.name!r}"
+        finally:
+            acc.close()
+
+    def triton() -> str:
+        module = importlib.import_module("triton")
+        cuda = "CUDA tensors" + ("" if torch.cuda.is_available() else ", none visible")
+        return f"yes, {module.__version__} (backend 'triton': {cuda}; CPU tensors under TRITON_INTERPRET=1)"
+
+    cuda = f"CUDA {torch.version.cuda}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else
+                                            ", no GPU visible") if torch.version.cuda else "CPU build"
+    rows = [
+        ("gaengine", f"{gaengine.__version__}, {os.path.dirname(gaengine.__file__)}"),
+        ("torch", f"{torch.__version__} ({cuda}), {torch.get_num_threads()} threads"),
+        ("gaengine._C", _probe(extension)),
+        ("  CPU ops", _probe(lambda: backend("cpu", "cpu"))),
+        ("  CUDA kernels", _probe(cuda_kernels)),
+        ("hooks on CPU", _probe(lambda: hooks("cpu"))),
+    ]
+    if torch.cuda.is_available():
+        rows.append(("hooks on CUDA", _probe(lambda: hooks("cuda"))))
+    rows.append(("triton", _probe(triton)))
+    return rows
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    rows = build_report()
+    width = max(len(item) for item, _ in rows)
+    for item, finding in rows:
+        print(f"{item.ljust(width)}  {finding}")
+    return 0
 
 
 class _Reporter:
@@ -249,7 +349,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _summary(results, config, corpus, world: int = 1) -> str:
+def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
     """The end-of-run table: one column per recipe, plus the gap when there are two."""
     rows = [
         ("updates", lambda r: f"{r.updates}" + (f" ({r.skipped_updates} skipped)" if r.skipped_updates else "")),
@@ -276,7 +376,8 @@ def _summary(results, config, corpus, world: int = 1) -> str:
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     out = [
         f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
-        f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}",
+        f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}"
+        + (f", torch threads {threads}" if threads else ""),
         f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}, "
         f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update; max_grad_norm {config.max_grad_norm}; "
         f"lr {config.lr:g}",
@@ -294,6 +395,24 @@ def _summary(results, config, corpus, world: int = 1) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    """``gaengine train``: torch's CPU thread count is set before any work and restored at the end."""
+    import torch
+
+    from gaengine.train import choose_threads
+
+    threads, why = choose_threads(args.threads)
+    previous = torch.get_num_threads()
+    # Intra-op threads only: eager training runs no inter-op work (torch.jit.fork), so the inter-op pool is
+    # left alone (it can be sized only before its first use in the process).
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _train(args, f"{torch.get_num_threads()} ({why})")
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(args: argparse.Namespace, threads: str) -> int:
     import torch
 
     from gaengine.data import load_corpus
@@ -337,7 +456,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     reporter = _Reporter(out_dir, args.quiet, enabled=rank == 0)
     try:
         if reporter.enabled:
-            (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(config), "data": corpus.source}, indent=2) + "\n")
+            record = {**dataclasses.asdict(config), "data": corpus.source, "torch_threads": torch.get_num_threads()}
+            (out_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         results = []
         recipes = [train_gaengine] + ([train_reference] if args.compare else [])
         for recipe in recipes:
@@ -346,7 +466,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             reporter.end_run()
         if reporter.enabled:
             plot = reporter.plot(results)
-            reporter.print(_summary(results, config, corpus, world))
+            reporter.print(_summary(results, config, corpus, world, threads))
             reporter.print(f"wrote {out_dir / 'metrics.jsonl'}, {plot}")
     finally:
         reporter.close()

@@ -16,6 +16,7 @@ prints and writes nothing.
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -30,12 +31,40 @@ from gaengine.engine import GradientAccumulator
 from gaengine.model import GPT, GPTConfig
 from gaengine.utils import is_oom_error
 
-__all__ = ["DTYPES", "TrainConfig", "TrainResult", "build_model", "train_gaengine", "train_reference", "evaluate"]
+__all__ = ["DTYPES", "TrainConfig", "TrainResult", "build_model", "choose_threads", "evaluate", "train_gaengine",
+           "train_reference"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Parameter dtypes accepted by ``TrainConfig.dtype``."""
 
 LogFn = Callable[[dict], None]
+
+
+def choose_threads(requested: Optional[int] = None, environ=None, cpus: Optional[int] = None) -> tuple[Optional[int], str]:
+    """The number of torch CPU threads for a run, and why: ``(None, why)`` leaves torch's own count.
+
+    requested: ``--threads`` (``None``: not given). environ: the environment (default ``os.environ``). cpus: the
+    CPUs this process may run on (default ``os.sched_getaffinity``, else ``os.cpu_count()``).
+
+    * ``requested``, when given.
+    * Under torchrun (``WORLD_SIZE`` > 1) or with ``OMP_NUM_THREADS`` set: ``None``, torch's count, which follows
+      ``OMP_NUM_THREADS`` (torchrun sets it to 1 for several ranks per machine when it is unset).
+    * Otherwise half of ``cpus``, at least 1 (1 on a 2-core machine). torch's default, one thread per physical
+      core, falls off a cliff as soon as another process takes one of the cores: every op ends in an OpenMP
+      barrier that waits for its slowest thread, and a descheduled thread is slow by a whole scheduler time
+      slice. On a 2-core machine with one core taken, ``gaengine train`` ran about 10x slower with two threads
+      than with one; on the same machine idle, two threads gained far less than that (README, "Threads").
+    """
+    environ = os.environ if environ is None else environ
+    if requested is not None:
+        return requested, "--threads"
+    if environ.get("OMP_NUM_THREADS"):
+        return None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}"
+    if int(environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return None, f"WORLD_SIZE={environ['WORLD_SIZE']}: torch's default"
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // 2), f"auto: half of {cpus} CPUs"
 
 
 @dataclass(frozen=True, kw_only=True)

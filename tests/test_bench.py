@@ -1,6 +1,7 @@
-"""``gaengine bench --quick`` on CPU: one table, a results JSON with the required keys, a PNG; the e2e facts
-that do not depend on timing (the same first loss for every variant, exact gradient + optimizer bytes); and the
-host benchmark's rows and fields (``--only host``). Timings themselves are never asserted."""
+"""``gaengine bench --quick`` on CPU: a table per benchmark with the columns it has, a results JSON with the
+required keys, a PNG; the e2e facts that do not depend on timing (the same first loss for every variant, exact
+gradient + optimizer bytes); the host benchmark's rows and fields (``--only host``); how a ratio and its spread
+are summarized and when it is called noise; no profiler log on stderr. Timings themselves are never asserted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -49,19 +52,69 @@ def test_parser_defaults_and_choices():
         _parse(["bench", "--only", "nope"])
 
 
-def test_quick_prints_one_table(quick_run):
+def _tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """``(title, header cells, body rows' cells)`` of every Markdown table in ``text``; the title is the line
+    just above the header."""
+    lines = text.splitlines()
+    tables = []
+    for i, line in enumerate(lines):
+        if line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|--"):
+            body = []
+            for row in lines[i + 2:]:
+                if not row.startswith("| "):
+                    break
+                body.append([c.strip() for c in row.strip("|").split("|")])
+            tables.append((lines[i - 1], [c.strip() for c in line.strip("|").split("|")], body))
+    return tables
+
+
+KERNEL_HEADER = ["variant", "ms", "GB/s", "% of peak", "vs torch [p25-p75]"]
+
+
+def test_quick_prints_a_table_per_benchmark(quick_run):
     rc, text, _ = quick_run
     assert rc == 0
     assert torch.get_num_threads() == _THREADS  # --threads holds for the run only
-    header = [line for line in text.splitlines() if line.startswith("| benchmark")]
-    assert len(header) == 1, text  # one table
-    cells = [c.strip() for c in header[0].strip("|").split("|")]
-    assert cells[:6] == ["benchmark", "variant", "ms", "GB/s", "% of peak", "vs torch"]
-    assert "measured peak: fp32 dst.copy_(src)" in text
-    for name in ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32", "host, 32 bf16 params", "e2e GPT bf16, K=8"):
-        assert f"| {name}" in text
-    for label in bench.E2E_VARIANTS.values():
+    tables = _tables(text)
+    titles = [title for title, _, _ in tables]
+    assert len(tables) == 5, titles  # three kernels, host, e2e
+    for (title, header, body), name in zip(tables[:3], ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32")):
+        assert title.startswith(f"{name}: 1,048,576 elements, ") and title.endswith(" B/element")
+        assert header == KERNEL_HEADER
+        assert body[0][0].startswith("torch:") and body[0][-1] == "1 (baseline)"
+        assert all(len(row) == len(header) for row in body)
+    title, header, body = tables[3]
+    assert title.startswith("host: ") and header[:3] == ["dtype", "P", "variant"]
+    assert len(body) == 2 * 3 * 2  # dtypes x P (quick) x variants
+    title, header, body = tables[4]
+    assert title.startswith("e2e: ") and header[:4] == ["variant", "ms/update", "tokens/s", "vs plain [p25-p75]"]
+    assert [row[0] for row in body] == list(bench.E2E_VARIANTS)
+    assert "fp32 dst.copy_(src) at" in text  # the measured peak
+    for label in bench.E2E_VARIANTS.values():  # the legend under the e2e table
         assert label in text
+    # Every memory column of the e2e table is explained under it, and nothing it lacks is.
+    note = next(line for line in text.splitlines() if line.startswith("e2e memory: "))
+    for column in ("peak = ", "peak delta = ", "peak live = ", "state = ", "state B/param = "):
+        assert column in note, column
+    assert {"peak MiB", "peak delta MiB", "peak live MiB", "state MiB", "state B/param"} <= set(header)
+
+
+def test_quick_ratios_say_when_they_are_noise(quick_run):
+    """Every printed ratio is a figure with its spread, the baseline, or marked as noise, as its JSON row says."""
+    _, text, out = quick_run
+    rows = json.loads((out / "r.json").read_text())["results"]
+    cells = [row[-1] if header[-1].startswith("vs") else row[header.index("vs plain [p25-p75]")]
+             for _, header, body in _tables(text) if header[0] != "dtype" for row in body]
+    timed = [r for r in rows if not r["benchmark"].startswith("host")]
+    assert len(cells) == len(timed)
+    for cell, r in zip(cells, timed):
+        assert cell == bench.ratio_text(r)
+        if r["ratio_baseline"]:
+            assert cell == "1 (baseline)"
+        elif r["ratio_noise"]:
+            assert "noise" in cell
+        else:
+            assert re.fullmatch(r"\d+\.\d\dx \[\d+\.\d\d-\d+\.\d\d\]", cell), cell
 
 
 def test_quick_writes_json(quick_run):
@@ -79,16 +132,22 @@ def test_quick_writes_json(quick_run):
     kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host"))]
     assert {r["benchmark"] for r in kernels} == {"accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32"}
     assert any(r["variant"] == "gaengine torch: accumulate_" for r in kernels)
+    repeats = payload["params"]["repeats"]
     for r in kernels:
         assert r["ms"] > 0 and r["gb_s"] > 0 and r["pct_of_peak"] > 0 and r["ratio_vs_torch"] > 0
+        assert r["ratio_min"] <= r["ratio_p25"] <= r["ratio_vs_torch"] <= r["ratio_p75"] <= r["ratio_max"]
+        assert r["ratio_rounds"] == repeats and isinstance(r["ratio_noise"], bool)
     first = {}
     for r in kernels:
         first.setdefault(r["benchmark"], r)
     assert all(r["variant"].startswith("torch:") and r["ratio_vs_torch"] == 1.0 for r in first.values())
+    assert all(r["ratio_baseline"] is True and r["ratio_noise"] is False for r in first.values())
+    assert sum(r["ratio_baseline"] for r in kernels) == len(first)
 
     e2e = {r["key"]: r for r in rows if r["benchmark"].startswith("e2e")}
     assert set(e2e) == set(bench.E2E_VARIANTS)
-    assert e2e["plain"]["ratio_vs_torch"] == 1.0
+    assert e2e["plain"]["ratio_vs_torch"] == 1.0 and e2e["plain"]["ratio_baseline"] is True
+    assert all(r["ratio_rounds"] == payload["params"]["e2e"]["config"]["timed_updates"] for r in e2e.values())
     for r in e2e.values():
         assert r["tokens_per_s"] > 0 and r["peak_mib"] > 0 and r["state_mib"] > 0
 
@@ -129,15 +188,21 @@ def host_run(tmp_path_factory):
 def test_host_quick_prints_rows_and_target(host_run):
     rc, text, _ = host_run
     assert rc == 0
-    header = [line for line in text.splitlines() if line.startswith("| benchmark")]
-    assert len(header) == 1, text
-    cells = [c.strip() for c in header[0].strip("|").split("|")]
-    assert cells[:6] == ["benchmark", "variant", "ms", "GB/s", "% of peak", "vs torch"]
-    assert {"us/param/mb", "added us/param/mb", "target us", "launches/mb", "buckets"} <= set(cells)
-    assert "| host, 4 bf16 params x 32" in text and "| host, 16 fp32 params x 32" in text
-    assert "| host, bf16, fit over P=4,16" in text
-    assert "per parameter per micro-batch" in text and f"CPU target <= {bench.HOST_TARGET_US:g} us" in text
-    assert "accumulate bf16->fp32" not in text and "e2e GPT" not in text  # --only host
+    tables = _tables(text)
+    assert len(tables) == 1, text  # --only host: its table alone
+    title, header, body = tables[0]
+    assert title.startswith("host: ")
+    assert header == ["dtype", "P", "variant", "ms/window", "us/param/mb", "added us/param/mb", "vs (b) [p25-p75]",
+                      "launches/mb", "buckets"]
+    assert [(row[0], row[1], row[2]) for row in body] == [
+        (dtype, p, label) for dtype in ("bf16", "fp32") for p in ("4", "16") for label in bench.HOST_VARIANTS.values()]
+    for row in body:
+        plain = row[2] == bench.HOST_VARIANTS["plain"]
+        assert (row[5] == "") == plain and (row[6] == "1 (baseline)") == plain and (row[8] == "") == plain
+    for dtype in ("bf16", "fp32"):
+        line = next(line for line in text.splitlines() if line.startswith(f"host {dtype}: gaengine adds "))
+        assert "per parameter per micro-batch" in line and f"CPU target <= {bench.HOST_TARGET_US:g} us" in line
+    assert "accumulate bf16->fp32" not in text and "e2e:" not in text  # --only host
 
 
 def test_host_quick_json_fields(host_run):
@@ -178,3 +243,53 @@ def test_host_quick_json_fields(host_run):
     for r in fits.values():
         assert isinstance(r["added_us_per_param_mb"], float) and isinstance(r["intercept_us_per_mb"], float)
         assert r["target_us"] == bench.HOST_TARGET_US
+
+
+@pytest.mark.parametrize(
+    "variant_ms, expected",
+    [
+        # The baseline takes 10 ms every round, so the per-round ratios are 10 / variant_ms. Quartiles by
+        # linear interpolation between order statistics (statistics.quantiles, method="inclusive").
+        ([5.0, 4.0, 5.0, 5.0, 2.0], {"ratio_vs_torch": 2.0, "ratio_p25": 2.0, "ratio_p75": 2.5, "ratio_noise": False}),
+        ([5.0, 5.0, 5.0, 5.0, 4.0, 4.0], {"ratio_vs_torch": 2.0, "ratio_p25": 2.0, "ratio_p75": (2.0 + 3 * 2.5) / 4,
+                                          "ratio_noise": False}),
+        ([20.0, 8.0, 10.0, 12.5, 5.0], {"ratio_vs_torch": 1.0, "ratio_p25": 0.8, "ratio_p75": 1.25, "ratio_noise": True}),
+        ([8.0, 8.0, 8.0, 8.0, 12.5, 12.5], {"ratio_vs_torch": 1.25, "ratio_p25": (3 * 0.8 + 1.25) / 4,
+                                            "ratio_p75": 1.25, "ratio_noise": True}),
+        ([1.0, 20.0], {"ratio_vs_torch": 5.25, "ratio_rounds": 2, "ratio_noise": True}),  # too few rounds
+    ],
+    ids=["2x-clear", "2x-interpolated", "straddles-1", "1.25x-but-p25-below-1", "two-rounds"],
+)
+def test_ratio_stats(variant_ms, expected):
+    stats = bench.ratio_stats([10.0] * len(variant_ms), variant_ms)
+    ratios = sorted(10.0 / v for v in variant_ms)
+    assert stats["ratio_min"] == ratios[0] and stats["ratio_max"] == ratios[-1]
+    assert stats["ratio_rounds"] == len(variant_ms) and stats["ratio_baseline"] is False
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value), key
+
+
+def test_ratio_text():
+    row = {"ratio_vs_torch": 7.7, "ratio_p25": 7.123, "ratio_p75": 8.031, "ratio_rounds": 15, "ratio_noise": False}
+    assert bench.ratio_text(row) == "7.70x [7.12-8.03]"
+    assert bench.ratio_text({**row, "ratio_noise": True, "ratio_p25": 0.9}) == "~1 (noise) [0.90-8.03]"
+    assert bench.ratio_text({**row, "ratio_rounds": 2, "ratio_noise": True}) == "noise (2 rounds) [7.12-8.03]"
+    assert bench.ratio_text({**row, "ratio_vs_torch": 1.0, "ratio_baseline": True}) == "1 (baseline)"
+    assert bench.ratio_text({"ratio_vs_torch": None}) == ""
+    baseline = bench.ratio_stats([3.0, 4.0, 5.0], [3.0, 4.0, 5.0], baseline=True)
+    assert (baseline["ratio_vs_torch"], baseline["ratio_noise"]) == (1.0, False)  # few rounds: still the baseline
+
+
+def test_profiler_log_is_kept_off_stderr(capfd):
+    """kineto prints ``... SyncActivityProfilerHandler.cpp:52] profiler_start`` to fd 2 at every profiler start;
+    the host benchmark profiles every variant, so those lines are dropped, and nothing else the profiled code
+    writes to stderr is."""
+    def fn():
+        os.write(2, b"a line of the profiled code\n")
+        torch.ones(4).add_(1)
+
+    counts = bench._profile_launches(fn, torch.device("cpu"))
+    err = capfd.readouterr().err
+    assert counts["accumulate_ops"] == 0
+    assert "a line of the profiled code" in err
+    assert "profiler_start" not in err and "profiler_stop" not in err and ".cpp:" not in err

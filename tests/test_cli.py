@@ -1,5 +1,5 @@
 """``gaengine train`` end to end, with a tiny model: in process, as ``python -m gaengine``, ``--compare``,
-``--data``, and argument errors."""
+``--data``, ``--threads``, and argument errors; the help texts; ``gaengine info``."""
 
 from __future__ import annotations
 
@@ -42,18 +42,34 @@ def _check_run(out: Path, steps: int, recipes=("gaengine",)) -> list[dict]:
 
 
 def test_train_in_process(tmp_path, capsys):
+    import torch
+
     out = tmp_path / "run"
-    assert main(["train", "--steps", "3", *TINY, "--out", str(out)]) == 0
+    before = torch.get_num_threads()
+    assert main(["train", "--steps", "3", *TINY, "--threads", "1", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == before  # set for the run, restored after it
     _check_run(out, 3)
     stdout = capsys.readouterr().out
     for label in ("updates", "tokens/s (train)", "final train loss", "validation loss", "grad norm min/max", "peak memory"):
         assert label in stdout
-    assert json.loads((out / "config.json").read_text())["accumulation_steps"] == 2
+    assert "torch threads 1 (--threads)" in stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["accumulation_steps"] == 2 and config["torch_threads"] == 1
 
 
-def test_train_subprocess(tmp_path):
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.mark.parametrize("omp", [None, "1"], ids=["auto", "omp-num-threads-1"])
+def test_train_subprocess(tmp_path, omp):
+    """As ``python -m gaengine``: by default half the CPUs (at least 1) run torch's ops; OMP_NUM_THREADS set
+    (as torchrun sets it) is respected."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
     proc = subprocess.run(
         [sys.executable, "-m", "gaengine", "train", "--steps", "3", *TINY, "--out", str(out)],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
@@ -61,6 +77,34 @@ def test_train_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "final train loss" in proc.stdout and "validation loss" in proc.stdout
     _check_run(out, 3)
+    threads = json.loads((out / "config.json").read_text())["torch_threads"]
+    if omp is None:
+        assert threads == max(1, _cpus() // 2)
+        assert f"torch threads {threads} (auto: half of {_cpus()} CPUs)" in proc.stdout
+    else:
+        assert threads == 1 and "torch threads 1 (OMP_NUM_THREADS=1)" in proc.stdout  # what torchrun sets
+
+
+@pytest.mark.parametrize(
+    "requested, environ, cpus, expected",
+    [
+        (None, {}, 2, 1),
+        (None, {}, 1, 1),
+        (None, {}, 16, 8),
+        (None, {}, 3, 1),
+        (4, {}, 2, 4),
+        (None, {"OMP_NUM_THREADS": "1"}, 16, None),
+        (None, {"WORLD_SIZE": "2"}, 16, None),
+        (None, {"WORLD_SIZE": "1"}, 16, 8),
+        (2, {"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}, 16, 2),
+    ],
+    ids=["2-cpus", "1-cpu", "16-cpus", "3-cpus", "requested", "omp-set", "torchrun", "world-1", "requested-wins"],
+)
+def test_choose_threads(requested, environ, cpus, expected):
+    from gaengine.train import choose_threads
+
+    threads, why = choose_threads(requested, environ=environ, cpus=cpus)
+    assert threads == expected and why
 
 
 def test_compare(tmp_path, capsys):
@@ -82,6 +126,7 @@ def test_no_master_weights(tmp_path):
     assert first["gaengine"] == pytest.approx(first["torch"], rel=1e-6)
     assert json.loads((out / "config.json").read_text())["master_weights"] is False
     assert build_parser().parse_args(["train"]).master_weights is True
+    assert build_parser().parse_args(["train", "--master-weights"]).master_weights is True
 
 
 def test_data_file_and_folder(tmp_path):
@@ -116,8 +161,15 @@ def test_corpus_is_deterministic_and_split():
         (["--lr", "nan"], "positive finite"),
         (["--n-heads", "3"], "must divide d_model"),
         (["--data", "/nonexistent/corpus"], "no such file or folder"),
+        (["--lr", "abc"], "expected a number, got 'abc'"),
+        (["--max-data-mb", "0"], "must be a positive finite number, got 0"),
+        (["--eval-interval", "-1"], "must be >= 0, got -1"),
+        (["--steps", "2.5"], "expected an integer, got '2.5'"),
+        (["--threads", "0"], "must be >= 1, got 0"),
+        (["--threads", "many"], "expected an integer, got 'many'"),
     ],
-    ids=["accumulation-steps-0", "micro-batch-negative", "dtype-fp8", "backend-nope", "lr-nan", "heads-3", "data-missing"],
+    ids=["accumulation-steps-0", "micro-batch-negative", "dtype-fp8", "backend-nope", "lr-nan", "heads-3", "data-missing",
+         "lr-text", "max-data-0", "eval-interval-negative", "steps-float", "threads-0", "threads-text"],
 )
 def test_bad_arguments(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
@@ -130,6 +182,8 @@ def test_parser_defaults_and_clip_off():
     parser = build_parser()
     args = parser.parse_args(["train"])
     assert (args.max_grad_norm, args.dtype, args.backend, args.compare) == (1.0, "bf16", "auto", False)
+    assert args.threads is None  # auto
+    assert parser.parse_args(["train", "--threads", "3"]).threads == 3
     for off in ("0", "none", "None"):
         assert parser.parse_args(["train", "--max-grad-norm", off]).max_grad_norm is None
     with pytest.raises(SystemExit):
@@ -181,3 +235,49 @@ def test_verify_prints_a_passing_report(capsys):
     assert main(["verify", "--batch-size", "8", "--accumulation-steps", "4", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out.upper() and "blocks.0.attn.qkv.weight" in out
+
+
+def _help(capsys, command: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_train_help_states_defaults_plainly(capsys):
+    text = _help(capsys, "train")
+    assert "--master-weights, --no-master-weights keep fp32 master weights" in text
+    assert "(default: on)" in text and "(default: True)" not in text
+    assert "(default: None)" not in text  # an option without a default says what happens instead
+    assert "--threads N|auto" in text and "OMP_NUM_THREADS" in text and "(default: auto)" in text
+    assert "(default: bf16)" in text and "(default: 120)" in text
+
+
+def test_verify_help_shows_defaults(capsys):
+    text = _help(capsys, "verify")
+    parser_defaults = {"--batch-size": 16, "--accumulation-steps": 4, "--seq-len": 64, "--dtype": "fp32",
+                       "--backend": "auto", "--seed": 0}
+    for option, default in parser_defaults.items():
+        assert f"{option} " in text
+        assert getattr(build_parser().parse_args(["verify"]), option[2:].replace("-", "_")) == default
+    for default in ("(default: 16)", "(default: 4)", "(default: 64)", "(default: fp32)", "(default: auto)",
+                    "(default: 0)"):
+        assert default in text, default
+    assert "(default: None)" not in text
+
+
+def test_info_reports_what_was_built(capsys):
+    import importlib.util
+
+    assert main(["info"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        item, _, finding = line.strip().partition("  ")
+        rows[item] = finding.strip()
+    assert {"gaengine", "torch", "gaengine._C", "CPU ops", "CUDA kernels", "hooks on CPU", "triton"} <= set(rows)
+    built = importlib.util.find_spec("gaengine._C") is not None
+    assert rows["gaengine._C"].startswith("yes" if built else "no")
+    assert rows["CPU ops"].startswith("yes" if built else "no")
+    native = built and os.environ.get("GAENGINE_HOT_PATH", "auto") != "python"
+    assert rows["hooks on CPU"].startswith("native C++ hooks" if native else "Python hooks")
+    assert rows["triton"].startswith("yes" if importlib.util.find_spec("triton") else "no")
