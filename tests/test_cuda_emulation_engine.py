@@ -14,9 +14,9 @@ optimizer state after every step, bitwise, as the backend contract says (unscale
 AdamW: the same fp32 operations). The gradient norm is the exception the contract makes: CUDA sums fp32 squares
 per 4096- or 16384-element chunk, the CPU sums in fp64, so ``grad_norm`` is checked against an fp64 oracle within
 ``tests/tolerances.py``'s ``sum_sq_rtol`` on both backends, and a clipped window against the clip coefficient the
-run itself computed (``scale_cuda_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival and
-stale-gradient tests of ``tests/test_double_arrival.py`` / ``tests/test_stale_gradients.py`` run again on the
-emulated backend, and the ops' contracts raise their named errors. Skipped only when no C++ compiler is found; the
+run itself computed (``scale_cuda_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival,
+stale-gradient and 2-rank gloo tests of ``tests/test_double_arrival.py`` / ``tests/test_stale_gradients.py`` /
+``tests/test_distributed.py`` run again on the emulated backend, and the ops' contracts raise their named errors. Skipped only when no C++ compiler is found; the
 build takes about two minutes on 2 cores the first time.
 """
 
@@ -37,7 +37,7 @@ from torch import nn
 import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
-from tests import test_double_arrival, test_stale_gradients
+from tests import test_distributed, test_double_arrival, test_stale_gradients
 from tests.reference import accumulate_fp64, sum_sq_fp64
 from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
 
@@ -460,6 +460,31 @@ def test_stale_gradients_on_the_emulated_backend(emu, monkeypatch, name, kwargs)
     probe = backends.get_backend("auto", "cpu")
     assert probe.name == "cuda" and probe._C is emu
     fn(**kwargs)
+
+
+def _emulated_worker(*args):
+    """tests/test_distributed.py's rank process, on the emulated cuda backend: the module loaded from the session's
+    build (a no-op ninja run), the hook set in this process; GAENGINE_BACKEND=cuda comes from the parent."""
+    module, _ = emu_engine.build()
+    backends._EMULATED_CUDA_MODULE = module  # this process is the test's alone
+    chosen = backends.get_backend("auto", "cpu")  # what the scenarios' accumulators get
+    assert chosen.name == "cuda" and chosen._C is module, chosen.name
+    test_distributed._worker(*args)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("scenario", ["equivalence", "items-unused", "double-arrival"])
+def test_distributed_on_the_emulated_backend(emu, monkeypatch, tmp_path, scenario):
+    """tests/test_distributed.py's gloo scenarios (2 ranks) on backend "cuda": armed last micro-batches call
+    on_bucket_ready from HotPath's kernels="cuda" branch, a late second arrival raises on every rank."""
+    monkeypatch.setenv("GAENGINE_BACKEND", "cuda")  # the spawned ranks inherit it and GAENGINE_HOT_PATH=native
+    monkeypatch.setattr(test_distributed, "_worker", _emulated_worker)
+    if scenario == "equivalence":
+        test_distributed.test_ranks_equal_one_process_and_ddp(tmp_path, 2)
+    elif scenario == "items-unused":
+        test_distributed.test_item_mode_unused_and_tied_params(tmp_path)
+    else:
+        test_distributed.test_double_arrival_on_several_ranks_equals_one_process(tmp_path, 2, "native", monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------ the backend's ops
