@@ -16,8 +16,8 @@ per 4096- or 16384-element chunk, the CPU sums in fp64, so ``grad_norm`` is chec
 ``tests/tolerances.py``'s ``sum_sq_rtol`` on both backends, and a clipped window against the clip coefficient the
 run itself computed (``scale_cuda_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival,
 stale-gradient and 2-rank gloo tests of ``tests/test_double_arrival.py`` / ``tests/test_stale_gradients.py`` /
-``tests/test_distributed.py`` run again on the emulated backend, and the ops' contracts raise their named errors. Skipped only when no C++ compiler is found; the
-build takes about two minutes on 2 cores the first time.
+``tests/test_distributed.py`` run again on the emulated backend, and the ops' contracts raise their named errors.
+Skipped only when no C++ compiler is found; the build takes about 1 to 3 minutes on 2 cores the first time.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Run:
                                                     bucket_size_mb=bucket_size_mb, master_weights=master_weights)
         assert self.acc.hooks.native == (hot_path == "native")
         assert hot_path != "native" or self.acc.hooks.kernels == backend
-        if backend == "cuda" and hot_path == "native":  # every op from the emulated build: the hooks' HotPath, the backend's, the optimizer's
+        if backend == "cuda" and hot_path == "native":  # the hooks' HotPath and the backend's ops: the emulated build
             emulated = backends._EMULATED_CUDA_MODULE
             assert emulated is not None and self.acc.hooks._C is emulated and self.acc.backend._C is emulated
         self.windows: list[dict] = []
@@ -305,8 +305,9 @@ def test_clipping_scales_by_the_runs_own_coefficient(emu, unused):
 class Many(nn.Module):
     """800 parameters of 1..23 elements, alternately fp32 and bf16: more sources than one bucket launch takes (512:
     a split launch, its partials columns after the first launch's) and more parameters than one AdamW launch takes
-    (384) in each of its two dtype groups. Plus two pairs used through torch.cat, whose second gradient autograd hands over as
-    a view 3 elements into the cat's gradient (12 or 6 bytes off 16: the bucket kernel's unaligned path)."""
+    (384) in each of its two dtype groups. Plus two pairs used through torch.cat, whose second gradient autograd
+    hands over as a view 3 elements into the cat's gradient (12 or 6 bytes off 16: the bucket kernel's unaligned
+    path)."""
 
     def __init__(self, n: int = 800):
         super().__init__()
