@@ -150,7 +150,8 @@ class Run:
         assert hot_path != "native" or self.acc.hooks.kernels == backend
         if backend == "cuda" and hot_path == "native":  # the hooks' HotPath and the backend's ops: the emulated build
             emulated = backends._EMULATED_CUDA_MODULE
-            assert emulated is not None and self.acc.hooks._C is emulated and self.acc.backend._C is emulated
+            assert emulated is not None and self.acc.backend._C is emulated
+            assert type(self.acc.hooks._hot) is emulated.HotPath
         self.windows: list[dict] = []
 
     def window(self, batches, item_mode, force=False):
