@@ -1,0 +1,86 @@
+"""``examples/``: each example runs as the README says, prints what it should, and the README's Quick start is
+the example's code line for line."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def _load_quickstart():
+    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _readme_quick_start() -> list[str]:
+    """The lines of the first ``python`` block under the README's ``## Quick start``."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quick start\n"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    return block.group(1).splitlines()
+
+
+def _first_window_loss(qs, windows: int, micro_batch_size: int, seed: int = 0) -> float:
+    """The first window's loss by plain torch, no gaengine: the mean of the first 8 micro-batch losses of the
+    example's bf16 model, initialized and fed exactly as the example does (same seeds, same loader)."""
+    torch.manual_seed(seed)
+    model = qs.TinyLM().to(torch.bfloat16)
+    loader = torch.utils.data.DataLoader(qs.byte_windows(windows, seed), batch_size=micro_batch_size, shuffle=True,
+                                         generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        losses = [model(x, y).double() for (x, y), _ in zip(loader, range(8))]
+    return float(sum(losses) / len(losses))
+
+
+def test_quickstart_runs_as_a_script(tmp_path):
+    """``python examples/quickstart.py --epochs 2 --windows 600``: 19 micro-batches of 32 per epoch, so 2 full
+    windows of 8 and a partial one of 3 per epoch: 6 updates, the loss falling, the first one the plain-torch
+    loss of the first 8 micro-batches."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(QUICKSTART), "--epochs", "2", "--windows", "600"], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "19 micro-batches of 32 per epoch" in proc.stdout
+    updates = [line for line in proc.stdout.splitlines() if line.startswith("loss ")]
+    assert len(updates) == 2 * math.ceil(19 / 8)
+    assert not any("skipped" in line for line in updates)
+    losses = [float(re.match(r"loss (\S+)  grad norm (\S+)", line).group(1)) for line in updates]
+    norms = [float(re.match(r"loss (\S+)  grad norm (\S+)", line).group(2)) for line in updates]
+    assert all(math.isfinite(v) and v > 0 for v in losses + norms)
+    assert losses[0] == pytest.approx(_first_window_loss(_load_quickstart(), 600, 32), abs=1e-3)
+    assert losses[0] == pytest.approx(math.log(256), abs=0.5)  # an untrained model: about uniform over 256 bytes
+    assert losses[-1] < losses[0] - 0.2
+
+
+def test_readme_quick_start_is_the_example():
+    """The README's snippet: its set-up lines name what the example defines, and from ``optimizer =`` on it is
+    the body of ``quickstart()`` line for line."""
+    qs = _load_quickstart()
+    readme = _readme_quick_start()
+    start = next(i for i, line in enumerate(readme) if line.startswith("optimizer = "))
+    source = inspect.getsource(qs.quickstart).splitlines()
+    first = next(i for i, line in enumerate(source) if line.strip().startswith("optimizer = "))
+    body_lines = textwrap.dedent("\n".join(source[first:])).splitlines()
+    snippet = readme[start:]
+    assert body_lines[:len(snippet)] == snippet
+    assert body_lines[len(snippet):] == ["acc.close()"]
+    setup = "\n".join(readme[:start])
+    for name in ("TinyLM", "byte_windows", "print_update"):
+        assert hasattr(qs, name) and name in setup
+    assert "model = TinyLM().to(torch.bfloat16)" in setup and "model = TinyLM().to(torch.bfloat16)" in \
+        inspect.getsource(qs.main)
