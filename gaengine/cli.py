@@ -235,8 +235,8 @@ def build_report() -> list[tuple[str, str]]:
         acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2)
         try:
             kind = type(acc.hooks).__name__
-            native = {"NativeHooks": "native C++", "PythonHooks": "Python"}.get(kind, kind)
-            return f"{native} hooks ({kind}), backend 'auto' -> {acc.backend.name!r}"
+            native = getattr(acc.hooks, "native", kind.startswith("Native"))
+            return f"{'native C++' if native else 'Python'} hooks ({kind}), backend 'auto' -> {acc.backend.name!r}"
         finally:
             acc.close()
 
