@@ -143,9 +143,20 @@ def check_scale_args(x: torch.Tensor, coef: torch.Tensor) -> None:
 
 
 class Backend:
-    """Interface of a backend; this base class is the ``torch`` reference implementation."""
+    """Interface of a backend; this base class is the ``torch`` reference implementation.
+
+    Besides the ops, a backend says how the accumulator's hooks drive it (``gaengine.hooks.make_hooks``):
+    ``hot_path_kernels`` names the kernels the native hooks (``csrc/hot_path.cpp``) launch for it ("cpu",
+    "cuda", "aten": one ATen op per gradient), or is None when its kernels launch from Python (then the Python
+    hooks run); ``bucketed``: the Python hooks hold gradients and accumulate a whole bucket per launch;
+    ``fused_sumsq``: its ``accumulate_sumsq_`` reads the values it writes in the same pass (the reference here
+    makes a second one, so the Python hooks then leave the norm to one ``l2norm_sq`` pass at ``step()``).
+    """
 
     name = "torch"
+    hot_path_kernels: str | None = "aten"
+    bucketed = False
+    fused_sumsq = False
 
     def accumulate_(self, dst: torch.Tensor, src: torch.Tensor, scale: Scale = 1.0, overwrite: bool = False) -> torch.Tensor:
         d, s = dst.view(-1), src.reshape(-1)
@@ -176,6 +187,19 @@ class Backend:
     def scale_(self, x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         return x.mul_(coef)
 
+    def kernels_problem(self) -> str | None:
+        """Why this backend's kernels cannot run now (the native hooks then fall back), or None."""
+        return None
+
+    def finish_norm_partials(self, partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum_sq, found_inf)``, 0-d fp32 on ``partials.device``, of the free-norm partials the accumulate
+        pass of this backend wrote: per parameter, a contiguous ``(P, 2)`` fp64 table of (sum of squares,
+        non-finite flag) rows (``accumulate_sumsq_``, the ``cpu`` kernels), summed in a fixed order. Backends
+        whose bucket kernels write ``(2, n_chunks)`` fp32 per-chunk partials finish them with their own
+        fixed-order reduction. No host sync."""
+        sums = partials.sum(0)
+        return sums[0].to(torch.float32), (sums[1] > 0).to(torch.float32)
+
 
 class TorchBackend(Backend):
     """Plain PyTorch: the reference every other backend is tested against, and the fallback."""
@@ -185,6 +209,8 @@ class CpuBackend(Backend):
     """The compiled C++ extension ``gaengine._C`` (vectorized, ``at::parallel_for``), CPU tensors only."""
 
     name = "cpu"
+    hot_path_kernels = "cpu"
+    fused_sumsq = True
 
     def __init__(self) -> None:
         from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
@@ -232,11 +258,16 @@ class TritonBackend(Backend):
     """Triton kernels from ``gaengine.kernels``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
 
     name = "triton"
+    hot_path_kernels = None  # launched from Python: the Python hooks run
+    bucketed = True
 
     def __init__(self) -> None:
-        from gaengine.kernels import accumulate, norm, scale  # noqa: PLC0415 - imports triton
+        from gaengine.kernels import accumulate, bucket, norm, scale  # noqa: PLC0415 - imports triton
 
-        self._accumulate, self._norm, self._scale = accumulate, norm, scale
+        self._accumulate, self._norm, self._scale, self._bucket = accumulate, norm, scale, bucket
+
+    def finish_norm_partials(self, partials):
+        return self._bucket.l2norm_sq_from_partials(partials)  # (2, n_blocks) fp32, fixed-order tree
 
     def accumulate_(self, dst, src, scale=1.0, overwrite=False):
         return self._accumulate.accumulate_(dst, src.contiguous(), scale, overwrite=overwrite)
@@ -334,6 +365,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    hot_path_kernels = "cuda"
 
     def __init__(self) -> None:
         self._C = _load_cuda_kernels()
@@ -360,6 +392,12 @@ class CudaBackend(Backend):
         # The kernel reads a float through coef's pointer: a cast on the device (no host read), torch's rounding.
         self._C.scale_cuda_(x, coef if coef.dtype == torch.float32 else coef.to(torch.float32))
         return x
+
+    def finish_norm_partials(self, partials):
+        return tuple(self._C.sum_partials_cuda(partials))  # (2, n_chunks) fp32, fixed-order tree
+
+    def kernels_problem(self):
+        return cuda_kernels_unusable()  # ops built, driver >= 12.1
 
 
 _CLASSES = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend, "cuda": CudaBackend}

@@ -48,7 +48,7 @@ intercept, a fixed cost per micro-batch, printed beside it), against the CPU tar
 kernel launches from ``torch.profiler`` (``cudaLaunchKernel``/``cuLaunchKernel`` calls, or the kernels seen
 when more), the model's own fill and mul included, for both variants; on CPU the plain recipe's data-touching
 ATen ops inside AccumulateGrad (one ``aten::add_`` per parameter) and gaengine's own count,
-``acc.hooks.launches`` (else ``acc.bucket_accumulation.launches``, else n/a). ``buckets``: gaengine's buckets;
+``acc.hooks.launches``. ``buckets``: gaengine's buckets;
 a bucketed accumulate needs buckets + the model's own launches per micro-batch.
 
 End-to-end (``e2e``): the byte-level GPT of :mod:`gaengine.model` in bf16, K = 8 micro-batches per update,
@@ -735,7 +735,7 @@ def bench_host(device: torch.device, param_counts: Sequence[int] = HOST_PARAM_CO
                      "torch.autograd.grad, no AccumulateGrad" if not cpu else
                      "CPU: (b) data-touching ATen ops inside AccumulateGrad (aten::add_ per param) during "
                      "micro-batch 1's backward; (a) gaengine's own count of kernel-launching calls over that "
-                     "micro-batch (acc.hooks.launches, else acc.bucket_accumulation.launches; n/a: neither)"),
+                     "micro-batch (acc.hooks.launches)"),
     }
     return rows, info
 

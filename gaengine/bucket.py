@@ -7,19 +7,20 @@ gradients). The same buckets serve two stages: the all-reduce of the window's la
 itself (``BucketAccumulation``, one launch per bucket).
 
 ``BucketAccumulation``: the hook hands each gradient over as autograd produces it; it is held (no copy)
-until every parameter of its bucket has arrived in this micro-batch, then the whole bucket is accumulated
-into the flat fp32 buffer by one launch of ``gaengine.kernels.bucket.accumulate_bucket_`` and the held
+until the hooks (``gaengine.python_hooks``, which count bucket readiness) find every parameter of its bucket
+arrived in this micro-batch, then the whole bucket is accumulated into the flat fp32 buffer by one launch of ``gaengine.kernels.bucket.accumulate_bucket_`` and the held
 gradients are dropped. With gradients arriving in layout order (the layout is re-learned from the first
 window), at most about one bucket of low-precision gradients is held at a time. Parameters that get no
 gradient in a micro-batch leave their bucket incomplete; ``flush()`` at the end of backward launches what
 is held. A parameter whose gradient arrives again in the same micro-batch (reentrant checkpointing of a
 shared layer) is combined with what is held for it (``combine_arrival``), never held as a second source on
-the same slice; a bucket waits for each parameter's learned number of arrivals (``gaengine.hooks``).
+the same slice.
 
 Free norm (single rank): in the window's last micro-batch each launch also writes per-block sums of
 squares and non-finite flags of the values it wrote into one ``(2, n_blocks)`` fp32 table on the buffer's
 device; when every bucket was complete, that table covers every parameter, so ``step()`` finishes the norm
-from it with a deterministic fixed-order reduction and reads the buffer zero extra times.
+from it (the backend's ``finish_norm_partials``, a deterministic fixed-order reduction) and reads the buffer
+zero extra times.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Bucket:
     last: int
     start: int
     end: int
-    pending: int = 0
+    ready: bool = False  # armed micro-batch: every parameter final (BucketReducer)
     work: object = None
     wire: torch.Tensor | None = None
     launched_at: float | None = field(default=None, repr=False)
@@ -105,70 +106,51 @@ class BucketAccumulation:
         self.launches = 0  # kernel-launching calls, for tests and benchmarks
         self.begin(want_norm=False)
 
-    def begin(self, want_norm: bool, expected_arrivals: list[int] | None = None) -> None:
-        """Start a micro-batch; ``want_norm``: collect the free-norm partials (the last one, single rank).
-        ``expected_arrivals[i]``: the arrivals parameter i's bucket waits for (default 1 each)."""
+    def begin(self, want_norm: bool) -> None:
+        """Start a micro-batch; ``want_norm``: collect the free-norm partials (the last one, single rank)."""
         self._held: list[dict[int, tuple[torch.Tensor, bool]]] = [{} for _ in self.buckets]
-        if expected_arrivals is None:
-            self._remaining = list(self._sizes)
-        else:
-            self._remaining = [sum(expected_arrivals[b.first:b.last]) for b in self.buckets]
         self._partials = (torch.empty(2, self._n_blocks, dtype=torch.float32, device=self.data.device)
                           if want_norm else None)
+        self._complete_launches = 0  # buckets launched whole in this micro-batch
         self._norm_complete = want_norm
 
-    def add(self, i: int, grad: torch.Tensor, overwrite: bool, counts: bool = True) -> list[int]:
-        """Hold parameter ``i``'s gradient; returns the parameters accumulated by a launch it completed.
-
-        counts: this arrival counts toward its bucket's readiness (False for an arrival beyond the learned
-        count, which is combined with the held one, or launched on its own when the bucket already was).
-        """
-        b = self.bucket_of[i]
-        held = self._held[b]
+    def hold(self, i: int, grad: torch.Tensor, overwrite: bool) -> None:
+        """Hold parameter ``i``'s gradient until its bucket is launched; a later arrival of ``i`` in the same
+        micro-batch is combined with the held one (``combine_arrival``), never held as a second source."""
+        held = self._held[self.bucket_of[i]]
         if i in held:
             held[i] = (combine_arrival(self.data, self.layout.offsets[i], *held[i], grad), True)
         else:
             held[i] = (grad, overwrite)
-            if self._remaining[b] == 0:  # the bucket was launched already: this arrival goes on its own
-                self._norm_complete = False
-                self._launch(b, 1.0)
-        if counts:
-            self._remaining[b] -= 1
-            if self._remaining[b] == 0:
-                return self._launch(b, 1.0)
-        return []
 
-    def flush(self, scale: float | torch.Tensor) -> list[int]:
-        """End of backward: launch every bucket still holding gradients; returns the parameters accumulated."""
-        done = []
-        for b, held in enumerate(self._held):
-            if held:
-                done += self._launch(b, scale)
-        if any(self._remaining):
-            self._norm_complete = False  # some parameter got no gradient: the partials miss it
-        return done
-
-    def _launch(self, b: int, scale: float | torch.Tensor) -> list[int]:
+    def launch(self, b: int) -> None:
+        """Accumulate what bucket ``b`` holds in one launch and drop it (called when the bucket is complete)."""
         held = [(i, g, ow) for i, (g, ow) in sorted(self._held[b].items())]  # fixed order: deterministic partials
         self._held[b] = {}
-        complete = len(held) == self._sizes[b]
         partials = None
-        if self._partials is not None and complete:
+        if self._partials is not None and len(held) == self._sizes[b]:
             lo, hi = self._columns[b]
             partials = self._partials[:, lo:hi]
+            self._complete_launches += 1
         elif self._partials is not None:
-            self._norm_complete = False
+            self._norm_complete = False  # values written that no partial column covers
         self._kernels.accumulate_bucket_(
             self.data, [g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1) for _, g, _ in held],
-            [self.layout.offsets[i] for i, _, _ in held], scale, [ow for _, _, ow in held], partials=partials)
+            [self.layout.offsets[i] for i, _, _ in held], 1.0, [ow for _, _, ow in held], partials=partials)
         self.launches += 1
-        return [i for i, _, _ in held]
 
-    def free_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(sum_sq, found_inf)`` of the whole buffer from the last micro-batch's partials, or None."""
-        if self._partials is None or not self._norm_complete:
+    def flush(self) -> None:
+        """End of backward: launch every bucket still holding gradients (parameters that got none)."""
+        for b, held in enumerate(self._held):
+            if held:
+                self.launch(b)
+
+    def norm_partials(self) -> torch.Tensor | None:
+        """The last micro-batch's ``(2, n_blocks)`` fp32 free-norm partials when every bucket was launched whole
+        (they then cover the whole buffer), else None."""
+        if self._partials is None or not self._norm_complete or self._complete_launches != len(self.buckets):
             return None
-        return self._kernels.l2norm_sq_from_partials(self._partials)
+        return self._partials
 
     def drop(self) -> None:
         """Forget held gradients (a failed backward, ``zero_grad()``)."""

@@ -33,10 +33,9 @@ from torch import nn
 
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine.bucket import BucketAccumulation, build_buckets
+from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
-from gaengine.hooks import PythonHooks
-from gaengine.hot_path import NativeHooks, make_hooks
+from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats
 from gaengine.scaler import LossScaler
@@ -297,7 +296,7 @@ class GradientAccumulator:
         self.lr_scheduler = lr_scheduler
         # Per-parameter, per-micro-batch state lives in the hooks object (gaengine.hooks); a gradient that
         # gaengine left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
-        self.hooks: NativeHooks | PythonHooks | None = None
+        self.hooks: Hooks | None = None
         self._grads_left = False
         self._masters: MasterWeights | None = None  # the optimizer's params and fp32 masters (gaengine.update)
         self._registration = params  # registration order, the reference frame of state_dict()
@@ -357,11 +356,6 @@ class GradientAccumulator:
                               group=self.process_group)
         if order != list(range(len(self.params))):
             self._set_layout([self.params[i] for i in order])
-
-    @property
-    def bucket_accumulation(self) -> BucketAccumulation | None:
-        """The Triton path's per-bucket accumulation (``.launches``, ``.buckets``), else None."""
-        return getattr(self.hooks, "bucket_accumulation", None)
 
     @property
     def _optimizer_writes_model(self) -> bool:

@@ -1,50 +1,38 @@
-"""The native hot path: ``gaengine._C.HotPath`` (``csrc/hot_path.cpp``), behind the interface of ``PythonHooks``.
+"""``NativeHooks``: ``gaengine._C.HotPath`` (``csrc/hot_path.cpp``) behind ``gaengine.hooks.Hooks``.
 
 No Python runs per parameter per micro-batch. ``HotPath`` registers a C++ post-hook on each parameter's
 AccumulateGrad node (the nodes are kept alive, as torch DDP's Reducer keeps them) that takes ``p.grad`` at once,
-holds it until every parameter of its bucket has arrived, and then accumulates the whole bucket into the flat
-fp32 ``main_grad`` with one launch (micro-batch 0 of a window writes, later ones add). In the window's last
-micro-batch it also writes the free-norm partials (one rank) and, on several ranks, calls back into Python once
-per complete bucket to start that bucket's all-reduce (``BucketReducer.bucket_ready``). Python is otherwise
-entered once per ``acc.backward()`` (``begin`` / ``end``) and once per ``acc.step()``.
+holds it until every parameter of its bucket has arrived as often as learned, and then accumulates the whole
+bucket into the flat fp32 ``main_grad`` with one launch (micro-batch 0 of a window writes, later ones add). In
+the window's last micro-batch it also writes the free-norm partials (one rank) and, on several ranks, calls back
+into Python once per complete bucket to start that bucket's all-reduce (``BucketReducer.bucket_ready``). Python
+is otherwise entered once per ``acc.backward()`` (``begin`` / ``end``) and once per ``acc.step()``.
 
-Kernels, by backend (``gaengine.backends``):
+Kernels, by the backend's ``hot_path_kernels`` (``gaengine.backends``):
 
 * ``cpu``: CPU tensors, one parallel region per bucket (``accumulate_bucket_cpu`` in ``csrc/cpu_ops.cpp``);
   partials are per-parameter fp64 ``(P, 2)`` rows, bitwise equal to the Python path's ``accumulate_sumsq_``.
 * ``cuda``: CUDA tensors, one multi-tensor kernel per bucket on the current stream (``csrc/cuda/``), when
   ``gaengine._C`` was built against a CUDA torch; partials are per-chunk ``(2, n_chunks)`` fp32.
-* ``torch``: any device, one ATen ``copy_`` / ``add_`` per parameter issued from C++ (no free norm).
-* ``triton``: its kernels are launched from Python, so it keeps the Python hooks (``gaengine.hooks``).
+* ``aten`` (the ``torch`` backend): any device, one ATen ``copy_`` / ``add_`` per gradient issued from C++ (no
+  free norm).
 
-``GAENGINE_HOT_PATH=auto`` (default) takes the native path whenever ``gaengine._C`` loads and the backend is
-not ``triton``; ``native`` requires it (``RuntimeError`` with the reason otherwise); ``python`` keeps the
-Python hooks. A pure-Python install falls back to the Python hooks and says so once (logger ``gaengine``).
+The backend finishes the partials (``finish_norm_partials``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-from gaengine.backends import _load_cuda_kernels, cuda_kernels_unusable
+from gaengine.backends import _load_cuda_kernels
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
-from gaengine.hooks import PythonHooks
 from gaengine.reduce import BucketReducer
 
-__all__ = ["NativeHooks", "make_hooks"]
-
-logger = logging.getLogger("gaengine")
-
-HOT_PATH_SETTINGS = ("auto", "native", "python")
-_KERNELS = {"cpu": "cpu", "cuda": "cuda", "torch": "aten"}
-_announced_fallback = False
+__all__ = ["NativeHooks"]
 
 
-def _load_native():
+def load_native():
     """``gaengine._C`` if it loads and has ``HotPath``; else the reason it cannot be used, as a string."""
     try:
         from gaengine import _C  # noqa: PLC0415 - lazy: ``import gaengine`` does not load the extension
@@ -55,56 +43,26 @@ def _load_native():
     return _C, None
 
 
-def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-               reducer: BucketReducer | None):
-    """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` or ``PythonHooks``, as
-    ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
-
-    Raises ``ValueError`` for an unknown ``GAENGINE_HOT_PATH`` and ``RuntimeError`` when it says ``native``
-    and the native path cannot run.
-    """
-    global _announced_fallback
-    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
-    if setting not in HOT_PATH_SETTINGS:
-        raise ValueError(f"GAENGINE_HOT_PATH must be one of {HOT_PATH_SETTINGS}, got {setting!r}")
-    why = None
-    if setting == "python":
-        why = "GAENGINE_HOT_PATH=python"
-    elif backend.name not in _KERNELS:
-        why = f"backend {backend.name!r} launches its kernels from Python"
-    else:
-        _C, why = _load_native()
-        if _C is not None and backend.name == "cuda":
-            why = cuda_kernels_unusable()  # the cuda backend's own decision: ops built, driver >= 12.1
-    if why is None:
-        return NativeHooks(params, main_grad, _KERNELS[backend.name], buckets, reducer)
-    if setting == "native":
-        raise RuntimeError(f"GAENGINE_HOT_PATH=native, but the native hot path cannot run: {why}")
-    if not _announced_fallback:
-        _announced_fallback = True
-        logger.info("gaengine: per-parameter hooks run in Python (%s)", why)
-    return PythonHooks(params, main_grad, backend, buckets, reducer)
-
-
 class NativeHooks:
-    """``gaengine._C.HotPath`` with the interface of ``gaengine.hooks.PythonHooks`` (see there for the methods).
+    """``gaengine.hooks.Hooks`` over ``gaengine._C.HotPath`` (see ``Hooks`` for the methods).
 
-    params: the trainable parameters in layout order. main_grad: the flat fp32 buffer. kernels: "cpu" | "cuda" |
-    "aten". buckets: the layout's buckets (contiguous runs of parameters). reducer: a multi-rank run's
-    ``BucketReducer`` (called once per complete bucket of an armed micro-batch), or None.
+    params: the trainable parameters in layout order. main_grad: the flat fp32 buffer. backend: a backend with
+    ``hot_path_kernels`` ("cpu" | "cuda" | "aten"). buckets: the layout's buckets (contiguous runs of parameters).
+    reducer: a multi-rank run's ``BucketReducer`` (called once per complete bucket of an armed micro-batch), or
+    None. Raises ``RuntimeError`` with the reason when ``gaengine._C`` cannot run the hooks.
     """
 
     native = True
-    bucket_accumulation = None  # the Triton path's object; the native path has its buckets in C++
 
-    def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, kernels: str, buckets: list[Bucket],
+    def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  reducer: BucketReducer | None) -> None:
-        _C, why = _load_native()
+        _C, why = load_native()
         if _C is None:
             raise RuntimeError(why)
+        kernels = backend.hot_path_kernels
         if kernels == "cuda":
             _C = _load_cuda_kernels()  # the cuda backend's extension: gaengine._C (or the tests' emulated build)
-        self._C = _C
+        self.backend = backend
         self.params = list(params)
         self.kernels = kernels
         bucket_of = [b.index for b in buckets for _ in range(b.first, b.last)]
@@ -162,12 +120,7 @@ class NativeHooks:
 
     def free_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         partials = self._hot.norm_partials()
-        if partials is None:
-            return None
-        if self.kernels == "cuda":
-            return tuple(self._C.sum_partials_cuda(partials))
-        sums = partials.sum(0)  # (P, 2) fp64 per-parameter rows, summed in a fixed order
-        return sums[0].to(torch.float32), (sums[1] > 0).to(torch.float32)
+        return None if partials is None else self.backend.finish_norm_partials(partials)
 
     def reset_window(self) -> None:
         """A new window: the written flags are cleared (the partials are re-made by the last ``begin``)."""

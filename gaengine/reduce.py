@@ -50,9 +50,9 @@ class BucketReducer:
         self.collectives_issued = 0
 
     def begin(self) -> None:
-        """Arm for the window's last micro-batch: every bucket waits for all of its parameters."""
+        """Arm for the window's last micro-batch: no bucket is ready yet."""
         for b in self.buckets:
-            b.pending = b.last - b.first
+            b.ready = False
             b.work = b.wire = b.launched_at = None
         self.next_to_launch = 0
         self.launch_log = []
@@ -62,30 +62,21 @@ class BucketReducer:
     def armed(self) -> bool:
         return self.next_to_launch < len(self.buckets)
 
-    def launched(self, param_index: int) -> bool:
-        """Whether the all-reduce of parameter ``param_index``'s bucket has started since ``begin()``."""
-        return self.bucket_of[param_index] < self.next_to_launch
-
-    def mark_ready(self, param_index: int) -> None:
-        """Parameter ``param_index`` is final for this window; launch every bucket that is now complete, in order."""
-        self.buckets[self.bucket_of[param_index]].pending -= 1
-        self._launch_in_order()
-
     def bucket_ready(self, b: int) -> None:
-        """Every parameter of bucket ``b`` is final for this window (a hook implementation that tracks whole
-        buckets calls this once per bucket instead of ``mark_ready`` per parameter); launch in order."""
-        self.buckets[b].pending = 0
+        """Every parameter of bucket ``b`` is final for this window (the hooks, which count readiness, call it
+        once per complete bucket); launch every ready bucket, in order."""
+        self.buckets[b].ready = True
         self._launch_in_order()
 
     def flush(self) -> None:
         """End of backward: launch every bucket not launched yet (parameters that got no gradient are final)."""
         self.backward_end_time = time.perf_counter()
         for b in self.buckets[self.next_to_launch:]:
-            b.pending = 0
+            b.ready = True
         self._launch_in_order()
 
     def _launch_in_order(self) -> None:
-        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending == 0:
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].ready:
             b = self.buckets[self.next_to_launch]
             view = self.data[b.start:b.end]
             b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)

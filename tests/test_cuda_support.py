@@ -22,8 +22,7 @@ from setuptools import Extension
 
 import gaengine
 from gaengine import backends
-from gaengine.hooks import PythonHooks
-from gaengine.hot_path import make_hooks
+from gaengine.hooks import PythonHooks, make_hooks
 from gaengine.optim import FusedAdamW
 from tests.test_nvcc import NVCC
 
@@ -279,7 +278,8 @@ def test_old_driver_fused_adamw_does_not_choose_adamw_step_cuda(cuda_machine):
 
 def test_old_driver_native_hot_path_refuses_the_cuda_kernels(cuda_machine, monkeypatch):
     cuda_machine(12000)
-    cuda_backend = types.SimpleNamespace(name="cuda")  # as if loaded before the check
+    cuda_backend = types.SimpleNamespace(name="cuda", hot_path_kernels="cuda", bucketed=False, fused_sumsq=False,
+                                         kernels_problem=backends.cuda_kernels_unusable)  # as if loaded before
     monkeypatch.setenv("GAENGINE_HOT_PATH", "native")
     with pytest.raises(RuntimeError, match=r"native hot path cannot run: the CUDA driver supports CUDA 12\.0"):
         make_hooks([], None, cuda_backend, [], None)

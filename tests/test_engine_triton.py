@@ -39,14 +39,13 @@ def _run(model, backend, K=3, windows=2, bucket_size_mb=0.004, skip_last_layer_l
                 if skip_last_layer_last_micro and k == K - 1 and i == 3:
                     continue  # this layer gets no gradient in the last micro-batch
                 h = torch.tanh(layer(h)) if i < len(model) - 1 else layer(h)
-            before = acc.bucket_accumulation.launches if acc.bucket_accumulation is not None else 0
+            before = acc.hooks.launches
             acc.backward(h.pow(2).mean())
-            if acc.bucket_accumulation is not None:
-                launches.append(acc.bucket_accumulation.launches - before)
+            launches.append(acc.hooks.launches - before)
             r = acc.step()
         results.append(r)
     grads = [p.grad.clone() for p in model.parameters()]
-    n_buckets = len(acc.bucket_accumulation.buckets) if acc.bucket_accumulation is not None else 0
+    n_buckets = acc.hooks.num_buckets
     acc.close()
     return results, grads, launches, n_buckets
 

@@ -381,8 +381,8 @@ def test_accumulation_after_repointing_relearn_and_resume_is_bitwise_the_plain_r
     accumulated (p.grad released) before and after the layout re-learn and after a mid-window load_state_dict
     into a fresh model / optimizer / accumulator, and every window is bit-identical to the plain recipe."""
     if hot_path == "native":
-        from gaengine.hot_path import _load_native  # noqa: PLC0415
-        if _load_native()[0] is None:
+        from gaengine.hot_path import load_native  # noqa: PLC0415
+        if load_native()[0] is None:
             pytest.skip("gaengine._C not built")
     monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
     K = 2

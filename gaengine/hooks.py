@@ -1,0 +1,140 @@
+"""The hooks stage: each gradient goes into the flat fp32 main_grad as autograd makes it.
+
+One interface, ``Hooks``; two implementations behind it; and ``make_hooks``, which picks one:
+
+* ``gaengine.hot_path.NativeHooks``: C++ post-hooks on each parameter's AccumulateGrad node
+  (``csrc/hot_path.cpp``): no Python per parameter. For backends whose kernels C++ can launch
+  (``backend.hot_path_kernels``: ``cpu``, ``cuda``, ``torch`` as one ATen op per gradient).
+* ``gaengine.python_hooks.PythonHooks``: one ``register_post_accumulate_grad_hook`` per parameter. For a backend
+  whose kernels launch from Python (``triton``), an install without ``gaengine._C``, or
+  ``GAENGINE_HOT_PATH=python``.
+
+Each implementation owns the per-parameter, per-micro-batch state of the accumulator, and is its only owner: the
+``written`` flags of the window, the first-arrival order while the layout is learned, the arrivals per backward
+learned per parameter, bucket readiness (counted once, in the hooks: the reducer is told once per complete
+bucket), the held gradients and the free-norm partials of the last micro-batch (finished by the backend's
+``finish_norm_partials``). The engine reaches that state only through ``Hooks``.
+
+``GAENGINE_HOT_PATH=auto`` (default) takes the native hooks whenever ``gaengine._C`` loads and the backend has
+``hot_path_kernels``; ``native`` requires them (``RuntimeError`` with the reason otherwise); ``python`` keeps the
+Python hooks. A fall back to the Python hooks is said once (logger ``gaengine``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from gaengine.bucket import Bucket
+from gaengine.buffer import FlatBuffer
+from gaengine.hot_path import NativeHooks, load_native
+from gaengine.python_hooks import PythonHooks
+from gaengine.reduce import BucketReducer
+
+__all__ = ["HOT_PATH_SETTINGS", "Hooks", "NativeHooks", "PythonHooks", "make_hooks"]
+
+logger = logging.getLogger("gaengine")
+
+HOT_PATH_SETTINGS = ("auto", "native", "python")
+_announced_fallback = False
+
+
+@runtime_checkable
+class Hooks(Protocol):
+    """The accumulator's per-parameter hooks over ``params`` (layout order: index i is main_grad's slice i).
+
+    A gradient that arrives again in the same micro-batch (reentrant checkpointing of a shared layer) is added to
+    what that micro-batch holds or wrote for the parameter. Raises from autograd (``RuntimeError``) for a gradient
+    outside ``acc.backward()`` and (``ValueError``) for a sparse one, dropping that gradient; ``end()`` raises
+    ``RuntimeError`` when a gradient arrived more often than learned after its bucket's all-reduce started.
+    """
+
+    native: bool  # per-parameter work in C++ (no Python per parameter)
+    params: list[torch.Tensor]
+    num_buckets: int
+
+    def begin(self, last: bool, want_norm: bool, armed: bool) -> None:
+        """Start of one micro-batch's autograd call. want_norm: write the free-norm partials (the window's last
+        micro-batch on one rank). armed: tell the reducer of each bucket completed in it (last, several ranks)."""
+
+    def end(self) -> None:
+        """Autograd returned: launch the buckets left incomplete (parameters that got no gradient)."""
+
+    def abort(self) -> None:
+        """Autograd raised: drop what is held (the engine marks the window failed)."""
+
+    @property
+    def written(self) -> list[bool]:
+        """A copy: ``written[i]``, parameter i holds a gradient of this window (the next write adds)."""
+
+    def set_written(self, index: int, value: bool) -> None: ...
+
+    def set_all_written(self, values: list[bool]) -> None: ...
+
+    @property
+    def arrival(self) -> list[int] | None:
+        """First-arrival order (layout indices) while the layout is learned, else None."""
+
+    def set_arrival(self, order: list[int] | None) -> None: ...
+
+    def stop_learning(self) -> None: ...
+
+    def restart_learning(self) -> None: ...
+
+    @property
+    def expected_arrivals(self) -> list[int]:
+        """Per parameter: gradient arrivals per backward, learned (>= 1)."""
+
+    def set_expected_arrivals(self, values: list[int]) -> None: ...
+
+    def take_stale(self) -> bool:
+        """Whether a hook fired outside ``acc.backward()`` since the last call (the flag is cleared)."""
+
+    def free_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(sum_sq, found_inf)`` of the whole buffer, 0-d fp32 on its device, when the last micro-batch's
+        accumulate covered every parameter; else None (``step()`` then reads the buffer once)."""
+
+    def reset_window(self) -> None:
+        """A new window: nothing written."""
+
+    def drop(self) -> None:
+        """``zero_grad()``: forget gradients held for incomplete buckets."""
+
+    @property
+    def launches(self) -> int:
+        """Kernel-launching calls of the accumulate path since construction."""
+
+    def close(self) -> None:
+        """Remove the hooks (idempotent)."""
+
+
+def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
+               reducer: BucketReducer | None) -> Hooks:
+    """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` or ``PythonHooks``, as
+    ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
+
+    Raises ``ValueError`` for an unknown ``GAENGINE_HOT_PATH`` and ``RuntimeError`` when it says ``native``
+    and the native hooks cannot run.
+    """
+    global _announced_fallback
+    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
+    if setting not in HOT_PATH_SETTINGS:
+        raise ValueError(f"GAENGINE_HOT_PATH must be one of {HOT_PATH_SETTINGS}, got {setting!r}")
+    why = None
+    if setting == "python":
+        why = "GAENGINE_HOT_PATH=python"
+    elif backend.hot_path_kernels is None:
+        why = f"backend {backend.name!r} launches its kernels from Python"
+    else:
+        why = load_native()[1] or backend.kernels_problem()
+    if why is None:
+        return NativeHooks(params, main_grad, backend, buckets, reducer)
+    if setting == "native":
+        raise RuntimeError(f"GAENGINE_HOT_PATH=native, but the native hot path cannot run: {why}")
+    if not _announced_fallback:
+        _announced_fallback = True
+        logger.info("gaengine: per-parameter hooks run in Python (%s)", why)
+    return PythonHooks(params, main_grad, backend, buckets, reducer)
