@@ -147,7 +147,8 @@ def _add_verify_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="parameter dtype. fp32, unlike train's bf16: in bf16 each side rounds every activation and "
                         "gradient on its own, and on this 4-layer GPT the embedding's gradient can differ by more "
-                        "than the bf16 tolerance (2^-5) on rounding alone (4 of seeds 0-5 fail with the defaults); fp32 separates a wrong setup from rounding by 100x or more")
+                        "than the bf16 tolerance (2^-5) on rounding alone (4 of seeds 0-5 fail with the defaults); "
+                        "in fp32 a wrong setup is off by 100x the tolerance or more")
     p.add_argument("--backend", choices=_BACKENDS, default="auto", help="gaengine backend")
     p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
     p.add_argument("--data", type=Path, default=None, help="text file or folder; default: the standard library")

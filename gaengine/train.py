@@ -40,7 +40,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LogFn = Callable[[dict], None]
 
 
-def choose_threads(requested: Optional[int] = None, environ=None, cpus: Optional[int] = None) -> tuple[Optional[int], str]:
+def choose_threads(requested: Optional[int] = None, environ=None,
+                   cpus: Optional[int] = None) -> tuple[Optional[int], str]:
     """The number of torch CPU threads for a run, and why: ``(None, why)`` leaves torch's own count.
 
     requested: ``--threads`` (``None``: not given). environ: the environment (default ``os.environ``). cpus: the

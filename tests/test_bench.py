@@ -253,7 +253,8 @@ def test_host_quick_json_fields(host_run):
         ([5.0, 4.0, 5.0, 5.0, 2.0], {"ratio_vs_torch": 2.0, "ratio_p25": 2.0, "ratio_p75": 2.5, "ratio_noise": False}),
         ([5.0, 5.0, 5.0, 5.0, 4.0, 4.0], {"ratio_vs_torch": 2.0, "ratio_p25": 2.0, "ratio_p75": (2.0 + 3 * 2.5) / 4,
                                           "ratio_noise": False}),
-        ([20.0, 8.0, 10.0, 12.5, 5.0], {"ratio_vs_torch": 1.0, "ratio_p25": 0.8, "ratio_p75": 1.25, "ratio_noise": True}),
+        ([20.0, 8.0, 10.0, 12.5, 5.0], {"ratio_vs_torch": 1.0, "ratio_p25": 0.8, "ratio_p75": 1.25,
+                                        "ratio_noise": True}),
         ([8.0, 8.0, 8.0, 8.0, 12.5, 12.5], {"ratio_vs_torch": 1.25, "ratio_p25": (3 * 0.8 + 1.25) / 4,
                                             "ratio_p75": 1.25, "ratio_noise": True}),
         ([1.0, 20.0], {"ratio_vs_torch": 5.25, "ratio_rounds": 2, "ratio_noise": True}),  # too few rounds

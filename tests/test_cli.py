@@ -168,8 +168,8 @@ def test_corpus_is_deterministic_and_split():
         (["--threads", "0"], "must be >= 1, got 0"),
         (["--threads", "many"], "expected an integer, got 'many'"),
     ],
-    ids=["accumulation-steps-0", "micro-batch-negative", "dtype-fp8", "backend-nope", "lr-nan", "heads-3", "data-missing",
-         "lr-text", "max-data-0", "eval-interval-negative", "steps-float", "threads-0", "threads-text"],
+    ids=["accumulation-steps-0", "micro-batch-negative", "dtype-fp8", "backend-nope", "lr-nan", "heads-3",
+         "data-missing", "lr-text", "max-data-0", "eval-interval-negative", "steps-float", "threads-0", "threads-text"],
 )
 def test_bad_arguments(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
