@@ -372,8 +372,12 @@ class GradientAccumulator:
             micro-batch of a window passes it or none does.
         backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
 
-        Raises ``ValueError`` for a bad ``loss`` or ``num_items`` and ``RuntimeError`` when the window is
-        already complete (call ``step()``); in both cases the accumulated window is left untouched.
+        Raises ``ValueError`` for a bad ``loss`` or ``num_items`` (an int must be >= 1) and ``RuntimeError`` when
+        the window is already complete (call ``step()``), when an earlier backward of this window raised (call
+        ``zero_grad()``), or when the model was moved or converted after construction (build a new accumulator);
+        in all these cases nothing is accumulated and the window is left as it was. An error raised during
+        autograd (a user's hook, out of memory, a gradient arriving too late to be reduced) leaves the window
+        failed and no ``.grad`` behind: ``zero_grad()`` drops it.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
