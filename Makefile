@@ -36,7 +36,7 @@ endif
 
 install: $(BUILD_STAMP)
 	@echo "== gaengine info"
-	@$(VPY) -m gaengine info
+	@$(VPY) -m gaengine info || echo "gaengine info failed: gaengine does not import (the error is above)"
 
 info: $(BUILD_STAMP)
 	@$(VPY) -m gaengine info
@@ -67,10 +67,12 @@ $(DEPS_STAMP): $(SPEC_FILE)
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
 	@echo "== building gaengine._C from csrc/ and installing gaengine (editable) into $(VENV): 1-3 minutes"
 	@echo "   compiler progress below; the whole log: $(BUILD_LOG)"
+	@rm -f gaengine/_C*.so  # so that a failed build cannot leave an older module looking current
 	@$(PIP) --no-build-isolation -v -e ".[dev]" 2>&1 | tee $(BUILD_LOG) \
-	  | sed -nuE -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) -o .*/   \1 compiled \2/p' \
-	      -e 's/^ *[^ ]+ .* -shared .* -o ([^ ]+).*/   linked \1/p' \
-	      -e 's/^ *(gaengine: .*)/   \1/p' -e '/ error: |^ *FAILED: |^ *error: /p'
+	  | sed -nuE -e 's#$(CURDIR)/##g' -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) -o .*/   \1 \2/p' \
+	      -e 's/^ *[^ ]+ .* -shared .*/   linked gaengine._C/p' \
+	      -e 's/^ *(gaengine: .*)/   \1/p' -e '/ error: |^ *FAILED: |^ *error: /p' \
+	  | awk '!seen[$$0]++ { print; fflush() }'
 	@touch $@
 
 FORCE:
