@@ -64,15 +64,18 @@ $(DEPS_STAMP): $(SPEC_FILE)
 	$(PIP) -q "setuptools>=64" wheel ninja pybind11
 	@touch $@
 
+# The build's progress, as it happens (sed -u): ninja's [k/n] line per source file, setup.py's own
+# "gaengine: ..." lines (each once: setup.py runs twice), compiler errors; everything in $(BUILD_LOG).
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
 	@echo "== building gaengine._C from csrc/ and installing gaengine (editable) into $(VENV): 1-3 minutes"
 	@echo "   compiler progress below; the whole log: $(BUILD_LOG)"
 	@rm -f gaengine/_C*.so  # so that a failed build cannot leave an older module looking current
 	@$(PIP) --no-build-isolation -v -e ".[dev]" 2>&1 | tee $(BUILD_LOG) \
-	  | sed -nuE -e 's#$(CURDIR)/##g' -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) -o .*/   \1 \2/p' \
+	  | sed -nuE -e 's#$(CURDIR)/##g' \
+	      -e '/^ *gaengine: /{s/^ *//;x;G;/^(.*)\n\1$$/!s/.*\n/   /p;d}' \
+	      -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) -o .*/   \1 \2/p' \
 	      -e 's/^ *[^ ]+ .* -shared .*/   linked gaengine._C/p' \
-	      -e 's/^ *(gaengine: .*)/   \1/p' -e '/ error: |^ *FAILED: |^ *error: /p' \
-	  | awk '!seen[$$0]++ { print; fflush() }'
+	      -e '/ error: |^ *FAILED: |^ *error: /p'
 	@touch $@
 
 FORCE:
