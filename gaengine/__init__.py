@@ -6,7 +6,7 @@ reduced across ranks in buckets while backward runs, and handed to the optimizer
 neither initializes CUDA nor loads the compiled extension or triton.
 """
 
-from gaengine import ops, optim
+from gaengine import ops, optim, schedules
 from gaengine.clip import clip_grad_norm_
 from gaengine.engine import GradientAccumulator, StepResult
 from gaengine.utils import MicroBatches, find_micro_batch_size, scale_lr, split_batch
@@ -24,6 +24,7 @@ __all__ = [
     "ops",
     "optim",
     "scale_lr",
+    "schedules",
     "split_batch",
     "verify_equivalence",
     "__version__",

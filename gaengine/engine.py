@@ -39,6 +39,7 @@ from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats
 from gaengine.scaler import LossScaler
+from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.update import MasterWeights, apply_update, expose_grads
 
 __all__ = ["GradientAccumulator", "StepResult"]
@@ -69,12 +70,6 @@ class StepResult:
     num_items: int | torch.Tensor | None
     loss: torch.Tensor
     loss_scale: torch.Tensor | None = None
-
-
-def _check_accumulation_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"accumulation_steps must be an int >= 1, got {value!r}")
-    return value
 
 
 def _check_max_grad_norm(value: Any) -> float | None:
@@ -150,7 +145,12 @@ class GradientAccumulator:
             (``model.to(another device or dtype)``, ``.float()``, ``.cuda()``, ``load_state_dict(assign=True)``)
             is not supported: build the accumulator last (``step()`` raises ``RuntimeError`` when it sees the
             parameters left the buffer; a same-device, same-dtype ``.to()`` is a no-op and fine).
-        accumulation_steps: K, micro-batches per update (int >= 1).
+        accumulation_steps: K, micro-batches per update: an int >= 1, or a schedule ``(update_index, items_seen)
+            -> K`` called at the start of every window (``gaengine.schedules``: ``RampUp``, ``Milestones``, or any
+            callable; ``update_index``: windows stepped so far; ``items_seen``: the samples they consumed over all
+            ranks, ``micro_batch_size`` x micro-batches x world size, or micro-batches x world size without
+            ``micro_batch_size``). ``acc.accumulation_steps`` is the current window's K; every window is
+            normalized by the micro-batches it holds, so each is the exact mean of its own effective batch.
         max_grad_norm: L2 clipping threshold applied to the normalized gradient; None disables clipping.
         lr_scheduler: stepped once after every applied (not skipped) update.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch" (see ``gaengine.backends``; the hooks are native
@@ -200,7 +200,7 @@ class GradientAccumulator:
         self,
         model: nn.Module | Iterable[torch.Tensor],
         optimizer: torch.optim.Optimizer | None,
-        accumulation_steps: int = 8,
+        accumulation_steps: int | AccumulationSchedule = 8,
         max_grad_norm: float | None = 1.0,
         lr_scheduler: Any = None,
         backend: str = "auto",
@@ -215,7 +215,15 @@ class GradientAccumulator:
         max_consecutive_skips: int | None = None,
         micro_batch_size: int | None = None,
     ) -> None:
-        self.accumulation_steps = _check_accumulation_steps(accumulation_steps)
+        self._schedule: AccumulationSchedule | None = None
+        self._update_index = 0  # windows stepped (the schedule's position)
+        self._items_seen = 0  # samples those windows consumed over all ranks
+        self._num_micro_batches = 0
+        self._k_update = 0  # the update whose window K (self._k) was set for
+        if callable(accumulation_steps):
+            self._schedule, self._k_update = accumulation_steps, -1
+        else:
+            self._k = check_accumulation_steps(accumulation_steps)
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be a positive number (MiB of fp32 gradient), got {bucket_size_mb!r}")
         if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -544,12 +552,26 @@ class GradientAccumulator:
             self.window_batchnorm.end_window()
         result = StepResult(grad_norm=norm.grad_norm, clip_coef=norm.clip_coef, skipped=norm.skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss, loss_scale=loss_scale)
+        self._update_index += 1
+        self._items_seen += k * self.world_size * (self.micro_batch_size or 1)
         if self.max_consecutive_skips is not None:
             self._check_consecutive_skips(norm.skipped, loss_scale)
         self._reset_window()
         if self.hooks.arrival is not None:
             self._relearn_layout()
         return result
+
+    @property
+    def accumulation_steps(self) -> int:
+        """K, the micro-batches of the current window. With a schedule it is asked once per window, when the
+        window's first ``backward()`` runs or this is read between windows; ``ValueError`` naming the schedule
+        if it answers anything but an int >= 1 (the window is untouched)."""
+        if self._schedule is not None and self._k_update != self._update_index and self._num_micro_batches == 0:
+            self._k = check_accumulation_steps(
+                self._schedule(self._update_index, self._items_seen),
+                f"accumulation_steps schedule {self._schedule!r} at update {self._update_index} (its value)")
+            self._k_update = self._update_index
+        return self._k
 
     def _check_model(self) -> None:
         """Raise ``RuntimeError`` (for good) when the model was moved or converted after construction."""
@@ -648,6 +670,8 @@ class GradientAccumulator:
             "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "consecutive_skips": self._consecutive_skips,
+            "update_index": self._update_index,
+            "items_seen": self._items_seen,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -690,13 +714,21 @@ class GradientAccumulator:
         self._loss_sum = state["loss_sum"].to(self.device)
         self._failed_backward = bool(state["failed_backward"])
         self._consecutive_skips = int(state["consecutive_skips"])
+        self._update_index = int(state.get("update_index", 0))  # the schedule's position
+        self._items_seen = int(state.get("items_seen", 0))
+        if self._schedule is not None:
+            # Mid-window the window keeps the K it started with; at a boundary the schedule says the next one.
+            self._k, self._k_update = int(state["accumulation_steps"]), self._update_index
+            if self._num_micro_batches == 0:
+                self._k_update = -1
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._grads_left = True
 
     @property
     def effective_batch_size(self) -> int:
-        """Samples per update: micro_batch_size x accumulation_steps x world size (needs micro_batch_size)."""
+        """Samples per update: micro_batch_size x accumulation_steps x world size (needs micro_batch_size); with
+        a schedule, the current window's."""
         if self.micro_batch_size is None:
             raise ValueError("effective_batch_size needs GradientAccumulator(..., micro_batch_size=...)")
         return self.micro_batch_size * self.accumulation_steps * self.world_size

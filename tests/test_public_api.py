@@ -9,11 +9,12 @@ import gaengine
 def test_all_is_pinned():
     assert sorted(gaengine.__all__) == sorted([
         "EquivalenceReport", "GradientAccumulator", "MicroBatches", "StepResult", "clip_grad_norm_",
-        "find_micro_batch_size", "ops", "optim", "scale_lr", "split_batch", "verify_equivalence", "__version__",
+        "find_micro_batch_size", "ops", "optim", "scale_lr", "schedules", "split_batch", "verify_equivalence", "__version__",
     ])
     for name in gaengine.__all__:
         assert hasattr(gaengine, name), name
     assert callable(gaengine.optim.FusedAdamW)
+    assert callable(gaengine.schedules.RampUp) and callable(gaengine.schedules.Milestones)
 
 
 def test_import_is_lean():
