@@ -1,0 +1,251 @@
+"""The ``backend`` fixture every operation test in ``tests/ops/`` is parametrized over, and the per-backend adapters.
+
+One test file per operation (``test_accumulate.py``, ``test_accumulate_bucket.py``, ``test_l2norm.py``,
+``test_scale.py``, ``test_adamw.py``); each case runs on every backend available here against the fp64 oracle of
+``tests/reference.py`` with the one budget of ``tests/tolerances.py`` (the same for every backend):
+
+* ``torch``: ``gaengine.backends`` ``TorchBackend`` (plain PyTorch), CPU tensors;
+* ``cpu``: the compiled ``gaengine._C`` (skipped when it is not built);
+* ``triton``: ``gaengine.kernels`` on CUDA tensors with a GPU, else on CPU tensors under ``TRITON_INTERPRET=1``
+  (``tests/conftest.py``); slow there, so its cases keep the sizes the Triton kernel tests used (``INTERPRETER_MAX_NUMEL``);
+* ``cuda-emu``: the ``cuda`` backend over the emulated build of ``gaengine._C`` (``tests/cuda_emu/engine.py``:
+  ``csrc/cuda``'s kernels executed on CPU tensors; built once per session, about 75 s, cached under ``build/``);
+  skipped when there is no C++ compiler;
+* ``cuda-gpu``: the ``cuda`` backend on a GPU (``pytest.mark.cuda``: skipped without one).
+
+Parametrize ids never say just ``cuda``: ``tests/conftest.py`` skips items with a ``cuda`` keyword without a GPU.
+
+The ``Backend`` interface (``gaengine/backends.py``) has ``accumulate_``, ``accumulate_sumsq_``, ``l2norm_sq``,
+``scale_`` and ``finish_norm_partials``; the tests call those on ``backend.ops``. The bucket accumulate and the
+AdamW step are not (yet) on it: ``OpBackend.accumulate_bucket_`` and ``OpBackend.adamw_step_`` below call each
+implementation's own function (the torch one: a loop of the reference ops / ``gaengine.optim.adamw_step_torch``).
+When ``Backend`` grows ``accumulate_bucket_`` / ``adamw_step_``, these two adapters are the one place to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+TRITON_DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
+# Sizes the slow backends run (larger cases skip there): the Triton interpreter, and the emulated CUDA kernels
+# (fibers with real barriers). Today's sizes of the per-implementation files they came from.
+INTERPRETER_MAX_NUMEL = 3 * 4096 + 5
+EMULATION_MAX_NUMEL = 70 * 4096 + 3
+
+_CUDA_EMU_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda_emu")
+
+
+@dataclasses.dataclass
+class OpBackend:
+    """One backend as the op tests see it.
+
+    name: the parametrize id. device: where its tensors live. ops: the ``gaengine.backends.Backend``.
+    max_numel: the largest tensor its cases run (None: any). bucket_scale: its bucket op takes a scale.
+    partials_layout: "rows" (``(n_sources, 2)`` fp64 per source: torch, cpu) or "columns" (``(2, n_chunks)``
+    fp32 per chunk: triton, cuda), what its bucket op writes and ``ops.finish_norm_partials`` finishes.
+    """
+
+    name: str
+    device: torch.device
+    ops: Any
+    public_name: str = ""  # the name gaengine.ops and get_backend take ("cuda" for both cuda backends)
+    max_numel: int | None = None
+    bucket_scale: bool = True
+    partials_layout: str = "rows"
+    _bucket: Callable | None = None
+    _num_partials: Callable | None = None
+    _adamw: Callable | None = None
+
+    def __post_init__(self) -> None:
+        self.public_name = self.public_name or self.name
+
+    def __repr__(self) -> str:
+        return f"OpBackend({self.name})"
+
+    def require(self, n: int) -> None:
+        """Skip the calling case when ``n`` elements are past what this backend runs at test speed."""
+        if self.max_numel is not None and n > self.max_numel:
+            pytest.skip(f"{self.name}: n={n} is past its test size ({self.max_numel}), covered on the fast backends")
+
+    # -- the bucket accumulate ------------------------------------------------------------------------------
+    def num_partials(self, numels) -> int:
+        """Rows (``rows`` layout) or columns (``columns``) of the partials of one bucket of these numels."""
+        return self._num_partials([int(n) for n in numels])
+
+    def new_partials(self, count: int) -> torch.Tensor:
+        """A NaN-poisoned partials table of ``count`` entries in this backend's layout."""
+        if self.partials_layout == "rows":
+            return torch.full((count, 2), float("nan"), dtype=torch.float64, device=self.device)
+        return torch.full((2, count), float("nan"), dtype=torch.float32, device=self.device)
+
+    def partials_slice(self, table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return table[start:stop] if self.partials_layout == "rows" else table[:, start:stop]
+
+    def non_finite_flags(self, partials: torch.Tensor) -> torch.Tensor:
+        return partials[:, 1] if self.partials_layout == "rows" else partials[1]
+
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, scale=1.0, partials=None):
+        """``dst[o_i:o_i + n_i] = (0 if overwrite[i] else dst[...]) + srcs[i] * scale`` for every ``i``, writing
+        ``partials`` (``new_partials(num_partials(numels))`` or a slice of a larger table) when given."""
+        if not (isinstance(scale, float) and scale == 1.0) and not self.bucket_scale:
+            pytest.skip(f"{self.name}: its bucket op takes no scale")
+        self._bucket(dst, list(srcs), [int(o) for o in offsets], [bool(w) for w in overwrite], scale, partials)
+        return dst
+
+    # -- the multi-tensor AdamW step -------------------------------------------------------------------------
+    def adamw_step_(self, params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr, beta1, beta2, eps,
+                    weight_decay, maximize, grad_scale, found_inf):
+        return self._adamw(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr, beta1, beta2, eps,
+                           weight_decay, maximize, grad_scale, found_inf)
+
+
+def _torch_bucket(ops):
+    def bucket(dst, srcs, offsets, overwrite, scale, partials):
+        scratch = partials if partials is not None else torch.empty(max(len(srcs), 1), 2, dtype=torch.float64)
+        for i, (src, o, w) in enumerate(zip(srcs, offsets, overwrite)):
+            view = dst.view(-1)[o:o + src.numel()]
+            if partials is None:
+                ops.accumulate_(view, src, scale, w)
+            else:
+                ops.accumulate_sumsq_(view, src, scale, w, scratch, i)
+    return bucket
+
+
+def _torch_backend() -> OpBackend:
+    from gaengine.backends import get_backend  # noqa: PLC0415
+    from gaengine.optim import adamw_step_torch  # noqa: PLC0415
+
+    ops = get_backend("torch", "cpu")
+    return OpBackend("torch", torch.device("cpu"), ops, _bucket=_torch_bucket(ops), _num_partials=len,
+                     _adamw=adamw_step_torch)
+
+
+def _cpu_backend() -> OpBackend:
+    pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
+    from gaengine.backends import get_backend  # noqa: PLC0415
+
+    ops = get_backend("cpu")
+    C = ops._C
+
+    def bucket(dst, srcs, offsets, overwrite, scale, partials):
+        C.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
+
+    return OpBackend("cpu", torch.device("cpu"), ops, bucket_scale=False, _bucket=bucket, _num_partials=len,
+                     _adamw=C.adamw_step_)
+
+
+TRITON_BUCKET_BLOCK = 128  # small blocks: many programs, full chunks and tails, at interpreter speed
+TRITON_ADAMW_BLOCK = 512
+
+
+def _triton_backend() -> OpBackend:
+    pytest.importorskip("triton")
+    if not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    from gaengine.backends import get_backend  # noqa: PLC0415
+    from gaengine.kernels import adamw, bucket as bucket_kernels  # noqa: PLC0415
+
+    ops = get_backend("triton", TRITON_DEVICE)
+
+    def bucket(dst, srcs, offsets, overwrite, scale, partials):
+        bucket_kernels.accumulate_bucket_(dst, srcs, offsets, scale, overwrite, partials=partials,
+                                          block_size=TRITON_BUCKET_BLOCK)
+
+    def adamw_step(*args):
+        adamw.adamw_step_(*args, block_size=TRITON_ADAMW_BLOCK)
+
+    return OpBackend("triton", TRITON_DEVICE, ops, max_numel=None if HAS_GPU else INTERPRETER_MAX_NUMEL,
+                     partials_layout="columns", _bucket=bucket,
+                     _num_partials=lambda numels: bucket_kernels.num_blocks(numels, TRITON_BUCKET_BLOCK),
+                     _adamw=adamw_step)
+
+
+def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpBackend:
+    from gaengine.backends import get_backend  # noqa: PLC0415
+
+    ops = get_backend("cuda", device)
+    C = ops._C
+
+    def bucket(dst, srcs, offsets, overwrite, scale, partials):
+        C.accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials)
+
+    return OpBackend(name, device, ops, public_name="cuda", max_numel=max_numel, bucket_scale=False,
+                     partials_layout="columns",
+                     _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=C.adamw_step_cuda_)
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda_module():
+    """The emulated build of ``gaengine._C`` (``tests/cuda_emu/engine.py``), built or loaded once per session."""
+    if _CUDA_EMU_DIR not in sys.path:
+        sys.path.insert(0, _CUDA_EMU_DIR)
+    import build as emu_build  # noqa: PLC0415
+    import engine as emu_engine  # noqa: PLC0415
+
+    if emu_build.find_cxx() is None:
+        pytest.skip("no C++ compiler ($CXX, g++, c++, clang++) to build the emulated cuda backend")
+    try:
+        module, _ = emu_engine.build()
+    except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
+        pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
+    return emu_engine, module
+
+
+BACKEND_PARAMS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("cpu", id="cpu"),
+    pytest.param("triton", id="triton", marks=pytest.mark.interpreter),
+    pytest.param("cuda-emu", id="cuda-emu"),
+    pytest.param("cuda-gpu", id="cuda-gpu", marks=pytest.mark.cuda),
+]
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend(request) -> OpBackend:
+    """Every backend available here (see the module docstring), as an ``OpBackend``."""
+    name = request.param
+    if name == "torch":
+        return _torch_backend()
+    if name == "cpu":
+        return _cpu_backend()
+    if name == "triton":
+        return _triton_backend()
+    if name == "cuda-emu":
+        emu_engine, module = request.getfixturevalue("emulated_cuda_module")
+        emu_engine.use(request.getfixturevalue("monkeypatch"), module)
+        return _cuda_backend("cuda-emu", torch.device("cpu"), EMULATION_MAX_NUMEL)
+    return _cuda_backend("cuda-gpu", torch.device("cuda"), None)
+
+
+# --- inputs shared by the op files ----------------------------------------------------------------------------
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_PARAMS = [pytest.param(dt, id=name) for name, dt in DTYPES.items()]
+
+
+def grad_like(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(n,) gradient-like values in ``dtype`` of mixed magnitudes (five decades, so adds round), on ``device``."""
+    return (torch.randn(n) * torch.logspace(-3, 2, n)).to(dtype).to(device)
+
+
+def main_grad(n: int, device) -> torch.Tensor:
+    return (torch.randn(n) * 10).to(device)
+
+
+def poisoned(n: int, device) -> torch.Tensor:
+    """An fp32 buffer full of NaN: a slot the kernel forgets to write (or reads when it should not) shows up."""
+    return torch.full((n,), float("nan"), dtype=torch.float32, device=device)
+
+
+def at_offset(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``values`` starting ``offset`` elements into its allocation (offset 1: not 16-byte aligned)."""
+    buf = torch.empty(values.numel() + offset, dtype=values.dtype, device=values.device)
+    buf[offset:] = values.reshape(-1)
+    return buf[offset:]

@@ -1,0 +1,231 @@
+"""The single-tensor accumulate, ``accumulate_`` and ``accumulate_sumsq_``, on every backend against the fp64 oracle.
+
+Budgets (``tests/tolerances.py``, the same for every backend): an unscaled accumulate is bitwise equal to torch's
+``dst.add_(src)``, an overwrite bitwise equal to ``src.float()``; a scaled one is within 1 fp32 ulp of the fp64
+value; the sum of squares ``accumulate_sumsq_`` writes is within ``sum_sq_rtol(n)`` of the fp64 sum of the values
+written, and its ``dst`` is ``accumulate_``'s, bit for bit. Sizes: empty, one element, a partial vector, one past a
+block, a ragged last block, several norm chunks, a large odd size (slow backends skip the largest, see
+``conftest.py``); sources aligned and one element off a 16-byte boundary (the kernels' scalar paths).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gaengine import ops as public_ops
+from tests.ops.conftest import DTYPE_PARAMS, DTYPES, at_offset, grad_like, main_grad, poisoned
+from tests.reference import accumulate_fp64, sum_sq_fp64
+from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
+
+# Empty, 1, a partial vector, one past a block (4096), a ragged last block, past one CPU norm chunk (65536) and a
+# large odd size: none a multiple of a vector width (8), an unroll (32), a block (4096) or a norm chunk.
+SIZES = [0, 1, 127, 4097, 3 * 4096 + 5, 65537 + 3, 1_000_003]
+CASES = [pytest.param(n, dt, id=f"n{n}-{name}") for n in SIZES for name, dt in DTYPES.items()]
+OFFSETS = [pytest.param(0, id="aligned"), pytest.param(1, id="unaligned")]
+
+
+def fp32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+# Scales exact in fp32 but not powers of two (products round), as a float or a 0-d tensor read on the device.
+SCALES = [pytest.param(fp32(1 / 3), id="third"), pytest.param(0.125, id="eighth"),
+          pytest.param(fp32(-7.3e-5), id="neg-tiny"), pytest.param("tensor", id="tensor0.3")]
+TENSOR_SCALE = fp32(0.3)
+# Python floats that fp32 cannot hold: only the cpu kernel multiplies by the float as given; torch, triton and cuda
+# round it to fp32 first, a second rounding that can pass the 1-ulp budget (see test_scale_not_held_by_fp32).
+DOUBLE_SCALES = [pytest.param(1 / 3, id="third64"), pytest.param(-7.3e-5, id="neg-tiny64")]
+
+
+def accumulate(backend, via: str, dst, src, scale=1.0, overwrite=False):
+    if via == "ops":
+        return public_ops.accumulate_(dst, src, scale, overwrite=overwrite, backend=backend.public_name)
+    return backend.ops.accumulate_(dst, src, scale, overwrite)
+
+
+# ---------------------------------------------------------------------------------------------- accumulate_
+
+
+@pytest.mark.parametrize("via", ["backend", "ops"])
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_unscaled_is_bitwise_torch(backend, n, dtype, offset, via):
+    backend.require(n)
+    dst, src = at_offset(main_grad(n, backend.device), offset), at_offset(grad_like(n, dtype, backend.device), offset)
+    expected = dst.clone().add_(src)
+    out = accumulate(backend, via, dst, src)
+    assert out is dst
+    assert_bitwise_equal(dst, expected, "dst + src")
+
+
+@pytest.mark.parametrize("via", ["backend", "ops"])
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_overwrite_is_bitwise_copy(backend, n, dtype, offset, via):
+    backend.require(n)
+    dst, src = at_offset(poisoned(n, backend.device), offset), at_offset(grad_like(n, dtype, backend.device), offset)
+    accumulate(backend, via, dst, src, overwrite=True)
+    assert_bitwise_equal(dst, src.float(), "overwrite")
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("n, dtype", CASES)
+def test_scaled_within_1ulp(backend, n, dtype, scale, overwrite):
+    backend.require(n)
+    device = backend.device
+    dst, src = (poisoned(n, device) if overwrite else main_grad(n, device)), grad_like(n, dtype, device)
+    value = TENSOR_SCALE if scale == "tensor" else scale
+    exact = accumulate_fp64(dst, src, value, overwrite)
+    s = torch.tensor(TENSOR_SCALE, dtype=torch.float32, device=device) if scale == "tensor" else scale
+    assert backend.ops.accumulate_(dst, src, s, overwrite) is dst
+    assert_within_ulp(dst, exact, src.to(torch.float64) * value, what=f"dst + src * {value} ({type(s).__name__})")
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
+@pytest.mark.parametrize("scale", DOUBLE_SCALES)
+@pytest.mark.parametrize("n, dtype", [c for c in CASES if c.values[0] in (1, 127, 65537 + 3)])
+def test_scale_not_held_by_fp32(backend, n, dtype, scale, overwrite, request):
+    """The contract (gaengine/backends.py): a Python float scale, within 1 fp32 ulp of the exact value. Met by the
+    cpu kernel; the others round the scale to fp32 before multiplying (an open finding, xfail there)."""
+    backend.require(n)
+    if backend.name != "cpu":
+        request.applymarker(pytest.mark.xfail(reason=f"{backend.name} rounds a Python float scale to fp32 first",
+                                              strict=False))
+    device = backend.device
+    dst, src = (poisoned(n, device) if overwrite else main_grad(n, device)), grad_like(n, dtype, device)
+    exact = accumulate_fp64(dst, src, scale, overwrite)
+    backend.ops.accumulate_(dst, src, scale, overwrite)
+    assert_within_ulp(dst, exact, src.to(torch.float64) * scale, what=f"dst + src * {scale!r}")
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_scaled_unaligned_tensor_scale_overwrite(backend, dtype, offset):
+    n = 4097
+    src = at_offset(grad_like(n, dtype, backend.device), offset)
+    out = at_offset(poisoned(n, backend.device), offset)
+    backend.ops.accumulate_(out, src, torch.tensor(TENSOR_SCALE, device=backend.device), True)
+    product = src.double() * TENSOR_SCALE
+    assert_within_ulp(out, product, product, what="src * scale tensor, overwrite")
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_tensor_scale_and_any_shape_via_ops(backend, dtype):
+    device = backend.device
+    dst, src = main_grad(37 * 29, device).view(37, 29), grad_like(37 * 29, dtype, device).reshape(29, 37)
+    coef = torch.tensor(0.3, dtype=torch.float32, device=device)  # the scale is coef's fp32 value
+    exact = accumulate_fp64(dst, src, coef.item(), False)
+    public_ops.accumulate_(dst, src, coef, backend=backend.public_name)
+    assert_within_ulp(dst.reshape(-1), exact.reshape(-1), src.to(torch.float64).reshape(-1) * coef.item())
+
+
+def test_view_into_flat_buffer_touches_only_the_view(backend):
+    flat = main_grad(10_000, backend.device)
+    before = flat.clone()
+    view, src = flat[1003:1003 + 4097], grad_like(4097, torch.bfloat16, backend.device)  # odd offset: unaligned
+    expected = view.clone().add_(src)
+    backend.ops.accumulate_(view, src)
+    assert_bitwise_equal(flat[1003:1003 + 4097], expected, "view")
+    assert_bitwise_equal(flat[:1003], before[:1003], "before the view")
+    assert_bitwise_equal(flat[1003 + 4097:], before[1003 + 4097:], "after the view")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the Triton interpreter
+def test_special_values_bitwise_equal_to_torch(backend):
+    tiny = torch.finfo(torch.float32).tiny
+    dst = torch.tensor([0.0, -0.0, 1.0, float("inf"), -3.0e38, tiny, 1.0, -2.5], device=backend.device)
+    src = torch.tensor([-0.0, -0.0, float("-inf"), 1.0, -3.0e38, -tiny / 4, 2.0**-24, 2.5], device=backend.device)
+    expected = dst.clone().add_(src)  # -0 + -0, inf, overflow to -inf, a subnormal, a tie to even
+    assert_bitwise_equal(backend.ops.accumulate_(dst, src), expected, "special values")
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_empty_is_a_no_op(backend, dtype):
+    dst = torch.empty(0, device=backend.device)
+    src = torch.empty(0, dtype=dtype, device=backend.device)
+    assert backend.ops.accumulate_(dst, src, 0.5) is dst
+    assert backend.ops.accumulate_(dst, src, 1.0, True) is dst
+
+
+# ----------------------------------------------------------------------------------------- accumulate_sumsq_
+
+SUMSQ_SIZES = [0, 1, 127, 4097, 1_000_003]
+SUMSQ_CASES = [pytest.param(n, dt, id=f"n{n}-{name}") for n in SUMSQ_SIZES for name, dt in DTYPES.items()]
+SUMSQ_MODES = [pytest.param(1.0, False, id="add"), pytest.param(1.0, True, id="overwrite"),
+               pytest.param(1 / 3, False, id="scaled-add"), pytest.param(-0.125, True, id="scaled-overwrite")]
+
+
+def sumsq_partials(rows: int, device) -> torch.Tensor:
+    return torch.full((rows, 2), float("nan"), dtype=torch.float64, device=device)  # an unwritten slot shows up
+
+
+@pytest.mark.parametrize("scale_value, overwrite", SUMSQ_MODES)
+@pytest.mark.parametrize("n, dtype", SUMSQ_CASES)
+def test_sumsq_dst_is_accumulate_and_sum_is_fp64(backend, n, dtype, scale_value, overwrite):
+    backend.require(n)
+    device = backend.device
+    dst, src = main_grad(n, device), grad_like(n, dtype, device)
+    expected = dst.clone()
+    backend.ops.accumulate_(expected, src, scale_value, overwrite)
+    partials = sumsq_partials(3, device)
+    out = backend.ops.accumulate_sumsq_(dst, src, scale_value, overwrite, partials, 1)
+    assert out is dst
+    assert_bitwise_equal(dst, expected, "dst vs accumulate_")
+    if scale_value == 1.0:
+        assert_bitwise_equal(dst, (src.float() if overwrite else expected), "dst vs torch")
+    exact = sum_sq_fp64(dst)  # the oracle of the values written
+    assert abs(partials[1, 0].item() - exact) <= sum_sq_rtol(n) * exact, (partials[1, 0].item(), exact)
+    assert partials[1, 1].item() == 0.0
+    assert torch.isnan(partials[0]).all() and torch.isnan(partials[2]).all(), "other rows must be untouched"
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_sumsq_tensor_scale_any_shape_and_empty(backend, dtype):
+    device = backend.device
+    dst, src = main_grad(37 * 29, device).view(37, 29), grad_like(37 * 29, dtype, device).reshape(29, 37)
+    coef = torch.tensor(0.3, dtype=torch.float32, device=device)
+    expected = dst.clone()
+    backend.ops.accumulate_(expected, src, coef)
+    partials = sumsq_partials(1, device)
+    backend.ops.accumulate_sumsq_(dst, src, coef, False, partials, 0)
+    assert_bitwise_equal(dst, expected)
+    exact = sum_sq_fp64(dst)
+    assert abs(partials[0, 0].item() - exact) <= sum_sq_rtol(dst.numel()) * exact
+    partials = sumsq_partials(1, device)
+    backend.ops.accumulate_sumsq_(torch.empty(0, device=device), torch.empty(0, dtype=dtype, device=device), 1.0,
+                                  False, partials, 0)
+    assert partials.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the Triton interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_sumsq_found_inf(backend, dtype, bad, position):
+    n = 200_003 if backend.max_numel is None or backend.max_numel >= 200_003 else 4097  # CPU: four norm chunks
+    dst, src = main_grad(n, backend.device), grad_like(n, dtype, backend.device)
+    src[{"first": 0, "middle": n // 2, "last": n - 1}[position]] = bad
+    partials = torch.zeros(2, 2, dtype=torch.float64, device=backend.device)
+    backend.ops.accumulate_sumsq_(dst, src, 1.0, False, partials, 1)
+    assert partials[1, 1].item() == 1.0
+    assert not torch.isfinite(partials[1, 0])
+    assert partials[0].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_sumsq_flags_only_the_written_values(backend):
+    # An inf in dst that an overwrite replaces is not counted; huge finite values do not set the flag.
+    device = backend.device
+    dst, src = main_grad(5000, device), grad_like(5000, torch.float32, device)
+    dst[17] = float("inf")
+    partials = torch.zeros(1, 2, dtype=torch.float64, device=device)
+    backend.ops.accumulate_sumsq_(dst, src, 1.0, True, partials, 0)
+    assert partials[0, 1].item() == 0.0 and torch.isfinite(partials[0, 0])
+    big = torch.full((1000,), torch.finfo(torch.float32).max, device=device)
+    backend.ops.accumulate_sumsq_(torch.zeros(1000, device=device), big, 1.0, False, partials, 0)
+    # fp64 partials keep the sum finite (l2norm_sq's fp32 result would read inf)
+    assert partials[0, 1].item() == 0.0
+    assert partials[0, 0].item() == pytest.approx(1000 * torch.finfo(torch.float32).max ** 2, rel=1e-12)

@@ -1,0 +1,286 @@
+"""The compiled CPU backend's contracts: bad input to ``get_backend("cpu")`` and ``gaengine.ops`` is refused in Python
+(``ValueError`` / ``TypeError``, nothing written, ``gaengine._C`` never called); the C++ contracts themselves
+(``TORCH_CHECK``) are checked on ``gaengine._C`` in a child process (``tests/child_contracts.py``), so a crashing
+image cannot take the test run down. The ops' values are tested per operation in ``tests/ops/`` on every backend;
+the ISA and thread-count checks are in ``tests/test_cpu_isa.py``.
+Skipped as a whole when the extension is not built (``GAENGINE_BUILD_EXT=0``, or a failed ``auto`` build).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+_C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
+
+from gaengine import ops  # noqa: E402
+from gaengine.backends import get_backend  # noqa: E402
+from tests import child_contracts  # noqa: E402
+from tests.child_contracts import check_raw_contracts  # noqa: E402
+from tests.tolerances import assert_bitwise_equal  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_PARAMS = [pytest.param(dt, id=name) for name, dt in DTYPES.items()]
+VIA = ["backend", "ops"]
+
+
+def accumulate(via: str, dst, src, scale=1.0, overwrite=False):
+    if via == "ops":
+        return ops.accumulate_(dst, src, scale, overwrite=overwrite, backend="cpu")
+    return get_backend("cpu").accumulate_(dst, src, scale, overwrite)
+
+
+def l2norm_sq(via: str, x):
+    return ops.l2norm_sq(x, backend="cpu") if via == "ops" else get_backend("cpu").l2norm_sq(x)
+
+
+def scale(via: str, x, coef):
+    return ops.scale_(x, coef, backend="cpu") if via == "ops" else get_backend("cpu").scale_(x, coef)
+
+
+def test_backend_is_the_extension():
+    backend = get_backend("cpu")
+    assert backend.name == "cpu" and backend._C is _C
+
+
+# ---------------------------------------------------------------------------------------------- accumulate_
+
+
+# ------------------------------------------------------------------------------------------------ l2norm_sq
+
+
+_F64 = torch.float64
+
+
+@pytest.mark.parametrize(
+    "partials, index, message",
+    [
+        (torch.zeros(2, 2), 0, "partials must be (a )?float64"),
+        (torch.zeros(2, 3, dtype=_F64), 0, r"partials must have shape \(n, 2\)"),
+        (torch.zeros(4, dtype=_F64), 0, r"partials must have shape \(n, 2\)"),
+        (torch.zeros(2, 4, dtype=_F64)[:, :2], 0, "partials must be contiguous"),
+        (torch.zeros(2, 2, dtype=_F64), 2, "index 2 is out of range"),
+        (torch.zeros(2, 2, dtype=_F64), -1, "index -1 is out of range"),
+        (torch.zeros(2, 2, dtype=_F64, device="meta"), 0, "partials (must be a CPU tensor|is on meta)"),
+    ],
+    ids=["fp32", "shape-n3", "1d", "strided", "index-past-end", "index-negative", "meta"],
+)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_accumulate_sumsq_contract_errors_name_the_argument(partials, index, message, backend):
+    """Through the backends: refused in Python (``ValueError``) before ``gaengine._C`` is called."""
+    dst = torch.randn(8)
+    before, partials_before = dst.clone(), partials.clone() if partials.device.type == "cpu" else None
+    with pytest.raises(ValueError, match=message):
+        get_backend(backend).accumulate_sumsq_(dst, torch.ones(8, dtype=torch.bfloat16), 1.0, False, partials, index)
+    assert_bitwise_equal(dst, before, "dst after a refused call")
+    if partials_before is not None:
+        assert_bitwise_equal(partials, partials_before, "partials after a refused call")
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+
+def strided(n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(n, 2, dtype=dtype)[:, 0]
+
+
+# The C++ contracts themselves (TORCH_CHECK in csrc/cpu_ops.cpp), called on gaengine._C directly. They run in a
+# child process (tests/child_contracts.py): on an image whose extensions crash on a failed TORCH_CHECK the child
+# dies, and the test skips when a plain load_inline extension crashes the same way, or fails when it does not.
+# Each setup defines check(): the refused call wrote nothing.
+_KEEP = "dst = torch.randn(4); before = dst.clone()\ndef check(): assert torch.equal(dst, before), 'dst was written'\n"
+_KEEP_X = "x = torch.randn(4); before = x.clone()\ndef check(): assert torch.equal(x, before), 'x was written'\n"
+_KEEP_SUMSQ = ("dst = torch.randn(8); before = dst.clone()\n"
+               "def check(): assert torch.equal(dst, before), 'dst was written'\n")
+_RAW_CONTRACTS = [
+    ("dst-fp64", "", "_C.accumulate_(torch.zeros(4, dtype=torch.float64), torch.zeros(4), 1.0, False)",
+     "dst must be float32"),
+    ("dst-bf16", "", "_C.accumulate_(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 1.0, False)",
+     "dst must be float32"),
+    ("src-int32", _KEEP, "_C.accumulate_(dst, torch.zeros(4, dtype=torch.int32), 1.0, False)",
+     "src must be float32, bfloat16 or float16"),
+    ("src-fp64", _KEEP, "_C.accumulate_(dst, torch.zeros(4, dtype=torch.float64), 1.0, False)",
+     "src must be float32, bfloat16 or float16"),
+    ("dst-strided", "", "_C.accumulate_(strided(4), torch.zeros(4), 1.0, False)", "dst must be contiguous"),
+    ("src-strided", _KEEP, "_C.accumulate_(dst, strided(4, torch.bfloat16), 1.0, False)", "src must be contiguous"),
+    ("numel-mismatch", _KEEP, "_C.accumulate_(dst, torch.ones(3, dtype=torch.bfloat16), 1.0, False)",
+     "src has 3 elements but dst has 4"),
+    ("dst-meta", "", "_C.accumulate_(torch.zeros(4, device='meta'), torch.zeros(4), 1.0, False)",
+     "dst must be a CPU tensor"),
+    ("src-meta", _KEEP, "_C.accumulate_(dst, torch.zeros(4, device='meta'), 1.0, False)", "src must be a CPU tensor"),
+    ("norm-int64", "", "_C.l2norm_sq(torch.zeros(4, dtype=torch.int64))", "x must be float32, bfloat16 or float16"),
+    ("norm-strided", "", "_C.l2norm_sq(strided(4))", "x must be contiguous"),
+    ("norm-meta", "", "_C.l2norm_sq(torch.zeros(4, device='meta'))", "x must be a CPU tensor"),
+    ("scale-bf16", "", "_C.scale_(torch.zeros(4, dtype=torch.bfloat16), torch.tensor(1.0))", "x must be float32"),
+    ("scale-strided", "", "_C.scale_(strided(4), torch.tensor(1.0))", "x must be contiguous"),
+    ("coef-1d", _KEEP_X, "_C.scale_(x, torch.ones(1))", "coef must be a 0-d tensor"),
+    ("coef-meta", _KEEP_X, "_C.scale_(x, torch.tensor(1.0, device='meta'))", "coef must be a CPU tensor"),
+    ("sumsq-numel", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(3), 1.0, False, torch.zeros(1, 2, "
+     "dtype=torch.float64), 0)", "src has 3 elements but dst has 8"),
+    ("sumsq-fp32", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2), 0)",
+     "partials must be (a )?float64"),
+    ("sumsq-shape-n3", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 3, "
+     "dtype=torch.float64), 0)", r"partials must have shape \(n, 2\)"),
+    ("sumsq-1d", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(4, "
+     "dtype=torch.float64), 0)", r"partials must have shape \(n, 2\)"),
+    ("sumsq-strided", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 4, "
+     "dtype=torch.float64)[:, :2], 0)", "partials must be contiguous"),
+    ("sumsq-index-past-end", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2, "
+     "dtype=torch.float64), 2)", "index 2 is out of range"),
+    ("sumsq-index-negative", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2, "
+     "dtype=torch.float64), -1)", "index -1 is out of range"),
+    ("sumsq-meta", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2, "
+     "dtype=torch.float64, device='meta'), 0)", "partials must be a CPU tensor"),
+]
+
+
+def test_raw_cpp_contracts_name_the_argument():
+    """Every TORCH_CHECK of gaengine._C's CPU ops raises RuntimeError naming the argument and writes nothing."""
+    check_raw_contracts(_RAW_CONTRACTS)
+
+
+def test_raw_contract_child_reports_a_wrong_message():
+    """The child harness itself: a case whose message does not match is reported, not silently passed."""
+    with pytest.raises(AssertionError, match="norm-int64: expected RuntimeError matching 'no such message'"):
+        check_raw_contracts([("norm-int64", "", "_C.l2norm_sq(torch.zeros(4, dtype=torch.int64))", "no such message")])
+
+
+_SEGFAULT = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+
+
+def test_raw_contract_child_crash_skips_when_every_extension_crashes(monkeypatch):
+    monkeypatch.setattr(child_contracts, "control_crashes", lambda: (True, "control died of SIGSEGV"))
+    with pytest.raises(pytest.skip.Exception, match="crash on a failed TORCH_CHECK"):
+        check_raw_contracts([("crash", "", _SEGFAULT, "")])
+
+
+def test_raw_contract_child_crash_fails_when_only_ours_crashes(monkeypatch):
+    monkeypatch.setattr(child_contracts, "control_crashes", lambda: (False, "control exit 0: raised RuntimeError"))
+    with pytest.raises(pytest.fail.Exception, match=r"in case 'crash'\) died of SIGSEGV.*the crash is gaengine's"):
+        check_raw_contracts([("crash", "", _SEGFAULT, "")])
+
+
+def test_control_extension_raises_runtime_error():
+    """The control itself (a load_inline module failing a TORCH_CHECK; built once, about 30 s): on a healthy
+    image it raises RuntimeError; where it crashes, this test skips with the reason the raw-contract tests give."""
+    crashed, detail = child_contracts.control_crashes()
+    if crashed:
+        pytest.skip(child_contracts.CRASH_SKIP_REASON)
+    assert "raised RuntimeError: control: a failed TORCH_CHECK" in detail, detail
+
+
+# The same contracts through the public functions (the backend and gaengine.ops): refused in Python, with a
+# ValueError naming the argument (also a RuntimeError: gaengine.backends.ContractError), before gaengine._C is
+# called, so no failed TORCH_CHECK is ever reached from them.
+_PUBLIC_CONTRACTS = [
+    pytest.param(lambda d: (torch.zeros(4, dtype=torch.float64), torch.zeros(4)), "dst must be float32", id="dst-fp64"),
+    pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.int32)), "src must be float32, bfloat16 or float16",
+                 id="src-int32"),
+    pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.float64)), "src must be float32, bfloat16 or float16",
+                 id="src-fp64"),
+    pytest.param(lambda d: (strided(4), torch.zeros(4)), "dst must be contiguous", id="dst-strided"),
+    pytest.param(lambda d: (d, torch.ones(3, dtype=torch.bfloat16)), "src has 3 elements but dst has 4",
+                 id="numel-mismatch"),
+    pytest.param(lambda d: (d, torch.zeros(4, device="meta")), "src must be a CPU tensor|src is on meta",
+                 id="src-meta"),
+]
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize("args, message", _PUBLIC_CONTRACTS)
+def test_public_accumulate_refuses_bad_input_in_python(args, message, via):
+    dst = torch.randn(4)
+    before = dst.clone()
+    bad_dst, src = args(dst)
+    with pytest.raises(ValueError, match=message):
+        accumulate(via, bad_dst, src)
+    assert_bitwise_equal(dst, before, "dst after a refused call")
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        pytest.param(torch.zeros(4, dtype=torch.int64), "x must be float32, bfloat16 or float16", id="int64"),
+        pytest.param(torch.zeros(4, dtype=torch.float64), "x must be float32, bfloat16 or float16", id="fp64"),
+    ],
+)
+def test_public_l2norm_sq_refuses_bad_input_in_python(x, message, via):
+    with pytest.raises(ValueError, match=message):
+        l2norm_sq(via, x)
+
+
+@pytest.mark.parametrize("via", VIA)
+@pytest.mark.parametrize(
+    "make_x, coef, message",
+    [
+        pytest.param(lambda: torch.zeros(4, dtype=torch.bfloat16), torch.tensor(1.0), "x must be a contiguous float32",
+                     id="x-bf16"),
+        pytest.param(lambda: strided(4), torch.tensor(1.0), "x must be a contiguous float32", id="x-strided"),
+        pytest.param(lambda: torch.randn(4), torch.ones(1), "coef must be a 0-d tensor", id="coef-1d"),
+        pytest.param(lambda: torch.randn(4), torch.tensor(1.0, device="meta"), "coef must be a 0-d tensor on cpu",
+                     id="coef-meta"),
+        pytest.param(lambda: torch.randn(4), torch.tensor(1 + 1j), "coef must be a real tensor", id="coef-complex"),
+    ],
+)
+def test_public_scale_refuses_bad_input_in_python(make_x, coef, message, via):
+    x = make_x()
+    before = x.clone()
+    with pytest.raises(ValueError, match=message):
+        scale(via, x, coef)
+    assert_bitwise_equal(x, before, "x after a refused call")
+
+
+@pytest.mark.parametrize("via", VIA)
+def test_public_functions_refuse_non_tensors_with_type_error(via):
+    dst = torch.randn(4)
+    before = dst.clone()
+    with pytest.raises(TypeError, match="src must be a torch.Tensor"):
+        accumulate(via, dst, [1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(TypeError, match="scale must be a Python float"):
+        accumulate(via, dst, torch.ones(4), "2")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        l2norm_sq(via, [1.0])
+    with pytest.raises(TypeError, match="coef must be a 0-d tensor"):
+        scale(via, dst, 2.0)
+    assert_bitwise_equal(dst, before, "dst after refused calls")
+
+
+def test_cpu_backend_never_reaches_a_failed_torch_check(monkeypatch):
+    """Every bad call above stops in Python: gaengine._C is not even called (a spy that fails if it is)."""
+    backend = get_backend("cpu")
+
+    class Spy:
+        def __getattr__(self, name):
+            raise AssertionError(f"gaengine._C.{name} was called with arguments Python should have refused")
+
+    monkeypatch.setattr(backend, "_C", Spy())
+    dst, partials = torch.randn(8), torch.zeros(2, 2, dtype=torch.float64)
+    bad_calls = [
+        lambda: backend.accumulate_(dst, torch.ones(3)),
+        lambda: backend.accumulate_(dst, torch.ones(8, dtype=torch.float64)),
+        lambda: backend.accumulate_(torch.zeros(8, device="meta"), torch.ones(8, device="meta")),
+        lambda: backend.accumulate_(dst, torch.ones(8), torch.ones(2)),
+        lambda: backend.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, 2),
+        lambda: backend.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, 0.5),
+        lambda: backend.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials.float(), 0),
+        lambda: backend.l2norm_sq(torch.zeros(8, dtype=torch.int32)),
+        lambda: backend.l2norm_sq(torch.zeros(8, device="meta")),
+        lambda: backend.scale_(dst, torch.ones(2)),
+        lambda: backend.scale_(strided(8), torch.tensor(1.0)),
+        lambda: backend.scale_(dst.to(torch.bfloat16), torch.tensor(1.0)),
+    ]
+    for call in bad_calls:
+        with pytest.raises((ValueError, TypeError)):
+            call()
+
+
+def test_failed_contract_leaves_dst_untouched():
+    dst = torch.randn(4)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="src has 3 elements"):
+        get_backend("cpu").accumulate_(dst, torch.ones(3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="src has 3 elements"):  # ContractError: also what TORCH_CHECK raised
+        get_backend("cpu").accumulate_(dst, torch.ones(3, dtype=torch.bfloat16))
+    assert_bitwise_equal(dst, before)
