@@ -1,4 +1,5 @@
-// gaengine._C.adamw_step_: the fused AdamW step on CPU tensors (adamw.h; kernels in adamw_kernels.h).
+// adamw_step_cpu: the fused AdamW step on CPU tensors (gaengine._C.adamw_step_, torch.ops.gaengine.adamw_step_;
+// adamw.h; kernels in adamw_kernels.h).
 //
 // Contracts first, for every tensor of every parameter, so a bad call writes nothing. Then, per parameter:
 // read found_inf and skip everything when it is set; step += 1; bias corrections from the new step in
@@ -95,19 +96,16 @@ void run_in_place(const at::Tensor& param, const at::Tensor& exp_avg, const at::
 
 }  // namespace
 
-void check_adamw_lengths(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                         const std::vector<at::Tensor>& steps,
-                         const std::vector<std::optional<at::Tensor>>& model_params) {
-  const size_t n_params = params.size();
-  TORCH_CHECK(grads.size() == n_params && exp_avgs.size() == n_params && exp_avg_sqs.size() == n_params &&
-                  steps.size() == n_params && model_params.size() == n_params,
+void check_adamw_lengths(const AdamWLists& lists) {
+  const size_t n_params = lists.params.size();
+  TORCH_CHECK(lists.grads.size() == n_params && lists.exp_avgs.size() == n_params &&
+                  lists.exp_avg_sqs.size() == n_params && lists.steps.size() == n_params &&
+                  lists.model_params.size() == n_params,
               "params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length");
 }
 
-void check_adamw_param(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                       const std::vector<std::optional<at::Tensor>>& model_params, size_t i) {
+void check_adamw_param(const AdamWLists& lists, size_t i) {
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, steps, model_params] = lists;
   const int64_t n = params[i].numel();
   const auto pt = params[i].scalar_type();
   TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf, "params[", i,
@@ -129,13 +127,12 @@ void check_adamw_param(const std::vector<at::Tensor>& params, const std::vector<
               " and updated in place (a model parameter is written from an fp32 master only)");
 }
 
-void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                 const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+void adamw_step_cpu(const AdamWLists& lists, const AdamWHyperparams& hyper,
+                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, steps, model_params] = lists;
+  const auto [lr, beta1, beta2, eps, weight_decay, maximize] = hyper;
   const size_t n_params = params.size();
-  check_adamw_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, model_params);
+  check_adamw_lengths(lists);
   check_scalar(grad_scale, "grad_scale");
   check_scalar(found_inf, "found_inf");
   for (size_t i = 0; i < n_params; ++i) {
@@ -146,7 +143,7 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
     TORCH_CHECK(steps[i].device().is_cpu() && steps[i].dim() == 0 && steps[i].scalar_type() == at::kFloat,
                 "steps[", i, "] must be a 0-d float32 CPU tensor");
     if (model_params[i].has_value()) ADAMW_CHECK_TENSOR(*model_params[i], "model_params", i);
-    check_adamw_param(params, grads, exp_avgs, exp_avg_sqs, model_params, i);
+    check_adamw_param(lists, i);
   }
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.0f) return;  // skipped: nothing written
 

@@ -1,4 +1,4 @@
-// gaengine._C: the compiled CPU backend (gaengine.backends.CpuBackend).
+// The CPU kernels of gaengine._C (gaengine.backends.CpuBackend), declared in cpu_ops.h, bound in module.cpp.
 //
 // Contracts at the top, one dtype dispatch per op, at::parallel_for over fixed-size blocks, the GIL
 // released, and the vector ISA chosen at run time (cpu_kernels.h). GAENGINE_CPU_ISA=auto|avx2|portable
@@ -32,16 +32,6 @@
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 namespace gaengine {
-void register_hot_path(pybind11::module_& m);  // csrc/hot_path.cpp
-}  // namespace gaengine
-
-#if defined(GAENGINE_WITH_CUDA)
-namespace gaengine {
-void register_cuda_ops(pybind11::module_& m);  // csrc/cuda/cuda_ops.cu: the "cuda" backend's ops
-}  // namespace gaengine
-#endif
-
-namespace gaengine {
 namespace {
 
 // Elementwise ops split [0, n) at multiples of kBlockNumel (aligned chunks, never a split vector) and hand
@@ -60,6 +50,8 @@ void parallel_blocks(int64_t n, const F& fn) {
     fn(begin, end);
   });
 }
+
+}  // namespace
 
 void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite) {
   CHECK_CPU(dst);
@@ -183,8 +175,6 @@ void scale_(const at::Tensor& x, const at::Tensor& coef) {
   });
 }
 
-}  // namespace
-
 void accumulate_bucket_cpu(const std::vector<BucketSource>& sources) {
   // Chunk table: (source, chunk start) for every kNormChunkNumel-element chunk of every source.
   std::vector<std::pair<int64_t, int64_t>> chunks;
@@ -244,8 +234,6 @@ void accumulate_bucket_cpu(const std::vector<BucketSource>& sources) {
   }
 }
 
-namespace {
-
 // gaengine._C.accumulate_bucket_: the checked binding of accumulate_bucket_cpu, for tests and callers that own
 // their buffers. partials: None, or a (len(srcs), 2) float64 tensor whose row j receives source j's partial.
 void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
@@ -281,39 +269,4 @@ void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& sr
   accumulate_bucket_cpu(sources);
 }
 
-}  // namespace
 }  // namespace gaengine
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  m.doc() = "gaengine._C: compiled CPU kernels for gradient buffers (see gaengine.backends.CpuBackend)";
-  m.def("accumulate_", &gaengine::accumulate_, "dst = (0 if overwrite else dst) + float(src) * scale, in place",
-        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("accumulate_sumsq_", &gaengine::accumulate_sumsq_,
-        "accumulate_ and, in the same pass, partials[index] = (sum of squares in fp64 of the values written into "
-        "dst, 1.0 if any is inf/NaN else 0.0); partials a contiguous (n, 2) float64 CPU tensor",
-        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"), py::arg("partials"),
-        py::arg("index"), py::call_guard<py::gil_scoped_release>());
-  m.def("l2norm_sq", &gaengine::l2norm_sq, "(sum of squares, found_inf) of x as two 0-d fp32 tensors",
-        py::arg("x"), py::call_guard<py::gil_scoped_release>());
-  m.def("scale_", &gaengine::scale_, "x *= coef in place, coef a 0-d CPU tensor", py::arg("x"), py::arg("coef"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("adamw_step_", &gaengine::adamw_step_,
-        "fused AdamW step of each param (one pass: m, v, param and the optional bf16/fp16 model copy), skipped "
-        "when found_inf != 0; see csrc/adamw.h",
-        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
-        py::arg("model_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"), py::arg("found_inf"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("accumulate_bucket_", &gaengine::accumulate_bucket_,
-        "dst[offsets[j]:offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else dst[...]) + srcs[j] for every j, in "
-        "one parallel region; partials: None or a (len(srcs), 2) float64 tensor receiving each source's (sum of "
-        "squares of the values written, found_inf)",
-        py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("overwrite"), py::arg("partials") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  gaengine::register_hot_path(m);  // csrc/hot_path.cpp: HotPath, the accumulator's per-parameter work
-#if defined(GAENGINE_WITH_CUDA)
-  gaengine::register_cuda_ops(m);  // built with CUDA (setup.py): accumulate_cuda_, l2norm_sq_cuda, scale_cuda_
-#endif
-}

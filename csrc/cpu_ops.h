@@ -1,12 +1,32 @@
-// The CPU accumulate kernels of gaengine._C without their argument checks, for callers inside the
-// extension that have already checked everything once (csrc/hot_path.cpp). Defined in cpu_ops.cpp.
+// The CPU ops of gaengine._C (defined in cpu_ops.cpp, bound and registered in module.cpp): the checked ops, and
+// the bucket accumulate without its argument checks, for callers inside the extension that have already checked
+// everything once (csrc/hot_path.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace gaengine {
+
+// The checked CPU ops (TORCH_CHECK contracts first; gaengine.backends.CpuBackend checks them in Python before).
+//   accumulate_:  dst = (0 if overwrite else dst) + float(src) * scale; dst fp32, src fp32 | bf16 | fp16, both
+//                 contiguous CPU tensors with the same numel
+//   accumulate_sumsq_: accumulate_, and partials[index] = (fp64 sum of squares of the values written, found_inf)
+//   l2norm_sq:    (sum of squares, found_inf) of x, two 0-d fp32 tensors
+//   scale_:       x *= coef, x fp32 contiguous, coef a 0-d CPU tensor
+//   accumulate_bucket_: dst[offsets[j] : offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else that slice)
+//                 + float(srcs[j]) for every j, in one parallel region; partials: None or a (len(srcs), 2)
+//                 float64 tensor whose row j receives source j's (sum of squares, found_inf)
+void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite);
+void accumulate_sumsq_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
+                       const at::Tensor& partials, int64_t index);
+std::tuple<at::Tensor, at::Tensor> l2norm_sq(const at::Tensor& x);
+void scale_(const at::Tensor& x, const at::Tensor& coef);
+void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
+                        const std::vector<bool>& overwrite, const std::optional<at::Tensor>& partials);
 
 // One source of a bucket: dst[0 : numel) = (overwrite ? 0 : dst) + float(src), and, when partial is not null,
 // partial[0] = fp64 sum of squares of the values written, partial[1] = 1.0 if one of them is inf/NaN else 0.0.

@@ -16,6 +16,23 @@ Every backend implements the same contract (``Backend``):
   depend on the thread count.
 * ``scale_(x, coef)`` — ``x *= coef`` in place; ``x`` fp32 contiguous, ``coef`` a 0-d fp32 tensor on
   ``x.device`` (read on the device, never on the host).
+* ``accumulate_bucket_(dst, srcs, offsets, overwrite, partials=None)`` -> ``dst`` — for every source ``j``:
+  ``dst[offsets[j] : offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else that slice) + srcs[j]``, unscaled
+  (bitwise equal to torch's ``copy_`` / ``add_``), one launch (one parallel region on CPU) for the bucket.
+  ``dst``: fp32, contiguous; ``srcs[j]``: fp32 | bf16 | fp16, contiguous, on ``dst.device``; the slices may not
+  overlap or pass the end; ``overwrite``: one flag, or one per source. ``partials``: None, or the backend's
+  free-norm table for these sources (``new_bucket_partials``), written with the sums of squares and non-finite
+  flags of the values written, in the backend's own layout, finished by its ``finish_norm_partials``.
+* ``new_bucket_partials(numels, device)`` -> an uninitialized partials table for one ``accumulate_bucket_`` call
+  over sources of these numels: ``(len(numels), 2)`` fp64 rows per source (the reference, ``cpu``), or
+  ``(2, n_chunks)`` fp32 columns per chunk (``triton``, ``cuda``).
+* ``finish_norm_partials(partials)`` -> ``(sum_of_squares, found_inf)`` of a partials table, in a fixed order.
+* ``adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr, beta1, beta2, eps, weight_decay,
+  maximize, grad_scale, found_inf)`` — the multi-tensor AdamW step of ``gaengine.optim.FusedAdamW``; its contract
+  is ``adamw_step_reference``'s docstring (and ``csrc/adamw.h``). An attribute holding the kernel function itself.
+
+A backend that lacks an op says so at construction: ``lacks`` maps the op's name to why, and the op is the
+reference's (``Backend``'s). Nothing outside this module branches on a backend's ``name``.
 
 Bad arguments raise ``ContractError`` (a ``ValueError``, and a ``RuntimeError`` for code written against the
 compiled ops' ``TORCH_CHECK`` contracts) or ``TypeError`` naming the argument, in Python, before anything is
@@ -36,16 +53,20 @@ import logging
 import numbers
 import operator
 import os
+from collections.abc import Sequence
 from typing import Union
 
 import torch
 
-__all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES", "ContractError"]
+__all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES", "ContractError", "OPS", "adamw_step_reference"]
 
 logger = logging.getLogger("gaengine")
 
 Scale = Union[float, torch.Tensor]
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
+# The operation table: every backend has each of these (its own kernel, or the reference when ``lacks`` names it).
+OPS = ("accumulate_", "accumulate_sumsq_", "l2norm_sq", "scale_", "accumulate_bucket_", "new_bucket_partials",
+       "finish_norm_partials", "adamw_step_")
 _FLOAT_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -142,6 +163,118 @@ def check_scale_args(x: torch.Tensor, coef: torch.Tensor) -> None:
         raise ContractError(f"coef must be a real tensor, got {coef.dtype}")
 
 
+def check_bucket_args(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int],
+                      overwrite: bool | Sequence[bool], device_type: str | None = None) -> tuple[list[int], list[bool]]:
+    """Validate the arguments of ``accumulate_bucket_`` (on ``device_type`` devices when given); returns the offsets
+    and one overwrite flag per source. Raises ``ContractError`` (a ``ValueError``) or ``TypeError`` naming the
+    argument."""
+    _check_tensor(dst, "dst")
+    if device_type is not None:
+        check_device_type(dst, "dst", device_type)
+    if dst.dtype != torch.float32 or not dst.is_contiguous():
+        raise ContractError(f"dst must be a contiguous float32 tensor (the main_grad buffer), got {dst.dtype} "
+                            f"(contiguous={dst.is_contiguous()})")
+    srcs = list(srcs)
+    offsets = [operator.index(o) for o in offsets]
+    flags = [bool(overwrite)] * len(srcs) if isinstance(overwrite, bool) else [bool(f) for f in overwrite]
+    if len(offsets) != len(srcs) or len(flags) != len(srcs):
+        raise ContractError(f"srcs, offsets and overwrite must have the same length, got {len(srcs)}, {len(offsets)} "
+                            f"and {len(flags)}")
+    spans = []
+    for j, src in enumerate(srcs):
+        _check_tensor(src, f"srcs[{j}]")
+        if src.dtype not in _FLOAT_GRAD_DTYPES or not src.is_contiguous() or src.device != dst.device:
+            raise ContractError(f"srcs[{j}] must be a contiguous float32, bfloat16 or float16 tensor on {dst.device}, "
+                                f"got {src.dtype} on {src.device} (contiguous={src.is_contiguous()})")
+        if offsets[j] < 0 or offsets[j] + src.numel() > dst.numel():
+            raise ContractError(f"offsets[{j}] = {offsets[j]} puts the {src.numel()} elements of srcs[{j}] outside dst "
+                                f"({dst.numel()} elements)")
+        if src.numel():
+            spans.append((offsets[j], offsets[j] + src.numel(), j))
+    spans.sort()
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise ContractError(f"the dst slices of srcs[{i}] and srcs[{j}] overlap")
+    return offsets, flags
+
+
+def _check_partials_like(partials: torch.Tensor, expected: torch.Tensor, contiguous: bool) -> None:
+    """``partials`` has the shape, dtype and device of ``expected`` (``new_bucket_partials``), and is contiguous
+    (or only has unit column stride, a column slice of a whole-buffer table, when ``contiguous`` is False)."""
+    ok = (isinstance(partials, torch.Tensor) and partials.shape == expected.shape and partials.dtype == expected.dtype
+          and partials.device == expected.device and (partials.is_contiguous() if contiguous
+                                                      else partials.numel() == 0 or partials.stride(-1) == 1))
+    if not ok:
+        got = (f"a {tuple(partials.shape)} {partials.dtype} tensor on {partials.device}"
+               if isinstance(partials, torch.Tensor) else type(partials).__name__)
+        layout = "contiguous" if contiguous else "with unit column stride"
+        raise ContractError(f"partials must be a {tuple(expected.shape)} {expected.dtype} tensor on {expected.device}, "
+                            f"{layout} (new_bucket_partials), got {got}")
+
+
+def adamw_step_reference(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    model_params: list[torch.Tensor | None],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """One AdamW update of every ``params[i]`` (``torch.optim.AdamW``; Loshchilov & Hutter 2019): the contract
+    of every backend's ``adamw_step_``, and the plain-torch reference and fallback.
+
+    params[i]: contiguous, updated in place: fp32 (the master weight), or bf16 | fp16 (the model parameter itself:
+        computed in fp32, p, m, v each rounded to nearest even).
+    grads[i]: fp32 | bf16 | fp16, contiguous, same numel; read only.
+    exp_avgs[i], exp_avg_sqs[i]: params[i]'s dtype, contiguous, same numel; updated in place.
+    steps[i]: 0-d fp32 on the parameters' device, incremented in place (by ``found_inf == 0``); the new value sets
+        the bias corrections.
+    model_params[i]: None, or (fp32 params[i] only) bf16 | fp16 contiguous with the same numel: receives the
+        rounded new param.
+    lr, beta1, beta2, eps, weight_decay: Python floats. maximize: ascend the gradient instead.
+    grad_scale: None or a 0-d fp32 tensor on the device; the gradient used is ``grads[i] / grad_scale``.
+    found_inf: None or a 0-d fp32 tensor on the device; when != 0 nothing is written (steps included).
+
+    Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
+    Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
+    (bf16/fp16 parameters: on fp32 copies of p, m, v, each rounded back by ``copy_``).
+    """
+    if not params:
+        return
+    skip = None if found_inf is None else found_inf != 0
+    torch._foreach_add_(steps, 1 if found_inf is None else (~skip).to(torch.float32))
+    for p, g, m, v, step, model in zip(params, grads, exp_avgs, exp_avg_sqs, steps, model_params):
+        t = step.to(torch.float64)
+        neg_step_size = (-lr / (1.0 - torch.pow(beta1, t))).to(torch.float32)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).to(torch.float32)
+        grad = g.reshape(p.shape).to(torch.float32)
+        if grad_scale is not None:
+            grad = grad / grad_scale
+        if maximize:
+            grad = -grad
+        p32, m32, v32 = p.float(), m.float(), v.float()  # fp32 copies of bf16/fp16 ones (exact); fp32: no copy
+        new_p = p32 * (1.0 - lr * weight_decay) if weight_decay != 0 else p32.clone()
+        new_m = torch.lerp(m32, grad, 1.0 - beta1)
+        new_v = torch.addcmul(v32 * beta2, grad, grad, value=1.0 - beta2)
+        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
+        if skip is not None:
+            new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
+        p.copy_(new_p)
+        m.copy_(new_m)
+        v.copy_(new_v)
+        if model is not None:
+            rounded = p.reshape(model.shape).to(model.dtype)
+            model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
+
+
 class Backend:
     """Interface of a backend; this base class is the ``torch`` reference implementation.
 
@@ -157,6 +290,9 @@ class Backend:
     hot_path_kernels: str | None = "aten"
     bucketed = False
     fused_sumsq = False
+    # The ops of ``OPS`` this backend takes from the reference, each with why (set at construction).
+    lacks: dict[str, str] = {}
+    adamw_step_ = staticmethod(adamw_step_reference)
 
     def accumulate_(self, dst: torch.Tensor, src: torch.Tensor, scale: Scale = 1.0, overwrite: bool = False) -> torch.Tensor:
         d, s = dst.view(-1), src.reshape(-1)
@@ -187,6 +323,24 @@ class Backend:
     def scale_(self, x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         return x.mul_(coef)
 
+    def new_bucket_partials(self, numels: Sequence[int], device: torch.device | str) -> torch.Tensor:
+        return torch.empty(len(numels), 2, dtype=torch.float64, device=device)
+
+    def accumulate_bucket_(self, dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int],
+                           overwrite: bool | Sequence[bool], partials: torch.Tensor | None = None) -> torch.Tensor:
+        srcs = list(srcs)
+        offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite)
+        if partials is not None:
+            _check_partials_like(partials, Backend.new_bucket_partials(self, [0] * len(srcs), dst.device), True)
+        flat = dst.view(-1)
+        for j, (src, offset, flag) in enumerate(zip(srcs, offsets, flags)):
+            d = flat.narrow(0, offset, src.numel())
+            d.copy_(src.reshape(-1)) if flag else d.add_(src.reshape(-1))
+            if partials is not None:
+                d64 = d.double()
+                partials[j].copy_(torch.stack([(d64 * d64).sum(), (~torch.isfinite(d64)).any().double()]))
+        return dst
+
     def kernels_problem(self) -> str | None:
         """Why this backend's kernels cannot run now (the native hooks then fall back), or None."""
         return None
@@ -216,6 +370,11 @@ class CpuBackend(Backend):
         from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
 
         self._C = _C
+        self.lacks = {}
+        if hasattr(_C, "adamw_step_"):
+            self.adamw_step_ = _C.adamw_step_
+        else:  # an extension built before the fused AdamW: the reference's
+            self.lacks = {"adamw_step_": "gaengine._C was built without adamw_step_"}
 
     # Every argument is checked here, in Python, before ``self._C``: its TORCH_CHECKs are a second line only.
     @staticmethod
@@ -253,6 +412,14 @@ class CpuBackend(Backend):
         self._C.scale_(x, coef if coef.dtype == torch.float32 else coef.to(torch.float32))
         return x
 
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None):
+        srcs = list(srcs)
+        offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite, "cpu")
+        if partials is not None:
+            _check_partials_like(partials, self.new_bucket_partials([0] * len(srcs), dst.device), True)
+        self._C.accumulate_bucket_(dst, srcs, offsets, flags, partials)
+        return dst
+
 
 class TritonBackend(Backend):
     """Triton kernels from ``gaengine.kernels``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
@@ -262,9 +429,10 @@ class TritonBackend(Backend):
     bucketed = True
 
     def __init__(self) -> None:
-        from gaengine.kernels import accumulate, bucket, norm, scale  # noqa: PLC0415 - imports triton
+        from gaengine.kernels import accumulate, adamw, bucket, norm, scale  # noqa: PLC0415 - imports triton
 
         self._accumulate, self._norm, self._scale, self._bucket = accumulate, norm, scale, bucket
+        self.adamw_step_ = adamw.adamw_step_  # one launch per parameter
 
     def finish_norm_partials(self, partials):
         return self._bucket.l2norm_sq_from_partials(partials)  # (2, n_blocks) fp32, fixed-order tree
@@ -277,6 +445,13 @@ class TritonBackend(Backend):
 
     def scale_(self, x, coef):
         return self._scale.scale_(x, coef)
+
+    def new_bucket_partials(self, numels, device):
+        return torch.empty(2, self._bucket.num_blocks(numels), dtype=torch.float32, device=device)
+
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None):
+        # gaengine.kernels.bucket checks every argument (ValueError) before it launches.
+        return self._bucket.accumulate_bucket_(dst, srcs, offsets, 1.0, overwrite, partials=partials)
 
 
 # cudaDriverGetVersion()'s 1000 * major + 10 * minor of CUDA 12.1: the first driver that launches kernels with more
@@ -369,6 +544,7 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         self._C = _load_cuda_kernels()
+        self.adamw_step_ = self._C.adamw_step_cuda_  # one launch for the whole list (per 384 params and dtype)
 
     # Every argument is checked here, in Python, before ``self._C``: its TORCH_CHECKs are a second line only.
     # Nothing below reads a tensor on the host.
@@ -395,6 +571,18 @@ class CudaBackend(Backend):
 
     def finish_norm_partials(self, partials):
         return tuple(self._C.sum_partials_cuda(partials))  # (2, n_chunks) fp32, fixed-order tree
+
+    def new_bucket_partials(self, numels, device):
+        n_chunks = self._C.bucket_num_chunks([int(n) for n in numels])
+        return torch.empty(2, n_chunks, dtype=torch.float32, device=device)
+
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None):
+        srcs = list(srcs)
+        offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite, _cuda_device_type())
+        if partials is not None:
+            _check_partials_like(partials, self.new_bucket_partials([s.numel() for s in srcs], dst.device), False)
+        self._C.accumulate_bucket_cuda_(dst, srcs, offsets, flags, partials)
+        return dst
 
     def kernels_problem(self):
         return cuda_kernels_unusable()  # ops built, driver >= 12.1

@@ -42,6 +42,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from gaengine.backends import BACKEND_NAMES, get_backend
+from gaengine.backends import adamw_step_reference as adamw_step_torch  # noqa: F401 - the plain-torch fallback
 from gaengine.buffer import FlatLayout
 
 __all__ = ["FusedAdamW", "flat_moments"]
@@ -264,25 +265,12 @@ class FusedAdamW(torch.optim.Optimizer):
         # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
         # launch for the whole list (Triton launches once per parameter).
         backend = get_backend(self.backend, device)
-        name = backend.name
-        if name == "cuda":
-            kernel = backend._C.adamw_step_cuda_  # the extension CudaBackend loaded (gaengine._C)
-        elif name == "cpu":
-            from gaengine import _C  # noqa: PLC0415 - loaded by get_backend above
-
-            kernel = getattr(_C, "adamw_step_", None)
-            if kernel is None:
-                if self.backend == "cpu":
-                    raise RuntimeError("gaengine._C was built without adamw_step_: rebuild it with "
-                                       "pip install --no-build-isolation -e .")
-                logger.info("gaengine: FusedAdamW uses the torch fallback (gaengine._C lacks adamw_step_)")
-                kernel = adamw_step_torch
-        elif name == "triton":
-            from gaengine.kernels.adamw import adamw_step_  # noqa: PLC0415 - imports triton
-
-            kernel = adamw_step_
-        else:
-            kernel = adamw_step_torch
+        kernel = backend.adamw_step_  # the kernel function itself (the cpu, cuda or Triton one, or the reference)
+        why = backend.lacks.get("adamw_step_")
+        if why is not None:  # the backend runs the reference for it
+            if self.backend != "auto":
+                raise RuntimeError(f"{why}: rebuild it with pip install --no-build-isolation -e .")
+            logger.info("gaengine: FusedAdamW uses the torch fallback (%s)", why)
         self._kernels[device] = kernel
         return kernel
 
@@ -449,53 +437,3 @@ def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     if t.device != device or t.dtype != torch.float32:
         t = t.to(device=device, dtype=torch.float32, non_blocking=True)
     return t.reshape(())
-
-
-def adamw_step_torch(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    model_params: list[torch.Tensor | None],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """The plain-torch fallback of the fused kernels: same contract (see ``gaengine.kernels.adamw.adamw_step_``).
-
-    Several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
-    Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
-    (bf16/fp16 parameters: on fp32 copies of p, m, v, each rounded back by ``copy_``).
-    """
-    if not params:
-        return
-    skip = None if found_inf is None else found_inf != 0
-    torch._foreach_add_(steps, 1 if found_inf is None else (~skip).to(torch.float32))
-    for p, g, m, v, step, model in zip(params, grads, exp_avgs, exp_avg_sqs, steps, model_params):
-        t = step.to(torch.float64)
-        neg_step_size = (-lr / (1.0 - torch.pow(beta1, t))).to(torch.float32)
-        bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).to(torch.float32)
-        grad = g.reshape(p.shape).to(torch.float32)
-        if grad_scale is not None:
-            grad = grad / grad_scale
-        if maximize:
-            grad = -grad
-        p32, m32, v32 = p.float(), m.float(), v.float()  # fp32 copies of bf16/fp16 ones (exact); fp32: no copy
-        new_p = p32 * (1.0 - lr * weight_decay) if weight_decay != 0 else p32.clone()
-        new_m = torch.lerp(m32, grad, 1.0 - beta1)
-        new_v = torch.addcmul(v32 * beta2, grad, grad, value=1.0 - beta2)
-        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
-        if skip is not None:
-            new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
-        p.copy_(new_p)
-        m.copy_(new_m)
-        v.copy_(new_v)
-        if model is not None:
-            rounded = p.reshape(model.shape).to(model.dtype)
-            model.copy_(rounded if skip is None else torch.where(skip, model, rounded))

@@ -1,6 +1,7 @@
 // The "cuda" backend's ops (gaengine.backends.CudaBackend), registered into gaengine._C by
 // register_cuda_ops when the extension is built with CUDA (setup.py defines GAENGINE_WITH_CUDA and
-// csrc/cpu_ops.cpp calls it), and the C++ entry points of bucket_ops.h. The kernels are in kernels.cuh; this
+// csrc/module.cpp calls it), as the CUDA kernels of the torch.library ops (op_library.h), and the C++ entry
+// points of bucket_ops.h. The kernels are in kernels.cuh; this
 // file holds the contracts (all checked before any launch), the dtype dispatch and the launches on the current
 // stream. No op syncs the host or allocates beyond its outputs (adamw_step_cuda_: one 4-byte counter per
 // device and stream, allocated at its first use).
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "../adamw.h"
+#include "../op_library.h"
 #include "bucket_ops.h"
 #include "kernels.cuh"
 
@@ -262,16 +264,14 @@ unsigned int* adamw_counter(const at::Device& device, cudaStream_t stream) {
   return reinterpret_cast<unsigned int*>(it->second.data_ptr<int32_t>());
 }
 
-// gaengine._C.adamw_step_ (csrc/adamw.h) on CUDA tensors, one launch for the whole list per parameter dtype
+// The AdamW kernel (csrc/adamw.h) on CUDA tensors, one launch for the whole list per parameter dtype
 // (fp32 masters; bf16 or fp16 parameters updated in place): the same arguments and semantics, found_inf /
 // grad_scale / steps read on the device (no host sync).
-void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                      const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
-                      double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf) {
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, steps, model_params] = lists;
   const size_t n_params = params.size();
-  check_adamw_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, model_params);
+  check_adamw_lengths(lists);
   std::optional<at::Device> device;
   if (n_params > 0) {
     TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(params[0]), "params[0] must be a CUDA tensor, got device ", params[0].device());
@@ -288,7 +288,7 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
     check_list_tensor(exp_avgs[i], "exp_avgs", i, *device);
     check_list_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, *device);
     if (model_params[i].has_value()) check_list_tensor(*model_params[i], "model_params", i, *device);
-    check_adamw_param(params, grads, exp_avgs, exp_avg_sqs, model_params, i);  // csrc/adamw.h
+    check_adamw_param(lists, i);  // csrc/adamw.h
     const auto pt = params[i].scalar_type();
     param_dtypes[i] = pt;
     const auto gt = grads[i].scalar_type();
@@ -316,7 +316,7 @@ void adamw_step_cuda_(const std::vector<at::Tensor>& params, const std::vector<a
   check_driver_for_multi_tensor();
   const c10::cuda::CUDAGuard guard(*device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cuda::AdamWHyper hyper = cuda::make_adamw_hyper(lr, beta1, beta2, eps, weight_decay, maximize);
+  const cuda::AdamWHyper hyper = cuda::make_adamw_hyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.maximize);
   const float* scale_ptr = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   const float* found_inf_ptr = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
   unsigned int* counter = adamw_counter(*device, stream);  // launches on one stream run one after another
@@ -375,13 +375,32 @@ void register_cuda_ops(pybind11::module_& m) {
         py::arg("partials"), py::call_guard<py::gil_scoped_release>());
   m.def("bucket_num_chunks", &bucket_num_chunks,
         "chunks (partials columns) of accumulate_bucket_cuda_ over sources of these numels", py::arg("numels"));
-  m.def("adamw_step_cuda_", &adamw_step_cuda_,
-        "adamw_step_ on CUDA tensors: the fused AdamW step of every param in one launch (per 384 params and param "
-        "dtype: fp32 masters, or bf16 | fp16 params in place), skipped when found_inf != 0; see csrc/adamw.h",
-        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
-        py::arg("model_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"), py::arg("found_inf"),
-        py::call_guard<py::gil_scoped_release>());
+  def_adamw_step<adamw_step_cuda>(
+      m, "adamw_step_cuda_",
+      "adamw_step_ on CUDA tensors: the fused AdamW step of every param in one launch (per 384 params and param "
+      "dtype: fp32 masters, or bf16 | fp16 params in place), skipped when found_inf != 0; see csrc/adamw.h");
 }
 
+namespace {
+
+// The torch.library ops' argument lists (op_library.h), where they differ from the Python bindings'.
+void accumulate_op(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite) {
+  accumulate_cuda_(dst, src, scale, std::nullopt, overwrite);
+}
+
+void accumulate_bucket_op(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
+                          const c10::List<bool>& overwrite, const std::optional<at::Tensor>& partials) {
+  accumulate_bucket_cuda_(dst, srcs, offsets, to_flags(overwrite), partials);
+}
+
+}  // namespace
 }  // namespace gaengine
+
+// The CUDA kernels of the torch.library ops csrc/module.cpp defines: torch.ops.gaengine.* on CUDA tensors.
+GAENGINE_TORCH_LIBRARY_IMPL(CUDA, m) {
+  m.impl("accumulate_", &gaengine::accumulate_op);
+  m.impl("l2norm_sq", &gaengine::l2norm_sq_cuda);
+  m.impl("scale_", &gaengine::scale_cuda_);
+  m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_op);
+  m.impl("adamw_step_", &gaengine::adamw_step_op<gaengine::adamw_step_cuda>);
+}

@@ -7,7 +7,8 @@ One test file per operation (``test_accumulate.py``, ``test_accumulate_bucket.py
 * ``torch``: ``gaengine.backends`` ``TorchBackend`` (plain PyTorch), CPU tensors;
 * ``cpu``: the compiled ``gaengine._C`` (skipped when it is not built);
 * ``triton``: ``gaengine.kernels`` on CUDA tensors with a GPU, else on CPU tensors under ``TRITON_INTERPRET=1``
-  (``tests/conftest.py``); slow there, so its cases keep the sizes the Triton kernel tests used (``INTERPRETER_MAX_NUMEL``);
+  (``tests/conftest.py``); slow there, so its cases keep the sizes the Triton kernel tests used
+  (``INTERPRETER_MAX_NUMEL``);
 * ``cuda-emu``: the ``cuda`` backend over the emulated build of ``gaengine._C`` (``tests/cuda_emu/engine.py``:
   ``csrc/cuda``'s kernels executed on CPU tensors; built once per session, about 75 s, cached under ``build/``);
   skipped when there is no C++ compiler;

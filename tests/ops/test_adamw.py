@@ -1,6 +1,7 @@
-"""The multi-tensor AdamW step on every backend: ``gaengine.optim.adamw_step_torch`` (torch), ``gaengine._C.adamw_step_``
-(cpu), ``gaengine.kernels.adamw.adamw_step_`` (triton), ``adamw_step_cuda_`` (cuda, emulated and on a GPU), called
-through ``OpBackend.adamw_step_`` (``conftest.py``). ``FusedAdamW``-level tests live in ``tests/test_optim.py``.
+"""The multi-tensor AdamW step on every backend: ``gaengine.optim.adamw_step_torch`` (torch),
+``gaengine._C.adamw_step_`` (cpu), ``gaengine.kernels.adamw.adamw_step_`` (triton), ``adamw_step_cuda_`` (cuda,
+emulated and on a GPU), called through ``OpBackend.adamw_step_`` (``conftest.py``). ``FusedAdamW``-level tests live
+in ``tests/test_optim.py``.
 
 Oracles: ``tests/reference.py``'s fp64 AdamW (every backend, fp32 masters: within ``ADAMW_RTOL`` of
 ``tests/tolerances.py``), and the CPU kernel, bit for bit, for the fused kernels (triton, cuda: the same fp32

@@ -1,0 +1,45 @@
+// The torch.library ops of gaengine._C: the namespace they live in and their schemas, shared by csrc/module.cpp
+// (TORCH_LIBRARY: the schemas; TORCH_LIBRARY_IMPL(CPU): the CPU kernels) and csrc/cuda/cuda_ops.cu
+// (TORCH_LIBRARY_IMPL(CUDA): the CUDA kernels under the same names, so the tensors' device picks the kernel).
+// Fake (meta) implementations, for torch.compile, are registered from Python (gaengine/_ops_registry.py, imported
+// when the module loads).
+#pragma once
+
+#include <torch/library.h>
+
+// The namespace of the ops: torch.ops.gaengine. tests/cuda_emu/engine.py's emulated build, loaded beside gaengine._C
+// in one process, defines it as gaengine_emu (a library namespace may be defined once per process).
+#ifndef GAENGINE_OP_NAMESPACE
+#define GAENGINE_OP_NAMESPACE gaengine
+#endif
+#define GAENGINE_STRINGIFY_(x) #x
+#define GAENGINE_STRINGIFY(x) GAENGINE_STRINGIFY_(x)
+#define GAENGINE_OP_NAMESPACE_NAME GAENGINE_STRINGIFY(GAENGINE_OP_NAMESPACE)
+
+// TORCH_LIBRARY / TORCH_LIBRARY_IMPL paste their namespace argument unexpanded: expand the macro first.
+#define GAENGINE_TORCH_LIBRARY_(ns, m) TORCH_LIBRARY(ns, m)
+#define GAENGINE_TORCH_LIBRARY(m) GAENGINE_TORCH_LIBRARY_(GAENGINE_OP_NAMESPACE, m)
+#define GAENGINE_TORCH_LIBRARY_IMPL_(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+#define GAENGINE_TORCH_LIBRARY_IMPL(key, m) GAENGINE_TORCH_LIBRARY_IMPL_(GAENGINE_OP_NAMESPACE, key, m)
+
+namespace gaengine {
+
+// The schemas (gaengine.backends' operation table; mutated arguments annotated (a!)). adamw_step_'s is
+// kAdamWStepSchema in adamw.h, beside its flat argument list.
+inline constexpr const char* kAccumulateSchema =
+    "accumulate_(Tensor(a!) dst, Tensor src, float scale, bool overwrite) -> ()";
+inline constexpr const char* kL2NormSqSchema = "l2norm_sq(Tensor x) -> (Tensor, Tensor)";
+inline constexpr const char* kScaleSchema = "scale_(Tensor(a!) x, Tensor coef) -> ()";
+inline constexpr const char* kAccumulateBucketSchema =
+    "accumulate_bucket_(Tensor(a!) dst, Tensor[] srcs, int[] offsets, bool[] overwrite, Tensor(b!)? partials=None) "
+    "-> ()";
+
+// bool[] arrives as a c10::List<bool> (the dispatcher takes no std::vector<bool>).
+inline std::vector<bool> to_flags(const c10::List<bool>& flags) {
+  std::vector<bool> out;
+  out.reserve(flags.size());
+  for (const bool f : flags) out.push_back(f);
+  return out;
+}
+
+}  // namespace gaengine
