@@ -70,15 +70,45 @@ def _assert_passed(binary, case_set, env=None):
 
 # --- the rewrite -----------------------------------------------------------------------------------------------
 
-def test_rewrite_turns_every_launch_into_a_call_and_keeps_the_lines():
-    with open(emu_build.KERNELS) as f:
-        text = f.read()
-    new, n = rewrite.rewrite(text, require_caps=True)
-    assert n == text.count("<<<") > 0
-    assert "<<<" not in new and ">>>" not in new
-    assert new.count("\n") == text.count("\n"), "the rewrite moved lines: reports would point at the wrong ones"
-    assert "::gaemu::max_grid<int64_t>(65536)" in new
+def test_rewrite_turns_every_launch_into_a_call_and_keeps_the_lines(tmp_path):
+    root = os.path.dirname(emu_build.KERNELS)
+    rels = rewrite.tree_files(emu_build.KERNELS)
+    n = rewrite.rewrite_tree(emu_build.KERNELS, str(tmp_path), require_caps=True)
+    texts, launches = {}, 0
+    for rel in rels:
+        with open(os.path.join(root, rel)) as f:
+            text = f.read()
+        new = (tmp_path / rel).read_text()
+        assert new.startswith(f'#line 1 "{os.path.join(root, rel)}"\n')
+        new = new.split("\n", 1)[1]
+        assert "<<<" not in new and ">>>" not in new, rel
+        assert new.count("\n") == text.count("\n"), f"{rel}: the rewrite moved lines: reports would point elsewhere"
+        texts[rel], launches = new, launches + text.count("<<<")
+    assert n == launches > 0
+    new = "".join(texts.values())
+    assert new.count("::gaemu::max_grid<int64_t>(65536)") == 1
     assert "::gaemu::launch(&accumulate_kernel<src_t, true, true>, \"accumulate_kernel<src_t, true, true>\"" in new
+
+
+def test_rewrite_tree_covers_every_family_header_the_umbrella_includes(tmp_path):
+    """The umbrella includes every kernels/*.cuh (none left out of the builds), and the rewrite takes them all."""
+    rels = rewrite.tree_files(emu_build.KERNELS)
+    assert rels[0] == "kernels.cuh"
+    assert {"kernels/common.cuh", "kernels/accumulate.cuh", "kernels/norm.cuh", "kernels/scale.cuh",
+            "kernels/bucket.cuh", "kernels/adamw.cuh"} <= set(rels)
+    with open(emu_build.KERNELS) as f:
+        included = set(re.findall(r'^#include "([^"]+)"', f.read(), re.M))
+    assert included == set(rels[1:])
+    # a grid cap must be defined exactly once in the whole tree
+    (tmp_path / "src" / "kernels").mkdir(parents=True)
+    (tmp_path / "src" / "kernels.cuh").write_text('#include "kernels/a.cuh"\n#include "kernels/b.cuh"\n')
+    for name in ("a", "b"):
+        (tmp_path / "src" / "kernels" / f"{name}.cuh").write_text("constexpr int64_t kMaxBlocks = 4;\n")
+    with pytest.raises(rewrite.RewriteError, match="exactly once"):
+        rewrite.rewrite_tree(str(tmp_path / "src" / "kernels.cuh"), str(tmp_path / "out"), require_caps=True)
+    (tmp_path / "src" / "kernels" / "b.cuh").write_text("k<<<1, 2>>>(x);\n")
+    assert rewrite.rewrite_tree(str(tmp_path / "src" / "kernels.cuh"), str(tmp_path / "out"), require_caps=True) == 1
+    assert "::gaemu::max_grid<int64_t>(4)" in (tmp_path / "out" / "kernels" / "a.cuh").read_text()
 
 
 def test_rewrite_handles_templates_qualified_names_and_multiline_arguments():

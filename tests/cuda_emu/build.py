@@ -1,4 +1,5 @@
-"""Build the CUDA emulation binaries: csrc/cuda/kernels.cuh rewritten (rewrite.py), then g++ over the drivers.
+"""Build the CUDA emulation binaries: csrc/cuda/kernels.cuh and its kernels/*.cuh rewritten (rewrite.py), then g++ over
+the drivers.
 
 Variants (``VARIANTS``):
 
@@ -8,10 +9,11 @@ Variants (``VARIANTS``):
 
 Both: ``-std=c++17 -ffp-contract=off -fno-strict-aliasing`` (no contraction the source does not write; the
 kernels read a ``uint4`` as eight 16-bit values, which nvcc allows), the shim's include dir first, then the
-rewritten kernels, ``csrc/`` (the CPU reference kernels) and torch's include dir (``c10/util/BFloat16.h``,
-``Half.h``; nothing is linked from torch).
+rewritten kernels (``src/kernels.cuh`` and ``src/kernels/*.cuh``), ``csrc/`` (the CPU reference kernels) and torch's
+include dir (``c10/util/BFloat16.h``, ``Half.h``; nothing is linked from torch).
 
-From Python: ``build(variant, out_dir, kernels=KERNELS, targets=TARGETS) -> {target: binary path}``;
+From Python: ``build(variant, out_dir, kernels=KERNELS, targets=TARGETS) -> {target: binary path}`` (``kernels``: the
+umbrella header; it and every ``.cuh`` below its directory are rewritten, ``rewrite.rewrite_tree``);
 ``find_cxx()`` (``$CXX``, else ``g++``, ``c++``, ``clang++`` on ``PATH``; None when there is none).
 Command line: ``python tests/cuda_emu/build.py --variant o2 --out build/cuda_emu [--kernels PATH]``.
 """
@@ -70,7 +72,10 @@ def build(variant: str, out_dir: str, kernels: str = KERNELS, targets=TARGETS, j
         raise BuildError("no C++ compiler ($CXX, g++, c++, clang++)")
     src_dir = os.path.join(out_dir, "src")
     os.makedirs(src_dir, exist_ok=True)
-    rewrite.rewrite_file(kernels, os.path.join(src_dir, "kernels.cuh"), require_caps=True)
+    try:
+        rewrite.rewrite_tree(kernels, src_dir, require_caps=True)
+    except rewrite.RewriteError as e:
+        raise BuildError(f"{kernels}: {e}") from None
     includes = ["-I", SHIM_INCLUDE, "-I", src_dir, "-I", os.path.join(ROOT, "csrc"), "-isystem", torch_include()]
     flags = COMMON_FLAGS + VARIANTS[variant]
 

@@ -5,8 +5,9 @@ CUDA configuration (``GAENGINE_WITH_CUDA``: ``register_cuda_ops``, ``HotPath``'s
 ``gaengine::accumulate_bucket_cuda``), with g++ as C++ against the shim (``include/``, first on the include path),
 into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, ninja). What makes it build on CPU:
 
-* ``cuda_ops.cu`` is copied as ``src/cuda/cuda_ops.cpp`` next to ``kernels.cuh`` rewritten by ``rewrite.py`` (the
-  ``<<<...>>>`` launches; ``cuda_ops.cu`` itself has none), a ``#line`` directive pointing reports at the original;
+* ``cuda_ops.cu`` is copied as ``src/cuda/cuda_ops.cpp`` next to ``kernels.cuh`` and its ``kernels/*.cuh``
+  rewritten by ``rewrite.py`` (``rewrite_tree``: the ``<<<...>>>`` launches; ``cuda_ops.cu`` itself has none), a
+  ``#line`` directive pointing reports at the original;
 * ``torch_include/`` (searched before torch's headers): stubs of ``c10/cuda/CUDAStream.h`` (the current stream is
   the shim's null stream) and ``CUDAGuard.h`` (a no-op), and ``gaengine_emu_build.h``, force-included, which
   defines ``GAENGINE_WITH_CUDA`` and ``GAENGINE_IS_CUDA_TENSOR(t)`` as ``t.is_cpu()``: the device test of every
@@ -63,14 +64,12 @@ def _write_if_changed(path: str, text: str) -> None:
 
 
 def sources(build_dir: str = BUILD_DIR, kernels: str = KERNELS) -> list[str]:
-    """The translation units, after mirroring ``cuda_ops.cu`` and the rewritten ``kernels`` (``kernels.cuh``, or a
-    mutant of it) into ``build_dir``."""
+    """The translation units, after mirroring ``cuda_ops.cu`` and the rewritten ``kernels`` (the umbrella
+    ``kernels.cuh`` and every ``.cuh`` below its directory, or a mutant of that tree) into ``build_dir``."""
     cuda_dir = os.path.join(build_dir, "src", "cuda")
     os.makedirs(cuda_dir, exist_ok=True)
-    with open(kernels) as f:
-        kernels, n_launches = rewrite.rewrite(f.read(), require_caps=True)
+    n_launches = rewrite.rewrite_tree(kernels, cuda_dir, require_caps=True, only_if_changed=True)
     assert n_launches > 0
-    _write_if_changed(os.path.join(cuda_dir, "kernels.cuh"), kernels)
     ops_path = os.path.join(CSRC, "cuda", "cuda_ops.cu")
     with open(ops_path) as f:
         ops = f.read()
@@ -84,14 +83,15 @@ def sources(build_dir: str = BUILD_DIR, kernels: str = KERNELS) -> list[str]:
 
 def build(build_dir: str = BUILD_DIR, kernels: str = KERNELS, verbose: bool = False):
     """The emulated ``gaengine._C``, built (or rebuilt where its sources changed) and imported; with the
-    seconds the build took. ``kernels``: the ``kernels.cuh`` to compile (``mutate.py``'s mutants: another
-    ``build_dir``). Raises what ``torch.utils.cpp_extension.load`` raises on a compile error."""
+    seconds the build took. ``kernels``: the umbrella ``kernels.cuh`` of the tree to compile (a mutant tree:
+    another ``build_dir``). Raises what ``torch.utils.cpp_extension.load`` raises on a compile error."""
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     start = time.perf_counter()
     srcs = sources(build_dir, kernels)
     # "bucket_ops.h" and "../adamw.h" of cuda_ops.cpp resolve through csrc/cuda; the copy's own directory holds the
-    # rewritten kernels.cuh, found first.
+    # rewritten kernels.cuh, found first, and its "kernels/*.cuh" beside it (a quoted include looks beside its
+    # includer first), so no unrewritten header of csrc/cuda is reached.
     includes = [SHIM_INCLUDE, TORCH_STUBS, os.path.join(CSRC, "cuda"), CSRC]
     module = cpp_extension.load(name=MODULE_NAME, sources=srcs, extra_include_paths=includes, extra_cflags=CFLAGS,
                                 extra_ldflags=LDFLAGS, build_directory=build_dir, verbose=verbose)

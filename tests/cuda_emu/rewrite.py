@@ -8,15 +8,21 @@ arguments (``accumulate_kernel<src_t, true, true>``).
 
 Grid caps (``grid_caps``, default ``("kMaxBlocks",)``): the definition ``constexpr <type> <name> = <expr>;`` becomes
 ``inline const <type> <name> = ::gaemu::max_grid<type>(<expr>);``, so ``GAENGINE_EMU_MAX_GRID`` lowers the grid
-cap a launcher reads (kernels.cuh ``kMaxBlocks``, used by host code only) at run time. A named cap that is not
+cap a launcher reads (kernels/common.cuh ``kMaxBlocks``, used by host code only) at run time. A named cap that is not
 defined in a file is an error only when ``require_caps`` is true.
 
-Everything else compiles as written. Command line::
+Everything else compiles as written. The kernels are a tree: ``csrc/cuda/kernels.cuh``, an umbrella that includes
+``kernels/*.cuh`` (one header per family) by quoted relative paths, so ``rewrite_tree(umbrella, out_dir)`` rewrites
+the umbrella and every ``.cuh`` below its directory into ``out_dir`` at the same relative paths: an includer of the
+rewritten umbrella finds only rewritten headers (a quoted include is looked up first beside the file that includes
+it, whatever its ``#line`` says). A grid cap must then be defined once in the whole tree. Command line::
 
-    python tests/cuda_emu/rewrite.py SRC OUT [--no-caps]
+    python tests/cuda_emu/rewrite.py SRC OUT [--no-caps] [--require-caps]
 
 writes the rewritten SRC to OUT (a file, or a directory that receives SRC's basename) and prints the number of
-launches rewritten. From Python: ``rewrite(text) -> (text, n_launches)``, ``rewrite_file(src, out) -> n_launches``.
+launches rewritten; with ``--tree``, SRC is an umbrella and OUT a directory that receives its tree. From Python:
+``rewrite(text) -> (text, n_launches)``, ``rewrite_file(src, out) -> n_launches``, ``tree_files(umbrella) -> [relative
+paths]``, ``rewrite_tree(umbrella, out_dir) -> n_launches``.
 """
 
 from __future__ import annotations
@@ -157,17 +163,76 @@ def rewrite(text: str, caps=GRID_CAPS, require_caps: bool = False) -> tuple[str,
     return rewrite_caps(text, caps, require_caps), n
 
 
+def _with_line(src: str, text: str) -> str:
+    return f'#line 1 "{os.path.abspath(src)}"\n' + text
+
+
+def _write(path: str, text: str, only_if_changed: bool = False) -> None:
+    """Write ``text`` to ``path`` (atomically); with ``only_if_changed``, not when it holds ``text`` already (ninja
+    then sees nothing new)."""
+    if only_if_changed:
+        try:
+            with open(path) as f:
+                if f.read() == text:
+                    return
+        except OSError:
+            pass
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def rewrite_file(src: str, out: str, caps=GRID_CAPS, require_caps: bool = False) -> int:
     with open(src) as f:
         text = f.read()
     new, n = rewrite(text, caps, require_caps)
     if os.path.isdir(out):
         out = os.path.join(out, os.path.basename(src))
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f'#line 1 "{os.path.abspath(src)}"\n')
-        f.write(new)
-    os.replace(tmp, out)
+    _write(out, _with_line(src, new))
+    return n
+
+
+def tree_files(umbrella: str) -> list[str]:
+    """The umbrella's basename, then every other ``.cuh`` below its directory, as sorted relative paths."""
+    root = os.path.dirname(os.path.abspath(umbrella))
+    top = os.path.basename(umbrella)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if name.endswith(".cuh") and rel != top:
+                found.append(rel)
+    return [top] + sorted(found)
+
+
+def rewrite_tree(umbrella: str, out_dir: str, caps=GRID_CAPS, require_caps: bool = False,
+                 only_if_changed: bool = False) -> int:
+    """Rewrite ``umbrella`` and every ``.cuh`` below its directory (``tree_files``) into ``out_dir`` at the same
+    relative paths, each headed by a ``#line`` to its original; returns the launches rewritten. With
+    ``require_caps``, each grid cap must be defined exactly once in the tree (a ``RewriteError`` otherwise)."""
+    root = os.path.dirname(os.path.abspath(umbrella))
+    outputs, defined, n = {}, dict.fromkeys(caps, 0), 0
+    for rel in tree_files(umbrella):
+        src = os.path.join(root, rel)
+        with open(src) as f:
+            text = f.read()
+        for name in caps:
+            defined[name] += len(re.findall(rf"\bconstexpr\s+[\w:]+\s+{re.escape(name)}\s*=", text))
+        try:
+            new, k = rewrite(text, caps)
+        except RewriteError as e:
+            raise RewriteError(f"{rel}: {e}") from None
+        outputs[rel], n = _with_line(src, new), n + k
+    if require_caps:
+        wrong = {name: count for name, count in defined.items() if count != 1}
+        if wrong:
+            raise RewriteError(f"grid caps not defined exactly once as `constexpr <type> <name> = <expr>;` in the "
+                               f"tree of {umbrella}: {wrong}")
+    for rel, text in outputs.items():
+        _write(os.path.join(out_dir, rel), text, only_if_changed)
     return n
 
 
@@ -177,9 +242,15 @@ def main(argv=None) -> int:
     parser.add_argument("out")
     parser.add_argument("--no-caps", action="store_true", help="leave grid caps as written")
     parser.add_argument("--require-caps", action="store_true", help="fail when a grid cap is not defined")
+    parser.add_argument("--tree", action="store_true",
+                        help="SRC is an umbrella header: rewrite it and every .cuh below its directory into OUT")
     args = parser.parse_args(argv)
+    caps = () if args.no_caps else GRID_CAPS
     try:
-        n = rewrite_file(args.src, args.out, () if args.no_caps else GRID_CAPS, args.require_caps)
+        if args.tree:
+            n = rewrite_tree(args.src, args.out, caps, args.require_caps)
+        else:
+            n = rewrite_file(args.src, args.out, caps, args.require_caps)
     except RewriteError as e:
         print(f"{args.src}: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-// gaemu: a host emulation of the CUDA execution model, so that CUDA C++ sources (csrc/cuda/kernels.cuh) compile
+// gaemu: a host emulation of the CUDA execution model, so that CUDA C++ sources (csrc/cuda/kernels/*.cuh) compile
 // with g++ and their kernels RUN on CPU memory (tests/cuda_emu; README.md there lists the files and the API).
 // Header-only, C++17; included through the shim's cuda_runtime.h.
 //
@@ -29,7 +29,7 @@
 //
 // Environment
 //   GAENGINE_EMU_MAX_GRID=N     gaemu::max_grid(limit) returns min(limit, N): tests/cuda_emu/rewrite.py makes
-//                               the launchers' grid cap (kernels.cuh kMaxBlocks) read it, and
+//                               the launchers' grid cap (kernels/common.cuh kMaxBlocks) read it, and
 //                               cudaDevAttrMultiProcessorCount returns min(132, N), so grid-stride loops and
 //                               several chunks per block run at small sizes
 //   GAENGINE_EMU_ORDER=reverse  blocks in descending order, threads scheduled in descending order
