@@ -573,6 +573,15 @@ class GradientAccumulator:
             self._k_update = self._update_index
         return self._k
 
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        """Set K from the current window on (e.g. twice the micro-batches after halving them for memory, as
+        ``gaengine train --auto-micro-batch`` does); ``ValueError`` for anything but an int >= 1 or while a
+        schedule sets K (change the schedule instead)."""
+        if self._schedule is not None:
+            raise ValueError("accumulation_steps follows a schedule here; change the schedule instead of setting it")
+        self._k = check_accumulation_steps(value)
+
     def _check_model(self) -> None:
         """Raise ``RuntimeError`` (for good) when the model was moved or converted after construction."""
         if self._model_error is None:

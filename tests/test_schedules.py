@@ -146,3 +146,19 @@ def test_a_bad_schedule_value_raises_naming_it_with_the_window_intact():
     with pytest.raises(ValueError, match=r"accumulation_steps schedule .* at update 1 .* must be an int >= 1, got 0"):
         acc.backward(_loss(model, _micro_batches(1)[0]))
     assert acc.num_micro_batches == 0
+
+
+def test_setting_accumulation_steps_takes_effect_and_a_schedule_refuses_it():
+    model = _model()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None)
+    acc.accumulation_steps = 3  # e.g. after halving the micro-batch for memory
+    results = [None]
+    for b in _micro_batches(3):
+        acc.backward(_loss(model, b))
+        results.append(acc.step())
+    assert results[:-1] == [None] * 3 and results[-1].num_micro_batches == 3
+    with pytest.raises(ValueError, match="accumulation_steps must be an int >= 1, got 0"):
+        acc.accumulation_steps = 0
+    scheduled = gaengine.GradientAccumulator(_model(), None, accumulation_steps=Milestones({0: 2}))
+    with pytest.raises(ValueError, match="follows a schedule"):
+        scheduled.accumulation_steps = 4
