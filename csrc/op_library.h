@@ -8,7 +8,7 @@
 #include <torch/library.h>
 
 // The namespace of the ops: torch.ops.gaengine. tests/cuda_emu/engine.py's emulated build, loaded beside gaengine._C
-// in one process, defines it as gaengine_emu (a library namespace may be defined once per process).
+// in one process, defines it as its module name (a library namespace may be defined once per process).
 #ifndef GAENGINE_OP_NAMESPACE
 #define GAENGINE_OP_NAMESPACE gaengine
 #endif

@@ -7,5 +7,6 @@
 #define GAENGINE_WITH_CUDA 1
 // csrc/cuda/bucket_ops.h: the device the CUDA kernels' tensors are on (here the CPU, standing in).
 #define GAENGINE_IS_CUDA_TENSOR(t) ((t).is_cpu())
-// csrc/op_library.h: the torch.library namespace of the ops (gaengine._C, loaded in the same process, has gaengine).
-#define GAENGINE_OP_NAMESPACE gaengine_emu
+// csrc/op_library.h: the torch.library namespace of the ops, the module's own name (gaengine_emu_C): gaengine._C,
+// loaded in the same process, has gaengine, and a second build() in one process loads a copy (gaengine_emu_C_v1).
+#define GAENGINE_OP_NAMESPACE TORCH_EXTENSION_NAME
