@@ -4,8 +4,9 @@ Every backend implements the same contract (``Backend``):
 
 * ``accumulate_(dst, src, scale, overwrite)`` — ``dst = (0 if overwrite else dst) + src * scale``.
   ``dst``: fp32, contiguous, written in place. ``src``: fp32 | bf16 | fp16, contiguous, same numel, read.
-  ``scale``: a Python float or a 0-d fp32 tensor on ``dst.device``. Unscaled (``scale == 1``) results
-  are bitwise equal to ``dst.add_(src)`` in torch; scaled ones are within 1 fp32 ulp of the exact value.
+  ``scale``: a Python float, taken as its nearest fp32 value (as torch's own tensor-scalar arithmetic takes it),
+  or a 0-d fp32 tensor on ``dst.device``. Unscaled (``scale == 1``) results are bitwise equal to
+  ``dst.add_(src)`` in torch; scaled ones are within 1 fp32 ulp of the exact ``dst + src * fp32(scale)``.
 * ``l2norm_sq(x)`` -> ``(sum_of_squares, found_inf)`` — two 0-d fp32 tensors on ``x.device``;
   ``found_inf`` is 1.0 when ``x`` holds an inf or a NaN, else 0.0. One pass, no host sync.
 * ``accumulate_sumsq_(dst, src, scale, overwrite, partials, index)`` -> ``dst`` — ``accumulate_`` (the same
@@ -383,10 +384,17 @@ class CpuBackend(Backend):
         check_device_type(src, "src", "cpu")
         check_accumulate_args(dst, src, scale)
 
+    @staticmethod
+    def _fp32_scale(scale) -> float:
+        """The scale as the kernel takes it: a 0-d CPU tensor read on the host (a plain load on CPU, not a device
+        sync), a Python float rounded to fp32 first, as every other backend takes it (the contract above)."""
+        if isinstance(scale, torch.Tensor):
+            return float(scale.item())
+        return float(scale) if float(scale) == 1.0 else torch.tensor(float(scale), dtype=torch.float32).item()
+
     def accumulate_(self, dst, src, scale=1.0, overwrite=False):
         self._check_accumulate(dst, src, scale)
-        # A 0-d CPU tensor is read on the host; on CPU this is a plain load, not a device sync.
-        s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)
+        s = self._fp32_scale(scale)
         self._C.accumulate_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite))
         return dst
 
@@ -394,7 +402,7 @@ class CpuBackend(Backend):
         self._check_accumulate(dst, src, scale)
         check_device_type(partials, "partials", "cpu")
         check_sumsq_partials(dst, partials, index)
-        s = float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)  # a plain load on CPU
+        s = self._fp32_scale(scale)
         self._C.accumulate_sumsq_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite),
                                   partials, operator.index(index))
         return dst
