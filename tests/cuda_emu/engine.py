@@ -51,18 +51,6 @@ sys.path.insert(0, HERE)
 import rewrite  # noqa: E402
 
 
-def _write_if_changed(path: str, text: str) -> None:
-    """Write ``text`` unless ``path`` holds it already (ninja then sees nothing new)."""
-    try:
-        with open(path) as f:
-            if f.read() == text:
-                return
-    except OSError:
-        pass
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def sources(build_dir: str = BUILD_DIR, kernels: str = KERNELS) -> list[str]:
     """The translation units, after mirroring ``cuda_ops.cu`` and the rewritten ``kernels`` (the umbrella
     ``kernels.cuh`` and every ``.cuh`` below its directory, or a mutant of that tree) into ``build_dir``."""
@@ -77,7 +65,7 @@ def sources(build_dir: str = BUILD_DIR, kernels: str = KERNELS) -> list[str]:
         ops, _ = rewrite.rewrite(ops)
     else:
         ops = f'#line 1 "{ops_path}"\n' + ops
-    _write_if_changed(os.path.join(cuda_dir, "cuda_ops.cpp"), ops)
+    rewrite._write(os.path.join(cuda_dir, "cuda_ops.cpp"), ops, only_if_changed=True)  # ninja sees nothing new
     return sorted(glob.glob(os.path.join(CSRC, "*.cpp"))) + [os.path.join(cuda_dir, "cuda_ops.cpp")]
 
 
