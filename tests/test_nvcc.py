@@ -34,12 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS_DIR = os.path.join(ROOT, "csrc", "cuda")
 ARCHS = {"sm80": "sm_80", "sm90": "sm_90"}
 FULL_OCCUPANCY_REGISTERS = 65536 // 2048  # sm_80 / sm_90: 64 K registers and 2048 threads per SM
-# Kernels held to a lower occupancy on purpose (kernels.cuh), with their register budget: the multi-tensor AdamW
+# Kernels held to a lower occupancy on purpose (kernels/adamw.cuh), with their register budget: the multi-tensor AdamW
 # runs 4 blocks of 256 threads per SM (kAdamWMinBlocksPerSm), 64 registers: two IEEE divisions, a square root
 # and the double pow of the bias corrections do not fit in 32 without spilling, and 1024 threads per SM, each
 # with four independent 16-byte loads in flight (grad, param, exp_avg, exp_avg_sq), still saturate HBM.
 REGISTER_BUDGET = {k: 65536 // (4 * 256) for k in ("adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16")}
-KERNEL_PARAM_LIMIT_BYTES = 32764  # CUDA >= 12.1 on sm_70+ (kernels.cuh kMaxKernelParamBytes)
+KERNEL_PARAM_LIMIT_BYTES = 32764  # CUDA >= 12.1 on sm_70+ (kernels/common.cuh kMaxKernelParamBytes)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CUDA_TYPES = {"fp32": "f", "bf16": "13__nv_bfloat16", "fp16": "6__half"}  # as mangled in kernel names
 ELEMS_PER_VECTOR = {"fp32": 4, "bf16": 8, "fp16": 8}  # values of the source in one 128-bit load
@@ -306,8 +306,8 @@ def test_cuda_contracts_name_the_argument(cuda_backend):
 # --- on a GPU: the multi-tensor ops (one launch for a list of tensors) -------------------------------------------
 
 DEVICE = "cuda"
-BUCKET_CHUNK_NUMEL = 4096  # kernels.cuh kBucketChunkNumel: one partials column per chunk of each source
-MAX_BUCKET_ENTRIES = 512  # kernels.cuh kMaxBucketEntries: non-empty sources per launch
+BUCKET_CHUNK_NUMEL = 4096  # kernels/bucket.cuh kBucketChunkNumel: one partials column per chunk of each source
+MAX_BUCKET_ENTRIES = 512  # kernels/bucket.cuh kMaxBucketEntries: non-empty sources per launch
 BUCKET_SIZES = [1, 127, 4097, 3 * BUCKET_CHUNK_NUMEL + 5]  # one element, a tail only, a chunk + 1, several chunks
 BUCKET_DTYPES = {"fp32": ["fp32"] * 4, "bf16": ["bf16"] * 4, "fp16": ["fp16"] * 4,
                  "mixed": ["bf16", "fp32", "fp16", "bf16"]}
