@@ -37,7 +37,7 @@ from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import window_norm
-from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats
+from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats, wait_quietly
 from gaengine.scaler import LossScaler
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.update import MasterWeights, apply_update, expose_grads
@@ -45,6 +45,8 @@ from gaengine.update import MasterWeights, apply_update, expose_grads
 __all__ = ["GradientAccumulator", "StepResult"]
 
 _OWNER_ATTR = "_gaengine_accumulator"
+_FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
+                  "micro-batches; call acc.zero_grad() to drop it, then go on")
 
 
 @dataclass(frozen=True)
@@ -394,8 +396,7 @@ class GradientAccumulator:
             raise ValueError("loss does not require grad: it was computed under torch.no_grad() or from frozen parameters")
         self._check_model()
         if self._failed_backward:
-            raise RuntimeError("a backward in this accumulation window raised, so the window is no longer a sum of "
-                               "whole micro-batches; call acc.zero_grad() to drop it, then go on")
+            raise RuntimeError(_FAILED_WINDOW)
         if self._num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
@@ -503,8 +504,7 @@ class GradientAccumulator:
             return None
         self._check_model()
         if self._failed_backward:
-            raise RuntimeError("a backward in this accumulation window raised, so the window is no longer a sum of "
-                               "whole micro-batches; call acc.zero_grad() to drop it, then go on")
+            raise RuntimeError(_FAILED_WINDOW)
 
         dev = self.device
         loss_sum = self._loss_sum
@@ -636,10 +636,7 @@ class GradientAccumulator:
         if self.reducer is not None:
             self.reducer.drain()
         if self._stats is not None:
-            try:
-                self._stats.work.wait()
-            except Exception:  # noqa: BLE001 - the window is dropped either way
-                pass
+            wait_quietly(self._stats.work)
             self._stats = None
         self.hooks.drop()
         self._clear_grads()

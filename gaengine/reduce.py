@@ -27,7 +27,8 @@ import torch.distributed as dist
 from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["BucketReducer", "WindowStats", "broadcast_from_first_rank", "launch_window_stats", "wait_for"]
+__all__ = ["BucketReducer", "WindowStats", "broadcast_from_first_rank", "launch_window_stats", "wait_for",
+           "wait_quietly"]
 
 
 class BucketReducer:
@@ -92,10 +93,7 @@ class BucketReducer:
         peer that failed too), and launch nothing more."""
         for b in self.buckets:
             if b.work is not None:
-                try:
-                    b.work.wait()
-                except Exception:  # noqa: BLE001 - the window is dropped either way
-                    pass
+                wait_quietly(b.work)
             b.work = b.wire = None
         self.next_to_launch = len(self.buckets)
 
@@ -108,6 +106,15 @@ class BucketReducer:
             if b.wire is not None and b.wire.dtype != self.data.dtype:
                 self.data[b.start:b.end].copy_(b.wire)
             b.work = b.wire = None
+
+
+def wait_quietly(work) -> None:
+    """Wait for a collective of a window being dropped, ignoring its error (a peer that failed too): nothing may
+    still write into its buffer when the next window does."""
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001 - the window is dropped either way
+        pass
 
 
 def wait_for(work, what: str) -> None:
