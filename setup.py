@@ -171,7 +171,7 @@ def main():
             cmdclass["build_ext"] = build_ext.with_options(use_ninja=True)
 
     setup(
-        packages=["gaengine", "gaengine.kernels"],
+        packages=["gaengine", "gaengine.tools", "gaengine.tools.bench", "gaengine.kernels"],
         package_dir={"gaengine": "gaengine", "gaengine.kernels": "kernels"},
         ext_modules=ext_modules,
         cmdclass=cmdclass,

@@ -3,7 +3,7 @@
     python benchmarks/bench_e2e.py [--device cpu|cuda] [--quick] [--timed-updates 5] [--n-layers 4 ...]
                                    [--threads N] [--json PATH]
 
-The byte-level GPT of ``gaengine/model.py`` in bf16, K = 8 micro-batches per update, AdamW (lr 1e-3, betas
+The byte-level GPT of ``gaengine/tools/model.py`` in bf16, K = 8 micro-batches per update, AdamW (lr 1e-3, betas
 (0.9, 0.95), weight decay 0.1), clipping at 1.0, the same seed, initialization and micro-batches (random
 bytes) for every variant:
 
@@ -48,7 +48,7 @@ from common import print_table, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
-from gaengine.bench import E2E_VARIANTS, E2EConfig, bench_e2e, e2e_config  # noqa: E402
+from gaengine.tools.bench import E2E_VARIANTS, E2EConfig, bench_e2e, e2e_config  # noqa: E402
 
 COLUMNS = [("variant", "variant", "s"), ("ms", "ms / update", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),
            ("ratio_vs_torch", "vs (b)", ".3f"), ("cpu_ms", "CPU ms / update", ".1f"),

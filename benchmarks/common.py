@@ -1,7 +1,7 @@
 """Shared benchmark helpers for the scripts in this folder: timing (warmup + median, or interleaved rounds),
 a bytes model to GB/s, a table, a results JSON with versions, git SHA and device name.
 
-One copy of each helper lives in :mod:`gaengine.bench` (``gaengine bench`` needs them from an installed
+One copy of each helper lives in :mod:`gaengine.tools.bench` (``gaengine bench`` needs them from an installed
 package); this module re-exports them and puts the repository root on ``sys.path`` so that
 ``python benchmarks/x.py`` can import ``tests.reference``, where the tests get their torch baselines.
 
@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from gaengine.bench import (  # noqa: E402
+from gaengine.tools.bench import (  # noqa: E402
     device_name,
     environment,
     gb_per_s,

@@ -1,4 +1,4 @@
-from gaengine.cli import main
+from gaengine.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

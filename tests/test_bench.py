@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from gaengine import bench
+from gaengine.tools import bench
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gaengine.cli import build_parser, main
+from gaengine.tools.cli import build_parser, main
 
 TINY = [
     "--micro-batch-size", "2", "--accumulation-steps", "2", "--seq-len", "16", "--n-layers", "1",
@@ -101,7 +101,7 @@ def test_train_subprocess(tmp_path, omp):
     ids=["2-cpus", "1-cpu", "16-cpus", "3-cpus", "requested", "omp-set", "torchrun", "world-1", "requested-wins"],
 )
 def test_choose_threads(requested, environ, cpus, expected):
-    from gaengine.train import choose_threads
+    from gaengine.tools.train import choose_threads
 
     threads, why = choose_threads(requested, environ=environ, cpus=cpus)
     assert threads == expected and why
@@ -143,7 +143,7 @@ def test_data_file_and_folder(tmp_path):
 
 
 def test_corpus_is_deterministic_and_split():
-    from gaengine.data import load_corpus
+    from gaengine.tools.data import load_corpus
 
     a, b = load_corpus(max_bytes=200_000), load_corpus(max_bytes=200_000)
     assert a.train.numel() + a.val.numel() == 200_000
@@ -207,7 +207,7 @@ def test_torchrun_two_ranks(tmp_path):
 def test_auto_micro_batch_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys):
     import torch
 
-    from gaengine.model import GPT
+    from gaengine.tools.model import GPT
 
     real_forward = GPT.forward
 
@@ -219,7 +219,7 @@ def test_auto_micro_batch_recovers_from_out_of_memory(tmp_path, monkeypatch, cap
     monkeypatch.setattr(GPT, "forward", forward)
     out = tmp_path / "run"
     args = ["train", "--steps", "2", *TINY, "--out", str(out), "--eval-batches", "1"]
-    monkeypatch.setattr("gaengine.train.evaluate", lambda model, batches: 1.0)  # eval batches are 2 sequences
+    monkeypatch.setattr("gaengine.tools.train.evaluate", lambda model, batches: 1.0)  # eval batches are 2 sequences
     assert main([*args, "--auto-micro-batch"]) == 0
     records = _records(out)
     oom = [r for r in records if r["kind"] == "oom"]

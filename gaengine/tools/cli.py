@@ -1,6 +1,6 @@
 """Command line: ``gaengine train``, ``gaengine bench``, ``gaengine verify`` and ``gaengine info``.
 
-``main(argv)`` parses, runs and prints; the loops live in :mod:`gaengine.train` and write nothing. All
+``main(argv)`` parses, runs and prints; the loops live in :mod:`gaengine.tools.train` and write nothing. All
 console output and every file the job writes go through :class:`_Reporter`, the one place a multi-rank
 run will gate on rank 0.
 """
@@ -60,7 +60,7 @@ _positive_float = _number(float, lambda v: v > 0, "must be a positive finite num
 
 
 def _threads(text: str) -> Optional[int]:
-    """``--threads``: ``auto`` (``None``: :func:`gaengine.train.choose_threads` decides) or a count >= 1."""
+    """``--threads``: ``auto`` (``None``: :func:`gaengine.tools.train.choose_threads` decides) or a count >= 1."""
     return None if text.strip().lower() == "auto" else _positive_int(text)
 
 
@@ -72,7 +72,7 @@ def _grad_norm(text: str) -> Optional[float]:
 
 
 def _add_train_parser(subparsers) -> None:
-    from gaengine.train import TrainConfig
+    from gaengine.tools.train import TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -158,8 +158,8 @@ def _add_verify_parser(subparsers) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
-    from gaengine.data import load_corpus, sample_batch
-    from gaengine.train import TrainConfig, build_model
+    from gaengine.tools.data import load_corpus, sample_batch
+    from gaengine.tools.train import TrainConfig, build_model
     from gaengine.verify import verify_equivalence
 
     try:
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(subparsers)
-    from gaengine import bench
+    from gaengine.tools import bench
 
     bench.add_parser(subparsers)
     _add_verify_parser(subparsers)
@@ -399,7 +399,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     """``gaengine train``: torch's CPU thread count is set before any work and restored at the end."""
     import torch
 
-    from gaengine.train import choose_threads
+    from gaengine.tools.train import choose_threads
 
     threads, why = choose_threads(args.threads)
     previous = torch.get_num_threads()
@@ -416,8 +416,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, threads: str) -> int:
     import torch
 
-    from gaengine.data import load_corpus
-    from gaengine.train import TrainConfig, train_gaengine, train_reference
+    from gaengine.tools.data import load_corpus
+    from gaengine.tools.train import TrainConfig, train_gaengine, train_reference
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

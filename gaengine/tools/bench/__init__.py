@@ -51,7 +51,7 @@ ATen ops inside AccumulateGrad (one ``aten::add_`` per parameter) and gaengine's
 ``acc.hooks.launches``. ``buckets``: gaengine's buckets;
 a bucketed accumulate needs buckets + the model's own launches per micro-batch.
 
-End-to-end (``e2e``): the byte-level GPT of :mod:`gaengine.model` in bf16, K = 8 micro-batches per update,
+End-to-end (``e2e``): the byte-level GPT of :mod:`gaengine.tools.model` in bf16, K = 8 micro-batches per update,
 AdamW (lr 1e-3, betas (0.9, 0.95), weight decay 0.1), clipping at 1.0, the same initialization and micro-batches
 for every variant. Variants (see :data:`E2E_VARIANTS`): gaengine with ``gaengine.optim.FusedAdamW`` and with
 ``torch.optim.AdamW(fused=True)``; the plain recipe (bf16 ``.grad`` accumulation of ``(loss / K).backward()``,
@@ -125,7 +125,7 @@ SCALE_BYTES_PER_ELEMENT = 8  # read fp32 4 + write fp32 4
 PEAK_BYTES_PER_ELEMENT = 8  # fp32 dst.copy_(src): read 4 + write 4
 NUM_VIEWS = 16  # per-parameter views of the flat buffer for the foreach baselines (clip_grad_norm_'s kernels)
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the repository root in a checkout / editable install
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the repository root in a checkout / editable install
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -316,7 +316,7 @@ def _backends(device: torch.device) -> dict[str, Any]:
 
     Triton on CPU tensors (the interpreter) is a correctness tool, not a benchmark: it is left out.
     """
-    from gaengine.backends import get_backend  # noqa: PLC0415 - keeps ``import gaengine.bench`` light
+    from gaengine.backends import get_backend  # noqa: PLC0415 - keeps ``import gaengine.tools.bench`` light
 
     names = ("torch", "cpu") if device.type == "cpu" else ("torch", "triton", "cuda")
     found = {}
@@ -867,7 +867,7 @@ class _Variant:
 
 def _e2e_model(cfg: E2EConfig) -> torch.nn.Module:
     """The bf16 GPT of ``cfg``, initialized from ``cfg.seed`` in fp32 (the same weights for every variant)."""
-    from gaengine.model import GPT, GPTConfig  # noqa: PLC0415
+    from gaengine.tools.model import GPT, GPTConfig  # noqa: PLC0415
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -1061,7 +1061,7 @@ _WORKER_MARK = "GAENGINE_E2E_RESULT "
 
 def _run_memory_subprocess(variant: str, cfg: E2EConfig) -> dict:
     """``_e2e_memory_worker`` in a fresh interpreter, so its peak is its own; raises with its stderr on failure."""
-    code = ("import json, sys; from gaengine import bench; cfg = bench.E2EConfig(**json.loads(sys.argv[2])); "
+    code = ("import json, sys; from gaengine.tools import bench; cfg = bench.E2EConfig(**json.loads(sys.argv[2])); "
             f"print({_WORKER_MARK!r} + json.dumps(bench._e2e_memory_worker(sys.argv[1], cfg)))")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))

@@ -26,9 +26,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from gaengine.data import ByteCorpus, eval_batches, sample_batch
+from gaengine.tools.data import ByteCorpus, eval_batches, sample_batch
 from gaengine.engine import GradientAccumulator
-from gaengine.model import GPT, GPTConfig
+from gaengine.tools.model import GPT, GPTConfig
 from gaengine.utils import is_oom_error
 
 __all__ = ["DTYPES", "TrainConfig", "TrainResult", "build_model", "choose_threads", "evaluate", "train_gaengine",
