@@ -289,7 +289,7 @@ def test_profiler_log_is_kept_off_stderr(capfd):
         os.write(2, b"a line of the profiled code\n")
         torch.ones(4).add_(1)
 
-    counts = bench._profile_launches(fn, torch.device("cpu"))
+    counts = bench.host._profile_launches(fn, torch.device("cpu"))
     err = capfd.readouterr().err
     assert counts["accumulate_ops"] == 0
     assert "a line of the profiled code" in err

@@ -1,0 +1,157 @@
+"""The ``gaengine bench`` command: its parser, the run of the benchmarks it selects, the tables, ``--json`` and
+``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from gaengine.tools.bench import e2e, host, kernels
+from gaengine.tools.bench.common import device_name, git_sha, write_json
+
+BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "e2e")
+"""Names accepted by ``--only``, in the order they run."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` command to an ``argparse`` subparsers object; its ``func`` default is :func:`run`."""
+    p = subparsers.add_parser(
+        "bench",
+        help="kernel, host-overhead and end-to-end benchmarks on this device, a table per benchmark",
+        description=("Time gaengine's kernels (accumulate, l2norm_sq, scale_) against the torch ops they replace, "
+                     "the host time gaengine's backward adds per parameter per micro-batch over the plain recipe "
+                     "(and the launches per micro-batch of both), and an end-to-end bf16 GPT against the plain "
+                     "recipe and torch's native fp32 accumulation, on one device; peak bandwidth is measured in "
+                     "the same run."),
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
+                   help=f"run only these benchmarks, of {', '.join(BENCHMARKS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds (tests, smoke runs)")
+    p.add_argument("--numel", type=int, default=None, metavar="N",
+                   help="kernel buffer elements (default 2^25 on CPU, 2^28 on CUDA, 2^20 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, metavar="N",
+                   help="timed rounds of the kernels and the host benchmark (default 15, 5 quick)")
+    p.add_argument("--host-params", type=int, nargs="+", default=None, metavar="P",
+                   help=f"parameter counts of the host benchmark (default {' '.join(map(str, host.HOST_PARAM_COUNTS))}"
+                        f", {' '.join(map(str, host.HOST_PARAM_COUNTS_QUICK))} quick; the per-parameter figure is the "
+                        "slope over them)")
+    p.add_argument("--e2e-updates", type=int, default=None, metavar="N",
+                   help="timed e2e rounds, one update of each variant per round (default 5 CPU, 10 CUDA, 5 quick)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch.set_num_threads for every benchmark (e2e subprocesses too); default: torch's. On a "
+                        "CPU shared with other jobs use 1: several OpenMP threads wait on each other whenever one "
+                        "of them is descheduled")
+    p.add_argument("--json", metavar="PATH", type=Path, default=None,
+                   help="write results, device name, torch/triton versions and git SHA as JSON")
+    p.add_argument("--plot", metavar="PNG", type=Path, default=None, help="write a bar chart of the ratios")
+    p.set_defaults(func=run)
+    return p
+
+
+def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
+    import matplotlib  # noqa: PLC0415 - only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = [r for r in rows if r.get("ratio_vs_torch") is not None]  # not the host fit rows
+    labels = [f"{r['benchmark']}: {r['variant']}" for r in rows]
+    ratios = [r["ratio_vs_torch"] for r in rows]
+    colors = ["tab:blue" if r["variant"].startswith(("gaengine", "(a")) else "tab:gray" for r in rows]
+    fig, ax = plt.subplots(figsize=(12, 0.32 * len(rows) + 1.8))
+    y = range(len(rows))[::-1]
+    ax.barh(list(y), ratios, color=colors)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_xlabel("speedup over the torch baseline (median per-round ratio; e2e: over the plain recipe); > 1 is faster",
+                  fontsize=8)
+    ax.set_title(textwrap.fill(title, 120), fontsize=8)
+    for yi, v in zip(y, ratios):
+        ax.text(v, yi, f" {v:.2f}", va="center", fontsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmarks ``args`` selects (from :func:`add_parser`), print one table; returns 0 (2: no CUDA).
+
+    ``--threads`` holds only for the run: torch's thread count is restored afterwards.
+    """
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gaengine bench: error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    which = list(args.only or BENCHMARKS)
+    quick = bool(args.quick)
+    numel = args.numel or (2**20 if quick else 2**28 if device.type == "cuda" else 2**25)
+    repeats = args.repeats or (5 if quick else 15)
+    warmup = 1 if quick else 3
+    name = device_name(device)
+    print(f"gaengine bench on {device} ({name}); torch {torch.__version__}, git {git_sha()}", flush=True)
+
+    rows: list[dict] = []
+    params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
+                                 "torch_threads": torch.get_num_threads()}
+    kernel_names = [w for w in which if w not in ("host", "e2e")]
+    peak = None
+    if kernel_names:
+        print(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
+        kernel_rows, peak = kernels.bench_kernels(device, numel, kernel_names, warmup=warmup, repeats=repeats)
+        rows += kernel_rows
+        params.update(numel=numel, warmup=warmup, repeats=repeats, peak=peak,
+                      bytes_per_element={"accumulate": kernels.ACCUMULATE_BYTES_PER_ELEMENT,
+                                         "l2norm": kernels.L2NORM_BYTES_PER_ELEMENT,
+                                         "scale": kernels.SCALE_BYTES_PER_ELEMENT,
+                                         "peak": kernels.PEAK_BYTES_PER_ELEMENT})
+    host_info = None
+    if "host" in which:
+        counts = tuple(args.host_params or (host.HOST_PARAM_COUNTS_QUICK if quick else host.HOST_PARAM_COUNTS))
+        print(f"host: P = {', '.join(map(str, counts))} params x {host.HOST_PARAM_NUMEL} elements, "
+              f"{', '.join(map(host.dtype_name, host.HOST_DTYPES))}, K = {host.HOST_ACCUMULATION_STEPS}, "
+              f"{warmup} + {repeats} interleaved rounds ...", flush=True)
+        host_rows, host_info = host.bench_host(device, counts, warmup=warmup, repeats=repeats)
+        rows += host_rows
+        params["host"] = host_info
+    e2e_info = None
+    if "e2e" in which:
+        cfg = e2e.e2e_config(device.type, quick)
+        if args.e2e_updates:
+            cfg = e2e.E2EConfig(**{**asdict(cfg), "timed_updates": args.e2e_updates})
+        e2e_rows, e2e_info = e2e.bench_e2e(cfg, progress=lambda s: print(f"  {s}", flush=True))
+        rows += e2e_rows
+        params["e2e"] = e2e_info
+
+    print(f"\ngaengine bench, {device} ({name}), torch {torch.__version__}")
+    if kernel_names:
+        kernels.print_tables(kernel_rows, peak, repeats)
+    if host_info is not None:
+        host.print_tables(host_rows, host_info, device)
+    if e2e_info is not None:
+        e2e.print_tables(e2e_rows, e2e_info)
+    if args.json is not None:
+        write_json(args.json, "gaengine bench", params, rows, [device])
+    if args.plot is not None:
+        _plot(rows, args.plot, f"gaengine bench, {device} ({name}), torch {torch.__version__}")
+    return 0

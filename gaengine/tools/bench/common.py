@@ -1,0 +1,248 @@
+"""The shared part of every benchmark: the timing loop, ratios and their spread, a bytes model to GB/s,
+the environment of a run (versions, git SHA, device name), a table, a results JSON; kineto's log kept off
+stderr while a benchmark profiles. ``benchmarks/*.py`` import these through ``benchmarks/common.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the repository root in a checkout / editable install
+
+
+def sync(device: torch.device | str | None) -> None:
+    """Wait for ``device``'s queued work when it is a CUDA device; nothing otherwise."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], *, device: torch.device | str | None = None, warmup: int = 3,
+            repeats: int = 15) -> dict[str, float]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed one by one.
+
+    Returns ``{"median_ms", "min_ms", "max_ms"}`` in milliseconds of wall time per call (the device is
+    synchronized before and after each timed call when ``device`` is a CUDA device).
+    """
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    samples_ms = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        samples_ms.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms)}
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.device | str | None = None,
+                     warmup: int = 3, repeats: int = 15) -> dict[str, list[float]]:
+    """Time every function once per round, round after round, so that all of them see the same machine.
+
+    Returns name -> the ``repeats`` timed milliseconds of wall time per call (``warmup`` untimed rounds first;
+    the device is synchronized around each call when ``device`` is a CUDA device). On a shared machine the
+    bandwidth one process gets drifts by 2x from one second to the next; per-round ratios cancel that drift.
+    The order is shuffled each round (seeded), so that no function always runs first or after the same
+    neighbour (whose data may still sit in a cache, or whose temporaries the allocator must hand back).
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    order = random.Random(0)
+    for r in range(warmup + repeats):
+        order.shuffle(items)
+        for name, fn in items:
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if r >= warmup:
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def gb_per_s(numel: int, bytes_per_element: float, ms: float) -> float:
+    """Bandwidth by a bytes model: ``numel * bytes_per_element`` bytes in ``ms`` milliseconds, in GB/s (1e9)."""
+    return numel * bytes_per_element / (ms * 1e-3) / 1e9
+
+
+def git_sha() -> str:
+    """HEAD of the checkout this package runs from (``-dirty`` when tracked files changed), or ``"unknown"``."""
+    if not (PACKAGE_ROOT / ".git").exists():  # an installed wheel: no repository to ask
+        return "unknown"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PACKAGE_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable name of ``device``: the GPU's name, or the CPU model with the core and thread counts."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores, torch threads={torch.get_num_threads()})"
+
+
+def environment(devices: Sequence[torch.device | str]) -> dict[str, object]:
+    """Versions and machine facts recorded next to every result (torch, triton, CUDA, git SHA, device names)."""
+    env: dict[str, object] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_sha": git_sha(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "devices": {str(torch.device(d)): device_name(d) for d in devices},
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton  # noqa: PLC0415 - optional, and only its version is read
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def print_table(rows: Sequence[dict[str, object]], columns: Sequence[tuple[str, str, str]],
+                title: str | None = None) -> None:
+    """Print ``rows`` as a Markdown table; ``columns`` are ``(key, header, format)``, e.g. ``("ms", "ms", ".2f")``.
+
+    A missing or None value prints as an empty cell; text columns are left-aligned, numbers right-aligned.
+    """
+    cells = [[("" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns] for row in rows]
+    left = [any(isinstance(row.get(key), str) for row in rows) for key, _, _ in columns]
+    headers = [header for _, header, _ in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for c in cells:
+        print("| " + " | ".join(v.ljust(w) if lj else v.rjust(w) for v, w, lj in zip(c, widths, left)) + " |")
+
+
+def write_json(path: str | os.PathLike, benchmark: str, params: dict[str, object], rows: Sequence[dict[str, object]],
+               devices: Sequence[torch.device | str]) -> None:
+    """Write ``{"benchmark", "params", "environment", "results"}`` to ``path`` (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": benchmark, "params": params, "environment": environment(devices), "results": list(rows)}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+def median_ratio(baseline_ms: Sequence[float], ms: Sequence[float]) -> float:
+    """Median over rounds of ``baseline / variant`` (> 1: the variant is faster)."""
+    return statistics.median(b / v for b, v in zip(baseline_ms, ms))
+
+
+MIN_ROUNDS = 5
+"""A ratio from fewer timed rounds than this is reported as noise, whatever its value."""
+
+
+def ratio_stats(baseline_ms: Sequence[float], ms: Sequence[float], *, baseline: bool = False) -> dict[str, object]:
+    """The per-round ratios ``baseline / variant`` (> 1: the variant is faster) summarized for a result row.
+
+    ``ratio_vs_torch``: their median; ``ratio_p25``/``ratio_p75``: the quartiles (``statistics.quantiles``,
+    inclusive), the spread printed beside it; ``ratio_min``/``ratio_max``; ``ratio_rounds``; ``ratio_noise``:
+    True when the figure is below the noise, i.e. fewer than :data:`MIN_ROUNDS` rounds or a spread from the
+    25th to the 75th percentile that contains 1.0 (half the rounds on either side of "as fast"). ``baseline``:
+    the row is the baseline itself (every ratio is 1 by definition, never noise).
+    """
+    ratios = [b / v for b, v in zip(baseline_ms, ms)]
+    if not ratios:
+        raise ValueError("ratio_stats needs at least one round")
+    p25, _, p75 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    noise = not baseline and (len(ratios) < MIN_ROUNDS or p25 <= 1.0 <= p75)
+    return {"ratio_vs_torch": statistics.median(ratios), "ratio_p25": p25, "ratio_p75": p75,
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_rounds": len(ratios), "ratio_noise": noise,
+            "ratio_baseline": baseline}
+
+
+def ratio_text(row: dict) -> str:
+    """A row's ratio as printed: ``7.70x [7.12-8.03]`` (median [25th-75th percentile of the per-round ratios]),
+    ``~1 (noise) [...]`` when the spread contains 1, ``noise (2 rounds) [...]`` when too few rounds ran,
+    ``1 (baseline)`` for the baseline itself, empty for a row without a ratio."""
+    if row.get("ratio_vs_torch") is None:
+        return ""
+    if row.get("ratio_baseline"):
+        return "1 (baseline)"
+    if "ratio_p25" not in row:
+        return f"{row['ratio_vs_torch']:.2f}x"
+    spread = f"[{row['ratio_p25']:.2f}-{row['ratio_p75']:.2f}]"
+    if row["ratio_rounds"] < MIN_ROUNDS:
+        return f"noise ({row['ratio_rounds']} rounds) {spread}"
+    if row["ratio_noise"]:
+        return f"~1 (noise) {spread}"
+    return f"{row['ratio_vs_torch']:.2f}x {spread}"
+
+
+
+RATIO_NOTE = ("[p25-p75]: 25th to 75th percentile of the per-round ratios; '~1 (noise)': that spread contains 1, "
+               f"'noise (n rounds)': fewer than {MIN_ROUNDS} rounds, too few to tell")
+
+
+def display_rows(rows: Sequence[dict]) -> list[dict]:
+    """The rows with their printed ratio (:func:`ratio_text`) added."""
+    return [{**r, "ratio_text": ratio_text(r)} for r in rows]
+
+
+# kineto (torch.profiler's backend) writes its own log straight to file descriptor 2 at every profiler start and
+# stop, e.g. ``USDT:2026-11-23 15:53:10 16485:16485 SyncActivityProfilerHandler.cpp:52] profiler_start``.
+_KINETO_LOG_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def without_kineto_log():
+    """Run the block with file descriptor 2 captured, then pass on to stderr every line but kineto's own log.
+
+    Kineto prints from C++ (not through Python's ``sys.stderr``, and whatever ``KINETO_LOG_LEVEL`` says in this
+    torch: its profiler_start / profiler_stop lines show at the default level), so only the descriptor catches
+    it; a warning the profiled code writes meanwhile is kept, in order.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured.read().splitlines(keepends=True)
+                            if not _KINETO_LOG_LINE.match(line))
+            if kept:
+                sys.stderr.write(kept.decode(errors="replace"))
+                sys.stderr.flush()

@@ -1,0 +1,134 @@
+"""Kernel benchmarks (``accumulate``, ``l2norm``, ``scale``): each gaengine backend that loads on the device
+against the eager torch recipe it replaces, and the peak copy, timed in interleaved rounds; a table per kernel.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gaengine.tools.bench.common import RATIO_NOTE, display_rows, gb_per_s, print_table, ratio_stats, time_interleaved
+
+ACCUMULATE_BYTES_PER_ELEMENT = 10  # read bf16 grad 2 + read fp32 main_grad 4 + write fp32 main_grad 4
+L2NORM_BYTES_PER_ELEMENT = 4  # read fp32 4
+SCALE_BYTES_PER_ELEMENT = 8  # read fp32 4 + write fp32 4
+PEAK_BYTES_PER_ELEMENT = 8  # fp32 dst.copy_(src): read 4 + write 4
+NUM_VIEWS = 16  # per-parameter views of the flat buffer for the foreach baselines (clip_grad_norm_'s kernels)
+
+
+def _backends(device: torch.device) -> dict[str, Any]:
+    """gaengine backends that load and run on ``device``: torch; cpu on CPU; triton and cuda on CUDA.
+
+    Triton on CPU tensors (the interpreter) is a correctness tool, not a benchmark: it is left out.
+    """
+    from gaengine.backends import get_backend  # noqa: PLC0415 - keeps ``import gaengine.tools.bench`` light
+
+    names = ("torch", "cpu") if device.type == "cpu" else ("torch", "triton", "cuda")
+    found = {}
+    for name in names:
+        try:
+            found[name] = get_backend(name, device)
+        except RuntimeError as exc:
+            print(f"skipping backend {name!r} on {device}: {str(exc).splitlines()[0]}")
+    return found
+
+
+def _split_views(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` contiguous views of flat ``x`` (the last one odd-sized), like a model's per-parameter grads."""
+    base = x.numel() // n
+    sizes = [base] * (n - 1) + [x.numel() - base * (n - 1)]
+    return list(x.split(sizes))
+
+
+def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, warmup: int = 3,
+                  repeats: int = 15) -> tuple[list[dict], dict]:
+    """Time the kernel benchmarks in ``which`` (of accumulate, l2norm, scale) and the peak copy, interleaved.
+
+    Returns the rows (one per variant; the first row of each benchmark is its torch baseline) and the peak
+    ``{"op", "ms", "gb_s", "bytes_per_element", "numel"}``. Each gaengine backend is checked against the torch
+    result before it is timed (accumulate bitwise, the norm within 1e-2 of fp64).
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    main_grad = torch.randn(numel, generator=g, device=device)
+    grad = torch.randn(numel, generator=g, device=device).to(torch.bfloat16)
+    x = torch.randn(numel, generator=g, device=device)
+    coef = torch.tensor(1.0 - 2.0**-10, device=device)  # < 1 so that repeated calls stay finite
+    src, dst = torch.randn(numel, generator=g, device=device), torch.empty(numel, device=device)
+    backends = _backends(device)
+
+    # benchmark -> (bytes per element, [(variant, fn)]); the first variant is the torch baseline.
+    plan: dict[str, tuple[int, list[tuple[str, Callable[[], object]]]]] = {}
+    if "accumulate" in which:
+        variants = [("torch: main_grad.add_(grad.float())", lambda: main_grad.add_(grad.float()))]
+        for name, b in backends.items():
+            expected = main_grad.clone().add_(grad.float())
+            actual = b.accumulate_(main_grad.clone(), grad)
+            if not torch.equal(actual.view(torch.int32), expected.view(torch.int32)):
+                raise AssertionError(f"backend {name!r}: accumulate_ is not bitwise equal to the eager recipe")
+            variants.append((f"gaengine {name}: accumulate_", lambda b=b: b.accumulate_(main_grad, grad)))
+        del expected, actual
+        plan["accumulate bf16->fp32"] = (ACCUMULATE_BYTES_PER_ELEMENT, variants)
+    if "l2norm" in which:
+        views = _split_views(main_grad, NUM_VIEWS)
+        variants = [
+            ("torch: linalg.vector_norm(x)", lambda: torch.linalg.vector_norm(main_grad)),
+            (f"torch: _foreach_norm({NUM_VIEWS} views) + norm (clip_grad_norm_)",
+             lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(views)))),
+        ]
+        reference = float(torch.linalg.vector_norm(main_grad.double())) ** 2
+        for name, b in backends.items():
+            sum_sq, found_inf = b.l2norm_sq(main_grad)
+            # 1e-2: a sanity bound, not the tests' tolerance (on one CPU thread torch.dot's fp32 sum of 2^25
+            # squares, the torch backend's, is off by 1.3e-3).
+            if abs(float(sum_sq) - reference) > 1e-2 * reference or float(found_inf) != 0.0:
+                raise AssertionError(f"backend {name!r}: l2norm_sq {float(sum_sq)} != fp64 {reference}")
+            variants.append((f"gaengine {name}: l2norm_sq (+ non-finite flag)", lambda b=b: b.l2norm_sq(main_grad)))
+        plan["l2norm_sq fp32"] = (L2NORM_BYTES_PER_ELEMENT, variants)
+    if "scale" in which:
+        x_views = _split_views(x, NUM_VIEWS)
+        variants = [("torch: x.mul_(coef)", lambda: x.mul_(coef)),
+                    (f"torch: _foreach_mul_({NUM_VIEWS} views, coef) (clip_grad_norm_)",
+                     lambda: torch._foreach_mul_(x_views, coef))]
+        variants += [(f"gaengine {name}: scale_", lambda b=b: b.scale_(x, coef)) for name, b in backends.items()]
+        plan["scale_ fp32"] = (SCALE_BYTES_PER_ELEMENT, variants)
+
+    peak_name = "peak: fp32 dst.copy_(src)"
+    fns = {peak_name: lambda: dst.copy_(src)}
+    for bench, (_, variants) in plan.items():
+        fns.update({(bench, label): fn for label, fn in variants})
+    samples = time_interleaved(fns, device=device, warmup=warmup, repeats=repeats)
+
+    peak_ms = statistics.median(samples[peak_name])
+    peak = {"op": "fp32 dst.copy_(src)", "ms": peak_ms, "numel": numel, "bytes_per_element": PEAK_BYTES_PER_ELEMENT,
+            "gb_s": gb_per_s(numel, PEAK_BYTES_PER_ELEMENT, peak_ms)}
+    rows = []
+    for bench, (nbytes, variants) in plan.items():
+        baseline = samples[(bench, variants[0][0])]
+        for i, (label, _) in enumerate(variants):
+            t = samples[(bench, label)]
+            ms = statistics.median(t)
+            gbs = gb_per_s(numel, nbytes, ms)
+            rows.append({"benchmark": bench, "variant": label, "device": str(device), "numel": numel,
+                         "bytes_per_element": nbytes, "ms": ms, "min_ms": min(t), "max_ms": max(t), "gb_s": gbs,
+                         "pct_of_peak": 100.0 * gbs / peak["gb_s"], **ratio_stats(baseline, t, baseline=i == 0)})
+    return rows, peak
+
+
+KERNEL_COLUMNS = [("variant", "variant", "s"), ("ms", "ms", ".3f"), ("gb_s", "GB/s", ".1f"),
+                  ("pct_of_peak", "% of peak", ".0f"), ("ratio_text", "vs torch [p25-p75]", "s")]
+"""``(key, header, format)`` of each kernel benchmark's table (one table per benchmark)."""
+
+
+def print_tables(rows: Sequence[dict], peak: dict, repeats: int) -> None:
+    """One table per kernel benchmark, its bytes model in the title, then what the columns mean."""
+    for bench in dict.fromkeys(r["benchmark"] for r in rows):
+        some = [r for r in rows if r["benchmark"] == bench]
+        print_table(display_rows(some), KERNEL_COLUMNS,
+                    f"{bench}: {some[0]['numel']:,} elements, {some[0]['bytes_per_element']} B/element")
+    print(f"kernels: ms = median of {repeats} interleaved rounds; GB/s by the benchmark's bytes model (accumulate "
+          f"{ACCUMULATE_BYTES_PER_ELEMENT}, l2norm {L2NORM_BYTES_PER_ELEMENT}, scale {SCALE_BYTES_PER_ELEMENT} "
+          f"B/element); % of peak = GB/s / the measured peak, {peak['op']} at {peak['gb_s']:.1f} GB/s "
+          f"({peak['bytes_per_element']} B/element, {peak['ms']:.3f} ms); vs torch = median per-round ratio of the "
+          f"table's first row (the torch baseline) to the variant's time, > 1: faster. {RATIO_NOTE}.")
