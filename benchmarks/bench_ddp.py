@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json  # noqa: E402
+from common import print_table, time_rounds, write_json  # noqa: E402
 
 import gaengine  # noqa: E402
 
@@ -48,33 +47,34 @@ def _loss(model, k):
     return model(torch.randn(ROWS, WIDTH, generator=g)).pow(2).mean()
 
 
-def _time_last_micro_batch(run_window, windows):
-    times = []
-    for w in range(windows):
-        times.append(run_window())
-    return statistics.median(times[1:])  # the first window learns the bucket order and warms up
+def _time_last_micro_batch(window, windows):
+    """Median ms of the timed part of ``window = (setup, fn)`` over ``windows`` windows, the first one untimed (it
+    learns the bucket order and warms up): setup runs the first K - 1 micro-batches and a barrier, fn the last
+    micro-batch and the update."""
+    return statistics.median(time_rounds({"window": window}, warmup=1, repeats=windows - 1).ms["window"])
 
 
 def _gaengine_window(acc, model):
-    def run():
+    def setup():
         for k in range(K - 1):
             acc.backward(_loss(model, k))
             acc.step()
         dist.barrier()
-        t0 = time.perf_counter()
+
+    def last():
         acc.backward(_loss(model, K - 1))
         acc.step()
-        return (time.perf_counter() - t0) * 1e3
-    return run
+    return setup, last
 
 
 def _ddp_window(ddp, opt, sync_last):
-    def run():
+    def setup():
         for k in range(K - 1):
             with ddp.no_sync():
                 (_loss(ddp, k) / K).backward()
         dist.barrier()
-        t0 = time.perf_counter()
+
+    def last():
         if sync_last:
             (_loss(ddp, K - 1) / K).backward()
         else:
@@ -83,8 +83,7 @@ def _ddp_window(ddp, opt, sync_last):
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return (time.perf_counter() - t0) * 1e3
-    return run
+    return setup, last
 
 
 def _worker(rank, world, store, out, windows):

@@ -39,15 +39,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import gb_per_s, print_table, write_json  # noqa: E402
+from common import gb_per_s, print_table, time_interleaved, write_json  # noqa: E402
 
 from gaengine import GradientAccumulator, ops  # noqa: E402
 from gaengine.optim import FusedAdamW  # noqa: E402
@@ -63,34 +61,6 @@ CLIP_BYTES = 4 + 8  # clip_grad_norm_: the norm, then grad *= coef
 TORCH_ADAMW_STEP_BYTES = 16 + 12
 COPY_BYTES = 4 + 2  # fp32 master -> bf16 model
 PEAK_BYTES = 12  # fp32 a.add_(b)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved_with_setup(variants: dict[str, tuple[Callable[[], object] | None, Callable[[], object]]],
-                     device: torch.device, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """``common.time_interleaved`` with an untimed setup per call: every variant once per round, round after round.
-
-    variants: name -> (setup or None, fn); ``setup()`` runs untimed right before each timed ``fn()`` (the
-    device is synchronized around ``fn`` on CUDA). Returns name -> milliseconds of the ``repeats`` timed rounds
-    (``warmup`` rounds first, untimed). Interleaving matters on a shared CPU machine, where the bandwidth
-    available to one process drifts by 2x from one second to the next.
-    """
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(warmup + repeats):
-        for name, (setup, fn) in variants.items():
-            if setup is not None:
-                setup()
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            if r >= warmup:
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    return samples
 
 
 def split(numel: int, n_params: int) -> list[int]:
@@ -163,7 +133,9 @@ def bench(numel: int, n_params: int, device: torch.device, warmup: int, repeats:
                                                                      "torch-step"),
         "peak: fp32 a.add_(b)": (None, lambda: a.add_(b), PEAK_BYTES, None),
     }
-    samples = time_interleaved_with_setup({k: (v[0], v[1]) for k, v in variants.items()}, device, warmup, repeats)
+    # In their order each round (not shuffled), each with its untimed setup right before it.
+    samples = time_interleaved({k: (v[0], v[1]) for k, v in variants.items()}, device=device, warmup=warmup,
+                               repeats=repeats, shuffle=False)
     acc.close()
     names = list(variants)
     baselines = {"b": names[0], "torch-step": names[2]}

@@ -294,3 +294,27 @@ def test_profiler_log_is_kept_off_stderr(capfd):
     assert counts["accumulate_ops"] == 0
     assert "a line of the profiled code" in err
     assert "profiler_start" not in err and "profiler_stop" not in err and ".cpp:" not in err
+
+
+def test_time_rounds_is_the_one_timing_loop():
+    """Setups run untimed right before their function, warmup rounds are dropped, an ``Elapsed`` return is taken
+    as the call's time, ``shuffle=False`` keeps the order, shuffled rounds are the same every run."""
+    calls = []
+    rounds = bench.common.time_rounds(
+        {"a": (lambda: calls.append("setup a"), lambda: calls.append("a")),
+         "b": lambda: (calls.append("b"), bench.common.Elapsed(0.25))[1]},
+        warmup=2, repeats=3, shuffle=False)
+    assert calls == ["setup a", "a", "b"] * 5
+    assert rounds.ms["b"] == [250.0] * 3 and rounds.cpu_ms["b"] == [None] * 3
+    assert len(rounds.ms["a"]) == len(rounds.cpu_ms["a"]) == 3 and all(t >= 0 for t in rounds.ms["a"])
+
+    def order():
+        seen = []
+        bench.common.time_rounds({k: (lambda k=k: seen.append(k)) for k in "abcd"}, warmup=0, repeats=4)
+        return seen
+
+    first = order()
+    assert first == order()
+    assert all(sorted(first[i:i + 4]) == list("abcd") for i in range(0, 16, 4))  # each round: every function once
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench.common.time_rounds({"a": lambda: None}, warmup=0, repeats=0)

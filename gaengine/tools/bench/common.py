@@ -17,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -31,49 +32,84 @@ def sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
+class Elapsed(float):
+    """Seconds a benchmark function measured itself, returned by it to :func:`time_rounds` in place of the wall
+    time of the whole call: for a call that holds untimed work between its timed parts (the host benchmark's
+    window times its K backward calls, not the forwards between them). Its CPU time is not known (None)."""
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """What :func:`time_rounds` measured: name -> one entry per timed round, in round order.
+
+    ``ms``: wall milliseconds of each call (``time.perf_counter``), or what the function returned as
+    :class:`Elapsed`; ``cpu_ms``: this process's CPU milliseconds over the same call (``time.process_time``:
+    every thread of the process; time spent descheduled is left out), None for an :class:`Elapsed` call.
+    """
+
+    ms: dict[Hashable, list[float]]
+    cpu_ms: dict[Hashable, list[float | None]]
+
+
+Timed = Callable[[], object] | tuple[Callable[[], object] | None, Callable[[], object]]
+"""A function to time, or ``(setup, fn)``: ``setup()`` (untimed, may be None) runs right before each ``fn()``."""
+
+
+def time_rounds(fns: Mapping[Hashable, Timed], *, device: torch.device | str | None = None, warmup: int = 3,
+                repeats: int = 15, shuffle: bool = True) -> Rounds:
+    """The timing loop of every benchmark: each function once per round, ``warmup`` untimed rounds, then
+    ``repeats`` timed ones, so that all of them see the same machine.
+
+    fns: name -> ``fn`` or ``(setup, fn)`` (:data:`Timed`); ``setup()`` runs untimed before each call of ``fn``.
+    The device is synchronized before and after each timed call when ``device`` is a CUDA device. A function
+    that times only part of its call returns :class:`Elapsed` seconds, taken instead of the call's wall time.
+    On a shared machine the bandwidth one process gets drifts by 2x from one second to the next; per-round
+    ratios cancel that drift. With ``shuffle`` (the default) the order is shuffled each round (seeded: the same
+    orders every run), so that no function always runs first or after the same neighbour (whose data may still
+    sit in a cache, or whose temporaries the allocator must hand back); without it every round runs ``fns`` in
+    their order (for functions that must run in sequence, e.g. each feeding the next round's state).
+    Returns the :class:`Rounds`. Raises ValueError for ``warmup`` < 0 or ``repeats`` < 1.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"time_rounds needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    items = [(name, fn if isinstance(fn, tuple) else (None, fn)) for name, fn in fns.items()]
+    wall: dict[Hashable, list[float]] = {name: [] for name, _ in items}
+    cpu: dict[Hashable, list[float | None]] = {name: [] for name, _ in items}
+    order = random.Random(0)
+    for r in range(warmup + repeats):
+        if shuffle:
+            order.shuffle(items)
+        for name, (setup, fn) in items:
+            if setup is not None:
+                setup()
+            sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = fn()
+            sync(device)
+            t1, c1 = time.perf_counter(), time.process_time()
+            if r >= warmup:
+                own = isinstance(out, Elapsed)
+                wall[name].append((float(out) if own else t1 - t0) * 1e3)
+                cpu[name].append(None if own else (c1 - c0) * 1e3)
+    return Rounds(wall, cpu)
+
+
 def time_ms(fn: Callable[[], object], *, device: torch.device | str | None = None, warmup: int = 3,
             repeats: int = 15) -> dict[str, float]:
-    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed one by one.
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed one by one (:func:`time_rounds`).
 
     Returns ``{"median_ms", "min_ms", "max_ms"}`` in milliseconds of wall time per call (the device is
     synchronized before and after each timed call when ``device`` is a CUDA device).
     """
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    samples_ms = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        samples_ms.append((time.perf_counter() - t0) * 1e3)
+    samples_ms = time_rounds({"fn": fn}, device=device, warmup=warmup, repeats=repeats).ms["fn"]
     return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms)}
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.device | str | None = None,
-                     warmup: int = 3, repeats: int = 15) -> dict[str, list[float]]:
-    """Time every function once per round, round after round, so that all of them see the same machine.
-
-    Returns name -> the ``repeats`` timed milliseconds of wall time per call (``warmup`` untimed rounds first;
-    the device is synchronized around each call when ``device`` is a CUDA device). On a shared machine the
-    bandwidth one process gets drifts by 2x from one second to the next; per-round ratios cancel that drift.
-    The order is shuffled each round (seeded), so that no function always runs first or after the same
-    neighbour (whose data may still sit in a cache, or whose temporaries the allocator must hand back).
-    """
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    items = list(fns.items())
-    order = random.Random(0)
-    for r in range(warmup + repeats):
-        order.shuffle(items)
-        for name, fn in items:
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            if r >= warmup:
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    return samples
+def time_interleaved(fns: dict[Hashable, Timed], *, device: torch.device | str | None = None,
+                     warmup: int = 3, repeats: int = 15, shuffle: bool = True) -> dict[Hashable, list[float]]:
+    """Name -> the ``repeats`` timed wall milliseconds per call of :func:`time_rounds` (every function once per
+    round, round after round; shuffled each round unless ``shuffle=False``)."""
+    return time_rounds(fns, device=device, warmup=warmup, repeats=repeats, shuffle=shuffle).ms
 
 
 def gb_per_s(numel: int, bytes_per_element: float, ms: float) -> float:

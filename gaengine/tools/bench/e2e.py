@@ -13,14 +13,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 import torch
 
 from gaengine.tools.bench.common import (MIN_ROUNDS, PACKAGE_ROOT, RATIO_NOTE, display_rows, median_ratio, print_table,
-                                         ratio_stats, sync, without_kineto_log)
+                                         ratio_stats, sync, time_rounds, without_kineto_log)
 
 E2E_VARIANTS = {
     "gaengine-fused": "(a) gaengine: GradientAccumulator + gaengine.optim.FusedAdamW",
@@ -250,22 +249,20 @@ def e2e_throughput(cfg: E2EConfig, variants: Sequence[str]) -> dict[str, dict]:
     """
     built = {v: _build_variant(v, cfg) for v in variants}
     windows = _e2e_windows(cfg, cfg.warmup_updates + cfg.timed_updates)
-    out = {v: {"update_ms": [], "cpu_ms": [], "losses": []} for v in variants}
-    device = torch.device(cfg.device)
-    for i, window in enumerate(windows):
-        for v, b in built.items():
-            sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            loss_sum = b.accumulate(window)
+    losses: dict[str, list[torch.Tensor]] = {v: [] for v in variants}
+
+    def one_update(v: str, b: _Variant, next_window: Callable[[], list]) -> Callable[[], None]:
+        def update() -> None:  # each call takes the next window: round r feeds every variant windows[r]
+            losses[v].append(b.accumulate(next_window()) / cfg.accumulation_steps)
             b.update()
-            sync(device)
-            if i >= cfg.warmup_updates:
-                out[v]["update_ms"].append((time.perf_counter() - t0) * 1e3)
-                out[v]["cpu_ms"].append((time.process_time() - c0) * 1e3)
-            out[v]["losses"].append(loss_sum / cfg.accumulation_steps)
-    for v in variants:
-        out[v]["losses"] = torch.stack(out[v]["losses"]).float().tolist()  # one host read, after timing
-    return out
+        return update
+
+    timed = time_rounds({v: one_update(v, b, iter(windows).__next__) for v, b in built.items()},
+                        device=torch.device(cfg.device), warmup=cfg.warmup_updates, repeats=cfg.timed_updates,
+                        shuffle=False)
+    return {v: {"update_ms": timed.ms[v], "cpu_ms": timed.cpu_ms[v],
+                "losses": torch.stack(losses[v]).float().tolist()}  # one host read, after timing
+            for v in variants}
 
 
 def _peak_live_cpu_bytes(run: Callable[[], None]) -> int:

@@ -4,14 +4,14 @@ plain recipe, and the launches per micro-batch of both; a table, and the fit ove
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from typing import Callable, Sequence
 
 import torch
 
-from gaengine.tools.bench.common import RATIO_NOTE, display_rows, print_table, ratio_stats, sync, without_kineto_log
+from gaengine.tools.bench.common import (RATIO_NOTE, Elapsed, display_rows, print_table, ratio_stats, sync, time_rounds,
+                                         without_kineto_log)
 
 HOST_PARAM_COUNTS = (64, 256, 1024)
 """P of the ``host`` benchmark: the slope of the added time over P is its per-parameter figure."""
@@ -129,9 +129,9 @@ class _HostVariant:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
-    def window(self) -> float:
+    def window(self) -> Elapsed:
         """One window; returns the wall seconds of its K backward calls (forward untimed; on CUDA the wait for
-        the device at the window's end is counted, so no queued work is left out)."""
+        the device at the window's end is counted, so no queued work is left out), for :func:`time_rounds`."""
         total = 0.0
         for i in range(self.k):
             loss = _host_loss(self.params, self.c)
@@ -143,7 +143,7 @@ class _HostVariant:
                 sync(self.device)
             total += time.perf_counter() - t0
         self.end_window()
-        return total
+        return Elapsed(total)
 
     def launches(self) -> dict[str, object]:
         """Profile micro-batch 1 of a window (steady state: not the window's first, which overwrites, nor its
@@ -201,15 +201,8 @@ def bench_host(device: torch.device, param_counts: Sequence[int] = HOST_PARAM_CO
     variants = {(dt, n, v): _HostVariant(v, n, numel, dt, device, k)
                 for dt in dtypes for n in param_counts for v in HOST_VARIANTS}
     try:
-        items = list(variants.items())
-        order = random.Random(0)
-        seconds: dict[tuple, list[float]] = {key: [] for key in variants}
-        for r in range(warmup + repeats):
-            order.shuffle(items)
-            for key, hv in items:
-                t = hv.window()
-                if r >= warmup:
-                    seconds[key].append(t)
+        timed = time_rounds({key: hv.window for key, hv in variants.items()}, warmup=warmup, repeats=repeats)
+        seconds = {key: [ms * 1e-3 for ms in t] for key, t in timed.ms.items()}
         launches = {key: hv.launches() for key, hv in variants.items()}
         buckets = {key: _num_buckets(hv.acc) for key, hv in variants.items() if hv.acc is not None}
         some = next(hv.acc for hv in variants.values() if hv.acc is not None)
