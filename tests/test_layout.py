@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -80,3 +81,53 @@ def test_cli_entry_point_resolves():
     out = subprocess.run([sys.executable, "-m", "gaengine", "--help"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert out.returncode == 0 and "train" in out.stdout and "bench" in out.stdout, out.stderr
+
+
+def _import_structure():
+    spec = importlib.util.spec_from_file_location("import_structure", ROOT / "benchmarks" / "import_structure.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_import_structure_of_a_known_package(tmp_path):
+    """benchmarks/import_structure.py on a package whose floors, arrows back up and cycles are known by hand."""
+    files = {
+        "__init__.py": "from gaengine.top import run\nfrom gaengine import _C\n",
+        "low.py": "import torch\nimport gaengine.kernels\n",
+        "mid.py": "from gaengine.low import x\n"
+                  "def f():\n    from gaengine.top import run\n    from . import side\n",
+        "side.py": "from .low import y\n",
+        "top.py": "from gaengine import mid\nfrom typing import TYPE_CHECKING\n"
+                  "if TYPE_CHECKING:\n    from gaengine.side import z\n",
+        "tools/__init__.py": "",
+        "tools/cli.py": "import gaengine\nfrom gaengine.tools import helper\n",
+        "tools/helper.py": "def g():\n    from gaengine.tools.cli import main\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "gaengine" / name).write_text(text)
+    whole, library = _import_structure().analyse(None, root=tmp_path)
+    # low 1, side 2, mid 2, top 3, __init__ 4; tools 1, helper 1, cli 5 (imports __init__ at module level)
+    assert whole.floors == {"gaengine.low": 1, "gaengine.side": 2, "gaengine.mid": 2, "gaengine.top": 3,
+                            "gaengine": 4, "gaengine.tools": 1, "gaengine.tools.helper": 1, "gaengine.tools.cli": 5}
+    assert whole.num_floors == 5 and library.num_floors == 4
+    back = {(a.source, a.target, a.kind) for a in whole.back_up()}
+    assert back == {("gaengine.mid", "gaengine.top", "lazy"), ("gaengine.mid", "gaengine.side", "lazy"),
+                    ("gaengine.tools.helper", "gaengine.tools.cli", "lazy")}
+    assert whole.cycles == [] and sorted(whole.all_cycles) == [["gaengine.mid", "gaengine.top"],
+                                                               ["gaengine.tools.cli", "gaengine.tools.helper"]]
+    assert library.all_cycles == [["gaengine.mid", "gaengine.top"]]
+    assert {a.kind for a in whole.arrows if a.target == "gaengine.side" and a.source == "gaengine.top"} == {"typing"}
+
+
+def test_the_library_has_no_import_cycle():
+    """The working tree's library (gaengine/ without tools/ and __main__) has no import cycle, lazy imports
+    included; the script runs on a revision too."""
+    whole, library = _import_structure().analyse(None)
+    assert len(library.modules) > 10
+    assert library.all_cycles == [], library.all_cycles
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_structure.py"), "--rev", "HEAD"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "floors" in out.stdout, out.stderr

@@ -18,8 +18,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from gaengine.engine import GradientAccumulator
+from gaengine.optim import FusedAdamW
 from gaengine.tools.bench.common import (MIN_ROUNDS, PACKAGE_ROOT, RATIO_NOTE, display_rows, median_ratio, print_table,
                                          ratio_stats, sync, time_rounds, without_kineto_log)
+from gaengine.tools.model import GPT, GPTConfig
 
 E2E_VARIANTS = {
     "gaengine-fused": "(a) gaengine: GradientAccumulator + gaengine.optim.FusedAdamW",
@@ -147,8 +150,6 @@ class _Variant:
 
 def _e2e_model(cfg: E2EConfig) -> torch.nn.Module:
     """The bf16 GPT of ``cfg``, initialized from ``cfg.seed`` in fp32 (the same weights for every variant)."""
-    from gaengine.tools.model import GPT, GPTConfig  # noqa: PLC0415
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = GPT(GPTConfig(context_len=cfg.seq_len, n_layers=cfg.n_layers, d_model=cfg.d_model,
@@ -166,9 +167,6 @@ def _e2e_windows(cfg: E2EConfig, n: int) -> list[list[tuple[torch.Tensor, torch.
 
 def _build_variant(variant: str, cfg: E2EConfig, model: torch.nn.Module | None = None) -> _Variant:
     """The update path of ``variant`` (a key of :data:`E2E_VARIANTS`) over ``model`` (default: a fresh one)."""
-    from gaengine import GradientAccumulator  # noqa: PLC0415
-    from gaengine.optim import FusedAdamW  # noqa: PLC0415
-
     model = _e2e_model(cfg) if model is None else model
     params = list(model.parameters())
     k = cfg.accumulation_steps

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from gaengine.engine import GradientAccumulator
 from gaengine.tools.bench.common import (RATIO_NOTE, Elapsed, display_rows, print_table, ratio_stats, sync, time_rounds,
                                          without_kineto_log)
 
@@ -108,8 +109,6 @@ class _HostVariant:
 
     def __init__(self, variant: str, num_params: int, numel: int, dtype: torch.dtype, device: torch.device,
                  k: int) -> None:
-        from gaengine import GradientAccumulator  # noqa: PLC0415
-
         self.variant, self.device, self.k = variant, device, k
         self.params, self.c = _host_model(num_params, numel, dtype, device)
         hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "fused": True}

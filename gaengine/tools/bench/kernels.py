@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from gaengine.backends import get_backend
 from gaengine.tools.bench.common import RATIO_NOTE, display_rows, gb_per_s, print_table, ratio_stats, time_interleaved
 
 ACCUMULATE_BYTES_PER_ELEMENT = 10  # read bf16 grad 2 + read fp32 main_grad 4 + write fp32 main_grad 4
@@ -23,8 +24,6 @@ def _backends(device: torch.device) -> dict[str, Any]:
 
     Triton on CPU tensors (the interpreter) is a correctness tool, not a benchmark: it is left out.
     """
-    from gaengine.backends import get_backend  # noqa: PLC0415 - keeps ``import gaengine.tools.bench`` light
-
     names = ("torch", "cpu") if device.type == "cpu" else ("torch", "triton", "cuda")
     found = {}
     for name in names:
