@@ -1,6 +1,6 @@
 """The import structure of the ``gaengine`` package: modules, floors, and the arrows that run back up.
 
-    python benchmarks/import_structure.py [--rev REV] [--json PATH]
+    python benchmarks/import_structure.py [--rev REV] [--tool MODULE ...] [--json PATH]
 
 Reads ``gaengine/**/*.py`` from the working tree, or with ``--rev`` from that git revision (``git ls-tree`` and
 ``git show``, nothing checked out), and parses every import of a module of the package with ``ast``:
@@ -22,7 +22,8 @@ from a module to one on the same or a higher floor: a lazy import against the la
 import inside a cycle. Every cycle of the whole graph (module level and lazy together) is listed too.
 
 The same figures are printed for the library alone: the package without ``gaengine.tools`` (the tools built
-on the library) and ``gaengine.__main__`` (the entry point of ``python -m gaengine``).
+on the library; ``--tool`` names more, for a revision before they had their own folder) and
+``gaengine.__main__`` (the entry point of ``python -m gaengine``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "gaengine"
@@ -253,10 +255,11 @@ def _floors(modules: list[str], edges: dict[str, set[str]]) -> tuple[dict[str, i
     return {m: comp_floor[comp_of[m]] for m in modules}, [c for c in comps if len(c) > 1]
 
 
-def is_library(module: str) -> bool:
-    """A module of the library: not a tool (``gaengine.tools``) and not the ``python -m gaengine`` entry point."""
-    tools = f"{PACKAGE}.tools"
-    return not (module == tools or module.startswith(tools + ".") or module == f"{PACKAGE}.__main__")
+def is_library(module: str, tools: Sequence[str] = ()) -> bool:
+    """A module of the library: not a tool (``gaengine.tools``, or a module named in ``tools``, e.g. ``cli`` for
+    a revision before the tools had their own folder) and not the ``python -m gaengine`` entry point."""
+    names = [f"{PACKAGE}.tools", *(f"{PACKAGE}.{t}" for t in tools)]
+    return not (module == f"{PACKAGE}.__main__" or any(module == n or module.startswith(n + ".") for n in names))
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -289,10 +292,10 @@ def report(s: Structure, title: str) -> str:
     return "\n".join(lines)
 
 
-def analyse(rev: str | None, root: Path = REPO_ROOT) -> tuple[Structure, Structure]:
-    """``(whole package, library alone)`` at ``rev`` (None: the working tree)."""
+def analyse(rev: str | None, root: Path = REPO_ROOT, tools: Sequence[str] = ()) -> tuple[Structure, Structure]:
+    """``(whole package, library alone)`` at ``rev`` (None: the working tree); ``tools``: see :func:`is_library`."""
     modules, arrows = arrows_of(read_sources(rev, root))
-    return structure(modules, arrows), structure([m for m in modules if is_library(m)], arrows)
+    return structure(modules, arrows), structure([m for m in modules if is_library(m, tools)], arrows)
 
 
 def _as_json(s: Structure) -> dict:
@@ -307,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--rev", default=None, metavar="REV",
                         help="git revision to read gaengine/**/*.py from (default: the working tree)")
+    parser.add_argument("--tool", nargs="+", default=[], metavar="MODULE",
+                        help="modules to count as tools besides gaengine.tools, e.g. 'cli train model data bench' "
+                             "for a revision before gaengine/tools/ existed")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     try:
-        whole, library = analyse(args.rev)
+        whole, library = analyse(args.rev, tools=args.tool)
     except (RuntimeError, SyntaxError) as exc:
         print(f"import_structure: error: {exc}", file=sys.stderr)
         return 2
@@ -319,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = args.rev or "working tree"
     print(report(whole, f"{PACKAGE} at {where}"))
-    print(report(library, f"library (without {PACKAGE}.tools and {PACKAGE}.__main__) at {where}"))
+    tools = ", ".join([f"{PACKAGE}.tools", *args.tool, f"{PACKAGE}.__main__"])
+    print(report(library, f"library (without {tools}) at {where}"))
     if args.json is not None:
         args.json.write_text(json.dumps({"rev": args.rev, "package": _as_json(whole), "library": _as_json(library)},
                                         indent=2) + "\n")
