@@ -16,6 +16,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import gaengine
+from gaengine import backends
+from gaengine.tools import bench
+from gaengine.tools.data import load_corpus, sample_batch
+from gaengine.tools.train import TrainConfig, build_model, choose_threads, train_gaengine, train_reference
+from gaengine.verify import verify_equivalence
+
 __all__ = ["main", "build_parser"]
 
 _BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
@@ -72,8 +79,6 @@ def _grad_norm(text: str) -> Optional[float]:
 
 
 def _add_train_parser(subparsers) -> None:
-    from gaengine.tools.train import TrainConfig
-
     d = TrainConfig()
     p = subparsers.add_parser(
         "train",
@@ -158,10 +163,6 @@ def _add_verify_parser(subparsers) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
-    from gaengine.tools.data import load_corpus, sample_batch
-    from gaengine.tools.train import TrainConfig, build_model
-    from gaengine.verify import verify_equivalence
-
     try:
         config = TrainConfig(seq_len=args.seq_len, dtype=args.dtype, seed=args.seed, backend=args.backend)
         corpus = load_corpus(args.data, max_bytes=2**20, min_split_bytes=args.seq_len + 1)
@@ -183,8 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(subparsers)
-    from gaengine.tools import bench
-
     bench.add_parser(subparsers)
     _add_verify_parser(subparsers)
     p = subparsers.add_parser(
@@ -212,22 +211,16 @@ def build_report() -> list[tuple[str, str]]:
 
     import torch
 
-    import gaengine
-
     def extension() -> str:
         module = importlib.import_module("gaengine._C")
         return f"yes, {module.__file__}"
 
     def backend(name: str, device: str) -> str:
-        from gaengine.backends import get_backend  # noqa: PLC0415
-
-        return f"yes (backend {get_backend(name, device).name!r} loads)"
+        return f"yes (backend {backends.get_backend(name, device).name!r} loads)"
 
     def cuda_kernels() -> str:
         if not torch.version.cuda:
             return "no (torch is a CPU-only build)"
-        from gaengine import backends  # noqa: PLC0415
-
         why = backends.cuda_kernels_unusable()
         return "yes (backend 'cuda' loads)" if why is None else f"no ({why.splitlines()[0]})"
 
@@ -399,8 +392,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     """``gaengine train``: torch's CPU thread count is set before any work and restored at the end."""
     import torch
 
-    from gaengine.tools.train import choose_threads
-
     threads, why = choose_threads(args.threads)
     previous = torch.get_num_threads()
     # Intra-op threads only: eager training runs no inter-op work (torch.jit.fork), so the inter-op pool is
@@ -415,9 +406,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, threads: str) -> int:
     import torch
-
-    from gaengine.tools.data import load_corpus
-    from gaengine.tools.train import TrainConfig, train_gaengine, train_reference
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
