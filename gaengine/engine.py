@@ -36,6 +36,7 @@ from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
+from gaengine.noise import NoiseEstimate, NoiseScale
 from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats, wait_quietly
 from gaengine.scaler import LossScaler
@@ -63,6 +64,14 @@ class StepResult:
     loss: fp32, the window's loss normalized like the gradient (mean of the micro-batch means, or the
         sum of the loss sums divided by ``num_items``).
     loss_scale: fp32, the loss scale this window was computed with (None without loss scaling).
+    grad_noise_scale: fp32, ``B_simple = noise_trace_sigma / noise_grad_sq`` after this window
+        (``measure_noise_scale=True``; else None): the gradient noise scale of McCandlish et al. (arXiv
+        1812.06162), in items (item mode) or micro-batches (mean mode); NaN until a window could be measured.
+        See ``gaengine.noise``.
+    noise_trace_sigma: fp32, the bias-corrected moving average of tr(Sigma), the per-sample gradient
+        covariance's trace (eq. A.3), or None.
+    noise_grad_sq: fp32, the bias-corrected moving average of |G|^2, the true gradient's squared norm (eq.
+        A.2), or None.
     """
 
     grad_norm: torch.Tensor
@@ -72,6 +81,9 @@ class StepResult:
     num_items: int | torch.Tensor | None
     loss: torch.Tensor
     loss_scale: torch.Tensor | None = None
+    grad_noise_scale: torch.Tensor | None = None
+    noise_trace_sigma: torch.Tensor | None = None
+    noise_grad_sq: torch.Tensor | None = None
 
 
 def _check_max_grad_norm(value: Any) -> float | None:
@@ -182,6 +194,13 @@ class GradientAccumulator:
             loss scale and the parameters with non-finite gradients (None: never). Reads the skip flag on
             the host once per update.
         micro_batch_size: samples per micro-batch, when fixed; enables ``effective_batch_size``.
+        measure_noise_scale: measure the gradient noise scale (``gaengine.noise``): every micro-batch's
+            accumulate also writes the squared norm of its incoming gradient (same pass, no extra launch, no
+            Python per parameter), and ``step()`` reports ``grad_noise_scale``, ``noise_trace_sigma`` and
+            ``noise_grad_sq`` in ``StepResult`` (0-d device tensors, no host sync). A window of one micro-batch
+            on one rank cannot be measured (there is no small batch besides the big one).
+        noise_scale_ema: decay of the noise scale's two moving averages, a float in (0, 1) (0.95 by default);
+            bias-corrected as Adam's moments, so the first window reports its own estimate.
 
     Multi-rank: only the last micro-batch of a window communicates; each bucket's all-reduce starts as
     soon as backward has produced its last gradient, overlapping the rest of backward. The denominator is
@@ -216,6 +235,8 @@ class GradientAccumulator:
         batchnorm: str | None = None,
         max_consecutive_skips: int | None = None,
         micro_batch_size: int | None = None,
+        measure_noise_scale: bool = False,
+        noise_scale_ema: float = 0.95,
     ) -> None:
         self._schedule: AccumulationSchedule | None = None
         self._update_index = 0  # windows stepped (the schedule's position)
@@ -283,6 +304,16 @@ class GradientAccumulator:
         self.reduce_dtype = reduce_dtype
         self.max_consecutive_skips = max_consecutive_skips
         self.micro_batch_size = micro_batch_size
+        if not isinstance(measure_noise_scale, bool):
+            raise ValueError(f"measure_noise_scale must be True or False, got {measure_noise_scale!r}")
+        if getattr(self._schedule, "needs_noise_scale", False) and not measure_noise_scale:
+            raise ValueError(f"accumulation_steps={self._schedule!r} follows the gradient noise scale: build the "
+                             "accumulator with measure_noise_scale=True")
+        # The noise scale's averages; the window's item count per micro-batch (item mode) and, after a mid-window
+        # resume, the source norms of the micro-batches the saved window already held.
+        self._noise = NoiseScale(noise_scale_ema, self.device) if measure_noise_scale else None
+        self._noise_sizes: list[int | float | torch.Tensor] = []
+        self._noise_carry: torch.Tensor | None = None
         self._consecutive_skips = 0
         self._auto_loss_scale = loss_scale == "auto"
         if loss_scale == "auto":
@@ -352,7 +383,8 @@ class GradientAccumulator:
             expected = {id(p): n for p, n in zip(self.hooks.params, self.hooks.expected_arrivals)}
             self._grads_left |= self.hooks.take_stale()
             self.hooks.close()
-        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer)
+        measuring = {"measure_sources": True} if self._noise is not None else {}  # hooks.Hooks.window_source_sumsq
+        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **measuring)
         if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
             self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])
         if not learning:
@@ -447,6 +479,8 @@ class GradientAccumulator:
                 self._items_dev = n if self._items_dev is None else self._items_dev + n
             else:
                 self._items_host += num_items
+            if self._noise is not None:
+                self._noise_sizes.append(n if isinstance(num_items, torch.Tensor) else num_items)
         if self.reducer is not None and last:
             if not armed:
                 self.reducer.begin()
@@ -459,7 +493,29 @@ class GradientAccumulator:
         for i in unused:
             self.hooks.set_written(i, True)
         self._stats = launch_window_stats(self.reducer, self.main_grad, unused, self._loss_sum,
-                                          self._window_items(), self.process_group)
+                                          self._window_items(), self.process_group,
+                                          extra=None if self._noise is None else self._noise_terms())
+
+    def _noise_terms(self) -> torch.Tensor:
+        """This rank's small-batch terms of the window (``NoiseScale.small_batch_terms``): (3,) fp64 on the device,
+        from the hooks' source norms (one reduction, once per window) and the items of each micro-batch."""
+        rows = self.hooks.window_source_sumsq()
+        if self._noise_carry is not None:  # the micro-batches of a window saved mid-window, before the resume
+            rows = self._noise_carry if rows is None or rows.numel() == 0 else torch.cat([self._noise_carry, rows])
+        if rows is None or rows.numel() != self._num_micro_batches:
+            raise RuntimeError(
+                f"gaengine: the hooks measured {0 if rows is None else rows.numel()} micro-batch gradient norms for "
+                f"a window of {self._num_micro_batches} micro-batches; the noise scale cannot be measured (a bug: "
+                "please report it with GAENGINE_HOT_PATH and the backend)")
+        sizes = None
+        if self._item_mode:
+            if all(not isinstance(s, torch.Tensor) for s in self._noise_sizes):
+                sizes = torch.tensor(self._noise_sizes, dtype=torch.float64).to(self.device, non_blocking=True)
+            else:
+                sizes = torch.stack([s if isinstance(s, torch.Tensor) else
+                                     torch.full((), float(s), dtype=torch.float64, device=self.device)
+                                     for s in self._noise_sizes])
+        return NoiseScale.small_batch_terms(rows, sizes, None if self.scaler is None else self.scaler.scale)
 
     def _window_items(self) -> torch.Tensor:
         """This rank's item count of the window: 0-d fp64 on the device (host ints added without a read)."""
@@ -509,7 +565,7 @@ class GradientAccumulator:
         dev = self.device
         loss_sum = self._loss_sum
         if self.distributed:
-            if self.reducer.next_to_launch == 0:  # a partial window (force=True): nothing launched yet
+            if self._stats is None:  # a partial window (force=True): nothing launched yet
                 self.reducer.begin()
                 self._finish_communication_launch()
             self.reducer.wait()
@@ -537,6 +593,10 @@ class GradientAccumulator:
                            free=self.hooks.free_norm())
         loss = loss_sum / denom
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
+        noise: NoiseEstimate | None = None
+        if self._noise is not None:  # before the update: main_grad and the scale are still the window's
+            terms = self._stats.extra() if self.distributed else self._noise_terms()
+            noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, norm.skipped)
 
         if self.optimizer is None:
             self.backend.scale_(self.main_grad.data, norm.coef)
@@ -551,7 +611,13 @@ class GradientAccumulator:
         if self.window_batchnorm is not None:
             self.window_batchnorm.end_window()
         result = StepResult(grad_norm=norm.grad_norm, clip_coef=norm.clip_coef, skipped=norm.skipped,
-                            num_micro_batches=k, num_items=num_items, loss=loss, loss_scale=loss_scale)
+                            num_micro_batches=k, num_items=num_items, loss=loss, loss_scale=loss_scale,
+                            **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
+                                                             noise_trace_sigma=noise.trace_sigma,
+                                                             noise_grad_sq=noise.grad_sq)))
+        observe = getattr(self._schedule, "observe", None)
+        if observe is not None:  # an adaptive schedule (gaengine.schedules.Adaptive) reads the window's result
+            observe(result)
         self._update_index += 1
         self._items_seen += k * self.world_size * (self.micro_batch_size or 1)
         if self.max_consecutive_skips is not None:
@@ -619,6 +685,8 @@ class GradientAccumulator:
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._failed_backward = False
         self._stats = None
+        self._noise_sizes = []
+        self._noise_carry = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -678,7 +746,19 @@ class GradientAccumulator:
             "consecutive_skips": self._consecutive_skips,
             "update_index": self._update_index,
             "items_seen": self._items_seen,
+            "schedule": getattr(self._schedule, "state_dict", lambda: None)(),
+            "noise_scale": None if self._noise is None else self._noise_state(),
         }
+
+    def _noise_state(self) -> dict:
+        """The noise scale's averages and, mid-window, the source norms and sizes of the micro-batches so far."""
+        rows = None
+        if self._num_micro_batches:
+            rows = self.hooks.window_source_sumsq()
+            if self._noise_carry is not None:
+                rows = self._noise_carry if rows is None or rows.numel() == 0 else torch.cat([self._noise_carry, rows])
+        return {**self._noise.state_dict(), "sources": None if rows is None else rows.detach().cpu().clone(),
+                "sizes": [float(s) for s in self._noise_sizes]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``; raises ``ValueError`` (changing nothing) if it was made for other parameters."""
@@ -699,6 +779,13 @@ class GradientAccumulator:
             raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
         if (state["scaler"] is None) != (self.scaler is None):
             raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
+        noise_state = state.get("noise_scale")
+        if self._noise is not None and noise_state is not None and float(noise_state["ema"]) != self._noise.ema:
+            raise ValueError(f"state was saved with noise_scale_ema={noise_state['ema']}, this accumulator has "
+                             f"{self._noise.ema}: build it with the same noise_scale_ema to resume the averages")
+        if self._noise is not None and noise_state is None and int(state["num_micro_batches"]):
+            raise ValueError("state was saved mid-window without measure_noise_scale, so the norms of its micro-batches "
+                             "are unknown: resume it without measure_noise_scale, or from a state saved between windows")
         order = [self._registration[i] for i in state["layout_order"]]
         if [id(p) for p in order] != [id(p) for p in self.params]:
             self._set_layout(order)
@@ -709,6 +796,8 @@ class GradientAccumulator:
             if self.master_buffer is not None:
                 self.master_buffer.data.copy_(state["master"])
                 self._masters.copy_to_model()
+        if self._noise is not None:
+            self.hooks.reset_window()  # no source norms of this accumulator's own window: the saved ones follow
         self.hooks.set_arrival(state["arrival"])
         self.hooks.set_all_written(list(state["written"]))
         if "expected_arrivals" in state:  # absent from state dicts saved before it was learned
@@ -729,6 +818,13 @@ class GradientAccumulator:
                 self._k_update = -1
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        if self._noise is not None and state.get("noise_scale") is not None:
+            self._noise.load_state_dict(state["noise_scale"])
+            rows = state["noise_scale"]["sources"]
+            self._noise_carry = None if rows is None or not self._num_micro_batches else rows.to(self.device)
+            self._noise_sizes = [int(s) if float(s).is_integer() else float(s) for s in state["noise_scale"]["sizes"]]
+        if state.get("schedule") is not None and hasattr(self._schedule, "load_state_dict"):
+            self._schedule.load_state_dict(state["schedule"])
         self._grads_left = True
 
     @property

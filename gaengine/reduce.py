@@ -7,9 +7,10 @@ Buckets are launched strictly in index order, as torch DDP's reducer does (``red
 ``next_bucket_``), because collectives must be issued in the same order on every rank.
 
 At the end of the last backward, ``launch_window_stats`` zeroes the slices this rank never wrote, launches
-the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P))`` in fp64 on the
-device: ``step()`` gets the global loss and item count from it, and the parameters no rank produced a
-gradient for (``WindowStats.globally_unused``), which get no update, as with torch DDP.
+the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P), extra)`` in fp64 on the
+device: ``step()`` gets the global loss and item count from it, the parameters no rank produced a gradient
+for (``WindowStats.globally_unused``), which get no update, as with torch DDP, and the sums of any extra
+per-rank values (the noise scale's small-batch terms, ``gaengine.noise``).
 
 All of this is torch.distributed underneath (NCCL on GPU, gloo on CPU); gaengine owns only the bucketing
 and the schedule.
@@ -133,14 +134,16 @@ def wait_for(work, what: str) -> None:
 class WindowStats:
     """The window's stats all-reduce, launched at the end of the last backward.
 
-    data: (2 + P,) fp64 on the device: the loss sum, the item count and, per parameter (layout order),
-    1.0 where this rank produced a gradient (summed over ranks once ``wait()`` returned).
+    data: (2 + P + E,) fp64 on the device: the loss sum, the item count, per parameter (layout order) 1.0 where
+    this rank produced a gradient, then the E extra values (summed over ranks once ``wait()`` returned).
     locally_unused: layout indices of the parameters this rank got no gradient for in the window.
+    num_extra: E, the extra values (the noise scale's small-batch terms, ``gaengine.noise``).
     """
 
     data: torch.Tensor
     work: object
     locally_unused: list[int]
+    num_extra: int = 0
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the all-reduce; returns the global ``(loss_sum, items)``, 0-d fp32 on the device."""
@@ -155,27 +158,34 @@ class WindowStats:
         flags = self.data[2:][self.locally_unused].tolist()  # host read: needed to leave .grad None
         return [i for i, f in zip(self.locally_unused, flags) if f == 0.0]
 
+    def extra(self) -> torch.Tensor:
+        """The extra values summed over ranks (after ``wait()``): ``(E,)`` fp64 on the device."""
+        return self.data[self.data.numel() - self.num_extra:]
+
 
 def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_unused: list[int],
                         loss_sum: torch.Tensor, items: torch.Tensor,
-                        group: dist.ProcessGroup | None) -> WindowStats:
+                        group: dist.ProcessGroup | None, extra: torch.Tensor | None = None) -> WindowStats:
     """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
 
     locally_unused: layout indices this rank wrote no gradient for in the window (their slices of
     ``main_grad`` are zeroed here, so the all-reduce sums zeros for them). loss_sum, items: 0-d, this rank's
     window loss sum (fp32) and item count (fp64), on the device. The stats all-reduce carries them and, per
     parameter, whether this rank produced a gradient for it, so a parameter no rank used gets no update.
+    extra: ``(E,)`` fp64 on the device, more per-rank values to sum in the same all-reduce, or None.
     """
     for i in locally_unused:
         main_grad.flat_views[i].zero_()
     reducer.flush()
     used = torch.ones(len(main_grad.flat_views), dtype=torch.float64)
     used[locally_unused] = 0.0
-    data = torch.cat([loss_sum.double().reshape(1), items.double().reshape(1),
-                      used.to(loss_sum.device, non_blocking=True)])
+    parts = [loss_sum.double().reshape(1), items.double().reshape(1), used.to(loss_sum.device, non_blocking=True)]
+    if extra is not None:
+        parts.append(extra.double().reshape(-1))
+    data = torch.cat(parts)
     work = dist.all_reduce(data, group=group, async_op=True)
     reducer.collectives_issued += 1
-    return WindowStats(data, work, locally_unused)
+    return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel())
 
 
 def _first_rank(group: dist.ProcessGroup | None) -> int:

@@ -16,15 +16,25 @@ Two ready-made schedules:
   ``global_batch_size`` after ``ramp_samples`` samples; K = global batch / (micro_batch_size x world size).
 * ``Milestones``: Lightning's ``GradientAccumulationScheduler({epoch: K})``, keyed by updates, samples or epochs:
   from each milestone on, its K (K = 1 before the first milestone when it is not 0, as Lightning does).
+
+And one that listens: ``Adaptive`` sets K so that the effective batch tracks the gradient noise scale the
+accumulator measures (``measure_noise_scale=True``, ``gaengine.noise``). A schedule with an ``observe(result)``
+method is handed every ``StepResult`` by ``step()``; one with ``state_dict()`` / ``load_state_dict()`` is saved and
+restored with the accumulator's state.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["AccumulationSchedule", "Milestones", "RampUp", "check_accumulation_steps"]
+import torch
+
+from gaengine.utils import LR_SCALING_RULES, scale_lr
+
+__all__ = ["AccumulationSchedule", "Adaptive", "Milestones", "RampUp", "check_accumulation_steps"]
 
 
 class AccumulationSchedule(Protocol):
@@ -131,3 +141,143 @@ class Milestones:
         else:
             at = items_seen // self.samples_per_epoch
         return next(k for start, k in reversed(self.milestones.items()) if start <= at)
+
+
+@dataclass(kw_only=True, eq=False)
+class Adaptive:
+    """K such that the effective batch tracks the measured gradient noise scale ``B_simple`` (McCandlish et al.,
+    arXiv 1812.06162: the batch above which more data per update stops paying).
+
+    Use with ``GradientAccumulator(..., accumulation_steps=Adaptive(...), measure_noise_scale=True)`` (the
+    accumulator refuses it otherwise). At the start of every window K is ``round(B_simple / (world_size x
+    samples per micro-batch))``, clamped to ``[k_min, k_max]``, where the samples per micro-batch are the window's
+    ``num_items / (micro-batches x world_size)`` in item mode and 1 in mean mode (``B_simple`` counts micro-batches
+    there); K stays as it is while no estimate exists (NaN) and changes at most once every ``every`` updates.
+
+    No host sync: ``step()`` hands the window's result to ``observe``, which starts a non-blocking copy of
+    ``B_simple`` (and the window's samples per micro-batch) into host memory (pinned on CUDA) and records a CUDA
+    event. The schedule reads that copy one window later: K of window t comes from the estimate after window
+    t - 2, whose copy the device has finished long before, since it was queued before the whole of window t - 1.
+    Reading it waits on the copy's event only if the host runs more than a whole window ahead of the device
+    (the device then still has that window queued, so it never idles); the value is the same on every rank,
+    which every rank needs to agree on K.
+
+    k_min, k_max: ints >= 1, ``k_min <= k_max``. every: int >= 1, updates between two changes of K. initial: K of
+    the first windows (before an estimate can be read), in ``[k_min, k_max]``; ``k_min`` by default.
+    world_size: the accumulator's ranks (int >= 1).
+    lr_rule: None, or ``"linear"`` / ``"sqrt"``: when K changes from K0 to K1, each param group's ``"lr"`` of
+        ``optimizer`` is multiplied by ``gaengine.scale_lr(1, K0, K1, lr_rule)`` (the effective batch moves by
+        K1 / K0). LR schedulers that compute from the current ``lr`` (StepLR, ExponentialLR, MultiStepLR, ...)
+        keep the factor; those that recompute from their own ``base_lrs`` (LambdaLR, OneCycleLR) overwrite it.
+    optimizer: the ``torch.optim.Optimizer`` whose learning rate moves (required with ``lr_rule``).
+
+    Raises ``ValueError`` naming the field. State (``state_dict()``): K, when it last changed, and the readings,
+    so a resumed run takes the same K in every window.
+    """
+
+    k_min: int
+    k_max: int
+    every: int = 1
+    initial: int | None = None
+    world_size: int = 1
+    lr_rule: str | None = None
+    optimizer: Any = None
+    needs_noise_scale = True  # GradientAccumulator refuses this schedule without measure_noise_scale=True
+
+    def __post_init__(self) -> None:
+        _positive_int("k_min", self.k_min)
+        _positive_int("k_max", self.k_max)
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min must be <= k_max, got k_min={self.k_min} > k_max={self.k_max}")
+        _positive_int("every", self.every)
+        _positive_int("world_size", self.world_size)
+        if self.initial is None:
+            self.initial = self.k_min
+        _positive_int("initial", self.initial)
+        if not self.k_min <= self.initial <= self.k_max:
+            raise ValueError(f"initial must be in [k_min, k_max] = [{self.k_min}, {self.k_max}], got {self.initial}")
+        if self.lr_rule is not None:
+            if self.lr_rule not in LR_SCALING_RULES:
+                raise ValueError(f"lr_rule must be None or one of {LR_SCALING_RULES}, got {self.lr_rule!r}")
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise ValueError(f"lr_rule={self.lr_rule!r} moves an optimizer's learning rate: pass "
+                                 f"optimizer=<the torch.optim.Optimizer>, got {self.optimizer!r}")
+        self.k = self.initial  # K of the latest window asked for
+        self._asked: tuple[int, int] | None = None  # (update_index, K) of the latest call: asking again is free
+        self._changed_at = 0  # update_index of the latest change of K
+        self._observed = 0  # windows observed
+        # Two host slots of (B_simple, samples per micro-batch), pinned where CUDA is, written by non-blocking copies
+        # and read through a numpy view of the same memory.
+        self._slots = torch.full((2, 2), math.nan, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+        self._host = self._slots.numpy()
+        self._events: list = [None, None]
+
+    def observe(self, result: Any) -> None:
+        """Start the non-blocking copy of the window's ``B_simple`` (``result``: the ``StepResult``)."""
+        gns = result.grad_noise_scale
+        if gns is None:
+            raise ValueError("Adaptive needs GradientAccumulator(..., measure_noise_scale=True)")
+        if result.num_items is None:
+            per_micro_batch = torch.ones((), dtype=torch.float32, device=gns.device)
+        else:
+            items = torch.as_tensor(result.num_items, dtype=torch.float32, device=gns.device)
+            per_micro_batch = items / float(result.num_micro_batches * self.world_size)
+        slot = self._observed % 2
+        self._slots[slot].copy_(torch.stack([gns.float(), per_micro_batch]), non_blocking=True)
+        if gns.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        self._observed += 1
+
+    def _reading(self) -> tuple[float, float] | None:
+        """``(B_simple, samples per micro-batch)`` after the window before the last observed one, or None."""
+        if self._observed < 2:
+            return None
+        slot = (self._observed - 2) % 2
+        event = self._events[slot]
+        if event is not None and not event.query():
+            event.synchronize()  # the host runs over a window ahead: the device still has that window to run
+        b, per_micro_batch = self._host[slot]  # host memory: no device read
+        return float(b), float(per_micro_batch)
+
+    def target(self, b_simple: float, per_micro_batch: float) -> int | None:
+        """K whose effective batch is closest to ``b_simple``, clamped to ``[k_min, k_max]``; None when
+        ``b_simple`` is not a positive finite number."""
+        if not (math.isfinite(b_simple) and b_simple > 0 and math.isfinite(per_micro_batch) and per_micro_batch > 0):
+            return None
+        k = round(b_simple / (self.world_size * per_micro_batch))
+        return min(max(k, self.k_min), self.k_max)
+
+    def __call__(self, update_index: int, items_seen: int) -> int:
+        if self._asked is not None and self._asked[0] == update_index:
+            return self._asked[1]
+        if update_index - self._changed_at >= self.every:
+            reading = self._reading()
+            k = None if reading is None else self.target(*reading)
+            if k is not None and k != self.k:
+                if self.lr_rule is not None:
+                    factor = scale_lr(1.0, self.k, k, self.lr_rule)
+                    for group in self.optimizer.param_groups:
+                        if isinstance(group["lr"], torch.Tensor):
+                            group["lr"].mul_(factor)
+                        else:
+                            group["lr"] *= factor
+                self.k, self._changed_at = k, update_index
+        self._asked = (update_index, self.k)
+        return self.k
+
+    def state_dict(self) -> dict:
+        """K, its latest change, the latest call and the readings not yet used (host floats)."""
+        for event in self._events:
+            if event is not None:
+                event.synchronize()  # saving a checkpoint: the copies must have landed
+        return {"k": self.k, "asked": self._asked, "changed_at": self._changed_at, "observed": self._observed,
+                "readings": self._host.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``."""
+        self.k, self._changed_at, self._observed = int(state["k"]), int(state["changed_at"]), int(state["observed"])
+        self._asked = None if state["asked"] is None else tuple(int(v) for v in state["asked"])
+        self._events = [None, None]
+        self._host[:] = state["readings"]

@@ -1,0 +1,145 @@
+"""The gradient noise scale of an accumulation window, measured for free (``measure_noise_scale=True``).
+
+McCandlish, Kaplan, Amodei et al., *An Empirical Model of Large-Batch Training* (arXiv 1812.06162), appendix A.1:
+a gradient averaged over B samples has ``E|G_B|^2 = |G|^2 + tr(Sigma) / B``, so the squared norms of a small batch
+and of a big batch give unbiased estimates of the true gradient's squared norm ``|G|^2`` and of the trace of the
+per-sample gradient covariance ``tr(Sigma)`` (eqs. A.2-A.3); ``B_simple = tr(Sigma) / |G|^2`` is the batch size
+above which more data per update stops paying.
+
+An accumulation window has both for free. The small batches are its micro-batches, one per rank: their squared
+norms ``source_sumsq`` come from the accumulate pass (``Hooks.window_source_sumsq()``, no extra pass over memory).
+The big batch is the whole window across ranks, whose squared norm ``step()`` computes anyway. With micro-batch k
+holding ``n_k`` samples (its ``num_items`` in item mode; 1 in mean mode, where batch sizes count micro-batches)
+and ``N = sum_k n_k`` over the window and all ranks (M micro-batches in all, those with ``n_k > 0``)::
+
+    |g_k|^2   = source_sumsq_k / (n_k * loss_scale)^2        item mode: the gradient of the summed loss / n_k
+              = source_sumsq_k / loss_scale^2                mean mode
+    |G_big|^2 = the window's normalized gradient's squared norm (before clipping)
+    S  = (mean_k |g_k|^2 - |G_big|^2) / (mean_k (1 / n_k) - 1 / N)          estimates tr(Sigma)
+    G2 = |G_big|^2 - S / N                                                   estimates |G|^2
+
+Since ``E|g_k|^2 = |G|^2 + tr(Sigma) / n_k`` and ``E|G_big|^2 = |G|^2 + tr(Sigma) / N``, both are unbiased for any
+micro-batch sizes; with equal sizes (``n_k = B_small``, ``N = B_big``) they are eqs. A.2-A.3 with the mean over the
+window's micro-batches as the small-batch estimate. A window of one micro-batch on one rank has no small batch
+apart from the big one (the denominator is 0): it leaves the averages unchanged, as does a skipped window (a
+non-finite gradient) and one whose source norms are unknown (NaN rows, see ``Hooks.window_source_sumsq``).
+
+The paper advises averaging numerator and denominator separately, not the ratio: ``NoiseScale`` keeps
+exponential moving averages of S and G2 (decay ``ema``), each divided by ``1 - ema^t`` (t: windows averaged so
+far) as Adam corrects its moments, so the first window reports its own estimate. Everything stays on the device:
+no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NoiseEstimate", "NoiseScale", "check_noise_scale_ema"]
+
+
+def check_noise_scale_ema(value: object) -> float:
+    """``value`` as the averages' decay: a float in (0, 1); ``ValueError`` naming ``noise_scale_ema`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
+        raise ValueError(f"noise_scale_ema must be a float in (0, 1) (the decay of the noise scale's moving "
+                         f"averages, e.g. 0.95), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class NoiseEstimate:
+    """The averaged estimates after a window: 0-d fp32 tensors on the accumulator's device (NaN until a window
+    could be measured).
+
+    grad_noise_scale: ``B_simple = trace_sigma / grad_sq``, in samples (item mode: items, as ``num_items``
+        counts them) or in micro-batches (mean mode).
+    trace_sigma: the bias-corrected moving average of ``tr(Sigma)``, the trace of the per-sample gradient
+        covariance (units of squared gradient, x items in item mode, x micro-batches in mean mode).
+    grad_sq: the bias-corrected moving average of ``|G|^2``, the true gradient's squared L2 norm.
+    """
+
+    grad_noise_scale: torch.Tensor
+    trace_sigma: torch.Tensor
+    grad_sq: torch.Tensor
+
+
+class NoiseScale:
+    """Bias-corrected moving averages of tr(Sigma) and |G|^2 over accumulation windows (see the module docstring).
+
+    ema: decay of both averages, a float in (0, 1) (``ValueError`` otherwise). device: where the state lives.
+    State: three 0-d fp64 tensors on ``device`` (the two averages and ``ema^t``), in ``state_dict()``.
+    """
+
+    def __init__(self, ema: float, device: torch.device | str) -> None:
+        self.ema = check_noise_scale_ema(ema)
+        self.device = torch.device(device)
+        self.trace_avg = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.grad_sq_avg = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.decay_pow = torch.ones((), dtype=torch.float64, device=self.device)  # ema ** (windows averaged)
+
+    @staticmethod
+    def small_batch_terms(source_sumsq: torch.Tensor, sizes: torch.Tensor | None,
+                          loss_scale: torch.Tensor | None) -> torch.Tensor:
+        """This rank's share of the small-batch terms: ``(3,)`` fp64 on the device, summed over ranks as is.
+
+        source_sumsq: ``(k,)`` fp32, the squared norms of the window's micro-batch gradients as produced
+            (loss-scaled; of the summed loss in item mode). sizes: ``(k,)`` fp64 items per micro-batch (item
+            mode) or None (mean mode: one micro-batch each). loss_scale: 0-d fp32 or None.
+        Returns ``[sum_k |g_k|^2, sum_k 1 / n_k, M]`` over the micro-batches with ``n_k > 0``.
+        """
+        sq = source_sumsq.to(torch.float64)
+        if loss_scale is not None:
+            sq = sq / loss_scale.to(torch.float64).square()
+        if sizes is None:
+            count = torch.full((), float(sq.numel()), dtype=torch.float64, device=sq.device)  # a fill, no copy
+            return torch.stack([sq.sum(), count, count])
+        present = sizes > 0  # an empty micro-batch (num_items=0 as a tensor) is no sample of the gradient
+        inv = torch.where(present, 1.0 / sizes.clamp(min=1e-300), torch.zeros_like(sizes))
+        return torch.stack([torch.where(present, sq * inv.square(), torch.zeros_like(sq)).sum(), inv.sum(),
+                            present.to(torch.float64).sum()])
+
+    def update(self, terms: torch.Tensor, big_sq: torch.Tensor, total: torch.Tensor,
+               skipped: torch.Tensor) -> NoiseEstimate:
+        """Average in one window; returns the estimates after it.
+
+        terms: ``(3,)`` fp64, ``small_batch_terms`` summed over ranks. big_sq: 0-d, the window's normalized
+        gradient's squared norm (before clipping, loss scale undone). total: 0-d, N (items in item mode,
+        micro-batches x world size in mean mode). skipped: 0-d bool, the update was skipped.
+        """
+        big = big_sq.to(torch.float64)
+        n = total.to(torch.float64)
+        sum_g, sum_inv, count = terms.unbind()
+        denom = sum_inv / count - 1.0 / n
+        trace = (sum_g / count - big) / denom
+        grad_sq = big - trace / n
+        ok = ~skipped & (denom > 0) & torch.isfinite(trace) & torch.isfinite(grad_sq)
+        a = self.ema
+        # Only a measured window moves the averages and their bias correction (Adam's 1 - beta^t).
+        self.trace_avg = torch.where(ok, a * self.trace_avg + (1.0 - a) * trace, self.trace_avg)
+        self.grad_sq_avg = torch.where(ok, a * self.grad_sq_avg + (1.0 - a) * grad_sq, self.grad_sq_avg)
+        self.decay_pow = torch.where(ok, self.decay_pow * a, self.decay_pow)
+        return self.estimate()
+
+    def estimate(self) -> NoiseEstimate:
+        """The current estimates (NaN before any measured window): 0-d fp32 on the device, no host sync."""
+        correction = 1.0 - self.decay_pow  # 0 before the first measured window: 0 / 0 = NaN
+        trace = self.trace_avg / correction
+        grad_sq = self.grad_sq_avg / correction
+        return NoiseEstimate(grad_noise_scale=(trace / grad_sq).to(torch.float32),
+                             trace_sigma=trace.to(torch.float32), grad_sq=grad_sq.to(torch.float32))
+
+    def state_dict(self) -> dict:
+        """The averages as CPU tensors (and the decay, checked on load)."""
+        return {"ema": self.ema, "trace_avg": self.trace_avg.detach().cpu().clone(),
+                "grad_sq_avg": self.grad_sq_avg.detach().cpu().clone(),
+                "decay_pow": self.decay_pow.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``; ``ValueError`` when it was saved with another ``noise_scale_ema``."""
+        if float(state["ema"]) != self.ema:
+            raise ValueError(f"state was saved with noise_scale_ema={state['ema']}, this accumulator has {self.ema}: "
+                             "build it with the same noise_scale_ema to resume the averages")
+        self.trace_avg = state["trace_avg"].to(self.device, torch.float64)
+        self.grad_sq_avg = state["grad_sq_avg"].to(self.device, torch.float64)
+        self.decay_pow = state["decay_pow"].to(self.device, torch.float64)
