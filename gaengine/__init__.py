@@ -14,6 +14,16 @@ from gaengine.verify import EquivalenceReport, verify_equivalence
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # gaengine.checkpoint imports torch.distributed.checkpoint (about 2 s): it loads on first use.
+    if name == "full_optimizer_state_dict":
+        from gaengine.checkpoint import full_optimizer_state_dict  # noqa: PLC0415
+
+        return full_optimizer_state_dict
+    raise AttributeError(f"module 'gaengine' has no attribute {name!r}")
+
+
 __all__ = [
     "EquivalenceReport",
     "GradientAccumulator",
@@ -21,6 +31,7 @@ __all__ = [
     "StepResult",
     "clip_grad_norm_",
     "find_micro_batch_size",
+    "full_optimizer_state_dict",
     "ops",
     "optim",
     "scale_lr",

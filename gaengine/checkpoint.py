@@ -20,6 +20,7 @@ views out (``shard_state_dict``), back (``load_shard_state_dict``), or gathered 
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["FlatShard", "Piece", "full_optimizer_state_dict", "gather_full", "load_shard_state_dict",
+__all__ = ["ZERO_FORMAT", "FlatShard", "Piece", "full_optimizer_state_dict", "gather_full", "load_shard_state_dict",
+           "load_zero_state_dict", "zero_state_dict",
            "pieces_in_ranges", "shard_state_dict"]
 
 
@@ -43,6 +45,10 @@ class FlatShard(torch.Tensor):
         DCP's save planner checks that and refuses overlaps or gaps).
     start: first element of the chunk inside the flattened parameter.
 
+    template: only a place to load into: ``dcp.save`` writes ``None`` under its key (one small entry, no data),
+        ``dcp.load`` reads the checkpoint's chunks into ``local`` or, where the checkpoint holds ``None``, puts
+        ``None`` in the state dict in its place. (The window gradient of a state saved between windows.)
+
     Dtype and device are ``local``'s. It is a placeholder for checkpointing only: ``local`` holds the data;
     any torch operation on the wrapper itself raises ``NotImplementedError`` (use ``.local``).
     """
@@ -50,14 +56,16 @@ class FlatShard(torch.Tensor):
     local: torch.Tensor
     start: int
 
+    template: bool
+
     @staticmethod
-    def __new__(cls, local: torch.Tensor, numel: int, start: int) -> FlatShard:
+    def __new__(cls, local: torch.Tensor, numel: int, start: int, template: bool = False) -> FlatShard:
         if local.dim() != 1:
             raise ValueError(f"FlatShard: local must be 1-D, got shape {tuple(local.shape)}")
         if not 0 <= start <= start + local.numel() <= numel:
             raise ValueError(f"FlatShard: chunk [{start}, {start + local.numel()}) does not lie in [0, {numel})")
         r = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
-        r.local, r.start = local, int(start)
+        r.local, r.start, r.template = local, int(start), bool(template)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -75,6 +83,8 @@ class FlatShard(torch.Tensor):
         return [ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([self.local.numel()]))]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if self.template:
+            return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]  # resolved to None below
         props = TensorProperties.create_from_tensor(self.local)
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
@@ -83,8 +93,9 @@ class FlatShard(torch.Tensor):
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return self._chunks()
 
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self.local
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor | None:
+        # A template's save item is BYTE_IO (no offset) and writes None; a load reads chunks (with offsets) into local.
+        return None if self.template and index.offset is None else self.local
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"FlatShard(numel={self.shape[0]}, chunk=[{self.start}, {self.start + self.local.numel()}), "
@@ -240,29 +251,374 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
 def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu") -> dict[str, Any]:
     """Gather ``acc``'s optimizer state into the state dict of an unsharded optimizer over the model's parameters.
 
-    acc: a ``GradientAccumulator`` with an optimizer, at any ``zero_stage``. At ``zero_stage >= 1`` every rank
-        of its process group must call this (it all-gathers each moment); at stage 0 it only copies.
+    acc: a ``GradientAccumulator`` with an optimizer, at any ``zero_stage``. Sharded (``zero_stage >= 1`` on
+        several ranks), every rank of its process group must call it: each state tensor is all-gathered once
+        (``world x shard`` elements on the device at a time) and every rank gets the whole state dict.
     device: where the returned tensors live (default CPU); None: the optimizer state's device.
 
-    Returns ``{"state": {i: {"step": 0-d fp32, "exp_avg": <param's shape> fp32, ...}}, "param_groups": [...]}``
-    numbered as ``torch.optim.Optimizer.state_dict`` numbers the parameters of the optimizer the user built
-    (its param groups, in order, with their hyper-parameters): ``torch.optim.AdamW(<same groups>).
-    load_state_dict(...)`` loads it (torch then casts the moments to each parameter's dtype). The tensors are
-    copies. Raises ``ValueError`` when ``acc`` has no optimizer.
+    Returns ``{"state": {i: {"step": 0-d fp32, "exp_avg": <param's shape>, ...}}, "param_groups": [...]}``,
+    numbered as ``torch.optim.Optimizer.state_dict`` numbers the parameters of the optimizer the user built (its
+    param groups in order, with their current hyper-parameters), so ``torch.optim.AdamW(<the same groups>)
+    .load_state_dict(...)`` loads it (torch then casts the moments to each parameter's dtype). With master
+    weights the moments are those of the fp32 masters. A parameter that has had no update yet has no entry,
+    as in torch. The tensors are copies. Raises ``ValueError`` when ``acc`` has no optimizer.
     """
     optimizer = getattr(acc, "optimizer", None)
     if optimizer is None:
         raise ValueError("full_optimizer_state_dict: acc has no optimizer (GradientAccumulator(..., optimizer=None))")
-    gather = getattr(acc, "_full_optimizer_state", None)
-    if gather is not None and getattr(acc, "zero_stage", 0) >= 1:
-        return gather(device)
-    saved = optimizer.state_dict()
-    target = device
 
     def copy(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value.detach().to(device=value.device if target is None else target, copy=True)
+            return value.detach().to(device=value.device if device is None else device, copy=True)
         return value
 
-    return {"state": {i: {k: copy(v) for k, v in s.items()} for i, s in saved["state"].items()},
-            "param_groups": [dict(g) for g in saved["param_groups"]]}
+    zero = getattr(acc, "_zero", None)
+    if zero is None:  # unsharded: the optimizer holds whole tensors, numbered like the user's groups
+        saved = optimizer.state_dict()
+        return {"state": {i: {k: copy(v) for k, v in s.items()} for i, s in saved["state"].items()},
+                "param_groups": [{k: copy(v) for k, v in g.items()} for g in saved["param_groups"]]}
+
+    layout, world = zero.shard, acc.world_size
+    params = acc.params
+    all_pieces = [[Piece(s.index, s.lo, s.numel, s.shard_offset) for s in layout.param_shards(r) if s.numel]
+                  for r in range(world)]
+    group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
+    steps: dict[int, float] = {}
+    moment_keys: set[str] = set()
+    for i, piece in enumerate(zero.pieces):
+        state = optimizer.state.get(piece) if piece is not None else None
+        if state:
+            keys = _moment_keys(optimizer, optimizer.param_groups[group_of[id(piece)]])
+            moment_keys.update(keys)
+            steps[i] = float(state["step"]) if "step" in state else 0.0  # host read: an export
+    gathered = [(steps, sorted(moment_keys))]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (steps, sorted(moment_keys)), group=acc.process_group)
+    ready = {i: s for d, _ in gathered for i, s in d.items()}
+    full: dict[str, list[torch.Tensor]] = {}
+    for key in sorted({k for _, keys in gathered for k in keys}):
+        buf = torch.zeros(layout.shard_numel, dtype=torch.float32, device=acc.device)
+        for i, (s, piece) in enumerate(zip(zero.shards, zero.pieces)):
+            state = optimizer.state.get(piece) if piece is not None else None
+            if state and isinstance(state.get(key), torch.Tensor):
+                buf[s.shard_offset:s.shard_offset + s.numel] = state[key].reshape(-1)
+        full[key] = gather_full(buf, all_pieces, [p.shape for p in params], group=acc.process_group, device=device)
+    dtype_of = [zero.pieces[i].dtype if zero.pieces[i] is not None else
+                (torch.float32 if p.dtype in zero.master_shards else p.dtype) for i, p in enumerate(params)]
+    layout_index = {id(p): i for i, p in enumerate(params)}
+    groups = getattr(zero, "group_params", None) or [list(acc._registration)]
+    state_out, groups_out, n = {}, [], 0
+    for g, members in enumerate(groups):
+        ids = []
+        keys = _moment_keys(optimizer, optimizer.param_groups[min(g, len(optimizer.param_groups) - 1)])
+        for p in members:
+            i = layout_index[id(p)]
+            if i in ready:
+                state_out[n] = {"step": torch.tensor(ready[i], dtype=torch.float32),
+                                **{k: full[k][i].to(dtype_of[i]) for k in keys if k in full}}
+            ids.append(n)
+            n += 1
+        hyper = optimizer.param_groups[g] if g < len(optimizer.param_groups) else optimizer.param_groups[-1]
+        groups_out.append({**{k: copy(v) for k, v in hyper.items() if k != "params"}, "params": ids})
+    return {"state": state_out, "param_groups": groups_out}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GradientAccumulator(..., zero_stage >= 1): its state dict in DCP's form
+
+ZERO_FORMAT = "gaengine.GradientAccumulator.zero/1"
+
+
+@dataclass
+class _Entry:
+    """One trainable parameter as the checkpoint sees it (see ``_entries``).
+
+    key: its name in the model (``model.named_parameters``), or ``param<i>`` by registration order.
+    layout_index: its index in ``acc.params`` (layout order). numel, shape, dtype: the parameter's.
+    lo, hi: the range of the flattened parameter this rank owns (the whole parameter when nothing is sharded).
+    piece: the optimizer's parameter holding that range (``None``: not optimized, or nothing owned).
+    group: index of the piece's param group (-1 without a piece). master: the parameter has fp32 master weights.
+    grad: ``(hi - lo,)`` fp32 view of the window's gradient sum for that range (stage 2: the gradient shard;
+        stage 1: this rank's range of ``main_grad``; unsharded: the whole ``main_grad`` view).
+    """
+
+    key: str
+    layout_index: int
+    numel: int
+    shape: torch.Size
+    dtype: torch.dtype
+    lo: int
+    hi: int
+    piece: torch.Tensor | None
+    group: int
+    optimized: bool
+    master: bool
+    grad: torch.Tensor
+
+
+def _param_keys(acc: Any) -> dict[int, str]:
+    """id(parameter) -> its checkpoint key: its name in the model (the first, for a tied parameter), else
+    ``param<i>`` with i its registration order."""
+    names: dict[int, str] = {}
+    for name, p in acc._named_params:
+        names.setdefault(id(p), name)
+    return {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(acc._registration)}
+
+
+def _entries(acc: Any) -> list[_Entry]:
+    """The ``_Entry`` of every trainable parameter, in registration order (the same on every rank and world)."""
+    keys = _param_keys(acc)
+    optimizer = acc.optimizer
+    group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
+    zero = acc._zero
+    out = []
+    for i, p in enumerate(acc.params):
+        numel = p.numel()
+        if zero is not None:
+            s, piece = zero.shards[i], zero.pieces[i]
+            lo, hi, grad = s.lo, s.hi, zero.grad_views[i]
+            optimized = bool(zero.optimized[i])
+            master = optimized and p.dtype in zero.master_shards
+        else:
+            masters = acc._masters
+            optimized = id(p) in masters.optimized
+            master = id(p) in masters.masters
+            piece = masters.masters.get(id(p), p) if optimized else None
+            lo, hi, grad = 0, numel, acc.main_grad.flat_views[i]
+        out.append(_Entry(keys[id(p)], i, numel, p.shape, p.dtype, lo, hi, piece,
+                          group_of.get(id(piece), -1) if piece is not None else -1, optimized, master, grad))
+    order = {id(p): j for j, p in enumerate(acc._registration)}
+    return sorted(out, key=lambda e: order[id(acc.params[e.layout_index])])
+
+
+def _moment_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
+    """The elementwise state tensors ``optimizer`` keeps per parameter of ``group`` (besides ``step``)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return ["momentum_buffer"] if group.get("momentum", 0) else []
+    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])  # Adam, AdamW, FusedAdamW
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; gaengine checkpoints read and write it in place")
+    return t.view(-1)
+
+
+def _reduced_window_grad(acc: Any) -> torch.Tensor:
+    """Stage 1, mid-window: this rank's shard of the window's gradient summed over the ranks (a collective).
+
+    Each bucket of ``main_grad`` is copied (the slices this rank did not write in this window zeroed: they hold
+    an earlier window's values) and reduce-scattered in fp32 into a ``(shard_numel,)`` buffer; ``main_grad``
+    itself is not changed, so training goes on after the save."""
+    zero = acc._zero
+    layout = zero.shard
+    written = acc.hooks.written
+    out = torch.empty(layout.shard_numel, dtype=torch.float32, device=acc.device)
+    for b in layout.buckets:
+        tmp = acc.main_grad.data[b.start:b.end].clone()
+        for i in range(b.first, b.last):
+            if not written[i]:
+                o = layout.layout.offsets[i] - b.start
+                tmp[o:o + layout.layout.numels[i]].zero_()
+        dist.reduce_scatter_tensor(out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=acc.process_group)
+    return out
+
+
+def zero_state_dict(acc: Any) -> dict[str, Any]:
+    """``acc.state_dict()`` at ``zero_stage >= 1`` (see ``GradientAccumulator.state_dict``). Every rank of the
+    process group must call it (it gathers the ranks' window counters, and mid-window at stage 1 reduce-scatters
+    the window's gradient)."""
+    if acc._stats is not None:
+        raise RuntimeError("state_dict() was called after the window's last acc.backward() and before acc.step(): "
+                           "the window's reductions are in flight; call acc.step() first, then save")
+    zero = acc._zero
+    world = acc.world_size
+    group = acc.process_group
+    mid_window = acc._num_micro_batches > 0
+    if zero is not None:
+        zero.wait_gathers()  # the parameters (model.state_dict() views) must be whole before DCP reads them
+        if zero.stage == 2:
+            acc.reducer.wait()  # the last micro-batch's reduce-scatters, into the gradient shard
+    entries = _entries(acc)
+    optimizer = acc.optimizer
+
+    per_rank: dict[str, Any] = {"scalars": acc._state_scalars()}
+    if zero is not None and zero.stage == 2 and mid_window:
+        per_rank["window_used"] = list(zero.window_used)
+    ranks = [per_rank]
+    if world > 1:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, per_rank, group=group)
+    meta = {
+        "world_size": world, "zero_stage": acc.zero_stage, "sharded": zero is not None,
+        "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "lr_scheduler": None if acc.lr_scheduler is None else acc.lr_scheduler.state_dict(),
+        "ranks": ranks,
+    }
+    blob = io.BytesIO()
+    torch.save(meta, blob)
+
+    masters, opt_state, window = {}, {}, {}
+    reduced = _reduced_window_grad(acc) if zero is not None and zero.stage == 1 and mid_window else None
+    for e in entries:
+        owned = e.piece is not None
+        if e.master:
+            masters[e.key] = FlatShard(_flat(e.piece.data, e.key) if owned else e.grad[:0].new_empty(0),
+                                       e.numel, e.lo)
+        if e.optimized and owned:
+            state = optimizer.state.get(e.piece) or {}
+            moment_keys = _moment_keys(optimizer, optimizer.param_groups[e.group])
+            ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
+            entry: dict[str, Any] = {
+                "initialized": torch.tensor(float(ready)),
+                "step": torch.tensor(float(state["step"]) if ready and "step" in state else 0.0,
+                                     dtype=torch.float64),  # host read: once per checkpoint
+            }
+            for k in moment_keys:
+                local = _flat(state[k], f"optimizer state {k!r} of {e.key}") if ready else \
+                    torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=e.piece.device)
+                entry[k] = FlatShard(local, e.numel, e.lo)
+            opt_state[e.key] = entry
+        if reduced is not None:
+            s = zero.shards[e.layout_index]
+            window[e.key] = FlatShard(reduced[s.shard_offset:s.shard_offset + s.numel], e.numel, e.lo)
+        else:
+            window[e.key] = FlatShard(e.grad.view(-1), e.numel, e.lo, template=not mid_window)
+    return {"format": ZERO_FORMAT, "meta": blob.getvalue(), "master": masters, "optimizer": opt_state,
+            "window_grad": window}
+
+
+def _take(value: Any, e: _Entry, what: str) -> torch.Tensor:
+    """The loaded values of ``e``'s range from ``value``: a ``FlatShard`` of this range, or a whole tensor."""
+    if isinstance(value, FlatShard):
+        if value.start != e.lo or value.local.numel() != e.hi - e.lo or value.shape[0] != e.numel:
+            raise ValueError(f"{what}[{e.key!r}] holds elements [{value.start}, {value.start + value.local.numel()}) of "
+                             f"{value.shape[0]}, this rank owns [{e.lo}, {e.hi}) of {e.numel}: take the state dict from "
+                             "this run's accumulator (acc.state_dict()) before dcp.load")
+        return value.local
+    if not isinstance(value, torch.Tensor) or value.numel() != e.numel:
+        got = f"{value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{what}[{e.key!r}] must be a tensor of {e.numel} elements, got {got}")
+    return value.detach().reshape(-1)[e.lo:e.hi]
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src.data_ptr() != dst.data_ptr() or src.device != dst.device or src.dtype != dst.dtype:
+        dst.copy_(src)
+
+
+def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
+    """``acc.load_state_dict(state)`` at ``zero_stage >= 1`` (see ``GradientAccumulator.load_state_dict``).
+
+    Checks everything before writing: raises ``ValueError`` (changing nothing) for a state of another format,
+    model, optimizer layout, ``master_weights`` or number of param groups, or saved mid-window on another world
+    size or ``zero_stage``."""
+    if not isinstance(state, dict) or state.get("format") != ZERO_FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state is not a {ZERO_FORMAT} state dict (got {got!r}); a zero_stage >= 1 accumulator "
+                         "loads what acc.state_dict() of one returns (after dcp.load), not a zero_stage=0 state dict")
+    meta = torch.load(io.BytesIO(state["meta"]), weights_only=False)  # the caller's own checkpoint, as DCP reads it
+    entries = _entries(acc)
+    mine = [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries]
+    if meta["params"] != mine:
+        diff = next((a, b) for a, b in zip(meta["params"] + [None] * len(mine), mine + [None] * len(meta["params"]))
+                    if a != b)
+        raise ValueError(f"state was saved for other parameters: (key, shape, dtype, optimized, master weights) "
+                         f"{diff[0]} in the state, {diff[1]} here. Build the model, the optimizer's param groups and "
+                         "master_weights as the saved run did")
+    optimizer = acc.optimizer
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this optimizer "
+                         f"{len(optimizer.param_groups)}: build the optimizer with the saved run's groups")
+    saved_world, world = int(meta["world_size"]), acc.world_size
+    saved_scalars = meta["ranks"][0]["scalars"]
+    mid_window = int(saved_scalars["num_micro_batches"]) > 0
+    if mid_window and (saved_world != world or meta["zero_stage"] != acc.zero_stage
+                       or meta["sharded"] != (acc._zero is not None)):
+        raise ValueError(
+            f"state was saved mid-window ({saved_scalars['num_micro_batches']} micro-batches into a window) on "
+            f"{saved_world} rank(s) with zero_stage={meta['zero_stage']}; this run has {world} rank(s) and "
+            f"zero_stage={acc.zero_stage}. A window's micro-batches belong to their ranks, so it resumes only on the "
+            "same world size and zero_stage: resume it there, or go back to a checkpoint saved between windows "
+            "(after acc.step()), which loads on any world size")
+    rank = dist.get_rank(acc.process_group) if world > 1 else 0
+    scalars = dict(meta["ranks"][rank if mid_window else 0]["scalars"])
+    acc._check_state_scalars(scalars)
+    # Validate every value before writing any.
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    opt_groups: list[dict[str, Any]] = []
+    loaded: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        owned = e.piece is not None
+        if e.master and owned:
+            writes.append((_flat(e.piece.data, e.key), _take(state["master"].get(e.key), e, "state['master']")))
+        if e.optimized and owned:
+            saved = state["optimizer"].get(e.key)
+            if not isinstance(saved, dict):
+                raise ValueError(f"state['optimizer'][{e.key!r}] is missing: take the state dict from this run's "
+                                 "accumulator (acc.state_dict()) before dcp.load")
+            if float(saved["initialized"]):
+                group = optimizer.param_groups[e.group]
+                moments = {}
+                for k in _moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
+                    value = saved.get(k)
+                    t = _take(value, e, f"state['optimizer'][{e.key!r}]")
+                    moments[k] = (t if isinstance(value, FlatShard) else t.clone()).view(e.piece.shape)
+                loaded[id(e.piece)] = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
+        if mid_window:
+            grad = state["window_grad"].get(e.key)
+            if grad is None:
+                raise ValueError(f"state['window_grad'][{e.key!r}] is missing for a state saved mid-window")
+            writes.append((e.grad.view(-1), _take(grad, e, "state['window_grad']")))
+    # Per-layout-index lists of the saved layout, in this accumulator's layout.
+    saved_order = list(scalars["layout_order"])
+    my_order = _layout_order(acc)
+    if saved_order != my_order:
+        if mid_window:
+            raise ValueError("state was saved mid-window with another parameter layout; resume it as it was saved")
+        pos = {reg: j for j, reg in enumerate(saved_order)}
+        remap = [pos[reg] for reg in my_order]
+        for key in ("written", "expected_arrivals"):
+            if scalars.get(key) is not None:
+                scalars[key] = [scalars[key][j] for j in remap]
+        if scalars.get("arrival") is not None:
+            back = {j: i for i, j in enumerate(remap)}
+            scalars["arrival"] = [back[j] for j in scalars["arrival"]]
+        scalars["layout_order"] = my_order
+
+    # Write.
+    with torch.no_grad():
+        if mid_window and acc._zero is not None and acc._zero.stage == 1:
+            layout = acc._zero.shard
+            for b in layout.buckets:  # the other ranks' ranges hold nothing of the saved (reduced) sum
+                lo, hi = b.rank_range(rank)
+                acc.main_grad.data[b.start:lo].zero_()
+                acc.main_grad.data[hi:b.end].zero_()
+        for dst, src in writes:
+            _copy_into(dst, src)
+    numbered, index = {}, 0
+    for g, group in enumerate(optimizer.param_groups):
+        ids = []
+        for q in group["params"]:
+            if id(q) in loaded:
+                numbered[index] = loaded[id(q)]
+            ids.append(index)
+            index += 1
+        opt_groups.append({**meta["param_groups"][g], "params": ids})
+    optimizer.load_state_dict({"state": numbered, "param_groups": opt_groups})
+    if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    acc._load_state_scalars(scalars)
+    if mid_window and acc._zero is not None:
+        if acc._zero.stage == 1:  # every rank's range now holds the reduced sum of what any rank wrote
+            written = [any(r["scalars"]["written"][i] for r in meta["ranks"]) for i in range(len(acc.params))]
+            acc.hooks.set_all_written(written)
+        else:
+            acc._zero.window_used = list(meta["ranks"][rank]["window_used"])
+
+
+def _layout_order(acc: Any) -> list[int]:
+    reg = {id(p): i for i, p in enumerate(acc._registration)}
+    return [reg[id(p)] for p in acc.params]
