@@ -42,6 +42,7 @@ from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_ran
 from gaengine.scaler import LossScaler
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.update import MasterWeights, apply_update, expose_grads
+from gaengine.zero import ZERO_STAGES, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer, zero_order
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -194,6 +195,19 @@ class GradientAccumulator:
             loss scale and the parameters with non-finite gradients (None: never). Reads the skip flag on
             the host once per update.
         micro_batch_size: samples per micro-batch, when fixed; enables ``effective_batch_size``.
+        zero_stage: 0 (default: every rank holds everything), 1 or 2 (``gaengine.zero``; several ranks only, a
+            world of one accepts it and shards nothing). 1: the fp32 master weights and the optimizer state are
+            sharded over the ranks of ``process_group`` (12/d B/param with AdamW and masters); main_grad still
+            accumulates the window locally and the last micro-batch reduce-scatters each bucket as it completes
+            (the bytes of stage 0's all-reduce, counting the all-gather of the parameters after the update). 2: the
+            fp32 gradient sum is sharded too (4/d B/param): every micro-batch's buckets are reduce-scattered (in
+            ``reduce_dtype``) and added into the rank's fp32 shard, K reductions per window instead of one: it
+            trades communication for memory. Needs an elementwise optimizer (``torch.optim.Adam``, ``AdamW``,
+            ``SGD``, ``gaengine.optim.FusedAdamW``) with no state yet; the layout is not re-learned from the first
+            window. ``ValueError`` naming ``zero_stage`` otherwise.
+        overlap_param_gather: with ``zero_stage`` >= 1, leave the parameters' all-gather in flight after
+            ``step()``; a forward pre-hook on each module waits for the buckets of its own parameters, so the
+            gather overlaps the next forward (Megatron-Core's name). Needs ``model`` as an ``nn.Module``.
         measure_noise_scale: measure the gradient noise scale (``gaengine.noise``): every micro-batch's
             accumulate also writes the squared norm of its incoming gradient (same pass, no extra launch, no
             Python per parameter), and ``step()`` reports ``grad_noise_scale``, ``noise_trace_sigma`` and
@@ -237,6 +251,8 @@ class GradientAccumulator:
         micro_batch_size: int | None = None,
         measure_noise_scale: bool = False,
         noise_scale_ema: float = 0.95,
+        zero_stage: int = 0,
+        overlap_param_gather: bool = False,
     ) -> None:
         self._schedule: AccumulationSchedule | None = None
         self._update_index = 0  # windows stepped (the schedule's position)
@@ -260,6 +276,16 @@ class GradientAccumulator:
                                                              and not isinstance(loss_scale, bool))):
             raise ValueError(f"loss_scale must be 'auto', 'dynamic', a positive float or None, got {loss_scale!r}")
         self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
+        if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if not isinstance(overlap_param_gather, bool):
+            raise ValueError(f"overlap_param_gather must be True or False, got {overlap_param_gather!r}")
+        if overlap_param_gather and (zero_stage == 0 or not isinstance(model, nn.Module)):
+            raise ValueError("overlap_param_gather=True needs zero_stage=1 or 2 (it overlaps the all-gather of the "
+                             "sharded update with the next forward) and model as an nn.Module (for its forward "
+                             f"pre-hooks); got zero_stage={zero_stage!r} and a model of type {type(model).__name__}")
+        if zero_stage:
+            check_zero_optimizer(optimizer, zero_stage)
         if backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -300,6 +326,11 @@ class GradientAccumulator:
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             self.world_size = dist.get_world_size(process_group)
         self.distributed = self.world_size > 1
+        self.zero_stage = zero_stage  # as asked; sharded only on several ranks (gaengine.zero)
+        self._zero_layout: ShardLayout | None = None
+        self._zero: ShardedState | None = None
+        if zero_stage and self.distributed:
+            self._zero_layout = ShardLayout.build(zero_order(initial_order(params)), bucket_size_mb, self.world_size)
         self.bucket_size_mb = float(bucket_size_mb)
         self.reduce_dtype = reduce_dtype
         self.max_consecutive_skips = max_consecutive_skips
@@ -341,10 +372,15 @@ class GradientAccumulator:
         self._grads_left = False
         self._masters: MasterWeights | None = None  # the optimizer's params and fp32 masters (gaengine.update)
         self._registration = params  # registration order, the reference frame of state_dict()
-        self._set_layout(initial_order(params))
+        self._set_layout(initial_order(params) if self._zero_layout is None else zero_order(initial_order(params)))
 
         self.master_buffer: FlatBuffer | None = None
-        if optimizer is not None:
+        if self._zero_layout is not None:  # sharded masters and optimizer state (gaengine.zero)
+            self._zero = ShardedState(optimizer, self.params, self._zero_layout, self.main_grad, self.reducer,
+                                      zero_stage, dist.get_rank(self.process_group), self.process_group,
+                                      self.device, master_weights, model if isinstance(model, nn.Module) else None,
+                                      overlap_param_gather)
+        elif optimizer is not None:
             self._masters = MasterWeights(optimizer, self.params, self.main_grad, self.device, master_weights)
             self.master_buffer = self._masters.buffer
         # One parameter per dtype tells whether the model was moved or converted afterwards (Module._apply
@@ -370,11 +406,18 @@ class GradientAccumulator:
     def _set_layout(self, order: list[torch.Tensor]) -> None:
         """Lay ``order`` out in a new zeroed main_grad buffer (new buckets, new hooks); only between windows."""
         self.params = list(order)
-        self.main_grad = FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
+        zero = self._zero_layout
+        self.main_grad = FlatBuffer(FlatLayout.build(self.params) if zero is None else zero.layout, torch.float32,
+                                    self.device)
         if self._masters is not None:
             self._masters.attach_grads(self.params, self.main_grad)
         self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
                                       self.reduce_dtype, self.process_group) if self.distributed else None)
+        if zero is not None:  # reduce-scatter; stage 2 adds each micro-batch into the fp32 gradient shard
+            grad_shard = (torch.zeros(zero.shard_numel, dtype=torch.float32, device=self.device)
+                          if self.zero_stage == 2 else None)
+            self.reducer = ShardReducer(self.main_grad.data, zero, dist.get_rank(self.process_group),
+                                        self.reduce_dtype, self.process_group, grad_shard)
         buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
             self.main_grad.layout, self.bucket_size_mb)
         learning, expected = True, {}
@@ -394,6 +437,8 @@ class GradientAccumulator:
         """After the first window: lay the buffer out in the order gradients arrived (rank 0's order on all ranks)."""
         arrival = self.hooks.arrival
         self.hooks.stop_learning()
+        if self._zero is not None:
+            return  # the shards, masters and optimizer state live on the layout of construction (gaengine.zero)
         order = learned_order(arrival, len(self.params), self.device, distributed=self.distributed,
                               group=self.process_group)
         if order != list(range(len(self.params))):
@@ -447,9 +492,12 @@ class GradientAccumulator:
         last = self._num_micro_batches == self.accumulation_steps - 1
         # The first window (the layout and each parameter's arrivals per backward are being learned) reduces after
         # backward: a bucket whose parameter arrives twice (reentrant checkpointing) must not start early.
-        armed = self.reducer is not None and last and self._overlap and self.hooks.arrival is None
+        every = self._zero is not None and self.zero_stage == 2  # zero_stage=2 reduces every micro-batch
+        armed = self.reducer is not None and (last or every) and self._overlap and self.hooks.arrival is None
+        if self._zero is not None:
+            self._zero.before_backward(self.hooks, first=self._num_micro_batches == 0)
         if armed:
-            self.reducer.begin()  # only the window's last micro-batch communicates
+            self.reducer.begin()  # only the window's last micro-batch communicates (zero_stage=2: every one)
 
         if self.scaler is None and self._auto_loss_scale and torch.is_autocast_enabled(self.device.type) \
                 and torch.get_autocast_dtype(self.device.type) == torch.float16:
@@ -481,8 +529,10 @@ class GradientAccumulator:
                 self._items_host += num_items
             if self._noise is not None:
                 self._noise_sizes.append(n if isinstance(num_items, torch.Tensor) else num_items)
+        if every:
+            self._zero.after_backward(self.hooks, self.main_grad, armed, last)
         if self.reducer is not None and last:
-            if not armed:
+            if not armed and not every:
                 self.reducer.begin()
             self._finish_communication_launch()
 
@@ -566,7 +616,10 @@ class GradientAccumulator:
         loss_sum = self._loss_sum
         if self.distributed:
             if self._stats is None:  # a partial window (force=True): nothing launched yet
-                self.reducer.begin()
+                if self._zero is not None and self.zero_stage == 2:
+                    self._zero.end_partial_window(self.hooks)  # its micro-batches are reduced already
+                else:
+                    self.reducer.begin()
                 self._finish_communication_launch()
             self.reducer.wait()
             loss_sum, global_items = self._stats.wait()
@@ -589,8 +642,11 @@ class GradientAccumulator:
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = denom if self.scaler is None else denom * self.scaler.scale
-        norm = window_norm(self.main_grad.data, grad_denom, self.max_grad_norm, self.backend,
-                           free=self.hooks.free_norm())
+        if self._zero is not None:  # from the shards: one all-reduce of two floats
+            norm = self._zero.norm(grad_denom, self.max_grad_norm, self.backend)
+        else:
+            norm = window_norm(self.main_grad.data, grad_denom, self.max_grad_norm, self.backend,
+                               free=self.hooks.free_norm())
         loss = loss_sum / denom
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         noise: NoiseEstimate | None = None
@@ -602,6 +658,8 @@ class GradientAccumulator:
             self.backend.scale_(self.main_grad.data, norm.coef)
             expose_grads(self.params, self.main_grad, unwritten)
             self._grads_left = True
+        elif self._zero is not None:  # each rank updates its shard, then the parameters are all-gathered
+            self._zero.update(self.lr_scheduler, self.backend, norm.coef, norm.skipped, unwritten)
         else:
             apply_update(self.optimizer, self.lr_scheduler, self._masters, self.backend, self.params,
                          self.main_grad, norm.coef, norm.skipped, unwritten)
@@ -869,6 +927,8 @@ class GradientAccumulator:
             self.hooks.close()
         if self.window_batchnorm is not None:
             self.window_batchnorm.close()
+        if getattr(self, "_zero", None) is not None:
+            self._zero.close()  # the forward pre-hooks of overlap_param_gather
         for p in self.params:
             if getattr(p, _OWNER_ATTR, None) is not None and getattr(p, _OWNER_ATTR)() is self:
                 delattr(p, _OWNER_ATTR)

@@ -60,13 +60,19 @@ A world of one accepts ``zero_stage`` and shards nothing (stage 0).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
+from gaengine.norm import window_norm
+from gaengine.reduce import wait_for, wait_quietly
+from gaengine.update import fused_optimizer
 
 __all__ = ["ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
 
@@ -226,3 +232,399 @@ class ShardLayout:
         """Where ``shard`` starts in its dtype's master shard (``master_shards[dtype]``, which holds the rank's
         part of that dtype's buckets only)."""
         return shard.shard_offset - self.dtype_shard_span(self.dtypes[shard.index])[0]
+
+
+def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> object:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.10: the old name
+    return fn(output, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def _all_gather(output: torch.Tensor, inp: torch.Tensor, group) -> object:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, inp, group=group, async_op=True)
+
+
+class ShardReducer:
+    """The reduce-scatter of ``main_grad``'s buckets: ``gaengine.reduce.BucketReducer``'s interface (``begin``,
+    ``bucket_ready``, ``flush``, ``wait``, ``drain``), with rank ``rank``'s range of each bucket receiving the sum.
+
+    data: ``(layout.total_numel,)`` fp32 main_grad (stage 1: the window's sums; stage 2: one micro-batch's
+    gradients, a staging buffer). shard: the ``ShardLayout``. reduce_dtype: fp32, or bf16/fp16 on the wire (the
+    bucket is rounded once, reduce-scattered in place in that dtype, and the rank's range written back in fp32).
+    grad_shard: stage 2's ``(shard_numel,)`` fp32 gradient shard, into which ``wait()`` adds (or, for a bucket
+    launched with ``overwrite``, writes) the rank's reduced range; None at stage 1, where the reduced range stays
+    in ``data`` (in place). Buckets launch strictly in index order on every rank.
+    """
+
+    def __init__(self, data: torch.Tensor, shard: ShardLayout, rank: int, reduce_dtype: torch.dtype, group,
+                 grad_shard: torch.Tensor | None = None) -> None:
+        self.data = data
+        self.shard = shard
+        self.rank = rank
+        self.reduce_dtype = reduce_dtype
+        self.group = group
+        self.grad_shard = grad_shard
+        self.buckets = shard.hook_buckets()
+        self.bucket_of = [b.index for b in self.buckets for _ in range(b.first, b.last)]
+        self.next_to_launch = len(self.buckets)
+        self.launch_log: list[tuple[int, float]] = []
+        self.backward_end_time: float | None = None
+        self.collectives_issued = 0
+        self.bytes_sent = 0  # input bytes handed to reduce-scatter (for tests and the bench)
+        self.overwrite = True  # stage 2: the launches of the window's first micro-batch write the shard
+        self._overwrite_of: list[bool] = [True] * len(self.buckets)
+
+    def begin(self) -> None:
+        """Arm for a micro-batch that reduces (stage 1: the window's last; stage 2: every one). The previous
+        micro-batch's reductions must be complete (``wait()``)."""
+        for b in self.buckets:
+            if b.work is not None:
+                raise RuntimeError("gaengine: a reduce-scatter of the previous micro-batch is still pending (a bug)")
+            b.ready = False
+            b.wire = b.launched_at = None
+        self.next_to_launch = 0
+        self.launch_log = []
+        self.backward_end_time = None
+
+    @property
+    def armed(self) -> bool:
+        return self.next_to_launch < len(self.buckets)
+
+    def bucket_ready(self, b: int) -> None:
+        self.buckets[b].ready = True
+        self._launch_in_order()
+
+    def flush(self) -> None:
+        self.backward_end_time = time.perf_counter()
+        for b in self.buckets[self.next_to_launch:]:
+            b.ready = True
+        self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].ready:
+            b = self.buckets[self.next_to_launch]
+            sb = self.shard.buckets[b.index]
+            view = self.data[b.start:b.end]
+            b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
+            lo = self.rank * sb.shard_numel
+            b.work = _reduce_scatter(b.wire[lo:lo + sb.shard_numel], b.wire, self.group)
+            b.launched_at = time.perf_counter()
+            self._overwrite_of[b.index] = self.overwrite
+            self.launch_log.append((b.index, b.launched_at))
+            self.collectives_issued += 1
+            self.bytes_sent += b.wire.numel() * b.wire.element_size()
+            self.next_to_launch += 1
+
+    def drain(self) -> None:
+        """Drop the micro-batch: wait for what was launched, ignoring errors, and launch nothing more."""
+        for b in self.buckets:
+            if b.work is not None:
+                wait_quietly(b.work)
+            b.work = b.wire = None
+        self.next_to_launch = len(self.buckets)
+
+    def wait(self) -> None:
+        """Wait for every launched bucket and put the rank's reduced range in place: back into ``data`` in fp32
+        (stage 1, when the wire is bf16/fp16), or into ``grad_shard`` (stage 2: written by the window's first
+        micro-batch, added by the others; fp32 accumulation)."""
+        for b in self.buckets:
+            if b.work is None:
+                continue
+            sb = self.shard.buckets[b.index]
+            wait_for(b.work, f"reduce-scatter of gradient bucket {b.index} ({b.end - b.start} elements)")
+            lo = self.rank * sb.shard_numel
+            reduced = b.wire[lo:lo + sb.shard_numel]
+            if self.grad_shard is not None:
+                dst = self.grad_shard[sb.shard_offset:sb.shard_offset + sb.shard_numel]
+                if self._overwrite_of[b.index]:
+                    dst.copy_(reduced)
+                else:
+                    dst.add_(reduced)
+            elif b.wire.dtype != self.data.dtype:
+                self.data[b.start + lo:b.start + lo + sb.shard_numel].copy_(reduced)
+            b.work = b.wire = None
+
+
+def check_zero_optimizer(optimizer, zero_stage: int) -> None:
+    """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` is one gaengine can run on flat ranges of
+    parameters (an elementwise update: ``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``;
+    subclasses are refused, as gaengine cannot prove them elementwise), with no state yet."""
+    from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
+
+    if optimizer is None:
+        raise ValueError(f"zero_stage={zero_stage} shards the optimizer state and needs an optimizer; with "
+                         "optimizer=None (gradients left in .grad) use zero_stage=0")
+    elementwise = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdamW)
+    if type(optimizer) not in elementwise:
+        raise ValueError(
+            f"zero_stage={zero_stage} updates each rank's flat range of the parameters, which only an elementwise "
+            f"optimizer can do: torch.optim.Adam, AdamW, SGD (fused or not) or gaengine.optim.FusedAdamW; got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use zero_stage=0 with this optimizer")
+    if any(optimizer.state.values()):
+        raise ValueError(f"zero_stage={zero_stage} needs an optimizer with no state yet (its state is sharded over "
+                         "the ranks when the accumulator is built); build the accumulator before the first update "
+                         "and restore a checkpoint through acc.load_state_dict")
+
+
+class ShardedState:
+    """Rank ``rank``'s parameter buffers, gradient shard, master shards and optimizer pieces (module docstring).
+
+    optimizer: re-pointed at ``pieces`` (param groups and hyper-parameters kept). params: the trainable
+    parameters in layout order, re-pointed into ``param_buffers``. main_grad: the fp32 flat buffer of ``shard``'s
+    layout. reducer: the ``ShardReducer`` (its ``grad_shard`` at stage 2). model: the ``nn.Module`` for the
+    forward pre-hooks of ``overlap_param_gather`` (None: no pre-hooks).
+
+    Attributes: ``param_buffers[dtype]`` (the dtype's span of the layout, the parameters' storage);
+    ``master_shards[dtype]`` (fp32, bf16/fp16 with masters); ``grad_shard`` (stage 2) or None; ``shards``
+    (``ParamShard`` per parameter for this rank); ``pieces[i]`` (the optimizer's 1-D parameter for parameter i's
+    range, or None); ``grad_views[i]`` (the fp32 gradient of that range); ``gather_bytes`` (output bytes of the
+    all-gathers issued, for tests and the bench).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], shard: ShardLayout,
+                 main_grad, reducer: ShardReducer, stage: int, rank: int, group, device: torch.device,
+                 master_weights: bool, model: torch.nn.Module | None, overlap_param_gather: bool) -> None:
+        from gaengine.optim import FusedAdamW  # noqa: PLC0415
+
+        self.optimizer = optimizer
+        self.params = params
+        self.shard = shard
+        self.stage = stage
+        self.rank = rank
+        self.group = group
+        self.reducer = reducer
+        self.grad_shard = reducer.grad_shard
+        self.shards = shard.param_shards(rank)
+        self.overlap_param_gather = overlap_param_gather
+        self.gather_bytes = 0
+        self.gathers_issued = 0
+        layout = shard.layout
+        optimized = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        self.optimized = [id(p) in optimized for p in params]
+        fused_adamw = type(optimizer) is FusedAdamW
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        with torch.no_grad():
+            for dtype, (lo, hi) in shard.dtype_spans.items():
+                buf = torch.zeros(hi - lo, dtype=dtype, device=device)
+                for i, p in enumerate(params):
+                    if p.dtype == dtype:
+                        view = buf[layout.offsets[i] - lo:layout.offsets[i] - lo + p.numel()].view(p.shape)
+                        view.copy_(p.detach())
+                        p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
+                self.param_buffers[dtype] = buf
+        # The fp32 gradient of this rank's range of each parameter.
+        self.grad_views: list[torch.Tensor] = []
+        for s in self.shards:
+            if self.grad_shard is not None:
+                self.grad_views.append(self.grad_shard[s.shard_offset:s.shard_offset + s.numel])
+            else:
+                o = layout.offsets[s.index]
+                self.grad_views.append(main_grad.data[o + s.lo:o + s.hi])
+        # The gradient shard as contiguous chunks (for the norm and the scale pass).
+        if self.grad_shard is not None:
+            self.grad_chunks = [self.grad_shard]
+        else:
+            self.grad_chunks = [main_grad.data[slice(*b.rank_range(rank))] for b in shard.buckets]
+        low = {p.dtype for p, opt in zip(params, self.optimized) if opt and p.dtype != torch.float32}
+        self.masters_enabled = master_weights
+        self.master_shards: dict[torch.dtype, torch.Tensor] = {}
+        if master_weights:
+            for dtype in low:
+                slo, shi = shard.dtype_shard_span(dtype)
+                m = torch.empty(shi - slo, dtype=torch.float32, device=device)
+                span_lo = shard.dtype_spans[dtype][0]
+                for b in shard.buckets:
+                    if b.dtype == dtype:
+                        r_lo, r_hi = b.rank_range(rank)
+                        m[b.shard_offset - slo:b.shard_offset - slo + b.shard_numel].copy_(
+                            self.param_buffers[dtype][r_lo - span_lo:r_hi - span_lo])
+                self.master_shards[dtype] = m
+        self.pieces: list[torch.nn.Parameter | None] = []
+        self.model_views: list[torch.Tensor | None] = []  # the parameter buffer's view of each piece
+        for s, p, opt in zip(self.shards, params, self.optimized):
+            span_lo = shard.dtype_spans[p.dtype][0]
+            o = layout.offsets[s.index] - span_lo
+            model_view = self.param_buffers[p.dtype][o + s.lo:o + s.hi]
+            if not opt or s.numel == 0:
+                self.pieces.append(None)
+                self.model_views.append(None)
+                continue
+            if p.dtype in self.master_shards:
+                mo = shard.master_offset(s)
+                piece = torch.nn.Parameter(self.master_shards[p.dtype][mo:mo + s.numel])
+            else:
+                piece = torch.nn.Parameter(model_view)  # updated in place (fp32, or bf16/fp16 without masters)
+            self.pieces.append(piece)
+            self.model_views.append(model_view)
+        piece_of = {id(p): piece for p, piece in zip(params, self.pieces)}
+        for group_ in optimizer.param_groups:
+            group_["params"] = [piece_of[id(q)] for q in group_["params"] if piece_of.get(id(q)) is not None]
+        # master -> model: FusedAdamW writes the rounding in its pass; otherwise one copy per bucket after the step.
+        self.optimizer_writes_model = fused_adamw and bool(self.master_shards)
+        if self.optimizer_writes_model:
+            optimizer.attach_model_params([(piece, view) for piece, view, p in zip(self.pieces, self.model_views,
+                                                                                   params)
+                                           if piece is not None and p.dtype in self.master_shards])
+        self.reads_main_grad = fused_adamw and not master_weights and bool(low)
+        self.normalize_before_rounding = not fused_adamw and not master_weights and bool(low)
+        self.gather_buckets = [b for b in shard.buckets if any(self.optimized[b.first:b.last])]
+        self._pending: dict[int, object] = {}
+        self._handles = []
+        if overlap_param_gather and model is not None:
+            index = {id(p): i for i, p in enumerate(params)}
+            bucket_of = [b.index for b in shard.buckets for _ in range(b.first, b.last)]
+            for module in model.modules():
+                mine = sorted({bucket_of[index[id(q)]] for q in module.parameters(recurse=False) if id(q) in index})
+                if mine:
+                    self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(mine)))
+
+    def _make_pre_hook(self, buckets: list[int]):
+        def pre_hook(module, args):
+            if self._pending:
+                self.wait_gathers(buckets)
+        return pre_hook
+
+    # ------------------------------------------------------------------ step
+    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None, backend):
+        """``gaengine.norm.window_norm`` of the whole gradient from the shards: each rank's sum of squares and
+        non-finite flag (one ``l2norm_sq`` pass per contiguous chunk of its shard), summed over the ranks by one
+        all-reduce of two fp32 values on the device (no host read)."""
+        parts = [backend.l2norm_sq(c) for c in self.grad_chunks if c.numel()]
+        sums = torch.stack([torch.stack([s.float(), f.float()]) for s, f in parts]).sum(0) if parts else \
+            torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
+        wait_for(dist.all_reduce(sums, group=self.group, async_op=True), "all-reduce of the gradient norm")
+        return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
+
+    def update(self, lr_scheduler, backend, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int]) -> None:
+        """Update this rank's pieces with the gradient ``shard · coef`` (skipped when ``skipped``), write the
+        masters' rounding into the parameter buffers, then all-gather every bucket that holds an optimized
+        parameter (left in flight with ``overlap_param_gather``). Mirrors ``gaengine.update.apply_update``:
+        a parameter in ``unwritten`` (no rank produced a gradient) gets no update."""
+        optimizer = self.optimizer
+        self.wait_gathers()
+        fused = fused_optimizer(optimizer)
+        scaled = not fused or self.normalize_before_rounding
+        if scaled:
+            for c in self.grad_chunks:
+                if c.numel():
+                    backend.scale_(c, coef)
+        unused = set(unwritten)
+        with_grad = []
+        for i, (piece, view, p) in enumerate(zip(self.pieces, self.grad_views, self.params)):
+            if piece is None:
+                continue
+            if i in unused:
+                piece.grad = None
+            elif piece.dtype == torch.float32:
+                piece.grad = view
+            elif self.reads_main_grad:
+                piece.main_grad = view  # FusedAdamW reads the fp32 gradient in place
+            else:
+                piece.grad = view.to(piece.dtype)  # rounded once, at its final scale (normalize_before_rounding)
+            with_grad.append(piece)
+        try:
+            if fused:
+                if not scaled:
+                    optimizer.grad_scale = coef.reciprocal()
+                optimizer.found_inf = skipped.to(torch.float32)
+                try:
+                    optimizer.step()
+                finally:
+                    if not scaled:
+                        del optimizer.grad_scale
+                    del optimizer.found_inf
+                applied = None
+            else:
+                applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
+                if applied:
+                    optimizer.step()
+        finally:
+            for piece in with_grad:
+                piece.grad = None
+                if hasattr(piece, "main_grad"):
+                    del piece.main_grad
+        if self.master_shards and not self.optimizer_writes_model:
+            self._masters_to_model()  # unconditional: a skipped update copies back the same rounding
+        self.launch_gathers()
+        if lr_scheduler is not None:
+            if applied is None:
+                applied = not bool(skipped)  # host read: the scheduler runs on the host
+            if applied:
+                lr_scheduler.step()
+
+    def _masters_to_model(self) -> None:
+        with torch.no_grad():
+            for dtype, m in self.master_shards.items():
+                slo = self.shard.dtype_shard_span(dtype)[0]
+                span_lo = self.shard.dtype_spans[dtype][0]
+                for b in self.shard.buckets:
+                    if b.dtype == dtype:
+                        r_lo, r_hi = b.rank_range(self.rank)
+                        self.param_buffers[dtype][r_lo - span_lo:r_hi - span_lo].copy_(
+                            m[b.shard_offset - slo:b.shard_offset - slo + b.shard_numel])
+
+    def launch_gathers(self) -> None:
+        """All-gather every bucket holding an optimized parameter, in place in its parameter buffer, in bucket
+        order; waited at once unless ``overlap_param_gather`` (then by the forward pre-hooks or ``wait_gathers``)."""
+        for b in self.gather_buckets:
+            span_lo = self.shard.dtype_spans[b.dtype][0]
+            out = self.param_buffers[b.dtype][b.start - span_lo:b.end - span_lo]
+            lo = self.rank * b.shard_numel
+            self._pending[b.index] = _all_gather(out, out[lo:lo + b.shard_numel], self.group)
+            self.gather_bytes += out.numel() * out.element_size()
+            self.gathers_issued += 1
+        increment_version(self.params)  # written in place, as an in-place op would
+        if not self.overlap_param_gather:
+            self.wait_gathers()
+
+    def wait_gathers(self, buckets: list[int] | None = None) -> None:
+        """Wait for the parameter all-gathers in flight (of ``buckets``, or all); on CUDA the stream waits."""
+        for b in (list(self._pending) if buckets is None else buckets):
+            work = self._pending.pop(b, None)
+            if work is not None:
+                wait_for(work, f"all-gather of parameter bucket {b}")
+
+    def drop_gathers(self) -> None:
+        for work in self._pending.values():
+            wait_quietly(work)
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Remove the forward pre-hooks (after waiting for the gathers in flight)."""
+        self.drop_gathers()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ micro-batches (the engine calls these)
+    def before_backward(self, hooks, first: bool) -> None:
+        """Start of ``acc.backward()``: the parameters must be gathered; at stage 2 the previous micro-batch's
+        reductions are completed into the gradient shard (the staging buffer is about to be written again) and
+        every parameter's next write overwrites its staging slice."""
+        self.wait_gathers()
+        if self.stage != 2:
+            return
+        self.reducer.wait()
+        self.reducer.overwrite = first
+        if first:
+            self.window_used = [False] * len(self.params)
+        hooks.set_all_written([False] * len(self.params))
+
+    def after_backward(self, hooks, main_grad, armed: bool, last: bool) -> None:
+        """Stage 2, end of a micro-batch's backward: zero the staging slices it did not write, launch the buckets
+        not launched yet; in the window's last one, ``written`` becomes the window's (for the stats)."""
+        written = hooks.written
+        self.window_used = [u or w for u, w in zip(self.window_used, written)]
+        for i, w in enumerate(written):
+            if not w:
+                main_grad.flat_views[i].zero_()
+        if not armed:
+            self.reducer.begin()
+        self.reducer.flush()
+        if last:
+            hooks.set_all_written(self.window_used)
+
+    def end_partial_window(self, hooks) -> None:
+        """Stage 2, ``step(force=True)``: complete the last reductions; ``written`` becomes the window's."""
+        self.reducer.wait()
+        hooks.set_all_written(self.window_used)
