@@ -162,14 +162,18 @@ class Adaptive:
     (the device then still has that window queued, so it never idles); the value is the same on every rank,
     which every rank needs to agree on K.
 
-    k_min, k_max: ints >= 1, ``k_min <= k_max``. every: int >= 1, updates between two changes of K. initial: K of
+    k_min, k_max: ints >= 1, ``k_min <= k_max``; on one rank ``k_min >= 2``: a window of one micro-batch on one rank
+    has no small batch besides the big one, so nothing would be measured and K would stay at 1 for good.
+    every: int >= 1, updates between two changes of K. initial: K of
     the first windows (before an estimate can be read), in ``[k_min, k_max]``; ``k_min`` by default.
     world_size: the accumulator's ranks (int >= 1).
     lr_rule: None, or ``"linear"`` / ``"sqrt"``: when K changes from K0 to K1, each param group's ``"lr"`` of
         ``optimizer`` is multiplied by ``gaengine.scale_lr(1, K0, K1, lr_rule)`` (the effective batch moves by
         K1 / K0). LR schedulers that compute from the current ``lr`` (StepLR, ExponentialLR, MultiStepLR, ...)
-        keep the factor; those that recompute from their own ``base_lrs`` (LambdaLR, OneCycleLR) overwrite it.
+        keep the factor; those that recompute from their own ``base_lrs`` (LambdaLR, OneCycleLR) need it there
+        too: pass them as ``lr_scheduler``.
     optimizer: the ``torch.optim.Optimizer`` whose learning rate moves (required with ``lr_rule``).
+    lr_scheduler: None, or a torch LR scheduler over ``optimizer`` whose ``base_lrs`` move by the same factor.
 
     Raises ``ValueError`` naming the field. State (``state_dict()``): K, when it last changed, and the readings,
     so a resumed run takes the same K in every window.
@@ -182,6 +186,7 @@ class Adaptive:
     world_size: int = 1
     lr_rule: str | None = None
     optimizer: Any = None
+    lr_scheduler: Any = None
     needs_noise_scale = True  # GradientAccumulator refuses this schedule without measure_noise_scale=True
 
     def __post_init__(self) -> None:
@@ -189,6 +194,9 @@ class Adaptive:
         _positive_int("k_max", self.k_max)
         if self.k_min > self.k_max:
             raise ValueError(f"k_min must be <= k_max, got k_min={self.k_min} > k_max={self.k_max}")
+        if self.k_min == 1 and self.world_size == 1:
+            raise ValueError("k_min must be >= 2 on one rank (world_size=1): a window of one micro-batch on one rank "
+                             "cannot measure the noise scale (no small batch besides the big one), so K would stay 1")
         _positive_int("every", self.every)
         _positive_int("world_size", self.world_size)
         if self.initial is None:
@@ -263,6 +271,8 @@ class Adaptive:
                             group["lr"].mul_(factor)
                         else:
                             group["lr"] *= factor
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.base_lrs = [lr * factor for lr in self.lr_scheduler.base_lrs]
                 self.k, self._changed_at = k, update_index
         self._asked = (update_index, self.k)
         return self.k

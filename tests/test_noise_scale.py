@@ -373,7 +373,7 @@ def test_no_host_sync_with_the_noise_scale_and_the_adaptive_schedule():
     for mode in ("mean", "items-tensor", "items-int"):
         model = _model()
         acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                                           accumulation_steps=Adaptive(k_min=1, k_max=8, initial=3),
+                                           accumulation_steps=Adaptive(k_min=2, k_max=8, initial=3),
                                            max_grad_norm=1.0, measure_noise_scale=True)
         for w in range(5):
             for k in range(acc.accumulation_steps):
@@ -399,7 +399,7 @@ def _adaptive_run(noise: float, offset: float, windows: int = 12, every: int = 2
         model.bias.fill_(0.5)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    schedule = Adaptive(k_min=1, k_max=16, every=every, initial=4, lr_rule=lr_rule,
+    schedule = Adaptive(k_min=2, k_max=16, every=every, initial=4, lr_rule=lr_rule,
                         optimizer=opt if lr_rule else None)
     acc = gaengine.GradientAccumulator(model, None if check_exact else opt, accumulation_steps=schedule,
                                        max_grad_norm=None, measure_noise_scale=True, micro_batch_size=MBS)
@@ -432,7 +432,7 @@ def _adaptive_run(noise: float, offset: float, windows: int = 12, every: int = 2
 def test_adaptive_moves_k_down_on_a_low_noise_problem():
     """No label noise, far from the optimum: B_simple ~ D + 1 samples, under one micro-batch of 8: K -> k_min."""
     ks, _ = _adaptive_run(noise=0.0, offset=3.0)
-    assert ks[0] == 4 and ks[-1] == 1 and ks == sorted(ks, reverse=True), ks
+    assert ks[0] == 4 and ks[-1] == 2 and ks == sorted(ks, reverse=True), ks
 
 
 def test_adaptive_moves_k_up_on_a_high_noise_problem_and_every_window_is_exact():
@@ -458,7 +458,7 @@ def test_adaptive_resume_takes_the_same_k():
     """The schedule's position is in the accumulator's state: a run resumed at a window boundary picks the same K."""
     def build(state=None):
         model = _model()
-        sched = Adaptive(k_min=1, k_max=16, initial=4)
+        sched = Adaptive(k_min=2, k_max=16, initial=4)
         acc = gaengine.GradientAccumulator(model, None, accumulation_steps=sched, max_grad_norm=None,
                                            measure_noise_scale=True)
         if state is not None:
@@ -498,22 +498,24 @@ def test_bad_measure_flag_and_adaptive_without_measuring_are_refused():
     with pytest.raises(ValueError, match="measure_noise_scale must be True or False"):
         gaengine.GradientAccumulator(_model(), None, measure_noise_scale="yes")
     with pytest.raises(ValueError, match="measure_noise_scale=True"):
-        gaengine.GradientAccumulator(_model(), None, accumulation_steps=Adaptive(k_min=1, k_max=4))
+        gaengine.GradientAccumulator(_model(), None, accumulation_steps=Adaptive(k_min=2, k_max=4))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(k_min=4, k_max=2), "k_min must be <= k_max"),
     (dict(k_min=0, k_max=2), "k_min must be an int >= 1"),
-    (dict(k_min=1, k_max=2.5), "k_max must be an int >= 1"),
-    (dict(k_min=1, k_max=4, every=0), "every must be an int >= 1"),
+    (dict(k_min=2, k_max=2.5), "k_max must be an int >= 1"),
+    (dict(k_min=2, k_max=4, every=0), "every must be an int >= 1"),
+    (dict(k_min=1, k_max=4), "k_min must be >= 2 on one rank"),
     (dict(k_min=2, k_max=4, initial=1), r"initial must be in \[k_min, k_max\]"),
     (dict(k_min=1, k_max=4, world_size=0), "world_size must be an int >= 1"),
-    (dict(k_min=1, k_max=4, lr_rule="cubic", optimizer=None), "lr_rule must be None or one of"),
-    (dict(k_min=1, k_max=4, lr_rule="linear"), "pass optimizer="),
+    (dict(k_min=2, k_max=4, lr_rule="cubic", optimizer=None), "lr_rule must be None or one of"),
+    (dict(k_min=2, k_max=4, lr_rule="linear"), "pass optimizer="),
 ])
 def test_adaptive_refuses_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Adaptive(**kwargs)
+    assert Adaptive(k_min=1, k_max=4, world_size=2).k == 1  # two ranks: two small batches even at K = 1
 
 
 def test_resume_with_another_ema_is_refused():
