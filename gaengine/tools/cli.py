@@ -133,6 +133,11 @@ def _add_train_parser(subparsers) -> None:
     g.add_argument("--auto-micro-batch", action="store_true",
                    help="on an out-of-memory error, drop the window, halve the micro-batch and double the "
                         "accumulation steps (same effective batch); single process only")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=d.zero_stage,
+                   help="under torchrun: 1 shards the fp32 master weights and AdamW state over the ranks (12/d "
+                        "instead of 12 B/param, the same communication as 0: a reduce-scatter in the last micro-batch "
+                        "and an all-gather of the parameters); 2 also shards the fp32 gradient sum (4/d B/param) "
+                        "at the price of a reduce-scatter every micro-batch; 0: every rank holds everything")
     g.add_argument("--dist-timeout", type=_positive_float, default=600.0,
                    help="under torchrun: seconds a rank waits for the others before failing (process group timeout)")
     p.set_defaults(func=_cmd_train)
@@ -426,6 +431,7 @@ def _train(args: argparse.Namespace, threads: str) -> int:
             device=device,
             backend=args.backend,
             master_weights=args.master_weights,
+            zero_stage=args.zero_stage,
             seed=args.seed,
             eval_interval=args.eval_interval,
             eval_batches=args.eval_batches,

@@ -104,6 +104,9 @@ class TrainConfig:
     """``cpu`` or ``cuda``."""
     backend: str = "auto"
     """gaengine backend: ``auto`` | ``torch`` | ``cpu`` | ``triton``."""
+    zero_stage: int = 0
+    """gaengine's ``zero_stage`` (0, 1 or 2): under torchrun, shard the fp32 master weights and the AdamW state over
+    the ranks (1), and the fp32 gradient sum too (2); one process shards nothing."""
     master_weights: bool = True
     """gaengine keeps fp32 master weights (and fp32 AdamW state) for bf16/fp16 parameters; False: AdamW updates
     the low-precision parameters in place with its state in their dtype (8 instead of 16 B/param)."""
@@ -124,6 +127,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_interval < 0 or self.warmup_steps < 0:
             raise ValueError(f"eval_interval and warmup_steps must be >= 0, got {self.eval_interval}, {self.warmup_steps}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -339,6 +344,7 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
             backend=config.backend,
             micro_batch_size=config.micro_batch_size,
             master_weights=config.master_weights,
+            zero_stage=config.zero_stage,
         )
 
         def update(next_micro_batch):
