@@ -546,12 +546,18 @@ class GradientAccumulator:
                                           self._window_items(), self.process_group,
                                           extra=None if self._noise is None else self._noise_terms())
 
+    def _window_sources(self) -> torch.Tensor | None:
+        """``(k,)`` fp32 on the device: the source norms of the window's micro-batches so far, those of a window saved
+        mid-window first (the hooks' ``window_source_sumsq()`` holds only the ones since the resume)."""
+        rows = self.hooks.window_source_sumsq()
+        if self._noise_carry is not None:
+            rows = self._noise_carry if rows is None or rows.numel() == 0 else torch.cat([self._noise_carry, rows])
+        return rows
+
     def _noise_terms(self) -> torch.Tensor:
         """This rank's small-batch terms of the window (``NoiseScale.small_batch_terms``): (3,) fp64 on the device,
         from the hooks' source norms (one reduction, once per window) and the items of each micro-batch."""
-        rows = self.hooks.window_source_sumsq()
-        if self._noise_carry is not None:  # the micro-batches of a window saved mid-window, before the resume
-            rows = self._noise_carry if rows is None or rows.numel() == 0 else torch.cat([self._noise_carry, rows])
+        rows = self._window_sources()
         if rows is None or rows.numel() != self._num_micro_batches:
             raise RuntimeError(
                 f"gaengine: the hooks measured {0 if rows is None else rows.numel()} micro-batch gradient norms for "
@@ -810,11 +816,7 @@ class GradientAccumulator:
 
     def _noise_state(self) -> dict:
         """The noise scale's averages and, mid-window, the source norms and sizes of the micro-batches so far."""
-        rows = None
-        if self._num_micro_batches:
-            rows = self.hooks.window_source_sumsq()
-            if self._noise_carry is not None:
-                rows = self._noise_carry if rows is None or rows.numel() == 0 else torch.cat([self._noise_carry, rows])
+        rows = self._window_sources() if self._num_micro_batches else None
         return {**self._noise.state_dict(), "sources": None if rows is None else rows.detach().cpu().clone(),
                 "sizes": [float(s) for s in self._noise_sizes]}
 

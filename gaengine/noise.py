@@ -20,7 +20,9 @@ and ``N = sum_k n_k`` over the window and all ranks (M micro-batches in all, tho
 
 Since ``E|g_k|^2 = |G|^2 + tr(Sigma) / n_k`` and ``E|G_big|^2 = |G|^2 + tr(Sigma) / N``, both are unbiased for any
 micro-batch sizes; with equal sizes (``n_k = B_small``, ``N = B_big``) they are eqs. A.2-A.3 with the mean over the
-window's micro-batches as the small-batch estimate. A window of one micro-batch on one rank has no small batch
+window's micro-batches as the small-batch estimate. With ``zero_stage`` 1 or 2 every norm is there as
+without sharding: each rank's micro-batch norms are taken as the hooks accumulate them, before any reduce-scatter,
+and the window's norm comes from the shards. A window of one micro-batch on one rank has no small batch
 apart from the big one (the denominator is 0): it leaves the averages unchanged, as does a skipped window (a
 non-finite gradient) and one whose source norms are unknown (NaN rows, see ``Hooks.window_source_sumsq``).
 

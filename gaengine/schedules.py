@@ -225,11 +225,12 @@ class Adaptive:
         gns = result.grad_noise_scale
         if gns is None:
             raise ValueError("Adaptive needs GradientAccumulator(..., measure_noise_scale=True)")
-        if result.num_items is None:
-            per_micro_batch = torch.ones((), dtype=torch.float32, device=gns.device)
-        else:
-            items = torch.as_tensor(result.num_items, dtype=torch.float32, device=gns.device)
-            per_micro_batch = items / float(result.num_micro_batches * self.world_size)
+        micro_batches = float(result.num_micro_batches * self.world_size)
+        if isinstance(result.num_items, torch.Tensor):
+            per_micro_batch = result.num_items.to(gns.device, torch.float32) / micro_batches
+        else:  # a fill on the device (mean mode: one sample per micro-batch), no host-to-device copy
+            items = micro_batches if result.num_items is None else float(result.num_items)
+            per_micro_batch = torch.full((), items / micro_batches, dtype=torch.float32, device=gns.device)
         slot = self._observed % 2
         self._slots[slot].copy_(torch.stack([gns.float(), per_micro_batch]), non_blocking=True)
         if gns.is_cuda:
