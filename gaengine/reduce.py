@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gaengine.bucket import build_buckets
+from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
 __all__ = ["BucketReducer", "WindowStats", "broadcast_from_first_rank", "launch_window_stats", "wait_for",
@@ -39,12 +39,14 @@ class BucketReducer:
     reduced values are written back into the fp32 buffer). group: the process group (None: the default).
     """
 
+    collective = "all-reduce"  # what wait() names in its errors
+
     def __init__(self, data: torch.Tensor, layout: FlatLayout, bucket_size_mb: float, reduce_dtype: torch.dtype,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, buckets: list[Bucket] | None = None) -> None:
         self.data = data
         self.reduce_dtype = reduce_dtype
         self.group = group
-        self.buckets = build_buckets(layout, bucket_size_mb)
+        self.buckets = build_buckets(layout, bucket_size_mb) if buckets is None else buckets
         self.bucket_of = [b.index for b in self.buckets for _ in range(b.first, b.last)]
         self.next_to_launch = len(self.buckets)
         self.launch_log: list[tuple[int, float]] = []  # (bucket index, time.perf_counter()) of the current window
@@ -80,13 +82,22 @@ class BucketReducer:
     def _launch_in_order(self) -> None:
         while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].ready:
             b = self.buckets[self.next_to_launch]
-            view = self.data[b.start:b.end]
-            b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
-            b.work = dist.all_reduce(b.wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._launch(b)
             b.launched_at = time.perf_counter()
             self.launch_log.append((b.index, b.launched_at))
             self.collectives_issued += 1
             self.next_to_launch += 1
+
+    def _launch(self, b: Bucket) -> None:
+        """Start bucket ``b``'s collective: ``b.wire`` (the bucket, in ``reduce_dtype``) and ``b.work``."""
+        view = self.data[b.start:b.end]
+        b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
+        b.work = dist.all_reduce(b.wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _finish(self, b: Bucket) -> None:
+        """Bucket ``b``'s collective completed: its result into ``data`` (fp32) when the wire was narrower."""
+        if b.wire is not None and b.wire.dtype != self.data.dtype:
+            self.data[b.start:b.end].copy_(b.wire)
 
     def drain(self) -> None:
         """Drop the window (``zero_grad()`` after a failed last micro-batch): wait for the all-reduces already
@@ -103,9 +114,8 @@ class BucketReducer:
         for b in self.buckets:
             if b.work is None:
                 continue
-            wait_for(b.work, f"all-reduce of gradient bucket {b.index} ({b.end - b.start} elements)")
-            if b.wire is not None and b.wire.dtype != self.data.dtype:
-                self.data[b.start:b.end].copy_(b.wire)
+            wait_for(b.work, f"{self.collective} of gradient bucket {b.index} ({b.end - b.start} elements)")
+            self._finish(b)
             b.work = b.wire = None
 
 

@@ -27,7 +27,7 @@ from torch.autograd.graph import increment_version
 
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["MasterWeights", "apply_update", "expose_grads", "fused_optimizer"]
+__all__ = ["MasterWeights", "apply_update", "expose_grads", "fused_optimizer", "step_optimizer", "step_scheduler"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -194,23 +194,7 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
         else:  # a low-precision param without a master gets a rounded copy, freed after the step
             target.grad = view if target.dtype == torch.float32 else view.to(target.dtype)
     try:
-        if fused:
-            # The fused kernels divide each gradient by grad_scale and skip everything (step counts
-            # included) when found_inf is set: normalization + clipping + skip at no extra pass or sync.
-            if not scaled:
-                optimizer.grad_scale = coef.reciprocal()
-            optimizer.found_inf = skipped.to(torch.float32)
-            try:
-                optimizer.step()
-            finally:
-                if not scaled:
-                    del optimizer.grad_scale
-                del optimizer.found_inf
-            applied = None
-        else:
-            applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
-            if applied:
-                optimizer.step()
+        applied = step_optimizer(optimizer, coef, skipped, scaled)
     finally:
         for p in fp32_params:
             p.grad = None
@@ -224,11 +208,46 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
         # A skipped update left the masters unchanged, and the model already holds their rounding:
         # copying unconditionally is bit-identical and needs no host read of the skip flag.
         masters.copy_to_model()
-    if lr_scheduler is not None:
-        if applied is None:
-            applied = not bool(skipped)  # host read: the scheduler runs on the host
+    step_scheduler(lr_scheduler, applied, skipped)
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer, coef: torch.Tensor, skipped: torch.Tensor,
+                   scaled: bool) -> bool | None:
+    """``optimizer.step()`` on the gradients in place, with normalization x clipping ``coef`` and the skip flag.
+
+    coef: 0-d fp32, skipped: 0-d bool, on the device. scaled: the gradients were already multiplied by ``coef``.
+    A fused optimizer (``fused_optimizer``) takes ``1 / coef`` as ``grad_scale`` (unless ``scaled``) and the skip as
+    ``found_inf``: no pass, no host sync, and None is returned (decided on the device). Any other optimizer reads
+    the skip flag on the host and steps only when it is False; returns whether it stepped.
+    """
+    if not fused_optimizer(optimizer):
+        applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
         if applied:
-            lr_scheduler.step()
+            optimizer.step()
+        return applied
+    # The fused kernels divide each gradient by grad_scale and skip everything (step counts included) when
+    # found_inf is set: normalization + clipping + skip at no extra pass or sync.
+    if not scaled:
+        optimizer.grad_scale = coef.reciprocal()
+    optimizer.found_inf = skipped.to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        if not scaled:
+            del optimizer.grad_scale
+        del optimizer.found_inf
+    return None
+
+
+def step_scheduler(lr_scheduler, applied: bool | None, skipped: torch.Tensor) -> None:
+    """Step ``lr_scheduler`` (or nothing for None) when the update was applied: ``applied`` as ``step_optimizer``
+    returned it, or None, then one host read of ``skipped`` (the scheduler runs on the host)."""
+    if lr_scheduler is None:
+        return
+    if applied is None:
+        applied = not bool(skipped)  # host read: the scheduler runs on the host
+    if applied:
+        lr_scheduler.step()
 
 
 def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int]) -> None:

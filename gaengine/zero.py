@@ -60,7 +60,6 @@ A world of one accepts ``zero_stage`` and shards nothing (stage 0).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,8 +70,8 @@ from torch.autograd.graph import increment_version
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.norm import window_norm
-from gaengine.reduce import wait_for, wait_quietly
-from gaengine.update import fused_optimizer
+from gaengine.reduce import BucketReducer, wait_for, wait_quietly
+from gaengine.update import fused_optimizer, step_optimizer, step_scheduler
 
 __all__ = ["ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
 
@@ -244,105 +243,59 @@ def _all_gather(output: torch.Tensor, inp: torch.Tensor, group) -> object:
     return fn(output, inp, group=group, async_op=True)
 
 
-class ShardReducer:
-    """The reduce-scatter of ``main_grad``'s buckets: ``gaengine.reduce.BucketReducer``'s interface (``begin``,
-    ``bucket_ready``, ``flush``, ``wait``, ``drain``), with rank ``rank``'s range of each bucket receiving the sum.
+class ShardReducer(BucketReducer):
+    """The reduce-scatter of ``main_grad``'s buckets: ``gaengine.reduce.BucketReducer`` (the same launch order,
+    readiness and waits) with rank ``rank``'s range of each bucket receiving the sum.
 
     data: ``(layout.total_numel,)`` fp32 main_grad (stage 1: the window's sums; stage 2: one micro-batch's
     gradients, a staging buffer). shard: the ``ShardLayout``. reduce_dtype: fp32, or bf16/fp16 on the wire (the
     bucket is rounded once, reduce-scattered in place in that dtype, and the rank's range written back in fp32).
     grad_shard: stage 2's ``(shard_numel,)`` fp32 gradient shard, into which ``wait()`` adds (or, for a bucket
     launched with ``overwrite``, writes) the rank's reduced range; None at stage 1, where the reduced range stays
-    in ``data`` (in place). Buckets launch strictly in index order on every rank.
+    in ``data`` (in place).
     """
+
+    collective = "reduce-scatter"
 
     def __init__(self, data: torch.Tensor, shard: ShardLayout, rank: int, reduce_dtype: torch.dtype, group,
                  grad_shard: torch.Tensor | None = None) -> None:
-        self.data = data
+        super().__init__(data, shard.layout, 0.0, reduce_dtype, group, buckets=shard.hook_buckets())
         self.shard = shard
         self.rank = rank
-        self.reduce_dtype = reduce_dtype
-        self.group = group
         self.grad_shard = grad_shard
-        self.buckets = shard.hook_buckets()
-        self.bucket_of = [b.index for b in self.buckets for _ in range(b.first, b.last)]
-        self.next_to_launch = len(self.buckets)
-        self.launch_log: list[tuple[int, float]] = []
-        self.backward_end_time: float | None = None
-        self.collectives_issued = 0
-        self.bytes_sent = 0  # input bytes handed to reduce-scatter (for tests and the bench)
         self.overwrite = True  # stage 2: the launches of the window's first micro-batch write the shard
         self._overwrite_of: list[bool] = [True] * len(self.buckets)
 
     def begin(self) -> None:
         """Arm for a micro-batch that reduces (stage 1: the window's last; stage 2: every one). The previous
         micro-batch's reductions must be complete (``wait()``)."""
-        for b in self.buckets:
-            if b.work is not None:
-                raise RuntimeError("gaengine: a reduce-scatter of the previous micro-batch is still pending (a bug)")
-            b.ready = False
-            b.wire = b.launched_at = None
-        self.next_to_launch = 0
-        self.launch_log = []
-        self.backward_end_time = None
+        if any(b.work is not None for b in self.buckets):
+            raise RuntimeError("gaengine: a reduce-scatter of the previous micro-batch is still pending (a bug)")
+        super().begin()
 
-    @property
-    def armed(self) -> bool:
-        return self.next_to_launch < len(self.buckets)
+    def _rank_slice(self, b: Bucket) -> slice:
+        n = self.shard.buckets[b.index].shard_numel
+        return slice(self.rank * n, (self.rank + 1) * n)
 
-    def bucket_ready(self, b: int) -> None:
-        self.buckets[b].ready = True
-        self._launch_in_order()
+    def _launch(self, b: Bucket) -> None:
+        view = self.data[b.start:b.end]
+        b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
+        b.work = _reduce_scatter(b.wire[self._rank_slice(b)], b.wire, self.group)  # in place
+        self._overwrite_of[b.index] = self.overwrite
 
-    def flush(self) -> None:
-        self.backward_end_time = time.perf_counter()
-        for b in self.buckets[self.next_to_launch:]:
-            b.ready = True
-        self._launch_in_order()
-
-    def _launch_in_order(self) -> None:
-        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].ready:
-            b = self.buckets[self.next_to_launch]
+    def _finish(self, b: Bucket) -> None:
+        """The rank's reduced range back into ``data`` in fp32 (stage 1, when the wire is bf16/fp16), or into
+        ``grad_shard`` (stage 2: written by the window's first micro-batch, added by the others)."""
+        reduced = b.wire[self._rank_slice(b)]
+        if self.grad_shard is not None:
             sb = self.shard.buckets[b.index]
-            view = self.data[b.start:b.end]
-            b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
-            lo = self.rank * sb.shard_numel
-            b.work = _reduce_scatter(b.wire[lo:lo + sb.shard_numel], b.wire, self.group)
-            b.launched_at = time.perf_counter()
-            self._overwrite_of[b.index] = self.overwrite
-            self.launch_log.append((b.index, b.launched_at))
-            self.collectives_issued += 1
-            self.bytes_sent += b.wire.numel() * b.wire.element_size()
-            self.next_to_launch += 1
-
-    def drain(self) -> None:
-        """Drop the micro-batch: wait for what was launched, ignoring errors, and launch nothing more."""
-        for b in self.buckets:
-            if b.work is not None:
-                wait_quietly(b.work)
-            b.work = b.wire = None
-        self.next_to_launch = len(self.buckets)
-
-    def wait(self) -> None:
-        """Wait for every launched bucket and put the rank's reduced range in place: back into ``data`` in fp32
-        (stage 1, when the wire is bf16/fp16), or into ``grad_shard`` (stage 2: written by the window's first
-        micro-batch, added by the others; fp32 accumulation)."""
-        for b in self.buckets:
-            if b.work is None:
-                continue
-            sb = self.shard.buckets[b.index]
-            wait_for(b.work, f"reduce-scatter of gradient bucket {b.index} ({b.end - b.start} elements)")
-            lo = self.rank * sb.shard_numel
-            reduced = b.wire[lo:lo + sb.shard_numel]
-            if self.grad_shard is not None:
-                dst = self.grad_shard[sb.shard_offset:sb.shard_offset + sb.shard_numel]
-                if self._overwrite_of[b.index]:
-                    dst.copy_(reduced)
-                else:
-                    dst.add_(reduced)
-            elif b.wire.dtype != self.data.dtype:
-                self.data[b.start + lo:b.start + lo + sb.shard_numel].copy_(reduced)
-            b.work = b.wire = None
+            dst = self.grad_shard[sb.shard_offset:sb.shard_offset + sb.shard_numel]
+            if self._overwrite_of[b.index]:
+                dst.copy_(reduced)
+            else:
+                dst.add_(reduced)
+        elif b.wire.dtype != self.data.dtype:
+            self.data[b.start:b.end][self._rank_slice(b)].copy_(reduced)
 
 
 def check_zero_optimizer(optimizer, zero_stage: int) -> None:
@@ -523,21 +476,7 @@ class ShardedState:
                 piece.grad = view.to(piece.dtype)  # rounded once, at its final scale (normalize_before_rounding)
             with_grad.append(piece)
         try:
-            if fused:
-                if not scaled:
-                    optimizer.grad_scale = coef.reciprocal()
-                optimizer.found_inf = skipped.to(torch.float32)
-                try:
-                    optimizer.step()
-                finally:
-                    if not scaled:
-                        del optimizer.grad_scale
-                    del optimizer.found_inf
-                applied = None
-            else:
-                applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
-                if applied:
-                    optimizer.step()
+            applied = step_optimizer(optimizer, coef, skipped, scaled)
         finally:
             for piece in with_grad:
                 piece.grad = None
@@ -546,11 +485,7 @@ class ShardedState:
         if self.master_shards and not self.optimizer_writes_model:
             self._masters_to_model()  # unconditional: a skipped update copies back the same rounding
         self.launch_gathers()
-        if lr_scheduler is not None:
-            if applied is None:
-                applied = not bool(skipped)  # host read: the scheduler runs on the host
-            if applied:
-                lr_scheduler.step()
+        step_scheduler(lr_scheduler, applied, skipped)
 
     def _masters_to_model(self) -> None:
         with torch.no_grad():

@@ -194,10 +194,12 @@ SCENARIOS = {"equivalence": _scenario_equivalence, "items_unused": _scenario_ite
 
 
 def _worker(rank, world, init_file, scenario, out, timeout_s):
+    """One rank: ``scenario`` (a name in ``SCENARIOS``, or a picklable callable ``(rank, world, out) -> result``, as
+    other test files pass theirs) runs in a gloo group; its result is saved for the test to load."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        result = SCENARIOS[scenario](rank, world, out)
+        result = (SCENARIOS[scenario] if isinstance(scenario, str) else scenario)(rank, world, out)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         if scenario == "rank_fails":
             # A gloo group whose peer is gone cannot be torn down cleanly (its threads abort at exit).

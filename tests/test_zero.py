@@ -10,23 +10,21 @@ file stays fast on two cores.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
+import functools
 import math
 import os
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gaengine
 import gaengine.optim
 from gaengine.zero import ShardLayout, pad_unit, zero_order
 from tests.test_distributed import Net
+from tests.test_distributed import _launch as launch_ranks
+from tests.test_update_path import _forbid_host_reads
 from tests.tolerances import RTOL, rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -152,27 +150,6 @@ def _scenario_configs(rank, world, names):
     return {name: _run_config(rank, world, _cfg(name)) for name in names}
 
 
-_SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__", "numpy")
-
-
-@contextlib.contextmanager
-def _forbid_host_reads():
-    saved = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
-
-    def make(name):
-        def forbidden(self, *args, **kwargs):
-            raise AssertionError(f"host read Tensor.{name}() on the hot path")
-        return forbidden
-
-    for name in _SYNC_METHODS:
-        setattr(torch.Tensor, name, make(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
 class _Flat(nn.Module):
     """Parameters whose sizes are multiples of lcm(8 d, 128) for d = 2, 3, 4: no bucket padding, so the bytes of
     stage 0 and stage 1 compare exactly."""
@@ -250,36 +227,15 @@ def _scenario_bytes_and_syncs(rank, world, names):
     return out
 
 
-SCENARIOS = {"configs": _scenario_configs, "bytes": _scenario_bytes_and_syncs}
+def _launch(tmp_path, world, scenario, arg=None):
+    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (tests.test_distributed's harness); every rank's result."""
+    codes, results = launch_ranks(tmp_path, world, functools.partial(_with_arg, scenario, arg), join_s=240)
+    assert codes == [0] * world, f"{scenario.__name__}: a rank failed (see the captured stderr)"
+    return results
 
 
-def _worker(rank, world, init_file, scenario, arg, out, timeout_s):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        torch.save(SCENARIOS[scenario](rank, world, arg), os.path.join(out, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(tmp_path, world, scenario, arg, timeout_s=60, join_s=240):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), scenario, arg, str(tmp_path),
-                                               timeout_s)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{scenario}: {len(alive)} rank(s) hung"
-    assert [p.exitcode for p in procs] == [0] * world, f"{scenario}: a rank failed (see the captured stderr)"
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+def _with_arg(scenario, arg, rank, world, out):
+    return scenario(rank, world, arg)
 
 
 # ---------------------------------------------------------------- the reference: plain recipe, one process
@@ -375,14 +331,14 @@ def _check_config(results, world, name):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_stages_match_one_process(tmp_path, world):
     names = WORLD_CONFIGS[world]
-    results = _launch(tmp_path, world, "configs", names)
+    results = _launch(tmp_path, world, _scenario_configs, names)
     for name in names:
         _check_config(results, world, name)
 
 
 def test_bytes_per_window_and_no_host_sync(tmp_path):
     world = 2
-    results = _launch(tmp_path, world, "bytes", None)
+    results = _launch(tmp_path, world, _scenario_bytes_and_syncs)
     for res in results:
         for dtype in ("torch.float32", "torch.bfloat16"):
             s0, s1, s2 = (res[(dtype, s)] for s in (0, 1, 2))
