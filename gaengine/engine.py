@@ -786,7 +786,31 @@ class GradientAccumulator:
         Plain tensors (copied to CPU) and Python scalars: save with ``torch.save`` and load with
         ``torch.load(..., weights_only=True)``. Save the model's and the optimizer's state dicts beside it
         (the optimizer holds the master parameters after construction, so its own state dict covers them).
+
+        At ``zero_stage >= 1`` (on any number of ranks) it also holds the optimizer's state, the master weights,
+        the param groups' hyper-parameters and the ``lr_scheduler``, as ``gaengine.checkpoint.zero_state_dict``
+        builds them for ``torch.distributed.checkpoint``: every rank calls it, and the model's and the
+        accumulator's state dicts are then all a checkpoint needs::
+
+            state = {"model": model.state_dict(), "acc": acc.state_dict()}
+            dcp.save(state, checkpoint_id=path)
+            # later, after building model, optimizer and accumulator again (any world size):
+            state = {"model": model.state_dict(), "acc": acc.state_dict()}
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"]); acc.load_state_dict(state["acc"])
+
+        A state saved between windows loads on any world size and ``zero_stage >= 1``; one saved mid-window only
+        on the same ones. Raises ``RuntimeError`` between the window's last ``backward`` and ``step()``.
         """
+        if self.zero_stage:
+            from gaengine.checkpoint import zero_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+            return zero_state_dict(self)
+        return {**self._state_scalars(), "main_grad": self.main_grad.data.detach().cpu().clone(),
+                "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone()}
+
+    def _state_scalars(self) -> dict:
+        """``state_dict()`` without the buffers (``main_grad``, ``master``): this rank's counters and small state."""
         reg = {id(p): i for i, p in enumerate(self._registration)}
         return {
             "format": self._FORMAT,
@@ -796,7 +820,6 @@ class GradientAccumulator:
             "world_size": self.world_size,
             "layout_order": [reg[id(p)] for p in self.params],
             "arrival": self.hooks.arrival,
-            "main_grad": self.main_grad.data.detach().cpu().clone(),
             "written": self.hooks.written,
             "expected_arrivals": self.hooks.expected_arrivals,
             "num_micro_batches": self._num_micro_batches,
@@ -805,7 +828,6 @@ class GradientAccumulator:
             "items_dev": None if self._items_dev is None else self._items_dev.detach().cpu().clone(),
             "loss_sum": self._loss_sum.detach().cpu().clone(),
             "failed_backward": self._failed_backward,
-            "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "consecutive_skips": self._consecutive_skips,
             "update_index": self._update_index,
@@ -821,7 +843,14 @@ class GradientAccumulator:
                 "sizes": [float(s) for s in self._noise_sizes]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a ``state_dict()``; raises ``ValueError`` (changing nothing) if it was made for other parameters."""
+        """Restore a ``state_dict()``; raises ``ValueError`` (changing nothing) if it was made for other parameters
+        (at ``zero_stage >= 1``: ``gaengine.checkpoint.load_zero_state_dict``, also for a state saved mid-window on
+        another world size, naming both)."""
+        if self.zero_stage:
+            from gaengine.checkpoint import load_zero_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+            load_zero_state_dict(self, state)
+            return
         if not isinstance(state, dict) or state.get("format") != self._FORMAT:
             raise ValueError(f"state is not a {self._FORMAT} state dict")
         shapes = [list(p.shape) for p in self._registration]
@@ -837,15 +866,7 @@ class GradientAccumulator:
         if (state["master"] is None) != (self.master_buffer is None) or (
                 self.master_buffer is not None and state["master"].numel() != self.master_buffer.data.numel()):
             raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
-        if (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
-        noise_state = state.get("noise_scale")
-        if self._noise is not None and noise_state is not None and float(noise_state["ema"]) != self._noise.ema:
-            raise ValueError(f"state was saved with noise_scale_ema={noise_state['ema']}, this accumulator has "
-                             f"{self._noise.ema}: build it with the same noise_scale_ema to resume the averages")
-        if self._noise is not None and noise_state is None and int(state["num_micro_batches"]):
-            raise ValueError("state was saved mid-window without measure_noise_scale, so the norms of its micro-batches "
-                             "are unknown: resume it without measure_noise_scale, or from a state saved between windows")
+        self._check_state_scalars(state)
         order = [self._registration[i] for i in state["layout_order"]]
         if [id(p) for p in order] != [id(p) for p in self.params]:
             self._set_layout(order)
@@ -856,6 +877,22 @@ class GradientAccumulator:
             if self.master_buffer is not None:
                 self.master_buffer.data.copy_(state["master"])
                 self._masters.copy_to_model()
+        self._load_state_scalars(state)
+
+    def _check_state_scalars(self, state: dict) -> None:
+        """The checks of ``load_state_dict`` on ``_state_scalars()``'s part (``ValueError``, nothing changed)."""
+        if (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
+        noise_state = state.get("noise_scale")
+        if self._noise is not None and noise_state is not None and float(noise_state["ema"]) != self._noise.ema:
+            raise ValueError(f"state was saved with noise_scale_ema={noise_state['ema']}, this accumulator has "
+                             f"{self._noise.ema}: build it with the same noise_scale_ema to resume the averages")
+        if self._noise is not None and noise_state is None and int(state["num_micro_batches"]):
+            raise ValueError("state was saved mid-window without measure_noise_scale, so the norms of its micro-batches "
+                             "are unknown: resume it without measure_noise_scale, or from a state saved between windows")
+
+    def _load_state_scalars(self, state: dict) -> None:
+        """Restore ``_state_scalars()``'s part (the layout and the buffers are restored before)."""
         if self._noise is not None:
             self.hooks.reset_window()  # no source norms of this accumulator's own window: the saved ones follow
         self.hooks.set_arrival(state["arrival"])

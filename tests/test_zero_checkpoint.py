@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+import gaengine
 from gaengine.checkpoint import FlatShard, Piece, gather_full, load_shard_state_dict, pieces_in_ranges, \
     shard_state_dict
+from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
 
@@ -59,7 +61,8 @@ def _rank_pieces(world: int, rank: int) -> tuple[int, list[Piece]]:
 
 
 # ---------------------------------------------------------------- worker side
-def _protocol(rank: int, world: int, path: str, mode: str) -> dict:
+def _protocol(rank: int, world: int, cfg: dict) -> dict:
+    path, mode = cfg["path"], cfg["mode"]
     shard_numel, pieces = _rank_pieces(world, rank)
     shard = torch.full((shard_numel,), float("nan"))  # poisoned: a piece left unwritten shows
     if mode == "save":
@@ -82,15 +85,71 @@ def _protocol(rank: int, world: int, path: str, mode: str) -> dict:
                                     group=dist.group.WORLD if world > 1 else None)}
 
 
-SCENARIOS = {"protocol": _protocol}
+# A training run saved and resumed: fp32 Net (tied embedding, an unused layer) over G global micro-batches per update,
+# rank r of W taking micro-batches r*K .. r*K+K-1 (K = G / W), so every world size trains on the same global batch.
+G, B, STEPS, MAX_NORM, LR = 6, 2, 3, 0.05, 1e-2
 
 
-def _worker(rank, world, init_file, scenario, path, mode, out):
+def _train_data():
+    g = torch.Generator().manual_seed(77)
+    return (torch.randint(0, 11, (STEPS, G * B, 5), generator=g), torch.randint(0, 11, (STEPS, G * B, 5), generator=g))
+
+
+def _build(stage, world):
+    from tests.test_distributed import Net  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=G // world, max_grad_norm=MAX_NORM,
+                                       lr_scheduler=sched, zero_stage=stage)
+    return model, opt, acc
+
+
+def _mean_loss(model, tokens, labels):
+    return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 11), labels.reshape(-1))
+
+
+def _train(rank: int, world: int, cfg: dict) -> dict:
+    """Train to the end, saving at cfg["saves"] = {(update, micro-batch): path}, or first loading cfg["load"]."""
+    model, _, acc = _build(cfg["stage"], world)
+    k_steps = G // world
+    if cfg.get("load"):
+        state = {"model": model.state_dict(), "acc": acc.state_dict()}
+        dcp.load(state, checkpoint_id=cfg["load"])
+        model.load_state_dict(state["model"])
+        try:
+            acc.load_state_dict(state["acc"])
+        except ValueError as exc:
+            if cfg.get("expect_refusal"):
+                return {"error": str(exc)}
+            raise
+    tokens, labels = _train_data()
+    saves = dict(cfg.get("saves", {}))
+    for update in range(acc._update_index, STEPS):
+        for k in range(acc.num_micro_batches, k_steps):
+            lo = (rank * k_steps + k) * B
+            acc.backward(_mean_loss(model, tokens[update, lo:lo + B], labels[update, lo:lo + B]))
+            if (update, k + 1) in saves and k + 1 < k_steps:
+                dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=saves[update, k + 1])
+        acc.step()
+        if (update + 1, 0) in saves:
+            dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=saves[update + 1, 0])
+    return {"params": {n: t.detach().clone() for n, t in model.state_dict().items()},
+            "optimizer": gaengine.full_optimizer_state_dict(acc),
+            "lr": acc.optimizer.param_groups[0]["lr"]}
+
+
+SCENARIOS = {"protocol": _protocol, "train": _train}
+
+
+def _worker(rank, world, init_file, scenario, cfg, out):
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
     try:
-        torch.save(SCENARIOS[scenario](rank, world, path, mode), os.path.join(out, f"{mode}{world}_rank{rank}.pt"))
+        torch.save(SCENARIOS[scenario](rank, world, cfg), os.path.join(out, f"rank{rank}.pt"))
     except BaseException:
         traceback.print_exc()
         raise
@@ -99,11 +158,11 @@ def _worker(rank, world, init_file, scenario, path, mode, out):
             dist.destroy_process_group()
 
 
-def _launch(tmp_path, world, scenario, mode, join_s=120):
-    path = str(tmp_path / "ckpt")
-    init = str(tmp_path / f"store_{mode}{world}")
+def _launch(tmp_path, world, scenario, cfg, join_s=180):
+    out = tmp_path / f"{scenario}_{world}_{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, init, scenario, path, mode, str(tmp_path)))
+    procs = [ctx.Process(target=_worker, args=(r, world, str(out / "store"), scenario, cfg, str(out)))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -113,9 +172,53 @@ def _launch(tmp_path, world, scenario, mode, join_s=120):
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, f"{scenario} {mode} on {world}: {len(alive)} rank(s) hung"
-    assert [p.exitcode for p in procs] == [0] * world, f"{scenario} {mode} on {world} failed (see stderr)"
-    return [torch.load(tmp_path / f"{mode}{world}_rank{r}.pt") for r in range(world)]
+    assert not alive, f"{scenario} on {world}: {len(alive)} rank(s) hung"
+    assert [p.exitcode for p in procs] == [0] * world, f"{scenario} on {world} failed (see stderr)"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _reference() -> tuple[dict, dict, float]:
+    """The plain recipe in one process: each global micro-batch's fp32 gradient summed, divided by G, clipped by
+    clip_grad_norm_, torch.optim.AdamW, StepLR; the final parameters, optimizer state dict and lr."""
+    from tests.test_distributed import Net  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    tokens, labels = _train_data()
+    for update in range(STEPS):
+        sums = [None] * len(params)
+        for m in range(G):
+            model.zero_grad(set_to_none=True)
+            _mean_loss(model, tokens[update, m * B:(m + 1) * B], labels[update, m * B:(m + 1) * B]).backward()
+            sums = [s if p.grad is None else p.grad.clone() if s is None else s + p.grad for s, p in zip(sums, params)]
+        for p, s in zip(params, sums):
+            p.grad = None if s is None else s / G
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        opt.step()
+        sched.step()
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}, opt.state_dict(), opt.param_groups[0]["lr"]
+
+
+def _check_against_reference(result: dict, reference: tuple, what: str) -> None:
+    from tests.test_distributed import Net  # noqa: PLC0415
+
+    ref_params, ref_opt, ref_lr = reference
+    assert result["lr"] == pytest.approx(ref_lr, rel=1e-12), what
+    for name, t in ref_params.items():
+        assert rel_diff(result["params"][name], t) <= 1e-5, f"{what}: parameter {name}"
+    # The export loads into torch.optim.AdamW over the unsharded model, and holds the reference's state.
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt.load_state_dict(result["optimizer"])
+    assert sorted(result["optimizer"]["state"]) == sorted(ref_opt["state"]), what  # unused parameters: no state
+    for i, ref_state in ref_opt["state"].items():
+        got = opt.state_dict()["state"][i]
+        assert float(got["step"]) == float(ref_state["step"]), f"{what}: step of parameter {i}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert rel_diff(got[key], ref_state[key]) <= 1e-5, f"{what}: {key} of parameter {i}"
 
 
 # ---------------------------------------------------------------- tests
@@ -134,9 +237,10 @@ def test_layout_cuts_parameters_and_covers_each_once():
 
 def test_dcp_save_on_two_ranks_loads_on_three_and_one(tmp_path):
     """Per-parameter FlatShards written by 2 ranks are read back exactly by 3 ranks and by 1 (and gathered whole)."""
-    _launch(tmp_path, 2, "protocol", "save")
+    path = str(tmp_path / "ckpt")
+    _launch(tmp_path, 2, "protocol", {"path": path, "mode": "save"})
     for world in (3, 1):
-        results = _launch(tmp_path, world, "protocol", "load")
+        results = _launch(tmp_path, world, "protocol", {"path": path, "mode": "load"})
         covered = [0] * len(NUMELS)
         for rank, res in enumerate(results):
             assert float(res["step"]) == 7.0
@@ -179,3 +283,25 @@ def test_flat_shard_refuses_torch_ops_and_pickling():
         torch.save(s, "/dev/null")
     with pytest.raises(ValueError, match="does not lie in"):
         FlatShard(torch.arange(3.0), 5, 4)
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["stage1", "stage2"])
+def test_zero_checkpoint_reshards_between_windows_and_resumes_mid_window(tmp_path, stage):
+    """Saved on 2 ranks between windows, a run continues on 3 ranks and on 1; saved mid-window, it continues on 2
+    and is refused on 3, naming both world sizes; every finished run (and the uninterrupted one that saved) matches
+    the plain recipe in one process within 1e-5, and gaengine.full_optimizer_state_dict loads into
+    torch.optim.AdamW with the reference's state."""
+    boundary, mid = str(tmp_path / "boundary"), str(tmp_path / "mid")
+    reference = _reference()
+    runs = {"uninterrupted on 2": _launch(tmp_path, 2, "train", {"stage": stage, "saves": {(1, 0): boundary,
+                                                                                            (1, 1): mid}})}
+    for world in (3, 1):
+        runs[f"between windows, 2 -> {world}"] = _launch(tmp_path, world, "train", {"stage": stage, "load": boundary})
+    runs["mid-window, 2 -> 2"] = _launch(tmp_path, 2, "train", {"stage": stage, "load": mid})
+    for what, results in runs.items():
+        for rank, result in enumerate(results):
+            _check_against_reference(result, reference, f"stage {stage}, {what}, rank {rank}")
+    refused = _launch(tmp_path, 3, "train", {"stage": stage, "load": mid, "expect_refusal": True})
+    for result in refused:
+        assert "saved mid-window" in result["error"] and "on 2 rank(s)" in result["error"], result
+        assert "this run has 3 rank(s)" in result["error"] and "between windows" in result["error"]
