@@ -77,7 +77,7 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     assert torch.get_num_threads() == _THREADS  # --threads holds for the run only
     tables = _tables(text)
     titles = [title for title, _, _ in tables]
-    assert len(tables) == 5, titles  # three kernels, host, e2e
+    assert len(tables) == 6, titles  # three kernels, host, e2e, memory
     for (title, header, body), name in zip(tables[:3], ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32")):
         assert title.startswith(f"{name}: 1,048,576 elements, ") and title.endswith(" B/element")
         assert header == KERNEL_HEADER
@@ -97,6 +97,9 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     for column in ("peak = ", "peak delta = ", "peak live = ", "state = ", "state B/param = "):
         assert column in note, column
     assert {"peak MiB", "peak delta MiB", "peak live MiB", "state MiB", "state B/param"} <= set(header)
+    title, header, body = tables[5]  # the memory table (tests/test_bench_memory.py checks its numbers)
+    assert title.startswith("memory: bytes per parameter per rank") and header[:2] == ["recipe", "d"]
+    assert [(row[0], row[1]) for row in body][:2] == [("plain", "1"), ("gaengine stage 0", "1")]
 
 
 def test_quick_ratios_say_when_they_are_noise(quick_run):
@@ -104,8 +107,8 @@ def test_quick_ratios_say_when_they_are_noise(quick_run):
     _, text, out = quick_run
     rows = json.loads((out / "r.json").read_text())["results"]
     cells = [row[-1] if header[-1].startswith("vs") else row[header.index("vs plain [p25-p75]")]
-             for _, header, body in _tables(text) if header[0] != "dtype" for row in body]
-    timed = [r for r in rows if not r["benchmark"].startswith("host")]
+             for _, header, body in _tables(text) if header[0] not in ("dtype", "recipe") for row in body]
+    timed = [r for r in rows if not r["benchmark"].startswith(("host", "memory"))]  # memory: bytes, no ratios
     assert len(cells) == len(timed)
     for cell, r in zip(cells, timed):
         assert cell == bench.ratio_text(r)
@@ -129,7 +132,7 @@ def test_quick_writes_json(quick_run):
     assert peak["bytes_per_element"] == 8 and peak["gb_s"] > 0
 
     rows = payload["results"]
-    kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host"))]
+    kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host", "memory"))]
     assert {r["benchmark"] for r in kernels} == {"accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32"}
     assert any(r["variant"] == "gaengine torch: accumulate_" for r in kernels)
     repeats = payload["params"]["repeats"]
@@ -150,6 +153,9 @@ def test_quick_writes_json(quick_run):
     assert all(r["ratio_rounds"] == payload["params"]["e2e"]["config"]["timed_updates"] for r in e2e.values())
     for r in e2e.values():
         assert r["tokens_per_s"] > 0 and r["peak_mib"] > 0 and r["state_mib"] > 0
+    memory_rows = [r for r in rows if r["benchmark"] == "memory"]  # --quick: d = 1, 2
+    assert {(r["variant"], r["world"]) for r in memory_rows} >= {("plain", 1), ("torch DDP", 2), ("gaengine stage 1", 2)}
+    assert payload["params"]["memory"]["numel"] > 0
 
 
 def test_e2e_same_start_and_exact_state_bytes(quick_run):

@@ -1,6 +1,6 @@
 """``gaengine bench``: the kernel, host-overhead and end-to-end benchmarks on one device, a table per benchmark.
 
-    gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale host e2e] [--quick] [--threads N]
+    gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale host e2e memory] [--quick] [--threads N]
                    [--host-params P ...] [--json PATH] [--plot PNG]
 
 Each benchmark prints its own table with the columns it has: a kernel ``variant | ms | GB/s | % of peak | vs
@@ -65,8 +65,15 @@ run: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's peak RSS 
 above the RSS once the model and data exist; and on both an exact count of gradient + optimizer-state +
 master-weight bytes at their high point (the end of a window's last backward), deduplicated by storage.
 
+Memory (``memory``): bytes per parameter per rank held by the parameters, the gradient (``.grad``, ``main_grad``
+or stage 2's fp32 shard), stage 2's staging buffer, the master weights and the optimizer state, for the plain
+recipe, torch DDP and gaengine's ZeRO stages 0/1/2 on d = 1, 2, 4 ``gloo`` processes on the CPU (1, 2 with
+``--quick``), measured from the storages each recipe allocated (deduplicated) and printed next to the formula
+(stage 1: 2 + 4 + 12/d, stage 2: 2 + 16/d + staging), with the bytes each rank sends per window (the
+collectives' tensor sizes under a ring algorithm). See :mod:`~gaengine.tools.bench.memory`.
+
 One module per family (:mod:`~gaengine.tools.bench.kernels`, :mod:`~gaengine.tools.bench.host`,
-:mod:`~gaengine.tools.bench.e2e`), each with its benchmark, its columns and its tables; the command in
+:mod:`~gaengine.tools.bench.e2e`, :mod:`~gaengine.tools.bench.memory`), each with its benchmark, its columns and its tables; the command in
 :mod:`~gaengine.tools.bench.command`; the shared part in :mod:`~gaengine.tools.bench.common`: the timing loop,
 ratios and their spread, ``gb_per_s``, ``environment``, ``print_table``, ``write_json``, the ones
 ``benchmarks/*.py`` import, through ``benchmarks/common.py``.
@@ -81,6 +88,7 @@ from gaengine.tools.bench.e2e import E2E_VARIANTS, E2EConfig, bench_e2e, e2e_con
 from gaengine.tools.bench.host import (HOST_ACCUMULATION_STEPS, HOST_PARAM_NUMEL, HOST_TARGET_US, HOST_VARIANTS,
                                        bench_host)
 from gaengine.tools.bench.kernels import bench_kernels
+from gaengine.tools.bench.memory import MemoryConfig, bench_memory
 
 __all__ = [
     "BENCHMARKS",
@@ -91,10 +99,12 @@ __all__ = [
     "HOST_PARAM_NUMEL",
     "HOST_TARGET_US",
     "HOST_VARIANTS",
+    "MemoryConfig",
     "add_parser",
     "bench_kernels",
     "bench_host",
     "bench_e2e",
+    "bench_memory",
     "device_name",
     "e2e_config",
     "environment",

@@ -13,10 +13,10 @@ from typing import Sequence
 
 import torch
 
-from gaengine.tools.bench import e2e, host, kernels
+from gaengine.tools.bench import e2e, host, kernels, memory
 from gaengine.tools.bench.common import device_name, git_sha, write_json
 
-BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "e2e")
+BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "e2e", "memory")
 """Names accepted by ``--only``, in the order they run."""
 
 
@@ -29,7 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      "the host time gaengine's backward adds per parameter per micro-batch over the plain recipe "
                      "(and the launches per micro-batch of both), and an end-to-end bf16 GPT against the plain "
                      "recipe and torch's native fp32 accumulation, on one device; peak bandwidth is measured in "
-                     "the same run."),
+                     "the same run. The memory table: bytes per parameter per rank of ZeRO stages 0/1/2, the plain "
+                     "recipe and torch DDP on 1, 2 and 4 gloo processes on the CPU, and their bytes on the wire."),
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
@@ -114,7 +115,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     rows: list[dict] = []
     params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
                                  "torch_threads": torch.get_num_threads()}
-    kernel_names = [w for w in which if w not in ("host", "e2e")]
+    kernel_names = [w for w in which if w not in ("host", "e2e", "memory")]
     peak = None
     if kernel_names:
         print(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
@@ -142,6 +143,13 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         e2e_rows, e2e_info = e2e.bench_e2e(cfg, progress=lambda s: print(f"  {s}", flush=True))
         rows += e2e_rows
         params["e2e"] = e2e_info
+    memory_info = None
+    if "memory" in which:
+        worlds = (1, 2) if quick else memory.MEMORY_WORLD_SIZES
+        print(f"memory: d = {', '.join(map(str, worlds))} gloo processes on the CPU ...", flush=True)
+        memory_rows, memory_info = memory.bench_memory(memory.QUICK if quick else memory.MemoryConfig(), worlds)
+        rows += memory_rows
+        params["memory"] = memory_info
 
     print(f"\ngaengine bench, {device} ({name}), torch {torch.__version__}")
     if kernel_names:
@@ -150,6 +158,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         host.print_tables(host_rows, host_info, device)
     if e2e_info is not None:
         e2e.print_tables(e2e_rows, e2e_info)
+    if memory_info is not None:
+        memory.print_tables(memory_rows, memory_info)
     if args.json is not None:
         write_json(args.json, "gaengine bench", params, rows, [device])
     if args.plot is not None:

@@ -1,0 +1,289 @@
+"""Memory per parameter per rank, and bytes on the wire per window, of the ZeRO stages against the plain recipe and
+torch DDP, measured from the tensors each recipe allocated (``gaengine bench --only memory``).
+
+Every recipe trains the same bf16 model (``MemoryConfig``: a stack of ``Linear`` layers) on d ranks, d = 1, 2, 4,
+as real ``gloo`` processes on the CPU (the bytes do not depend on the device), with AdamW (lr 1e-3, weight decay
+0.1), K = 2 micro-batches per window and clipping at 1.0, for two windows; the state is counted at its high
+point, after the second window's last backward and before its update (the window's gradients and the optimizer
+state of the first update are both alive).
+
+Recipes (rows):
+
+* ``plain``: bf16 parameters, bf16 ``.grad`` accumulated by ``(loss / K).backward()``, ``torch.optim.AdamW`` on
+  the bf16 parameters (bf16 moments): 2 + 2 + 4 = 8 B/param (on one rank).
+* ``torch DDP``: the plain recipe in ``DistributedDataParallel(gradient_as_bucket_view=True)`` with ``no_sync()``
+  for micro-batches 0 .. K-2: the gradients are views of DDP's buckets, 8 B/param.
+* ``gaengine stage 0/1/2``: ``GradientAccumulator(zero_stage=s)`` with fp32 master weights and
+  ``torch.optim.AdamW``: stage 0 is 2 + 4 + 4 + 8 = 18 B/param; stage 1 is 2 + 4 + 12/d (the masters' 4 and the
+  moments' 8 sharded); stage 2 is 2 + 16/d (the fp32 gradient sum sharded too) plus the staging buffer its
+  micro-batches are written into before they are reduce-scattered (today the whole flat ``main_grad``, 4 B/param,
+  see ``gaengine.zero``). A world of one shards nothing (every stage is stage 0 there).
+
+Columns, bytes per model parameter on one rank (the largest over the ranks; ranks differ only by padding):
+``params`` (the parameters' storage), ``grad`` (what holds the window's gradient: ``.grad`` or DDP's buckets; the
+fp32 ``main_grad``; at stage 2 the fp32 gradient shard), ``staging`` (stage 2's ``main_grad``), ``masters`` (the
+optimizer's parameters that are not the model's: fp32 master weights or their shards), ``optim`` (the optimizer's
+state tensors), ``total`` and the ``formula`` above. Every tensor is counted once by its storage
+(``untyped_storage().nbytes()``, deduplicated by data pointer: views of one flat buffer count once, padding
+included), in the first of those columns that holds it.
+
+Bytes on the wire per window and rank (``wire B/param``): the tensors handed to the collectives during the second
+window (gaengine's ``all_reduce``, ``reduce_scatter``, ``all_gather`` calls, recorded by wrapping those functions of
+``torch.distributed``; DDP's through a communication hook), counted as a ring algorithm sends them: an all-reduce of
+n bytes sends 2 (d-1)/d n per rank, a reduce-scatter of an n-byte input and an all-gather of an n-byte output
+(d-1)/d n. Stage 1 sends what stage 0 sends (a reduce-scatter plus an all-gather of bf16 parameters is less than an
+fp32 all-reduce); stage 2 reduce-scatters every micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from gaengine.tools.bench.common import print_table
+
+MEMORY_WORLD_SIZES = (1, 2, 4)
+MEMORY_STAGES = (0, 1, 2)
+COLUMNS = ("params", "grad", "staging", "masters", "optim")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The model and the run of the memory table.
+
+    width: features of each ``Linear(width, width)`` layer. layers: how many. batch: rows per micro-batch.
+    accumulation_steps: K micro-batches per window. bucket_size_mb: gaengine's bucket size (MiB of fp32 gradient).
+    """
+
+    width: int = 512
+    layers: int = 8
+    batch: int = 4
+    accumulation_steps: int = 2
+    bucket_size_mb: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("width", "layers", "batch", "accumulation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MemoryConfig.{name} must be an int >= 1, got {value!r}")
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"MemoryConfig.bucket_size_mb must be > 0, got {self.bucket_size_mb!r}")
+
+
+QUICK = MemoryConfig(width=256, layers=4)
+
+
+def formula(recipe: str, stage: int | None, world: int) -> tuple[str, float]:
+    """The bytes per parameter per rank a recipe should hold: ``(expression, value)`` (module docstring)."""
+    if recipe in ("plain", "ddp"):
+        return "2 + 2 + 4", 8.0
+    if stage == 0 or world == 1:
+        return "2 + 4 + 4 + 8", 18.0
+    if stage == 1:
+        return f"2 + 4 + 12/{world}", 6.0 + 12.0 / world
+    return f"2 + 16/{world} + 4 staging", 2.0 + 16.0 / world + 4.0
+
+
+def _model(cfg: MemoryConfig) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [m for _ in range(cfg.layers) for m in (nn.Linear(cfg.width, cfg.width), nn.Tanh())]
+    return nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` (data pointers), which this adds to."""
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _wire_log(log: list[tuple[str, int]]):
+    """Record ``(kind, bytes)`` of every all-reduce, reduce-scatter (input) and all-gather (output) issued through
+    ``torch.distributed`` while active."""
+    wrapped = {"all_reduce": ("all_reduce", 0), "reduce_scatter_tensor": ("reduce_scatter", 1),
+               "reduce_scatter_single": ("reduce_scatter", 1), "all_gather_into_tensor": ("all_gather", 0),
+               "all_gather_single": ("all_gather", 0)}
+    originals = {}
+    for name, (kind, arg) in wrapped.items():
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        originals[name] = fn
+
+        def record(*args, _fn=fn, _kind=kind, _arg=arg, **kwargs):
+            t = args[_arg]
+            log.append((_kind, t.numel() * t.element_size()))
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, record)
+    try:
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def ring_bytes(log: Sequence[tuple[str, int]], world: int) -> float:
+    """Bytes one rank sends for the logged collectives under a ring algorithm (module docstring)."""
+    share = (world - 1) / world
+    return sum(2 * share * n if kind == "all_reduce" else share * n for kind, n in log)
+
+
+def _measure_gaengine(cfg: MemoryConfig, stage: int, world: int, rank: int) -> dict[str, Any]:
+    from gaengine import GradientAccumulator  # noqa: PLC0415
+
+    model = _model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    acc = GradientAccumulator(model, opt, accumulation_steps=cfg.accumulation_steps, max_grad_norm=1.0,
+                              bucket_size_mb=cfg.bucket_size_mb, zero_stage=stage)
+    g = torch.Generator().manual_seed(rank)
+    log: list[tuple[str, int]] = []
+    for window in range(2):
+        with _wire_log(log) if window == 1 else contextlib.nullcontext():
+            for _ in range(cfg.accumulation_steps):
+                x = torch.randn(cfg.batch, cfg.width, generator=g).to(torch.bfloat16)
+                acc.backward(model(x).float().square().mean())
+            if window == 1:
+                seen: set[int] = set()
+                zero = acc._zero
+                shard = getattr(zero, "grad_shard", None) if zero is not None else None
+                row = {"params": _nbytes(list(model.parameters()), seen)}
+                if shard is not None:  # stage 2: the fp32 sum is the shard, main_grad only stages micro-batches
+                    row["grad"] = _nbytes([shard], seen)
+                    row["staging"] = _nbytes([acc.main_grad.data], seen)
+                else:
+                    row["grad"] = _nbytes([acc.main_grad.data], seen)
+                    row["staging"] = 0
+                row["masters"] = _nbytes([q for group in opt.param_groups for q in group["params"]], seen)
+                row["optim"] = _nbytes(_state_tensors(opt), seen)
+            acc.step()
+    acc.close()
+    return {**row, "wire": ring_bytes(log, world)}
+
+
+def _measure_plain(cfg: MemoryConfig, world: int, rank: int, ddp: bool) -> dict[str, Any]:
+    model = _model(cfg)
+    params = list(model.parameters())
+    log: list[tuple[str, int]] = []
+    net: nn.Module = model
+    if ddp:
+        net = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+
+        def counting_hook(state, bucket):
+            log.append(("all_reduce", bucket.buffer().numel() * bucket.buffer().element_size()))
+            fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        net.register_comm_hook(None, counting_hook)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(rank)
+    k = cfg.accumulation_steps
+    for window in range(2):
+        if window == 1:
+            log.clear()
+        for m in range(k):
+            x = torch.randn(cfg.batch, cfg.width, generator=g).to(torch.bfloat16)
+            sync = contextlib.nullcontext() if not ddp or m == k - 1 else net.no_sync()
+            with sync:
+                (net(x).float().square().mean() / k).backward()
+        if window == 1:
+            seen: set[int] = set()
+            row = {"params": _nbytes(params, seen), "grad": _nbytes([p.grad for p in params], seen), "staging": 0,
+                   "masters": 0, "optim": _nbytes(_state_tensors(opt), seen)}
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {**row, "wire": ring_bytes(log, world)}
+
+
+def _worker(rank: int, world: int, init_file: str, cfg: MemoryConfig, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+    try:
+        results = {}
+        if world == 1:
+            results["plain"] = _measure_plain(cfg, world, rank, ddp=False)
+        else:
+            results["ddp"] = _measure_plain(cfg, world, rank, ddp=True)
+        for stage in MEMORY_STAGES:
+            results[f"stage{stage}"] = _measure_gaengine(cfg, stage, world, rank)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _run_world(cfg: MemoryConfig, world: int, timeout_s: float = 600.0) -> list[dict[str, dict]]:
+    with tempfile.TemporaryDirectory(prefix="gaengine-bench-memory-") as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, tmp))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        if alive or any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"memory benchmark on {world} ranks failed (exit codes "
+                               f"{[p.exitcode for p in procs]}; see the ranks' tracebacks above)")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+def bench_memory(cfg: MemoryConfig, worlds: Sequence[int] = MEMORY_WORLD_SIZES,
+                 progress: Callable[[str], None] = lambda s: None) -> tuple[list[dict], dict]:
+    """Measure every recipe on every world size (module docstring). Returns ``(rows, info)``: one row per (recipe,
+    d) with bytes per parameter per column (the largest over the ranks), ``total``, ``formula``/``formula_value``,
+    ``wire`` (bytes per parameter per window and rank) and ``wire_vs_stage0``; info holds the parameter count."""
+    numel = sum(p.numel() for p in _model(cfg).parameters())
+    rows = []
+    for world in worlds:
+        progress(f"memory: {world} rank(s) ...")
+        ranks = _run_world(cfg, world)
+        stage0_wire = max(r["stage0"]["wire"] for r in ranks)
+        for key in ranks[0]:
+            recipe, stage = (key, None) if key in ("plain", "ddp") else ("gaengine", int(key[-1]))
+            per = {c: max(r[key][c] for r in ranks) / numel for c in COLUMNS}
+            expr, value = formula(recipe, stage, world)
+            wire = max(r[key]["wire"] for r in ranks)
+            rows.append({
+                "benchmark": "memory", "variant": {"plain": "plain", "ddp": "torch DDP"}.get(key, f"gaengine stage {stage}"),
+                "recipe": recipe, "stage": stage, "world": world, **per, "total": sum(per.values()),
+                "formula": expr, "formula_value": value, "wire": wire / numel,
+                "wire_vs_stage0": None if stage0_wire == 0 else wire / stage0_wire,
+            })
+    return rows, {"numel": numel, "config": asdict(cfg)}
+
+
+def print_tables(rows: Sequence[dict], info: dict) -> None:
+    columns = [("variant", "recipe", "s"), ("world", "d", "d")] + [(c, c, ".3f") for c in COLUMNS] + [
+        ("total", "total B/param", ".3f"), ("formula", "formula", "s"), ("formula_value", "= B/param", ".3f"),
+        ("wire", "wire B/param/window", ".3f"), ("wire_vs_stage0", "wire vs stage 0", ".3f")]
+    print_table(rows, columns, title=(
+        f"memory: bytes per parameter per rank at the high point of a window ({info['numel']:,} bf16 parameters, "
+        "AdamW, fp32 masters for gaengine; largest over the ranks), measured from the allocated storages, and bytes "
+        "per parameter each rank sends per window (ring algorithm)"))

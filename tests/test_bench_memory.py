@@ -1,0 +1,72 @@
+"""The memory table of ``gaengine bench`` (``gaengine.tools.bench.memory``): measured bytes per parameter per rank
+of ZeRO stages 0/1/2, the plain recipe and torch DDP on 1, 2 and 4 gloo processes, against the formulas of the
+issue (stage 1: 2 + 4 + 12/d, stage 2: 2 + 16/d plus the staging buffer) and the bytes a ring algorithm sends."""
+
+from __future__ import annotations
+
+import pytest
+
+from gaengine.tools.bench import memory
+
+pytestmark = pytest.mark.multiproc
+
+WORLDS = (1, 2, 4)
+PAD = 0.005  # B/param: every flat buffer is padded to whole buckets (pad_unit(d) elements), under 0.1 % here
+
+
+@pytest.fixture(scope="module")
+def table():
+    rows, info = memory.bench_memory(memory.QUICK, WORLDS)
+    return {(row["variant"], row["world"]): row for row in rows}, info
+
+
+def test_every_recipe_and_world_has_a_row(table):
+    rows, info = table
+    assert info["numel"] == 4 * (256 * 256 + 256)
+    expected = {("plain", 1)} | {("torch DDP", d) for d in WORLDS[1:]} | {
+        (f"gaengine stage {s}", d) for s in memory.MEMORY_STAGES for d in WORLDS}
+    assert set(rows) == expected
+
+
+def test_measured_bytes_match_the_formulas(table):
+    rows, _ = table
+    for (variant, d), row in rows.items():
+        assert row["total"] == pytest.approx(sum(row[c] for c in memory.COLUMNS))
+        assert abs(row["total"] - row["formula_value"]) <= PAD, (variant, d, row)
+
+
+def test_sharded_parts_fall_as_one_over_d(table):
+    """Masters (4 B) and AdamW moments (8 B) shard at stages 1 and 2, the fp32 gradient sum (4 B) at stage 2;
+    the bf16 parameters (2 B) and stage 1's main_grad (4 B) and stage 2's staging (4 B) do not."""
+    rows, _ = table
+    for stage in (1, 2):
+        for d in WORLDS:
+            row = rows[f"gaengine stage {stage}", d]
+            assert abs(row["masters"] - 4 / d) <= PAD and abs(row["optim"] - 8 / d) <= PAD, row
+            assert abs(row["params"] - 2) <= PAD, row
+            if stage == 1 or d == 1:
+                assert abs(row["grad"] - 4) <= PAD and row["staging"] == 0, row
+            else:
+                assert abs(row["grad"] - 4 / d) <= PAD and abs(row["staging"] - 4) <= PAD, row
+    for d in WORLDS:  # stage 0 and the baselines hold everything on every rank
+        assert abs(rows["gaengine stage 0", d]["total"] - 18) <= PAD
+        if d > 1:
+            assert abs(rows["torch DDP", d]["total"] - 8) <= PAD
+    assert abs(rows["plain", 1]["total"] - 8) <= PAD
+
+
+def test_bytes_on_the_wire_per_window(table):
+    """A ring all-reduce of n bytes sends 2 (d-1)/d n per rank, a reduce-scatter or all-gather (d-1)/d n: stage 0
+    all-reduces the fp32 gradient once, stage 1 reduce-scatters it once and all-gathers the bf16 parameters,
+    stage 2 reduce-scatters every one of the K micro-batches; DDP all-reduces its bf16 gradient once. (Stage 0 and
+    1 add the window's few-float statistics and norm all-reduces.)"""
+    rows, _ = table
+    k = memory.QUICK.accumulation_steps
+    small = 1e-3  # B/param of the statistics' all-reduces (a few floats for 263k parameters)
+    for d in WORLDS[1:]:
+        share = (d - 1) / d
+        assert rows["torch DDP", d]["wire"] == pytest.approx(2 * share * 2, abs=small)
+        assert rows["gaengine stage 0", d]["wire"] == pytest.approx(2 * share * 4, abs=small)
+        assert rows["gaengine stage 1", d]["wire"] == pytest.approx(share * (4 + 2), abs=small)
+        assert rows["gaengine stage 2", d]["wire"] == pytest.approx(share * (4 * k + 2), abs=small)
+        assert rows["gaengine stage 1", d]["wire_vs_stage0"] <= 1.0
