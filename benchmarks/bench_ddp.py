@@ -12,12 +12,27 @@ variant we time, on rank 0, the window's last micro-batch: its backward plus the
 exposed fraction = exposed communication / total all-reduce time (1.0: nothing hidden).
 Bytes on the wire per update: 4 B per parameter (fp32), for every variant.
 
+The ZeRO stages (``zero_stage=1``, ``2``) communicate by reduce-scatter (gradients) and all-gather (parameters,
+waited in ``step()``: ``overlap_param_gather`` off), so their baseline is their own compute with every collective
+answered at once (``no communication``: the collectives of ``torch.distributed`` replaced by a one-element
+all-reduce on a one-rank group, whose Work stands in for theirs; the shard's smaller update is kept):
+
+    zero_compute = stage s with no communication
+    zero_serial  = stage s with each reduce-scatter issued after backward and waited at once
+                                                              -> reduce-scatter + all-gather time = serial - compute
+    zero_overlap = stage s as it runs (buckets reduce-scattered during backward)  -> exposed = overlap - compute
+
+Stage 1 is timed like stage 0 (the last micro-batch and the update: it reduce-scatters once per window); stage 2
+reduce-scatters every micro-batch, so its whole window is timed (each micro-batch's reductions overlap the rest of
+its backward and the next forward). The all-gather is waited in ``step()`` in both (exposed by design there).
+
 Run: python benchmarks/bench_ddp.py [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -67,6 +82,46 @@ def _gaengine_window(acc, model):
     return setup, last
 
 
+def _zero_window(acc, model, stage, serial):
+    """Stage 1: ``(setup, last)`` as ``_gaengine_window``. Stage 2: the whole window is timed (setup is a barrier);
+    ``serial`` waits for each micro-batch's reduce-scatters right after its backward."""
+    if stage == 1:
+        return _gaengine_window(acc, model)
+
+    def setup():
+        dist.barrier()
+
+    def window():
+        for k in range(K):
+            acc.backward(_loss(model, k))
+            if serial:
+                acc.reducer.wait()
+        acc.step()
+    return setup, window
+
+
+@contextlib.contextmanager
+def _no_communication(solo):
+    """Every collective issued through ``torch.distributed`` returns at once: a one-element all-reduce on the
+    one-rank group ``solo`` stands in for its Work (buffers are left as they are; for timing only)."""
+    tiny = torch.zeros(1)
+    all_reduce = dist.all_reduce
+
+    def answered(*args, **kwargs):
+        return all_reduce(tiny, group=solo, async_op=True)
+
+    names = [n for n in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+                         "all_gather_single") if hasattr(dist, n)]
+    saved = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, answered)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
 def _ddp_window(ddp, opt, sync_last):
     def setup():
         for k in range(K - 1):
@@ -109,6 +164,18 @@ def _worker(rank, world, store, out, windows):
     rows["serial"] = engine(None, False)
     rows["overlap"] = engine(None, True)
 
+    for stage in (1, 2):
+        for variant in ("compute", "serial", "overlap"):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1.0, zero_stage=stage)
+            acc._overlap = variant != "serial"
+            with _no_communication(solo) if variant == "compute" else contextlib.nullcontext():
+                ms = _time_last_micro_batch(_zero_window(acc, model, stage, variant == "serial"), windows)
+            calls = (acc.reducer.collectives_issued + acc._zero.gathers_issued) / windows
+            rows[f"zero{stage}_{variant}"] = (ms, calls)
+            acc.close()
+
     model = _model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
@@ -150,10 +217,26 @@ def main(argv=None):
         {"variant": "torch DDP + no_sync()", "ms": ddp_ms, "exposed_ms": ddp_ms - ddp_compute,
          "exposed_frac": (ddp_ms - ddp_compute) / ddp_comm, "calls": ddp_calls},
     ]
+    zero_comm = {}
+    for stage in (1, 2):
+        z_compute, z_serial, z_overlap = (r[f"zero{stage}_{v}"][0] for v in ("compute", "serial", "overlap"))
+        zero_comm[stage] = z_comm = max(z_serial - z_compute, 1e-9)
+        timed = "last micro-batch" if stage == 1 else "whole window"
+        rows += [
+            {"variant": f"gaengine stage {stage} ({timed}), no communication", "ms": z_compute, "exposed_ms": 0.0,
+             "exposed_frac": None, "calls": 0},
+            {"variant": f"gaengine stage {stage}, reduce-scatters after backward", "ms": z_serial,
+             "exposed_ms": z_serial - z_compute, "exposed_frac": (z_serial - z_compute) / z_comm,
+             "calls": r[f"zero{stage}_serial"][1]},
+            {"variant": f"gaengine stage {stage}, reduce-scatters overlapped with backward", "ms": z_overlap,
+             "exposed_ms": z_overlap - z_compute, "exposed_frac": (z_overlap - z_compute) / z_comm,
+             "calls": r[f"zero{stage}_overlap"][1]},
+        ]
     print(f"{world} gloo ranks on CPU, {n_params / 1e6:.1f} M fp32 parameters, K = {K}, "
           f"{n_params * 4 / 2**20:.0f} MiB all-reduced per update; total all-reduce time {comm:.1f} ms "
-          f"(gaengine's {r['overlap'][2]} buckets of 25 MiB)")
-    print_table(rows, [("variant", "variant", "s"), ("ms", "last micro-batch + step, ms", ".1f"),
+          f"(gaengine's {r['overlap'][2]} buckets of 25 MiB); ZeRO reduce-scatter + all-gather time: stage 1 "
+          f"{zero_comm[1]:.1f} ms, stage 2 {zero_comm[2]:.1f} ms per window (fp32 reduce-scatters, fp32 all-gather)")
+    print_table(rows, [("variant", "variant", "s"), ("ms", "timed part + step, ms", ".1f"),
                        ("exposed_ms", "exposed comm, ms", ".1f"), ("exposed_frac", "exposed / total comm", ".2f"),
                        ("calls", "collectives per update", ".0f")])
     if args.json:
