@@ -330,7 +330,8 @@ class ShardedState:
     Attributes: ``param_buffers[dtype]`` (the dtype's span of the layout, the parameters' storage);
     ``master_shards[dtype]`` (fp32, bf16/fp16 with masters); ``grad_shard`` (stage 2) or None; ``shards``
     (``ParamShard`` per parameter for this rank); ``pieces[i]`` (the optimizer's 1-D parameter for parameter i's
-    range, or None); ``grad_views[i]`` (the fp32 gradient of that range); ``gather_bytes`` (output bytes of the
+    range, or None); ``grad_views[i]`` (the fp32 gradient of that range); ``group_params`` (the optimizer's
+    param groups as given, model parameters, before re-pointing); ``gather_bytes`` (output bytes of the
     all-gathers issued, for tests and the bench).
     """
 
@@ -409,6 +410,12 @@ class ShardedState:
                 piece = torch.nn.Parameter(model_view)  # updated in place (fp32, or bf16/fp16 without masters)
             self.pieces.append(piece)
             self.model_views.append(model_view)
+        # The user's param groups as built (model parameters), before they are re-pointed at this rank's pieces:
+        # what an export numbered like the original optimizer needs (gaengine.full_optimizer_state_dict).
+        self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
+        # The model parameters of each param group as built, before the groups are re-pointed at this rank's pieces
+        # (gaengine.full_optimizer_state_dict numbers an export by them).
+        self.group_params = [list(g["params"]) for g in optimizer.param_groups]
         piece_of = {id(p): piece for p, piece in zip(params, self.pieces)}
         for group_ in optimizer.param_groups:
             group_["params"] = [piece_of[id(q)] for q in group_["params"] if piece_of.get(id(q)) is not None]

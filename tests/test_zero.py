@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
+import time
 
 import pytest
 import torch
@@ -228,7 +230,7 @@ def _scenario_bytes_and_syncs(rank, world, names):
 
 
 def _launch(tmp_path, world, scenario, arg=None):
-    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (tests.test_distributed's harness); every rank's result."""
+    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (tests.test_distributed's harness): every result."""
     codes, results = launch_ranks(tmp_path, world, functools.partial(_with_arg, scenario, arg), join_s=240)
     assert codes == [0] * world, f"{scenario.__name__}: a rank failed (see the captured stderr)"
     return results
@@ -361,6 +363,37 @@ def test_bytes_per_window_and_no_host_sync(tmp_path):
             # Stage 2: a reduce-scatter per micro-batch.
             assert big(s2) == K * grad + param
         assert res[("syncs", 1)] is False and res[("syncs", 2)] is False
+
+
+def _scenario_rank_fails(rank, world, out):
+    """Stage 2 (a reduce-scatter every micro-batch): rank 1 stops after the first micro-batch of a window."""
+    torch.manual_seed(0)
+    model = Net()
+    acc = gaengine.GradientAccumulator(model, _optimizer("adamw-fused", list(model.parameters())),
+                                       accumulation_steps=K, bucket_size_mb=0.0005, zero_stage=2)
+    data = _data(world)
+    acc.backward(_loss(model, *_micro(data, 0, rank, 0), False, rank == 0))
+    if rank == 1:
+        sys.stdout.flush()
+        os._exit(3)  # this rank stops mid-window
+    start = time.perf_counter()
+    result = {"error": None}
+    try:
+        for k in range(1, K):
+            acc.backward(_loss(model, *_micro(data, 0, rank, k), False, rank == 0))
+        acc.step()
+    except RuntimeError as exc:
+        result = {"error": str(exc), "elapsed": time.perf_counter() - start}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    os._exit(0)  # a gloo group whose peer is gone cannot be torn down cleanly
+
+
+def test_rank_failing_mid_window_raises_on_the_others(tmp_path):
+    codes, results = launch_ranks(tmp_path, 2, _scenario_rank_fails, timeout_s=5, join_s=90)
+    assert codes == [0, 3]
+    assert results[0]["error"] is not None and "another rank failed, stopped mid-window" in results[0]["error"]
+    assert results[0]["elapsed"] < 60
 
 
 def test_world_of_one_accepts_zero_stage_and_shards_nothing():
