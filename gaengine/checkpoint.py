@@ -307,11 +307,10 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     dtype_of = [zero.pieces[i].dtype if zero.pieces[i] is not None else
                 (torch.float32 if p.dtype in zero.master_shards else p.dtype) for i, p in enumerate(params)]
     layout_index = {id(p): i for i, p in enumerate(params)}
-    groups = getattr(zero, "group_params", None) or [list(acc._registration)]
     state_out, groups_out, n = {}, [], 0
-    for g, members in enumerate(groups):
+    for g, members in enumerate(zero.group_params):  # the model's parameters of each group, as built
         ids = []
-        keys = _moment_keys(optimizer, optimizer.param_groups[min(g, len(optimizer.param_groups) - 1)])
+        keys = _moment_keys(optimizer, optimizer.param_groups[g])
         for p in members:
             i = layout_index[id(p)]
             if i in ready:
@@ -319,7 +318,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
                                 **{k: full[k][i].to(dtype_of[i]) for k in keys if k in full}}
             ids.append(n)
             n += 1
-        hyper = optimizer.param_groups[g] if g < len(optimizer.param_groups) else optimizer.param_groups[-1]
+        hyper = optimizer.param_groups[g]
         groups_out.append({**{k: copy(v) for k, v in hyper.items() if k != "params"}, "params": ids})
     return {"state": state_out, "param_groups": groups_out}
 

@@ -3,21 +3,18 @@ loading on others, checked against the values every rank would hold unsharded (c
 
 from __future__ import annotations
 
-import datetime
+import functools
 import math
-import os
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import gaengine
 from gaengine.checkpoint import FlatShard, Piece, gather_full, load_shard_state_dict, pieces_in_ranges, \
     shard_state_dict
+from tests.test_distributed import _launch as launch
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -95,12 +92,19 @@ def _train_data():
     return (torch.randint(0, 11, (STEPS, G * B, 5), generator=g), torch.randint(0, 11, (STEPS, G * B, 5), generator=g))
 
 
+def _groups(model):
+    """Two param groups, the biases first (no weight decay), so an export must number by the groups as built."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0},
+            {"params": [p for n, p in named if n.endswith("weight")]}]
+
+
 def _build(stage, world):
     from tests.test_distributed import Net  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=G // world, max_grad_norm=MAX_NORM,
                                        lr_scheduler=sched, zero_stage=stage)
@@ -144,37 +148,17 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
 SCENARIOS = {"protocol": _protocol, "train": _train}
 
 
-def _worker(rank, world, init_file, scenario, cfg, out):
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.save(SCENARIOS[scenario](rank, world, cfg), os.path.join(out, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+def _scenario(name, cfg, rank, world, out):
+    return SCENARIOS[name](rank, world, cfg)
 
 
-def _launch(tmp_path, world, scenario, cfg, join_s=180):
-    out = tmp_path / f"{scenario}_{world}_{len(list(tmp_path.iterdir()))}"
+def _launch(tmp_path, world, name, cfg):
+    """Run scenario ``name`` on ``world`` gloo ranks (tests/test_distributed.py's launcher); the ranks' results."""
+    out = tmp_path / f"{name}{world}_{len(list(tmp_path.iterdir()))}"
     out.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(out / "store"), scenario, cfg, str(out)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{scenario} on {world}: {len(alive)} rank(s) hung"
-    assert [p.exitcode for p in procs] == [0] * world, f"{scenario} on {world} failed (see stderr)"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    codes, results = launch(out, world, functools.partial(_scenario, name, cfg), join_s=240)
+    assert codes == [0] * world, f"{name} on {world} rank(s) failed (see stderr)"
+    return results
 
 
 def _reference() -> tuple[dict, dict, float]:
@@ -185,7 +169,7 @@ def _reference() -> tuple[dict, dict, float]:
     torch.manual_seed(0)
     model = Net()
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     tokens, labels = _train_data()
     for update in range(STEPS):
@@ -211,8 +195,9 @@ def _check_against_reference(result: dict, reference: tuple, what: str) -> None:
         assert rel_diff(result["params"][name], t) <= 1e-5, f"{what}: parameter {name}"
     # The export loads into torch.optim.AdamW over the unsharded model, and holds the reference's state.
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=0.1)
     opt.load_state_dict(result["optimizer"])
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.1], what
     assert sorted(result["optimizer"]["state"]) == sorted(ref_opt["state"]), what  # unused parameters: no state
     for i, ref_state in ref_opt["state"].items():
         got = opt.state_dict()["state"][i]
