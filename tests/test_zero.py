@@ -73,7 +73,8 @@ def _optimizer(name, params):
 
 # Each configuration: (name, dict). Defaults: stage 1, mean mode, fp32, fused torch AdamW, clipping, 3 full windows.
 _BASE = dict(stage=1, items=False, dtype=torch.float32, opt="adamw-fused", clip=MAX_NORM, masters=True,
-             partial=False, nonfinite=False, scheduler=False, reduce_dtype=torch.float32, overlap=False)
+             partial=False, nonfinite=False, scheduler=False, reduce_dtype=torch.float32, overlap=False,
+             dropped=False)
 CONFIGS = {
     "s1-mean": {},
     "s2-mean": dict(stage=2),
@@ -88,11 +89,15 @@ CONFIGS = {
     "s2-nonfinite-bf16": dict(stage=2, nonfinite=True, dtype=torch.bfloat16),
     "s1-bf16-no-masters": dict(dtype=torch.bfloat16, masters=False, opt="fused-adamw"),
     "s2-bf16-no-masters-torch": dict(stage=2, dtype=torch.bfloat16, masters=False),
+    "s1-dropped-window": dict(dropped=True),  # zero_grad() after 2 micro-batches of window 1, then the window again
+    "s2-dropped-window": dict(stage=2, dropped=True, items=True),
 }
 WORLD_CONFIGS = {  # every configuration at 2 ranks; the main ones at 3 and 4
     2: list(CONFIGS),
-    3: ["s1-mean", "s2-items-partial", "s1-bf16-fused-adamw-overlap", "s2-fp16", "s2-nonfinite-bf16"],
-    4: ["s2-mean", "s1-items", "s1-partial-sgd-sched", "s2-bf16-adam-bf16wire", "s1-nonfinite"],
+    3: ["s1-mean", "s2-items-partial", "s1-bf16-fused-adamw-overlap", "s2-fp16", "s2-nonfinite-bf16",
+        "s1-bf16-no-masters"],
+    4: ["s2-mean", "s1-items", "s1-partial-sgd-sched", "s2-bf16-adam-bf16wire", "s1-nonfinite",
+        "s2-bf16-no-masters-torch"],
 }
 
 
@@ -121,6 +126,12 @@ def _run_config(rank, world, cfg):
     data = _data(world)
     skipped = []
     for step, k_steps in enumerate(_windows(cfg)):
+        if cfg["dropped"] and step == 1:
+            for k in range(2):  # a window dropped mid-way (stage 2: its reductions in flight)
+                t, l = _micro(data, step, rank, k)
+                acc.backward(_loss(model, t, l, cfg["items"], use_side=rank == 0),
+                             num_items=torch.tensor(int((l != -100).sum())) if cfg["items"] else None)
+            acc.zero_grad()
         for k in range(k_steps):
             t, l = _micro(data, step, rank, k)
             loss = _loss(model, t, l, cfg["items"], use_side=rank == 0)
