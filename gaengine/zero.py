@@ -1,5 +1,9 @@
 """Sharded optimizer state (ZeRO-1) and sharded gradient sums (ZeRO-2) over the flat buffers.
 
+Stages after Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (arXiv
+1910.02054, P_os and P_os+g), with Megatron-Core's distributed optimizer's schedule (one reduce-scatter per window
+in the last micro-batch, overlapped with backward; ``overlap_param_gather``), keeping gaengine's fp32 accumulation.
+
 ``GradientAccumulator(..., zero_stage=1 | 2)`` on a process group of d > 1 ranks. Everything is laid out by one
 ``ShardLayout``, built once at construction and never re-learned (the shards, the masters and the optimizer
 state live on it):
@@ -34,7 +38,8 @@ state live on it):
   path to write bucket by bucket into a small ring (see the README).
 * **Parameters.** Every trainable parameter (the same ``Parameter`` object, ``p.data`` re-pointed as
   ``gaengine.update.MasterWeights`` does) becomes a view of one flat buffer per dtype laid out like its span of
-  ``main_grad`` (``param_buffers[dtype]``, covering ``ShardLayout.dtype_spans[dtype]``).
+  ``main_grad`` (``param_buffers[dtype]``, covering ``ShardLayout.dtype_spans[dtype]``): fp32 parameters too, so
+  each tensor of ``model.state_dict()`` shares its dtype's buffer (``.clone()`` before ``torch.save`` of a few).
 * **Masters and optimizer state.** For bf16/fp16 parameters with ``master_weights=True``: one fp32 buffer per
   dtype holding rank r's ranges of that dtype's buckets (``master_shards[dtype]``, 4/d B/param). The optimizer is
   re-pointed at one 1-D ``nn.Parameter`` per (parameter, rank) range that is not empty (``pieces``): a view of
@@ -196,12 +201,6 @@ class ShardLayout:
     def hook_buckets(self) -> list[Bucket]:
         """The buckets as ``gaengine.bucket.Bucket`` (what the hooks and the reducer count readiness over)."""
         return [Bucket(b.index, b.first, b.last, b.start, b.end) for b in self.buckets]
-
-    def bucket_of(self, index: int) -> ShardBucket:
-        for b in self.buckets:
-            if b.first <= index < b.last:
-                return b
-        raise IndexError(f"parameter index {index} out of range ({len(self.dtypes)} parameters)")
 
     def param_shards(self, rank: int) -> list[ParamShard]:
         """Per parameter (layout order), the range ``rank`` owns (``lo == hi`` when none)."""
