@@ -4,6 +4,7 @@ loading on others, checked against the values every rank would hold unsharded (c
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -145,7 +146,50 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
             "lr": acc.optimizer.param_groups[0]["lr"]}
 
 
-SCENARIOS = {"protocol": _protocol, "train": _train}
+def _snapshot(model, acc) -> dict:
+    """Everything a resume must restore, as plain tensors: the model, the optimizer state gathered whole, and this
+    rank's master weights by parameter key with the first element of the range it holds."""
+    from gaengine.checkpoint import _entries  # noqa: PLC0415 - which master range this rank holds
+
+    masters = {e.key: (e.lo, e.piece.detach().reshape(-1).clone()) for e in _entries(acc)
+               if e.master and e.piece is not None}
+    return {"params": {n: t.detach().clone() for n, t in model.state_dict().items()},
+            "optimizer": gaengine.full_optimizer_state_dict(acc), "masters": masters}
+
+
+def _bf16_resume(rank: int, world: int, cfg: dict) -> dict:
+    """bf16 parameters with fp32 master weights: save after the first update (cfg["save"]) or load (cfg["load"]);
+    the state just saved or just loaded, and the parameters after the last update."""
+    from tests.test_distributed import Net  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    opt = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    k_steps = G // world
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=k_steps, max_grad_norm=MAX_NORM,
+                                       lr_scheduler=sched, zero_stage=cfg["stage"])
+    tokens, labels = _train_data()
+    snapshot = None
+    if cfg.get("load"):
+        state = {"model": model.state_dict(), "acc": acc.state_dict()}
+        dcp.load(state, checkpoint_id=cfg["load"])
+        model.load_state_dict(state["model"])
+        acc.load_state_dict(state["acc"])
+        snapshot = _snapshot(model, acc)
+    for update in range(acc._update_index, STEPS):
+        for k in range(k_steps):
+            lo = (rank * k_steps + k) * B
+            logits = model(tokens[update, lo:lo + B]).float().reshape(-1, 11)
+            acc.backward(torch.nn.functional.cross_entropy(logits, labels[update, lo:lo + B].reshape(-1)))
+        acc.step()
+        if update == 0 and cfg.get("save"):
+            dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=cfg["save"])
+            snapshot = _snapshot(model, acc)
+    return {"snapshot": snapshot, "final": {n: t.detach().clone() for n, t in model.state_dict().items()}}
+
+
+SCENARIOS = {"protocol": _protocol, "train": _train, "bf16_resume": _bf16_resume}
 
 
 def _scenario(name, cfg, rank, world, out):
@@ -290,3 +334,47 @@ def test_zero_checkpoint_reshards_between_windows_and_resumes_mid_window(tmp_pat
     for result in refused:
         assert "saved mid-window" in result["error"] and "on 2 rank(s)" in result["error"], result
         assert "this run has 3 rank(s)" in result["error"] and "between windows" in result["error"]
+
+
+def _whole_masters(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master, assembled from the ranks' ranges (each element held by exactly one rank)."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for result in results:
+        for key, (lo, values) in result["snapshot"]["masters"].items():
+            pieces.setdefault(key, []).append((lo, values))
+    whole = {}
+    for key, parts in pieces.items():
+        parts.sort(key=lambda part: part[0])
+        assert [lo for lo, _ in parts] == list(itertools.accumulate([0] + [v.numel() for _, v in parts[:-1]])), key
+        whole[key] = torch.cat([v for _, v in parts])
+    return whole
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["stage1", "stage2"])
+def test_bf16_masters_and_moments_survive_resharding_exactly(tmp_path, stage):
+    """bf16 parameters with fp32 masters, saved on 2 ranks after the first update: loaded on 2, 3 or 1 rank(s), the
+    masters (assembled from the ranks' ranges), the optimizer state (gathered whole) and the parameters are
+    bitwise the ones saved; resumed on 2, the run ends bitwise where the uninterrupted one does."""
+    path = str(tmp_path / "ckpt")
+    saved = _launch(tmp_path, 2, "bf16_resume", {"stage": stage, "save": path})
+    masters = _whole_masters(saved)
+    assert masters and all(t.dtype == torch.float32 for t in masters.values())
+    for world in (2, 3, 1):
+        loaded = _launch(tmp_path, world, "bf16_resume", {"stage": stage, "load": path})
+        got = _whole_masters(loaded)
+        assert got.keys() == masters.keys()
+        for key, t in masters.items():
+            assert torch.equal(got[key], t), (world, key)
+        for result in loaded:
+            snap, ref = result["snapshot"], saved[0]["snapshot"]
+            for name, t in ref["params"].items():
+                assert torch.equal(snap["params"][name], t), (world, name)
+            assert snap["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
+            assert snap["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
+            for i, state in ref["optimizer"]["state"].items():
+                for key, t in state.items():
+                    assert torch.equal(snap["optimizer"]["state"][i][key], t), (world, i, key)
+        if world == 2:
+            for rank in range(2):
+                for name, t in saved[rank]["final"].items():
+                    assert torch.equal(loaded[rank]["final"][name], t), (rank, name)
