@@ -124,7 +124,7 @@ def _run_config(rank, world, cfg):
                                        bucket_size_mb=0.0005, zero_stage=cfg["stage"], master_weights=cfg["masters"],
                                        reduce_dtype=cfg["reduce_dtype"], overlap_param_gather=cfg["overlap"])
     data = _data(world)
-    skipped = []
+    skipped, pending = [], []
     for step, k_steps in enumerate(_windows(cfg)):
         if cfg["dropped"] and step == 1:
             for k in range(2):  # a window dropped mid-way (stage 2: its reductions in flight)
@@ -140,6 +140,7 @@ def _run_config(rank, world, cfg):
             acc.backward(loss, num_items=torch.tensor(int((l != -100).sum())) if cfg["items"] else None)
         r = acc.step(force=k_steps < K)
         skipped.append(bool(r.skipped))
+        pending.append(len(acc._zero._pending))  # overlap_param_gather: all-gathers still in flight
     acc._zero.wait_gathers()
     names = [n for n, _ in model.named_parameters()]
     index = {id(p): i for i, p in enumerate(acc.params)}
@@ -151,7 +152,7 @@ def _run_config(rank, world, cfg):
         if piece is not None:
             pieces[name] = (s.lo, s.hi, piece.detach().float().clone())
     out = {"params": {n: p.detach().clone() for n, p in zip(names, model.parameters())}, "pieces": pieces,
-           "skipped": skipped, "shard_numel": acc._zero.shard.shard_numel,
+           "skipped": skipped, "pending": pending, "shard_numel": acc._zero.shard.shard_numel,
            "state_numel": sum(t.numel() for s in opt.state.values() for t in s.values()
                               if isinstance(t, torch.Tensor) and t.dim() > 0),
            "lr": [g["lr"] for g in opt.param_groups]}
@@ -318,6 +319,7 @@ def _check_config(results, world, name):
     for rank, run in enumerate(runs):
         assert run["skipped"] == ref_skipped, f"{name} rank {rank}: skip decisions"
         assert run["lr"] == ref_lr, f"{name} rank {rank}: the scheduler"
+        assert all(n > 0 for n in run["pending"]) == cfg["overlap"], f"{name}: all-gathers left in flight"
         for pname, p in run["params"].items():  # every rank holds the same gathered parameters
             assert torch.equal(p, runs[0]["params"][pname]), f"{name} rank {rank} {pname}: gathered params differ"
     for pname, expected in ref.items():
