@@ -202,9 +202,11 @@ class GradientAccumulator:
             (the bytes of stage 0's all-reduce, counting the all-gather of the parameters after the update). 2: the
             fp32 gradient sum is sharded too (4/d B/param): every micro-batch's buckets are reduce-scattered (in
             ``reduce_dtype``) and added into the rank's fp32 shard, K reductions per window instead of one: it
-            trades communication for memory. Needs an elementwise optimizer (``torch.optim.Adam``, ``AdamW``,
-            ``SGD``, ``gaengine.optim.FusedAdamW``) with no state yet; the layout is not re-learned from the first
-            window. ``ValueError`` naming ``zero_stage`` otherwise.
+            trades communication for memory (the hooks still write each micro-batch into a full-size fp32 staging
+            buffer today; bounding it to the buckets in flight needs the hot path, see ``gaengine.zero``). Needs an
+            elementwise optimizer (``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``) with no
+            state yet; the layout is not re-learned from the first window. ``ValueError`` naming ``zero_stage``
+            otherwise.
         overlap_param_gather: with ``zero_stage`` >= 1, leave the parameters' all-gather in flight after
             ``step()``; a forward pre-hook on each module waits for the buckets of its own parameters, so the
             gather overlaps the next forward (Megatron-Core's name). Needs ``model`` as an ``nn.Module``.
