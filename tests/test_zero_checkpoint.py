@@ -116,16 +116,26 @@ def _mean_loss(model, tokens, labels):
     return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 11), labels.reshape(-1))
 
 
+def _save(model, acc, path):
+    """The issue's pattern: the model's and the accumulator's state dicts are the whole checkpoint."""
+    dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=path)
+
+
+def _load(model, acc, path):
+    """DCP's in-place pattern: the new run's own state dicts, filled by dcp.load, then loaded back."""
+    state = {"model": model.state_dict(), "acc": acc.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    acc.load_state_dict(state["acc"])
+
+
 def _train(rank: int, world: int, cfg: dict) -> dict:
     """Train to the end, saving at cfg["saves"] = {(update, micro-batch): path}, or first loading cfg["load"]."""
     model, _, acc = _build(cfg["stage"], world)
     k_steps = G // world
     if cfg.get("load"):
-        state = {"model": model.state_dict(), "acc": acc.state_dict()}
-        dcp.load(state, checkpoint_id=cfg["load"])
-        model.load_state_dict(state["model"])
         try:
-            acc.load_state_dict(state["acc"])
+            _load(model, acc, cfg["load"])
         except ValueError as exc:
             if cfg.get("expect_refusal"):
                 return {"error": str(exc)}
@@ -137,10 +147,10 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
             lo = (rank * k_steps + k) * B
             acc.backward(_mean_loss(model, tokens[update, lo:lo + B], labels[update, lo:lo + B]))
             if (update, k + 1) in saves and k + 1 < k_steps:
-                dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=saves[update, k + 1])
+                _save(model, acc, saves[update, k + 1])
         acc.step()
         if (update + 1, 0) in saves:
-            dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=saves[update + 1, 0])
+            _save(model, acc, saves[update + 1, 0])
     return {"params": {n: t.detach().clone() for n, t in model.state_dict().items()},
             "optimizer": gaengine.full_optimizer_state_dict(acc),
             "lr": acc.optimizer.param_groups[0]["lr"]}
@@ -172,10 +182,7 @@ def _bf16_resume(rank: int, world: int, cfg: dict) -> dict:
     tokens, labels = _train_data()
     snapshot = None
     if cfg.get("load"):
-        state = {"model": model.state_dict(), "acc": acc.state_dict()}
-        dcp.load(state, checkpoint_id=cfg["load"])
-        model.load_state_dict(state["model"])
-        acc.load_state_dict(state["acc"])
+        _load(model, acc, cfg["load"])
         snapshot = _snapshot(model, acc)
     for update in range(acc._update_index, STEPS):
         for k in range(k_steps):
@@ -184,7 +191,7 @@ def _bf16_resume(rank: int, world: int, cfg: dict) -> dict:
             acc.backward(torch.nn.functional.cross_entropy(logits, labels[update, lo:lo + B].reshape(-1)))
         acc.step()
         if update == 0 and cfg.get("save"):
-            dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, checkpoint_id=cfg["save"])
+            _save(model, acc, cfg["save"])
             snapshot = _snapshot(model, acc)
     return {"snapshot": snapshot, "final": {n: t.detach().clone() for n, t in model.state_dict().items()}}
 
