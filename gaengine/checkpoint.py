@@ -230,7 +230,8 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     world = len(all_pieces)
     if world > 1:
         gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(gathered, shard.contiguous(), group=group)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(  # torch < 2.10: the old name
+            gathered, shard.contiguous(), group=group)
         rows = gathered.view(world, shard.numel())
     else:
         rows = shard.reshape(1, -1)
@@ -420,7 +421,8 @@ def _reduced_window_grad(acc: Any) -> torch.Tensor:
             if not written[i]:
                 o = layout.layout.offsets[i] - b.start
                 tmp[o:o + layout.layout.numels[i]].zero_()
-        dist.reduce_scatter_tensor(out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=acc.process_group)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(  # torch < 2.10: the old name
+            out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=acc.process_group)
     return out
 
 
