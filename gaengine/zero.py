@@ -382,16 +382,13 @@ class ShardedState:
         self.masters_enabled = master_weights
         self.master_shards: dict[torch.dtype, torch.Tensor] = {}
         if master_weights:
-            for dtype in low:
+            for dtype in sorted(low, key=_DTYPE_ORDER.index):
                 slo, shi = shard.dtype_shard_span(dtype)
-                m = torch.empty(shi - slo, dtype=torch.float32, device=device)
-                span_lo = shard.dtype_spans[dtype][0]
-                for b in shard.buckets:
-                    if b.dtype == dtype:
-                        r_lo, r_hi = b.rank_range(rank)
-                        m[b.shard_offset - slo:b.shard_offset - slo + b.shard_numel].copy_(
-                            self.param_buffers[dtype][r_lo - span_lo:r_hi - span_lo])
-                self.master_shards[dtype] = m
+                self.master_shards[dtype] = torch.empty(shi - slo, dtype=torch.float32, device=device)
+        self._master_copies = self._master_copy_lists()
+        if self.master_shards:
+            with torch.no_grad():  # the masters start as the (exact) fp32 values of the parameters
+                torch._foreach_copy_(self._master_copies[1], self._master_copies[0])
         self.pieces: list[torch.nn.Parameter | None] = []
         self.model_views: list[torch.Tensor | None] = []  # the parameter buffer's view of each piece
         for s, p, opt in zip(self.shards, params, self.optimized):
@@ -446,11 +443,19 @@ class ShardedState:
     # ------------------------------------------------------------------ step
     def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None, backend):
         """``gaengine.norm.window_norm`` of the whole gradient from the shards: each rank's sum of squares and
-        non-finite flag (one ``l2norm_sq`` pass per contiguous chunk of its shard), summed over the ranks by one
-        all-reduce of two fp32 values on the device (no host read)."""
-        parts = [backend.l2norm_sq(c) for c in self.grad_chunks if c.numel()]
-        sums = torch.stack([torch.stack([s.float(), f.float()]) for s, f in parts]).sum(0) if parts else \
-            torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
+        non-finite flag (the backend's one ``l2norm_sq`` pass over a contiguous shard; at stage 1, where the shard
+        is one range per bucket of main_grad, one multi-tensor ``torch._foreach_norm`` over them, a non-finite
+        value making the sum non-finite), summed over the ranks by one all-reduce of two fp32 values on the device
+        (no host read)."""
+        chunks = [c for c in self.grad_chunks if c.numel()]
+        if len(chunks) == 1:
+            sum_sq, found_inf = backend.l2norm_sq(chunks[0])
+            sums = torch.stack([sum_sq.float(), found_inf.float()])
+        elif chunks:
+            sum_sq = torch.stack(torch._foreach_norm(chunks)).float().square().sum()
+            sums = torch.stack([sum_sq, (~torch.isfinite(sum_sq)).float()])
+        else:
+            sums = torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
         wait_for(dist.all_reduce(sums, group=self.group, async_op=True), "all-reduce of the gradient norm")
         return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
 
@@ -464,9 +469,11 @@ class ShardedState:
         fused = fused_optimizer(optimizer)
         scaled = not fused or self.normalize_before_rounding
         if scaled:
-            for c in self.grad_chunks:
-                if c.numel():
-                    backend.scale_(c, coef)
+            chunks = [c for c in self.grad_chunks if c.numel()]
+            if len(chunks) == 1:
+                backend.scale_(chunks[0], coef)
+            elif chunks:
+                torch._foreach_mul_(chunks, coef)  # one multi-tensor launch over the buckets' ranges
         unused = set(unwritten)
         with_grad = []
         for i, (piece, view, p) in enumerate(zip(self.pieces, self.grad_views, self.params)):
@@ -493,16 +500,24 @@ class ShardedState:
         self.launch_gathers()
         step_scheduler(lr_scheduler, applied, skipped)
 
+    def _master_copy_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the rank's range of each bucket in its parameter buffer, the same range of its master shard), for the
+        bf16/fp16 buckets with masters."""
+        dst, src = [], []
+        for dtype, m in self.master_shards.items():
+            slo = self.shard.dtype_shard_span(dtype)[0]
+            span_lo = self.shard.dtype_spans[dtype][0]
+            for b in self.shard.buckets:
+                if b.dtype == dtype:
+                    r_lo, r_hi = b.rank_range(self.rank)
+                    dst.append(self.param_buffers[dtype][r_lo - span_lo:r_hi - span_lo])
+                    src.append(m[b.shard_offset - slo:b.shard_offset - slo + b.shard_numel])
+        return dst, src
+
     def _masters_to_model(self) -> None:
+        """Round each master shard into the rank's ranges of its parameter buffer: one multi-tensor copy."""
         with torch.no_grad():
-            for dtype, m in self.master_shards.items():
-                slo = self.shard.dtype_shard_span(dtype)[0]
-                span_lo = self.shard.dtype_spans[dtype][0]
-                for b in self.shard.buckets:
-                    if b.dtype == dtype:
-                        r_lo, r_hi = b.rank_range(self.rank)
-                        self.param_buffers[dtype][r_lo - span_lo:r_hi - span_lo].copy_(
-                            m[b.shard_offset - slo:b.shard_offset - slo + b.shard_numel])
+            torch._foreach_copy_(*self._master_copies)
 
     def launch_gathers(self) -> None:
         """All-gather every bucket holding an optimized parameter, in place in its parameter buffer, in bucket
@@ -555,10 +570,13 @@ class ShardedState:
         """Stage 2, end of a micro-batch's backward: zero the staging slices it did not write, launch the buckets
         not launched yet; in the window's last one, ``written`` becomes the window's (for the stats)."""
         written = hooks.written
-        self.window_used = [u or w for u, w in zip(self.window_used, written)]
-        for i, w in enumerate(written):
-            if not w:
-                main_grad.flat_views[i].zero_()
+        if all(written):  # the usual case: no Python per parameter
+            self.window_used = written
+        else:
+            self.window_used = [u or w for u, w in zip(self.window_used, written)]
+            for i, w in enumerate(written):
+                if not w:
+                    main_grad.flat_views[i].zero_()
         if not armed:
             self.reducer.begin()
         self.reducer.flush()
