@@ -409,9 +409,6 @@ class ShardedState:
         # The user's param groups as built (model parameters), before they are re-pointed at this rank's pieces:
         # what an export numbered like the original optimizer needs (gaengine.full_optimizer_state_dict).
         self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
-        # The model parameters of each param group as built, before the groups are re-pointed at this rank's pieces
-        # (gaengine.full_optimizer_state_dict numbers an export by them).
-        self.group_params = [list(g["params"]) for g in optimizer.param_groups]
         piece_of = {id(p): piece for p, piece in zip(params, self.pieces)}
         for group_ in optimizer.param_groups:
             group_["params"] = [piece_of[id(q)] for q in group_["params"] if piece_of.get(id(q)) is not None]

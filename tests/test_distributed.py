@@ -142,8 +142,9 @@ def _scenario_rank_fails(rank, world, out):
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=None)
     tokens, labels = _data(world)
     acc.backward(_mean_loss(model, *_micro(tokens, labels, 0, rank, 0)))
-    if rank == 1:
-        raise SystemExit(3)  # this rank stops mid-window
+    if rank == 1:  # this rank stops mid-window; os._exit: a gloo group torn down at exit may abort (-6) under load
+        sys.stdout.flush()
+        os._exit(3)
     start = time.perf_counter()
     try:
         for k in range(1, K):
