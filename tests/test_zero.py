@@ -74,7 +74,7 @@ def _optimizer(name, params):
 # Each configuration: (name, dict). Defaults: stage 1, mean mode, fp32, fused torch AdamW, clipping, 3 full windows.
 _BASE = dict(stage=1, items=False, dtype=torch.float32, opt="adamw-fused", clip=MAX_NORM, masters=True,
              partial=False, nonfinite=False, scheduler=False, reduce_dtype=torch.float32, overlap=False,
-             dropped=False)
+             dropped=False, schedule=None)
 CONFIGS = {
     "s1-mean": {},
     "s2-mean": dict(stage=2),
@@ -91,11 +91,13 @@ CONFIGS = {
     "s2-bf16-no-masters-torch": dict(stage=2, dtype=torch.bfloat16, masters=False),
     "s1-dropped-window": dict(dropped=True),  # zero_grad() after 2 micro-batches of window 1, then the window again
     "s2-dropped-window": dict(stage=2, dropped=True, items=True),
+    "s2-schedule": dict(stage=2, schedule=(1, 3, 2)),  # accumulation_steps as a schedule: K per window
+    "s1-schedule-items": dict(schedule=(2, 1, 3), items=True),
 }
 WORLD_CONFIGS = {  # every configuration at 2 ranks; the main ones at 3 and 4
     2: list(CONFIGS),
-    3: ["s1-mean", "s2-items-partial", "s1-bf16-fused-adamw-overlap", "s2-fp16", "s2-nonfinite-bf16",
-        "s1-bf16-no-masters"],
+    3: ["s2-schedule", "s1-mean", "s2-items-partial", "s1-bf16-fused-adamw-overlap", "s2-fp16",
+        "s2-nonfinite-bf16", "s1-bf16-no-masters"],
     4: ["s2-mean", "s1-items", "s1-partial-sgd-sched", "s2-bf16-adam-bf16wire", "s1-nonfinite",
         "s2-bf16-no-masters-torch"],
 }
@@ -106,7 +108,10 @@ def _cfg(name):
 
 
 def _windows(cfg):
-    """Micro-batches of each window: K, and the last one partial (K - 1, stepped with force=True)."""
+    """Micro-batches of each window: K, or the schedule's, and the last one partial (K - 1, stepped with
+    force=True)."""
+    if cfg["schedule"] is not None:
+        return list(cfg["schedule"])
     return [K - 1 if cfg["partial"] and w == STEPS - 1 else K for w in range(STEPS)]
 
 
@@ -120,9 +125,12 @@ def _run_config(rank, world, cfg):
     model = Net().to(cfg["dtype"])
     opt = _optimizer(cfg["opt"], list(model.parameters()))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if cfg["scheduler"] else None
-    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=cfg["clip"], lr_scheduler=sched,
-                                       bucket_size_mb=0.0005, zero_stage=cfg["stage"], master_weights=cfg["masters"],
-                                       reduce_dtype=cfg["reduce_dtype"], overlap_param_gather=cfg["overlap"])
+    schedule = cfg["schedule"]
+    steps = K if schedule is None else (lambda update, items: schedule[update])
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=steps, max_grad_norm=cfg["clip"],
+                                       lr_scheduler=sched, bucket_size_mb=0.0005, zero_stage=cfg["stage"],
+                                       master_weights=cfg["masters"], reduce_dtype=cfg["reduce_dtype"],
+                                       overlap_param_gather=cfg["overlap"])
     data = _data(world)
     skipped, pending = [], []
     for step, k_steps in enumerate(_windows(cfg)):
