@@ -9,28 +9,24 @@ Every backend implements the same contract (``Backend``):
   ``dst.add_(src)`` in torch; scaled ones are within 1 fp32 ulp of the exact ``dst + src * fp32(scale)``.
 * ``l2norm_sq(x)`` -> ``(sum_of_squares, found_inf)`` — two 0-d fp32 tensors on ``x.device``;
   ``found_inf`` is 1.0 when ``x`` holds an inf or a NaN, else 0.0. One pass, no host sync.
-* ``accumulate_sumsq_(dst, src, scale, overwrite, partials, index)`` -> ``dst`` — ``accumulate_`` (the same
-  arguments, the same bits in ``dst``) that also writes, without a host sync, ``partials[index, 0]`` = the
-  sum of squares (in fp64) of the values it wrote into ``dst`` and ``partials[index, 1]`` = 1.0 if any of
-  them is inf or NaN, else 0.0: the "free norm" of the buffer, read off the accumulate pass. ``partials``:
-  a contiguous ``(n, 2)`` float64 tensor on ``dst.device``; ``index``: an int in ``[0, n)``. Its bits do not
-  depend on the thread count.
 * ``scale_(x, coef)`` — ``x *= coef`` in place; ``x`` fp32 contiguous, ``coef`` a 0-d fp32 tensor on
   ``x.device`` (read on the device, never on the host).
-* ``accumulate_bucket_(dst, srcs, offsets, overwrite, partials=None)`` -> ``dst`` — for every source ``j``:
-  ``dst[offsets[j] : offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else that slice) + srcs[j]``, unscaled
-  (bitwise equal to torch's ``copy_`` / ``add_``), one launch (one parallel region on CPU) for the bucket.
+* ``accumulate_bucket_(dst, srcs, offsets, overwrite, partials=None, source_partials=None)`` -> ``dst`` — for every
+  source ``j``: ``dst[offsets[j] : offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else that slice) + srcs[j]``,
+  unscaled (bitwise equal to torch's ``copy_`` / ``add_``), one launch (one parallel region on CPU) for the bucket.
   ``dst``: fp32, contiguous; ``srcs[j]``: fp32 | bf16 | fp16, contiguous, on ``dst.device``; the slices may not
   overlap or pass the end; ``overwrite``: one flag, or one per source. ``partials``: None, or the backend's
-  free-norm table for these sources (``new_bucket_partials``), written with the sums of squares and non-finite
-  flags of the values written, in the backend's own layout, finished by its ``finish_norm_partials``.
+  free-norm table for these sources (``new_bucket_partials``), written with the sums of squares and non-finite flags
+  of the values written, in the backend's own layout, finished by its ``finish_norm_partials``. ``source_partials``:
+  None, or a table of the same format, written in the same pass with the sums of squares and non-finite flags of the
+  sources' own values (``float(srcs[j])``, before the add), not of the values written.
 * ``new_bucket_partials(numels, device)`` -> an uninitialized partials table for one ``accumulate_bucket_`` call
   over sources of these numels: ``(len(numels), 2)`` fp64 rows per source (the reference, ``cpu``), or
   ``(2, n_chunks)`` fp32 columns per chunk (``triton``, ``cuda``).
-* ``finish_norm_partials(partials)`` -> ``(sum_of_squares, found_inf)`` of a partials table, in a fixed order.
-* ``adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr, beta1, beta2, eps, weight_decay,
-  maximize, grad_scale, found_inf)`` — the multi-tensor AdamW step of ``gaengine.optim.FusedAdamW``; its contract
-  is ``adamw_step_reference``'s docstring (and ``csrc/adamw.h``). An attribute holding the kernel function itself.
+* ``finish_norm_partials(partials)`` -> ``(sum_of_squares, found_inf)`` of a partials table, in a fixed order; a
+  stack of ``k`` tables (a leading dimension) -> ``(k,)`` results.
+* ``adamw_step_(*AdamWStep(...))`` — the multi-tensor AdamW step of ``gaengine.optim.FusedAdamW``; its arguments and
+  contract are ``AdamWStep``'s docstring (and ``csrc/adamw.h``). An attribute holding the kernel function itself.
 
 A backend that lacks an op says so at construction: ``lacks`` maps the op's name to why, and the op is the
 reference's (``Backend``'s). Nothing outside this module branches on a backend's ``name``.
@@ -59,14 +55,17 @@ from typing import Union
 
 import torch
 
-__all__ = ["Backend", "TorchBackend", "get_backend", "BACKEND_NAMES", "ContractError", "OPS", "adamw_step_reference"]
+from gaengine.kernels._utils import AdamWStep
+
+__all__ = ["AdamWStep", "Backend", "TorchBackend", "get_backend", "BACKEND_NAMES", "ContractError", "OPS",
+           "adamw_step_reference", "load_extension"]
 
 logger = logging.getLogger("gaengine")
 
 Scale = Union[float, torch.Tensor]
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 # The operation table: every backend has each of these (its own kernel, or the reference when ``lacks`` names it).
-OPS = ("accumulate_", "accumulate_sumsq_", "l2norm_sq", "scale_", "accumulate_bucket_", "new_bucket_partials",
+OPS = ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "new_bucket_partials",
        "finish_norm_partials", "adamw_step_")
 _FLOAT_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -119,27 +118,6 @@ def check_accumulate_args(dst: torch.Tensor, src: torch.Tensor, scale: Scale) ->
             )
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a Python float or a 0-d float32 tensor, got {type(scale).__name__}")
-
-
-def check_sumsq_partials(dst: torch.Tensor, partials: torch.Tensor, index: int) -> None:
-    """Validate ``partials`` and ``index`` of ``accumulate_sumsq_``; raises ``ContractError`` (a ``ValueError``)
-    or ``TypeError`` naming the argument."""
-    if not isinstance(partials, torch.Tensor) or partials.dtype != torch.float64:
-        raise ContractError(f"partials must be a float64 tensor, got {getattr(partials, 'dtype', type(partials))}")
-    if partials.dim() != 2 or partials.shape[1] != 2:
-        raise ContractError(f"partials must have shape (n, 2), got {tuple(partials.shape)}")
-    if not partials.is_contiguous():
-        raise ContractError("partials must be contiguous")
-    if partials.device != dst.device:
-        raise ContractError(f"partials is on {partials.device} but dst is on {dst.device}; they must match")
-    if isinstance(index, bool):
-        raise TypeError("index must be an int, got bool")
-    try:
-        index = operator.index(index)
-    except TypeError:
-        raise TypeError(f"index must be an int, got {type(index).__name__}") from None
-    if not 0 <= index < partials.shape[0]:
-        raise ContractError(f"index {index} is out of range for partials with {partials.shape[0]} rows")
 
 
 def check_grad_tensor(x: torch.Tensor, name: str = "x") -> None:
@@ -199,73 +177,70 @@ def check_bucket_args(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: 
     return offsets, flags
 
 
-def _check_partials_like(partials: torch.Tensor, expected: torch.Tensor, contiguous: bool) -> None:
-    """``partials`` has the shape, dtype and device of ``expected`` (``new_bucket_partials``), and is contiguous
-    (or only has unit column stride, a column slice of a whole-buffer table, when ``contiguous`` is False)."""
-    ok = (isinstance(partials, torch.Tensor) and partials.shape == expected.shape and partials.dtype == expected.dtype
-          and partials.device == expected.device and (partials.is_contiguous() if contiguous
-                                                      else partials.numel() == 0 or partials.stride(-1) == 1))
+def _check_partials_like(partials: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                         contiguous: bool, name: str = "partials") -> None:
+    """``partials`` (the argument ``name``) has this shape, dtype and device (``new_bucket_partials``'s), and is
+    contiguous (or only has unit column stride, a column slice of a whole-buffer table, when ``contiguous`` is
+    False); else ``ContractError`` naming it."""
+    ok = (isinstance(partials, torch.Tensor) and tuple(partials.shape) == tuple(shape) and partials.dtype == dtype
+          and partials.device == device and (partials.is_contiguous() if contiguous
+                                             else partials.numel() == 0 or partials.stride(-1) == 1))
     if not ok:
         got = (f"a {tuple(partials.shape)} {partials.dtype} tensor on {partials.device}"
                if isinstance(partials, torch.Tensor) else type(partials).__name__)
         layout = "contiguous" if contiguous else "with unit column stride"
-        raise ContractError(f"partials must be a {tuple(expected.shape)} {expected.dtype} tensor on {expected.device}, "
-                            f"{layout} (new_bucket_partials), got {got}")
+        raise ContractError(f"{name} must be a {tuple(shape)} {dtype} tensor on {device}, {layout} "
+                            f"(new_bucket_partials), got {got}")
 
 
-def adamw_step_reference(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    model_params: list[torch.Tensor | None],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """One AdamW update of every ``params[i]`` (``torch.optim.AdamW``; Loshchilov & Hutter 2019): the contract
-    of every backend's ``adamw_step_``, and the plain-torch reference and fallback.
+def _sumsq_rows(tensors: Sequence[torch.Tensor], table: torch.Tensor) -> None:
+    """Row ``j`` of the ``(len(tensors), 2)`` fp64 ``table`` = (sum of squares of ``float(tensors[j])``, 1.0 if it
+    holds an inf or a NaN else 0.0): the partials of the row format, in fp64 (the square of the fp64 norm: within a
+    few fp64 ulps of the exact sum; an fp32 value's square cannot overflow fp64, so a non-finite norm is exactly a
+    non-finite value). A fixed number of tensor ops for any number of tensors; no host sync."""
+    if not tensors:
+        return
+    norms = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64))
+    table[:, 0].copy_(norms * norms)
+    table[:, 1].copy_((~torch.isfinite(norms)).to(torch.float64))
 
-    params[i]: contiguous, updated in place: fp32 (the master weight), or bf16 | fp16 (the model parameter itself:
-        computed in fp32, p, m, v each rounded to nearest even).
-    grads[i]: fp32 | bf16 | fp16, contiguous, same numel; read only.
-    exp_avgs[i], exp_avg_sqs[i]: params[i]'s dtype, contiguous, same numel; updated in place.
-    steps[i]: 0-d fp32 on the parameters' device, incremented in place (by ``found_inf == 0``); the new value sets
-        the bias corrections.
-    model_params[i]: None, or (fp32 params[i] only) bf16 | fp16 contiguous with the same numel: receives the
-        rounded new param.
-    lr, beta1, beta2, eps, weight_decay: Python floats. maximize: ascend the gradient instead.
-    grad_scale: None or a 0-d fp32 tensor on the device; the gradient used is ``grads[i] / grad_scale``.
-    found_inf: None or a 0-d fp32 tensor on the device; when != 0 nothing is written (steps included).
+
+def _check_row_tables(dst: torch.Tensor, n_srcs: int, partials, source_partials) -> None:
+    """``partials`` and ``source_partials`` are None or contiguous ``(n_srcs, 2)`` fp64 tables on ``dst.device``."""
+    for name, table in (("partials", partials), ("source_partials", source_partials)):
+        if table is not None:
+            _check_partials_like(table, (n_srcs, 2), torch.float64, dst.device, True, name)
+
+
+def adamw_step_reference(*args, **kwargs) -> None:
+    """One AdamW update of every ``params[i]``: the plain-torch reference and fallback of every backend's
+    ``adamw_step_``. Its arguments (``*AdamWStep(...)``, positional or by name) and contract are ``AdamWStep``'s
+    (``gaengine.kernels._utils``; the C++ kernels ``csrc/adamw.h``).
 
     Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
     Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
     (bf16/fp16 parameters: on fp32 copies of p, m, v, each rounded back by ``copy_``).
     """
-    if not params:
+    a = AdamWStep(*args, **kwargs)
+    if not a.params:
         return
-    skip = None if found_inf is None else found_inf != 0
-    torch._foreach_add_(steps, 1 if found_inf is None else (~skip).to(torch.float32))
-    for p, g, m, v, step, model in zip(params, grads, exp_avgs, exp_avg_sqs, steps, model_params):
+    lr, beta1, beta2 = a.lr, a.beta1, a.beta2
+    skip = None if a.found_inf is None else a.found_inf != 0
+    torch._foreach_add_(a.steps, 1 if skip is None else (~skip).to(torch.float32))
+    for p, g, m, v, step, model in zip(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.steps, a.model_params):
         t = step.to(torch.float64)
         neg_step_size = (-lr / (1.0 - torch.pow(beta1, t))).to(torch.float32)
         bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).to(torch.float32)
         grad = g.reshape(p.shape).to(torch.float32)
-        if grad_scale is not None:
-            grad = grad / grad_scale
-        if maximize:
+        if a.grad_scale is not None:
+            grad = grad / a.grad_scale
+        if a.maximize:
             grad = -grad
         p32, m32, v32 = p.float(), m.float(), v.float()  # fp32 copies of bf16/fp16 ones (exact); fp32: no copy
-        new_p = p32 * (1.0 - lr * weight_decay) if weight_decay != 0 else p32.clone()
+        new_p = p32 * (1.0 - lr * a.weight_decay) if a.weight_decay != 0 else p32.clone()
         new_m = torch.lerp(m32, grad, 1.0 - beta1)
         new_v = torch.addcmul(v32 * beta2, grad, grad, value=1.0 - beta2)
-        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
+        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + a.eps)
         if skip is not None:
             new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
         p.copy_(new_p)
@@ -276,21 +251,32 @@ def adamw_step_reference(
             model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
 
 
+def load_extension():
+    """``(gaengine._C, None)`` when the compiled extension loads, else ``(None, why)`` (a sentence): the one place
+    gaengine looks for it. Lazy: ``import gaengine`` does not load the extension."""
+    try:
+        from gaengine import _C  # noqa: PLC0415
+    except ImportError as exc:
+        return None, f"gaengine._C is not built ({exc})"
+    return _C, None
+
+
 class Backend:
     """Interface of a backend; this base class is the ``torch`` reference implementation.
 
     Besides the ops, a backend says how the accumulator's hooks drive it (``gaengine.hooks.make_hooks``):
-    ``hot_path_kernels`` names the kernels the native hooks (``csrc/hot_path.cpp``) launch for it ("cpu",
-    "cuda", "aten": one ATen op per gradient), or is None when its kernels launch from Python (then the Python
-    hooks run); ``bucketed``: the Python hooks hold gradients and accumulate a whole bucket per launch;
-    ``fused_sumsq``: its ``accumulate_sumsq_`` reads the values it writes in the same pass (the reference here
-    makes a second one, so the Python hooks then leave the norm to one ``l2norm_sq`` pass at ``step()``).
+    ``hot_path_kernels`` is truthy ("cpu", "cuda") when the native hooks (``csrc/hot_path.cpp``) can launch its
+    bucket kernels from C++ (``torch.ops.gaengine.accumulate_bucket_``), None when its kernels launch from Python
+    (this reference, ``triton``): then the Python hooks run, holding each gradient until its bucket is complete and
+    accumulating the bucket with one ``accumulate_bucket_``. ``partials_dim``: the dimension of a
+    ``new_bucket_partials`` table that runs over the sources (0: ``(n_src, 2)`` rows) or chunks (1: ``(2, n_chunks)``
+    columns); the table of several buckets' sources is the concatenation of theirs along it, so one table can serve
+    a whole buffer, each bucket's call a slice.
     """
 
     name = "torch"
-    hot_path_kernels: str | None = "aten"
-    bucketed = False
-    fused_sumsq = False
+    hot_path_kernels: str | None = None
+    partials_dim = 0
     # The ops of ``OPS`` this backend takes from the reference, each with why (set at construction).
     lacks: dict[str, str] = {}
     adamw_step_ = staticmethod(adamw_step_reference)
@@ -306,15 +292,6 @@ class Backend:
             d.add_(s.float() * scale)
         return dst
 
-    def accumulate_sumsq_(self, dst: torch.Tensor, src: torch.Tensor, scale: Scale, overwrite: bool,
-                          partials: torch.Tensor, index: int) -> torch.Tensor:
-        check_sumsq_partials(dst, partials, index)
-        self.accumulate_(dst, src, scale, overwrite)
-        d = dst.reshape(-1).double()
-        stats = torch.stack([(d * d).sum(), (~torch.isfinite(d)).any().double()])
-        partials[int(index)].copy_(stats)  # tensor ops only: no host sync
-        return dst
-
     def l2norm_sq(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.reshape(-1).float()
         sum_sq = torch.dot(xf, xf) if xf.numel() else xf.new_zeros(())
@@ -328,32 +305,39 @@ class Backend:
         return torch.empty(len(numels), 2, dtype=torch.float64, device=device)
 
     def accumulate_bucket_(self, dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int],
-                           overwrite: bool | Sequence[bool], partials: torch.Tensor | None = None) -> torch.Tensor:
+                           overwrite: bool | Sequence[bool], partials: torch.Tensor | None = None,
+                           source_partials: torch.Tensor | None = None) -> torch.Tensor:
         srcs = list(srcs)
         offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite)
-        if partials is not None:
-            _check_partials_like(partials, Backend.new_bucket_partials(self, [0] * len(srcs), dst.device), True)
+        _check_row_tables(dst, len(srcs), partials, source_partials)
         flat = dst.view(-1)
-        for j, (src, offset, flag) in enumerate(zip(srcs, offsets, flags)):
-            d = flat.narrow(0, offset, src.numel())
-            d.copy_(src.reshape(-1)) if flag else d.add_(src.reshape(-1))
-            if partials is not None:
-                d64 = d.double()
-                partials[j].copy_(torch.stack([(d64 * d64).sum(), (~torch.isfinite(d64)).any().double()]))
+        written = [flat.narrow(0, offset, src.numel()) for src, offset in zip(srcs, offsets)]
+        for d, src, flag in zip(written, srcs, flags):
+            Backend.accumulate_(self, d, src, 1.0, flag)  # the one reference of "add a gradient into the buffer"
+        if partials is not None:
+            _sumsq_rows(written, partials)
+        if source_partials is not None:
+            _sumsq_rows(srcs, source_partials)
         return dst
 
     def kernels_problem(self) -> str | None:
         """Why this backend's kernels cannot run now (the native hooks then fall back), or None."""
         return None
 
+    def extension(self):
+        """``(module, None)``: the compiled module whose ``HotPath`` launches this backend's ``hot_path_kernels``
+        (``gaengine._C``; the tests' emulated build for the emulated ``cuda`` backend), or ``(None, why)``."""
+        module = getattr(self, "_C", None)
+        return (module, None) if module is not None else load_extension()
+
     def finish_norm_partials(self, partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum_sq, found_inf)``, 0-d fp32 on ``partials.device``, of the free-norm partials the accumulate
-        pass of this backend wrote: per parameter, a contiguous ``(P, 2)`` fp64 table of (sum of squares,
-        non-finite flag) rows (``accumulate_sumsq_``, the ``cpu`` kernels), summed in a fixed order. Backends
-        whose bucket kernels write ``(2, n_chunks)`` fp32 per-chunk partials finish them with their own
-        fixed-order reduction. No host sync."""
-        sums = partials.sum(0)
-        return sums[0].to(torch.float32), (sums[1] > 0).to(torch.float32)
+        """``(sum_sq, found_inf)``, fp32 on ``partials.device``, of a partials table this backend's
+        ``accumulate_bucket_`` wrote (``new_bucket_partials``): here a contiguous ``(P, 2)`` fp64 table of (sum of
+        squares, non-finite flag) rows, summed in a fixed order; the ``(2, n_chunks)`` fp32 per-chunk tables of
+        ``triton`` and ``cuda`` by their own fixed-order reduction. A stack of ``k`` tables (a leading dimension
+        of ``k``) gives ``(k,)`` results, one per table, in one call. No host sync."""
+        sums = partials.sum(-2)
+        return sums[..., 0].to(torch.float32), (sums[..., 1] > 0).to(torch.float32)
 
 
 class TorchBackend(Backend):
@@ -365,12 +349,13 @@ class CpuBackend(Backend):
 
     name = "cpu"
     hot_path_kernels = "cpu"
-    fused_sumsq = True
 
     def __init__(self) -> None:
-        from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
-
+        _C, why = load_extension()
+        if _C is None:
+            raise ImportError(why)
         self._C = _C
+        self._source_partials = bool(getattr(_C, "BUCKET_SOURCE_PARTIALS", False))
         self.lacks = {}
         if hasattr(_C, "adamw_step_"):
             self.adamw_step_ = _C.adamw_step_
@@ -398,15 +383,6 @@ class CpuBackend(Backend):
         self._C.accumulate_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite))
         return dst
 
-    def accumulate_sumsq_(self, dst, src, scale, overwrite, partials, index):
-        self._check_accumulate(dst, src, scale)
-        check_device_type(partials, "partials", "cpu")
-        check_sumsq_partials(dst, partials, index)
-        s = self._fp32_scale(scale)
-        self._C.accumulate_sumsq_(dst, src.reshape(-1) if not src.is_contiguous() else src, s, bool(overwrite),
-                                  partials, operator.index(index))
-        return dst
-
     def l2norm_sq(self, x):
         check_device_type(x, "x", "cpu")
         check_grad_tensor(x)
@@ -420,12 +396,17 @@ class CpuBackend(Backend):
         self._C.scale_(x, coef if coef.dtype == torch.float32 else coef.to(torch.float32))
         return x
 
-    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None):
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None, source_partials=None):
         srcs = list(srcs)
         offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite, "cpu")
-        if partials is not None:
-            _check_partials_like(partials, self.new_bucket_partials([0] * len(srcs), dst.device), True)
-        self._C.accumulate_bucket_(dst, srcs, offsets, flags, partials)
+        _check_row_tables(dst, len(srcs), partials, source_partials)
+        if source_partials is None:
+            self._C.accumulate_bucket_(dst, srcs, offsets, flags, partials)
+        elif self._source_partials:
+            self._C.accumulate_bucket_(dst, srcs, offsets, flags, partials, source_partials=source_partials)
+        else:  # an extension built before source_partials: the reference's rows, one more read of the sources
+            _sumsq_rows(srcs, source_partials)
+            self._C.accumulate_bucket_(dst, srcs, offsets, flags, partials)
         return dst
 
 
@@ -434,7 +415,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     hot_path_kernels = None  # launched from Python: the Python hooks run
-    bucketed = True
+    partials_dim = 1
 
     def __init__(self) -> None:
         from gaengine.kernels import accumulate, adamw, bucket, norm, scale  # noqa: PLC0415 - imports triton
@@ -457,9 +438,10 @@ class TritonBackend(Backend):
     def new_bucket_partials(self, numels, device):
         return torch.empty(2, self._bucket.num_blocks(numels), dtype=torch.float32, device=device)
 
-    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None):
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None, source_partials=None):
         # gaengine.kernels.bucket checks every argument (ValueError) before it launches.
-        return self._bucket.accumulate_bucket_(dst, srcs, offsets, 1.0, overwrite, partials=partials)
+        return self._bucket.accumulate_bucket_(dst, srcs, offsets, 1.0, overwrite, partials=partials,
+                                               source_partials=source_partials)
 
 
 # cudaDriverGetVersion()'s 1000 * major + 10 * minor of CUDA 12.1: the first driver that launches kernels with more
@@ -513,8 +495,9 @@ def _load_cuda_kernels():
         problem = cuda_driver_problem(_cuda_driver_version())
         if problem is not None:
             raise RuntimeError(problem)
-    from gaengine import _C  # noqa: PLC0415 - kept lazy: ``import gaengine`` must not load the extension
-
+    _C, why = load_extension()
+    if _C is None:
+        raise ImportError(why)
     missing = [op for op in ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_",
                               "sum_partials_cuda", "adamw_step_cuda_") if not hasattr(_C, op)]
     if missing:
@@ -549,6 +532,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     hot_path_kernels = "cuda"
+    partials_dim = 1
 
     def __init__(self) -> None:
         self._C = _load_cuda_kernels()
@@ -578,18 +562,30 @@ class CudaBackend(Backend):
         return x
 
     def finish_norm_partials(self, partials):
-        return tuple(self._C.sum_partials_cuda(partials))  # (2, n_chunks) fp32, fixed-order tree
+        if partials.dim() == 2:
+            return tuple(self._C.sum_partials_cuda(partials))  # (2, n_chunks) fp32, fixed-order tree
+        sums = [self._C.sum_partials_cuda(table) for table in partials]  # a stack: one launch per table
+        return torch.stack([s[0] for s in sums]), torch.stack([s[1] for s in sums])
 
     def new_bucket_partials(self, numels, device):
         n_chunks = self._C.bucket_num_chunks([int(n) for n in numels])
         return torch.empty(2, n_chunks, dtype=torch.float32, device=device)
 
-    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None):
+    def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None, source_partials=None):
         srcs = list(srcs)
         offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite, _cuda_device_type())
-        if partials is not None:
-            _check_partials_like(partials, self.new_bucket_partials([s.numel() for s in srcs], dst.device), False)
-        self._C.accumulate_bucket_cuda_(dst, srcs, offsets, flags, partials)
+        if partials is not None or source_partials is not None:
+            shape = (2, self._C.bucket_num_chunks([s.numel() for s in srcs]))
+            for name, table in (("partials", partials), ("source_partials", source_partials)):
+                if table is not None:
+                    _check_partials_like(table, shape, torch.float32, dst.device, False, name)
+        if source_partials is None:
+            self._C.accumulate_bucket_cuda_(dst, srcs, offsets, flags, partials)
+        elif getattr(self._C, "BUCKET_SOURCE_PARTIALS", False):
+            self._C.accumulate_bucket_cuda_(dst, srcs, offsets, flags, partials, source_partials=source_partials)
+        else:
+            raise RuntimeError("source_partials needs a gaengine._C built with them (BUCKET_SOURCE_PARTIALS): rebuild "
+                               "it with pip install --no-build-isolation -e .")
         return dst
 
     def kernels_problem(self):

@@ -3,17 +3,22 @@
 One interface, ``Hooks``; two implementations behind it; and ``make_hooks``, which picks one:
 
 * ``gaengine.hot_path.NativeHooks``: C++ post-hooks on each parameter's AccumulateGrad node
-  (``csrc/hot_path.cpp``): no Python per parameter. For backends whose kernels C++ can launch
-  (``backend.hot_path_kernels``: ``cpu``, ``cuda``, ``torch`` as one ATen op per gradient).
-* ``gaengine.python_hooks.PythonHooks``: one ``register_post_accumulate_grad_hook`` per parameter. For a backend
-  whose kernels launch from Python (``triton``), an install without ``gaengine._C``, or
-  ``GAENGINE_HOT_PATH=python``.
+  (``csrc/hot_path.cpp``): no Python per parameter. For backends whose bucket kernels C++ can launch
+  (``backend.hot_path_kernels``: ``cpu``, ``cuda``).
+* ``gaengine.python_hooks.PythonHooks``: one ``register_post_accumulate_grad_hook`` per parameter, one
+  ``backend.accumulate_bucket_`` per complete bucket. For a backend whose kernels launch from Python (``torch``,
+  ``triton``), an install without ``gaengine._C``, or ``GAENGINE_HOT_PATH=python``.
+
+Both take ``measure_sources``: every accumulate launch then also writes the partial sums of squares of its
+sources (the gradients autograd made in this micro-batch), kept per micro-batch until ``window_source_sumsq()``
+finishes them (the per-micro-batch norms of the gradient noise scale).
 
 Each implementation owns the per-parameter, per-micro-batch state of the accumulator, and is its only owner: the
 ``written`` flags of the window, the first-arrival order while the layout is learned, the arrivals per backward
 learned per parameter, bucket readiness (counted once, in the hooks: the reducer is told once per complete
-bucket), the held gradients and the free-norm partials of the last micro-batch (finished by the backend's
-``finish_norm_partials``). The engine reaches that state only through ``Hooks``.
+bucket), the held gradients, the free-norm partials of the last micro-batch and the source partials of the
+window's micro-batches (finished by the backend's ``finish_norm_partials``). The engine reaches that state only
+through ``Hooks``.
 
 ``GAENGINE_HOT_PATH=auto`` (default) takes the native hooks whenever ``gaengine._C`` loads and the backend has
 ``hot_path_kernels``; ``native`` requires them (``RuntimeError`` with the reason otherwise); ``python`` keeps the
@@ -97,11 +102,20 @@ class Hooks(Protocol):
         """``(sum_sq, found_inf)`` of the whole buffer, 0-d fp32 on its device, when the last micro-batch's
         accumulate covered every parameter; else None (``step()`` then reads the buffer once)."""
 
+    def window_source_sumsq(self) -> torch.Tensor | None:
+        """(k,) fp32 on main_grad's device: row j = this rank's sum over parameters of |source|^2 of the j-th
+        micro-batch of the window (source = the gradient autograd produced for a parameter in that backward,
+        arrivals of one backward combined into one source, loss-scaled as produced, before any normalization).
+        Finished from the partials written by the accumulate launches with one reduction at this call (called once
+        per window by step()); None when measure_sources is False. A row is NaN when that micro-batch's norm is
+        inexact: a later arrival launched on its own after its bucket had launched (double arrival). A
+        non-finite source gives an inf or NaN row. Cleared by reset_window()/drop()."""
+
     def reset_window(self) -> None:
-        """A new window: nothing written."""
+        """A new window: nothing written, no source partials."""
 
     def drop(self) -> None:
-        """``zero_grad()``: forget gradients held for incomplete buckets."""
+        """``zero_grad()``: forget gradients held for incomplete buckets and the window's source partials."""
 
     @property
     def launches(self) -> int:
@@ -112,7 +126,7 @@ class Hooks(Protocol):
 
 
 def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-               reducer: BucketReducer | None) -> Hooks:
+               reducer: BucketReducer | None, measure_sources: bool = False) -> Hooks:
     """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` or ``PythonHooks``, as
     ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
 
@@ -126,15 +140,18 @@ def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, bucke
     why = None
     if setting == "python":
         why = "GAENGINE_HOT_PATH=python"
-    elif backend.hot_path_kernels is None:
+    elif not backend.hot_path_kernels:
         why = f"backend {backend.name!r} launches its kernels from Python"
     else:
-        why = load_native()[1] or backend.kernels_problem()
+        module, why = load_native(backend)
+        why = why or backend.kernels_problem()
+        if why is None and measure_sources and not hasattr(module.HotPath, "set_measure_sources"):
+            why = "the native hooks of this gaengine._C do not measure the source norms (rebuild it)"
     if why is None:
-        return NativeHooks(params, main_grad, backend, buckets, reducer)
+        return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources)
     if setting == "native":
         raise RuntimeError(f"GAENGINE_HOT_PATH=native, but the native hot path cannot run: {why}")
     if not _announced_fallback:
         _announced_fallback = True
         logger.info("gaengine: per-parameter hooks run in Python (%s)", why)
-    return PythonHooks(params, main_grad, backend, buckets, reducer)
+    return PythonHooks(params, main_grad, backend, buckets, reducer, measure_sources)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from gaengine.backends import BACKEND_NAMES, get_backend
+from gaengine.backends import BACKEND_NAMES, AdamWStep, get_backend
 from gaengine.backends import adamw_step_reference as adamw_step_torch  # noqa: F401 - the plain-torch fallback
 from gaengine.buffer import FlatLayout
 
@@ -368,11 +368,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 out.append(t)
         beta1, beta2 = group["betas"]
         for device, (params, grads, exp_avgs, exp_avg_sqs, steps, models) in per_device.items():
-            self._kernel(device)(
+            self._kernel(device)(*AdamWStep(
                 params, grads, exp_avgs, exp_avg_sqs, steps, models,
                 float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
                 bool(group["maximize"]), _on(grad_scale, device), _on(found_inf, device),
-            )
+            ))
             increment_version(params + [m for m in models if m is not None])  # they were written in place
 
 

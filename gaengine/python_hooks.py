@@ -6,12 +6,12 @@ backend whose kernels launch from Python (``triton``) or an install without ``ga
 
 grad: ``param.shape`` fp32 | bf16 | fp16, dense, read once and released at once (``param.grad = None``).
 main_grad: ``(layout.total_numel,)`` fp32 on the parameters' device; the first write of a window to a
-parameter overwrites its view (no zeroing pass), later ones add. A ``bucketed`` backend (Triton) holds
-gradients until their bucket is complete and accumulates a whole bucket per launch
-(``gaengine.bucket.BucketAccumulation``); the others make one ``accumulate_`` call per gradient (with the
-free-norm row of ``accumulate_sumsq_`` in the last micro-batch on one rank). Bucket readiness is counted here,
-once: a bucket is complete when each of its parameters has arrived as often as learned (``expected_arrivals``),
-which launches it (bucketed) and, in an armed micro-batch, tells the reducer (``bucket_ready``, once per bucket).
+parameter overwrites its view (no zeroing pass), later ones add. Every backend accumulates the same way: the
+gradients are held until their bucket is complete and a whole bucket is accumulated per launch
+(``gaengine.bucket.BucketAccumulation``: ``backend.accumulate_bucket_``, with the free-norm partials in the
+last micro-batch on one rank). Bucket readiness is counted here, once: a bucket is complete when each of its
+parameters has arrived as often as learned (``expected_arrivals``), which launches it and, in an armed
+micro-batch, tells the reducer (``bucket_ready``, once per bucket).
 
 Raises ``RuntimeError`` (from the hook, through autograd) when a gradient arrives outside ``acc.backward()``,
 ``ValueError`` for a sparse gradient (both drop that gradient), and ``RuntimeError`` from ``end()`` when a
@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from gaengine.bucket import Bucket, BucketAccumulation
+from gaengine.bucket import Bucket, BucketAccumulation, window_source_sumsq
 from gaengine.buffer import FlatBuffer
 from gaengine.reduce import BucketReducer
 
@@ -36,13 +36,14 @@ class PythonHooks:
 
     params: the trainable parameters in layout order (index i is main_grad's slice i). backend: the
     accumulate backend (``gaengine.backends``). buckets: the layout's buckets (contiguous runs of parameters).
-    reducer: the ``BucketReducer`` of a multi-rank run, or None.
+    reducer: the ``BucketReducer`` of a multi-rank run, or None. measure_sources: the accumulate launches also
+    write the per-micro-batch source partials (``window_source_sumsq``).
     """
 
     native = False  # per-parameter work runs in Python (one hook call per parameter)
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 reducer: BucketReducer | None) -> None:
+                 reducer: BucketReducer | None, measure_sources: bool = False) -> None:
         self.params = list(params)
         self.main_grad = main_grad
         self.backend = backend
@@ -50,8 +51,9 @@ class PythonHooks:
         self.num_buckets = len(buckets)
         self._bucket_of = [b.index for b in buckets for _ in range(b.first, b.last)]
         self._bucket_params = [range(b.first, b.last) for b in buckets]
-        # A bucketed backend (Triton) accumulates a whole bucket per launch (the same buckets the reducer uses).
-        self._bucketed = BucketAccumulation(main_grad, buckets) if backend.bucketed else None
+        # One launch per complete bucket (the same buckets the reducer uses), on every backend.
+        self.measure_sources = bool(measure_sources)
+        self._accumulation = BucketAccumulation(main_grad, buckets, backend, self.measure_sources)
         self._written = [False] * len(self.params)
         self._arrivals = [0] * len(self.params)  # hook calls per parameter in this micro-batch
         self.expected_arrivals = [1] * len(self.params)  # hook calls per backward, learned (>= 1)
@@ -61,9 +63,6 @@ class PythonHooks:
         self._in_backward = False
         self._armed = False
         self._stale = False
-        self._norm_partials: torch.Tensor | None = None  # (P, 2) fp64 rows of accumulate_sumsq_ (per gradient)
-        self._norm_arrivals = 0  # distinct parameters whose row is written in this micro-batch
-        self._launches = 0
         self._handles = []
         ref = weakref.ref(self)
         for i, p in enumerate(self.params):
@@ -114,23 +113,13 @@ class PythonHooks:
             self._written[i] = True
             if self._arrival is not None:
                 self._arrival.append(i)
-        if self._bucketed is not None:
-            self._bucketed.hold(i, grad, overwrite)  # a later arrival is combined with the held one
-            if self._pending[b] == 0:
-                self._bucketed.launch(b)  # its bucket was launched already: this arrival goes on its own
-        elif self._norm_partials is not None:  # last micro-batch, one rank: the norm comes with the pass
-            # Row i receives the values written last: a later arrival rewrites it with the sum.
-            self.backend.accumulate_sumsq_(self.main_grad.flat_views[i], grad, 1.0, overwrite, self._norm_partials, i)
-            self._norm_arrivals += count == 1
-            self._launches += 1
-        else:
-            self.backend.accumulate_(self.main_grad.flat_views[i], grad, 1.0, overwrite)  # a later arrival adds
-            self._launches += 1
+        self._accumulation.hold(i, grad, overwrite)  # a later arrival is combined with the held one
+        if self._pending[b] == 0:
+            self._accumulation.launch(b)  # its bucket was launched already: this arrival goes on its own
         if counts:
             self._pending[b] -= 1
             if self._pending[b] == 0:  # every parameter of bucket b has arrived as often as expected
-                if self._bucketed is not None:
-                    self._bucketed.launch(b)
+                self._accumulation.launch(b)
                 if self._armed:
                     self.reducer.bucket_ready(b)  # starts its all-reduce, in bucket order
 
@@ -146,18 +135,11 @@ class PythonHooks:
         self._arrivals = [0] * len(self.params)
         self._pending = [sum(self.expected_arrivals[j] for j in r) for r in self._bucket_params]
         self._late = []
-        self._norm_partials = None
-        self._norm_arrivals = 0
-        if self._bucketed is not None:
-            self._bucketed.begin(want_norm)
-        elif want_norm and self.backend.fused_sumsq:
-            # Per-parameter sums of squares from the last micro-batch's accumulate: step() reads no buffer.
-            self._norm_partials = torch.empty(len(self.params), 2, dtype=torch.float64,
-                                              device=self.main_grad.data.device)
+        self._accumulation.begin(want_norm)
         self._in_backward = True
 
     def end(self) -> None:
-        """Autograd returned normally: launch the buckets left incomplete (bucketed); raise for late arrivals."""
+        """Autograd returned normally: launch the buckets left incomplete; raise for late arrivals."""
         try:
             if self._late:
                 more = f" (and {len(self._late) - 1} more late arrival(s))" if len(self._late) > 1 else ""
@@ -165,8 +147,7 @@ class PythonHooks:
                     f"{self._late[0]}{more} (a layer shared by reentrant-checkpointed segments, or a graph that "
                     "changed) after its bucket's all-reduce had started, so the window cannot be reduced exactly. The "
                     "accumulator has learned the new counts: call acc.zero_grad() and run the window again")
-            if self._bucketed is not None:
-                self._bucketed.flush()  # buckets left incomplete (parameters that got no gradient)
+            self._accumulation.flush()  # buckets left incomplete (parameters that got no gradient)
         finally:
             self._in_backward = False
 
@@ -218,31 +199,31 @@ class PythonHooks:
     def free_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sum_sq, found_inf)`` of the whole buffer, 0-d fp32 on its device, when the last micro-batch's
         accumulate covered every parameter; else None (``step()`` then reads the buffer once)."""
-        if self._bucketed is not None:
-            partials = self._bucketed.norm_partials()
-        elif self._norm_partials is not None and self._norm_arrivals == len(self.params):
-            partials = self._norm_partials
-        else:
-            partials = None
+        partials = self._accumulation.norm_partials()
         return None if partials is None else self.backend.finish_norm_partials(partials)
 
+    def window_source_sumsq(self) -> torch.Tensor | None:
+        """``(k,)`` fp32 on main_grad's device: this rank's sum of squares of the gradients autograd produced in each
+        of the window's ``k`` micro-batches (see ``gaengine.hooks.Hooks``), NaN for a micro-batch a later arrival made
+        inexact; None unless ``measure_sources``. One reduction of the partials the accumulate launches wrote."""
+        if not self.measure_sources:
+            return None
+        tables, inexact, extras = self._accumulation.source_tables()
+        return window_source_sumsq(self.backend, tables, inexact, self.main_grad.data.device, extras)
+
     def reset_window(self) -> None:
-        """A new window: nothing written, no free-norm partials."""
-        self._norm_partials = None
-        self._norm_arrivals = 0
+        """A new window: nothing written, no source partials."""
         self._written = [False] * len(self.params)
+        self._accumulation.clear_sources()
 
     def drop(self) -> None:
-        """``zero_grad()``, a failed backward: forget gradients held for incomplete buckets."""
-        if self._bucketed is not None:
-            self._bucketed.drop()
+        """``zero_grad()``, a failed backward: forget gradients held for incomplete buckets and the source partials."""
+        self._accumulation.drop()
 
     @property
     def launches(self) -> int:
-        """Kernel-launching calls of the accumulate path since construction (per bucket when bucketed)."""
-        if self._bucketed is not None:
-            return self._bucketed.launches
-        return self._launches
+        """Kernel-launching calls of the accumulate path since construction (one per bucket launch)."""
+        return self._accumulation.launches
 
     def close(self) -> None:
         """Remove the hooks (idempotent)."""

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from gaengine.kernels._utils import (
+    AdamWStep,
     check_block_size,
     check_device_scalar,
     check_float_input,
@@ -148,68 +149,46 @@ def _check_step(t: torch.Tensor, i: int, device: torch.device) -> None:
         raise ValueError(f"steps[{i}] must be a 0-d float32 tensor on {device}")
 
 
-def adamw_step_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    model_params: list[torch.Tensor | None],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-    *,
-    block_size: int = BLOCK_SIZE,
-) -> None:
+def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
     """One AdamW update of every ``params[i]``, one kernel launch (one pass) per parameter.
 
-    params[i]: contiguous, on one CUDA device (or CPU under ``TRITON_INTERPRET=1``), updated in place: fp32 (the
-        master weight), or bf16 | fp16 (the model parameter itself: computed in fp32, rounded to nearest even).
-    grads[i]: fp32 | bf16 | fp16, contiguous, same numel; read only.
-    exp_avgs[i], exp_avg_sqs[i]: params[i]'s dtype, contiguous, same numel; updated in place.
-    steps[i]: 0-d fp32 on the same device: incremented by ``found_inf == 0`` (by 1 without ``found_inf``)
-        with one device op before the launches; the kernels read the new value.
-    model_params[i]: None, or (fp32 params[i] only) bf16 | fp16 contiguous with the same numel: receives the
-        rounded new param.
-    lr, beta1, beta2, eps, weight_decay: Python floats (torch.optim.AdamW's hyper-parameters).
-    maximize: ascend the gradient instead.
-    grad_scale: None or a 0-d floating tensor on the device; the gradient used is ``grads[i] / grad_scale``.
-    found_inf: None or a 0-d floating tensor on the device; when != 0 nothing is written.
-    block_size: elements per program, a power of two >= 16 (tests use small ones to get many programs).
+    Arguments: ``*AdamWStep(...)`` (positional or by name; ``gaengine.kernels._utils.AdamWStep`` gives them and the
+    contract), the tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); ``steps`` are incremented with
+    one device op before the launches, and the kernels read the new value. ``grad_scale`` / ``found_inf``: any
+    floating dtype. block_size: elements per program, a power of two >= 16 (tests use small ones to get many
+    programs).
 
     Raises ``ValueError`` for a wrong dtype, layout, numel or device, before anything is written.
     """
-    n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == len(model_params) == n):
+    a = AdamWStep(*args, **kwargs)
+    n = len(a.params)
+    if not (len(a.grads) == len(a.exp_avgs) == len(a.exp_avg_sqs) == len(a.steps) == len(a.model_params) == n):
         raise ValueError("params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length")
     check_block_size(block_size)
     if n == 0:
         return
-    device = params[0].device
-    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+    device = a.params[0].device
+    for name, t in (("grad_scale", a.grad_scale), ("found_inf", a.found_inf)):
         if t is not None:
             check_device_scalar(t, name, device)
     for i in range(n):
-        if params[i].dtype in _LOW_PRECISION:  # updated in place, moments in its dtype
-            for name, t in (("params", params[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+        if a.params[i].dtype in _LOW_PRECISION:  # updated in place, moments in its dtype
+            for name, t in (("params", a.params[i]), ("exp_avgs", a.exp_avgs[i]), ("exp_avg_sqs", a.exp_avg_sqs[i])):
                 check_float_input(t, f"{name}[{i}]")
-                if t.dtype != params[i].dtype:
-                    raise ValueError(f"{name}[{i}] must be {params[i].dtype} (the dtype of params[{i}]), got {t.dtype}")
-            if model_params[i] is not None:
-                raise ValueError(f"model_params[{i}] must be None: params[{i}] is {params[i].dtype}, updated in place")
+                if t.dtype != a.params[i].dtype:
+                    raise ValueError(f"{name}[{i}] must be {a.params[i].dtype} (the dtype of params[{i}]), got "
+                                     f"{t.dtype}")
+            if a.model_params[i] is not None:
+                raise ValueError(f"model_params[{i}] must be None: params[{i}] is {a.params[i].dtype}, updated in "
+                                 "place")
         else:
-            for name, t in (("params", params[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+            for name, t in (("params", a.params[i]), ("exp_avgs", a.exp_avgs[i]), ("exp_avg_sqs", a.exp_avg_sqs[i])):
                 check_fp32_buffer(t, f"{name}[{i}]")
-        check_float_input(grads[i], f"grads[{i}]")
-        _check_step(steps[i], i, device)
-        numel = params[i].numel()
-        tensors = [grads[i], exp_avgs[i], exp_avg_sqs[i]]
-        model = model_params[i]
+        check_float_input(a.grads[i], f"grads[{i}]")
+        _check_step(a.steps[i], i, device)
+        numel = a.params[i].numel()
+        tensors = [a.grads[i], a.exp_avgs[i], a.exp_avg_sqs[i]]
+        model = a.model_params[i]
         if model is not None:
             check_float_input(model, f"model_params[{i}]")
             if model.dtype not in _LOW_PRECISION:
@@ -218,53 +197,53 @@ def adamw_step_(
         if any(t.numel() != numel for t in tensors):
             raise ValueError(f"grads[{i}], exp_avgs[{i}], exp_avg_sqs[{i}] and model_params[{i}] must have the "
                              f"{numel} elements of params[{i}]")
-        if any(t.device != device for t in [params[i], *tensors]):
+        if any(t.device != device for t in [a.params[i], *tensors]):
             raise ValueError(f"every tensor of parameter {i} must be on {device}")
 
     # step += 1, or step += (found_inf == 0): on the device, before the kernels read it.
-    increment = 1 if found_inf is None else (found_inf == 0).to(torch.float32)
-    torch._foreach_add_(steps, increment)
+    increment = 1 if a.found_inf is None else (a.found_inf == 0).to(torch.float32)
+    torch._foreach_add_(a.steps, increment)
 
-    lerp_weight = _fp32(1.0 - beta1)
+    lerp_weight = _fp32(1.0 - a.beta1)
     lerp_small = abs(lerp_weight) < 0.5
     scalars = dict(
-        lr=float(lr),
-        log2_beta1=_log2(beta1),
-        log2_beta2=_log2(beta2),
-        decay_factor=_fp32(1.0 - lr * weight_decay),
+        lr=float(a.lr),
+        log2_beta1=_log2(a.beta1),
+        log2_beta2=_log2(a.beta2),
+        decay_factor=_fp32(1.0 - a.lr * a.weight_decay),
         lerp_coeff=lerp_weight if lerp_small else _fp32(lerp_weight - 1.0),
-        beta2=_fp32(beta2),
-        one_minus_beta2=_fp32(1.0 - beta2),
-        eps=_fp32(eps),
+        beta2=_fp32(a.beta2),
+        one_minus_beta2=_fp32(1.0 - a.beta2),
+        eps=_fp32(a.eps),
     )
     flags = dict(
-        HAS_GRAD_SCALE=grad_scale is not None,
-        HAS_FOUND_INF=found_inf is not None,
-        MAXIMIZE=bool(maximize),
-        DECAY=weight_decay != 0,
+        HAS_GRAD_SCALE=a.grad_scale is not None,
+        HAS_FOUND_INF=a.found_inf is not None,
+        MAXIMIZE=bool(a.maximize),
+        DECAY=a.weight_decay != 0,
         LERP_SMALL=lerp_small,
     )
-    with device_guard(params[0]):
+    with device_guard(a.params[0]):
         for i in range(n):
-            numel = params[i].numel()
+            numel = a.params[i].numel()
             if numel == 0:
                 continue
-            model = model_params[i]
+            model = a.model_params[i]
             _adamw_kernel[(triton.cdiv(numel, block_size),)](
-                params[i],
-                grads[i],
-                exp_avgs[i],
-                exp_avg_sqs[i],
-                params[i] if model is None else model,  # never written without HAS_MODEL
-                steps[i],
-                params[i] if grad_scale is None else grad_scale,  # never read without HAS_GRAD_SCALE
-                params[i] if found_inf is None else found_inf,  # never read without HAS_FOUND_INF
+                a.params[i],
+                a.grads[i],
+                a.exp_avgs[i],
+                a.exp_avg_sqs[i],
+                a.params[i] if model is None else model,  # never written without HAS_MODEL
+                a.steps[i],
+                a.params[i] if a.grad_scale is None else a.grad_scale,  # never read without HAS_GRAD_SCALE
+                a.params[i] if a.found_inf is None else a.found_inf,  # never read without HAS_FOUND_INF
                 numel,
                 **scalars,
                 HAS_MODEL=model is not None,
                 MODEL_BF16=model is not None and model.dtype == torch.bfloat16,
-                PARAM_BF16=params[i].dtype == torch.bfloat16,
-                PARAM_FP16=params[i].dtype == torch.float16,
+                PARAM_BF16=a.params[i].dtype == torch.bfloat16,
+                PARAM_FP16=a.params[i].dtype == torch.float16,
                 **flags,
                 BLOCK_SIZE=block_size,
                 num_warps=NUM_WARPS,

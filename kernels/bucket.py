@@ -17,7 +17,9 @@ pointers are 16-byte aligned, see ``DST_ALIGNED`` / ``SRC_ALIGNED``), the last c
 "Free norm": given ``partials`` (``(2, n_blocks)`` fp32), each program also writes the sum of squares and the
 non-finite flag of the values it wrote (after accumulation), so the last micro-batch's accumulate yields the
 buffer's norm with no extra read of it; ``l2norm_sq_from_partials`` finishes it with the deterministic
-finalize of ``kernels/norm.py``.
+finalize of ``kernels/norm.py``. Given ``source_partials`` (the same format), each program also writes, in the
+same pass, the sum of squares and the non-finite flag of the source values it read (the per-micro-batch
+gradient norms of the noise scale), so measuring them costs no extra launch and no extra read.
 
 Bytes per element, numerics: as ``kernels/accumulate.py`` (6 B overwriting, 10 B adding, bf16 source; an
 unscaled add is one IEEE fp32 add, bitwise equal to torch; a scaled one is one fused multiply-add), plus
@@ -62,11 +64,14 @@ def _accumulate_bucket_kernel(
     scale,  # fp32 scalar, used when HAS_SCALE and not SCALE_IS_PTR
     partials_ptr,  # (2, partials_stride) fp32, written when WRITE_PARTIALS: sums of squares, non-finite flags
     partials_stride,  # elements between the two rows of partials
+    source_partials_ptr,  # (2, source_partials_stride) fp32, written when WRITE_SOURCE_PARTIALS: of the sources
+    source_partials_stride,  # elements between the two rows of source_partials
     block_offset,  # global index of this launch's first block (one launch per source dtype)
     SRC_DTYPE: tl.constexpr,  # tl.float32 | tl.bfloat16 | tl.float16: the dtype of every source of this launch
     HAS_SCALE: tl.constexpr,
     SCALE_IS_PTR: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
+    WRITE_SOURCE_PARTIALS: tl.constexpr,
     DST_ALIGNED: tl.constexpr,  # dst is 16-byte aligned and every dst offset is a multiple of 4 elements
     SRC_ALIGNED: tl.constexpr,  # every source address is a multiple of 16 bytes
     BLOCK_SIZE: tl.constexpr,
@@ -102,11 +107,16 @@ def _accumulate_bucket_kernel(
         else:
             out = tl.where(keep, acc + grad, grad)
         tl.store(out_ptr + offsets, out)
+        # Defined on both branches (a runtime if); left out by the compiler when their WRITE_ flag is off.
         sum_sq = tl.sum(out * out, axis=0)
         non_finite = tl.max(((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32), axis=0)
+        src_sum_sq = tl.sum(grad * grad, axis=0)
+        src_non_finite = tl.max(((grad != grad) | (tl.abs(grad) == float("inf"))).to(tl.float32), axis=0)
     else:  # the last chunk of a tensor: masked, TAIL_SIZE elements a step (a runtime trip count: not unrolled)
         sum_sq_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
         non_finite_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
+        src_sum_sq_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
+        src_non_finite_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
         for tail_start in range(0, numel - chunk_start, TAIL_SIZE):
             offsets = chunk_start + tail_start + tl.arange(0, TAIL_SIZE)
             mask = offsets < numel
@@ -118,15 +128,25 @@ def _accumulate_bucket_kernel(
             else:
                 out = tl.where(keep, acc + grad, grad)
             tl.store(out_ptr + offsets, out, mask=mask)
-            out = tl.where(mask, out, 0.0)  # lanes past the end add nothing to the partials
-            sum_sq_lanes += out * out
-            bad = ((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32)
-            non_finite_lanes = tl.maximum(non_finite_lanes, bad)
+            if WRITE_PARTIALS:
+                out = tl.where(mask, out, 0.0)  # lanes past the end add nothing to the partials
+                sum_sq_lanes += out * out
+                bad = ((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32)
+                non_finite_lanes = tl.maximum(non_finite_lanes, bad)
+            if WRITE_SOURCE_PARTIALS:  # masked lanes loaded 0.0: they add nothing
+                src_sum_sq_lanes += grad * grad
+                src_bad = ((grad != grad) | (tl.abs(grad) == float("inf"))).to(tl.float32)
+                src_non_finite_lanes = tl.maximum(src_non_finite_lanes, src_bad)
         sum_sq = tl.sum(sum_sq_lanes, axis=0)
         non_finite = tl.max(non_finite_lanes, axis=0)
+        src_sum_sq = tl.sum(src_sum_sq_lanes, axis=0)
+        src_non_finite = tl.max(src_non_finite_lanes, axis=0)
     if WRITE_PARTIALS:
         tl.store(partials_ptr + block, sum_sq)
         tl.store(partials_ptr + partials_stride + block, non_finite)
+    if WRITE_SOURCE_PARTIALS:
+        tl.store(source_partials_ptr + block, src_sum_sq)
+        tl.store(source_partials_ptr + source_partials_stride + block, src_non_finite)
 
 
 def num_blocks(numels: Sequence[int], block_size: int = BLOCK_SIZE) -> int:
@@ -168,6 +188,7 @@ def accumulate_bucket_(
     overwrite: bool | Sequence[bool] = False,
     *,
     partials: torch.Tensor | None = None,
+    source_partials: torch.Tensor | None = None,
     block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
     """``dst[o_i : o_i + n_i] = (0 if overwrite_i else dst[o_i : o_i + n_i]) + srcs[i] * scale`` for every ``i``.
@@ -188,6 +209,9 @@ def accumulate_bucket_(
         be strided (a column slice of a whole-buffer table): written with, per program, the sum of squares
         (row 0) and the non-finite flag (row 1, 1.0 or 0.0) of the values it wrote. Programs are numbered
         by source dtype in order of first appearance, then by source, then by chunk.
+    source_partials: None, or a table of the same format as ``partials``: written in the same pass with the sum
+        of squares and the non-finite flag of each program's source values (``float(src)``, before the add and any
+        scale), not of the values written: the per-micro-batch gradient norms of the noise scale.
     block_size: elements per program, a power of two >= 16.
 
     Raises ``ValueError`` for a wrong dtype, layout, device, offset, overlap, flag count, scale or partials
@@ -217,13 +241,13 @@ def accumulate_bucket_(
             raise ValueError(f"the dst slices of srcs[{i}] and srcs[{j}] overlap")
     scale_ptr, scale_value, has_scale, scale_is_ptr = scale_args(scale, dst)
     total_blocks = num_blocks(numels, block_size)
-    if partials is not None:
-        if not (isinstance(partials, torch.Tensor) and partials.dtype == torch.float32
-                and tuple(partials.shape) == (2, total_blocks) and partials.stride(1) == 1
-                and partials.device == dst.device):
-            got = (f"a {tuple(partials.shape)} {partials.dtype} tensor on {partials.device}"
-                   if isinstance(partials, torch.Tensor) else type(partials).__name__)
-            raise ValueError(f"partials must be a (2, {total_blocks}) float32 tensor on {dst.device} with "
+    for name, table in (("partials", partials), ("source_partials", source_partials)):
+        if table is not None and not (isinstance(table, torch.Tensor) and table.dtype == torch.float32
+                                      and tuple(table.shape) == (2, total_blocks) and table.stride(1) == 1
+                                      and table.device == dst.device):
+            got = (f"a {tuple(table.shape)} {table.dtype} tensor on {table.device}"
+                   if isinstance(table, torch.Tensor) else type(table).__name__)
+            raise ValueError(f"{name} must be a (2, {total_blocks}) float32 tensor on {dst.device} with "
                              f"unit column stride, got {got}")
     if total_blocks == 0:
         return dst
@@ -242,6 +266,7 @@ def accumulate_bucket_(
     )
     dst_aligned = dst.data_ptr() % 16 == 0 and all(o % 4 == 0 for o in offsets)
     partials_arg = partials if partials is not None else dst  # never written: WRITE_PARTIALS is False
+    source_arg = source_partials if source_partials is not None else dst  # never written then
     block_offset = 0
     with device_guard(dst):
         for dtype, members in groups.items():
@@ -254,11 +279,14 @@ def accumulate_bucket_(
                 scale_value,
                 partials_arg,
                 partials.stride(0) if partials is not None else 0,
+                source_arg,
+                source_partials.stride(0) if source_partials is not None else 0,
                 block_offset,
                 SRC_DTYPE=_TL_DTYPES[dtype],
                 HAS_SCALE=has_scale,
                 SCALE_IS_PTR=scale_is_ptr,
                 WRITE_PARTIALS=partials is not None,
+                WRITE_SOURCE_PARTIALS=source_partials is not None,
                 DST_ALIGNED=dst_aligned,
                 SRC_ALIGNED=all(srcs[i].data_ptr() % 16 == 0 for i in members),
                 BLOCK_SIZE=block_size,
@@ -273,24 +301,25 @@ def l2norm_sq_from_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch
     """Finish a norm from the partials of ``accumulate_bucket_`` calls: ``(sum_sq, found_inf)``, no host sync.
 
     partials: ``(2, n)`` fp32, contiguous (row 0 sums of squares, row 1 non-finite flags), for example one
-        table for the whole buffer whose column slices were passed to each bucket's call; read only.
+        table for the whole buffer whose column slices were passed to each bucket's call; or a contiguous stack
+        ``(k, 2, n)`` of ``k`` such tables (one per micro-batch), finished in one launch; read only.
 
-    Returns two 0-d fp32 tensors on ``partials.device``: the sum of row 0, reduced in a fixed order by the
-    finalize kernel of ``kernels/norm.py`` (the same bits every run), and 1.0 if a flag is set, else 0.0.
-    Raises ``ValueError`` for a wrong dtype, shape or layout.
+    Returns fp32 tensors on ``partials.device``, 0-d (``(k,)`` for a stack): the sum of row 0, reduced in a fixed
+    order by the finalize kernel of ``kernels/norm.py`` (the same bits every run), and 1.0 if a flag is set, else
+    0.0. Raises ``ValueError`` for a wrong dtype, shape or layout.
     """
-    if not (isinstance(partials, torch.Tensor) and partials.dtype == torch.float32 and partials.dim() == 2
-            and partials.shape[0] == 2 and partials.is_contiguous()):
+    if not (isinstance(partials, torch.Tensor) and partials.dtype == torch.float32 and partials.dim() in (2, 3)
+            and partials.shape[-2] == 2 and partials.is_contiguous()):
         got = (f"a {tuple(partials.shape)} {partials.dtype} tensor" if isinstance(partials, torch.Tensor)
                else type(partials).__name__)
-        raise ValueError(f"partials must be a contiguous (2, n) float32 tensor, got {got}")
-    n_partials = partials.shape[1]
-    if n_partials == 0:
-        out = torch.zeros(2, dtype=torch.float32, device=partials.device)
-        return out[0], out[1]
-    out = torch.empty(2, dtype=torch.float32, device=partials.device)  # both written by the finalize
+        raise ValueError(f"partials must be a contiguous (2, n) or (k, 2, n) float32 tensor, got {got}")
+    tables, n_partials = partials.shape[:-2], partials.shape[-1]
+    if n_partials == 0 or partials.numel() == 0:
+        out = torch.zeros(*tables, 2, dtype=torch.float32, device=partials.device)
+        return out[..., 0], out[..., 1]
+    out = torch.empty(*tables, 2, dtype=torch.float32, device=partials.device)  # all written by the finalize
     with device_guard(partials):
-        norm._l2norm_sq_finalize_kernel[(1,)](
+        norm._l2norm_sq_finalize_kernel[(max(1, partials.numel() // (2 * n_partials)),)](
             partials, out, n_partials, BLOCK_SIZE=norm.FINALIZE_BLOCK_SIZE, num_warps=norm.FINALIZE_NUM_WARPS
         )
-    return out[0], out[1]
+    return out[..., 0], out[..., 1]

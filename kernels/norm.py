@@ -75,11 +75,14 @@ def _l2norm_sq_partial_kernel(
 
 @triton.jit
 def _l2norm_sq_finalize_kernel(
-    partials_ptr,  # (2, n_partials) fp32, read
-    out_ptr,  # (2,) fp32, written: [sum of squares, found_inf]
+    partials_ptr,  # (k, 2, n_partials) fp32, read: program t reduces table t
+    out_ptr,  # (k, 2) fp32, written: [sum of squares, found_inf] of each table
     n_partials,
     BLOCK_SIZE: tl.constexpr,
 ):
+    table = tl.program_id(0).to(tl.int64)
+    partials_ptr += table * 2 * n_partials
+    out_ptr += 2 * table
     offsets = tl.arange(0, BLOCK_SIZE)
     sum_sq = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
     found_inf = tl.zeros([BLOCK_SIZE], dtype=tl.float32)

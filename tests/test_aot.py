@@ -133,20 +133,26 @@ def _cases() -> list[Case]:
     ))
     bucket_block, bucket_warps = 2048, 8  # kernels/bucket.py
     bucket_sig = {"dst_ptr": "*fp32", "tensor_table_ptr": "*i64", "block_table_ptr": "*i32", "scale_ptr": "*fp32",
-                  "scale": "fp32", "partials_ptr": "*fp32", "partials_stride": "i64", "block_offset": "i64",
+                  "scale": "fp32", "partials_ptr": "*fp32", "partials_stride": "i64", "source_partials_ptr": "*fp32",
+                  "source_partials_stride": "i64", "block_offset": "i64",
                   **{name: "constexpr" for name in ("SRC_DTYPE", "HAS_SCALE", "SCALE_IS_PTR", "WRITE_PARTIALS",
-                                                    "DST_ALIGNED", "SRC_ALIGNED", "BLOCK_SIZE", "TAIL_SIZE")}}
+                                                    "WRITE_SOURCE_PARTIALS", "DST_ALIGNED", "SRC_ALIGNED",
+                                                    "BLOCK_SIZE", "TAIL_SIZE")}}
+    # Modes: a plain micro-batch; the last one's free norm (scaled, as gaengine.ops may); measuring the noise scale
+    # (source partials every micro-batch, and with the free norm in the last one).
+    bucket_modes = {"add": (False, False, False, False), "scaled-ptr-partials": (True, True, True, False),
+                    "add-sources": (False, False, False, True), "partials-sources": (False, False, True, True)}
     for dt, tl_dtype in (("fp32", "tl.float32"), ("bf16", "tl.bfloat16"), ("fp16", "tl.float16")):
-        for mode, (has_scale, scale_is_ptr, partials) in {"add": (False, False, False),
-                                                          "scaled-ptr-partials": (True, True, True)}.items():
+        for mode, (has_scale, scale_is_ptr, partials, sources) in bucket_modes.items():
             # The full-chunk path: the source and dst (read unless overwriting: one predicated load) in 128-bit
             # accesses; the tables, the scale and each tensor's masked last chunk take scalar accesses.
             cases.append(Case(
                 f"bucket-{dt}-{mode}", "bucket", "_accumulate_bucket_kernel", bucket_sig,
                 {"SRC_DTYPE": tl_dtype, "HAS_SCALE": has_scale, "SCALE_IS_PTR": scale_is_ptr,
-                 "WRITE_PARTIALS": partials, "DST_ALIGNED": True, "SRC_ALIGNED": True,
-                 "BLOCK_SIZE": bucket_block, "TAIL_SIZE": 256},
-                ("dst_ptr", "tensor_table_ptr", "block_table_ptr", "scale_ptr", "partials_ptr"), bucket_warps,
+                 "WRITE_PARTIALS": partials, "WRITE_SOURCE_PARTIALS": sources, "DST_ALIGNED": True,
+                 "SRC_ALIGNED": True, "BLOCK_SIZE": bucket_block, "TAIL_SIZE": 256},
+                ("dst_ptr", "tensor_table_ptr", "block_table_ptr", "scale_ptr", "partials_ptr", "source_partials_ptr"),
+                bucket_warps,
                 v4_loads=(_accesses(bucket_block, bucket_warps, SRC_BYTES[dt])
                           + _accesses(bucket_block, bucket_warps, 4)),
                 v4_stores=_accesses(bucket_block, bucket_warps, 4),

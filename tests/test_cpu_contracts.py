@@ -54,25 +54,24 @@ _F64 = torch.float64
 
 
 @pytest.mark.parametrize(
-    "partials, index, message",
+    "partials, message",
     [
-        (torch.zeros(2, 2), 0, "partials must be (a )?float64"),
-        (torch.zeros(2, 3, dtype=_F64), 0, r"partials must have shape \(n, 2\)"),
-        (torch.zeros(4, dtype=_F64), 0, r"partials must have shape \(n, 2\)"),
-        (torch.zeros(2, 4, dtype=_F64)[:, :2], 0, "partials must be contiguous"),
-        (torch.zeros(2, 2, dtype=_F64), 2, "index 2 is out of range"),
-        (torch.zeros(2, 2, dtype=_F64), -1, "index -1 is out of range"),
-        (torch.zeros(2, 2, dtype=_F64, device="meta"), 0, "partials (must be a CPU tensor|is on meta)"),
+        (torch.zeros(1, 2), r"partials must be a \(1, 2\) torch.float64"),
+        (torch.zeros(1, 3, dtype=_F64), r"partials must be a \(1, 2\) torch.float64"),
+        (torch.zeros(2, dtype=_F64), r"partials must be a \(1, 2\) torch.float64"),
+        (torch.zeros(1, 4, dtype=_F64)[:, ::2], "contiguous"),
+        (torch.zeros(1, 2, dtype=_F64, device="meta"), "on cpu"),
     ],
-    ids=["fp32", "shape-n3", "1d", "strided", "index-past-end", "index-negative", "meta"],
+    ids=["fp32", "shape-n3", "1d", "strided", "meta"],
 )
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_accumulate_sumsq_contract_errors_name_the_argument(partials, index, message, backend):
-    """Through the backends: refused in Python (``ValueError``) before ``gaengine._C`` is called."""
+def test_bucket_partials_contract_errors_name_the_argument(partials, message, backend):
+    """The free-norm partials of ``accumulate_bucket_``, through the backends: refused in Python (``ValueError``)
+    before ``gaengine._C`` is called, nothing written."""
     dst = torch.randn(8)
     before, partials_before = dst.clone(), partials.clone() if partials.device.type == "cpu" else None
     with pytest.raises(ValueError, match=message):
-        get_backend(backend).accumulate_sumsq_(dst, torch.ones(8, dtype=torch.bfloat16), 1.0, False, partials, index)
+        get_backend(backend).accumulate_bucket_(dst, [torch.ones(8, dtype=torch.bfloat16)], [0], [False], partials)
     assert_bitwise_equal(dst, before, "dst after a refused call")
     if partials_before is not None:
         assert_bitwise_equal(partials, partials_before, "partials after a refused call")
@@ -116,22 +115,18 @@ _RAW_CONTRACTS = [
     ("scale-strided", "", "_C.scale_(strided(4), torch.tensor(1.0))", "x must be contiguous"),
     ("coef-1d", _KEEP_X, "_C.scale_(x, torch.ones(1))", "coef must be a 0-d tensor"),
     ("coef-meta", _KEEP_X, "_C.scale_(x, torch.tensor(1.0, device='meta'))", "coef must be a CPU tensor"),
-    ("sumsq-numel", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(3), 1.0, False, torch.zeros(1, 2, "
-     "dtype=torch.float64), 0)", "src has 3 elements but dst has 8"),
-    ("sumsq-fp32", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2), 0)",
-     "partials must be (a )?float64"),
-    ("sumsq-shape-n3", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 3, "
-     "dtype=torch.float64), 0)", r"partials must have shape \(n, 2\)"),
-    ("sumsq-1d", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(4, "
-     "dtype=torch.float64), 0)", r"partials must have shape \(n, 2\)"),
-    ("sumsq-strided", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 4, "
-     "dtype=torch.float64)[:, :2], 0)", "partials must be contiguous"),
-    ("sumsq-index-past-end", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2, "
-     "dtype=torch.float64), 2)", "index 2 is out of range"),
-    ("sumsq-index-negative", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2, "
-     "dtype=torch.float64), -1)", "index -1 is out of range"),
-    ("sumsq-meta", _KEEP_SUMSQ, "_C.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, torch.zeros(2, 2, "
-     "dtype=torch.float64, device='meta'), 0)", "partials must be a CPU tensor"),
+    ("partials-fp32", _KEEP_SUMSQ, "_C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(1, 2))",
+     "partials must be float64"),
+    ("partials-shape-n3", _KEEP_SUMSQ, "_C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(1, 3, "
+     "dtype=torch.float64))", r"partials must have shape \(1, 2\)"),
+    ("partials-rows", _KEEP_SUMSQ, "_C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(2, 2, "
+     "dtype=torch.float64))", r"partials must have shape \(1, 2\)"),
+    ("partials-1d", _KEEP_SUMSQ, "_C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(2, "
+     "dtype=torch.float64))", r"partials must have shape \(1, 2\)"),
+    ("partials-strided", _KEEP_SUMSQ, "_C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(1, 4, "
+     "dtype=torch.float64)[:, ::2])", "partials must be contiguous"),
+    ("partials-meta", _KEEP_SUMSQ, "_C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(1, 2, "
+     "dtype=torch.float64, device='meta'))", "partials must be a CPU tensor"),
 ]
 
 
@@ -262,9 +257,9 @@ def test_cpu_backend_never_reaches_a_failed_torch_check(monkeypatch):
         lambda: backend.accumulate_(dst, torch.ones(8, dtype=torch.float64)),
         lambda: backend.accumulate_(torch.zeros(8, device="meta"), torch.ones(8, device="meta")),
         lambda: backend.accumulate_(dst, torch.ones(8), torch.ones(2)),
-        lambda: backend.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, 2),
-        lambda: backend.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, 0.5),
-        lambda: backend.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials.float(), 0),
+        lambda: backend.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], partials),
+        lambda: backend.accumulate_bucket_(dst, [torch.ones(8)], [1], [False]),
+        lambda: backend.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], partials[:1].float()),
         lambda: backend.l2norm_sq(torch.zeros(8, dtype=torch.int32)),
         lambda: backend.l2norm_sq(torch.zeros(8, device="meta")),
         lambda: backend.scale_(dst, torch.ones(2)),

@@ -46,11 +46,11 @@ def test_l2norm_sq_same_bits_for_any_thread_count(dtype):
 # --------------------------------------------------------------------------------------------------- scale_
 
 
-# ----------------------------------------------------------------------------------------- accumulate_sumsq_
+# ------------------------------------------------------------------------------- accumulate_bucket_ free norm
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-def test_accumulate_sumsq_same_bits_for_any_thread_count(dtype):
+def test_bucket_partials_same_bits_for_any_thread_count(dtype):
     dst0, src = torch.randn(1_000_003), grad_like(1_000_003, dtype) * 3.7
     threads = torch.get_num_threads()
     dsts, sums = [], []
@@ -58,7 +58,7 @@ def test_accumulate_sumsq_same_bits_for_any_thread_count(dtype):
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             dst, partials = dst0.clone(), torch.zeros(1, 2, dtype=torch.float64)
-            get_backend("cpu").accumulate_sumsq_(dst, src, 1.0, False, partials, 0)
+            get_backend("cpu").accumulate_bucket_(dst, [src], [0], [False], partials)
             dsts.append(dst)
             sums.append(partials[0, 0].clone())
     finally:
@@ -89,18 +89,18 @@ _PORTABLE_CHECK = textwrap.dedent(
             sum_sq, found_inf = _C.l2norm_sq(src)
             assert abs(sum_sq.item() - sum_sq_fp64(src)) <= sum_sq_rtol(n) * sum_sq_fp64(src)
             assert found_inf.item() == 0.0
-            for scale, ow in ((1.0, False), (1.0, True), (1 / 3, False)):
+            for ow in (False, True):
                 out, ref = dst.clone(), dst.clone()
-                _C.accumulate_(ref, src, scale, ow)
-                partials = torch.zeros(2, 2, dtype=torch.float64)
-                _C.accumulate_sumsq_(out, src, scale, ow, partials, 1)
-                assert_bitwise_equal(out, ref, "portable accumulate_sumsq_")
-                assert abs(partials[1, 0].item() - sum_sq_fp64(ref)) <= sum_sq_rtol(n) * sum_sq_fp64(ref)
-                assert partials[1, 1].item() == 0.0
+                _C.accumulate_(ref, src, 1.0, ow)
+                partials = torch.zeros(1, 2, dtype=torch.float64)
+                _C.accumulate_bucket_(out, [src], [0], [ow], partials)
+                assert_bitwise_equal(out, ref, "portable accumulate_bucket_")
+                assert abs(partials[0, 0].item() - sum_sq_fp64(ref)) <= sum_sq_rtol(n) * sum_sq_fp64(ref)
+                assert partials[0, 1].item() == 0.0
             src[n // 2] = float("nan")
             assert _C.l2norm_sq(src)[1].item() == 1.0
             partials = torch.zeros(1, 2, dtype=torch.float64)
-            _C.accumulate_sumsq_(dst.clone(), src, 1.0, False, partials, 0)
+            _C.accumulate_bucket_(dst.clone(), [src], [0], [False], partials)
             assert partials[0, 1].item() == 1.0
         x = torch.randn(n); expected = x.clone().mul_(torch.tensor(0.37))
         _C.scale_(x, torch.tensor(0.37)); assert_bitwise_equal(x, expected, "portable scale")

@@ -22,6 +22,7 @@ from setuptools import Extension
 
 import gaengine
 from gaengine import backends
+from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.hooks import PythonHooks, make_hooks
 from gaengine.optim import FusedAdamW
 from tests.test_nvcc import NVCC
@@ -278,13 +279,16 @@ def test_old_driver_fused_adamw_does_not_choose_adamw_step_cuda(cuda_machine):
 
 def test_old_driver_native_hot_path_refuses_the_cuda_kernels(cuda_machine, monkeypatch):
     cuda_machine(12000)
-    cuda_backend = types.SimpleNamespace(name="cuda", hot_path_kernels="cuda", bucketed=False, fused_sumsq=False,
-                                         kernels_problem=backends.cuda_kernels_unusable)  # as if loaded before
+    cuda_backend = backends.TorchBackend()  # the cuda backend as if loaded before the driver was seen
+    cuda_backend.name, cuda_backend.hot_path_kernels = "cuda", "cuda"
+    cuda_backend.kernels_problem = backends.cuda_kernels_unusable
+    layout = FlatLayout.build([])
+    main_grad = FlatBuffer(layout, torch.float32, torch.device("cpu"))
     monkeypatch.setenv("GAENGINE_HOT_PATH", "native")
     with pytest.raises(RuntimeError, match=r"native hot path cannot run: the CUDA driver supports CUDA 12\.0"):
-        make_hooks([], None, cuda_backend, [], None)
+        make_hooks([], main_grad, cuda_backend, [], None)
     monkeypatch.setenv("GAENGINE_HOT_PATH", "auto")
-    assert isinstance(make_hooks([], None, cuda_backend, [], None), PythonHooks)
+    assert isinstance(make_hooks([], main_grad, cuda_backend, [], None), PythonHooks)
 
 
 @pytest.mark.parametrize("driver", [12010, 12040, None], ids=["driver12.1", "driver12.4", "unknown"])

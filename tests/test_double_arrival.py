@@ -114,7 +114,6 @@ def _index(acc, param):
 
 
 CONFIGS = [
-    pytest.param("torch", "native", id="torch-native"),
     pytest.param("cpu", "native", id="cpu-native"),
     pytest.param("torch", "python", id="torch-python"),
     pytest.param("cpu", "python", id="cpu-python"),

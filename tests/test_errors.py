@@ -285,19 +285,19 @@ def test_contract_error_is_a_value_error_and_a_runtime_error():
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_accumulate_sumsq_bad_index_type(backend):
+def test_accumulate_bucket_bad_partials(backend):
     from gaengine.backends import get_backend  # noqa: PLC0415
 
     try:
         b = get_backend(backend)
     except RuntimeError:
         pytest.skip(f"backend {backend!r} unavailable")
-    dst, partials = torch.randn(8), torch.zeros(2, 2, dtype=torch.float64)
+    dst = torch.randn(8)
     before = dst.clone()
-    for index in (0.5, "0", True):
-        with pytest.raises(TypeError, match="index must be an int"):
-            b.accumulate_sumsq_(dst, torch.ones(8), 1.0, False, partials, index)
-    assert torch.equal(dst, before) and not partials.any()
+    for partials in (torch.zeros(2, 2, dtype=torch.float64), torch.zeros(1, 2), "rows"):
+        with pytest.raises(ValueError, match=r"partials must be a \(1, 2\) torch.float64 tensor on cpu"):
+            b.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], partials)
+    assert torch.equal(dst, before)
 
 
 def test_clip_grad_norm_float64_grads_go_to_torch():

@@ -287,7 +287,7 @@ def test_torch_compile_traces_the_ops(compiler):
 # --------------------------------------------------------------------------------------- nothing branches on names
 def test_no_module_outside_backends_compares_a_backend_name():
     """``backend.name`` (or ``.backend.name``) is never compared outside ``gaengine/backends.py``: the engine asks the
-    backend (its ops, ``lacks``, ``hot_path_kernels``, ``bucketed``, ``fused_sumsq``), not its name."""
+    backend (its ops, ``lacks``, ``hot_path_kernels``, ``partials_dim``), not its name."""
     offenders = []
     for folder in ("gaengine", "kernels"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):

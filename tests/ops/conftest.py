@@ -16,11 +16,11 @@ One test file per operation (``test_accumulate.py``, ``test_accumulate_bucket.py
 
 Parametrize ids never say just ``cuda``: ``tests/conftest.py`` skips items with a ``cuda`` keyword without a GPU.
 
-The ``Backend`` interface (``gaengine/backends.py``) has ``accumulate_``, ``accumulate_sumsq_``, ``l2norm_sq``,
-``scale_`` and ``finish_norm_partials``; the tests call those on ``backend.ops``. The bucket accumulate and the
-AdamW step are not (yet) on it: ``OpBackend.accumulate_bucket_`` and ``OpBackend.adamw_step_`` below call each
-implementation's own function (the torch one: a loop of the reference ops / ``gaengine.optim.adamw_step_torch``).
-When ``Backend`` grows ``accumulate_bucket_`` / ``adamw_step_``, these two adapters are the one place to change.
+The ``Backend`` interface (``gaengine/backends.py``) has ``accumulate_``, ``l2norm_sq``, ``scale_``,
+``accumulate_bucket_``, ``new_bucket_partials``, ``finish_norm_partials`` and ``adamw_step_``; the tests call those on
+``backend.ops``. ``OpBackend.accumulate_bucket_`` adds a scale (the torch reference: one ``accumulate_`` per source;
+triton: its kernel with small blocks) and ``OpBackend.adamw_step_`` small Triton blocks; the others forward to
+``backend.ops``.
 """
 
 from __future__ import annotations
@@ -101,21 +101,19 @@ class OpBackend:
         return dst
 
     # -- the multi-tensor AdamW step -------------------------------------------------------------------------
-    def adamw_step_(self, params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr, beta1, beta2, eps,
-                    weight_decay, maximize, grad_scale, found_inf):
-        return self._adamw(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr, beta1, beta2, eps,
-                           weight_decay, maximize, grad_scale, found_inf)
+    def adamw_step_(self, *args, **kwargs):
+        """The backend's ``adamw_step_(*AdamWStep(...))`` (``gaengine.kernels._utils.AdamWStep``)."""
+        return self._adamw(*args, **kwargs)
 
 
 def _torch_bucket(ops):
     def bucket(dst, srcs, offsets, overwrite, scale, partials):
-        scratch = partials if partials is not None else torch.empty(max(len(srcs), 1), 2, dtype=torch.float64)
-        for i, (src, o, w) in enumerate(zip(srcs, offsets, overwrite)):
-            view = dst.view(-1)[o:o + src.numel()]
-            if partials is None:
-                ops.accumulate_(view, src, scale, w)
-            else:
-                ops.accumulate_sumsq_(view, src, scale, w, scratch, i)
+        if isinstance(scale, float) and scale == 1.0:
+            ops.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
+            return
+        assert partials is None, "the bucket op takes no scale: a scaled bucket is one accumulate_ per source"
+        for src, o, w in zip(srcs, offsets, overwrite):
+            ops.accumulate_(dst.view(-1)[o:o + src.numel()], src, scale, w)
     return bucket
 
 
@@ -133,13 +131,12 @@ def _cpu_backend() -> OpBackend:
     from gaengine.backends import get_backend  # noqa: PLC0415
 
     ops = get_backend("cpu")
-    C = ops._C
 
     def bucket(dst, srcs, offsets, overwrite, scale, partials):
-        C.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
+        ops.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
 
     return OpBackend("cpu", torch.device("cpu"), ops, bucket_scale=False, _bucket=bucket, _num_partials=len,
-                     _adamw=C.adamw_step_)
+                     _adamw=ops.adamw_step_)
 
 
 TRITON_BUCKET_BLOCK = 128  # small blocks: many programs, full chunks and tails, at interpreter speed
@@ -159,8 +156,8 @@ def _triton_backend() -> OpBackend:
         bucket_kernels.accumulate_bucket_(dst, srcs, offsets, scale, overwrite, partials=partials,
                                           block_size=TRITON_BUCKET_BLOCK)
 
-    def adamw_step(*args):
-        adamw.adamw_step_(*args, block_size=TRITON_ADAMW_BLOCK)
+    def adamw_step(*args, **kwargs):
+        adamw.adamw_step_(*args, block_size=TRITON_ADAMW_BLOCK, **kwargs)
 
     return OpBackend("triton", TRITON_DEVICE, ops, max_numel=None if HAS_GPU else INTERPRETER_MAX_NUMEL,
                      partials_layout="columns", _bucket=bucket,
@@ -175,7 +172,7 @@ def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpB
     C = ops._C
 
     def bucket(dst, srcs, offsets, overwrite, scale, partials):
-        C.accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials)
+        ops.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
 
     return OpBackend(name, device, ops, public_name="cuda", max_numel=max_numel, bucket_scale=False,
                      partials_layout="columns",

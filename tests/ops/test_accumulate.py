@@ -1,8 +1,9 @@
-"""The single-tensor accumulate, ``accumulate_`` and ``accumulate_sumsq_``, on every backend against the fp64 oracle.
+"""The single-tensor accumulate ``accumulate_`` (``gaengine.ops.accumulate_``), and the free norm of one source
+through ``accumulate_bucket_``'s partials, on every backend against the fp64 oracle.
 
 Budgets (``tests/tolerances.py``, the same for every backend): an unscaled accumulate is bitwise equal to torch's
 ``dst.add_(src)``, an overwrite bitwise equal to ``src.float()``; a scaled one is within 1 fp32 ulp of the fp64
-value; the sum of squares ``accumulate_sumsq_`` writes is within ``sum_sq_rtol(n)`` of the fp64 sum of the values
+value; the sum of squares of the bucket op's partials is within ``sum_sq_rtol(n)`` of the fp64 sum of the values
 written, and its ``dst`` is ``accumulate_``'s, bit for bit. Sizes: empty, one element, a partial vector, one past a
 block, a ragged last block, several norm chunks, a large odd size (slow backends skip the largest, see
 ``conftest.py``); sources aligned and one element off a 16-byte boundary (the kernels' scalar paths).
@@ -147,54 +148,56 @@ def test_empty_is_a_no_op(backend, dtype):
     assert backend.ops.accumulate_(dst, src, 1.0, True) is dst
 
 
-# ----------------------------------------------------------------------------------------- accumulate_sumsq_
+# --------------------------------------------------------------- the free norm of one source, accumulate_bucket_
+# The per-parameter accumulate_sumsq_ is gone: the free norm comes from the bucket op's partials (a bucket of one
+# source here, large sizes included; several sources and tables in test_l2norm.py).
 
 SUMSQ_SIZES = [0, 1, 127, 4097, 1_000_003]
 SUMSQ_CASES = [pytest.param(n, dt, id=f"n{n}-{name}") for n in SUMSQ_SIZES for name, dt in DTYPES.items()]
-SUMSQ_MODES = [pytest.param(1.0, False, id="add"), pytest.param(1.0, True, id="overwrite"),
-               pytest.param(1 / 3, False, id="scaled-add"), pytest.param(-0.125, True, id="scaled-overwrite")]
+SUMSQ_MODES = [pytest.param(False, id="add"), pytest.param(True, id="overwrite")]
 
 
-def sumsq_partials(rows: int, device) -> torch.Tensor:
-    return torch.full((rows, 2), float("nan"), dtype=torch.float64, device=device)  # an unwritten slot shows up
+def one_source_norm(backend, dst, src, overwrite):
+    """``accumulate_bucket_`` of the one source ``src`` into ``dst`` with NaN-poisoned partials: (sum_sq, found_inf,
+    partials)."""
+    ops = backend.ops
+    partials = ops.new_bucket_partials([src.numel()], dst.device).fill_(float("nan"))
+    flat = dst.view(-1)
+    assert ops.accumulate_bucket_(flat, [src.reshape(-1)], [0], [overwrite], partials) is flat
+    sum_sq, found_inf = ops.finish_norm_partials(partials)
+    return sum_sq, found_inf, partials
 
 
-@pytest.mark.parametrize("scale_value, overwrite", SUMSQ_MODES)
+@pytest.mark.parametrize("overwrite", SUMSQ_MODES)
 @pytest.mark.parametrize("n, dtype", SUMSQ_CASES)
-def test_sumsq_dst_is_accumulate_and_sum_is_fp64(backend, n, dtype, scale_value, overwrite):
+def test_sumsq_dst_is_accumulate_and_sum_is_fp64(backend, n, dtype, overwrite):
     backend.require(n)
     device = backend.device
     dst, src = main_grad(n, device), grad_like(n, dtype, device)
     expected = dst.clone()
-    backend.ops.accumulate_(expected, src, scale_value, overwrite)
-    partials = sumsq_partials(3, device)
-    out = backend.ops.accumulate_sumsq_(dst, src, scale_value, overwrite, partials, 1)
-    assert out is dst
+    backend.ops.accumulate_(expected, src, 1.0, overwrite)
+    sum_sq, found_inf, partials = one_source_norm(backend, dst, src, overwrite)
     assert_bitwise_equal(dst, expected, "dst vs accumulate_")
-    if scale_value == 1.0:
-        assert_bitwise_equal(dst, (src.float() if overwrite else expected), "dst vs torch")
+    assert_bitwise_equal(dst, (src.float() if overwrite else expected), "dst vs torch")
+    assert not bool(partials.isnan().any()), "a partial was not written"
     exact = sum_sq_fp64(dst)  # the oracle of the values written
-    assert abs(partials[1, 0].item() - exact) <= sum_sq_rtol(n) * exact, (partials[1, 0].item(), exact)
-    assert partials[1, 1].item() == 0.0
-    assert torch.isnan(partials[0]).all() and torch.isnan(partials[2]).all(), "other rows must be untouched"
+    assert abs(sum_sq.item() - exact) <= sum_sq_rtol(n) * exact, (sum_sq.item(), exact)
+    assert found_inf.item() == 0.0
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-def test_sumsq_tensor_scale_any_shape_and_empty(backend, dtype):
+def test_sumsq_any_shape_and_empty(backend, dtype):
     device = backend.device
     dst, src = main_grad(37 * 29, device).view(37, 29), grad_like(37 * 29, dtype, device).reshape(29, 37)
-    coef = torch.tensor(0.3, dtype=torch.float32, device=device)
     expected = dst.clone()
-    backend.ops.accumulate_(expected, src, coef)
-    partials = sumsq_partials(1, device)
-    backend.ops.accumulate_sumsq_(dst, src, coef, False, partials, 0)
+    backend.ops.accumulate_(expected, src)
+    sum_sq, _, _ = one_source_norm(backend, dst, src, False)
     assert_bitwise_equal(dst, expected)
     exact = sum_sq_fp64(dst)
-    assert abs(partials[0, 0].item() - exact) <= sum_sq_rtol(dst.numel()) * exact
-    partials = sumsq_partials(1, device)
-    backend.ops.accumulate_sumsq_(torch.empty(0, device=device), torch.empty(0, dtype=dtype, device=device), 1.0,
-                                  False, partials, 0)
-    assert partials.tolist() == [[0.0, 0.0]]
+    assert abs(sum_sq.item() - exact) <= sum_sq_rtol(dst.numel()) * exact
+    sum_sq, found_inf, _ = one_source_norm(backend, torch.empty(0, device=device),
+                                           torch.empty(0, dtype=dtype, device=device), False)
+    assert sum_sq.item() == 0.0 and found_inf.item() == 0.0
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the Triton interpreter
@@ -206,11 +209,10 @@ def test_sumsq_found_inf(backend, dtype, bad, position):
     n = 200_003 if backend.max_numel is None or backend.max_numel >= 200_003 else 4097  # CPU: four norm chunks
     dst, src = main_grad(n, backend.device), grad_like(n, dtype, backend.device)
     src[{"first": 0, "middle": n // 2, "last": n - 1}[position]] = bad
-    partials = torch.zeros(2, 2, dtype=torch.float64, device=backend.device)
-    backend.ops.accumulate_sumsq_(dst, src, 1.0, False, partials, 1)
-    assert partials[1, 1].item() == 1.0
-    assert not torch.isfinite(partials[1, 0])
-    assert partials[0].tolist() == [0.0, 0.0]
+    sum_sq, found_inf, partials = one_source_norm(backend, dst, src, False)
+    assert found_inf.item() == 1.0
+    assert not torch.isfinite(sum_sq)
+    assert int((backend.non_finite_flags(partials) == 1.0).sum()) == 1, "exactly one partial saw the value"
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -219,11 +221,10 @@ def test_sumsq_flags_only_the_written_values(backend):
     device = backend.device
     dst, src = main_grad(5000, device), grad_like(5000, torch.float32, device)
     dst[17] = float("inf")
-    partials = torch.zeros(1, 2, dtype=torch.float64, device=device)
-    backend.ops.accumulate_sumsq_(dst, src, 1.0, True, partials, 0)
-    assert partials[0, 1].item() == 0.0 and torch.isfinite(partials[0, 0])
+    sum_sq, found_inf, _ = one_source_norm(backend, dst, src, True)
+    assert found_inf.item() == 0.0 and torch.isfinite(sum_sq)
     big = torch.full((1000,), torch.finfo(torch.float32).max, device=device)
-    backend.ops.accumulate_sumsq_(torch.zeros(1000, device=device), big, 1.0, False, partials, 0)
-    # fp64 partials keep the sum finite (l2norm_sq's fp32 result would read inf)
-    assert partials[0, 1].item() == 0.0
-    assert partials[0, 0].item() == pytest.approx(1000 * torch.finfo(torch.float32).max ** 2, rel=1e-12)
+    sum_sq, found_inf, partials = one_source_norm(backend, torch.zeros(1000, device=device), big, False)
+    assert found_inf.item() == 0.0
+    if backend.partials_layout == "rows":  # fp64 rows keep the sum finite (fp32 chunk sums read inf)
+        assert partials[0, 0].item() == pytest.approx(1000 * torch.finfo(torch.float32).max ** 2, rel=1e-12)

@@ -6,17 +6,20 @@ Oracles: per-tensor torch (``dst[slice].add_(src)`` / ``copy_``: bitwise, unscal
 Buffers are NaN-poisoned where the kernel must not read (overwritten slices, padding between parameters), slices
 start at multiples of 64 elements (``gaengine/buffer.py``'s ``ALIGN_NUMEL``) or one past (unaligned), sizes are
 odd (1, 127, 4097, a block plus one, several 4096-element chunks), and a bucket boundary falls inside a parameter.
-The free-norm partials the op writes are tested in ``test_l2norm.py``.
+The free-norm partials the op writes are tested in ``test_l2norm.py``; the source partials (the per-micro-batch
+gradient norms) at the end of this file.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from tests.ops.conftest import DTYPE_PARAMS, DTYPES, grad_like
-from tests.reference import accumulate_fp64
-from tests.tolerances import assert_bitwise_equal, assert_within_ulp
+from tests.reference import accumulate_fp64, sum_sq_fp64
+from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
 
 NAN = float("nan")
 NUMELS = [1, 127, 4097, 128, 129, 64, 3 * 128 + 5, 3 * 4096 + 5]
@@ -137,3 +140,104 @@ def test_deterministic_with_partials(backend):
         assert_bitwise_equal(dst, results[0][0], "dst, second run")
         assert_bitwise_equal(partials, results[0][1], "partials, second run")
         assert_bitwise_equal(total, results[0][2], "finished norm, second run")
+
+
+# --------------------------------------------------------------------------------------------- source_partials
+# The per-micro-batch gradient norms of the noise scale (issue 17): ``source_partials`` (the format of ``partials``,
+# ``backend.ops.new_bucket_partials``) receives, in the same launch, the sums of squares and non-finite flags of
+# the sources' own values. Oracle: the fp64 sum of float(src)^2, within ``sum_sq_rtol(n)``; the values written and
+# their ``partials`` are bit for bit those of the same call without ``source_partials``.
+
+
+def _source_case(backend, layout, numels=NUMELS):
+    flags = [i % 2 == 0 for i in range(len(numels))]  # writes and adds: the sources' norms ignore what dst held
+    dst, srcs, offsets = bucket(backend, numels, LAYOUTS[layout], flags)
+    dst = torch.nan_to_num(dst, nan=3.0)  # the free norm of the values written must be finite here
+    return dst, srcs, offsets, flags
+
+
+def _nan_table(ops, srcs, device):
+    return ops.new_bucket_partials([s.numel() for s in srcs], device).fill_(NAN)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_source_partials_are_the_sources_norm(backend, layout):
+    ops = backend.ops
+    dst, srcs, offsets, flags = _source_case(backend, layout)
+    plain_dst, plain_partials = dst.clone(), _nan_table(ops, srcs, dst.device)
+    ops.accumulate_bucket_(plain_dst, srcs, offsets, flags, plain_partials)
+    partials, sources = _nan_table(ops, srcs, dst.device), _nan_table(ops, srcs, dst.device)
+    assert ops.accumulate_bucket_(dst, srcs, offsets, flags, partials, source_partials=sources) is dst
+    assert_bitwise_equal(dst, plain_dst, "dst with source_partials vs without")
+    assert_bitwise_equal(partials, plain_partials, "partials with source_partials vs without")
+    assert not bool(sources.isnan().any()), "a source partial was not written"
+    sum_sq, found_inf = ops.finish_norm_partials(sources)
+    exact = sum(sum_sq_fp64(s) for s in srcs)
+    n = sum(s.numel() for s in srcs)
+    assert abs(sum_sq.item() - exact) <= sum_sq_rtol(n) * exact, (sum_sq.item(), exact)
+    assert found_inf.item() == 0.0
+    if backend.partials_layout == "rows":  # one row per source: each is that source's own norm
+        for j, src in enumerate(srcs):
+            assert abs(sources[j, 0].item() - sum_sq_fp64(src)) <= sum_sq_rtol(src.numel()) * sum_sq_fp64(src)
+
+
+def test_source_partials_alone_and_in_a_whole_buffer_table(backend):
+    """Without ``partials``; two buckets writing column/row slices of one table finished once (the hooks' use)."""
+    ops = backend.ops
+    dst, srcs, offsets, flags = _source_case(backend, "mixed")
+    dim = ops.partials_dim
+    first = ops.new_bucket_partials([s.numel() for s in srcs[:3]], "meta").shape[dim]
+    table = _nan_table(ops, srcs, dst.device)
+    ops.accumulate_bucket_(dst, srcs[:3], offsets[:3], flags[:3], source_partials=table.narrow(dim, 0, first))
+    ops.accumulate_bucket_(dst, srcs[3:], offsets[3:], flags[3:],
+                           source_partials=table.narrow(dim, first, table.shape[dim] - first))
+    sum_sq, _ = ops.finish_norm_partials(table)
+    exact = sum(sum_sq_fp64(s) for s in srcs)
+    assert abs(sum_sq.item() - exact) <= sum_sq_rtol(sum(s.numel() for s in srcs)) * exact
+
+
+def test_finish_a_stack_of_source_tables_in_one_call(backend):
+    """k micro-batches' tables stacked: ``finish_norm_partials`` gives (k,) rows, each the bits of its own finish."""
+    ops = backend.ops
+    tables, exact = [], []
+    for k in range(3):
+        dst, srcs, offsets, flags = _source_case(backend, "bf16")
+        srcs = [s * (k + 1) for s in srcs]
+        table = _nan_table(ops, srcs, dst.device)
+        ops.accumulate_bucket_(dst, srcs, offsets, flags, source_partials=table)
+        tables.append(table)
+        exact.append(sum(sum_sq_fp64(s) for s in srcs))
+    sums, flags_found = ops.finish_norm_partials(torch.stack(tables))
+    assert sums.shape == (3,) and sums.dtype == torch.float32 and flags_found.shape == (3,)
+    for k, table in enumerate(tables):
+        assert_bitwise_equal(sums[k], ops.finish_norm_partials(table)[0], f"stacked row {k} vs its own finish")
+        assert abs(sums[k].item() - exact[k]) <= sum_sq_rtol(sum(NUMELS)) * exact[k]
+    assert not bool(flags_found.any())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the Triton interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("where", ["src", "dst"])
+def test_source_partials_flag_the_sources_non_finite_values_only(backend, where):
+    ops = backend.ops
+    dst, srcs, offsets, flags = _source_case(backend, "fp32")
+    if where == "src":
+        srcs[2][-1] = float("inf")
+    else:
+        dst[offsets[1] + 3] = float("nan")  # in main_grad, added to: the values written see it, the sources do not
+    partials, sources = _nan_table(ops, srcs, dst.device), _nan_table(ops, srcs, dst.device)
+    ops.accumulate_bucket_(dst, srcs, offsets, flags, partials, source_partials=sources)
+    assert ops.finish_norm_partials(partials)[1].item() == 1.0
+    sum_sq, found_inf = ops.finish_norm_partials(sources)
+    assert found_inf.item() == (1.0 if where == "src" else 0.0)
+    assert math.isfinite(sum_sq.item()) == (where == "dst")
+
+
+def test_source_partials_refused_in_the_wrong_format(backend):
+    ops = backend.ops
+    dst, srcs, offsets, flags = _source_case(backend, "fp32")
+    before = dst.clone()
+    wrong = ops.new_bucket_partials([s.numel() for s in srcs[:2]], dst.device)
+    with pytest.raises(ValueError, match="source_partials must be"):
+        ops.accumulate_bucket_(dst, srcs, offsets, flags, source_partials=wrong)
+    assert_bitwise_equal(dst, before, "dst after a refused call")
