@@ -17,9 +17,11 @@
 //                           overflow fp64 over any realistic length, so the sum is non-finite exactly when
 //                           an input is inf or NaN: found_inf is read off the sum, at no extra cost.
 //   scale:                  x = x * coef, one fp32 multiply (bitwise equal to torch's x.mul_(coef)).
-//   accumulate_sumsq:       accumulate (the same arithmetic, the same bits) and, in the same pass, the sum of
-//                           squares in fp64 of the values it wrote: the "free norm". Non-finite exactly
-//                           when a written value is inf or NaN (as for sum_sq).
+//   accumulate_sums:        unscaled accumulate (the same arithmetic, the same bits) and, in the same pass, the sums of
+//                           squares in fp64 of the values it wrote (the "free norm") and / or of the sources it
+//                           read (float(src), before the add; AVX2: fp32 squares summed 4 per lane first, see
+//                           avx2::accumulate_sums_mode). Each non-finite exactly when one of its values is inf or
+//                           NaN (as for sum_sq; AVX2 sources: or a square overflows fp32).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -88,44 +90,48 @@ double sum_sq(const src_t* x, int64_t n) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-// One written value of accumulate, by mode (the arithmetic of accumulate above, element for element).
-enum AccMode { kCopy, kAdd, kScaledCopy, kScaledAdd };
+// The bucket's modes of an unscaled accumulate: an exact widening copy, or one IEEE fp32 add (accumulate above with
+// scale == 1, element for element).
+enum AccMode { kCopy, kAdd };
 
-template <AccMode kMode, typename src_t>
-inline float accumulated(float d, src_t s, double scale) {
-  if (kMode == kCopy) return to_float(s);
-  if (kMode == kAdd) return d + to_float(s);
-  if (kMode == kScaledCopy) return static_cast<float>(static_cast<double>(to_float(s)) * scale);
-  return static_cast<float>(static_cast<double>(d) + static_cast<double>(to_float(s)) * scale);
-}
+// The sums of squares an accumulate pass gives for free, in fp64: of the values it wrote (the free norm) and of the
+// sources it read (float(src), before the add: the per-micro-batch norm of issue 17's noise scale).
+struct Sums {
+  double written = 0.0;
+  double source = 0.0;
+};
 
-template <AccMode kMode, typename src_t>
-double accumulate_sumsq_mode(float* dst, const src_t* src, int64_t n, double scale) {
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four fixed lanes, as in sum_sq
+// accumulate of one mode and, with kWritten / kSource, the sums of squares of the values written / of the sources:
+// four fixed lanes each (as in sum_sq), combined in a fixed order.
+template <AccMode kMode, bool kWritten, bool kSource, typename src_t>
+Sums accumulate_sums_mode(float* dst, const src_t* src, int64_t n) {
+  double acc[4] = {0.0, 0.0, 0.0, 0.0}, src_acc[4] = {0.0, 0.0, 0.0, 0.0};
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     for (int k = 0; k < 4; ++k) {
-      const float r = accumulated<kMode>(dst[i + k], src[i + k], scale);
+      const float s = to_float(src[i + k]);
+      const float r = kMode == kCopy ? s : dst[i + k] + s;
       dst[i + k] = r;
-      acc[k] += static_cast<double>(r) * static_cast<double>(r);
+      if (kWritten) acc[k] += static_cast<double>(r) * static_cast<double>(r);
+      if (kSource) src_acc[k] += static_cast<double>(s) * static_cast<double>(s);
     }
   }
   for (; i < n; ++i) {
-    const float r = accumulated<kMode>(dst[i], src[i], scale);
+    const float s = to_float(src[i]);
+    const float r = kMode == kCopy ? s : dst[i] + s;
     dst[i] = r;
-    acc[0] += static_cast<double>(r) * static_cast<double>(r);
+    if (kWritten) acc[0] += static_cast<double>(r) * static_cast<double>(r);
+    if (kSource) src_acc[0] += static_cast<double>(s) * static_cast<double>(s);
   }
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return {(acc[0] + acc[1]) + (acc[2] + acc[3]), (src_acc[0] + src_acc[1]) + (src_acc[2] + src_acc[3])};
 }
 
-// accumulate(dst, src, n, scale, overwrite), returning the fp64 sum of squares of the values written.
-template <typename src_t>
-double accumulate_sumsq(float* dst, const src_t* src, int64_t n, double scale, bool overwrite) {
-  if (scale == 1.0) {
-    return overwrite ? accumulate_sumsq_mode<kCopy>(dst, src, n, scale) : accumulate_sumsq_mode<kAdd>(dst, src, n, scale);
-  }
-  return overwrite ? accumulate_sumsq_mode<kScaledCopy>(dst, src, n, scale)
-                   : accumulate_sumsq_mode<kScaledAdd>(dst, src, n, scale);
+// accumulate(dst, src, n, 1.0, overwrite), returning the fp64 sums of squares of the values written (kWritten) and
+// of the sources read (kSource); a sum not asked for is 0.
+template <bool kWritten, bool kSource, typename src_t>
+Sums accumulate_sums(float* dst, const src_t* src, int64_t n, bool overwrite) {
+  return overwrite ? accumulate_sums_mode<kCopy, kWritten, kSource>(dst, src, n)
+                   : accumulate_sums_mode<kAdd, kWritten, kSource>(dst, src, n);
 }
 
 inline void scale(float* x, int64_t n, float coef) {
@@ -227,49 +233,83 @@ GAENGINE_AVX2 inline void sq_acc(__m256 r, __m256d& acc_lo, __m256d& acc_hi) {
   acc_hi = _mm256_fmadd_pd(hi, hi, acc_hi);
 }
 
-// Eight written values of accumulate, by mode: exactly the vectors accumulate() above stores.
-template <portable::AccMode kMode, typename src_t>
-GAENGINE_AVX2 inline __m256 accumulated8(float* dst, const src_t* src, __m256d scale) {
-  if (kMode == portable::kCopy) return load8(src);
-  if (kMode == portable::kAdd) return _mm256_add_ps(_mm256_loadu_ps(dst), load8(src));
-  return scaled8<kMode == portable::kScaledCopy>(load8(src), dst, scale);
+// Eight written values of an unscaled accumulate, by mode, from the eight loaded sources sv: exactly the vectors
+// accumulate() above stores.
+template <portable::AccMode kMode>
+GAENGINE_AVX2 inline __m256 accumulated8(__m256 sv, const float* dst) {
+  return kMode == portable::kCopy ? sv : _mm256_add_ps(_mm256_loadu_ps(dst), sv);
 }
 
-template <portable::AccMode kMode, typename src_t>
-GAENGINE_AVX2 double accumulate_sumsq_mode(float* dst, const src_t* src, int64_t n, double scale) {
-  const __m256d s = _mm256_set1_pd(scale);
+// accumulate of one mode and the sums of portable::accumulate_sums_mode: per sum, four fp64 accumulators of four
+// lanes each, combined in a fixed order, then the portable tail (< 8 elements, the same arithmetic). The sources'
+// squares go through fp32 first, in blocks of 64 elements: each of 16 fp32 lanes sums its 4 squares by FMA (exact
+// squares for bf16 / fp16 sources; at most 4 roundings of 2^-24), then the block joins the fp64 lanes. Converting
+// every square to fp64 (as the written sum does) costs the single-threaded pass about 25% of its time; the blocks
+// cost about 3% (a square beyond fp32's range, |v| > 1.8e19, then reads as inf, as in the CUDA kernel).
+template <portable::AccMode kMode, bool kWritten, bool kSource, typename src_t>
+GAENGINE_AVX2 portable::Sums accumulate_sums_mode(float* dst, const src_t* src, int64_t n) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   __m256d acc2 = _mm256_setzero_pd(), acc3 = _mm256_setzero_pd();
+  __m256d src0 = _mm256_setzero_pd(), src1 = _mm256_setzero_pd();
+  __m256d src2 = _mm256_setzero_pd(), src3 = _mm256_setzero_pd();
   int64_t i = 0;
+  for (; i + 64 <= n;) {
+    __m256 sq0 = _mm256_setzero_ps(), sq1 = _mm256_setzero_ps();  // this block's source squares, fp32
+    for (int k = 0; k < 4; ++k, i += 16) {
+      const __m256 v0 = load8(src + i), v1 = load8(src + i + 8);
+      const __m256 r0 = accumulated8<kMode>(v0, dst + i), r1 = accumulated8<kMode>(v1, dst + i + 8);
+      if (kSource) {
+        sq0 = _mm256_fmadd_ps(v0, v0, sq0);
+        sq1 = _mm256_fmadd_ps(v1, v1, sq1);
+      }
+      _mm256_storeu_ps(dst + i, r0);
+      _mm256_storeu_ps(dst + i + 8, r1);
+      if (kWritten) {
+        sq_acc(r0, acc0, acc1);
+        sq_acc(r1, acc2, acc3);
+      }
+    }
+    if (kSource) {
+      src0 = _mm256_add_pd(src0, _mm256_cvtps_pd(_mm256_castps256_ps128(sq0)));
+      src1 = _mm256_add_pd(src1, _mm256_cvtps_pd(_mm256_extractf128_ps(sq0, 1)));
+      src2 = _mm256_add_pd(src2, _mm256_cvtps_pd(_mm256_castps256_ps128(sq1)));
+      src3 = _mm256_add_pd(src3, _mm256_cvtps_pd(_mm256_extractf128_ps(sq1, 1)));
+    }
+  }
+  // < 64 left: per element in fp64 (the written sum's order is that of 16-element steps throughout)
   for (; i + 16 <= n; i += 16) {
-    const __m256 r0 = accumulated8<kMode>(dst + i, src + i, s);
-    const __m256 r1 = accumulated8<kMode>(dst + i + 8, src + i + 8, s);
+    const __m256 v0 = load8(src + i), v1 = load8(src + i + 8);
+    const __m256 r0 = accumulated8<kMode>(v0, dst + i), r1 = accumulated8<kMode>(v1, dst + i + 8);
+    if (kSource) {
+      sq_acc(v0, src0, src1);
+      sq_acc(v1, src2, src3);
+    }
     _mm256_storeu_ps(dst + i, r0);
     _mm256_storeu_ps(dst + i + 8, r1);
-    sq_acc(r0, acc0, acc1);
-    sq_acc(r1, acc2, acc3);
+    if (kWritten) {
+      sq_acc(r0, acc0, acc1);
+      sq_acc(r1, acc2, acc3);
+    }
   }
   for (; i + 8 <= n; i += 8) {
-    const __m256 r = accumulated8<kMode>(dst + i, src + i, s);
+    const __m256 v = load8(src + i);
+    const __m256 r = accumulated8<kMode>(v, dst + i);
+    if (kSource) sq_acc(v, src0, src1);
     _mm256_storeu_ps(dst + i, r);
-    sq_acc(r, acc0, acc1);
+    if (kWritten) sq_acc(r, acc0, acc1);
   }
-  const __m256d acc = _mm256_add_pd(_mm256_add_pd(acc0, acc1), _mm256_add_pd(acc2, acc3));
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, acc);
-  // tail: < 8 elements, the portable arithmetic (as accumulate's tail)
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         portable::accumulate_sumsq_mode<kMode>(dst + i, src + i, n - i, scale);
+  alignas(32) double lanes[4], src_lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc0, acc1), _mm256_add_pd(acc2, acc3)));
+  _mm256_store_pd(src_lanes, _mm256_add_pd(_mm256_add_pd(src0, src1), _mm256_add_pd(src2, src3)));
+  const portable::Sums tail = portable::accumulate_sums_mode<kMode, kWritten, kSource>(dst + i, src + i, n - i);
+  return {((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + tail.written,
+          ((src_lanes[0] + src_lanes[1]) + (src_lanes[2] + src_lanes[3])) + tail.source};
 }
 
-template <typename src_t>
-GAENGINE_AVX2 double accumulate_sumsq(float* dst, const src_t* src, int64_t n, double scale, bool overwrite) {
-  if (scale == 1.0) {
-    return overwrite ? accumulate_sumsq_mode<portable::kCopy>(dst, src, n, scale)
-                     : accumulate_sumsq_mode<portable::kAdd>(dst, src, n, scale);
-  }
-  return overwrite ? accumulate_sumsq_mode<portable::kScaledCopy>(dst, src, n, scale)
-                   : accumulate_sumsq_mode<portable::kScaledAdd>(dst, src, n, scale);
+template <bool kWritten, bool kSource, typename src_t>
+GAENGINE_AVX2 portable::Sums accumulate_sums(float* dst, const src_t* src, int64_t n, bool overwrite) {
+  return overwrite ? accumulate_sums_mode<portable::kCopy, kWritten, kSource>(dst, src, n)
+                   : accumulate_sums_mode<portable::kAdd, kWritten, kSource>(dst, src, n);
 }
 
 GAENGINE_AVX2 inline void scale(float* x, int64_t n, float coef) {

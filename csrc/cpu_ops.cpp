@@ -107,55 +107,6 @@ std::tuple<at::Tensor, at::Tensor> l2norm_sq(const at::Tensor& x) {
           at::scalar_tensor(std::isfinite(total) ? 0.0f : 1.0f, options)};
 }
 
-// accumulate_ and, in the same pass, the sum of squares (fp64) of the values written into dst and whether
-// any is inf/NaN, stored into partials[index] = (sum_sq, found_inf). The norm chunks of l2norm_sq (fixed
-// kNormChunkNumel boundaries, partials combined in index order): the same bits for any thread count.
-void accumulate_sumsq_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
-                       const at::Tensor& partials, int64_t index) {
-  CHECK_CPU(dst);
-  CHECK_CPU(src);
-  CHECK_CPU(partials);
-  CHECK_CONTIGUOUS(dst);
-  CHECK_CONTIGUOUS(src);
-  CHECK_CONTIGUOUS(partials);
-  CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
-  CHECK_GRAD_DTYPE(src);
-  CHECK_DTYPE(partials, partials.scalar_type() == at::kDouble, "float64");
-  TORCH_CHECK(src.numel() == dst.numel(), "src has ", src.numel(), " elements but dst has ", dst.numel(),
-              "; they must match");
-  TORCH_CHECK(partials.dim() == 2 && partials.size(1) == 2, "partials must have shape (n, 2), got ",
-              partials.sizes());
-  TORCH_CHECK(index >= 0 && index < partials.size(0), "index ", index, " is out of range for partials with ",
-              partials.size(0), " rows");
-  const int64_t n = dst.numel();
-  const int64_t n_chunks = (n + kNormChunkNumel - 1) / kNormChunkNumel;
-  std::vector<double> chunk_sums(n_chunks, 0.0);
-  [[maybe_unused]] const bool avx2 = use_avx2();
-  float* d = dst.data_ptr<float>();
-  if (n > 0) {
-    GAENGINE_DISPATCH_GRAD_TYPES(src.scalar_type(), "gaengine.accumulate_sumsq_", [&] {
-      const scalar_t* s = src.data_ptr<scalar_t>();
-      at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const int64_t begin = c * kNormChunkNumel, len = std::min(kNormChunkNumel, n - begin);
-#if defined(GAENGINE_X86_KERNELS)
-          if (avx2) {
-            chunk_sums[c] = avx2::accumulate_sumsq(d + begin, s + begin, len, scale, overwrite);
-            continue;
-          }
-#endif
-          chunk_sums[c] = portable::accumulate_sumsq(d + begin, s + begin, len, scale, overwrite);
-        }
-      });
-    });
-  }
-  double total = 0.0;
-  for (const double part : chunk_sums) total += part;  // fixed order: the same bits for any thread count
-  double* out = partials.data_ptr<double>() + 2 * index;
-  out[0] = total;
-  out[1] = std::isfinite(total) ? 0.0 : 1.0;
-}
-
 void scale_(const at::Tensor& x, const at::Tensor& coef) {
   CHECK_CPU(x);
   CHECK_CPU(coef);
@@ -175,39 +126,66 @@ void scale_(const at::Tensor& x, const at::Tensor& coef) {
   });
 }
 
+namespace {
+
+// One chunk of a bucket source: accumulate, and the sums of squares asked for (kWritten: of the values written,
+// kSource: of the source's values), the vector ISA chosen at run time.
+template <bool kWritten, bool kSource, typename src_t>
+portable::Sums bucket_chunk(float* dst, const src_t* src, int64_t n, bool overwrite, [[maybe_unused]] bool avx2) {
+  if (!kWritten && !kSource) {
+#if defined(GAENGINE_X86_KERNELS)
+    if (avx2) {
+      avx2::accumulate(dst, src, n, 1.0, overwrite);
+      return {};
+    }
+#endif
+    portable::accumulate(dst, src, n, 1.0, overwrite);
+    return {};
+  }
+#if defined(GAENGINE_X86_KERNELS)
+  if (avx2) return avx2::accumulate_sums<kWritten, kSource>(dst, src, n, overwrite);
+#endif
+  return portable::accumulate_sums<kWritten, kSource>(dst, src, n, overwrite);
+}
+
+// (sum of squares, 1.0 if it is not finite else 0.0) into a partials row.
+void write_partial(double* row, double sum_sq) {
+  row[0] = sum_sq;
+  row[1] = std::isfinite(sum_sq) ? 0.0 : 1.0;
+}
+
+}  // namespace
+
 void accumulate_bucket_cpu(const std::vector<BucketSource>& sources) {
   // Chunk table: (source, chunk start) for every kNormChunkNumel-element chunk of every source.
   std::vector<std::pair<int64_t, int64_t>> chunks;
   int64_t total_numel = 0;
-  bool want_partials = false;
+  bool want_written = false, want_source = false;
   for (size_t j = 0; j < sources.size(); ++j) {
     const int64_t n = sources[j].numel;
     total_numel += n;
-    want_partials = want_partials || sources[j].partial != nullptr;
+    want_written = want_written || sources[j].partial != nullptr;
+    want_source = want_source || sources[j].source_partial != nullptr;
     for (int64_t begin = 0; begin < n; begin += kNormChunkNumel) chunks.emplace_back(static_cast<int64_t>(j), begin);
   }
-  std::vector<double> chunk_sums(want_partials ? chunks.size() : 0, 0.0);
-  [[maybe_unused]] const bool avx2 = use_avx2();
+  std::vector<portable::Sums> chunk_sums(want_written || want_source ? chunks.size() : 0);
+  const bool avx2 = use_avx2();
   auto run_chunk = [&](int64_t c) {
     const BucketSource& s = sources[chunks[c].first];
     const int64_t begin = chunks[c].second, len = std::min(kNormChunkNumel, s.numel - begin);
     float* d = s.dst + begin;
+    const bool written = s.partial != nullptr, source = s.source_partial != nullptr;
     GAENGINE_DISPATCH_GRAD_TYPES(s.src->scalar_type(), "gaengine.accumulate_bucket", [&] {
       const scalar_t* p = s.src->const_data_ptr<scalar_t>() + begin;
-      if (s.partial != nullptr) {
-#if defined(GAENGINE_X86_KERNELS)
-        if (avx2) {
-          chunk_sums[c] = avx2::accumulate_sumsq(d, p, len, 1.0, s.overwrite);
-          return;
-        }
-#endif
-        chunk_sums[c] = portable::accumulate_sumsq(d, p, len, 1.0, s.overwrite);
-        return;
+      if (written && source) {
+        chunk_sums[c] = bucket_chunk<true, true>(d, p, len, s.overwrite, avx2);
+      } else if (written) {
+        chunk_sums[c] = bucket_chunk<true, false>(d, p, len, s.overwrite, avx2);
+      } else if (source) {
+        chunk_sums[c] = bucket_chunk<false, true>(d, p, len, s.overwrite, avx2);
+      } else {
+        bucket_chunk<false, false>(d, p, len, s.overwrite, avx2);
       }
-#if defined(GAENGINE_X86_KERNELS)
-      if (avx2) return avx2::accumulate(d, p, len, 1.0, s.overwrite);
-#endif
-      portable::accumulate(d, p, len, 1.0, s.overwrite);
     });
   };
   const auto n_chunks = static_cast<int64_t>(chunks.size());
@@ -218,42 +196,59 @@ void accumulate_bucket_cpu(const std::vector<BucketSource>& sources) {
       for (int64_t c = c0; c < c1; ++c) run_chunk(c);
     });
   }
-  if (!want_partials) return;
-  for (int64_t c = 0; c < n_chunks;) {  // each source's chunks are consecutive: sum them in chunk order
-    const BucketSource& s = sources[chunks[c].first];
-    double total = 0.0;
-    const int64_t j = chunks[c].first;
-    for (; c < n_chunks && chunks[c].first == j; ++c) total += chunk_sums[c];
-    if (s.partial != nullptr) {
-      s.partial[0] = total;
-      s.partial[1] = std::isfinite(total) ? 0.0 : 1.0;
+  if (want_written || want_source) {
+    for (int64_t c = 0; c < n_chunks;) {  // each source's chunks are consecutive: sum them in chunk order
+      const int64_t j = chunks[c].first;
+      portable::Sums total;
+      for (; c < n_chunks && chunks[c].first == j; ++c) {
+        total.written += chunk_sums[c].written;
+        total.source += chunk_sums[c].source;
+      }
+      const BucketSource& s = sources[j];
+      if (s.partial != nullptr) write_partial(s.partial, total.written);
+      if (s.source_partial != nullptr) write_partial(s.source_partial, total.source);
     }
   }
-  for (const BucketSource& s : sources) {  // an empty source has no chunk: its partial is an empty sum
-    if (s.partial != nullptr && s.numel == 0) s.partial[0] = s.partial[1] = 0.0;
+  for (const BucketSource& s : sources) {  // an empty source has no chunk: its partials are empty sums
+    if (s.numel != 0) continue;
+    if (s.partial != nullptr) write_partial(s.partial, 0.0);
+    if (s.source_partial != nullptr) write_partial(s.source_partial, 0.0);
   }
 }
 
-// gaengine._C.accumulate_bucket_: the checked binding of accumulate_bucket_cpu, for tests and callers that own
-// their buffers. partials: None, or a (len(srcs), 2) float64 tensor whose row j receives source j's partial.
+namespace {
+
+// A partials table of accumulate_bucket_: None, or a contiguous (n_srcs, 2) float64 CPU tensor.
+double* bucket_partials(const std::optional<at::Tensor>& partials, const char* name, size_t n_srcs) {
+  if (!partials.has_value()) return nullptr;
+  const at::Tensor& t = *partials;
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kDouble, name, " must be float64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == static_cast<int64_t>(n_srcs) && t.size(1) == 2, name,
+              " must have shape (", n_srcs, ", 2), got ", t.sizes());
+  return t.data_ptr<double>();
+}
+
+}  // namespace
+
+// gaengine._C.accumulate_bucket_ and torch.ops.gaengine.accumulate_bucket_ on CPU tensors: the checked entry of
+// accumulate_bucket_cpu. partials / source_partials: None, or a (len(srcs), 2) float64 tensor whose row j receives
+// source j's partial (of the values written / of the source's values).
 void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
-                        const std::vector<bool>& overwrite, const std::optional<at::Tensor>& partials) {
+                        const std::vector<bool>& overwrite, const std::optional<at::Tensor>& partials,
+                        const std::optional<at::Tensor>& source_partials) {
   CHECK_CPU(dst);
   CHECK_CONTIGUOUS(dst);
   CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
   TORCH_CHECK(offsets.size() == srcs.size() && overwrite.size() == srcs.size(),
               "srcs, offsets and overwrite must have the same length, got ", srcs.size(), ", ", offsets.size(),
               " and ", overwrite.size());
-  if (partials.has_value()) {
-    CHECK_CPU(*partials);
-    CHECK_CONTIGUOUS(*partials);
-    CHECK_DTYPE(*partials, partials->scalar_type() == at::kDouble, "float64");
-    TORCH_CHECK(partials->dim() == 2 && partials->size(0) == static_cast<int64_t>(srcs.size()) &&
-                    partials->size(1) == 2,
-                "partials must have shape (", srcs.size(), ", 2), got ", partials->sizes());
-  }
+  double* const rows = bucket_partials(partials, "partials", srcs.size());
+  double* const source_rows = bucket_partials(source_partials, "source_partials", srcs.size());
   std::vector<BucketSource> sources;
   sources.reserve(srcs.size());
+  float* const d = dst.data_ptr<float>();
   for (size_t j = 0; j < srcs.size(); ++j) {
     const at::Tensor& src = srcs[j];
     TORCH_CHECK(src.device().is_cpu(), "srcs[", j, "] must be a CPU tensor, got device ", src.device());
@@ -263,8 +258,8 @@ void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& sr
                 "] must be float32, bfloat16 or float16, got ", t);
     TORCH_CHECK(offsets[j] >= 0 && offsets[j] + src.numel() <= dst.numel(), "offsets[", j, "] = ", offsets[j],
                 " puts srcs[", j, "] (", src.numel(), " elements) outside dst (", dst.numel(), " elements)");
-    double* partial = partials.has_value() ? partials->data_ptr<double>() + 2 * j : nullptr;
-    sources.push_back({&src, dst.data_ptr<float>() + offsets[j], src.numel(), static_cast<bool>(overwrite[j]), partial});
+    sources.push_back({&src, d + offsets[j], src.numel(), static_cast<bool>(overwrite[j]),
+                       rows == nullptr ? nullptr : rows + 2 * j, source_rows == nullptr ? nullptr : source_rows + 2 * j});
   }
   accumulate_bucket_cpu(sources);
 }

@@ -7,12 +7,15 @@
 //
 //   * take the gradient out of p.grad at once (p.grad = None: autograd's next use of p starts afresh),
 //   * micro-batch 0 of the window writes main_grad, later ones add (the window's `written` flags),
-//   * hold the gradient until every parameter of its bucket has arrived, then accumulate the whole bucket in one
-//     launch (CPU: one parallel region, csrc/cpu_ops.cpp; CUDA: one multi-tensor kernel, csrc/cuda/) and drop
-//     the held gradients; "aten" kernels (any device without ours) add each gradient at once with one ATen op,
+//   * hold the gradient until every parameter of its bucket has arrived, then accumulate the whole bucket with one
+//     call of the torch.library op accumulate_bucket_ (op_library.h) through the dispatcher, which main_grad's
+//     device sends to its kernel (CPU: one parallel region, csrc/cpu_ops.cpp; CUDA: one multi-tensor kernel,
+//     csrc/cuda/), and drop the held gradients,
 //   * in the window's last micro-batch, the free-norm partials of the values written, and, when the micro-batch
 //     is armed (several ranks), the Python callback `on_bucket_ready(b)` once per complete bucket, which starts
 //     that bucket's asynchronous all-reduce: the only Python entered from a hook, at most once per bucket,
+//   * when measuring sources (set_measure_sources), the partials of the sources' own squares in every micro-batch,
+//     written by the same launches, one table per micro-batch kept until the window's end (source_partials()),
 //   * the errors of a hook: a gradient outside acc.backward() (RuntimeError) and a sparse gradient
 //     (ValueError); both drop that gradient and leave the window's buffer untouched.
 //
@@ -36,6 +39,7 @@
 // mutex orders the two; the GIL is taken only around the callback, with the mutex released.
 #include <torch/extension.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -50,10 +54,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_ops.h"
-#if defined(GAENGINE_WITH_CUDA)
-#include "cuda/bucket_ops.h"
-#endif
+#include "op_library.h"
 
 namespace gaengine {
 namespace {
@@ -62,24 +63,13 @@ namespace py = pybind11;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-enum class Kernels { kCpu, kCuda, kAten };
-
-Kernels parse_kernels(const std::string& name, const at::Tensor& main_grad) {
-  if (name == "cpu") {
-    TORCH_CHECK_VALUE(main_grad.device().is_cpu(), "kernels='cpu' needs a CPU main_grad, got ", main_grad.device());
-    return Kernels::kCpu;
-  }
-  if (name == "cuda") {
-#if defined(GAENGINE_WITH_CUDA)
-    TORCH_CHECK_VALUE(GAENGINE_IS_CUDA_TENSOR(main_grad), "kernels='cuda' needs a CUDA main_grad, got ",
-                      main_grad.device());
-    return Kernels::kCuda;
-#else
-    TORCH_CHECK_VALUE(false, "kernels='cuda': gaengine._C was built without its CUDA kernels");
-#endif
-  }
-  TORCH_CHECK_VALUE(name == "aten", "kernels must be 'cpu', 'cuda' or 'aten', got '", name, "'");
-  return Kernels::kAten;
+// The kernel of accumulate_bucket_ that main_grad's device picks: CUDA for a CUDA tensor (in the emulated build
+// of tests/cuda_emu, whose CPU tensors stand in for CUDA ones, every tensor), else CPU. Only the backend key is
+// dispatched on (HotPath's tensors never need autograd, and its host time is per bucket, not per op layer).
+c10::DispatchKeySet kernel_keys(const at::Tensor& main_grad) {
+  if (GAENGINE_IS_CUDA_TENSOR(main_grad)) return c10::DispatchKeySet(c10::DispatchKey::CUDA);
+  TORCH_CHECK_VALUE(main_grad.device().is_cpu(), "main_grad must be a CPU or CUDA tensor, got ", main_grad.device());
+  return c10::DispatchKeySet(c10::DispatchKey::CPU);
 }
 
 class HotPath {
@@ -87,22 +77,37 @@ class HotPath {
   // params: the accumulator's parameters in layout order (leaf tensors that require grad, all on main_grad's
   //   device). main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
   // bucket_of[i]: parameter i's bucket (buckets are runs of consecutive parameters, 0 .. n_buckets - 1).
-  // kernels: "cpu" | "cuda" | "aten". on_bucket_ready: a Python callable(int), or None.
+  // partials_like: a tensor (any device: only its shape and dtype are read) shaped as the backend's partials table
+  //   of all parameters in layout order (Backend.new_bucket_partials: (P, 2) fp64 rows on cpu, (2, n_chunks) fp32
+  //   on cuda); partials_dim: the dimension along which that table is the concatenation of the parameters' own
+  //   tables, partials_extent[i] parameter i's extent along it (cpu: 1 row, cuda: its chunks). A launch's table is
+  //   a slice along partials_dim. on_bucket_ready: a Python callable(int), or None.
   HotPath(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
-          std::vector<int64_t> bucket_of, const std::string& kernels, py::object on_bucket_ready)
+          std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
+          std::vector<int64_t> partials_extent, py::object on_bucket_ready)
       : params_(std::move(params)),
         main_grad_(std::move(main_grad)),
         offsets_(std::move(offsets)),
         bucket_of_(std::move(bucket_of)),
-        kernels_(parse_kernels(kernels, main_grad_)),
-        on_bucket_ready_(std::move(on_bucket_ready)) {
+        extent_(std::move(partials_extent)),
+        partials_dim_(partials_dim),
+        on_bucket_ready_(std::move(on_bucket_ready)),
+        op_(c10::Dispatcher::singleton()
+                .findSchemaOrThrow(GAENGINE_OP_NAMESPACE_NAME "::accumulate_bucket_", "")
+                .typed<AccumulateBucketKernel>()),
+        keys_(kernel_keys(main_grad_)) {
     const size_t n = params_.size();
     TORCH_CHECK_VALUE(n > 0, "params must not be empty");
-    TORCH_CHECK_VALUE(offsets_.size() == n && bucket_of_.size() == n, "params, offsets and bucket_of must have the ",
-                      "same length, got ", n, ", ", offsets_.size(), " and ", bucket_of_.size());
+    TORCH_CHECK_VALUE(offsets_.size() == n && bucket_of_.size() == n && extent_.size() == n,
+                      "params, offsets, bucket_of and partials_extent must have the same length, got ", n, ", ",
+                      offsets_.size(), ", ", bucket_of_.size(), " and ", extent_.size());
     TORCH_CHECK_VALUE(main_grad_.scalar_type() == at::kFloat && main_grad_.is_contiguous() && main_grad_.dim() == 1,
                       "main_grad must be a 1-d contiguous float32 tensor");
+    TORCH_CHECK_VALUE(partials_like.dim() == 2 && (partials_dim_ == 0 || partials_dim_ == 1),
+                      "partials_like must be 2-d and partials_dim 0 or 1, got shape ", partials_like.sizes(),
+                      " and partials_dim ", partials_dim_);
     int64_t n_buckets = 0;
+    int64_t total_extent = 0;
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
       TORCH_CHECK_VALUE(p.requires_grad() && p.is_leaf(), "params[", i, "] must be a leaf tensor that requires grad");
@@ -113,8 +118,20 @@ class HotPath {
       TORCH_CHECK_VALUE(bucket_of_[i] == n_buckets || (n_buckets > 0 && bucket_of_[i] == n_buckets - 1),
                         "bucket_of must number runs of consecutive parameters 0, 1, 2, ...; got ", bucket_of_[i],
                         " at index ", i);
+      TORCH_CHECK_VALUE(extent_[i] >= 0, "partials_extent[", i, "] must be >= 0, got ", extent_[i]);
+      if (bucket_of_[i] == n_buckets) {
+        bucket_start_.push_back(total_extent);
+        bucket_extent_.push_back(0);
+      }
       n_buckets = bucket_of_[i] + 1;
+      bucket_extent_.back() += extent_[i];
+      total_extent += extent_[i];
     }
+    TORCH_CHECK_VALUE(total_extent == partials_like.size(partials_dim_), "partials_extent sums to ", total_extent,
+                      " but partials_like has ", partials_like.size(partials_dim_), " along dimension ",
+                      partials_dim_);
+    partials_shape_ = partials_like.sizes().vec();
+    partials_options_ = main_grad_.options().dtype(partials_like.scalar_type());
     bucket_size_.assign(n_buckets, 0);
     for (int64_t b : bucket_of_) ++bucket_size_[b];
     written_.assign(n, 0);
@@ -122,15 +139,16 @@ class HotPath {
     expected_.assign(n, 1);
     held_at_.assign(n, -1);
     held_.resize(n_buckets);
+    source_written_.assign(n_buckets, 0);
     pending_ = bucket_size_;
     // One hook per parameter on its AccumulateGrad node, which we keep alive (a parameter holds its node only
     // weakly, and a node made afresh would not carry the hook).
     nodes_.reserve(n);
-    keys_.reserve(n);
+    keys_of_hooks_.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       c10::intrusive_ptr<Node> node = torch::autograd::impl::grad_accumulator(params_[i]);
       TORCH_CHECK(node, "params[", i, "] has no AccumulateGrad node");
-      keys_.push_back(node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+      keys_of_hooks_.push_back(node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
           [this, i](const variable_list& outputs, const variable_list& /*inputs*/) {
             on_gradient(i);
             return outputs;
@@ -147,14 +165,15 @@ class HotPath {
   // Remove the hooks (idempotent). Gradients held for an incomplete bucket are dropped.
   void close() {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_[i]);
+    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_of_hooks_[i]);
     nodes_.clear();
-    keys_.clear();
+    keys_of_hooks_.clear();
     drop_held();
   }
 
   // Start of one micro-batch's backward. want_norm: write the free-norm partials (the window's last micro-batch
-  // on one rank). armed: call on_bucket_ready for each bucket completed in this micro-batch.
+  // on one rank). armed: call on_bucket_ready for each bucket completed in this micro-batch. When measuring
+  // sources, this micro-batch's source-partials table is made here (on the caller's stream).
   void begin(bool want_norm, bool armed) {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_held();
@@ -166,26 +185,26 @@ class HotPath {
     late_.clear();
     late_count_ = 0;
     armed_ = armed;
-    want_norm_ = want_norm;
-    if (want_norm) {
-      if (kernels_ == Kernels::kCpu) {
-        partials_ = at::empty({static_cast<int64_t>(params_.size()), 2}, at::dtype(at::kDouble));
-      } else {
-#if defined(GAENGINE_WITH_CUDA)
-        if (kernels_ == Kernels::kCuda) prepare_cuda_partials();
-#endif
-      }
-    } else {
-      partials_ = at::Tensor();
+    partials_ = want_norm ? at::empty(partials_shape_, partials_options_) : at::Tensor();
+    source_table_ = at::Tensor();
+    if (measure_sources_) {
+      source_table_ = at::empty(partials_shape_, partials_options_);
+      sources_.push_back(source_table_);
+      sources_inexact_.push_back(false);
+      std::fill(source_written_.begin(), source_written_.end(), 0);
     }
+    tables_stream_ = current_stream();
     in_backward_ = true;
   }
 
-  // After autograd returned: accumulate the buckets left incomplete (parameters that got no gradient).
+  // After autograd returned: accumulate the buckets left incomplete (parameters that got no gradient); when
+  // measuring sources, zero the parts of this micro-batch's table no launch wrote (those parameters' sources).
   void end() {
     std::lock_guard<std::mutex> lock(mutex_);
     in_backward_ = false;
     if (!late_.empty()) {
+      if (source_table_.defined()) sources_inexact_.back() = true;
+      source_table_ = at::Tensor();
       const std::string first = std::exchange(late_, std::string());
       const int64_t n = std::exchange(late_count_, 0);
       TORCH_CHECK(false, first, n > 1 ? c10::str(" (and ", n - 1, " more late arrival(s))") : std::string(),
@@ -194,24 +213,50 @@ class HotPath {
                   "new counts: call acc.zero_grad() and run the window again");
     }
     for (size_t b = 0; b < held_.size(); ++b) {
-      if (!held_[b].empty()) launch(b);
+      if (!held_[b].empty()) launch(b, /*solo=*/false);
     }
+    if (source_table_.defined()) zero_unwritten_sources();
+    source_table_ = at::Tensor();
   }
 
-  // Backward raised: forget what is held (the window is no longer a sum of whole micro-batches).
+  // Backward raised: forget what is held (the window is no longer a sum of whole micro-batches); this micro-batch's
+  // source partials, if any, are inexact.
   void abort() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (source_table_.defined()) sources_inexact_.back() = true;
+    source_table_ = at::Tensor();
     in_backward_ = false;
     drop_held();
     partials_ = at::Tensor();
   }
 
-  // The free-norm partials of the last micro-batch when they cover every parameter, else None. CPU: (P, 2)
-  // float64 rows (sum of squares, found_inf) per parameter; CUDA: (2, n_chunks) float32 per-chunk partials.
+  // The free-norm partials of the last micro-batch when they cover every parameter, else None: the backend's
+  // partials table of all parameters (partials_like's shape and dtype, on main_grad's device).
   std::optional<at::Tensor> norm_partials() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!partials_.defined() || norm_missed_ || arrived_ != static_cast<int64_t>(params_.size())) return std::nullopt;
     return partials_;
+  }
+
+  // Measure the sources from the next begin() on (on), or stop and forget the tables (off).
+  void set_measure_sources(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    measure_sources_ = on;
+    if (!on) clear_sources_locked();
+  }
+
+  // The source-partials tables of the micro-batches since the last clear_sources(), one per begin() while
+  // measuring (partials_like's layout: (sum of squares, non-finite flag) of the sources, zero where a parameter got
+  // no gradient), and per table whether it is inexact (a later arrival launched on its own after its bucket, or a
+  // backward that raised).
+  std::pair<std::vector<at::Tensor>, std::vector<bool>> source_partials() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {sources_, sources_inexact_};
+  }
+
+  void clear_sources() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    clear_sources_locked();
   }
 
   std::vector<bool> written() {
@@ -269,6 +314,7 @@ class HotPath {
     }
   }
 
+  // accumulate_bucket_ calls since construction (one per bucket launch).
   int64_t launches() {
     std::lock_guard<std::mutex> lock(mutex_);
     return launches_;
@@ -282,26 +328,32 @@ class HotPath {
     at::Tensor grad;
     bool overwrite;
     c10::Stream stream;  // current at the hook that made it ready (CPU: the one default stream)
+    at::Tensor source;   // measuring, after an add-mode combine: the arrivals' sum apart from main_grad (fp32)
   };
 
   c10::Stream current_stream() const {
     return c10::impl::getDeviceGuardImpl(main_grad_.device().type())->getStream(main_grad_.device());
   }
 
-  // Make `stream` safe to read `h.grad`: wait for the stream that produced it, and tell the caching allocator
+  // Make `stream` safe to read `t`, made ready on `made_on`: wait for that stream, and tell the caching allocator
   // that `stream` uses its memory (DDP's reducer does the same). Nothing to do on one stream (always on CPU).
-  void use_on(const Held& h, const c10::Stream& stream) const {
-    if (h.stream == stream) return;
+  static void use_on(const at::Tensor& t, const c10::Stream& made_on, const c10::Stream& stream) {
+    if (made_on == stream) return;
     c10::Event ready(stream.device_type());
-    ready.record(h.stream);
+    ready.record(made_on);
     ready.block(stream);
-    c10::impl::getDeviceGuardImpl(stream.device_type())
-        ->recordDataPtrOnStream(h.grad.storage().data_ptr(), stream);
+    c10::impl::getDeviceGuardImpl(stream.device_type())->recordDataPtrOnStream(t.storage().data_ptr(), stream);
   }
 
   void drop_held() {
     for (auto& held : held_) held.clear();
     std::fill(held_at_.begin(), held_at_.end(), -1);
+  }
+
+  void clear_sources_locked() {
+    sources_.clear();
+    sources_inexact_.clear();
+    source_table_ = at::Tensor();  // a backward under way writes no table
   }
 
   // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p in this autograd
@@ -351,20 +403,18 @@ class HotPath {
           if (learning_) arrival_.push_back(static_cast<int64_t>(i));
         }
       }
-      if (kernels_ == Kernels::kAten) {
-        accumulate_aten(i, grad, overwrite);  // a later arrival adds to what the earlier one wrote
-      } else if (held_at_[i] >= 0) {
-        combine(held_[b][held_at_[i]], grad);
+      if (held_at_[i] >= 0) {
+        combine(held_[b][held_at_[i]], grad);  // a later arrival while the earlier one is held: one source
       } else {
         held_at_[i] = static_cast<int64_t>(held_[b].size());
-        held_[b].push_back({static_cast<int64_t>(i), std::move(grad), overwrite, current_stream()});
+        held_[b].push_back({static_cast<int64_t>(i), std::move(grad), overwrite, current_stream(), at::Tensor()});
         if (pending_[b] == 0) {
           norm_missed_ = true;  // bucket b was launched already: this arrival goes on its own
-          launch(b);
+          launch(b, /*solo=*/true);
         }
       }
       if (counts && --pending_[b] == 0) {
-        if (!held_[b].empty()) launch(b);
+        if (!held_[b].empty()) launch(b, /*solo=*/false);
         if (armed_) ready = b;
       }
     }
@@ -376,10 +426,16 @@ class HotPath {
 
   // A later arrival of a parameter whose earlier one is still held: the held source becomes the fp32 value that
   // one add per arrival would have left in the slice (bitwise: an exact widening, or main_grad + earlier, then
-  // + this one, each one IEEE fp32 add), written over the slice. Runs on the current stream.
+  // + this one, each one IEEE fp32 add), written over the slice. When measuring sources and the slice is added to,
+  // that value is no longer the micro-batch's source: the arrivals' own sum (float(earlier) + this one + ..., one
+  // fp32 add per arrival) is kept apart for launch() to measure. Runs on the current stream.
   void combine(Held& h, const at::Tensor& grad) {
     const c10::Stream stream = current_stream();
-    use_on(h, stream);
+    use_on(h.grad, h.stream, stream);
+    if (source_table_.defined() && (h.source.defined() || !h.overwrite)) {
+      if (!h.source.defined()) h.source = h.grad.reshape({-1}).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      h.source.add_(grad.reshape({-1}));
+    }
     const at::Tensor earlier = h.grad.reshape({-1});
     at::Tensor sum = h.overwrite ? earlier.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
                                  : at::add(main_grad_.narrow(0, offsets_[h.index], earlier.numel()), earlier);
@@ -389,102 +445,108 @@ class HotPath {
     h.stream = stream;
   }
 
-  void accumulate_aten(size_t i, const at::Tensor& grad, bool overwrite) {
-    at::Tensor view = main_grad_.narrow(0, offsets_[i], params_[i].numel());
-    const at::Tensor src = grad.reshape({-1});
-    if (overwrite) {
-      view.copy_(src);
-    } else {
-      view.add_(src);
-    }
-    ++launches_;
-  }
-
-  // Accumulate bucket b's held gradients in one launch and drop them. Called with the mutex held.
-  void launch(size_t b) {
+  // Accumulate bucket b's held gradients with one accumulate_bucket_ call and drop them. Called with the mutex
+  // held, on the stream current at the hook that completes the bucket (or the caller's, in end()); it waits for
+  // every other stream it reads from. The free-norm partials are written by a launch of the whole bucket (its slice
+  // of the table); the source partials by every launch but a solo one (a later arrival after its bucket was
+  // launched: its micro-batch's source norm is then inexact), into the first part of the bucket's slice (an
+  // incomplete bucket's rest is zeroed by end()).
+  void launch(size_t b, bool solo) {
     std::vector<Held>& held = held_[b];
     std::sort(held.begin(), held.end(), [](const Held& x, const Held& y) { return x.index < y.index; });
-    if (kernels_ == Kernels::kCpu) {
-      std::vector<BucketSource> sources;
-      sources.reserve(held.size());
-      double* partials = partials_.defined() ? partials_.data_ptr<double>() : nullptr;
-      float* dst = main_grad_.data_ptr<float>();
-      for (const Held& h : held) {
-        sources.push_back({&h.grad, dst + offsets_[h.index], h.grad.numel(), h.overwrite,
-                           partials == nullptr ? nullptr : partials + 2 * h.index});
-      }
-      accumulate_bucket_cpu(sources);
-      ++launches_;
+    const c10::Stream stream = current_stream();
+    std::vector<at::Tensor> srcs;
+    std::vector<int64_t> offsets;
+    c10::List<bool> overwrite;
+    srcs.reserve(held.size());
+    offsets.reserve(held.size());
+    overwrite.reserve(held.size());
+    int64_t extent = 0;
+    for (const Held& h : held) {
+      use_on(h.grad, h.stream, stream);
+      srcs.push_back(h.grad);
+      offsets.push_back(offsets_[h.index]);
+      overwrite.push_back(h.overwrite);
+      extent += extent_[h.index];
     }
-#if defined(GAENGINE_WITH_CUDA)
-    if (kernels_ == Kernels::kCuda) launch_cuda(b, held);
-#endif
+    std::optional<at::Tensor> partials, source_partials;
+    if (partials_.defined() && static_cast<int64_t>(held.size()) == bucket_size_[b]) {
+      partials = table_slice(partials_, bucket_start_[b], extent, stream);
+    }
+    if (source_table_.defined()) {
+      if (solo) {
+        sources_inexact_.back() = true;
+      } else {
+        source_partials = table_slice(source_table_, bucket_start_[b], extent, stream);
+        source_written_[b] = extent;
+      }
+    }
+    op_.redispatch(keys_, main_grad_, srcs, offsets, overwrite, partials, source_partials);
+    ++launches_;
+    if (source_partials.has_value()) measure_apart(b, held, stream);
     for (const Held& h : held) held_at_[h.index] = -1;
     held.clear();
   }
 
-#if defined(GAENGINE_WITH_CUDA)
-  // Per-chunk partials of the whole buffer: bucket b's columns start at chunk_offset_[b] and are written only
-  // when its launch holds all of its parameters (a complete bucket), so a complete micro-batch covers them all.
-  void prepare_cuda_partials() {
-    if (chunk_offset_.empty()) {
-      int64_t total = 0;
-      size_t i = 0;
-      for (size_t b = 0; b < bucket_size_.size(); ++b) {
-        chunk_offset_.push_back(total);
-        std::vector<int64_t> numels;
-        for (int64_t k = 0; k < bucket_size_[b]; ++k, ++i) numels.push_back(params_[i].numel());
-        total += bucket_num_chunks(numels);
-      }
-      total_chunks_ = total;
-    }
-    // (2, 0) when every parameter is empty: sum_partials_cuda reduces no column to (0, 0), reading nothing.
-    partials_ = at::empty({2, total_chunks_}, main_grad_.options());
-    partials_stream_ = current_stream();
-  }
-
-  void launch_cuda(size_t b, const std::vector<Held>& held) {
-    const c10::Stream stream = current_stream();
-    for (const Held& h : held) use_on(h, stream);
-    std::vector<at::Tensor> srcs;
-    std::vector<int64_t> offsets;
-    std::vector<uint8_t> overwrite;
-    srcs.reserve(held.size());
-    offsets.reserve(held.size());
-    overwrite.reserve(held.size());
+  // The source partials of the held sources kept apart (combined arrivals added to main_grad): the launch above
+  // measured main_grad + their sum; one more accumulate_bucket_ call per such source (into a scratch buffer)
+  // rewrites its part of the table with its own. Only after a double arrival while measuring.
+  void measure_apart(size_t b, const std::vector<Held>& held, const c10::Stream& stream) {
+    int64_t position = bucket_start_[b];
     for (const Held& h : held) {
-      srcs.push_back(h.grad);
-      offsets.push_back(offsets_[h.index]);
-      overwrite.push_back(h.overwrite ? 1 : 0);
-    }
-    const bool complete = static_cast<int64_t>(held.size()) == bucket_size_[b];
-    float* partials = nullptr;
-    int64_t partials_stride = 0;
-    if (partials_.defined() && complete) {
-      partials = partials_.data_ptr<float>() + chunk_offset_[b];
-      partials_stride = partials_.size(1);
-      if (partials_stream_.has_value() && *partials_stream_ != stream) {  // made on the caller's stream in begin()
-        use_on(Held{-1, partials_, false, *partials_stream_}, stream);
+      if (h.source.defined()) {
+        const at::Tensor scratch = at::empty_like(h.source);
+        c10::List<bool> overwrite({true});
+        op_.redispatch(keys_, scratch, {h.source}, {0}, overwrite, std::nullopt,
+                       table_slice(source_table_, position, extent_[h.index], stream));
+        ++launches_;
       }
+      position += extent_[h.index];
     }
-    launches_ += accumulate_bucket_cuda(main_grad_, srcs, offsets, overwrite, partials, partials_stride);
   }
 
-  std::vector<int64_t> chunk_offset_;
-  int64_t total_chunks_ = 0;
-  std::optional<c10::Stream> partials_stream_;
-#endif
+  // [start, start + extent) of a table along partials_dim, usable on `stream` (the tables are made in begin()).
+  at::Tensor table_slice(const at::Tensor& table, int64_t start, int64_t extent, const c10::Stream& stream) const {
+    if (tables_stream_.has_value()) use_on(table, *tables_stream_, stream);
+    return table.narrow(partials_dim_, start, extent);
+  }
+
+  // Zero the parts of this micro-batch's source table that no launch wrote (parameters without a gradient), one
+  // zero_ per run of adjacent parts: none in a micro-batch where every bucket was launched whole.
+  void zero_unwritten_sources() {
+    const at::Tensor& table = source_table_;
+    int64_t run_start = -1, run_end = -1;
+    auto flush = [&] {
+      if (run_end > run_start) table.narrow(partials_dim_, run_start, run_end - run_start).zero_();
+      run_start = run_end = -1;
+    };
+    for (size_t b = 0; b < bucket_start_.size(); ++b) {
+      const int64_t begin = bucket_start_[b] + source_written_[b], end = bucket_start_[b] + bucket_extent_[b];
+      if (begin == end) continue;
+      if (begin != run_end) flush();
+      if (run_start < 0) run_start = begin;
+      run_end = end;
+    }
+    flush();
+  }
 
   std::vector<at::Tensor> params_;
   at::Tensor main_grad_;
   std::vector<int64_t> offsets_;
   std::vector<int64_t> bucket_of_;
-  Kernels kernels_;
+  std::vector<int64_t> extent_;          // per parameter: its extent in a partials table along partials_dim_
+  int64_t partials_dim_;
   py::object on_bucket_ready_;
+  c10::TypedOperatorHandle<AccumulateBucketKernel> op_;  // torch.ops.<namespace>.accumulate_bucket_
+  c10::DispatchKeySet keys_;                            // its kernel for main_grad's device (kernel_keys)
 
   std::vector<c10::intrusive_ptr<Node>> nodes_;
-  std::vector<uintptr_t> keys_;
+  std::vector<uintptr_t> keys_of_hooks_;
   std::vector<int64_t> bucket_size_;
+  std::vector<int64_t> bucket_start_;    // per bucket: its first position in a partials table along partials_dim_
+  std::vector<int64_t> bucket_extent_;   // per bucket: its extent there
+  std::vector<int64_t> partials_shape_;  // the whole table (partials_like's shape)
+  at::TensorOptions partials_options_;
 
   std::mutex mutex_;
   std::vector<uint8_t> written_;        // per parameter: written in this window (later micro-batches add)
@@ -501,9 +563,14 @@ class HotPath {
   int64_t late_count_ = 0;
   bool in_backward_ = false;
   bool armed_ = false;
-  bool want_norm_ = false;
   bool stale_ = false;
-  at::Tensor partials_;
+  at::Tensor partials_;                  // this micro-batch's free-norm table (want_norm), or undefined
+  bool measure_sources_ = false;
+  at::Tensor source_table_;              // this micro-batch's source-partials table (measuring), or undefined
+  std::vector<at::Tensor> sources_;      // per micro-batch since clear_sources(): its source-partials table
+  std::vector<bool> sources_inexact_;    // per micro-batch: its table is inexact
+  std::vector<int64_t> source_written_;  // per bucket: extent of this micro-batch's table a launch wrote
+  std::optional<c10::Stream> tables_stream_;  // where begin() made the tables
   int64_t launches_ = 0;
 };
 
@@ -514,9 +581,9 @@ void register_hot_path(py::module_& m) {
                       "The accumulator's per-parameter work in C++ post-hooks on AccumulateGrad nodes "
                       "(csrc/hot_path.cpp; bound in gaengine/hot_path.py)")
       .def(py::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>,
-                    const std::string&, py::object>(),
-           py::arg("params"), py::arg("main_grad"), py::arg("offsets"), py::arg("bucket_of"), py::arg("kernels"),
-           py::arg("on_bucket_ready"))
+                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object>(),
+           py::arg("params"), py::arg("main_grad"), py::arg("offsets"), py::arg("bucket_of"), py::arg("partials_like"),
+           py::arg("partials_dim"), py::arg("partials_extent"), py::arg("on_bucket_ready"))
       .def("begin", &HotPath::begin, "start of a micro-batch's backward", py::arg("want_norm"), py::arg("armed"),
            py::call_guard<py::gil_scoped_release>())
       .def("end", &HotPath::end, "after backward: accumulate the incomplete buckets",
@@ -524,6 +591,12 @@ void register_hot_path(py::module_& m) {
       .def("abort", &HotPath::abort, "backward raised: drop what is held", py::call_guard<py::gil_scoped_release>())
       .def("close", &HotPath::close, "remove the hooks", py::call_guard<py::gil_scoped_release>())
       .def("norm_partials", &HotPath::norm_partials, "the last micro-batch's free-norm partials, or None")
+      .def("set_measure_sources", &HotPath::set_measure_sources,
+           "write the sources' partials in every micro-batch from the next begin() (False: stop and forget them)",
+           py::arg("on"))
+      .def("source_partials", &HotPath::source_partials,
+           "(tables, inexact): one source-partials table per micro-batch since clear_sources(), and which are inexact")
+      .def("clear_sources", &HotPath::clear_sources, "forget the source-partials tables")
       .def("written", &HotPath::written, "per parameter: written in this window")
       .def("set_written", &HotPath::set_written, py::arg("index"), py::arg("value"))
       .def("set_all_written", &HotPath::set_all_written, py::arg("values"))

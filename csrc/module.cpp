@@ -3,6 +3,8 @@
 // under the same names in csrc/cuda/cuda_ops.cu). Each op's contract is in the header that declares it.
 #include <torch/extension.h>
 
+#include <type_traits>
+
 #include "adamw.h"
 #include "cpu_ops.h"
 #include "op_library.h"
@@ -15,10 +17,13 @@ void register_cuda_ops(pybind11::module_& m);  // csrc/cuda/cuda_ops.cu: the "cu
 
 namespace {
 
+// The op's CPU kernel (its signature AccumulateBucketKernel, op_library.h: HotPath calls it unboxed).
 void accumulate_bucket_op(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
-                          const c10::List<bool>& overwrite, const std::optional<at::Tensor>& partials) {
-  accumulate_bucket_(dst, srcs, offsets, to_flags(overwrite), partials);
+                          const c10::List<bool>& overwrite, const std::optional<at::Tensor>& partials,
+                          const std::optional<at::Tensor>& source_partials) {
+  accumulate_bucket_(dst, srcs, offsets, to_flags(overwrite), partials, source_partials);
 }
+static_assert(std::is_same_v<decltype(accumulate_bucket_op), AccumulateBucketKernel>);
 
 }  // namespace
 }  // namespace gaengine
@@ -46,11 +51,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_", &gaengine::accumulate_, "dst = (0 if overwrite else dst) + float(src) * scale, in place",
         py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("accumulate_sumsq_", &gaengine::accumulate_sumsq_,
-        "accumulate_ and, in the same pass, partials[index] = (sum of squares in fp64 of the values written into "
-        "dst, 1.0 if any is inf/NaN else 0.0); partials a contiguous (n, 2) float64 CPU tensor",
-        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("overwrite"), py::arg("partials"),
-        py::arg("index"), py::call_guard<py::gil_scoped_release>());
   m.def("l2norm_sq", &gaengine::l2norm_sq, "(sum of squares, found_inf) of x as two 0-d fp32 tensors",
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("scale_", &gaengine::scale_, "x *= coef in place, coef a 0-d CPU tensor", py::arg("x"), py::arg("coef"),
@@ -61,10 +61,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "when found_inf != 0; see csrc/adamw.h");
   m.def("accumulate_bucket_", &gaengine::accumulate_bucket_,
         "dst[offsets[j]:offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else dst[...]) + srcs[j] for every j, in "
-        "one parallel region; partials: None or a (len(srcs), 2) float64 tensor receiving each source's (sum of "
-        "squares of the values written, found_inf)",
+        "one parallel region; partials / source_partials: None or a (len(srcs), 2) float64 tensor receiving each "
+        "source's (sum of squares, found_inf) of the values written / of the source's own values",
         py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("overwrite"), py::arg("partials") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("source_partials") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.attr("BUCKET_SOURCE_PARTIALS") = true;  // accumulate_bucket_ (and accumulate_bucket_cuda_) take source_partials
   gaengine::register_hot_path(m);  // csrc/hot_path.cpp: HotPath, the accumulator's per-parameter work
 #if defined(GAENGINE_WITH_CUDA)
   gaengine::register_cuda_ops(m);  // built with CUDA (setup.py): accumulate_cuda_, l2norm_sq_cuda, scale_cuda_, ...

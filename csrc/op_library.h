@@ -7,6 +7,16 @@
 
 #include <torch/library.h>
 
+#include <optional>
+#include <vector>
+
+// The device test of the CUDA kernels' contracts (cuda_ops.cu) and of the kernel HotPath dispatches to
+// (hot_path.cpp): t is a CUDA tensor. Only tests/cuda_emu/engine.py's emulated build (the kernels executed on CPU by
+// the shim, CPU tensors standing in for CUDA ones) defines it otherwise, as (t).is_cpu().
+#ifndef GAENGINE_IS_CUDA_TENSOR
+#define GAENGINE_IS_CUDA_TENSOR(t) ((t).is_cuda())
+#endif
+
 // The namespace of the ops: torch.ops.gaengine. tests/cuda_emu/engine.py's emulated build, loaded beside gaengine._C
 // in one process, defines it as its module name (a library namespace may be defined once per process).
 #ifndef GAENGINE_OP_NAMESPACE
@@ -31,8 +41,15 @@ inline constexpr const char* kAccumulateSchema =
 inline constexpr const char* kL2NormSqSchema = "l2norm_sq(Tensor x) -> (Tensor, Tensor)";
 inline constexpr const char* kScaleSchema = "scale_(Tensor(a!) x, Tensor coef) -> ()";
 inline constexpr const char* kAccumulateBucketSchema =
-    "accumulate_bucket_(Tensor(a!) dst, Tensor[] srcs, int[] offsets, bool[] overwrite, Tensor(b!)? partials=None) "
-    "-> ()";
+    "accumulate_bucket_(Tensor(a!) dst, Tensor[] srcs, int[] offsets, bool[] overwrite, Tensor(b!)? partials=None, "
+    "Tensor(c!)? source_partials=None) -> ()";
+
+// The C++ signature of accumulate_bucket_'s kernels (CPU: module.cpp, CUDA: cuda_ops.cu), one for both: a typed
+// dispatcher handle (csrc/hot_path.cpp) calls them unboxed with exactly these argument types.
+using AccumulateBucketKernel = void(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
+                                    const std::vector<int64_t>& offsets, const c10::List<bool>& overwrite,
+                                    const std::optional<at::Tensor>& partials,
+                                    const std::optional<at::Tensor>& source_partials);
 
 // bool[] arrives as a c10::List<bool> (the dispatcher takes no std::vector<bool>).
 inline std::vector<bool> to_flags(const c10::List<bool>& flags) {

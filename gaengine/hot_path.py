@@ -8,23 +8,26 @@ the window's last micro-batch it also writes the free-norm partials (one rank) a
 into Python once per complete bucket to start that bucket's all-reduce (``BucketReducer.bucket_ready``). Python
 is otherwise entered once per ``acc.backward()`` (``begin`` / ``end``) and once per ``acc.step()``.
 
-Kernels, by the backend's ``hot_path_kernels`` (``gaengine.backends``):
+Each bucket launch is one call of the ``torch.library`` op ``accumulate_bucket_`` of the extension's namespace
+(``torch.ops.gaengine``), made from C++ through the dispatcher: ``main_grad``'s device picks its kernel (CPU: one
+parallel region per bucket, ``csrc/cpu_ops.cpp``; CUDA: one multi-tensor kernel per bucket on the current stream,
+``csrc/cuda/``, when ``gaengine._C`` was built against a CUDA torch). The partials tables (free norm, sources) have
+the backend's layout (``Backend.new_bucket_partials`` of all parameters: ``(P, 2)`` fp64 rows on ``cpu``,
+``(2, n_chunks)`` fp32 columns on ``cuda``), each launch writing its bucket's slice; the backend finishes them
+(``finish_norm_partials``). Backends whose kernels C++ cannot call (``torch``, the reference, and ``triton``) run
+``PythonHooks``.
 
-* ``cpu``: CPU tensors, one parallel region per bucket (``accumulate_bucket_cpu`` in ``csrc/cpu_ops.cpp``);
-  partials are per-parameter fp64 ``(P, 2)`` rows, bitwise equal to the Python path's ``accumulate_sumsq_``.
-* ``cuda``: CUDA tensors, one multi-tensor kernel per bucket on the current stream (``csrc/cuda/``), when
-  ``gaengine._C`` was built against a CUDA torch; partials are per-chunk ``(2, n_chunks)`` fp32.
-* ``aten`` (the ``torch`` backend): any device, one ATen ``copy_`` / ``add_`` per gradient issued from C++ (no
-  free norm).
-
-The backend finishes the partials (``finish_norm_partials``).
+With ``measure_sources``, every launch also writes the partials of its sources' own squares (the per-micro-batch
+norms of the gradient noise scale, issue 17) into one table per micro-batch, kept until the window's
+``window_source_sumsq()``: no extra launch per micro-batch, no Python per parameter.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gaengine.backends import _load_cuda_kernels
+from gaengine import bucket as _bucket
+from gaengine.backends import load_extension
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
 from gaengine.reduce import BucketReducer
@@ -32,44 +35,54 @@ from gaengine.reduce import BucketReducer
 __all__ = ["NativeHooks"]
 
 
-def load_native():
-    """``gaengine._C`` if it loads and has ``HotPath``; else the reason it cannot be used, as a string."""
-    try:
-        from gaengine import _C  # noqa: PLC0415 - lazy: ``import gaengine`` does not load the extension
-    except ImportError as exc:
-        return None, f"gaengine._C is not built ({exc})"
-    if not hasattr(_C, "HotPath"):
+def load_native(backend=None):
+    """The compiled module whose ``HotPath`` runs ``backend``'s ``hot_path_kernels`` (``backend.extension()``;
+    ``gaengine._C`` when no backend is given), or the reason it cannot be used, as a string: ``(module, None)`` or
+    ``(None, why)``."""
+    module, why = backend.extension() if backend is not None else load_extension()
+    if module is None:
+        return None, why
+    if not hasattr(module, "HotPath"):
         return None, "gaengine._C predates HotPath: rebuild it with pip install --no-build-isolation -e ."
-    return _C, None
+    return module, None
 
 
 class NativeHooks:
     """``gaengine.hooks.Hooks`` over ``gaengine._C.HotPath`` (see ``Hooks`` for the methods).
 
-    params: the trainable parameters in layout order. main_grad: the flat fp32 buffer. backend: a backend with
-    ``hot_path_kernels`` ("cpu" | "cuda" | "aten"). buckets: the layout's buckets (contiguous runs of parameters).
-    reducer: a multi-rank run's ``BucketReducer`` (called once per complete bucket of an armed micro-batch), or
-    None. Raises ``RuntimeError`` with the reason when ``gaengine._C`` cannot run the hooks.
+    params: the trainable parameters in layout order. main_grad: the flat fp32 buffer. backend: a backend whose
+    bucket kernels are ``gaengine._C``'s (``hot_path_kernels``: the CPU ones, or the CUDA ones). buckets: the
+    layout's buckets (contiguous runs of parameters). reducer: a multi-rank run's ``BucketReducer`` (called once per
+    complete bucket of an armed micro-batch), or None. measure_sources: write the per-micro-batch source partials
+    (``window_source_sumsq``). Raises ``RuntimeError`` with the reason when ``gaengine._C`` cannot run the hooks.
     """
 
     native = True
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 reducer: BucketReducer | None) -> None:
-        _C, why = load_native()
+                 reducer: BucketReducer | None, measure_sources: bool = False) -> None:
+        if not backend.hot_path_kernels:
+            raise RuntimeError(f"backend {type(backend).__name__} has no bucket kernels in gaengine._C for the native "
+                               "hooks to call: its hooks run in Python (gaengine.python_hooks)")
+        _C, why = load_native(backend)
         if _C is None:
             raise RuntimeError(why)
-        kernels = backend.hot_path_kernels
-        if kernels == "cuda":
-            _C = _load_cuda_kernels()  # the cuda backend's extension: gaengine._C (or the tests' emulated build)
         self.backend = backend
         self.params = list(params)
-        self.kernels = kernels
+        self._device = main_grad.data.device
         bucket_of = [b.index for b in buckets for _ in range(b.first, b.last)]
         callback = reducer.bucket_ready if reducer is not None else None
-        self._hot = _C.HotPath(self.params, main_grad.data, list(main_grad.layout.offsets), bucket_of, kernels,
-                               callback)
+        # The backend's partials layout, on the meta device (shapes only): the table of all parameters, and each
+        # parameter's extent along partials_dim (a launch's table is a slice of the whole one).
+        numels = [p.numel() for p in self.params]
+        dim = backend.partials_dim
+        whole = backend.new_bucket_partials(numels, "meta")
+        extents = [backend.new_bucket_partials([n], "meta").shape[dim] for n in numels]
+        self._hot = _C.HotPath(self.params, main_grad.data, list(main_grad.layout.offsets), bucket_of, whole, dim,
+                               extents, callback)
         self._hot.set_arrival([])
+        self._hot.set_measure_sources(bool(measure_sources))
+        self.measure_sources = bool(measure_sources)
         self.num_buckets = len(buckets)
 
     def begin(self, last: bool, want_norm: bool, armed: bool) -> None:
@@ -122,12 +135,25 @@ class NativeHooks:
         partials = self._hot.norm_partials()
         return None if partials is None else self.backend.finish_norm_partials(partials)
 
+    def window_source_sumsq(self) -> torch.Tensor | None:
+        """``(k,)`` fp32 on main_grad's device: row j the sum over parameters of |source|^2 of the window's j-th
+        micro-batch, NaN where that micro-batch's sources were not measured exactly (a later arrival launched on
+        its own after its bucket, or a backward that raised); None when not measuring (see ``gaengine.hooks.Hooks``).
+        One reduction of the micro-batches' tables, here; nothing per micro-batch."""
+        if not self.measure_sources:
+            return None
+        tables, inexact = self._hot.source_partials()
+        return _bucket.window_source_sumsq(self.backend, tables, inexact, device=self._device)
+
     def reset_window(self) -> None:
-        """A new window: the written flags are cleared (the partials are re-made by the last ``begin``)."""
+        """A new window: the written flags and the source partials are cleared (the free-norm partials are re-made
+        by the last ``begin``)."""
         self._hot.set_all_written([False] * len(self.params))
+        self._hot.clear_sources()
 
     def drop(self) -> None:
         self._hot.abort()
+        self._hot.clear_sources()
 
     def close(self) -> None:
         self._hot.close()

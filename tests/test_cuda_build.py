@@ -2,8 +2,8 @@
 
 On a CUDA build of torch, ``setup.py`` makes ``gaengine._C`` a ``CUDAExtension`` over ``csrc/*.cpp`` +
 ``csrc/cuda/*.cu`` with ``GAENGINE_WITH_CUDA`` defined. Nothing else on CI compiles that configuration
-(``csrc/hot_path.cpp`` with ``csrc/cuda/bucket_ops.h``, ``csrc/cpu_ops.cpp``'s ``register_cuda_ops``,
-``csrc/cuda/cuda_ops.cu``), so a mistake there would only show on the GPU machine, where it breaks the whole
+(``csrc/module.cpp``'s ``register_cuda_ops`` call, ``csrc/cuda/cuda_ops.cu`` with the CUDA kernels of the
+``torch.library`` ops that ``csrc/hot_path.cpp`` dispatches to), so a mistake there would only show on the GPU machine, where it breaks the whole
 build. This module compiles (``-c``, no link) exactly those translation units with the machine's host compiler
 and ``nvcc`` (``sm_90``), with the flags ``torch.utils.cpp_extension.BuildExtension`` would use, in parallel:
 
@@ -20,8 +20,8 @@ and ``nvcc`` (``sm_90``), with the flags ``torch.utils.cpp_extension.BuildExtens
   toolkit's ``include``), Python's include dir, and last a stub dir for the generated headers a CPU wheel lacks.
 
 A compile error fails that source's test with the command and the compiler's stderr. ``test_cross_object_symbols``
-then checks with ``nm`` that every ``gaengine::`` function one object calls is defined by another (a mismatch
-between ``bucket_ops.h`` and ``cuda_ops.cu`` links into a ``.so`` that fails at import). Skipped when ``nvcc`` or
+then checks with ``nm`` that every ``gaengine::`` function one object calls is defined by another (a declaration
+that no longer matches its definition in ``cuda_ops.cu`` links into a ``.so`` that fails at import). Skipped when ``nvcc`` or
 the host compiler is not found. About 1.5 minutes on 2 idle cores: nvcc's ~90 s over ``torch/extension.h``
 (cudafe++, cicc, then the host compiler) is the critical path, the three ``.cpp`` take ~20 s each beside it.
 """
@@ -247,7 +247,7 @@ def _symbols(nm: str, obj: str, *args: str) -> set[str]:
 
 def test_cross_object_symbols(compiled):
     """Every ``gaengine::`` function an object calls is defined in one of the objects: a declaration in
-    ``bucket_ops.h`` (or ``cpu_ops.cpp``'s ``register_cuda_ops``) that no longer matches its definition in
+    ``module.cpp`` (``register_cuda_ops``) that no longer matches its definition in
     ``cuda_ops.cu`` links into a ``.so`` with an undefined symbol, which fails only at import on the GPU machine."""
     nm = shutil.which("nm")
     if nm is None:

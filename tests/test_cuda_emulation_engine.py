@@ -1,11 +1,12 @@
-"""The engine on the ``cuda`` backend, executed on CPU: ``csrc/cuda/cuda_ops.cu`` and ``HotPath``'s ``kernels="cuda"``
-branch (``csrc/hot_path.cpp``) run under the engine's own tests, with CPU tensors standing in for CUDA ones.
+"""The engine on the ``cuda`` backend, executed on CPU: ``csrc/cuda/cuda_ops.cu`` and ``HotPath``
+(``csrc/hot_path.cpp``, dispatching its buckets to the ops' CUDA kernels) run under the engine's own tests, with CPU
+tensors standing in for CUDA ones.
 
 ``tests/cuda_emu/engine.py`` builds ``csrc/*.cpp`` + ``cuda_ops.cu`` in the CUDA configuration against the shim
 (``csrc/cuda/kernels.cuh``'s kernels run on CPU with fibers and real barriers, ``-fsanitize=alignment``) into
 ``gaengine_emu_C``, once per session (cached under ``build/cuda_emu_engine``), and points the cuda backend at it:
 ``GradientAccumulator(backend="cuda")`` on a CPU model then accumulates through the native hot path's multi-tensor
-bucket kernel (``accumulate_bucket_cuda``, per-chunk free-norm partials, ``sum_partials_cuda``), normalizes and
+bucket kernel (``accumulate_bucket_``'s CUDA kernel, per-chunk free-norm partials, ``sum_partials_cuda``), normalizes and
 clips with ``l2norm_sq_cuda`` / ``scale_cuda_``, and ``FusedAdamW(backend="cuda")`` steps with ``adamw_step_cuda_``.
 
 Every run is compared with the same run on ``backend="cpu"`` (the real ``gaengine._C``, whose kernels are tested
@@ -37,7 +38,7 @@ from torch import nn
 import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
-from tests import test_distributed, test_double_arrival, test_stale_gradients
+from tests import test_distributed, test_double_arrival, test_hot_path, test_stale_gradients
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,7 +147,7 @@ class Run:
                                                     max_grad_norm=max_grad_norm, backend=backend,
                                                     bucket_size_mb=bucket_size_mb, master_weights=master_weights)
         assert self.acc.hooks.native == (hot_path == "native")
-        assert hot_path != "native" or self.acc.hooks.kernels == backend
+        assert hot_path != "native" or self.acc.hooks.backend is self.acc.backend
         if backend == "cuda" and hot_path == "native":  # the hooks' HotPath and the backend's ops: the emulated build
             emulated = backends._EMULATED_CUDA_MODULE
             assert emulated is not None and self.acc.backend._C is emulated
@@ -256,19 +257,21 @@ def test_windows_bitwise_against_the_cpu_backend(emu, dtype, bucket_size_mb):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_python_hooks_on_the_emulated_backend(emu, dtype, monkeypatch):
-    """GAENGINE_HOT_PATH=python with backend="cuda": one accumulate_cuda_ per gradient from Python (the bucket
-    kernel is not used), the norm by an l2norm_sq_cuda pass; bitwise against the CPU backend's native hooks."""
-    calls = {"accumulate_cuda_": 0, "l2norm_sq_cuda": 0}
+    """GAENGINE_HOT_PATH=python with backend="cuda": the Python hooks launch the bucket kernel from Python
+    (accumulate_bucket_cuda_; no single-tensor accumulate_cuda_), the norm by an
+    l2norm_sq_cuda pass (an unused parameter); bitwise against the CPU backend's native hooks."""
+    calls = {"accumulate_cuda_": 0, "accumulate_bucket_cuda_": 0, "l2norm_sq_cuda": 0}
     for op in calls:
-        def counted(*args, _op=getattr(emu, op), _name=op):
+        def counted(*args, _op=getattr(emu, op), _name=op, **kwargs):
             calls[_name] += 1
-            return _op(*args)
+            return _op(*args, **kwargs)
         monkeypatch.setattr(emu, op, counted)
     torch.manual_seed(7)
     model = Net(dtype, unused=True)
     runs = _run_both(model, windows=4, cuda_hot_path="python", optimizer="fused_adamw", bucket_size_mb=2e-3)
     assert not runs["cuda"].acc.hooks.native
-    assert calls["accumulate_cuda_"] >= 4 * 3 * 7 and calls["l2norm_sq_cuda"] == 4, calls
+    assert calls["accumulate_bucket_cuda_"] >= 4 * 3, calls  # at least one launch per micro-batch
+    assert calls["accumulate_cuda_"] == 0 and calls["l2norm_sq_cuda"] == 4, calls
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
@@ -349,7 +352,9 @@ def test_split_launches_mixed_dtypes_and_unaligned_sources(emu, optimizer):
     runs = _run_both(model, windows=2, optimizer=optimizer, master_weights=False, accumulation_steps=2)
     assert all(w["free_norm"] for w in runs["cuda"].windows)
     assert runs["cuda"].acc.hooks.num_buckets == 1
-    assert runs["cuda"].acc.hooks.launches == 2 * runs["cpu"].acc.hooks.launches > 0  # 804 sources: 2 launches
+    assert runs["cuda"].acc.hooks.launches == runs["cpu"].acc.hooks.launches > 0  # one op call per bucket
+    srcs = [torch.ones(1) for _ in range(804)]  # ... which is two kernel launches for 804 sources
+    assert emu.accumulate_bucket_cuda_(torch.zeros(804), srcs, list(range(804)), [True] * 804, None) == 2
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
@@ -427,6 +432,13 @@ def test_double_arrival_plain_recipe(emu, monkeypatch):
         test_double_arrival.test_double_arrival_equals_the_plain_recipe("cuda", "native", bucket_size_mb, monkeypatch)
 
 
+def test_source_rows_without_gradient_on_the_emulated_backend(emu, monkeypatch):
+    """tests/test_hot_path.py's unused-parameter source rows on backend "cuda", native hooks: the parts of each
+    micro-batch's per-chunk table that no launch wrote are zeroed. (tests/test_source_norms.py runs its own cases on
+    the emulated backend.)"""
+    test_hot_path.check_source_rows_without_gradient(backends.get_backend("cuda", "cpu"), monkeypatch)
+
+
 def _stale_cases():
     """Every test of tests/test_stale_gradients.py with its parametrizations (by name, one argument each)."""
     cases = []
@@ -477,7 +489,7 @@ def _emulated_worker(*args):
 @pytest.mark.parametrize("scenario", ["equivalence", "items-unused", "double-arrival"])
 def test_distributed_on_the_emulated_backend(emu, monkeypatch, tmp_path, scenario):
     """tests/test_distributed.py's gloo scenarios (2 ranks) on backend "cuda": armed last micro-batches call
-    on_bucket_ready from HotPath's kernels="cuda" branch, a late second arrival raises on every rank."""
+    on_bucket_ready from HotPath on the CUDA kernels, a late second arrival raises on every rank."""
     monkeypatch.setenv("GAENGINE_BACKEND", "cuda")  # the spawned ranks inherit it and GAENGINE_HOT_PATH=native
     monkeypatch.setattr(test_distributed, "_worker", _emulated_worker)
     if scenario == "equivalence":
@@ -547,12 +559,12 @@ def test_adamw_step_cuda_contracts(emu):
     assert bool((p == 0).all()) and float(step) == 0.0
 
 
-def test_hot_path_cuda_kernels_need_a_device_main_grad(emu):
-    """HotPath(kernels="cuda") refuses a main_grad not on the kernels' device (a meta tensor here) with a
-    ValueError naming it."""
+def test_hot_path_needs_a_main_grad_on_a_kernels_device(emu):
+    """HotPath refuses a main_grad on no device its ops have kernels for (a meta tensor here) with a ValueError
+    naming it."""
     w = nn.Parameter(torch.zeros(4, device="meta"))
-    with pytest.raises(ValueError, match=r"kernels='cuda' needs a CUDA main_grad, got meta"):
-        emu.HotPath([w], torch.zeros(64, device="meta"), [0], [0], "cuda", None)
+    with pytest.raises(ValueError, match=r"main_grad must be a CPU or CUDA tensor, got meta"):
+        emu.HotPath([w], torch.zeros(64, device="meta"), [0], [0], torch.empty(2, 1, device="meta"), 1, [1], None)
 
 
 OLD_DRIVER = """

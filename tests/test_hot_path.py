@@ -6,7 +6,8 @@
   which shows that the counter sees per-parameter hooks.
 * Launches per micro-batch are at most buckets + 1.
 * ``gaengine._C.accumulate_bucket_`` (the CPU bucket launch) against the fp64 oracle: bitwise for an unscaled
-  add, its partials bitwise equal to ``accumulate_sumsq_``'s.
+  add; its partials (of the values written, fp64) and source partials (of the sources) within their budgets of the
+  fp64 oracle, flagged where non-finite, and bitwise the same whatever else the bucket holds.
 * The native and the Python hot paths give bitwise-equal buffers and updates over windows, with unused
   parameters, tied weights and several buckets; and the fallback says so once.
 """
@@ -23,8 +24,8 @@ import torch
 from torch import nn
 
 import gaengine
-from tests.reference import accumulate_fp64
-from tests.tolerances import assert_bitwise_equal
+from tests.reference import accumulate_fp64, sum_sq_fp64
+from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
 _C = pytest.importorskip("gaengine._C")
 GAENGINE_DIR = os.path.dirname(os.path.abspath(gaengine.__file__))
@@ -119,15 +120,39 @@ def test_accumulate_bucket_against_fp64(dtype):
         if overwrite[j]:
             out[o:o + n] = float("nan")  # poisoned: an overwrite must not read it
     partials = torch.full((len(sizes), 2), float("nan"), dtype=torch.float64)
-    _C.accumulate_bucket_(out, srcs, offsets, overwrite, partials)
+    source_partials = partials.clone()
+    _C.accumulate_bucket_(out, srcs, offsets, overwrite, partials, source_partials)
     for j, (o, n) in enumerate(zip(offsets, sizes)):
         exact = accumulate_fp64(dst[o:o + n], srcs[j], overwrite=overwrite[j])
         assert_bitwise_equal(out[o:o + n], exact.to(torch.float32), f"source {j}")
-        row = torch.empty(1, 2, dtype=torch.float64)
-        again = dst[o:o + n].clone()
-        _C.accumulate_sumsq_(again, srcs[j], 1.0, overwrite[j], row, 0)
-        assert_bitwise_equal(partials[j].view(torch.int64).to(torch.float64), row[0].view(torch.int64).to(torch.float64),
-                             f"partials of source {j}")
+        # The values written: two fp64 sums of n squares (ours, the oracle's), each within (n - 1) * 2^-53 of the
+        # exact sum. The sources: the AVX2 kernel sums fp32 squares four per lane before fp64 (csrc/cpu_kernels.h),
+        # within the fp32 budget of tests/tolerances.py.
+        for what, table, values, rtol in (("partials", partials, out[o:o + n], 2 * n * 2.0**-53),
+                                          ("source partials", source_partials, srcs[j], sum_sq_rtol(n))):
+            want = sum_sq_fp64(values)
+            assert abs(table[j, 0].item() - want) <= rtol * want, f"{what} of source {j}"
+            assert table[j, 1].item() == 0.0, f"{what} flag of source {j}"
+        # The bits of a source's partials do not depend on the rest of its bucket.
+        row, source_row = torch.empty(1, 2, dtype=torch.float64), torch.empty(1, 2, dtype=torch.float64)
+        _C.accumulate_bucket_(dst[o:o + n].clone(), [srcs[j]], [0], [overwrite[j]], row, source_row)
+        assert_bitwise_equal(row[0], partials[j], f"partials of source {j} alone")
+        assert_bitwise_equal(source_row[0], source_partials[j], f"source partials of source {j} alone")
+
+
+def test_accumulate_bucket_source_partials_flag_non_finite_sources():
+    """A non-finite source value flags that source's source partials (and, added, its partials); a finite source
+    added to a non-finite main_grad value flags only the partials of the values written."""
+    dst = torch.zeros(8200)
+    dst[4200] = float("inf")
+    srcs = [torch.ones(4100), torch.ones(4100)]
+    srcs[0][4099] = float("inf")
+    partials = torch.empty(2, 2, dtype=torch.float64)
+    source_partials = torch.empty(2, 2, dtype=torch.float64)
+    _C.accumulate_bucket_(dst, srcs, [0, 4100], [False, False], partials, source_partials)
+    assert partials[:, 1].tolist() == [1.0, 1.0]
+    assert source_partials[:, 1].tolist() == [1.0, 0.0]
+    assert source_partials[1, 0].item() == 4100.0
 
 
 def test_accumulate_bucket_contracts():
@@ -261,3 +286,41 @@ def test_window_of_empty_parameters_has_norm_zero(hot_path, monkeypatch):
         acc.backward(sum(p.sum() for p in params) + torch.zeros((), requires_grad=True))
     result = acc.step()
     assert float(result.grad_norm) == 0.0 and not bool(result.skipped) and float(result.clip_coef) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ source norms
+def check_source_rows_without_gradient(backend, monkeypatch) -> None:
+    """Native hooks measuring sources, on a model whose ``extra`` and ``nested`` parameters get no gradient: their
+    buckets are launched incomplete at ``end()`` (one bucket) or not at all (a bucket per parameter), and their part
+    of each micro-batch's table is zeroed, so every row equals the fp64 plain recipe's (tests/test_source_norms.py
+    for the reference). backend: a ``gaengine.backends.Backend`` with native hooks; also run on the emulated cuda
+    backend (tests/test_cuda_emulation_engine.py)."""
+    from tests.test_double_arrival import SharedCheckpointed, _batches  # noqa: PLC0415
+    from tests.test_source_norms import _backward, _hooks  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = SharedCheckpointed()
+    batches = _batches(3, torch.float32)
+    want = []
+    for x in batches:
+        expected = copy.deepcopy(model)
+        expected(x, extra=False, twice=False).backward()
+        want.append(sum(float(p.grad.double().square().sum()) for p in expected.parameters() if p.grad is not None))
+    n_params = sum(p.numel() for p in model.parameters())
+    for bucket_size_mb in (1e-6, 25.0):
+        hooks = _hooks(model, backend, "native", bucket_size_mb, True, monkeypatch)
+        try:
+            _backward(hooks, model(batches[0]), False)  # every parameter: the tables' memory holds gradients
+            hooks.reset_window()
+            for j, x in enumerate(batches):
+                _backward(hooks, model(x, extra=False, twice=False), j == len(batches) - 1)
+            rows = hooks.window_source_sumsq().tolist()
+            assert len(rows) == len(batches)
+            for got, exact in zip(rows, want):
+                assert abs(got - exact) <= sum_sq_rtol(n_params) * exact, (bucket_size_mb, rows, want)
+        finally:
+            hooks.close()
+
+
+def test_source_rows_count_zero_without_gradient(monkeypatch):
+    check_source_rows_without_gradient(gaengine.backends.get_backend("cpu", "cpu"), monkeypatch)

@@ -39,6 +39,9 @@ FULL_OCCUPANCY_REGISTERS = 65536 // 2048  # sm_80 / sm_90: 64 K registers and 20
 # and the double pow of the bias corrections do not fit in 32 without spilling, and 1024 threads per SM, each
 # with four independent 16-byte loads in flight (grad, param, exp_avg, exp_avg_sq), still saturate HBM.
 REGISTER_BUDGET = {k: 65536 // (4 * 256) for k in ("adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16")}
+# The bucket accumulate writing both partials tables (values written and sources: the last micro-batch of a window
+# measured for the noise scale, once per window) carries two more accumulators: 4 blocks per SM, 64 registers.
+REGISTER_BUDGET["bucket-accumulate-partials-sources"] = 65536 // (4 * 256)
 KERNEL_PARAM_LIMIT_BYTES = 32764  # CUDA >= 12.1 on sm_70+ (kernels/common.cuh kMaxKernelParamBytes)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CUDA_TYPES = {"fp32": "f", "bf16": "13__nv_bfloat16", "fp16": "6__half"}  # as mangled in kernel names
@@ -58,7 +61,7 @@ INSTANTIATE(__nv_bfloat16)
 INSTANTIATE(__half)
 cudaError_t (*const keep_launch_scale)(float*, int64_t, const float*, cudaStream_t) = g::launch_scale;
 cudaError_t (*const keep_launch_accumulate_bucket)(float*, const g::BucketEntry*, int, float*, cudaStream_t, int*,
-                                                   int64_t) = g::launch_accumulate_bucket;
+                                                   int64_t, float*, int64_t) = g::launch_accumulate_bucket;
 cudaError_t (*const keep_launch_sum_partials)(const float*, int64_t, float*, float*, cudaStream_t) =
     g::launch_sum_partials;
 using LaunchAdamW = cudaError_t (*)(const g::AdamWEntry*, int, const g::AdamWHyper&, const float*, const float*,
@@ -83,9 +86,10 @@ NVCC = _find_nvcc()
 def _kernel_id(mangled: str) -> str | None:
     """Readable id of a kernel from its mangled name: ``accumulate-bf16-add-scaled``, ``norm-partial-fp16``..."""
     types = {v: k for k, v in CUDA_TYPES.items()}
-    m = re.search(r"accumulate_bucket_kernelILb([01])E", mangled)
-    if m:
-        return "bucket-accumulate" + ("-partials" if m.group(1) == "1" else "")
+    m = re.search(r"accumulate_bucket_kernelILb([01])ELb([01])E", mangled)
+    if m:  # <kPartials, kSource>: the partials of the values written, of the sources
+        return "bucket-accumulate" + ("-partials" if m.group(1) == "1" else "") + (
+            "-sources" if m.group(2) == "1" else "")
     m = re.search(r"adamw_multi_kernelI(f|13__nv_bfloat16|6__half)E", mangled)
     if m:  # param_t: float (fp32 masters) is "adamw-multi"; bf16 | fp16 params updated in place get a suffix
         return "adamw-multi" + ("" if m.group(1) == "f" else f"-{types[m.group(1)]}")
@@ -103,13 +107,14 @@ def _kernel_id(mangled: str) -> str | None:
     return None
 
 
+BUCKET_KERNELS = ("bucket-accumulate", "bucket-accumulate-partials", "bucket-accumulate-sources",
+                  "bucket-accumulate-partials-sources")
 EXPECTED_KERNELS = sorted(
     [f"accumulate-{dt}-{mode}{scaled}" for dt in DTYPES for mode in ("add", "overwrite") for scaled in ("", "-scaled")]
     + [f"norm-partial-{dt}" for dt in DTYPES] + ["norm-finalize", "scale"]
-    + ["bucket-accumulate", "bucket-accumulate-partials", "adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16"]
+    + list(BUCKET_KERNELS) + ["adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16"]
 )
-MULTI_TENSOR_KERNELS = ("bucket-accumulate", "bucket-accumulate-partials", "adamw-multi", "adamw-multi-bf16",
-                        "adamw-multi-fp16")
+MULTI_TENSOR_KERNELS = (*BUCKET_KERNELS, "adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16")
 PTX_PARAM_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "b32": 4, "u32": 4, "s32": 4,
                    "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
 
@@ -381,10 +386,25 @@ def test_cuda_bucket_partials_within_tolerance_and_deterministic(cuda_ops):
     assert table[:, :3].isnan().all() and table[:, 3 + n_chunks:].isnan().all(), "a column outside the slice written"
     assert_bitwise_equal(torch.stack(cuda_ops.sum_partials_cuda(partials)), torch.stack((sum_sq, found_inf)), "sum")
 
+    # The sources' partials in the same launch: the values written and their partials unchanged (bitwise), the
+    # sources' per-chunk sums within budget of the fp64 oracle.
+    written = dst.clone()
+    both, sources = torch.full_like(partials, NAN), torch.full_like(partials, NAN)
+    dst.copy_(before)
+    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, both, sources)
+    assert_bitwise_equal(dst, written, "dst with source partials")
+    assert_bitwise_equal(both, partials, "partials with source partials")
+    exact = torch.tensor([sum_sq_fp64(s[start:start + BUCKET_CHUNK_NUMEL]) for s in srcs
+                          for start in range(0, s.numel(), BUCKET_CHUNK_NUMEL)], dtype=torch.float64)
+    err = (sources[0].double().cpu() - exact).abs()
+    assert bool((err <= sum_sq_rtol(BUCKET_CHUNK_NUMEL) * exact).all()), f"source sums off by {err.max():.3e}"
+    assert sources[1].eq(0).all()
+
     srcs[2][BUCKET_CHUNK_NUMEL] = float("inf")  # chunk 1 of source 2 (its last element): partials column 3
     dst.copy_(before)
-    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, partials)
+    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, partials, sources)
     assert partials[1].cpu().tolist() == [1.0 if j == 3 else 0.0 for j in range(n_chunks)]
+    assert sources[1].cpu().tolist() == [1.0 if j == 3 else 0.0 for j in range(n_chunks)]
     assert cuda_ops.sum_partials_cuda(partials)[1].item() == 1.0
 
 

@@ -1,7 +1,7 @@
 // The "cuda" backend's ops (gaengine.backends.CudaBackend), registered into gaengine._C by
 // register_cuda_ops when the extension is built with CUDA (setup.py defines GAENGINE_WITH_CUDA and
-// csrc/module.cpp calls it), as the CUDA kernels of the torch.library ops (op_library.h), and the C++ entry
-// points of bucket_ops.h. The kernels are in kernels.cuh; this
+// csrc/module.cpp calls it), as the CUDA kernels of the torch.library ops (op_library.h; csrc/hot_path.cpp
+// launches its buckets through accumulate_bucket_'s). The kernels are in kernels.cuh; this
 // file holds the contracts (all checked before any launch), the dtype dispatch and the launches on the current
 // stream. No op syncs the host or allocates beyond its outputs (adamw_step_cuda_: one 4-byte counter per
 // device and stream, allocated at its first use).
@@ -18,12 +18,12 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "../adamw.h"
 #include "../op_library.h"
-#include "bucket_ops.h"
 #include "kernels.cuh"
 
 #define CHECK_CUDA(x) TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(x), #x " must be a CUDA tensor, got device ", (x).device())
@@ -178,49 +178,47 @@ void check_bucket(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, co
   }
 }
 
-// The launches, after check_bucket.
-int64_t launch_bucket(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
-                      const std::vector<uint8_t>& overwrite, float* partials, int64_t partials_stride) {
-  check_driver_for_multi_tensor();
+// A partials table of a bucket of n_chunks chunks: None, or a (2, n_chunks) fp32 tensor on dst's device with unit
+// column stride (rows may be strided: a column slice of a whole-buffer table). Returns (first column, row stride),
+// (null, 0) for None.
+std::pair<float*, int64_t> bucket_partials(const std::optional<at::Tensor>& partials, const char* name,
+                                           const at::Tensor& dst, int64_t n_chunks) {
+  if (!partials.has_value()) return {nullptr, 0};
+  const at::Tensor& t = *partials;
+  TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(t), name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == dst.device(), name, " is on ", t.device(), " but dst is on ", dst.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == 2 && t.size(1) == n_chunks && (t.stride(1) == 1 || n_chunks <= 1) &&
+                  t.stride(0) >= n_chunks,
+              name, " must be a (2, ", n_chunks, ") tensor (bucket_num_chunks of the srcs' numels) with unit column "
+              "stride, got shape ", t.sizes(), " and strides ", t.strides());
+  return {t.data_ptr<float>(), t.stride(0)};
+}
+
+// Python: accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials, source_partials=None) -> launches
+// issued. partials / source_partials: None, or a (2, bucket_num_chunks(numels)) fp32 tensor (bucket_partials),
+// written: per chunk, the (sum of squares, non-finite flag) of the values written / of the source values read.
+// Every contract is checked before anything is launched.
+int64_t accumulate_bucket_cuda_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
+                                const std::vector<int64_t>& offsets, const std::vector<bool>& overwrite,
+                                const std::optional<at::Tensor>& partials,
+                                const std::optional<at::Tensor>& source_partials) {
+  check_bucket(dst, srcs, offsets, overwrite.size());
   std::vector<cuda::BucketEntry> entries(srcs.size());
   for (size_t i = 0; i < srcs.size(); ++i) {
     entries[i] = cuda::BucketEntry{srcs[i].data_ptr(), offsets[i], srcs[i].numel(),
-                                   kernel_dtype(srcs[i].scalar_type()), overwrite[i] != 0 ? 1 : 0};
+                                   kernel_dtype(srcs[i].scalar_type()), overwrite[i] ? 1 : 0};
   }
+  const int64_t n_chunks = cuda::bucket_num_chunks_of(entries.data(), static_cast<int>(entries.size()));
+  const auto [rows, stride] = bucket_partials(partials, "partials", dst, n_chunks);
+  const auto [source_rows, source_stride] = bucket_partials(source_partials, "source_partials", dst, n_chunks);
+  check_driver_for_multi_tensor();
   const c10::cuda::CUDAGuard guard(dst.device());
   int launches = 0;
   CHECK_LAUNCH(cuda::launch_accumulate_bucket(dst.data_ptr<float>(), entries.data(), static_cast<int>(entries.size()),
-                                              partials, c10::cuda::getCurrentCUDAStream(), &launches,
-                                              partials_stride));
+                                              rows, c10::cuda::getCurrentCUDAStream(), &launches, stride,
+                                              source_rows, source_stride));
   return launches;
-}
-
-// Python: accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials) -> launches issued.
-// partials: None, or a (2, bucket_num_chunks(numels)) fp32 CUDA tensor with unit column stride (rows may be
-// strided: a column slice of a whole-buffer table), written.
-int64_t accumulate_bucket_cuda_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
-                                const std::vector<int64_t>& offsets, const std::vector<bool>& overwrite,
-                                const std::optional<at::Tensor>& partials_or_none) {
-  check_bucket(dst, srcs, offsets, overwrite.size());
-  float* partials_ptr = nullptr;
-  int64_t partials_stride = 0;
-  if (partials_or_none.has_value()) {
-    const at::Tensor& partials = *partials_or_none;
-    CHECK_CUDA(partials);
-    CHECK_SAME_DEVICE(partials, dst);
-    CHECK_DTYPE(partials, partials.scalar_type() == at::kFloat, "float32");
-    std::vector<int64_t> numels(srcs.size());
-    for (size_t i = 0; i < srcs.size(); ++i) numels[i] = srcs[i].numel();
-    const int64_t n_chunks = cuda::bucket_num_chunks(numels.data(), static_cast<int>(numels.size()));
-    TORCH_CHECK(partials.dim() == 2 && partials.size(0) == 2 && partials.size(1) == n_chunks &&
-                    (partials.stride(1) == 1 || n_chunks <= 1) && partials.stride(0) >= n_chunks,
-                "partials must be a (2, ", n_chunks, ") tensor (bucket_num_chunks of the srcs' numels) with unit "
-                "column stride, got shape ", partials.sizes(), " and strides ", partials.strides());
-    partials_ptr = partials.data_ptr<float>();
-    partials_stride = partials.stride(0);
-  }
-  const std::vector<uint8_t> flags(overwrite.begin(), overwrite.end());
-  return launch_bucket(dst, srcs, offsets, flags, partials_ptr, partials_stride);
 }
 
 // (sum of row 0, 1.0 if a row-1 flag is set else 0.0) of (2, n) fp32 partials: two 0-d fp32 tensors, views of
@@ -336,9 +334,8 @@ void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const s
   }
 }
 
-}  // namespace
-
-// bucket_ops.h: the C++ entry points (csrc/hot_path.cpp).
+// Chunks of a bucket of sources with these numels: the columns of its (2, n) fp32 partials tables (kernels/bucket.cuh
+// kBucketChunkNumel = 4096 elements per chunk, numbered source by source; an empty source has none).
 int64_t bucket_num_chunks(const std::vector<int64_t>& numels) {
   for (size_t i = 0; i < numels.size(); ++i) {
     TORCH_CHECK(numels[i] >= 0, "numels[", i, "] must be >= 0, got ", numels[i]);
@@ -346,13 +343,7 @@ int64_t bucket_num_chunks(const std::vector<int64_t>& numels) {
   return cuda::bucket_num_chunks(numels.data(), static_cast<int>(numels.size()));
 }
 
-int64_t accumulate_bucket_cuda(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
-                               const std::vector<int64_t>& offsets, const std::vector<uint8_t>& overwrite,
-                               float* partials_or_null, int64_t partials_stride) {
-  check_bucket(dst, srcs, offsets, overwrite.size());
-  TORCH_CHECK(partials_stride >= 0, "partials_stride must be >= 0, got ", partials_stride);
-  return launch_bucket(dst, srcs, offsets, overwrite, partials_or_null, partials_stride);
-}
+}  // namespace
 
 void register_cuda_ops(pybind11::module_& m) {
   namespace py = pybind11;
@@ -366,10 +357,10 @@ void register_cuda_ops(pybind11::module_& m) {
         py::arg("coef"), py::call_guard<py::gil_scoped_release>());
   m.def("accumulate_bucket_cuda_", &accumulate_bucket_cuda_,
         "dst[offsets[i]:][:n_i] = (0 if overwrite[i] else dst[...]) + float(srcs[i]) for every i, unscaled, in one "
-        "launch (per 512 sources); partials (2, bucket_num_chunks) fp32 or None: per-chunk sum of squares and "
-        "non-finite flag of the values written; returns the launches issued",
+        "launch (per 512 sources); partials / source_partials (2, bucket_num_chunks) fp32 or None: per-chunk sum of "
+        "squares and non-finite flag of the values written / of the source values read; returns the launches issued",
         py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("overwrite"), py::arg("partials"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("source_partials") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("sum_partials_cuda", &sum_partials_cuda,
         "(sum of squares, found_inf) of accumulate_bucket_cuda_'s (2, n) fp32 partials, two 0-d fp32 tensors",
         py::arg("partials"), py::call_guard<py::gil_scoped_release>());
@@ -388,10 +379,13 @@ void accumulate_op(const at::Tensor& dst, const at::Tensor& src, double scale, b
   accumulate_cuda_(dst, src, scale, std::nullopt, overwrite);
 }
 
+// The op's CUDA kernel (its signature AccumulateBucketKernel, op_library.h: HotPath calls it unboxed).
 void accumulate_bucket_op(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
-                          const c10::List<bool>& overwrite, const std::optional<at::Tensor>& partials) {
-  accumulate_bucket_cuda_(dst, srcs, offsets, to_flags(overwrite), partials);
+                          const c10::List<bool>& overwrite, const std::optional<at::Tensor>& partials,
+                          const std::optional<at::Tensor>& source_partials) {
+  accumulate_bucket_cuda_(dst, srcs, offsets, to_flags(overwrite), partials, source_partials);
 }
+static_assert(std::is_same_v<decltype(accumulate_bucket_op), AccumulateBucketKernel>);
 
 }  // namespace
 }  // namespace gaengine

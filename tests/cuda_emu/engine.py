@@ -1,8 +1,8 @@
 """The engine on the CUDA kernels, executed on CPU: an emulated build of ``gaengine._C`` and the switch to use it.
 
 ``build()`` compiles what ``setup.py``'s ``CUDAExtension`` compiles, ``csrc/*.cpp`` + ``csrc/cuda/cuda_ops.cu`` in the
-CUDA configuration (``GAENGINE_WITH_CUDA``: ``register_cuda_ops``, ``HotPath``'s ``kernels="cuda"`` branch calling
-``gaengine::accumulate_bucket_cuda``), with g++ as C++ against the shim (``include/``, first on the include path),
+CUDA configuration (``GAENGINE_WITH_CUDA``: ``register_cuda_ops`` and the ops' CUDA kernels, which ``HotPath``
+dispatches to), with g++ as C++ against the shim (``include/``, first on the include path),
 into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, ninja). What makes it build on CPU:
 
 * ``cuda_ops.cu`` is copied as ``src/cuda/cuda_ops.cpp`` next to ``kernels.cuh`` and its ``kernels/*.cuh``
@@ -11,8 +11,9 @@ into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, n
 * ``torch_include/`` (searched before torch's headers): stubs of ``c10/cuda/CUDAStream.h`` (the current stream is
   the shim's null stream) and ``CUDAGuard.h`` (a no-op), and ``gaengine_emu_build.h``, force-included, which
   defines ``GAENGINE_WITH_CUDA`` and ``GAENGINE_IS_CUDA_TENSOR(t)`` as ``t.is_cpu()``: the device test of every
-  contract in ``cuda_ops.cu`` and of ``HotPath``'s ``kernels="cuda"`` (``csrc/cuda/bucket_ops.h`` defines it as
-  ``t.is_cuda()`` otherwise), so CPU tensors stand in for CUDA ones and a meta tensor is "not a CUDA tensor";
+  contract in ``cuda_ops.cu`` and of the kernel ``HotPath`` dispatches to (``csrc/op_library.h`` defines it as
+  ``t.is_cuda()`` otherwise), so CPU tensors stand in for CUDA ones (``HotPath`` calls the CUDA kernel of
+  ``accumulate_bucket_`` for them) and a meta tensor is "not a CUDA tensor";
 * the shim's flags (``-ffp-contract=off -fno-strict-aliasing``, ``-fsanitize=alignment``: a misaligned 128-bit
   access aborts), ``-fvisibility=hidden`` (nothing interposes between this module and ``gaengine._C``), ``-O1``.
 
@@ -21,7 +22,7 @@ into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, n
 
 ``use(monkeypatch, module)`` points ``gaengine.backends._EMULATED_CUDA_MODULE`` (the one test hook) at the module,
 with fresh backend caches: ``backend="cuda"`` on a CPU device is then a ``CudaBackend`` over its ops, the native
-hot path's ``kernels="cuda"`` builds its ``HotPath``, and ``FusedAdamW(backend="cuda")`` takes its
+hot path builds its ``HotPath`` (``backend.extension()``), and ``FusedAdamW(backend="cuda")`` takes its
 ``adamw_step_cuda_``. The build is cached under ``build/cuda_emu_engine`` (ninja rebuilds what changed).
 """
 
@@ -77,7 +78,7 @@ def build(build_dir: str = BUILD_DIR, kernels: str = KERNELS, verbose: bool = Fa
 
     start = time.perf_counter()
     srcs = sources(build_dir, kernels)
-    # "bucket_ops.h" and "../adamw.h" of cuda_ops.cpp resolve through csrc/cuda; the copy's own directory holds the
+    # "../adamw.h" and "../op_library.h" of cuda_ops.cpp resolve through csrc/cuda; the copy's own directory holds the
     # rewritten kernels.cuh, found first, and its "kernels/*.cuh" beside it (a quoted include looks beside its
     # includer first), so no unrewritten header of csrc/cuda is reached.
     includes = [SHIM_INCLUDE, TORCH_STUBS, os.path.join(CSRC, "cuda"), CSRC]

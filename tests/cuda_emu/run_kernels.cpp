@@ -423,10 +423,87 @@ struct BucketCase {
   std::vector<int> overwrite;
   bool dst_unaligned = false;  // slices at 64k + 1 elements (else at multiples of 64)
   bool src_unaligned = false;  // sources one element past a 16-byte boundary
-  int64_t partials_extra = 0;  // > 0: partials are a column slice (starting at column 3) of a wider table
+  int64_t partials_extra = 0;  // > 0: the partials tables are column slices (starting at column 3) of wider ones
   bool partials = true;
+  bool source_partials = false;  // the sources' partials too, in the same launch
   int64_t dst_base = 0;        // element offset of the first slice (past 2^31 for the sparse case)
 };
+
+// One partials table of a bucket launch (table: the whole, possibly wider, table as allocated): per chunk, the
+// replay of the kernel's order over values(i, k) (source i's k-th value: written or read), the non-finite flags, the
+// fp64 oracle within budget, nothing written outside the column slice, and launch_sum_partials over it.
+template <typename F>
+void check_bucket_partials(const BucketCase& bc, const float* dst, const std::vector<AnySource>& srcs,
+                           const std::vector<int64_t>& offsets, const std::vector<float>& table, int64_t n_chunks,
+                           const std::string& name, F values) {
+  const int n = static_cast<int>(srcs.size());
+  const int64_t width = n_chunks + bc.partials_extra, first = bc.partials_extra ? 3 : 0;
+  const float* partials = table.data() + first;
+  const int64_t stride = bc.partials_extra ? width : n_chunks;
+  std::vector<float> row0, row1;
+  std::vector<double> exact, underflow;
+  for (int i = 0; i < n; ++i) {
+    const AnySource& s = srcs[static_cast<size_t>(i)];
+    const int64_t o = offsets[static_cast<size_t>(i)];
+    for (int64_t begin = 0; begin < s.n; begin += g::kBucketChunkNumel) {
+      const int64_t len = std::min<int64_t>(g::kBucketChunkNumel, s.n - begin);
+      const uint8_t* sp = s.data + begin * (s.dtype == kFp32 ? 4 : 2);
+      const bool vector_path = aligned16(dst + o + begin) && aligned16(sp);
+      auto value = [&](int64_t k) { return values(i, begin + k); };
+      row0.push_back(replay_block_sum_sq(len, s.elems(), vector_path, value));
+      double e = 0.0, u = 0.0;
+      bool found = false;
+      for (int64_t k = 0; k < len; ++k) {
+        const float v = value(k);
+        e += static_cast<double>(v) * v;
+        found |= !std::isfinite(v);
+        // a square below fp32's normal range is rounded to a multiple of 2^-149 (a source's special values:
+        // 1e-40): up to half of that absolute, on top of the relative budget, per such fma
+        if (static_cast<double>(v) * v < 0x1p-126) u += 0x1p-150;
+      }
+      exact.push_back(e);
+      underflow.push_back(u);
+      row1.push_back(found ? 1.0f : 0.0f);
+    }
+  }
+  same_bits(partials, row0.data(), n_chunks, name + "-replay");
+  same_bits(partials + stride, row1.data(), n_chunks, name + "/flags");
+  {
+    int64_t bad = -1;
+    for (int64_t c = 0; c < n_chunks && bad < 0; ++c) {
+      const double budget = sum_sq_rtol(g::kBucketChunkNumel) * exact[static_cast<size_t>(c)] + underflow[static_cast<size_t>(c)];
+      if (!(std::fabs(partials[c] - exact[static_cast<size_t>(c)]) <= budget)) bad = c;
+    }
+    check(bad < 0, name + "/fp64-rtol", "column %" PRId64, bad);
+  }
+  if (bc.partials_extra) {  // nothing outside the column slice
+    bool untouched = true;
+    for (int64_t r = 0; r < 2; ++r) {
+      for (int64_t c = 0; c < width; ++c) {
+        if (c >= first && c < first + n_chunks) continue;
+        untouched &= std::isnan(table[static_cast<size_t>(r * width + c)]);
+      }
+    }
+    check(untouched, name + "/outside-slice-untouched");
+    return;  // launch_sum_partials takes contiguous partials
+  }
+  Buffer<float> out(2);
+  out[0] = out[1] = kNaN;
+  check_launch(g::launch_sum_partials(partials, n_chunks, out.p, out.p + 1, nullptr), name + "/sum_partials");
+  const float expected_sum = replay_finalize(row0.data(), n_chunks);
+  same_bits(out.p, &expected_sum, 1, name + "/sum_partials-replay");
+  double total = 0.0;
+  bool any = false;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    total += exact[static_cast<size_t>(c)];
+    any |= row1[static_cast<size_t>(c)] != 0.0f;
+  }
+  int64_t numel = 0;
+  for (int64_t x : bc.numels) numel += x;
+  check(std::fabs(out[0] - total) <= sum_sq_rtol(numel) * total, name + "/sum_partials-fp64-rtol", "%.9g vs %.17g",
+        out[0], total);
+  check(out[1] == (any ? 1.0f : 0.0f), name + "/sum_partials-found_inf");
+}
 
 // dst: `total` floats at `dst` (poisoned NaN except the add slices); returns false when it could not run.
 void run_bucket(const BucketCase& bc, const std::string& name, uint64_t seed, float* dst, int64_t dst_numel) {
@@ -468,11 +545,13 @@ void run_bucket(const BucketCase& bc, const std::string& name, uint64_t seed, fl
   }
   check(g::bucket_num_chunks(bc.numels.data(), n) == n_chunks, name + "/bucket_num_chunks");
   const int64_t width = n_chunks + bc.partials_extra, first = bc.partials_extra ? 3 : 0;
-  std::vector<float> table(static_cast<size_t>(2 * std::max<int64_t>(width, 1)), kNaN);
+  std::vector<float> table(static_cast<size_t>(2 * std::max<int64_t>(width, 1)), kNaN), source_table = table;
   float* partials = bc.partials ? table.data() + first : nullptr;
+  float* source_partials = bc.source_partials ? source_table.data() + first : nullptr;
   int launches = -1;
-  check_launch(g::launch_accumulate_bucket(dst, entries.data(), n, partials, nullptr, &launches,
-                                           bc.partials_extra ? width : 0),
+  const int64_t stride = bc.partials_extra ? width : 0;
+  check_launch(g::launch_accumulate_bucket(dst, entries.data(), n, partials, nullptr, &launches, stride,
+                                           source_partials, stride),
                name);
   const int64_t expected_launches = (non_empty + g::kMaxBucketEntries - 1) / g::kMaxBucketEntries;
   check(launches == expected_launches, name + "/n_launches", "%d launches for %" PRId64 " non-empty sources", launches,
@@ -497,66 +576,15 @@ void run_bucket(const BucketCase& bc, const std::string& name, uint64_t seed, fl
     }
     check(bad < 0, name + "/vs-fp64-rounded-once", "at dst[%" PRId64 "]", bad);
   }
-  if (!bc.partials) return;
-  // partials: per chunk, the replay of the kernel's order over the values written, and fp64 within budget
-  const int64_t stride = bc.partials_extra ? width : n_chunks;
-  std::vector<float> row0, row1;
-  std::vector<double> exact;
-  for (int i = 0; i < n; ++i) {
-    const AnySource& s = srcs[static_cast<size_t>(i)];
-    const int64_t o = offsets[static_cast<size_t>(i)];
-    for (int64_t begin = 0; begin < s.n; begin += g::kBucketChunkNumel) {
-      const int64_t len = std::min<int64_t>(g::kBucketChunkNumel, s.n - begin);
-      const float* d = dst + o + begin;
-      const uint8_t* sp = s.data + begin * (s.dtype == kFp32 ? 4 : 2);
-      const bool vector_path = aligned16(d) && aligned16(sp);
-      row0.push_back(replay_block_sum_sq(len, s.elems(), vector_path, [&](int64_t k) { return d[k]; }));
-      double e = 0.0;
-      bool found = false;
-      for (int64_t k = 0; k < len; ++k) {
-        e += static_cast<double>(d[k]) * d[k];
-        found |= !std::isfinite(d[k]);
-      }
-      exact.push_back(e);
-      row1.push_back(found ? 1.0f : 0.0f);
-    }
+  // partials of the values written (dst after the launch), source partials of the sources' values
+  if (bc.partials) {
+    check_bucket_partials(bc, dst, srcs, offsets, table, n_chunks, name + "/partials",
+                          [&](int i, int64_t k) { return dst[offsets[static_cast<size_t>(i)] + k]; });
   }
-  same_bits(partials, row0.data(), n_chunks, name + "/partials-replay");
-  same_bits(partials + stride, row1.data(), n_chunks, name + "/partial-flags");
-  {
-    int64_t bad = -1;
-    for (int64_t c = 0; c < n_chunks && bad < 0; ++c) {
-      if (!(std::fabs(partials[c] - exact[static_cast<size_t>(c)]) <= sum_sq_rtol(g::kBucketChunkNumel) * exact[static_cast<size_t>(c)])) bad = c;
-    }
-    check(bad < 0, name + "/partials-fp64-rtol", "column %" PRId64, bad);
+  if (bc.source_partials) {
+    check_bucket_partials(bc, dst, srcs, offsets, source_table, n_chunks, name + "/source-partials",
+                          [&](int i, int64_t k) { return srcs[static_cast<size_t>(i)].at(k); });
   }
-  if (bc.partials_extra) {  // nothing outside the column slice
-    bool untouched = true;
-    for (int64_t r = 0; r < 2; ++r) {
-      for (int64_t c = 0; c < width; ++c) {
-        if (c >= first && c < first + n_chunks) continue;
-        untouched &= std::isnan(table[static_cast<size_t>(r * width + c)]);
-      }
-    }
-    check(untouched, name + "/partials-outside-slice-untouched");
-    return;  // launch_sum_partials takes contiguous partials
-  }
-  Buffer<float> out(2);
-  out[0] = out[1] = kNaN;
-  check_launch(g::launch_sum_partials(partials, n_chunks, out.p, out.p + 1, nullptr), name + "/sum_partials");
-  const float expected_sum = replay_finalize(row0.data(), n_chunks);
-  same_bits(out.p, &expected_sum, 1, name + "/sum_partials-replay");
-  double total = 0.0;
-  bool any = false;
-  for (int64_t c = 0; c < n_chunks; ++c) {
-    total += exact[static_cast<size_t>(c)];
-    any |= row1[static_cast<size_t>(c)] != 0.0f;
-  }
-  int64_t numel = 0;
-  for (int64_t x : bc.numels) numel += x;
-  check(std::fabs(out[0] - total) <= sum_sq_rtol(numel) * total, name + "/sum_partials-fp64-rtol", "%.9g vs %.17g",
-        out[0], total);
-  check(out[1] == (any ? 1.0f : 0.0f), name + "/sum_partials-found_inf");
 }
 
 BucketCase mixed_bucket(const std::vector<int64_t>& sizes, bool dst_unaligned, bool src_unaligned) {
@@ -578,7 +606,8 @@ void test_bucket(const BucketCase& bc, const std::string& name, uint64_t seed) {
   run_bucket(bc, name, seed, dst.p, total);
 }
 
-// A non-finite source value: exactly its chunk's flag, and sum_partials' found_inf.
+// A non-finite source value: exactly its chunk's flag (written and source), and sum_partials' found_inf; a finite
+// source added to a non-finite dst value: only the written flag.
 void test_bucket_non_finite(uint64_t seed) {
   BucketCase bc = mixed_bucket({4097, 100, 8193, 3}, false, false);
   const std::string name = "bucket/non-finite";
@@ -599,16 +628,30 @@ void test_bucket_non_finite(uint64_t seed) {
   }
   srcs[2].set(4096, std::numeric_limits<float>::infinity());  // source 2, chunk 1: column 2 + 1 + 1 = 4 of 7
   const int64_t n_chunks = g::bucket_num_chunks(bc.numels.data(), static_cast<int>(bc.numels.size()));
-  std::vector<float> partials(static_cast<size_t>(2 * n_chunks), kNaN);
+  std::vector<float> partials(static_cast<size_t>(2 * n_chunks), kNaN), source_partials = partials;
   check_launch(g::launch_accumulate_bucket(dst.p, entries.data(), static_cast<int>(entries.size()), partials.data(),
-                                           nullptr),
+                                           nullptr, nullptr, 0, source_partials.data()),
                name);
-  std::string flags;
-  for (int64_t c = 0; c < n_chunks; ++c) flags += partials[static_cast<size_t>(n_chunks + c)] == 1.0f ? '1' : '0';
-  check(flags == "0000100", name + "/flag-column", "flags %s, expected 0000100", flags.c_str());
+  auto flags = [&](const std::vector<float>& table) {
+    std::string out;
+    for (int64_t c = 0; c < n_chunks; ++c) out += table[static_cast<size_t>(n_chunks + c)] == 1.0f ? '1' : '0';
+    return out;
+  };
+  check(flags(partials) == "0000100", name + "/flag-column", "flags %s, expected 0000100", flags(partials).c_str());
+  check(flags(source_partials) == "0000100", name + "/source-flag-column", "flags %s, expected 0000100",
+        flags(source_partials).c_str());
   Buffer<float> out(2);
   check_launch(g::launch_sum_partials(partials.data(), n_chunks, out.p, out.p + 1, nullptr), name + "/sum_partials");
   check(out[1] == 1.0f, name + "/found_inf");
+  // Added again, finite this time: the inf already in dst flags the values written, not the sources.
+  srcs[2].set(4096, 1.0f);
+  for (g::BucketEntry& e : entries) e.overwrite = 0;
+  check_launch(g::launch_accumulate_bucket(dst.p, entries.data(), static_cast<int>(entries.size()), partials.data(),
+                                           nullptr, nullptr, 0, source_partials.data()),
+               name + "/add");
+  check(flags(partials) == "0000100", name + "/add-flag-column", "flags %s, expected 0000100", flags(partials).c_str());
+  check(flags(source_partials) == "0000000", name + "/add-source-flags-clear", "flags %s, expected 0000000",
+        flags(source_partials).c_str());
 }
 
 void test_bucket_of_nothing() {
@@ -671,6 +714,7 @@ void test_bucket_past_2_31(uint64_t seed) {
   run_bucket(bc, "bucket/past-2^31/aligned", seed, dst, total);
   bc.dst_unaligned = bc.src_unaligned = true;
   bc.partials_extra = 5;
+  bc.source_partials = true;
   run_bucket(bc, "bucket/past-2^31/unaligned-strided", seed + 1, dst, total);
   munmap(mem, bytes);
 }
@@ -1020,10 +1064,14 @@ int main(int argc, char** argv) {
     const char* al = unaligned ? "unaligned" : "aligned";
     bc.partials = false;
     test_bucket(bc, fmt("bucket/mixed/%s", al), seed++);
+    bc.source_partials = true;
+    test_bucket(bc, fmt("bucket/mixed-source-partials/%s", al), seed++);
     bc.partials = true;
+    bc.source_partials = false;
     test_bucket(bc, fmt("bucket/mixed-partials/%s", al), seed++);
+    bc.source_partials = true;
     bc.partials_extra = 5;
-    test_bucket(bc, fmt("bucket/mixed-partials-strided/%s", al), seed++);
+    test_bucket(bc, fmt("bucket/mixed-both-partials-strided/%s", al), seed++);
   }
   // one side aligned, the other not: the scalar path (the 128-bit path needs both)
   for (int side = 0; side < 2; ++side) {
@@ -1038,8 +1086,9 @@ int main(int argc, char** argv) {
       bc.dtypes.push_back(i % 3);
       bc.overwrite.push_back(i % 2);
     }
+    bc.source_partials = true;
     test_bucket(bc, fmt("bucket/split-%d-sources", n), seed++);
-    bc.partials = false;
+    bc.partials = bc.source_partials = false;
     bc.dst_unaligned = bc.src_unaligned = true;
     test_bucket(bc, fmt("bucket/split-%d-sources-unaligned", n), seed++);
   }

@@ -1,6 +1,7 @@
 // The multi-tensor bucket accumulate: a bucket of sources into slices of one fp32 buffer in one launch, with
-// the optional per-chunk free-norm partials (the CUDA counterpart of kernels/bucket.py; norm.cuh's
-// launch_sum_partials finishes the partials).
+// the optional per-chunk free-norm partials (of the values written) and source partials (of the sources' own
+// values, before the add), in the same pass (the CUDA counterpart of kernels/bucket.py; norm.cuh's
+// launch_sum_partials finishes either).
 #pragma once
 
 #include "common.cuh"
@@ -15,7 +16,7 @@ namespace cuda {
 // chunk when adding a bf16 source, against one binary search (9 steps at 512 entries) and, with partials,
 // one block reduction.
 constexpr int64_t kBucketChunkNumel = 4096;
-// 512 entries x (32 B + 8 B of chunk_start) + 48 B = 20528 B of parameters, under kMaxKernelParamBytes with
+// 512 entries x (32 B + 8 B of chunk_start) + 64 B = 20544 B of parameters, under kMaxKernelParamBytes with
 // room to spare (a larger table costs more to launch: the driver copies the whole struct every launch).
 constexpr int kMaxBucketEntries = 512;
 
@@ -34,6 +35,8 @@ struct BucketParams {
   float* dst;                               // (dst_numel,) fp32: the slices are read (unless overwrite), written
   float* partials;                          // null, or (2, partials_stride) fp32: columns chunk_base + c written
   int64_t partials_stride;                  // elements from row 0 to row 1 of partials
+  float* source_partials;                   // null, or (2, source_partials_stride) fp32: as partials
+  int64_t source_partials_stride;
   int64_t chunk_base;                       // partials column of this launch's chunk 0
   int64_t n_chunks;                         // chunks of this launch
   int32_t n_entries;
@@ -43,10 +46,13 @@ static_assert(sizeof(BucketParams) <= kMaxKernelParamBytes, "BucketParams exceed
 
 // One chunk of one source into its dst slice: n <= kBucketChunkNumel elements from dst / src (the chunk's
 // first element; 64-bit pointer arithmetic done by the caller, so the offsets here are 32-bit); with
-// kPartials, the sum of squares and the non-finite flag of the values written go into sum_sq / found.
-template <typename src_t, bool kPartials>
+// kPartials, the sum of squares and the non-finite flag of the values written go into sum_sq / found; with
+// kSource, those of the source values (fp32-widened, before the add) into src_sum_sq / src_found, element for
+// element in the same order.
+template <typename src_t, bool kPartials, bool kSource>
 __device__ __forceinline__ void accumulate_chunk(float* __restrict__ dst, const src_t* __restrict__ src, int n,
-                                                 bool overwrite, float& sum_sq, bool& found) {
+                                                 bool overwrite, float& sum_sq, bool& found, float& src_sum_sq,
+                                                 bool& src_found) {
   constexpr int kElems = Vector<src_t>::kElems;
   int scalar_start = 0;
   if (aligned16(dst) && aligned16(src)) {  // a chunk starts a multiple of kElems in: it keeps the alignment
@@ -62,6 +68,13 @@ __device__ __forceinline__ void accumulate_chunk(float* __restrict__ dst, const 
       if (!overwrite) {  // uniform per chunk
 #pragma unroll
         for (int q = 0; q < kElems / 4; ++q) old[q] = out[q];
+      }
+      if constexpr (kSource) {
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) {
+          src_sum_sq = __fmaf_rn(grad[k], grad[k], src_sum_sq);
+          src_found |= non_finite(grad[k]);
+        }
       }
 #pragma unroll
       for (int q = 0; q < kElems / 4; ++q) {
@@ -87,6 +100,10 @@ __device__ __forceinline__ void accumulate_chunk(float* __restrict__ dst, const 
 #pragma unroll 2
   for (int i = scalar_start + threadIdx.x; i < n; i += kThreads) {
     float d = to_float(src[i]);
+    if constexpr (kSource) {
+      src_sum_sq = __fmaf_rn(d, d, src_sum_sq);
+      src_found |= non_finite(d);
+    }
     if (!overwrite) d = __fadd_rn(dst[i], d);
     dst[i] = d;
     if constexpr (kPartials) {
@@ -96,10 +113,20 @@ __device__ __forceinline__ void accumulate_chunk(float* __restrict__ dst, const 
   }
 }
 
-template <bool kPartials>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+// One column per chunk: (sum of squares, non-finite flag) into row 0 / row 1 of a partials table.
+__device__ __forceinline__ void write_column(float* partials, int64_t stride, int64_t column, float sum_sq,
+                                             bool found) {
+  partials[column] = sum_sq;
+  partials[stride + column] = found ? 1.f : 0.f;
+}
+
+// Both tables at once (the last micro-batch of a window measured for the noise scale, once per window) need two
+// more accumulators than 32 registers hold without spilling: that instantiation runs at half occupancy
+// (kMinBlocksPerSm / 2 blocks, 64 registers), the others at full.
+template <bool kPartials, bool kSource>
+__global__ void __launch_bounds__(kThreads, kPartials && kSource ? kMinBlocksPerSm / 2 : kMinBlocksPerSm)
     accumulate_bucket_kernel(const __grid_constant__ BucketParams params) {
-  __shared__ float shared[kThreads / 32];  // block_sum's, with kPartials only
+  __shared__ float shared[kThreads / 32];  // block_sum's, with kPartials or kSource only
   int entry = 0;
   for (int64_t c = blockIdx.x; c < params.n_chunks; c += gridDim.x) {  // uniform: every barrier is reached
     entry = find_tensor(params.chunk_start, entry, params.n_entries, c);
@@ -108,25 +135,30 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     const int n = static_cast<int>(e.numel - begin < kBucketChunkNumel ? e.numel - begin : kBucketChunkNumel);
     float* dst = params.dst + e.dst_offset + begin;
     const bool overwrite = e.overwrite != 0;
-    float sum_sq = 0.f;
-    bool found = false;
+    float sum_sq = 0.f, src_sum_sq = 0.f;
+    bool found = false, src_found = false;
     if (e.src_dtype == kDtypeBf16) {
-      accumulate_chunk<__nv_bfloat16, kPartials>(dst, static_cast<const __nv_bfloat16*>(e.src) + begin, n,
-                                                 overwrite, sum_sq, found);
+      accumulate_chunk<__nv_bfloat16, kPartials, kSource>(dst, static_cast<const __nv_bfloat16*>(e.src) + begin, n,
+                                                          overwrite, sum_sq, found, src_sum_sq, src_found);
     } else if (e.src_dtype == kDtypeFp16) {
-      accumulate_chunk<__half, kPartials>(dst, static_cast<const __half*>(e.src) + begin, n, overwrite, sum_sq,
-                                          found);
+      accumulate_chunk<__half, kPartials, kSource>(dst, static_cast<const __half*>(e.src) + begin, n, overwrite,
+                                                   sum_sq, found, src_sum_sq, src_found);
     } else {
-      accumulate_chunk<float, kPartials>(dst, static_cast<const float*>(e.src) + begin, n, overwrite, sum_sq,
-                                         found);
+      accumulate_chunk<float, kPartials, kSource>(dst, static_cast<const float*>(e.src) + begin, n, overwrite,
+                                                  sum_sq, found, src_sum_sq, src_found);
     }
-    if constexpr (kPartials) {  // this chunk's own slot: no atomics, the same bits every run
+    // This chunk's own column: no atomics, the same bits every run.
+    const int64_t column = params.chunk_base + c;
+    if constexpr (kPartials) {
       sum_sq = block_sum(sum_sq, shared);
       found = block_any(found);
+      if (threadIdx.x == 0) write_column(params.partials, params.partials_stride, column, sum_sq, found);
+    }
+    if constexpr (kSource) {
+      src_sum_sq = block_sum(src_sum_sq, shared);
+      src_found = block_any(src_found);
       if (threadIdx.x == 0) {
-        const int64_t column = params.chunk_base + c;
-        params.partials[column] = sum_sq;
-        params.partials[params.partials_stride + column] = found ? 1.f : 0.f;
+        write_column(params.source_partials, params.source_partials_stride, column, src_sum_sq, src_found);
       }
     }
   }
@@ -139,6 +171,12 @@ inline int64_t bucket_num_chunks(const int64_t* numels, int n) {
   return total;
 }
 
+inline int64_t bucket_num_chunks_of(const BucketEntry* entries, int n) {
+  int64_t total = 0;
+  for (int i = 0; i < n; ++i) total += num_chunks(entries[i].numel, kBucketChunkNumel);
+  return total;
+}
+
 // For every entry i: dst[off_i : off_i + n_i] = (0 if overwrite_i else dst[...]) + float(src_i), unscaled (one
 // __fadd_rn per element, bitwise equal to torch's add_; an overwrite is an exact widening copy). The slices
 // must not overlap. One launch per kMaxBucketEntries non-empty entries (one for any usual bucket);
@@ -146,18 +184,21 @@ inline int64_t bucket_num_chunks(const int64_t* numels, int n) {
 // partials: null, or a (2, bucket_num_chunks) fp32 device array (row stride partials_stride, 0: the chunk
 // count, i.e. contiguous): column j receives the sum of squares (row 0) and the non-finite flag (row 1, 1.0 |
 // 0.0) of the values written by chunk j; launch_sum_partials finishes the norm.
+// source_partials: null, or the same for the source values chunk j read (fp32-widened, before the add), row
+// stride source_partials_stride (0: contiguous), in the same launch.
 // entries: a host array, read before this returns. Returns the first launch error.
 inline cudaError_t launch_accumulate_bucket(float* dst, const BucketEntry* entries, int n_entries, float* partials,
                                             cudaStream_t stream, int* n_launches = nullptr,
-                                            int64_t partials_stride = 0) {
+                                            int64_t partials_stride = 0, float* source_partials = nullptr,
+                                            int64_t source_partials_stride = 0) {
   if (n_launches != nullptr) *n_launches = 0;
-  if (partials != nullptr && partials_stride == 0) {
-    for (int i = 0; i < n_entries; ++i) partials_stride += num_chunks(entries[i].numel, kBucketChunkNumel);
-  }
+  const int64_t total_chunks = bucket_num_chunks_of(entries, n_entries);
   BucketParams params;  // only the n_entries used are filled: the rest is never read
   params.dst = dst;
   params.partials = partials;
-  params.partials_stride = partials_stride;
+  params.partials_stride = partials_stride == 0 ? total_chunks : partials_stride;
+  params.source_partials = source_partials;
+  params.source_partials_stride = source_partials_stride == 0 ? total_chunks : source_partials_stride;
   int64_t chunk_base = 0;
   int i = 0;
   for (int launches = 1;; ++launches) {
@@ -174,10 +215,15 @@ inline cudaError_t launch_accumulate_bucket(float* dst, const BucketEntry* entri
     params.n_entries = k;
     params.n_chunks = chunks;
     params.chunk_base = chunk_base;
-    if (partials != nullptr) {
-      accumulate_bucket_kernel<true><<<chunk_blocks(chunks), kThreads, 0, stream>>>(params);
+    const unsigned int blocks = chunk_blocks(chunks);
+    if (partials != nullptr && source_partials != nullptr) {
+      accumulate_bucket_kernel<true, true><<<blocks, kThreads, 0, stream>>>(params);
+    } else if (partials != nullptr) {
+      accumulate_bucket_kernel<true, false><<<blocks, kThreads, 0, stream>>>(params);
+    } else if (source_partials != nullptr) {
+      accumulate_bucket_kernel<false, true><<<blocks, kThreads, 0, stream>>>(params);
     } else {
-      accumulate_bucket_kernel<false><<<chunk_blocks(chunks), kThreads, 0, stream>>>(params);
+      accumulate_bucket_kernel<false, false><<<blocks, kThreads, 0, stream>>>(params);
     }
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
