@@ -143,10 +143,11 @@ def check_scale_args(x: torch.Tensor, coef: torch.Tensor) -> None:
 
 
 def check_bucket_args(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int],
-                      overwrite: bool | Sequence[bool], device_type: str | None = None) -> tuple[list[int], list[bool]]:
-    """Validate the arguments of ``accumulate_bucket_`` (on ``device_type`` devices when given); returns the offsets
-    and one overwrite flag per source. Raises ``ContractError`` (a ``ValueError``) or ``TypeError`` naming the
-    argument."""
+                      overwrite: bool | Sequence[bool],
+                      device_type: str | None = None) -> tuple[list[int], list[bool], list[int]]:
+    """Validate the arguments of ``accumulate_bucket_`` (on ``device_type`` devices when given); returns the offsets,
+    one overwrite flag per source and the sources' numels. Raises ``ContractError`` (a ``ValueError``) or
+    ``TypeError`` naming the argument."""
     _check_tensor(dst, "dst")
     if device_type is not None:
         check_device_type(dst, "dst", device_type)
@@ -159,22 +160,24 @@ def check_bucket_args(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: 
     if len(offsets) != len(srcs) or len(flags) != len(srcs):
         raise ContractError(f"srcs, offsets and overwrite must have the same length, got {len(srcs)}, {len(offsets)} "
                             f"and {len(flags)}")
-    spans = []
+    spans, numels, total = [], [], dst.numel()
     for j, src in enumerate(srcs):
         _check_tensor(src, f"srcs[{j}]")
         if src.dtype not in _FLOAT_GRAD_DTYPES or not src.is_contiguous() or src.device != dst.device:
             raise ContractError(f"srcs[{j}] must be a contiguous float32, bfloat16 or float16 tensor on {dst.device}, "
                                 f"got {src.dtype} on {src.device} (contiguous={src.is_contiguous()})")
-        if offsets[j] < 0 or offsets[j] + src.numel() > dst.numel():
-            raise ContractError(f"offsets[{j}] = {offsets[j]} puts the {src.numel()} elements of srcs[{j}] outside dst "
-                                f"({dst.numel()} elements)")
-        if src.numel():
-            spans.append((offsets[j], offsets[j] + src.numel(), j))
+        n = src.numel()
+        numels.append(n)
+        if offsets[j] < 0 or offsets[j] + n > total:
+            raise ContractError(f"offsets[{j}] = {offsets[j]} puts the {n} elements of srcs[{j}] outside dst "
+                                f"({total} elements)")
+        if n:
+            spans.append((offsets[j], offsets[j] + n, j))
     spans.sort()
     for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
         if start < end:
             raise ContractError(f"the dst slices of srcs[{i}] and srcs[{j}] overlap")
-    return offsets, flags
+    return offsets, flags, numels
 
 
 def _check_partials_like(partials: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -308,7 +311,7 @@ class Backend:
                            overwrite: bool | Sequence[bool], partials: torch.Tensor | None = None,
                            source_partials: torch.Tensor | None = None) -> torch.Tensor:
         srcs = list(srcs)
-        offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite)
+        offsets, flags, _ = check_bucket_args(dst, srcs, offsets, overwrite)
         _check_row_tables(dst, len(srcs), partials, source_partials)
         flat = dst.view(-1)
         written = [flat.narrow(0, offset, src.numel()) for src, offset in zip(srcs, offsets)]
@@ -398,7 +401,7 @@ class CpuBackend(Backend):
 
     def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None, source_partials=None):
         srcs = list(srcs)
-        offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite, "cpu")
+        offsets, flags, _ = check_bucket_args(dst, srcs, offsets, overwrite, "cpu")
         _check_row_tables(dst, len(srcs), partials, source_partials)
         if source_partials is None:
             self._C.accumulate_bucket_(dst, srcs, offsets, flags, partials)
@@ -573,9 +576,9 @@ class CudaBackend(Backend):
 
     def accumulate_bucket_(self, dst, srcs, offsets, overwrite, partials=None, source_partials=None):
         srcs = list(srcs)
-        offsets, flags = check_bucket_args(dst, srcs, offsets, overwrite, _cuda_device_type())
+        offsets, flags, numels = check_bucket_args(dst, srcs, offsets, overwrite, _cuda_device_type())
         if partials is not None or source_partials is not None:
-            shape = (2, self._C.bucket_num_chunks([s.numel() for s in srcs]))
+            shape = (2, self._C.bucket_num_chunks(numels))
             for name, table in (("partials", partials), ("source_partials", source_partials)):
                 if table is not None:
                     _check_partials_like(table, shape, torch.float32, dst.device, False, name)

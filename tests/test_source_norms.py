@@ -9,6 +9,9 @@ model of ``test_double_arrival.py`` is included: a later arrival combined with t
 on its own after its bucket had launched (the first micro-batch, before the arrivals are learned, with a bucket per
 parameter) makes that micro-batch's row NaN, as documented.
 
+Configurations: the Python hooks on torch, cpu, triton (interpreter) and the emulated cuda backend
+(``tests/cuda_emu``: csrc/cuda's kernels on CPU tensors); the native hooks on cpu and on the emulated cuda backend.
+
 Cost: with ``measure_sources`` the accumulate launches per micro-batch are the same, and the Python calls made
 during a backward grow by a constant (per micro-batch and bucket), not per parameter: counted with
 ``sys.setprofile`` on a model of 4 and of 24 layers.
@@ -43,22 +46,46 @@ CONFIGS = [
     pytest.param("cpu", "python", id="cpu-python"),
     pytest.param("cpu", "native", id="cpu-native"),
     pytest.param("triton", "python", id="triton", marks=pytest.mark.interpreter),
+    pytest.param("cuda-emu", "python", id="cuda-emu-python"),
+    pytest.param("cuda-emu", "native", id="cuda-emu-native"),
 ]
+CUDA_EMU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu")
 
 
-def _backend(name):
-    try:
-        return get_backend(name, "cpu")
-    except RuntimeError as exc:
-        pytest.skip(f"backend {name!r} unavailable: {exc}")
+@pytest.fixture(scope="module")
+def emulated_module():
+    """The emulated build of gaengine._C (``tests/cuda_emu/engine.py``: csrc/cuda's kernels on CPU tensors)."""
+    if CUDA_EMU_DIR not in sys.path:
+        sys.path.insert(0, CUDA_EMU_DIR)
+    import build as emu_build  # noqa: PLC0415
+    import engine as emu_engine  # noqa: PLC0415
+
+    if emu_build.find_cxx() is None:
+        pytest.skip("no C++ compiler to build the emulated cuda backend")
+    return emu_engine, emu_engine.build()[0]
 
 
-def _hooks(model, backend_name, hot_path, bucket_size_mb, measure, monkeypatch):
+@pytest.fixture
+def backend_of(request, monkeypatch):
+    """``backend_of(name)``: the backend for CPU tensors; "cuda-emu" is the cuda backend over the emulated build."""
+    def get(name):
+        if name == "cuda-emu":
+            emu_engine, module = request.getfixturevalue("emulated_module")
+            emu_engine.use(monkeypatch, module)
+            name = "cuda"
+        try:
+            return get_backend(name, "cpu")
+        except RuntimeError as exc:
+            pytest.skip(f"backend {name!r} unavailable: {exc}")
+    return get
+
+
+def _hooks(model, backend, hot_path, bucket_size_mb, measure, monkeypatch):
     monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
     params = [p for p in model.parameters() if p.requires_grad]
     layout = FlatLayout.build(params)
     main_grad = FlatBuffer(layout, torch.float32, torch.device("cpu"))
-    hooks = make_hooks(params, main_grad, _backend(backend_name), build_buckets(layout, bucket_size_mb), None,
+    hooks = make_hooks(params, main_grad, backend, build_buckets(layout, bucket_size_mb), None,
                        measure_sources=measure)
     if hooks.native != (hot_path == "native"):
         hooks.close()
@@ -89,11 +116,12 @@ def _reference_rows(model, batches):
 
 @pytest.mark.parametrize("bucket_size_mb", [1e-6, 25.0], ids=["bucket-per-param", "one-bucket"])
 @pytest.mark.parametrize("backend,hot_path", CONFIGS)
-def test_rows_match_the_fp64_reference_double_arrival_included(backend, hot_path, bucket_size_mb, monkeypatch):
+def test_rows_match_the_fp64_reference_double_arrival_included(backend, hot_path, bucket_size_mb, monkeypatch,
+                                                               backend_of):
     torch.manual_seed(0)
     model = SharedCheckpointed()
     n_params = sum(p.numel() for p in model.parameters())
-    hooks = _hooks(model, backend, hot_path, bucket_size_mb, True, monkeypatch)
+    hooks = _hooks(model, backend_of(backend), hot_path, bucket_size_mb, True, monkeypatch)
     batches = _batches(5, torch.float32)
     windows = [batches[:3], batches[3:]]  # 3 micro-batches (arrivals learned in the first), then 2
     try:
@@ -116,9 +144,10 @@ def test_rows_match_the_fp64_reference_double_arrival_included(backend, hot_path
 
 
 @pytest.mark.parametrize("backend,hot_path", CONFIGS)
-def test_off_gives_none_and_drop_clears(backend, hot_path, monkeypatch):
+def test_off_gives_none_and_drop_clears(backend, hot_path, monkeypatch, backend_of):
     torch.manual_seed(0)
     model = SharedCheckpointed()
+    backend = backend_of(backend)
     off = _hooks(model, backend, hot_path, 25.0, False, monkeypatch)
     try:
         _backward(off, model(_batches(1, torch.float32)[0]), True)
@@ -136,13 +165,13 @@ def test_off_gives_none_and_drop_clears(backend, hot_path, monkeypatch):
         on.close()
 
 
-def test_a_parameter_without_gradient_counts_zero(monkeypatch):
+def test_a_parameter_without_gradient_counts_zero(monkeypatch, backend_of):
     """Parameters that get no gradient (``extra``, ``nested``) leave their bucket incomplete (launched at end()) or
     empty: their part of the table is zero, not left uninitialized."""
     torch.manual_seed(0)
     model = SharedCheckpointed()
     for bucket_size_mb in (1e-6, 25.0):
-        hooks = _hooks(model, "cpu", "python", bucket_size_mb, True, monkeypatch)
+        hooks = _hooks(model, backend_of("cpu"), "python", bucket_size_mb, True, monkeypatch)
         try:
             x = _batches(1, torch.float32)[0]
             expected = copy.deepcopy(model)
@@ -215,7 +244,8 @@ def _cost(layers, backend, hot_path, measure, monkeypatch):
 
 
 @pytest.mark.parametrize("backend,hot_path", CONFIGS)
-def test_measuring_adds_no_launch_and_no_python_per_parameter(backend, hot_path, monkeypatch):
+def test_measuring_adds_no_launch_and_no_python_per_parameter(backend, hot_path, monkeypatch, backend_of):
+    backend = backend_of(backend)
     extra = {}
     for layers in (4, 24):
         calls_off, launches_off = _cost(layers, backend, hot_path, False, monkeypatch)
