@@ -8,7 +8,7 @@ the update that follows is timed, from "gradients ready" to "bf16 model paramete
 
 (a) engine: ``acc.step()`` of ``GradientAccumulator(params, FusedAdamW(...), accumulation_steps=4,
     max_grad_norm=1.0)``: the norm and non-finite flag come from the last micro-batch's accumulate (the
-    ``cpu`` backend's ``accumulate_sumsq_``, the Triton bucket kernel's partials), so the update reads no
+    partials of the backend's bucket accumulate, ``accumulate_bucket_``), so the update reads no
     buffer for them; the clip coefficient and the skip flag are computed on the device, then FusedAdamW runs
     with the coefficient folded in (``grad_scale``) and the bf16 model write in the same pass
     (``attach_model_params``, wired by the engine). A window in which some parameter got no gradient in the
