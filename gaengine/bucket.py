@@ -123,6 +123,15 @@ class BucketAccumulation:
     partials (``accumulate_bucket_``'s ``source_partials``, written by the same launches), kept until
     ``clear_sources()`` (``source_tables()``, finished by ``window_source_sumsq``).
 
+    acquire: None (every bucket is written into ``main_grad`` at its laid-out offsets), or a callable ``acquire(b)
+    -> (end - start,)`` fp32 tensor on ``device``: bucket b's destination for this micro-batch, called once per
+    bucket and micro-batch right before its first launch, offsets relative to the bucket's start (ZeRO stage 2's
+    staging ring, ``gaengine.zero.ShardReducer.acquire``; the destination's padding must be zero). The launches
+    then write every parameter's first arrival over its slice (the caller marks nothing written between
+    micro-batches); the parameters of the bucket that had no gradient before its first launch are zeroed, and
+    ``flush()`` acquires the buckets no gradient reached too and zeroes them. device: where the partials tables
+    live (default: ``main_grad``'s device; ``main_grad`` may then be a layout-only buffer on ``meta``).
+
     Source norms and later arrivals: arrivals combined before their bucket launches are one source. When the window
     had already written the parameter, the combined value held is ``(slice + g1) + g2`` (``combine_arrival``, the
     bits of one add per arrival), not the source ``g1 + g2``: while measuring, that source is also summed apart
@@ -131,10 +140,13 @@ class BucketAccumulation:
     parameters that get several gradients in one backward (a layer shared by reentrant-checkpointed segments).
     """
 
-    def __init__(self, main_grad: FlatBuffer, buckets: list[Bucket], backend, measure_sources: bool = False) -> None:
+    def __init__(self, main_grad: FlatBuffer, buckets: list[Bucket], backend, measure_sources: bool = False,
+                 acquire=None, device: torch.device | None = None) -> None:
         self.backend = backend
         self.data = main_grad.data
         self.layout = main_grad.layout
+        self.acquire = acquire
+        self.device = self.data.device if device is None else torch.device(device)
         self.buckets = buckets
         self.measure_sources = bool(measure_sources)
         self.bucket_of = [b.index for b in buckets for _ in range(b.first, b.last)]
@@ -158,13 +170,14 @@ class BucketAccumulation:
     def _new_table(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A whole-buffer partials table (uninitialized; ``backend.new_bucket_partials`` of every parameter, its
         format computed once) and its slice for each bucket."""
-        table = torch.empty(self._table_shape, dtype=self._table_dtype, device=self.data.device)
+        table = torch.empty(self._table_shape, dtype=self._table_dtype, device=self.device)
         return table, list(table.split(self._extents, self._partials_dim))
 
     def _start(self, want_norm: bool, sources: bool) -> None:
         self._held: list[dict[int, tuple[torch.Tensor, bool]]] = [{} for _ in self.buckets]
         self._summed: list[dict[int, torch.Tensor]] = [{} for _ in self.buckets]  # sources held apart (see above)
         self._launched = [False] * len(self.buckets)  # in this micro-batch
+        self._dest: list[torch.Tensor | None] = [None] * len(self.buckets)  # acquire: each bucket's destination
         self._partials, self._partial_views = self._new_table() if want_norm else (None, None)
         self._source_views = None
         if sources:
@@ -195,15 +208,34 @@ class BucketAccumulation:
             if source is None:
                 source = earlier.reshape(-1).to(torch.float32, copy=True)
             summed[i] = source.add_(grad.reshape(-1))
-        held[i] = (combine_arrival(self.data, self.layout.offsets[i], earlier, earlier_overwrite, grad), True)
+        dest, base = self._target(b)  # read only when ``earlier`` adds: after the bucket's first launch
+        held[i] = (combine_arrival(dest, self.layout.offsets[i] - base, earlier, earlier_overwrite, grad), True)
 
-    def _accumulate(self, held: list[tuple[int, torch.Tensor, bool]], partials, sources) -> None:
+    def _target(self, b: int) -> tuple[torch.Tensor, int]:
+        """Where bucket ``b`` is written: the flat buffer (offsets as laid out), or with ``acquire`` the
+        destination acquired for it in this micro-batch (offsets relative to the bucket's start)."""
+        if self.acquire is None:
+            return self.data, 0
+        return self._dest[b], self.buckets[b].start
+
+    def _stage(self, b: int, held: set[int]) -> None:
+        """``acquire``: bucket ``b``'s destination for this micro-batch, its parameters not in ``held`` zeroed
+        (they got no gradient before its first launch)."""
+        dest = self._dest[b] = self.acquire(b)
+        bucket = self.buckets[b]
+        for i in range(bucket.first, bucket.last):
+            if i not in held:
+                o = self.layout.offsets[i] - bucket.start
+                dest[o:o + self._numels[i]].zero_()
+
+    def _accumulate(self, b: int, held: list[tuple[int, torch.Tensor, bool]], partials, sources) -> None:
+        dest, base = self._target(b)
         srcs = [g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1) for _, g, _ in held]
-        offsets, flags = [self.layout.offsets[i] for i, _, _ in held], [ow for _, _, ow in held]
+        offsets, flags = [self.layout.offsets[i] - base for i, _, _ in held], [ow for _, _, ow in held]
         if sources is None:
-            self.backend.accumulate_bucket_(self.data, srcs, offsets, flags, partials)
+            self.backend.accumulate_bucket_(dest, srcs, offsets, flags, partials)
         else:
-            self.backend.accumulate_bucket_(self.data, srcs, offsets, flags, partials, source_partials=sources)
+            self.backend.accumulate_bucket_(dest, srcs, offsets, flags, partials, source_partials=sources)
         self.launches += 1
 
     def _narrow(self, table: torch.Tensor | None, held, start: int = 0,
@@ -224,6 +256,8 @@ class BucketAccumulation:
         summed = self._summed[b]
         self._held[b], self._summed[b] = {}, {}
         complete = len(held) == self._sizes[b]
+        if self.acquire is not None and self._dest[b] is None:
+            self._stage(b, {i for i, _, _ in held})
         partials = None
         if self._partials is not None and complete:
             partials = self._partial_views[b]
@@ -238,16 +272,16 @@ class BucketAccumulation:
                 sources = self._source_views[b]
         self._launched[b] = True
         if sources is None:
-            self._accumulate(held, partials, None)
+            self._accumulate(b, held, partials, None)
             return
         direct = [h for h in held if h[0] not in summed] if summed else held
         apart = [h for h in held if h[0] in summed] if summed else []
         whole = complete and not apart
         part, end = self._narrow(partials, direct, whole=whole)
         written, n = self._narrow(sources, direct, whole=whole)
-        self._accumulate(direct, part, written)
+        self._accumulate(b, direct, part, written)
         if apart:  # their values include the slice: written without source partials, their sources measured apart
-            self._accumulate(apart, self._narrow(partials, apart, end)[0], None)
+            self._accumulate(b, apart, self._narrow(partials, apart, end)[0], None)
             extra = self._extras[-1]
             for i, _, _ in apart:
                 sq = self.backend.l2norm_sq(summed[i])[0]
@@ -262,7 +296,10 @@ class BucketAccumulation:
         for b, held in enumerate(self._held):
             if held:
                 self.launch(b)
-            elif self._source_views is not None and not self._launched[b]:
+                continue
+            if self.acquire is not None and self._dest[b] is None:
+                self._stage(b, set())  # a bucket no gradient reached: staged as zeros
+            if self._source_views is not None and not self._launched[b]:
                 self._source_views[b].zero_()
 
     def norm_partials(self) -> torch.Tensor | None:

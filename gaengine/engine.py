@@ -42,7 +42,8 @@ from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_ran
 from gaengine.scaler import LossScaler
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.update import MasterWeights, apply_update, expose_grads
-from gaengine.zero import ZERO_STAGES, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer, zero_order
+from gaengine.zero import (STAGING_SLOTS, ZERO_STAGES, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer,
+                           zero_order)
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -202,8 +203,9 @@ class GradientAccumulator:
             (the bytes of stage 0's all-reduce, counting the all-gather of the parameters after the update). 2: the
             fp32 gradient sum is sharded too (4/d B/param): every micro-batch's buckets are reduce-scattered (in
             ``reduce_dtype``) and added into the rank's fp32 shard, K reductions per window instead of one: it
-            trades communication for memory (the hooks still write each micro-batch into a full-size fp32 staging
-            buffer today; bounding it to the buckets in flight needs the hot path, see ``gaengine.zero``). Needs an
+            trades communication for memory. Each micro-batch's buckets are staged in a ring of
+            ``gaengine.zero.STAGING_SLOTS`` bucket-sized fp32 buffers (S x ``bucket_size_mb``; no full-size main_grad;
+            the first window, which learns the layout, stages all its buckets at once; see ``gaengine.zero``). Needs an
             elementwise optimizer (``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``) with no
             state yet; the layout is not re-learned from the first window. ``ValueError`` naming ``zero_stage``
             otherwise.
@@ -409,8 +411,9 @@ class GradientAccumulator:
         """Lay ``order`` out in a new zeroed main_grad buffer (new buckets, new hooks); only between windows."""
         self.params = list(order)
         zero = self._zero_layout
+        staged = zero is not None and self.zero_stage == 2  # main_grad is layout only: buckets stage in a ring
         self.main_grad = FlatBuffer(FlatLayout.build(self.params) if zero is None else zero.layout, torch.float32,
-                                    self.device)
+                                    torch.device("meta") if staged else self.device)
         if self._masters is not None:
             self._masters.attach_grads(self.params, self.main_grad)
         self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
@@ -419,7 +422,8 @@ class GradientAccumulator:
             grad_shard = (torch.zeros(zero.shard_numel, dtype=torch.float32, device=self.device)
                           if self.zero_stage == 2 else None)
             self.reducer = ShardReducer(self.main_grad.data, zero, dist.get_rank(self.process_group),
-                                        self.reduce_dtype, self.process_group, grad_shard)
+                                        self.reduce_dtype, self.process_group, grad_shard,
+                                        staging_slots=STAGING_SLOTS if staged else 0)
         buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
             self.main_grad.layout, self.bucket_size_mb)
         learning, expected = True, {}
@@ -428,8 +432,10 @@ class GradientAccumulator:
             expected = {id(p): n for p, n in zip(self.hooks.params, self.hooks.expected_arrivals)}
             self._grads_left |= self.hooks.take_stale()
             self.hooks.close()
-        measuring = {"measure_sources": True} if self._noise is not None else {}  # hooks.Hooks.window_source_sumsq
-        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **measuring)
+        options = {"measure_sources": True} if self._noise is not None else {}  # hooks.Hooks.window_source_sumsq
+        if staged:
+            options["acquire"] = self.reducer.acquire  # each bucket into a staging buffer of the ring
+        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **options)
         if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
             self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])
         if not learning:
@@ -532,7 +538,7 @@ class GradientAccumulator:
             if self._noise is not None:
                 self._noise_sizes.append(n if isinstance(num_items, torch.Tensor) else num_items)
         if every:
-            self._zero.after_backward(self.hooks, self.main_grad, armed, last)
+            self._zero.after_backward(self.hooks, armed, last)
         if self.reducer is not None and last:
             if not armed and not every:
                 self.reducer.begin()
@@ -942,8 +948,9 @@ class GradientAccumulator:
         if self._consecutive_skips < self.max_consecutive_skips:
             return
         names = {id(p): n for n, p in self._named_params}
+        grads = self._zero.grad_views if self._zero is not None and self.zero_stage == 2 else self.main_grad.flat_views
         bad = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)
-               if not bool(torch.isfinite(self.main_grad.flat_views[i]).all())]
+               if not bool(torch.isfinite(grads[i]).all())]
         scale = "none" if loss_scale is None else f"{float(loss_scale):g}"
         raise RuntimeError(
             f"{self._consecutive_skips} consecutive accumulation windows were skipped for non-finite gradients "

@@ -126,9 +126,12 @@ class Hooks(Protocol):
 
 
 def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-               reducer: BucketReducer | None, measure_sources: bool = False) -> Hooks:
+               reducer: BucketReducer | None, measure_sources: bool = False, acquire=None) -> Hooks:
     """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` or ``PythonHooks``, as
     ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
+
+    acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch (ZeRO stage 2's staging ring,
+    ``gaengine.bucket.BucketAccumulation``); the native hooks take it when their ``HotPath`` accepts ``acquire``.
 
     Raises ``ValueError`` for an unknown ``GAENGINE_HOT_PATH`` and ``RuntimeError`` when it says ``native``
     and the native hooks cannot run.
@@ -147,11 +150,15 @@ def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, bucke
         why = why or backend.kernels_problem()
         if why is None and measure_sources and not hasattr(module.HotPath, "set_measure_sources"):
             why = "the native hooks of this gaengine._C do not measure the source norms (rebuild it)"
+        if why is None and acquire is not None and not hasattr(module.HotPath, "set_acquire"):
+            why = "the native hooks of this gaengine._C do not stage buckets through acquire (zero_stage=2)"
     if why is None:
+        if acquire is not None:
+            return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire)
         return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources)
     if setting == "native":
         raise RuntimeError(f"GAENGINE_HOT_PATH=native, but the native hot path cannot run: {why}")
     if not _announced_fallback:
         _announced_fallback = True
         logger.info("gaengine: per-parameter hooks run in Python (%s)", why)
-    return PythonHooks(params, main_grad, backend, buckets, reducer, measure_sources)
+    return PythonHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire)

@@ -37,13 +37,15 @@ class PythonHooks:
     params: the trainable parameters in layout order (index i is main_grad's slice i). backend: the
     accumulate backend (``gaengine.backends``). buckets: the layout's buckets (contiguous runs of parameters).
     reducer: the ``BucketReducer`` of a multi-rank run, or None. measure_sources: the accumulate launches also
-    write the per-micro-batch source partials (``window_source_sumsq``).
+    write the per-micro-batch source partials (``window_source_sumsq``). acquire: None, or ``acquire(b)`` -> bucket
+    b's destination for the micro-batch (``gaengine.bucket.BucketAccumulation``; ZeRO stage 2's staging ring):
+    main_grad is then only read for its layout and may live on ``meta``.
     """
 
     native = False  # per-parameter work runs in Python (one hook call per parameter)
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 reducer: BucketReducer | None, measure_sources: bool = False) -> None:
+                 reducer: BucketReducer | None, measure_sources: bool = False, acquire=None) -> None:
         self.params = list(params)
         self.main_grad = main_grad
         self.backend = backend
@@ -53,7 +55,9 @@ class PythonHooks:
         self._bucket_params = [range(b.first, b.last) for b in buckets]
         # One launch per complete bucket (the same buckets the reducer uses), on every backend.
         self.measure_sources = bool(measure_sources)
-        self._accumulation = BucketAccumulation(main_grad, buckets, backend, self.measure_sources)
+        self.device = self.params[0].device if acquire is not None and self.params else main_grad.data.device
+        self._accumulation = BucketAccumulation(main_grad, buckets, backend, self.measure_sources, acquire,
+                                                self.device)
         self._written = [False] * len(self.params)
         self._arrivals = [0] * len(self.params)  # hook calls per parameter in this micro-batch
         self.expected_arrivals = [1] * len(self.params)  # hook calls per backward, learned (>= 1)
@@ -209,7 +213,7 @@ class PythonHooks:
         if not self.measure_sources:
             return None
         tables, inexact, extras = self._accumulation.source_tables()
-        return window_source_sumsq(self.backend, tables, inexact, self.main_grad.data.device, extras)
+        return window_source_sumsq(self.backend, tables, inexact, self.device, extras)
 
     def reset_window(self) -> None:
         """A new window: nothing written, no source partials."""

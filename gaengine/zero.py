@@ -27,15 +27,18 @@ state live on it):
   ``main_grad``. Bytes on the wire: a ring reduce-scatter plus an all-gather of the parameters move what one
   ring all-reduce moves (2 (d-1)/d n), fewer with bf16 parameters.
 * **Stage 2.** The fp32 gradient sum itself is sharded: a ``(shard_numel,)`` fp32 buffer per rank (4/d B/param).
-  Every micro-batch's backward writes its gradients into the flat ``main_grad`` (written over, not added: it is
-  a staging buffer), each complete bucket is reduce-scattered in place as soon as it is complete (in
-  ``reduce_dtype``), and the rank's reduced range is added into its fp32 shard (the first micro-batch of a
-  window writes): fp32 accumulation, K reductions per window instead of one - it trades communication for
-  memory. The reductions of micro-batch k overlap the rest of its backward and the next forward; the next
-  ``acc.backward()`` waits for them before writing the staging buffer again. Staging: today the whole flat
-  buffer (the C++ hot path writes one flat buffer), so stage 2 saves the window's fp32 sum only against a
-  design where main_grad is also the accumulator; bounding the staging to the buckets in flight needs the hot
-  path to write bucket by bucket into a small ring (see the README).
+  No full-size ``main_grad`` exists (the engine's is layout only, on ``meta``): each bucket of a micro-batch is
+  written (over, not added) into a staging buffer the hooks ``acquire`` right before its accumulate launch
+  (``ShardReducer.acquire``: offsets relative to the bucket's start, the parameters no gradient reached zeroed),
+  reduce-scattered in place as soon as it is complete (in ``reduce_dtype``), and the rank's reduced range is added
+  into its fp32 shard (the first micro-batch of a window writes): fp32 accumulation, K reductions per window
+  instead of one - it trades communication for memory. The staging buffers form a ring of ``STAGING_SLOTS``
+  (S = 2) buffers of the largest bucket's length: acquiring one when none is free completes the reduce-scatter of
+  the earliest launched bucket holding one (``work.wait()``; on CUDA a stream wait, no host sync), so
+  ``main_grad`` costs 4/d B/param plus S x bucket (``gaengine bench --only memory`` measures it). When no bucket
+  holding one has been launched yet (the first window, which learns the layout and reduces after backward, or
+  buckets completing out of order) a buffer is added and dropped again once free. The reductions of micro-batch
+  k overlap the rest of its backward and the next forward; the next ``acc.backward()`` completes them first.
 * **Parameters.** Every trainable parameter (the same ``Parameter`` object, ``p.data`` re-pointed as
   ``gaengine.update.MasterWeights`` does) becomes a view of one flat buffer per dtype laid out like its span of
   ``main_grad`` (``param_buffers[dtype]``, covering ``ShardLayout.dtype_spans[dtype]``): fp32 parameters too, so
@@ -78,9 +81,10 @@ from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, wait_for, wait_quietly
 from gaengine.update import fused_optimizer, step_optimizer, step_scheduler
 
-__all__ = ["ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
+__all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
 
 ZERO_STAGES = (0, 1, 2)
+STAGING_SLOTS = 2  # stage 2: bucket-sized fp32 staging buffers in the ring (``ShardReducer.acquire``)
 _DTYPE_ORDER = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -257,13 +261,82 @@ class ShardReducer(BucketReducer):
     collective = "reduce-scatter"
 
     def __init__(self, data: torch.Tensor, shard: ShardLayout, rank: int, reduce_dtype: torch.dtype, group,
-                 grad_shard: torch.Tensor | None = None) -> None:
+                 grad_shard: torch.Tensor | None = None, staging_slots: int = 0) -> None:
         super().__init__(data, shard.layout, 0.0, reduce_dtype, group, buckets=shard.hook_buckets())
         self.shard = shard
         self.rank = rank
         self.grad_shard = grad_shard
         self.overwrite = True  # stage 2: the launches of the window's first micro-batch write the shard
         self._overwrite_of: list[bool] = [True] * len(self.buckets)
+        # Stage 2's staging ring (``acquire``): bucket-sized fp32 buffers, free or lent to one bucket each.
+        self.staging_slots = min(int(staging_slots), len(self.buckets)) if grad_shard is not None else 0
+        self._slot_numel = max((b.end - b.start for b in self.buckets), default=0)
+        self._free: list[torch.Tensor] = [torch.zeros(self._slot_numel, dtype=torch.float32, device=grad_shard.device)
+                                          for _ in range(self.staging_slots)]
+        self._lent: dict[int, torch.Tensor] = {}  # bucket index -> its buffer, in the order lent
+        self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)  # bucket index -> its staging view
+        self._padding: list[torch.Tensor | None] = []  # per bucket: its padding elements (relative), or None
+        if self.staging_slots:
+            layout = shard.layout
+            for b in self.buckets:
+                covered = torch.zeros(b.end - b.start, dtype=torch.bool)
+                for i in range(b.first, b.last):
+                    o = layout.offsets[i] - b.start
+                    covered[o:o + layout.numels[i]] = True
+                gaps = (~covered).nonzero().flatten()
+                self._padding.append(gaps.to(grad_shard.device) if gaps.numel() else None)
+
+    @property
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """Stage 2's staging buffers allocated now (free or lent), for tests and the memory bench."""
+        return self._free + list(self._lent.values())
+
+    def acquire(self, b: int) -> torch.Tensor:
+        """Stage 2: a ``(end - start,)`` fp32 staging buffer for bucket ``b``'s micro-batch gradients (the hooks
+        call it once per bucket and micro-batch, right before its first accumulate launch; its padding is zeroed,
+        its parameters' slices hold stale values the launch writes over). A free buffer of the ring if there is
+        one; else the reduce-scatter of the earliest launched bucket holding one is completed first (``work.wait()``:
+        on CUDA the current stream waits, the host does not); when no bucket holding one has been launched yet (the
+        first window, reduced after backward, or buckets completing out of order) a buffer is added, and dropped
+        again once free, so the ring holds ``staging_slots`` buffers between micro-batches."""
+        view = self._staging[b]
+        if view is not None:
+            return view
+        if not self._free:
+            launched = [c for c in self._lent if self.buckets[c].work is not None]
+            if launched:
+                self._complete(self.buckets[min(launched)])  # buckets launch in index order: the earliest
+            else:
+                self._free.append(torch.empty(self._slot_numel, dtype=torch.float32, device=self.grad_shard.device))
+        buf = self._free.pop()
+        bucket = self.buckets[b]
+        view = self._staging[b] = buf[:bucket.end - bucket.start]
+        self._lent[b] = buf
+        if self._padding[b] is not None:
+            view.index_fill_(0, self._padding[b], 0.0)
+        return view
+
+    def _release(self, b: int) -> None:
+        """Bucket ``b``'s staging buffer back to the ring (dropped when the ring has its ``staging_slots``)."""
+        buf = self._lent.pop(b, None)
+        self._staging[b] = None
+        if buf is not None and len(self._free) + len(self._lent) < self.staging_slots:
+            self._free.append(buf)
+
+    def _complete(self, b: Bucket) -> None:
+        wait_for(b.work, f"{self.collective} of gradient bucket {b.index} ({b.end - b.start} elements)")
+        self._finish(b)
+        b.work = b.wire = None
+
+    def drain(self) -> None:
+        super().drain()
+        self.release_staging()
+
+    def release_staging(self) -> None:
+        """Every staging buffer back to the ring: between micro-batches, after ``wait()`` or ``drain()`` (what a
+        failed backward acquired and never launched)."""
+        for c in list(self._lent):
+            self._release(c)
 
     def begin(self) -> None:
         """Arm for a micro-batch that reduces (stage 1: the window's last; stage 2: every one). The previous
@@ -277,7 +350,7 @@ class ShardReducer(BucketReducer):
         return slice(self.rank * n, (self.rank + 1) * n)
 
     def _launch(self, b: Bucket) -> None:
-        view = self.data[b.start:b.end]
+        view = self._staging[b.index] if self.staging_slots else self.data[b.start:b.end]
         b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
         b.work = _reduce_scatter(b.wire[self._rank_slice(b)], b.wire, self.group)  # in place
         self._overwrite_of[b.index] = self.overwrite
@@ -293,6 +366,7 @@ class ShardReducer(BucketReducer):
                 dst.copy_(reduced)
             else:
                 dst.add_(reduced)
+            self._release(b.index)
         elif b.wire.dtype != self.data.dtype:
             self.data[b.start:b.end][self._rank_slice(b)].copy_(reduced)
 
@@ -558,22 +632,21 @@ class ShardedState:
         if self.stage != 2:
             return
         self.reducer.wait()
+        self.reducer.release_staging()  # what a failed backward staged and never launched
         self.reducer.overwrite = first
         if first:
             self.window_used = [False] * len(self.params)
         hooks.set_all_written([False] * len(self.params))
 
-    def after_backward(self, hooks, main_grad, armed: bool, last: bool) -> None:
-        """Stage 2, end of a micro-batch's backward: zero the staging slices it did not write, launch the buckets
-        not launched yet; in the window's last one, ``written`` becomes the window's (for the stats)."""
+    def after_backward(self, hooks, armed: bool, last: bool) -> None:
+        """Stage 2, end of a micro-batch's backward: launch the buckets not launched yet (the hooks' ``end()``
+        staged every bucket, zeroing the slices no gradient reached); in the window's last one, ``written``
+        becomes the window's (for the stats)."""
         written = hooks.written
         if all(written):  # the usual case: no Python per parameter
             self.window_used = written
         else:
             self.window_used = [u or w for u, w in zip(self.window_used, written)]
-            for i, w in enumerate(written):
-                if not w:
-                    main_grad.flat_views[i].zero_()
         if not armed:
             self.reducer.begin()
         self.reducer.flush()

@@ -23,7 +23,9 @@ from torch import nn
 
 import gaengine
 import gaengine.optim
-from gaengine.zero import ShardLayout, pad_unit, zero_order
+from gaengine.zero import STAGING_SLOTS, ShardLayout, pad_unit, zero_order
+from tests.test_double_arrival import D as SharedCheckpointed_D
+from tests.test_double_arrival import SharedCheckpointed
 from tests.test_distributed import Net
 from tests.test_distributed import _launch as launch_ranks
 from tests.test_update_path import _forbid_host_reads
@@ -384,6 +386,57 @@ def test_bytes_per_window_and_no_host_sync(tmp_path):
             # Stage 2: a reduce-scatter per micro-batch.
             assert big(s2) == K * grad + param
         assert res[("syncs", 1)] is False and res[("syncs", 2)] is False
+
+
+def _double_arrival_micro(world, step, r, k):
+    g = torch.Generator().manual_seed(1000 * step + 10 * r + k)
+    return torch.randn(4, SharedCheckpointed_D, generator=g), r == 0  # extra/nested used on rank 0 only
+
+
+def _scenario_double_arrival(rank, world, arg):
+    """Stage 2 with a layer shared by two reentrant-checkpointed segments (two arrivals per backward), a parameter
+    whose nested backward makes it arrive twice, and parameters only rank 0 uses; buckets of one parameter or two,
+    so the staging ring (``STAGING_SLOTS`` buffers) is reused within every micro-batch."""
+    torch.manual_seed(0)
+    model = SharedCheckpointed()
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=K,
+                                       bucket_size_mb=0.06, zero_stage=2)
+    for step in range(STEPS):
+        for k in range(K):
+            x, extra = _double_arrival_micro(world, step, rank, k)
+            acc.backward(model(x, extra=extra))
+        acc.step()
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "buckets": len(acc.reducer.buckets), "staging": [t.numel() for t in acc.reducer.staging_buffers],
+           "bucket_numel": max(b.end - b.start for b in acc.reducer.buckets), "hooks": type(acc.hooks).__name__}
+    acc.close()
+    return out
+
+
+def test_stage2_double_arrival_and_unused_match_one_process(tmp_path):
+    """Double arrivals and parameters unused on some ranks at stage 2 (each bucket staged in the ring, reduce-
+    scattered every micro-batch) against the plain recipe in one process: fp32 ``.grad`` summed by autograd over
+    the world's K micro-batches per window, divided by their count, ``torch.optim.SGD``."""
+    world = 2
+    results = _launch(tmp_path, world, _scenario_double_arrival)
+    torch.manual_seed(0)
+    ref = SharedCheckpointed()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS):
+        for r in range(world):
+            for k in range(K):
+                x, extra = _double_arrival_micro(world, step, r, k)
+                ref(x, extra=extra).backward()  # the nested pass's term is not scaled by the loss: sum, then divide
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= world * K
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for res in results:
+        assert res["buckets"] > STAGING_SLOTS, res  # the ring is reused within a micro-batch
+        assert res["staging"] == [res["bucket_numel"]] * STAGING_SLOTS, res  # bounded: S buffers of a bucket
+        for name, p in ref.named_parameters():
+            assert rel_diff(res["params"][name], p.detach()) <= 1e-5, (name, res["hooks"])
 
 
 def _scenario_rank_fails(rank, world, out):

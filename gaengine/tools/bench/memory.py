@@ -15,13 +15,14 @@ Recipes (rows):
   for micro-batches 0 .. K-2: the gradients are views of DDP's buckets, 8 B/param.
 * ``gaengine stage 0/1/2``: ``GradientAccumulator(zero_stage=s)`` with fp32 master weights and
   ``torch.optim.AdamW``: stage 0 is 2 + 4 + 4 + 8 = 18 B/param; stage 1 is 2 + 4 + 12/d (the masters' 4 and the
-  moments' 8 sharded); stage 2 is 2 + 16/d (the fp32 gradient sum sharded too) plus the staging buffer its
-  micro-batches are written into before they are reduce-scattered (today the whole flat ``main_grad``, 4 B/param,
-  see ``gaengine.zero``). A world of one shards nothing (every stage is stage 0 there).
+  moments' 8 sharded); stage 2 is 2 + 16/d (the fp32 gradient sum sharded too) plus the staging its micro-batches
+  are written into before they are reduce-scattered: a ring of ``gaengine.zero.STAGING_SLOTS`` buffers of the
+  largest bucket (S x bucket, fewer with fewer buckets; ``gaengine.zero.ShardReducer.acquire``), so it shrinks with
+  ``bucket_size_mb``, not with d. A world of one shards nothing (every stage is stage 0 there).
 
 Columns, bytes per model parameter on one rank (the largest over the ranks; ranks differ only by padding):
 ``params`` (the parameters' storage), ``grad`` (what holds the window's gradient: ``.grad`` or DDP's buckets; the
-fp32 ``main_grad``; at stage 2 the fp32 gradient shard), ``staging`` (stage 2's ``main_grad``), ``masters`` (the
+fp32 ``main_grad``; at stage 2 the fp32 gradient shard), ``staging`` (stage 2's ring of bucket buffers), ``masters`` (the
 optimizer's parameters that are not the model's: fp32 master weights or their shards), ``optim`` (the optimizer's
 state tensors), ``total`` and the ``formula`` above. Every tensor is counted once by its storage
 (``untyped_storage().nbytes()``, deduplicated by data pointer: views of one flat buffer count once, padding
@@ -68,7 +69,7 @@ class MemoryConfig:
     layers: int = 8
     batch: int = 4
     accumulation_steps: int = 2
-    bucket_size_mb: float = 1.0
+    bucket_size_mb: float = 1.0  # one layer per bucket by default (8 buckets), QUICK: 4 buckets
 
     def __post_init__(self) -> None:
         for name in ("width", "layers", "batch", "accumulation_steps"):
@@ -79,18 +80,30 @@ class MemoryConfig:
             raise ValueError(f"MemoryConfig.bucket_size_mb must be > 0, got {self.bucket_size_mb!r}")
 
 
-QUICK = MemoryConfig(width=256, layers=4)
+QUICK = MemoryConfig(width=256, layers=4, bucket_size_mb=0.25)
 
 
-def formula(recipe: str, stage: int | None, world: int) -> tuple[str, float]:
-    """The bytes per parameter per rank a recipe should hold: ``(expression, value)`` (module docstring)."""
+def staging_bytes(cfg: MemoryConfig, world: int) -> tuple[int, int]:
+    """Stage 2's staging on ``world`` ranks: ``(buffers, bytes of each)``, ``STAGING_SLOTS`` (at most one per bucket)
+    fp32 buffers of the largest bucket of the model's ``gaengine.zero.ShardLayout``."""
+    from gaengine.buffer import initial_order  # noqa: PLC0415
+    from gaengine.zero import STAGING_SLOTS, ShardLayout, zero_order  # noqa: PLC0415
+
+    layout = ShardLayout.build(zero_order(initial_order(list(_model(cfg).parameters()))), cfg.bucket_size_mb, world)
+    return min(STAGING_SLOTS, len(layout.buckets)), 4 * max(b.end - b.start for b in layout.buckets)
+
+
+def formula(recipe: str, stage: int | None, world: int, staging: tuple[int, float] = (0, 0.0)) -> tuple[str, float]:
+    """The bytes per parameter per rank a recipe should hold: ``(expression, value)`` (module docstring).
+    staging: stage 2's ``(buffers, B/param of each)`` (``staging_bytes`` over the parameter count)."""
     if recipe in ("plain", "ddp"):
         return "2 + 2 + 4", 8.0
     if stage == 0 or world == 1:
         return "2 + 4 + 4 + 8", 18.0
     if stage == 1:
         return f"2 + 4 + 12/{world}", 6.0 + 12.0 / world
-    return f"2 + 16/{world} + 4 staging", 2.0 + 16.0 / world + 4.0
+    slots, each = staging
+    return f"2 + 16/{world} + {slots} x {each:.3g} staging", 2.0 + 16.0 / world + slots * each
 
 
 def _model(cfg: MemoryConfig) -> nn.Module:
@@ -169,9 +182,9 @@ def _measure_gaengine(cfg: MemoryConfig, stage: int, world: int, rank: int) -> d
                 zero = acc._zero
                 shard = getattr(zero, "grad_shard", None) if zero is not None else None
                 row = {"params": _nbytes(list(model.parameters()), seen)}
-                if shard is not None:  # stage 2: the fp32 sum is the shard, main_grad only stages micro-batches
+                if shard is not None:  # stage 2: the fp32 sum is the shard, micro-batches stage in a ring
                     row["grad"] = _nbytes([shard], seen)
-                    row["staging"] = _nbytes([acc.main_grad.data], seen)
+                    row["staging"] = _nbytes(acc.reducer.staging_buffers, seen)
                 else:
                     row["grad"] = _nbytes([acc.main_grad.data], seen)
                     row["staging"] = 0
@@ -268,7 +281,8 @@ def bench_memory(cfg: MemoryConfig, worlds: Sequence[int] = MEMORY_WORLD_SIZES,
         for key in ranks[0]:
             recipe, stage = (key, None) if key in ("plain", "ddp") else ("gaengine", int(key[-1]))
             per = {c: max(r[key][c] for r in ranks) / numel for c in COLUMNS}
-            expr, value = formula(recipe, stage, world)
+            slots, each = staging_bytes(cfg, world) if stage == 2 and world > 1 else (0, 0)
+            expr, value = formula(recipe, stage, world, (slots, each / numel))
             wire = max(r[key]["wire"] for r in ranks)
             rows.append({
                 "benchmark": "memory", "variant": {"plain": "plain", "ddp": "torch DDP"}.get(key, f"gaengine stage {stage}"),
