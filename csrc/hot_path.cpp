@@ -81,7 +81,8 @@ class HotPath {
   //   of all parameters in layout order (Backend.new_bucket_partials: (P, 2) fp64 rows on cpu, (2, n_chunks) fp32
   //   on cuda); partials_dim: the dimension along which that table is the concatenation of the parameters' own
   //   tables, partials_extent[i] parameter i's extent along it (cpu: 1 row, cuda: its chunks). A launch's table is
-  //   a slice along partials_dim. on_bucket_ready: a Python callable(int), or None.
+  //   a slice along partials_dim. on_bucket_ready: a Python callable(int), or None. main_grad may be on the meta
+  //   device (layout only) when every bucket is written into the destinations set_acquire's callable gives.
   HotPath(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
           std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
           std::vector<int64_t> partials_extent, py::object on_bucket_ready)
@@ -94,10 +95,11 @@ class HotPath {
         on_bucket_ready_(std::move(on_bucket_ready)),
         op_(c10::Dispatcher::singleton()
                 .findSchemaOrThrow(GAENGINE_OP_NAMESPACE_NAME "::accumulate_bucket_", "")
-                .typed<AccumulateBucketKernel>()),
-        keys_(kernel_keys(main_grad_)) {
+                .typed<AccumulateBucketKernel>()) {
     const size_t n = params_.size();
     TORCH_CHECK_VALUE(n > 0, "params must not be empty");
+    like_ = main_grad_.is_meta() ? at::empty({0}, params_[0].options().dtype(at::kFloat)) : main_grad_;
+    keys_ = kernel_keys(like_);
     TORCH_CHECK_VALUE(offsets_.size() == n && bucket_of_.size() == n && extent_.size() == n,
                       "params, offsets, bucket_of and partials_extent must have the same length, got ", n, ", ",
                       offsets_.size(), ", ", bucket_of_.size(), " and ", extent_.size());
@@ -111,8 +113,8 @@ class HotPath {
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
       TORCH_CHECK_VALUE(p.requires_grad() && p.is_leaf(), "params[", i, "] must be a leaf tensor that requires grad");
-      TORCH_CHECK_VALUE(p.device() == main_grad_.device(), "params[", i, "] is on ", p.device(), ", main_grad on ",
-                        main_grad_.device());
+      TORCH_CHECK_VALUE(p.device() == like_.device(), "params[", i, "] is on ", p.device(), ", main_grad on ",
+                        like_.device());
       TORCH_CHECK_VALUE(offsets_[i] >= 0 && offsets_[i] + p.numel() <= main_grad_.numel(), "offsets[", i,
                         "] puts params[", i, "] outside main_grad");
       TORCH_CHECK_VALUE(bucket_of_[i] == n_buckets || (n_buckets > 0 && bucket_of_[i] == n_buckets - 1),
@@ -131,7 +133,7 @@ class HotPath {
                       " but partials_like has ", partials_like.size(partials_dim_), " along dimension ",
                       partials_dim_);
     partials_shape_ = partials_like.sizes().vec();
-    partials_options_ = main_grad_.options().dtype(partials_like.scalar_type());
+    partials_options_ = like_.options().dtype(partials_like.scalar_type());
     bucket_size_.assign(n_buckets, 0);
     for (int64_t b : bucket_of_) ++bucket_size_[b];
     written_.assign(n, 0);
@@ -213,7 +215,11 @@ class HotPath {
                   "new counts: call acc.zero_grad() and run the window again");
     }
     for (size_t b = 0; b < held_.size(); ++b) {
-      if (!held_[b].empty()) launch(b, /*solo=*/false);
+      if (!held_[b].empty()) {
+        launch(b, /*solo=*/false);
+      } else if (!acquire_.is_none() && !dest_[b].defined()) {
+        target(b);  // a bucket no gradient reached: staged as zeros
+      }
     }
     if (source_table_.defined()) zero_unwritten_sources();
     source_table_ = at::Tensor();
@@ -322,6 +328,30 @@ class HotPath {
 
   int64_t num_buckets() const { return static_cast<int64_t>(bucket_size_.size()); }
 
+  // acquire: a Python callable(b) -> (n,) fp32 contiguous tensor on the parameters' device, bucket b's destination
+  // for the micro-batch (ZeRO stage 2's staging ring), called with the GIL once per bucket and micro-batch right
+  // before its first launch; parameter i is written at offsets[i] - bucket_base[b] in it, and the bucket's parameters
+  // that had no gradient by then are zeroed there; end() acquires the buckets no gradient reached and zeroes them.
+  // None: every bucket is written into main_grad (which must then not be on meta).
+  void set_acquire(py::object acquire, std::vector<int64_t> bucket_base) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const size_t n_buckets = bucket_size_.size();
+    TORCH_CHECK_VALUE(!acquire.is_none() || !main_grad_.is_meta(), "acquire=None needs a main_grad that is not on meta");
+    TORCH_CHECK_VALUE(acquire.is_none() || bucket_base.size() == n_buckets, "bucket_base must have ", n_buckets,
+                      " entries, got ", bucket_base.size());
+    bucket_first_.assign(n_buckets, -1);
+    bucket_span_.assign(n_buckets, 0);
+    for (size_t i = 0; i < params_.size() && !acquire.is_none(); ++i) {
+      const int64_t b = bucket_of_[i];
+      if (bucket_first_[b] < 0) bucket_first_[b] = static_cast<int64_t>(i);
+      TORCH_CHECK_VALUE(offsets_[i] >= bucket_base[b], "bucket_base[", b, "] is past parameter ", i, "'s offset");
+      bucket_span_[b] = std::max(bucket_span_[b], offsets_[i] + params_[i].numel() - bucket_base[b]);
+    }
+    acquire_ = std::move(acquire);
+    bucket_base_ = std::move(bucket_base);
+    dest_.assign(n_buckets, at::Tensor());
+  }
+
  private:
   struct Held {
     int64_t index;
@@ -332,7 +362,7 @@ class HotPath {
   };
 
   c10::Stream current_stream() const {
-    return c10::impl::getDeviceGuardImpl(main_grad_.device().type())->getStream(main_grad_.device());
+    return c10::impl::getDeviceGuardImpl(like_.device().type())->getStream(like_.device());
   }
 
   // Make `stream` safe to read `t`, made ready on `made_on`: wait for that stream, and tell the caching allocator
@@ -347,6 +377,7 @@ class HotPath {
 
   void drop_held() {
     for (auto& held : held_) held.clear();
+    for (auto& dest : dest_) dest.reset();
     std::fill(held_at_.begin(), held_at_.end(), -1);
   }
 
@@ -437,8 +468,16 @@ class HotPath {
       h.source.add_(grad.reshape({-1}));
     }
     const at::Tensor earlier = h.grad.reshape({-1});
-    at::Tensor sum = h.overwrite ? earlier.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-                                 : at::add(main_grad_.narrow(0, offsets_[h.index], earlier.numel()), earlier);
+    at::Tensor sum;
+    if (h.overwrite) {
+      sum = earlier.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    } else {  // added to what this window wrote: with acquire, the bucket was launched (staged) in this micro-batch
+      const int64_t b = bucket_of_[h.index];
+      const bool staged = !acquire_.is_none();
+      TORCH_CHECK(!staged || dest_[b].defined(), "gaengine: bucket ", b, " adds to a destination never acquired (a bug)");
+      const at::Tensor& base = staged ? dest_[b] : main_grad_;
+      sum = at::add(base.narrow(0, offsets_[h.index] - (staged ? bucket_base_[b] : 0), earlier.numel()), earlier);
+    }
     sum.add_(grad.reshape({-1}));
     h.grad = std::move(sum);
     h.overwrite = true;
@@ -455,6 +494,8 @@ class HotPath {
     std::vector<Held>& held = held_[b];
     std::sort(held.begin(), held.end(), [](const Held& x, const Held& y) { return x.index < y.index; });
     const c10::Stream stream = current_stream();
+    const at::Tensor dest = target(b);
+    const int64_t base = acquire_.is_none() ? 0 : bucket_base_[b];
     std::vector<at::Tensor> srcs;
     std::vector<int64_t> offsets;
     c10::List<bool> overwrite;
@@ -465,7 +506,7 @@ class HotPath {
     for (const Held& h : held) {
       use_on(h.grad, h.stream, stream);
       srcs.push_back(h.grad);
-      offsets.push_back(offsets_[h.index]);
+      offsets.push_back(offsets_[h.index] - base);
       overwrite.push_back(h.overwrite);
       extent += extent_[h.index];
     }
@@ -481,11 +522,34 @@ class HotPath {
         source_written_[b] = extent;
       }
     }
-    op_.redispatch(keys_, main_grad_, srcs, offsets, overwrite, partials, source_partials);
+    op_.redispatch(keys_, dest, srcs, offsets, overwrite, partials, source_partials);
     ++launches_;
     if (source_partials.has_value()) measure_apart(b, held, stream);
     for (const Held& h : held) held_at_[h.index] = -1;
     held.clear();
+  }
+
+  // Where bucket b is written: main_grad, or with acquire its destination for this micro-batch, acquired (with the
+  // GIL) on its first launch, the bucket's parameters not held now zeroed in it (they had no gradient before it).
+  at::Tensor target(size_t b) {
+    if (acquire_.is_none()) return main_grad_;
+    if (!dest_[b].defined()) {
+      at::Tensor dest;
+      {
+        py::gil_scoped_acquire gil;  // once per bucket and micro-batch, like on_bucket_ready
+        dest = acquire_(static_cast<int64_t>(b)).cast<at::Tensor>();
+      }
+      TORCH_CHECK(dest.scalar_type() == at::kFloat && dest.dim() == 1 && dest.is_contiguous() &&
+                      dest.device() == like_.device() && dest.numel() >= bucket_span_[b],
+                  "acquire(", b, ") must return a 1-d contiguous float32 tensor of at least ", bucket_span_[b],
+                  " elements on ", like_.device(), ", got ", dest.scalar_type(), " of shape ", dest.sizes(), " on ",
+                  dest.device());
+      for (int64_t i = bucket_first_[b]; i < bucket_first_[b] + bucket_size_[b]; ++i) {
+        if (held_at_[i] < 0) dest.narrow(0, offsets_[i] - bucket_base_[b], params_[i].numel()).zero_();
+      }
+      dest_[b] = std::move(dest);
+    }
+    return dest_[b];
   }
 
   // The source partials of the held sources kept apart (combined arrivals added to main_grad): the launch above
@@ -532,11 +596,17 @@ class HotPath {
 
   std::vector<at::Tensor> params_;
   at::Tensor main_grad_;
+  at::Tensor like_;                      // main_grad, or (main_grad on meta) an empty fp32 tensor on its device
   std::vector<int64_t> offsets_;
   std::vector<int64_t> bucket_of_;
   std::vector<int64_t> extent_;          // per parameter: its extent in a partials table along partials_dim_
   int64_t partials_dim_;
   py::object on_bucket_ready_;
+  py::object acquire_ = py::none();      // set_acquire's callable, or None
+  std::vector<int64_t> bucket_base_;     // acquire: per bucket, where its destination starts in main_grad's offsets
+  std::vector<int64_t> bucket_first_;    // acquire: per bucket, its first parameter
+  std::vector<int64_t> bucket_span_;     // acquire: per bucket, the elements its destination must hold
+  std::vector<at::Tensor> dest_;         // acquire: per bucket, this micro-batch's destination, or undefined
   c10::TypedOperatorHandle<AccumulateBucketKernel> op_;  // torch.ops.<namespace>.accumulate_bucket_
   c10::DispatchKeySet keys_;                            // its kernel for main_grad's device (kernel_keys)
 
@@ -607,7 +677,9 @@ void register_hot_path(py::module_& m) {
       .def("set_expected_arrivals", &HotPath::set_expected_arrivals, py::arg("values"))
       .def("take_stale", &HotPath::take_stale, "a gradient was dropped outside acc.backward() (clears the flag)")
       .def("launches", &HotPath::launches, "accumulate launches since construction")
-      .def("num_buckets", &HotPath::num_buckets);
+      .def("num_buckets", &HotPath::num_buckets)
+      .def("set_acquire", &HotPath::set_acquire, "write each bucket into acquire(b) (None: into main_grad)",
+           py::arg("acquire"), py::arg("bucket_base"));
 }
 
 }  // namespace gaengine

@@ -54,13 +54,15 @@ class NativeHooks:
     bucket kernels are ``gaengine._C``'s (``hot_path_kernels``: the CPU ones, or the CUDA ones). buckets: the
     layout's buckets (contiguous runs of parameters). reducer: a multi-rank run's ``BucketReducer`` (called once per
     complete bucket of an armed micro-batch), or None. measure_sources: write the per-micro-batch source partials
-    (``window_source_sumsq``). Raises ``RuntimeError`` with the reason when ``gaengine._C`` cannot run the hooks.
+    (``window_source_sumsq``). acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch
+    (``HotPath.set_acquire``; main_grad may then be on ``meta``). Raises ``RuntimeError`` with the reason when
+    ``gaengine._C`` cannot run the hooks.
     """
 
     native = True
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 reducer: BucketReducer | None, measure_sources: bool = False) -> None:
+                 reducer: BucketReducer | None, measure_sources: bool = False, acquire=None) -> None:
         if not backend.hot_path_kernels:
             raise RuntimeError(f"backend {type(backend).__name__} has no bucket kernels in gaengine._C for the native "
                                "hooks to call: its hooks run in Python (gaengine.python_hooks)")
@@ -69,7 +71,8 @@ class NativeHooks:
             raise RuntimeError(why)
         self.backend = backend
         self.params = list(params)
-        self._device = main_grad.data.device
+        # acquire (ZeRO stage 2's staging ring, gaengine.bucket.BucketAccumulation): main_grad may be layout only.
+        self._device = self.params[0].device if acquire is not None else main_grad.data.device
         bucket_of = [b.index for b in buckets for _ in range(b.first, b.last)]
         callback = reducer.bucket_ready if reducer is not None else None
         # The backend's partials layout, on the meta device (shapes only): the table of all parameters, and each
@@ -81,6 +84,8 @@ class NativeHooks:
         self._hot = _C.HotPath(self.params, main_grad.data, list(main_grad.layout.offsets), bucket_of, whole, dim,
                                extents, callback)
         self._hot.set_arrival([])
+        if acquire is not None:
+            self._hot.set_acquire(acquire, [b.start for b in buckets])
         self._hot.set_measure_sources(bool(measure_sources))
         self.measure_sources = bool(measure_sources)
         self.num_buckets = len(buckets)
