@@ -66,10 +66,10 @@ above the RSS once the model and data exist; and on both an exact count of gradi
 master-weight bytes at their high point (the end of a window's last backward), deduplicated by storage.
 
 Memory (``memory``): bytes per parameter per rank held by the parameters, the gradient (``.grad``, ``main_grad``
-or stage 2's fp32 shard), stage 2's staging buffer, the master weights and the optimizer state, for the plain
+or stage 2's fp32 shard), stage 2's staging ring (S bucket-sized fp32 buffers), the master weights and the optimizer state, for the plain
 recipe, torch DDP and gaengine's ZeRO stages 0/1/2 on d = 1, 2, 4 ``gloo`` processes on the CPU (1, 2 with
 ``--quick``), measured from the storages each recipe allocated (deduplicated) and printed next to the formula
-(stage 1: 2 + 4 + 12/d, stage 2: 2 + 16/d + staging), with the bytes each rank sends per window (the
+(stage 1: 2 + 4 + 12/d, stage 2: 2 + 16/d + S x bucket staging), with the bytes each rank sends per window (the
 collectives' tensor sizes under a ring algorithm). See :mod:`~gaengine.tools.bench.memory`.
 
 One module per family (:mod:`~gaengine.tools.bench.kernels`, :mod:`~gaengine.tools.bench.host`,
