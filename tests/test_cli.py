@@ -281,3 +281,74 @@ def test_info_reports_what_was_built(capsys):
     native = built and os.environ.get("GAENGINE_HOT_PATH", "auto") != "python"
     assert rows["hooks on CPU"].startswith("native C++ hooks" if native else "Python hooks")
     assert rows["triton"].startswith("yes" if importlib.util.find_spec("triton") else "no")
+
+
+# ---------------------------------------------------------------- the noise scale and accumulation schedules
+def _png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_noise_scale_with_an_adaptive_schedule(tmp_path, capsys):
+    """--noise-scale logs B_simple (in sequences: the engine's micro-batches x micro-batch size) at every update,
+    K stays in [K_MIN, K_MAX] with the effective batch following it, the plot gets a second panel and the summary
+    says the final effective batch."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", *TINY, "--threads", "1", "--noise-scale",
+                 "--accumulation-schedule", "adaptive:2,4,1,sqrt", "--out", str(out)]) == 0
+    train = [r for r in _records(out) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert all(r["grad_noise_scale"] is not None and r["grad_noise_scale"] > 0 for r in train)  # K >= 2: measured
+    assert all(2 <= r["accumulation_steps"] <= 4 and r["effective_batch"] == 2 * r["accumulation_steps"]
+               for r in train)
+    assert train[-1]["tokens"] == sum(r["effective_batch"] for r in train) * 16
+    assert train[0]["accumulation_steps"] == 2  # --accumulation-steps is the first K
+    stdout = capsys.readouterr().out
+    final = train[-1]["effective_batch"]
+    assert any(line.startswith("final effective batch") and line.rstrip().endswith(f"{final} seq ({final * 16:,} tok)")
+               for line in stdout.splitlines())
+    assert any(line.startswith("final noise scale") for line in stdout.splitlines())
+    width, height = _png_size(out / "loss.png")
+    assert height > 0.8 * width  # two panels (8 x 7 in) instead of one (8 x 4.5 in)
+
+
+def test_rampup_schedule_follows_megatron(tmp_path, capsys):
+    """rampup:2,2,8 up to 2 x 4 = 8 sequences: 3 increments over 8 samples, one every 8/3 samples consumed
+    (Megatron's rampup_batch_size), so the batches are 2, 2, 4, 8, 8, 8 (consumed 0, 2, 4, 8, 16, 24)."""
+    out = tmp_path / "run"
+    tiny = [a if a != "2" or i != TINY.index("--accumulation-steps") + 1 else "4" for i, a in enumerate(TINY)]
+    assert main(["train", "--steps", "6", *tiny, "--threads", "1", "--accumulation-schedule", "rampup:2,2,8",
+                 "--out", str(out)]) == 0
+    train = [r for r in _records(out) if r["kind"] == "train"]
+    assert [r["effective_batch"] for r in train] == [2, 2, 4, 8, 8, 8]
+    assert all("grad_noise_scale" not in r for r in train)  # measured only when asked (or adaptive)
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("final effective batch") and line.rstrip().endswith("8 seq (128 tok)") for line in lines)
+    assert not any(line.startswith("final noise scale") for line in lines)
+    width, height = _png_size(out / "loss.png")
+    assert height > 0.8 * width  # K changed: the effective batch gets its panel
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--accumulation-schedule", "ramp:1,2,3"], "expected rampup:START,INCREMENT,RAMP_SAMPLES or adaptive:"),
+        (["--accumulation-schedule", "rampup:2,2"], "expected rampup:START,INCREMENT,RAMP_SAMPLES or adaptive:"),
+        (["--accumulation-schedule", "adaptive:1,x"], "the numbers must be integers"),
+        (["--accumulation-schedule", "adaptive:1,4"], "k_min must be >= 2 on one rank"),
+        (["--accumulation-schedule", "adaptive:4,2"], "k_min must be <= k_max, got k_min=4 > k_max=2"),
+        (["--accumulation-schedule", "adaptive:1,4,1,cubic"], "must be linear or sqrt, got 'cubic'"),
+        (["--accumulation-schedule", "adaptive:3,4"], "it must lie in [K_MIN, K_MAX] = [3, 4]"),
+        (["--accumulation-schedule", "rampup:2,1,8"], "batch size 3 is not a multiple of micro_batch_size x world_size"),
+        (["--accumulation-schedule", "rampup:2,2,8", "--compare"], "--compare trains the plain recipe at a fixed K"),
+        (["--accumulation-schedule", "rampup:2,2,8", "--auto-micro-batch"], "use one or the other"),
+    ],
+    ids=["unknown-kind", "rampup-two-numbers", "adaptive-text", "kmin-1-one-rank", "kmin-over-kmax", "rule-cubic", "first-k-outside",
+         "ramp-not-multiple", "with-compare", "with-auto-micro-batch"],
+)
+def test_bad_accumulation_schedules(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "1", *TINY, *args, "--out", str(tmp_path / "run")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

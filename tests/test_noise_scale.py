@@ -31,54 +31,6 @@ from gaengine.schedules import Adaptive
 from tests.tolerances import rel_diff
 
 
-# TEMPORARY until the hooks' window_source_sumsq() lands (PYSEAM/CSEAM): the per-micro-batch source norms from
-# tensor hooks, so that the estimator can be tested meanwhile. Removed once the real hooks have it.
-if not hasattr(gaengine.python_hooks.PythonHooks, "window_source_sumsq"):
-    import gaengine.engine as _engine
-
-    class _ReferenceSources:
-        def __init__(self, hooks, params):
-            self._h, self._rows = hooks, []
-            self._handles = [p.register_hook(self._grad) for p in params]
-
-        def __getattr__(self, name):
-            return getattr(self._h, name)
-
-        def _grad(self, g):
-            self._rows[-1] += g.double().pow(2).sum()
-
-        def begin(self, *args, **kwargs):
-            self._rows.append(torch.zeros((), dtype=torch.float64))
-            return self._h.begin(*args, **kwargs)
-
-        def window_source_sumsq(self):
-            return torch.stack(self._rows).float() if self._rows else torch.zeros(0)
-
-        def abort(self):
-            self._rows.pop()
-            return self._h.abort()
-
-        def reset_window(self):
-            self._rows = []
-            return self._h.reset_window()
-
-        def drop(self):
-            self._rows = []
-            return self._h.drop()
-
-        def close(self):
-            for h in self._handles:
-                h.remove()
-            return self._h.close()
-
-    _real_make_hooks = _engine.make_hooks
-
-    def _make_hooks(params, main_grad, backend, buckets, reducer, measure_sources=False):
-        hooks = _real_make_hooks(params, main_grad, backend, buckets, reducer)
-        return _ReferenceSources(hooks, params) if measure_sources else hooks
-
-    _engine.make_hooks = _make_hooks
-
 D = 6  # features
 EMA = 0.8
 ORACLE_RTOL = 1e-3  # issue 17: the estimator within 1e-3 relative of the fp64 oracle
@@ -172,14 +124,15 @@ PLAN = [3, 3, 2, 3, 3, 3]  # micro-batches per window (K = 3; the third window i
 POISONED = 3  # this window's second micro-batch has a NaN loss: the update is skipped, the averages stay
 
 
-def _run(mode, rank=0, backend="torch", resume_at=None, loss_scale=None, plan=PLAN, poisoned=POISONED):
+def _run(mode, rank=0, backend="torch", resume_at=None, loss_scale=None, plan=PLAN, poisoned=POISONED, zero_stage=0):
     """Train ``plan`` windows with SGD; returns the parameters before each window, each window's estimates and
     the batches this rank used. resume_at: (window, micro-batch): save the state there, then go on in a new model,
     optimizer and accumulator loaded from it."""
     def build(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.02)
         acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=3, max_grad_norm=None, backend=backend,
-                                           measure_noise_scale=True, noise_scale_ema=EMA, loss_scale=loss_scale)
+                                           measure_noise_scale=True, noise_scale_ema=EMA, loss_scale=loss_scale,
+                                           zero_stage=zero_stage)
         return opt, acc
 
     model = _model()
@@ -281,11 +234,13 @@ def test_one_micro_batch_on_one_rank_is_not_measured():
 
 
 # ---------------------------------------------------------------- several ranks (gloo processes)
-def _rank_worker(rank, world, init_file, mode, out):
+def _rank_worker(rank, world, init_file, mode, out, zero_stage):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        torch.save(_run(mode, rank=rank, resume_at=(4, 1)), os.path.join(out, f"rank{rank}.pt"))
+        # zero_stage >= 1 saves through torch.distributed.checkpoint (tests/test_zero.py): no resume here.
+        result = _run(mode, rank=rank, resume_at=None if zero_stage else (4, 1), zero_stage=zero_stage)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     except BaseException:
         traceback.print_exc()
         raise
@@ -294,13 +249,17 @@ def _rank_worker(rank, world, init_file, mode, out):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("zero_stage", [0, 1, 2], ids=["replicated", "zero1", "zero2"])
 @pytest.mark.parametrize("mode", ["mean", "items"])
-def test_matches_fp64_oracle_two_ranks(tmp_path, mode):
-    """Two gloo ranks, each with its own micro-batches, resumed mid-window: the small batches are the micro-batches
-    of both ranks (their terms summed in the window's stats all-reduce), the big batch the window across ranks."""
+def test_matches_fp64_oracle_two_ranks(tmp_path, mode, zero_stage):
+    """Two gloo ranks, each with its own micro-batches (replicated: resumed mid-window): the small batches are the
+    micro-batches of both ranks (their terms summed in the window's stats all-reduce), the big batch the window
+    across ranks. With zero_stage 1 and 2 the same: each rank measures its micro-batches as they are accumulated
+    (before any reduce-scatter), the window's norm comes from the shards."""
     world = 2
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_worker, args=(r, world, str(tmp_path / "store"), mode, str(tmp_path)))
+    procs = [ctx.Process(target=_rank_worker, args=(r, world, str(tmp_path / "store"), mode, str(tmp_path),
+                                                    zero_stage))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -313,7 +272,7 @@ def test_matches_fp64_oracle_two_ranks(tmp_path, mode):
     assert [p.exitcode for p in procs] == [0, 0]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     worst = _check_against_oracle(results, mode)
-    print(f"oracle, 2 ranks, {mode}: max relative error {worst:.2e}")
+    print(f"oracle, 2 ranks, zero_stage {zero_stage}, {mode}: max relative error {worst:.2e}")
 
 
 # ---------------------------------------------------------------- cost: no Python per parameter, no launch
@@ -454,6 +413,15 @@ def test_adaptive_moves_the_learning_rate_with_the_effective_batch(rule):
         assert abs(lr - want) <= 1e-12 * want, (ks, lrs)
 
 
+def test_adaptive_target_counts_samples_per_micro_batch_and_ranks():
+    """K = B_simple / (world size x samples per micro-batch), rounded, clamped; no estimate: no change."""
+    schedule = Adaptive(k_min=2, k_max=16, world_size=2)
+    assert schedule.target(80.0, 8.0) == 5  # 80 items over 2 ranks x 8 items per micro-batch
+    assert schedule.target(88.0, 8.0) == 6  # 5.5 rounds to even (Python's round)
+    assert schedule.target(10.0, 8.0) == 2 and schedule.target(1e6, 8.0) == 16  # clamped
+    assert schedule.target(float("nan"), 8.0) is None and schedule.target(-3.0, 1.0) is None
+
+
 def test_adaptive_resume_takes_the_same_k():
     """The schedule's position is in the accumulator's state: a run resumed at a window boundary picks the same K."""
     def build(state=None):
@@ -526,3 +494,38 @@ def test_resume_with_another_ema_is_refused():
                                          noise_scale_ema=0.5)
     with pytest.raises(ValueError, match="noise_scale_ema=0.95"):
         other.load_state_dict(state)
+
+
+# ---------------------------------------------------------------- the benchmark variant
+def test_bench_accumulate_times_the_noise_scale_on_and_off(capsys):
+    """``gaengine bench --only accumulate``: each backend's bucket accumulate without and with the source norms,
+    checked against fp64 before it is timed, and the on / off ratio printed under the table."""
+    from gaengine.tools.bench import kernels  # noqa: PLC0415
+
+    rows, peak = kernels.bench_kernels(torch.device("cpu"), 2**14, ["accumulate"], warmup=1, repeats=3)
+    on = [r for r in rows if r["variant"].endswith("noise scale on")]
+    off = [r for r in rows if r["variant"].endswith("noise scale off")]
+    assert len(on) == len(off) >= 1 and all(r["noise_on_off"] > 0 for r in on)
+    kernels.print_tables(rows, peak, 3)
+    text = capsys.readouterr().out
+    for r in on:
+        name = r["variant"].split(":")[0]
+        assert f"measure_noise_scale, {name}: on / off = {r['noise_on_off']:.3f}x the time" in text
+
+
+# ---------------------------------------------------------------- the emulated CUDA backend (CUDA kernels on CPU)
+try:  # its session fixtures build and load the emulated extension (tests/cuda_emu), here as there
+    import tests.test_cuda_emulation_engine as _EMULATION
+    from tests.test_cuda_emulation_engine import emu, emulated_module  # noqa: F401 - fixtures
+except Exception:  # noqa: BLE001 - the emulation's own test module reports why
+    _EMULATION = None
+
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_matches_fp64_oracle_on_the_emulated_cuda_backend(request, mode):
+    """backend="cuda" with csrc/cuda's kernels run on CPU tensors (tests/cuda_emu, native hooks): the source norms
+    come from the bucket kernel's per-chunk partials; the estimates match the oracle as on the other backends."""
+    if _EMULATION is None or _EMULATION.emu_build.find_cxx() is None:
+        pytest.skip("no emulated CUDA build here (tests/cuda_emu needs a C++ compiler)")
+    request.getfixturevalue("emu")
+    worst = _check_against_oracle([_run(mode, backend="cuda", resume_at=(2, 1))], mode)
+    print(f"oracle, emulated cuda, {mode}: max relative error {worst:.2e}")

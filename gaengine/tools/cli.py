@@ -20,7 +20,8 @@ import gaengine
 from gaengine import backends
 from gaengine.tools import bench
 from gaengine.tools.data import load_corpus, sample_batch
-from gaengine.tools.train import TrainConfig, build_model, choose_threads, train_gaengine, train_reference
+from gaengine.tools.train import (SCHEDULE_FORMS, TrainConfig, accumulation_schedule, build_model, choose_threads,
+                                  parse_accumulation_schedule, train_gaengine, train_reference)
 from gaengine.verify import verify_equivalence
 
 __all__ = ["main", "build_parser"]
@@ -71,6 +72,16 @@ def _threads(text: str) -> Optional[int]:
     return None if text.strip().lower() == "auto" else _positive_int(text)
 
 
+def _accumulation_schedule(text: str) -> str:
+    """``--accumulation-schedule``: ``rampup:...`` or ``adaptive:...`` (checked by
+    :func:`gaengine.tools.train.parse_accumulation_schedule`), returned as given."""
+    try:
+        parse_accumulation_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _grad_norm(text: str) -> Optional[float]:
     """``--max-grad-norm``: a positive number, or ``0`` / ``none`` / ``off`` to disable clipping."""
     if text.strip().lower() in ("0", "0.0", "none", "off"):
@@ -109,6 +120,17 @@ def _add_train_parser(subparsers) -> None:
     g.add_argument("--max-grad-norm", type=_grad_norm, default=d.max_grad_norm,
                    help="clip the gradient norm to this; 0 or 'none' disables clipping")
     g.add_argument("--seed", type=int, default=d.seed, help="initialization and sampling seed")
+    g.add_argument("--accumulation-schedule", type=_accumulation_schedule, default=None, metavar="SPEC",
+                   help=f"K changes during training: {SCHEDULE_FORMS[0]} (Megatron's batch-size ramp-up, in sequences "
+                        f"per update over all ranks, up to micro-batch size x --accumulation-steps x ranks) or "
+                        f"{SCHEDULE_FORMS[1]} (K follows the measured gradient noise scale within [K_MIN, K_MAX], "
+                        "changed at most every EVERY updates, starting from --accumulation-steps; K_MIN >= 2 on one "
+                        "rank; linear|sqrt moves the learning rate with the effective batch); default: K fixed")
+    g.add_argument("--noise-scale", action="store_true",
+                   help="measure the gradient noise scale B_simple (McCandlish et al. 2018, the batch above which "
+                        "more data per update stops paying) at every update, from the norms the accumulation "
+                        "computes anyway: logged to metrics.jsonl (grad_noise_scale, in sequences) and drawn in a "
+                        "second panel of loss.png")
     g = p.add_argument_group("engine and device")
     g.add_argument("--backend", choices=_BACKENDS, default=d.backend, help="gaengine backend")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
@@ -323,9 +345,13 @@ class _Reporter:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        batch_panel = any(r.noise_scales or len(set(r.effective_batches)) > 1 for r in results)
+        if batch_panel:  # a second panel: the noise scale and the effective batch, per update
+            fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 2))
+        else:
+            fig, ax = plt.subplots(figsize=(8, 4.5))
         for r, color in zip(results, ("tab:blue", "tab:orange")):
             steps = range(1, len(r.train_losses) + 1)
             ax.plot(steps, r.train_losses, color=color, lw=1, alpha=0.8, label=f"{r.recipe} train")
@@ -337,6 +363,22 @@ class _Reporter:
         ax.set_ylabel("loss (nats / byte)")
         ax.grid(alpha=0.3)
         ax.legend()
+        if batch_panel:
+            ax.set_xlabel("")
+            for r, color in zip(results, ("tab:blue", "tab:orange")):
+                steps = range(1, len(r.effective_batches) + 1)
+                ax2.step(steps, r.effective_batches, where="mid", color=color, lw=1.5, label=f"{r.recipe} effective batch")
+                if r.noise_scales:
+                    ax2.plot(range(1, len(r.noise_scales) + 1), r.noise_scales, "--", color="tab:green", lw=1,
+                             label=f"{r.recipe} noise scale B_simple")
+            ax2.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            ax2.yaxis.set_major_formatter(plain)
+            ax2.yaxis.set_minor_formatter(plain)
+            ax2.set_xlabel("optimizer update")
+            ax2.set_ylabel("sequences per update")
+            ax2.grid(alpha=0.3, which="both")
+            ax2.legend()
         fig.tight_layout()
         path = self.out_dir / "loss.png"
         fig.savefig(path, dpi=110)
@@ -359,8 +401,12 @@ def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
         ("final train loss", lambda r: f"{r.final_train_loss:.4f}"),
         ("validation loss", lambda r: f"{r.val_loss:.4f}"),
         ("grad norm min/max", lambda r: f"{min(r.grad_norms):.3g} / {max(r.grad_norms):.3g}"),
+        ("final effective batch",
+         lambda r: f"{r.final_effective_batch} seq ({r.final_effective_batch * config.seq_len:,} tok)"),
         ("peak memory", lambda r: f"{_fmt_bytes(r.peak_memory_bytes)}"),
     ]
+    if any(r.noise_scales for r in results):
+        rows.append(("final noise scale", lambda r: f"{r.noise_scales[-1]:,.1f} seq" if r.noise_scales else "-"))
     names = [r.recipe for r in results]
     table = [[label] + [fn(r) for r in results] for label, fn in rows]
     if len(results) == 2:
@@ -377,7 +423,8 @@ def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
         f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
         f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}"
         + (f", torch threads {threads}" if threads else ""),
-        f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}, "
+        f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}"
+        + (f" then {config.accumulation_schedule}" if config.accumulation_schedule else "") + ", "
         f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update; max_grad_norm {config.max_grad_norm}; "
         f"lr {config.lr:g}",
         f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
@@ -436,12 +483,20 @@ def _train(args: argparse.Namespace, threads: str) -> int:
             eval_interval=args.eval_interval,
             eval_batches=args.eval_batches,
             auto_micro_batch=args.auto_micro_batch,
+            noise_scale=args.noise_scale,
+            accumulation_schedule=args.accumulation_schedule,
         )
         corpus = load_corpus(args.data, max_bytes=int(args.max_data_mb * 2**20), min_split_bytes=args.seq_len + 1)
     except (ValueError, FileNotFoundError) as e:
         raise _UsageError(str(e)) from None
 
     rank, world = _init_distributed(device, args.dist_timeout)
+    if args.compare and config.accumulation_schedule is not None:
+        raise _UsageError("--compare trains the plain recipe at a fixed K; run it without --accumulation-schedule")
+    try:
+        accumulation_schedule(config, world)  # the ramp must fit micro-batch size x ranks
+    except ValueError as e:
+        raise _UsageError(f"--accumulation-schedule: {e}") from None
     if world > 1 and args.compare:
         raise _UsageError("--compare runs the single-process plain recipe; run it without torchrun")
     if world > 1 and args.auto_micro_batch:

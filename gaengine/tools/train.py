@@ -4,6 +4,8 @@ Two loops over the same micro-batches, the same initialization and the same opti
 
 * :func:`train_gaengine` — ``acc.backward(loss)`` per micro-batch and ``acc.step()`` at the end of each
   accumulation window (fp32 main_grad accumulation, fp32 master weights, clip coefficient on device).
+  With ``noise_scale`` the accumulator also measures the gradient noise scale (``gaengine.noise``); with
+  ``accumulation_schedule`` K follows a ramp-up or the measured noise scale (``gaengine.schedules``).
 * :func:`train_reference` — the standard PyTorch recipe (``research/pytorch_native.md`` §3):
   ``(loss / K).backward()`` accumulating ``.grad`` in the parameter dtype, ``clip_grad_norm_``,
   ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
@@ -28,16 +30,75 @@ import torch.distributed as dist
 
 from gaengine.tools.data import ByteCorpus, eval_batches, sample_batch
 from gaengine.engine import GradientAccumulator
+from gaengine.schedules import Adaptive, RampUp
 from gaengine.tools.model import GPT, GPTConfig
 from gaengine.utils import is_oom_error
 
-__all__ = ["DTYPES", "TrainConfig", "TrainResult", "build_model", "choose_threads", "evaluate", "train_gaengine",
-           "train_reference"]
+__all__ = ["DTYPES", "TrainConfig", "TrainResult", "accumulation_schedule", "build_model", "choose_threads",
+           "evaluate", "parse_accumulation_schedule", "train_gaengine", "train_reference"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Parameter dtypes accepted by ``TrainConfig.dtype``."""
 
 LogFn = Callable[[dict], None]
+
+
+SCHEDULE_FORMS = ("rampup:START,INCREMENT,RAMP_SAMPLES", "adaptive:K_MIN,K_MAX[,EVERY[,linear|sqrt]]")
+"""The forms of ``TrainConfig.accumulation_schedule`` (``--accumulation-schedule``)."""
+
+
+def parse_accumulation_schedule(text: str) -> tuple[str, tuple[int, ...], Optional[str]]:
+    """``(kind, numbers, lr_rule)`` of an accumulation schedule, one of :data:`SCHEDULE_FORMS`.
+
+    * ``rampup:START,INCREMENT,RAMP_SAMPLES``: Megatron's ``--rampup-batch-size`` (``gaengine.schedules.RampUp``),
+      in sequences per update over all ranks, growing to ``micro_batch_size x accumulation_steps x world size``.
+    * ``adaptive:K_MIN,K_MAX[,EVERY[,RULE]]``: K follows the measured gradient noise scale
+      (``gaengine.schedules.Adaptive``), changing at most every ``EVERY`` updates (default 1) and starting from
+      ``accumulation_steps``; ``RULE`` (``linear`` | ``sqrt``) moves the learning rate with the effective batch.
+
+    Raises ``ValueError`` saying which form was expected and what was wrong.
+    """
+    kind, sep, rest = str(text).partition(":")
+    fields = [f.strip() for f in rest.split(",")] if sep else []
+    usage = f"expected {' or '.join(SCHEDULE_FORMS)}, got {text!r}"
+    rule = None
+    if kind == "adaptive" and len(fields) == 4:
+        rule = fields.pop()
+        if rule not in ("linear", "sqrt"):
+            raise ValueError(f"the learning-rate rule of an adaptive schedule must be linear or sqrt, got {rule!r}")
+    counts = {"rampup": (3,), "adaptive": (2, 3)}
+    if kind not in counts or len(fields) not in counts[kind]:
+        raise ValueError(usage)
+    try:
+        numbers = tuple(int(f) for f in fields)
+    except ValueError:
+        raise ValueError(f"{usage}: the numbers must be integers") from None
+    if kind == "rampup":
+        RampUp(start_batch_size=numbers[0], batch_size_increment=numbers[1], ramp_samples=numbers[2],
+               global_batch_size=numbers[0], micro_batch_size=1)  # the fields' own checks (ValueError naming one)
+    else:
+        # The fields' own checks; the ranks are not known yet (k_min >= 2 on one rank: accumulation_schedule).
+        Adaptive(k_min=numbers[0], k_max=numbers[1], every=numbers[2] if len(numbers) > 2 else 1, world_size=2)
+    return kind, numbers, rule
+
+
+def accumulation_schedule(config: "TrainConfig", world: int, optimizer: Optional[torch.optim.Optimizer] = None,
+                          lr_scheduler=None):
+    """The schedule ``config.accumulation_schedule`` names for ``world`` ranks (None when it names none); the
+    adaptive one moves ``optimizer``'s and ``lr_scheduler``'s learning rates when it has a rule (without an
+    ``optimizer`` the rule is left out: a check of the numbers). Raises ``ValueError`` when the ramp does not fit
+    ``micro_batch_size x world``."""
+    if config.accumulation_schedule is None:
+        return None
+    kind, numbers, rule = parse_accumulation_schedule(config.accumulation_schedule)
+    if kind == "rampup":
+        return RampUp(start_batch_size=numbers[0], batch_size_increment=numbers[1], ramp_samples=numbers[2],
+                      global_batch_size=config.micro_batch_size * config.accumulation_steps * world,
+                      micro_batch_size=config.micro_batch_size, world_size=world)
+    return Adaptive(k_min=numbers[0], k_max=numbers[1], every=numbers[2] if len(numbers) > 2 else 1,
+                    initial=config.accumulation_steps, world_size=world,
+                    lr_rule=rule if optimizer is not None else None, optimizer=optimizer if rule else None,
+                    lr_scheduler=lr_scheduler if rule else None)
 
 
 def choose_threads(requested: Optional[int] = None, environ=None,
@@ -119,6 +180,12 @@ class TrainConfig:
     auto_micro_batch: bool = False
     """On an out-of-memory error mid-window: drop the window (``acc.zero_grad()``), halve the micro-batch,
     double the accumulation steps (same effective batch) and go on. Single process only."""
+    noise_scale: bool = False
+    """Measure the gradient noise scale ``B_simple`` every update (``measure_noise_scale``, gaengine only)."""
+    accumulation_schedule: Optional[str] = None
+    """K per window from a schedule, one of :data:`SCHEDULE_FORMS` (gaengine only; ``adaptive`` measures the
+    noise scale); None: K = ``accumulation_steps`` throughout. With ``rampup`` the ramp ends at
+    ``accumulation_steps``; with ``adaptive`` it is the first K."""
 
     def __post_init__(self) -> None:
         positive = ("steps", "micro_batch_size", "accumulation_steps", "seq_len", "n_layers", "d_model", "n_heads")
@@ -141,6 +208,19 @@ class TrainConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        if self.accumulation_schedule is not None:
+            kind, numbers, _ = parse_accumulation_schedule(self.accumulation_schedule)
+            if kind == "adaptive" and not numbers[0] <= self.accumulation_steps <= numbers[1]:
+                raise ValueError(f"accumulation_steps ({self.accumulation_steps}) is the adaptive schedule's first K: "
+                                 f"it must lie in [K_MIN, K_MAX] = [{numbers[0]}, {numbers[1]}]")
+            if self.auto_micro_batch:
+                raise ValueError("auto_micro_batch doubles K after an out-of-memory error, which an accumulation "
+                                 "schedule sets: use one or the other")
+
+    @property
+    def measures_noise_scale(self) -> bool:
+        """Whether the gaengine run measures the noise scale (asked for, or needed by an adaptive schedule)."""
+        return self.noise_scale or (self.accumulation_schedule or "").startswith("adaptive:")
 
     @property
     def tokens_per_update(self) -> int:
@@ -175,6 +255,10 @@ class TrainResult:
     """Window loss of each update."""
     grad_norms: list[float] = field(default_factory=list)
     """Gradient norm of each update (after normalization, before clipping)."""
+    effective_batches: list[int] = field(default_factory=list)
+    """Sequences per update over all ranks, of each update (micro-batch size x K x world size)."""
+    noise_scales: list[float] = field(default_factory=list)
+    """The gradient noise scale ``B_simple`` after each update, in sequences (empty when not measured)."""
     evals: list[tuple[int, float]] = field(default_factory=list)
     """``(update, validation loss)`` pairs."""
     peak_memory_bytes: int = 0
@@ -192,6 +276,11 @@ class TrainResult:
         """Mean window loss over the last 10% of updates (at least one)."""
         tail = self.train_losses[-max(1, len(self.train_losses) // 10) :]
         return sum(tail) / len(tail) if tail else float("nan")
+
+    @property
+    def final_effective_batch(self) -> int:
+        """Sequences per update (over all ranks) of the last update, 0 before any."""
+        return self.effective_batches[-1] if self.effective_batches else 0
 
     @property
     def val_loss(self) -> float:
@@ -255,8 +344,9 @@ def _peak_memory(device: str) -> tuple[int, str]:
     return (peak if sys.platform == "darwin" else peak * 1024), "process peak RSS"
 
 
-# One update: takes the next-micro-batch function, returns 0-d tensors (loss, grad_norm, clip_coef, skipped).
-_UpdateFn = Callable[[Callable[[], tuple[torch.Tensor, torch.Tensor]]], tuple[torch.Tensor, ...]]
+# One update: takes the next-micro-batch function, returns the window's micro-batches (K) and 0-d tensors keyed
+# loss, grad_norm, clip_coef, skipped (and grad_noise_scale when measured, in micro-batches).
+_UpdateFn = Callable[[Callable[[], tuple[torch.Tensor, torch.Tensor]]], tuple[int, dict[str, torch.Tensor]]]
 # Builds a recipe's update function (and the cleanup to run after the last update) for one model.
 _MakeUpdate = Callable[
     [GPT, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR], tuple[_UpdateFn, Callable[[], None]]
@@ -305,18 +395,27 @@ def _run(
         for step in range(1, config.steps + 1):
             lr = scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
-            stats = update(next_micro_batch)
-            # One host sync per update, for logging only: the four 0-d results are read together.
-            loss, grad_norm, clip_coef, skipped = torch.stack([s.float() for s in stats]).tolist()
+            k, stats = update(next_micro_batch)
+            # One host sync per update, for logging only: the 0-d results are read together.
+            values = dict(zip(stats, torch.stack([s.float() for s in stats.values()]).tolist()))
+            loss, grad_norm, skipped = values["loss"], values["grad_norm"], values["skipped"]
             result.train_s += time.perf_counter() - t0
             result.updates = step
-            result.tokens += config.tokens_per_update * world
+            effective_batch = config.micro_batch_size * k * world
+            result.tokens += effective_batch * config.seq_len
+            result.effective_batches.append(effective_batch)
             result.skipped_updates += int(skipped)
             result.train_losses.append(loss)
             result.grad_norms.append(grad_norm)
-            log({"kind": "train", "recipe": recipe, "step": step, "loss": loss, "grad_norm": grad_norm,
-                 "clip_coef": clip_coef, "skipped": bool(skipped), "lr": lr, "tokens": result.tokens,
-                 "elapsed_s": time.perf_counter() - start, "tokens_per_s": result.tokens_per_s})
+            record = {"kind": "train", "recipe": recipe, "step": step, "loss": loss, "grad_norm": grad_norm,
+                      "clip_coef": values["clip_coef"], "skipped": bool(skipped), "lr": lr, "tokens": result.tokens,
+                      "accumulation_steps": k, "effective_batch": effective_batch,
+                      "elapsed_s": time.perf_counter() - start, "tokens_per_s": result.tokens_per_s}
+            if "grad_noise_scale" in values:  # B_simple in micro-batches (mean mode) -> sequences
+                noise_scale = values["grad_noise_scale"] * config.micro_batch_size
+                result.noise_scales.append(noise_scale)
+                record["grad_noise_scale"] = noise_scale if math.isfinite(noise_scale) else None
+            log(record)
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
                 run_eval(step)
     finally:
@@ -335,16 +434,18 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
     def make_update(model, optimizer, scheduler):
         # The optimizer is built over the model's params first; the accumulator re-points it at its fp32
         # master weights when the params are bf16/fp16.
+        schedule = accumulation_schedule(config, rank_and_world()[1], optimizer, scheduler)
         acc = GradientAccumulator(
             model,
             optimizer,
-            accumulation_steps=config.accumulation_steps,
+            accumulation_steps=config.accumulation_steps if schedule is None else schedule,
             max_grad_norm=config.max_grad_norm,
             lr_scheduler=scheduler,
             backend=config.backend,
             micro_batch_size=config.micro_batch_size,
             master_weights=config.master_weights,
             zero_stage=config.zero_stage,
+            measure_noise_scale=config.measures_noise_scale,
         )
 
         def update(next_micro_batch):
@@ -360,7 +461,11 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
                     _halve_micro_batch(acc, log)
                     continue
                 result = acc.step()
-            return result.loss, result.grad_norm, result.clip_coef, result.skipped
+            stats = {"loss": result.loss, "grad_norm": result.grad_norm, "clip_coef": result.clip_coef,
+                     "skipped": result.skipped}
+            if result.grad_noise_scale is not None:
+                stats["grad_noise_scale"] = result.grad_noise_scale
+            return result.num_micro_batches, stats
 
         return update, acc.close
 
@@ -387,6 +492,7 @@ def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn
     ``.grad`` accumulates in the parameter dtype over ``K`` micro-batches of ``(loss / K).backward()``;
     then ``clip_grad_norm_`` (or only the norm when clipping is off), ``optimizer.step()``,
     ``zero_grad(set_to_none=True)`` and ``scheduler.step()``. Nothing is skipped on a non-finite gradient.
+    K stays ``accumulation_steps`` (``accumulation_schedule`` and ``noise_scale`` are the engine's).
     """
     k = config.accumulation_steps
 
@@ -411,7 +517,7 @@ def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             skipped = torch.zeros((), dtype=torch.bool, device=config.device)
-            return loss_sum / k, grad_norm, clip_coef, skipped
+            return k, {"loss": loss_sum / k, "grad_norm": grad_norm, "clip_coef": clip_coef, "skipped": skipped}
 
         return update, lambda: None
 

@@ -1,9 +1,15 @@
 """Kernel benchmarks (``accumulate``, ``l2norm``, ``scale``): each gaengine backend that loads on the device
 against the eager torch recipe it replaces, and the peak copy, timed in interleaved rounds; a table per kernel.
+
+The accumulate family also times what ``measure_noise_scale=True`` costs the accumulate pass: one
+``accumulate_bucket_`` of the same gradient as ``NUM_VIEWS`` parameters, without and with the source norms
+(``source_partials``, the per-micro-batch squared norms of ``gaengine.noise``) written in the same pass; the
+table's note gives the on / off time ratio (issue 17: within 10 %).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -68,6 +74,20 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
                 raise AssertionError(f"backend {name!r}: accumulate_ is not bitwise equal to the eager recipe")
             variants.append((f"gaengine {name}: accumulate_", lambda b=b: b.accumulate_(main_grad, grad)))
         del expected, actual
+        srcs = _split_views(grad, NUM_VIEWS)
+        offsets = [0, *itertools.accumulate(s.numel() for s in srcs)][:-1]
+        reference = float(grad.double().square().sum())
+        for name, b in backends.items():
+            table = b.new_bucket_partials([s.numel() for s in srcs], device)
+            b.accumulate_bucket_(main_grad.clone(), srcs, offsets, False, None, table)
+            sum_sq = float(b.finish_norm_partials(table)[0])
+            if abs(sum_sq - reference) > 1e-2 * reference:  # a sanity bound, as for l2norm below
+                raise AssertionError(f"backend {name!r}: source norms {sum_sq} != fp64 {reference}")
+            variants.append((f"gaengine {name}: accumulate_bucket_ ({NUM_VIEWS} grads), noise scale off",
+                             lambda b=b: b.accumulate_bucket_(main_grad, srcs, offsets, False)))
+            variants.append((f"gaengine {name}: accumulate_bucket_ ({NUM_VIEWS} grads), noise scale on",
+                             lambda b=b, table=table: b.accumulate_bucket_(main_grad, srcs, offsets, False, None,
+                                                                            table)))
         plan["accumulate bf16->fp32"] = (ACCUMULATE_BYTES_PER_ELEMENT, variants)
     if "l2norm" in which:
         views = _split_views(main_grad, NUM_VIEWS)
@@ -112,6 +132,12 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
             rows.append({"benchmark": bench, "variant": label, "device": str(device), "numel": numel,
                          "bytes_per_element": nbytes, "ms": ms, "min_ms": min(t), "max_ms": max(t), "gb_s": gbs,
                          "pct_of_peak": 100.0 * gbs / peak["gb_s"], **ratio_stats(baseline, t, baseline=i == 0)})
+            if label.endswith("noise scale on"):  # per round, the time with the source norms over the time without
+                off = samples[(bench, label.removesuffix("on") + "off")]
+                on_off = [a / b for a, b in zip(t, off)]
+                quartiles = statistics.quantiles(on_off, n=4, method="inclusive") if len(on_off) > 1 else on_off * 3
+                rows[-1].update(noise_on_off=statistics.median(on_off), noise_on_off_p25=quartiles[0],
+                                noise_on_off_p75=quartiles[2])
     return rows, peak
 
 
@@ -126,6 +152,11 @@ def print_tables(rows: Sequence[dict], peak: dict, repeats: int) -> None:
         some = [r for r in rows if r["benchmark"] == bench]
         print_table(display_rows(some), KERNEL_COLUMNS,
                     f"{bench}: {some[0]['numel']:,} elements, {some[0]['bytes_per_element']} B/element")
+        for r in some:
+            if "noise_on_off" in r:
+                print(f"measure_noise_scale, {r['variant'].split(':')[0]}: on / off = {r['noise_on_off']:.3f}x the "
+                      f"time [{r['noise_on_off_p25']:.3f}-{r['noise_on_off_p75']:.3f}] (median per-round ratio of the "
+                      "accumulate_bucket_ with the source norms to the one without)")
     print(f"kernels: ms = median of {repeats} interleaved rounds; GB/s by the benchmark's bytes model (accumulate "
           f"{ACCUMULATE_BYTES_PER_ELEMENT}, l2norm {L2NORM_BYTES_PER_ELEMENT}, scale {SCALE_BYTES_PER_ELEMENT} "
           f"B/element); % of peak = GB/s / the measured peak, {peak['op']} at {peak['gb_s']:.1f} GB/s "
