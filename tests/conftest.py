@@ -1,4 +1,5 @@
 import os
+import sys
 
 # Triton kernels run on CPU tensors under the interpreter when no GPU is present; this must be set
 # before triton is first imported (it is read when a kernel is decorated).
@@ -27,3 +28,23 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda_module():
+    """``(engine, module)``: the emulated build of ``gaengine._C`` (``tests/cuda_emu/engine.py``: csrc/cuda's kernels
+    on CPU tensors), built or loaded once per session; ``engine.use(monkeypatch, module)`` makes it the cuda
+    backend's extension. Skips without a C++ compiler; fails with the compiler's report on a build error."""
+    emu_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu")
+    if emu_dir not in sys.path:
+        sys.path.insert(0, emu_dir)
+    import build as emu_build  # noqa: PLC0415
+    import engine as emu_engine  # noqa: PLC0415
+
+    if emu_build.find_cxx() is None:
+        pytest.skip("no C++ compiler ($CXX, g++, c++, clang++) to build the emulated cuda backend")
+    try:
+        module, _ = emu_engine.build()
+    except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
+        pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
+    return emu_engine, module

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import os
-import sys
 
 import pytest
 import torch
@@ -50,25 +49,12 @@ def _backend_param(name: str):
     return pytest.param(name, id=name, marks=marks)
 
 
-@pytest.fixture(scope="session")
-def emulated_module():
-    sys.path.insert(0, os.path.join(HERE, "cuda_emu"))
-    import build as emu_build  # noqa: PLC0415
-    import engine as emu_engine  # noqa: PLC0415
-
-    if emu_build.find_cxx() is None:
-        pytest.skip("no C++ compiler to build the emulated CUDA backend")
-    return emu_engine.build()[0]
-
-
 @pytest.fixture(params=[_backend_param("torch"), _backend_param("cpu"), _backend_param("triton"),
                         pytest.param("emu-cuda", id="emu-cuda")])
 def backend(request, monkeypatch) -> Backend:
     if request.param != "emu-cuda":
         return get_backend(request.param, DEVICE)
-    module = request.getfixturevalue("emulated_module")
-    import engine as emu_engine  # noqa: PLC0415 - on sys.path once emulated_module ran
-
+    emu_engine, module = request.getfixturevalue("emulated_cuda_module")
     emu_engine.use(monkeypatch, module)
     return get_backend("cuda", "cpu")
 
@@ -233,7 +219,8 @@ def test_ops_have_cpu_kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gaengine::{op}", "CPU"), op
 
 
-def test_emulated_build_registers_the_cuda_kernels_under_its_own_namespace(emulated_module):
+def test_emulated_build_registers_the_cuda_kernels_under_its_own_namespace(emulated_cuda_module):
+    emulated_module = emulated_cuda_module[1]
     """csrc/cuda/cuda_ops.cu's TORCH_LIBRARY_IMPL(CUDA) in the emulated build: registered (never dispatched to: its
     tensors are CPU ones) under the module's own name, beside that build's CPU kernels."""
     namespace = emulated_module.OP_NAMESPACE

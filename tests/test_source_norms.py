@@ -49,20 +49,6 @@ CONFIGS = [
     pytest.param("cuda-emu", "python", id="cuda-emu-python"),
     pytest.param("cuda-emu", "native", id="cuda-emu-native"),
 ]
-CUDA_EMU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu")
-
-
-@pytest.fixture(scope="module")
-def emulated_module():
-    """The emulated build of gaengine._C (``tests/cuda_emu/engine.py``: csrc/cuda's kernels on CPU tensors)."""
-    if CUDA_EMU_DIR not in sys.path:
-        sys.path.insert(0, CUDA_EMU_DIR)
-    import build as emu_build  # noqa: PLC0415
-    import engine as emu_engine  # noqa: PLC0415
-
-    if emu_build.find_cxx() is None:
-        pytest.skip("no C++ compiler to build the emulated cuda backend")
-    return emu_engine, emu_engine.build()[0]
 
 
 @pytest.fixture
@@ -70,7 +56,7 @@ def backend_of(request, monkeypatch):
     """``backend_of(name)``: the backend for CPU tensors; "cuda-emu" is the cuda backend over the emulated build."""
     def get(name):
         if name == "cuda-emu":
-            emu_engine, module = request.getfixturevalue("emulated_module")
+            emu_engine, module = request.getfixturevalue("emulated_cuda_module")
             emu_engine.use(monkeypatch, module)
             name = "cuda"
         try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from typing import Any, Callable
 
 import pytest
@@ -40,7 +39,6 @@ TRITON_DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
 INTERPRETER_MAX_NUMEL = 3 * 4096 + 5
 EMULATION_MAX_NUMEL = 70 * 4096 + 3
 
-_CUDA_EMU_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda_emu")
 
 
 @dataclasses.dataclass
@@ -177,23 +175,6 @@ def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpB
     return OpBackend(name, device, ops, public_name="cuda", max_numel=max_numel, bucket_scale=False,
                      partials_layout="columns",
                      _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=C.adamw_step_cuda_)
-
-
-@pytest.fixture(scope="session")
-def emulated_cuda_module():
-    """The emulated build of ``gaengine._C`` (``tests/cuda_emu/engine.py``), built or loaded once per session."""
-    if _CUDA_EMU_DIR not in sys.path:
-        sys.path.insert(0, _CUDA_EMU_DIR)
-    import build as emu_build  # noqa: PLC0415
-    import engine as emu_engine  # noqa: PLC0415
-
-    if emu_build.find_cxx() is None:
-        pytest.skip("no C++ compiler ($CXX, g++, c++, clang++) to build the emulated cuda backend")
-    try:
-        module, _ = emu_engine.build()
-    except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
-        pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
-    return emu_engine, module
 
 
 BACKEND_PARAMS = [
