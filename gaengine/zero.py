@@ -617,8 +617,11 @@ class ShardedState:
         self._pending.clear()
 
     def close(self) -> None:
-        """Remove the forward pre-hooks (after waiting for the gathers in flight)."""
+        """Remove the forward pre-hooks, after waiting (errors ignored) for the gathers and the gradient
+        reductions still in flight, so that no collective of this accumulator outlives it (a process group torn
+        down under a pending gloo collective aborts the process)."""
         self.drop_gathers()
+        self.reducer.drain()
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -202,6 +202,8 @@ def _worker(rank, world, init_file, scenario, out, timeout_s):
     try:
         result = (SCENARIOS[scenario] if isinstance(scenario, str) else scenario)(rank, world, out)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        if scenario != "rank_fails":
+            dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
         if scenario == "rank_fails":
             # A gloo group whose peer is gone cannot be torn down cleanly (its threads abort at exit).
             sys.stdout.flush()

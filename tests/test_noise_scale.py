@@ -241,6 +241,7 @@ def _rank_worker(rank, world, init_file, mode, out, zero_stage):
         # zero_stage >= 1 saves through torch.distributed.checkpoint (tests/test_zero.py): no resume here.
         result = _run(mode, rank=rank, resume_at=None if zero_stage else (4, 1), zero_stage=zero_stage)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
     except BaseException:
         traceback.print_exc()
         raise
