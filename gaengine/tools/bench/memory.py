@@ -244,6 +244,8 @@ def _worker(rank: int, world: int, init_file: str, cfg: MemoryConfig, out_dir: s
         for stage in MEMORY_STAGES:
             results[f"stage{stage}"] = _measure_gaengine(cfg, stage, world, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        if world > 1:
+            dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
     finally:
         if world > 1:
             dist.destroy_process_group()
