@@ -39,9 +39,9 @@ from gaengine.hooks import Hooks, make_hooks
 from gaengine.noise import NoiseEstimate, NoiseScale
 from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats, wait_quietly
-from gaengine.scaler import LossScaler
+from gaengine.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler, check_min_loss_scale
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
-from gaengine.update import MasterWeights, apply_update, expose_grads
+from gaengine.update import MasterWeights, apply_update, check_optimizer_step, expose_grads
 from gaengine.zero import (STAGING_SLOTS, ZERO_STAGES, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer,
                            zero_order)
 
@@ -100,6 +100,39 @@ def _check_max_grad_norm(value: Any) -> float | None:
     return value
 
 
+_SHARDED_ADVICE = ("gaengine does not support sharded models yet: it would accumulate nothing (FSDP2 reduces and "
+                   "frees gradients in its own hooks) and would broadcast one rank's shard over the others. Pass the "
+                   "plain model (gaengine reduces across ranks itself, and zero_stage=1 or 2 shards the optimizer state "
+                   "and gradients), or train the sharded model with its own accumulation (FSDP2: "
+                   "model.set_requires_gradient_sync(is_last_micro_batch)) without gaengine")
+
+
+def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None:
+    """``TypeError`` for a model that FSDP2 (``fully_shard``, ``replicate``), FSDP1 or the composable ``replicate``
+    manages, or any DTensor parameter: each would train nothing or wrongly under gaengine's hooks, silently."""
+    if not dist.is_available():
+        return
+    from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415 - only when distributed exists
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    for name, module in (model.named_modules() if model is not None else ()):
+        where = f"model.{name}" if name else "model"
+        if isinstance(module, FSDPModule):
+            kind = "an FSDP2 module (fully_shard or replicate)"
+        elif isinstance(module, FullyShardedDataParallel):
+            kind = "wrapped in FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel)"
+        elif _get_registry(module):
+            kind = f"managed by torch.distributed composable API(s) {sorted(_get_registry(module))}"
+        else:
+            continue
+        raise TypeError(f"{where} is {kind}. {_SHARDED_ADVICE}")
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    if dtensors:
+        raise TypeError(f"model has {len(dtensors)} DTensor parameter(s) (the first of global shape "
+                        f"{tuple(dtensors[0].shape)}, placements {tuple(dtensors[0].placements)}). {_SHARDED_ADVICE}")
+
+
 def _trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -124,6 +157,7 @@ def _trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.T
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             params.append(p)
+    _refuse_sharded(model if isinstance(model, nn.Module) else None, params)
     if not params:
         raise ValueError("model has no trainable parameters (none with requires_grad=True)")
     devices = {p.device for p in params}
@@ -190,6 +224,10 @@ class GradientAccumulator:
             None. "auto" (default): dynamic when a parameter is fp16 or a backward runs under
             ``torch.autocast(dtype=torch.float16)``, else None. The loss is multiplied by the scale in
             ``backward``; the inverse scale is folded into the step's single coefficient.
+        min_loss_scale: the dynamic loss scale's floor (1.0: DeepSpeed's ``min_loss_scale`` default). A back-off
+            that reaches it holds the scale there and makes ``step()`` raise ``RuntimeError`` naming the
+            likely causes (a loss already scaled by ``torch.amp.GradScaler``; a diverged model): a scale that keeps
+            falling skips every update silently otherwise. Read without a host sync (on CUDA one window late).
         batchnorm: None (warn once when the model has BatchNorm layers and K > 1) or "window" (running
             statistics updated once per window from the combined micro-batch statistics).
         max_consecutive_skips: raise ``RuntimeError`` after this many skipped windows in a row, naming the
@@ -250,6 +288,7 @@ class GradientAccumulator:
         reduce_dtype: torch.dtype = torch.float32,
         broadcast_buffers: bool = True,
         loss_scale: str | float | None = "auto",
+        min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE,
         batchnorm: str | None = None,
         max_consecutive_skips: int | None = None,
         micro_batch_size: int | None = None,
@@ -280,6 +319,7 @@ class GradientAccumulator:
                                                              and not isinstance(loss_scale, bool))):
             raise ValueError(f"loss_scale must be 'auto', 'dynamic', a positive float or None, got {loss_scale!r}")
         self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
+        self.min_loss_scale = check_min_loss_scale(min_loss_scale)
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if not isinstance(overlap_param_gather, bool):
@@ -294,6 +334,8 @@ class GradientAccumulator:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if optimizer is not None:
+            check_optimizer_step(optimizer)
         params = _trainable_params(model)
         self._named_params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
         for p in params:
@@ -356,7 +398,8 @@ class GradientAccumulator:
         self.scaler: LossScaler | None = None
         if loss_scale is not None:
             dynamic = loss_scale == "dynamic"
-            self.scaler = LossScaler(self.device, 2.0**16 if dynamic else float(loss_scale), dynamic=dynamic)
+            self.scaler = LossScaler(self.device, 2.0**16 if dynamic else float(loss_scale), dynamic=dynamic,
+                                     min_scale=self.min_loss_scale)
         self.window_batchnorm: WindowBatchNorm | None = None
         if isinstance(model, nn.Module):
             if batchnorm == "window":
@@ -414,8 +457,6 @@ class GradientAccumulator:
         staged = zero is not None and self.zero_stage == 2  # main_grad is layout only: buckets stage in a ring
         self.main_grad = FlatBuffer(FlatLayout.build(self.params) if zero is None else zero.layout, torch.float32,
                                     torch.device("meta") if staged else self.device)
-        if self._masters is not None:
-            self._masters.attach_grads(self.params, self.main_grad)
         self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
                                       self.reduce_dtype, self.process_group) if self.distributed else None)
         if zero is not None:  # reduce-scatter; stage 2 adds each micro-batch into the fp32 gradient shard
@@ -509,7 +550,7 @@ class GradientAccumulator:
 
         if self.scaler is None and self._auto_loss_scale and torch.is_autocast_enabled(self.device.type) \
                 and torch.get_autocast_dtype(self.device.type) == torch.float16:
-            self.scaler = LossScaler(self.device)  # fp16 autocast seen: dynamic loss scaling from now on
+            self.scaler = LossScaler(self.device, min_scale=self.min_loss_scale)  # fp16 autocast seen: dynamic
         self._auto_loss_scale = False
         scaled = loss if self.scaler is None else loss * self.scaler.scale
 
@@ -697,6 +738,8 @@ class GradientAccumulator:
         self._reset_window()
         if self.hooks.arrival is not None:
             self._relearn_layout()
+        if self.scaler is not None and self.scaler.floor_reached():
+            raise self.scaler.floor_error()
         return result
 
     @property
@@ -719,6 +762,14 @@ class GradientAccumulator:
         if self._schedule is not None:
             raise ValueError("accumulation_steps follows a schedule here; change the schedule instead of setting it")
         self._k = check_accumulation_steps(value)
+
+    def _pull_model_writes(self) -> None:
+        """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
+        reach the fp32 masters (``MasterWeights.pull_model_writes``, ``ShardedState.pull_model_writes``)."""
+        if self._masters is not None:
+            self._masters.pull_model_writes()
+        elif self._zero is not None:
+            self._zero.pull_model_writes()
 
     def _check_model(self) -> None:
         """Raise ``RuntimeError`` (for good) when the model was moved or converted after construction."""
@@ -810,6 +861,7 @@ class GradientAccumulator:
         A state saved between windows loads on any world size and ``zero_stage >= 1``; one saved mid-window only
         on the same ones. Raises ``RuntimeError`` between the window's last ``backward`` and ``step()``.
         """
+        self._pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         if self.zero_stage:
             from gaengine.checkpoint import zero_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
 

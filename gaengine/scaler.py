@@ -1,7 +1,8 @@
 """Dynamic fp16 loss scaling that never leaves the device.
 
 Defaults are ``torch.amp.GradScaler``'s (``amp/grad_scaler.py``): initial scale 2**16, growth x2 after 2000
-consecutive clean updates, backoff x0.5 on an overflow. The update is torch's own fused
+consecutive clean updates, backoff x0.5 on an overflow; and DeepSpeed's floor, ``min_loss_scale`` 1: reaching it
+raises (``floor_reached``, ``floor_error``) instead of skipping every update while the scale falls to 0. The update is torch's own fused
 ``torch._amp_update_scale_`` kernel, driven by the engine's on-device ``found_inf`` flag, so no value is
 read on the host. The engine folds the inverse scale into its late normalization (the step's single
 coefficient), so unscaling costs no pass over the gradients.
@@ -13,7 +14,19 @@ import math
 
 import torch
 
-__all__ = ["LossScaler"]
+__all__ = ["DEFAULT_MIN_LOSS_SCALE", "LossScaler", "check_min_loss_scale"]
+
+# The floor of the dynamic loss scale (DeepSpeed's ``min_loss_scale`` default): a scale that keeps falling below 1
+# means the gradients overflow with the loss unscaled, which is a bug (a loss scaled twice) or divergence, not data.
+DEFAULT_MIN_LOSS_SCALE = 1.0
+
+
+def check_min_loss_scale(value) -> float:
+    """``min_loss_scale`` as a float; ``ValueError`` naming it unless a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"min_loss_scale must be a positive finite float (the dynamic loss scale's floor, "
+                         f"{DEFAULT_MIN_LOSS_SCALE:g} by default as DeepSpeed's), got {value!r}")
+    return float(value)
 
 
 class LossScaler:
@@ -24,19 +37,61 @@ class LossScaler:
     """
 
     def __init__(self, device: torch.device, init_scale: float = 2.0**16, dynamic: bool = True,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 min_scale: float = DEFAULT_MIN_LOSS_SCALE) -> None:
         if not (math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"loss_scale must be a positive finite float, 'dynamic' or None, got {init_scale!r}")
         self.dynamic = dynamic
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.min_scale = check_min_loss_scale(min_scale)
         self.scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        # Whether a back-off reached min_scale: a device flag, copied to the host without waiting (pinned
+        # memory and an event on CUDA), read by floor_reached().
+        self._below = torch.zeros((), dtype=torch.bool, device=device)
+        cuda = device.type == "cuda"
+        self._below_host = torch.zeros((), dtype=torch.bool, pin_memory=cuda) if cuda else self._below
+        self._copied = torch.cuda.Event() if cuda else None
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """After a window: back off if ``found_inf`` (0-d fp32, 1.0 = overflow), else count towards growth."""
+        """After a window: back off if ``found_inf`` (0-d fp32, 1.0 = overflow), else count towards growth. A
+        back-off that reaches ``min_scale`` holds the scale there and sets the flag ``floor_reached()`` reads (DeepSpeed
+        raises on an overflow at its ``min_loss_scale`` too).
+        On the device: no host read."""
         if self.dynamic:
             torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, self.growth_factor,
                                      self.backoff_factor, self.growth_interval)
+            self._below |= (found_inf > 0) & (self.scale <= self.min_scale)
+            self.scale.clamp_(min=self.min_scale)
+            if self._copied is not None:
+                self._below_host.copy_(self._below, non_blocking=True)
+                self._copied.record()
+
+    def floor_reached(self) -> bool:
+        """True once a back-off reached ``min_scale``: the gradients overflowed with the loss scaled by twice
+        ``min_scale`` or less. Never waits for the device: on CUDA it answers from the last flag that has reached
+        the host (that of this window or, while its copy is in flight, an earlier one: the floor is then seen one
+        window later, at the next ``step()``)."""
+        if self._copied is not None and not self._copied.query():
+            return False
+        # Host memory read as a byte (pinned on CUDA, where the event says the copy landed; on CPU the flag itself):
+        # no device is waited for.
+        if not self._below_host.untyped_storage()[0]:
+            return False
+        self._below.zero_()  # reported once: training may go on (a lower learning rate, a smaller floor)
+        self._below_host.zero_()
+        return True
+
+    def floor_error(self) -> RuntimeError:
+        """The error ``GradientAccumulator.step()`` raises once ``floor_reached()``."""
+        return RuntimeError(
+            f"the dynamic loss scale fell to its floor min_loss_scale={self.min_scale:g}: the gradients overflowed "
+            "(inf/NaN) even with the loss barely scaled, after backing off window after window. Likely causes: "
+            "(1) the loss given to acc.backward() was already scaled by torch.amp.GradScaler (scaler.scale(loss)): "
+            "remove the GradScaler and its scale/unscale_/step/update calls, gaengine scales the loss itself "
+            "(loss_scale='auto'); (2) the model diverged (an inf/NaN loss): lower the learning rate, check the "
+            "data, resume from a checkpoint. This window was skipped (no parameter changed) and dropped; training can "
+            "go on. To let the scale fall further, pass a smaller min_loss_scale")
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.detach().clone().cpu(), "growth_tracker": self.growth_tracker.detach().clone().cpu(),

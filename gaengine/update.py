@@ -1,15 +1,17 @@
 """The update: fp32 master weights, the optimizer step with the step's coefficient folded in, the model copy.
 
 * ``MasterWeights``: for the bf16/fp16 parameters the optimizer holds, fp32 masters in one flat buffer
-  (4 B/param), swapped into the optimizer's param groups; each master's ``.grad`` is its view of the fp32
-  main_grad buffer (re-pointed by ``attach_grads`` when the layout changes), so the optimizer reads the
-  accumulated gradient in place. The bf16/fp16 model parameters themselves (the same ``Parameter`` objects,
+  (4 B/param), swapped into the optimizer's param groups; during ``apply_update`` each master's ``.grad`` is its
+  view of the fp32 main_grad buffer, so the optimizer reads the accumulated gradient in place. The bf16/fp16 model parameters themselves (the same ``Parameter`` objects,
   ``p.data`` re-pointed) become views of one flat buffer per dtype laid out exactly like their range of the
   master buffer (Megatron-Core's distributed optimizer re-points its params the same way), so after the
   update the masters are rounded into the model with one flat copy per dtype, unless the optimizer writes
   them itself (``gaengine.optim.FusedAdamW``).
 * ``apply_update``: gives every optimized parameter (or its master) its gradient, runs the optimizer with
   ``coef`` (0-d fp32 on the device: normalization x clipping) and the skip flag, then steps the scheduler.
+  The gradients exist only for that call: outside it the optimizer's parameters hold no ``.grad`` (and no
+  ``main_grad``), so a leftover ``optimizer.step()`` / ``optimizer.zero_grad()`` in a user's loop after
+  ``acc.step()`` changes nothing (torch's optimizers skip a parameter whose ``.grad`` is None).
   A fused torch optimizer takes both through ``grad_scale``/``found_inf`` (no pass, no host sync); any
   other gets one scale pass over main_grad and one host read of the skip flag. Without masters, a torch
   optimizer gets each low-precision parameter's gradient normalized, clipped and rounded to its dtype;
@@ -21,13 +23,16 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["MasterWeights", "apply_update", "expose_grads", "fused_optimizer", "step_optimizer", "step_scheduler"]
+__all__ = ["MasterWeights", "apply_update", "check_optimizer_step", "expose_grads", "fused_optimizer",
+           "merge_model_write", "param_versions", "step_optimizer", "step_scheduler"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -61,6 +66,7 @@ class MasterWeights:
         self.masters: dict[int, nn.Parameter] = {}
         self.buffer: FlatBuffer | None = None
         self.low_params: list[torch.Tensor] = []
+        self._versions: list[int] = []  # low_params' version counters when the masters were last rounded into them
         self.low_masters: list[nn.Parameter] = []
         self.model_buffers: dict[torch.dtype, FlatBuffer] = {}
         self._model_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model flat buffer, master range)
@@ -80,26 +86,21 @@ class MasterWeights:
         if not low:
             return
         if not enabled:
+            # The update keeps the state in the param dtype (torch.optim.AdamW's layout); fp32 state (a master-weights
+            # checkpoint loaded before) is rounded to it once, as torch's Optimizer.load_state_dict casts it.
+            for p in low:
+                _convert_state(optimizer.state.get(p, {}), p, p.dtype)
             if hasattr(optimizer, "attach_model_params"):  # gaengine.optim.FusedAdamW
                 self.optimizer_reads_main_grad = True
-                for p in low:  # its in-place update keeps m, v in the param dtype (torch.optim.AdamW's layout)
-                    state = optimizer.state.get(p, {})
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        t = state.get(key)
-                        if isinstance(t, torch.Tensor) and t.dtype != p.dtype:
-                            state[key] = t.to(p.dtype).contiguous()
             else:
                 self.normalize_before_rounding = True
             return
-        index = {id(p): i for i, p in enumerate(params)}
         low = [p for dtype in _LOW_PRECISION for p in low if p.dtype == dtype]  # each dtype one range
         self.buffer = FlatBuffer(FlatLayout.build(low), torch.float32, device)
         with torch.no_grad():
             for p, view in zip(low, self.buffer.views):
                 view.copy_(p)
-                master = nn.Parameter(view, requires_grad=True)  # aliases the flat master buffer
-                master.grad = main_grad.views[index[id(p)]]
-                self.masters[id(p)] = master
+                self.masters[id(p)] = nn.Parameter(view, requires_grad=True)  # aliases the flat master buffer
             start = 0
             for dtype in _LOW_PRECISION:
                 group = [p for p in low if p.dtype == dtype]
@@ -118,20 +119,36 @@ class MasterWeights:
                 start += model.layout.total_numel
         for group in optimizer.param_groups:
             group["params"] = [self.masters.get(id(q), q) for q in group["params"]]
-        for p in low:  # state built before the accumulator (rare) follows its parameter
+        for p in low:  # state built before the accumulator (a step taken, a resume) follows its parameter, in fp32
             if p in optimizer.state:
-                optimizer.state[self.masters[id(p)]] = optimizer.state.pop(p)
+                state = optimizer.state[self.masters[id(p)]] = optimizer.state.pop(p)
+                _convert_state(state, p, torch.float32)  # exact: bf16/fp16 -> fp32
         self.low_params = low
         self.low_masters = [self.masters[id(p)] for p in low]
         self.optimizer_writes_model = hasattr(optimizer, "attach_model_params")
         if self.optimizer_writes_model:
             optimizer.attach_model_params(list(zip(self.low_masters, low)))
+        self._versions = param_versions(low)
 
-    def attach_grads(self, params: list[torch.Tensor], main_grad: FlatBuffer) -> None:
-        """Point each master's ``.grad`` at its parameter's view of a new main_grad (a new layout)."""
-        for p, view in zip(params, main_grad.views):
-            if id(p) in self.masters:
-                self.masters[id(p)].grad = view
+    def pull_model_writes(self) -> None:
+        """Copy into their fp32 masters the bf16/fp16 parameters written since the masters were last rounded into
+        the model: ``model.load_state_dict()`` or an in-place write under ``torch.no_grad()`` after construction
+        (exact: a bf16/fp16 value is an fp32 value). Without it the next update would start from the old masters
+        and revert the write. Seen through each parameter's version counter (bumped by every in-place op; a write
+        through ``p.data`` is not seen): one host-side integer per parameter, no device work unless one changed.
+        An element that still holds its master's rounding keeps the master (``merge_model_write``), so loading the
+        model of a checkpoint beside the accumulator's own masters, in either order, keeps their fp32 bits."""
+        versions = param_versions(self.low_params)
+        if versions == self._versions:
+            return
+        for p, master, new, old in zip(self.low_params, self.low_masters, versions, self._versions):
+            if new != old:
+                merge_model_write(master, p)
+        self._versions = versions
+
+    def model_written(self) -> None:
+        """The masters' rounding is in the model now (after the update): the version counters to compare with."""
+        self._versions = param_versions(self.low_params)
 
     def check_model(self) -> None:
         """Raise ``RuntimeError`` when the re-pointed parameters no longer live in the flat model buffers (the
@@ -155,6 +172,54 @@ class MasterWeights:
             for model, master_range in self._model_copies:
                 model.copy_(master_range)
         increment_version(self.low_params)  # p.data = view gave each parameter its own version counter
+        self.model_written()
+
+
+def _convert_state(state: dict, param: torch.Tensor, dtype: torch.dtype) -> None:
+    """Give ``dtype`` to the per-element floating tensors of one parameter's optimizer ``state`` (those of
+    ``param``'s numel, e.g. Adam's ``exp_avg``/``exp_avg_sq``; ``step`` and other scalars are kept), in place."""
+    for key, t in state.items():
+        if (key != "step" and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+                and t.numel() == param.numel()):
+            state[key] = t.to(dtype).contiguous()
+
+
+def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """``TypeError`` naming ``optimizer`` unless its ``step()`` can be called with no argument, once per window, as
+    gaengine calls it (``torch.optim.LBFGS`` and other closure optimizers re-evaluate the loss inside ``step``,
+    which an accumulation window cannot do)."""
+    try:  # the class's step, less self (an lr_scheduler wraps the instance's step in a (*args, **kwargs) wrapper)
+        signature = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return  # a builtin step: nothing to read, gaengine calls it as torch's optimizers are called
+    required = [q.name for q in signature
+                if q.default is inspect.Parameter.empty and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD,
+                                                                        q.KEYWORD_ONLY)]
+    if not required:
+        return
+    what = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    closure = "closure" in required
+    raise TypeError(
+        f"optimizer {what}.step() requires {', '.join(map(repr, required))}, but gaengine calls optimizer.step() "
+        "with no argument once per accumulation window, on the window's accumulated gradient. "
+        + ("A closure optimizer (LBFGS) re-evaluates the loss several times per step, which a window of "
+           "micro-batches cannot do: " if closure else "")
+        + "use an optimizer whose step() needs no argument (torch.optim.AdamW, SGD, gaengine.optim.FusedAdamW), "
+        "or train without the accumulator")
+
+
+def merge_model_write(master: torch.Tensor, param: torch.Tensor) -> None:
+    """``master`` (fp32) takes ``param``'s value (bf16/fp16, same numel) wherever it differs from the master's own
+    rounding: a value written into the model since; elsewhere the master keeps its fp32 bits. On the device, no
+    host read."""
+    with torch.no_grad():
+        param = param.reshape(master.shape)
+        master.copy_(torch.where(param == master.to(param.dtype), master, param.to(torch.float32)))
+
+
+def param_versions(params: list[torch.Tensor]) -> list[int]:
+    """Each parameter's version counter (``Tensor._version``: bumped by every in-place write)."""
+    return [p._version for p in params]
 
 
 def fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -173,8 +238,8 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
     ``lr_scheduler`` (or None) is stepped only when the update was applied (one host read of ``skipped``).
     """
     masters.check_model()  # before anything is written
-    fp32_params = [p for p in params if id(p) not in masters.masters]
-    main_grad_params = []  # low-precision params handed their fp32 main_grad view (FusedAdamW, no masters)
+    masters.pull_model_writes()  # model.load_state_dict() since the last update reaches the masters
+    targets = []  # what the optimizer holds and was handed a gradient: none of it keeps one after the step
     unused = {id(params[i]) for i in unwritten}
     fused = fused_optimizer(optimizer)
     scaled = not fused or masters.normalize_before_rounding
@@ -185,29 +250,26 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
             continue  # trainable but not optimized: counted in the norm, left alone
         target = masters.masters.get(id(p), p)
         view = main_grad.views[i]
+        targets.append(target)
         if masters.optimizer_reads_main_grad and target.dtype != torch.float32:
             target.grad = None
             target.main_grad = None if id(p) in unused else view  # read by FusedAdamW in fp32, no copy
-            main_grad_params.append(target)
         elif id(p) in unused:
             target.grad = None
-        else:  # a low-precision param without a master gets a rounded copy, freed after the step
+        else:  # fp32 (a master, or an fp32 param): the view itself; a low-precision param: a rounded copy
             target.grad = view if target.dtype == torch.float32 else view.to(target.dtype)
     try:
         applied = step_optimizer(optimizer, coef, skipped, scaled)
     finally:
-        for p in fp32_params:
-            p.grad = None
-        for p in main_grad_params:
-            del p.main_grad
-        for i in unwritten:
-            master = masters.masters.get(id(params[i]))
-            if master is not None:
-                master.grad = main_grad.views[i]
+        for target in targets:
+            target.grad = None
+            if hasattr(target, "main_grad"):
+                del target.main_grad
     if masters.masters and not masters.optimizer_writes_model:
         # A skipped update left the masters unchanged, and the model already holds their rounding:
         # copying unconditionally is bit-identical and needs no host read of the skip flag.
         masters.copy_to_model()
+    masters.model_written()
     step_scheduler(lr_scheduler, applied, skipped)
 
 

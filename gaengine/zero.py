@@ -79,7 +79,7 @@ from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, wait_for, wait_quietly
-from gaengine.update import fused_optimizer, step_optimizer, step_scheduler
+from gaengine.update import fused_optimizer, merge_model_write, param_versions, step_optimizer, step_scheduler
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
 
@@ -495,6 +495,10 @@ class ShardedState:
         self.reads_main_grad = fused_adamw and not master_weights and bool(low)
         self.normalize_before_rounding = not fused_adamw and not master_weights and bool(low)
         self.gather_buckets = [b for b in shard.buckets if any(self.optimized[b.first:b.last])]
+        # The parameters whose rank range has an fp32 master here: (parameter, master piece, its model view).
+        self._mastered = [(p, piece, view) for p, piece, view in zip(params, self.pieces, self.model_views)
+                          if piece is not None and p.dtype in self.master_shards]
+        self._versions = param_versions([p for p, _, _ in self._mastered])
         self._pending: dict[int, object] = {}
         self._handles = []
         if overlap_param_gather and model is not None:
@@ -530,6 +534,19 @@ class ShardedState:
         wait_for(dist.all_reduce(sums, group=self.group, async_op=True), "all-reduce of the gradient norm")
         return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
 
+    def pull_model_writes(self) -> None:
+        """``gaengine.update.MasterWeights.pull_model_writes`` for this rank's master shard: each parameter written
+        since the last update (``model.load_state_dict()``, an in-place write under ``torch.no_grad()``) has its
+        rank range merged into its master (``gaengine.update.merge_model_write``), so the next update does not revert
+        it."""
+        versions = param_versions([p for p, _, _ in self._mastered])
+        if versions == self._versions:
+            return
+        for (_, piece, view), new, old in zip(self._mastered, versions, self._versions):
+            if new != old:
+                merge_model_write(piece, view)
+        self._versions = versions
+
     def update(self, lr_scheduler, backend, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int]) -> None:
         """Update this rank's pieces with the gradient ``shard · coef`` (skipped when ``skipped``), write the
         masters' rounding into the parameter buffers, then all-gather every bucket that holds an optimized
@@ -537,6 +554,7 @@ class ShardedState:
         a parameter in ``unwritten`` (no rank produced a gradient) gets no update."""
         optimizer = self.optimizer
         self.wait_gathers()
+        self.pull_model_writes()  # model.load_state_dict() since the last update reaches the masters
         fused = fused_optimizer(optimizer)
         scaled = not fused or self.normalize_before_rounding
         if scaled:
@@ -601,6 +619,7 @@ class ShardedState:
             self.gather_bytes += out.numel() * out.element_size()
             self.gathers_issued += 1
         increment_version(self.params)  # written in place, as an in-place op would
+        self._versions = param_versions([p for p, _, _ in self._mastered])
         if not self.overlap_param_gather:
             self.wait_gathers()
 
