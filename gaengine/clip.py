@@ -2,19 +2,71 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
+import types
+import warnings
 from collections.abc import Iterable
 
 import torch
 
 from gaengine.backends import get_backend
 
-__all__ = ["clip_grad_norm_", "clip_coefficient"]
+__all__ = ["OWNER_ATTR", "clip_grad_norm_", "clip_coefficient", "guard_torch_clip_grad_norm"]
+
+# The attribute a GradientAccumulator sets on each parameter it owns: a weakref to it.
+OWNER_ATTR = "_gaengine_accumulator"
+_warned = False
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (clip_grad.py, `max_norm / (total_norm + 1e-6)`).
 CLIP_EPS = 1e-6
 # The dtypes the backends' l2norm_sq takes; any other gradient (float64, complex) goes to torch's clip_grad_norm_.
 _FUSED_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def warn_if_accumulated(params: list[torch.Tensor], caller: str) -> None:
+    """Warn once per process when ``params`` holds a parameter of a live ``GradientAccumulator`` with no ``.grad``:
+    ``caller`` (a clip over ``.grad``) would return a norm of 0 and clip nothing, while gaengine clips itself."""
+    global _warned
+    if _warned:
+        return
+    for p in params:
+        owner = getattr(p, OWNER_ATTR, None) if isinstance(p, torch.Tensor) else None
+        if owner is not None and owner() is not None and p.grad is None:
+            _warned = True
+            warnings.warn(
+                f"{caller} was given the parameters of a gaengine.GradientAccumulator, whose .grad is None "
+                "(gaengine accumulates into its fp32 main_grad and frees .grad as it goes), so it returns a norm of "
+                "0 and clips nothing. gaengine clips the window's gradient itself: set "
+                "GradientAccumulator(max_grad_norm=...) (1.0 by default), delete this call, and log "
+                "result.grad_norm and result.clip_coef from acc.step()", UserWarning, stacklevel=3)
+            return
+
+
+def guard_torch_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` (the name torch, HF Transformers, Accelerate and Lightning call)
+    warn once (``warn_if_accumulated``) when a GradientAccumulator's parameters are passed to it, then run torch's
+    own. Called by ``GradientAccumulator.__init__``; idempotent. A reference taken before (``from
+    torch.nn.utils import clip_grad_norm_``) keeps torch's function, without the warning."""
+    original = torch.nn.utils.clip_grad_norm_
+    if getattr(original, "_gaengine_guard", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        if not isinstance(parameters, torch.Tensor):
+            generator = isinstance(parameters, types.GeneratorType)
+            parameters = list(parameters)
+            warn_if_accumulated(parameters, "torch.nn.utils.clip_grad_norm_")
+            if generator:  # torch warns about an empty generator itself
+                parameters = (p for p in parameters)
+        else:
+            warn_if_accumulated([parameters], "torch.nn.utils.clip_grad_norm_")
+        return original(parameters, *args, **kwargs)
+
+    clip_grad_norm_._gaengine_guard = True
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -54,6 +106,7 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
+    warn_if_accumulated(params, "gaengine.clip_grad_norm_")
     grads = [p.grad for p in params if p.grad is not None]
     if (float(norm_type) != 2.0 or not grads or len({g.device for g in grads}) > 1
             or any(g.is_sparse or g.dtype not in _FUSED_GRAD_DTYPES for g in grads)):

@@ -10,11 +10,14 @@ coefficient), so unscaling costs no pass over the gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-__all__ = ["DEFAULT_MIN_LOSS_SCALE", "LossScaler", "check_min_loss_scale"]
+__all__ = ["DEFAULT_MIN_LOSS_SCALE", "LossScaler", "check_min_loss_scale", "guard_grad_scaler", "scaled_by_grad_scaler"]
+
+_GRAD_SCALER_MARK = "_gaengine_scaled_by_grad_scaler"
 
 # The floor of the dynamic loss scale (DeepSpeed's ``min_loss_scale`` default): a scale that keeps falling below 1
 # means the gradients overflow with the loss unscaled, which is a bug (a loss scaled twice) or divergence, not data.
@@ -27,6 +30,31 @@ def check_min_loss_scale(value) -> float:
         raise ValueError(f"min_loss_scale must be a positive finite float (the dynamic loss scale's floor, "
                          f"{DEFAULT_MIN_LOSS_SCALE:g} by default as DeepSpeed's), got {value!r}")
     return float(value)
+
+
+def guard_grad_scaler() -> None:
+    """Mark the tensor ``torch.amp.GradScaler.scale`` returns (an enabled scaler, one tensor), so that
+    ``GradientAccumulator.backward`` can refuse a loss that a plain-recipe GradScaler already scaled before anything
+    is accumulated (``scaled_by_grad_scaler``). Called by ``GradientAccumulator.__init__``; idempotent; the scaler
+    itself is unchanged."""
+    original = torch.amp.GradScaler.scale
+    if getattr(original, "_gaengine_guard", False):
+        return
+
+    @functools.wraps(original)
+    def scale(self, outputs):
+        scaled = original(self, outputs)
+        if isinstance(scaled, torch.Tensor) and scaled is not outputs:  # a disabled scaler returns its input
+            setattr(scaled, _GRAD_SCALER_MARK, True)
+        return scaled
+
+    scale._gaengine_guard = True
+    torch.amp.GradScaler.scale = scale
+
+
+def scaled_by_grad_scaler(loss: torch.Tensor) -> bool:
+    """Whether ``loss`` is the output of an enabled ``torch.amp.GradScaler.scale`` (see ``guard_grad_scaler``)."""
+    return getattr(loss, _GRAD_SCALER_MARK, False)
 
 
 class LossScaler:
