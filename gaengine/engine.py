@@ -1,6 +1,6 @@
 """``GradientAccumulator``: fp32 flat-buffer gradient accumulation, late normalization, clipping, update.
 
-Data flow of one accumulation window of K micro-batches (DESIGN.md); this module orchestrates it, each
+Data flow of one accumulation window of K micro-batches (docs/design.md); this module orchestrates it, each
 stage lives in the module named after it:
 
 * ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook takes ``p.grad`` at once and,
@@ -34,20 +34,22 @@ from torch import nn
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine.bucket import build_buckets
+from gaengine.clip import OWNER_ATTR as _OWNER_ATTR, guard_torch_clip_grad_norm
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.noise import NoiseEstimate, NoiseScale
 from gaengine.norm import window_norm
-from gaengine.reduce import BucketReducer, WindowStats, broadcast_from_first_rank, launch_window_stats, wait_quietly
-from gaengine.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler, check_min_loss_scale
+from gaengine.reduce import (BucketReducer, CountMailbox, WindowStats, broadcast_from_first_rank,
+                             count_mismatch_message, launch_window_stats, wait_quietly)
+from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, check_min_loss_scale, guard_grad_scaler,
+                             scaled_by_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
-from gaengine.update import MasterWeights, apply_update, check_optimizer_step, expose_grads
+from gaengine.update import MasterWeights, apply_update, check_optimizer_step, expose_grads, fused_optimizer
 from gaengine.zero import (STAGING_SLOTS, ZERO_STAGES, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer,
                            zero_order)
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
-_OWNER_ATTR = "_gaengine_accumulator"
 _FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                   "micro-batches; call acc.zero_grad() to drop it, then go on")
 
@@ -448,6 +450,8 @@ class GradientAccumulator:
         ref = weakref.ref(self)
         for p in self.params:
             setattr(p, _OWNER_ATTR, ref)
+        guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
+        guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
 
     # ------------------------------------------------------------------ setup
     def _set_layout(self, order: list[torch.Tensor]) -> None:
@@ -508,8 +512,8 @@ class GradientAccumulator:
             micro-batch of a window passes it or none does.
         backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
 
-        Raises ``ValueError`` for a bad ``loss`` or ``num_items`` (an int must be >= 1) and ``RuntimeError`` when
-        the window is already complete (call ``step()``), when an earlier backward of this window raised (call
+        Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``
+        (an int must be >= 1) and ``RuntimeError`` when the window is already complete (call ``step()``), when an earlier backward of this window raised (call
         ``zero_grad()``), or when the model was moved or converted after construction (build a new accumulator);
         in all these cases nothing is accumulated and the window is left as it was. An error raised during
         autograd (a user's hook, out of memory, a gradient arriving too late to be reduced) leaves the window
@@ -520,9 +524,17 @@ class GradientAccumulator:
             raise ValueError(f"loss must be a scalar floating tensor (reduce it with .mean() or .sum()), got {what}")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: it was computed under torch.no_grad() or from frozen parameters")
+        if scaled_by_grad_scaler(loss):
+            raise ValueError(
+                "loss was scaled by torch.amp.GradScaler.scale(): gaengine scales the loss itself (loss_scale='auto' "
+                "is dynamic for fp16) and folds the inverse scale into its update, so a second scale would make every "
+                "window overflow and the updates 65536x too large. Pass the unscaled loss, acc.backward(loss), and "
+                "delete the GradScaler and its unscale_/step/update calls; nothing was accumulated")
         self._check_model()
         if self._failed_backward:
             raise RuntimeError(_FAILED_WINDOW)
+        if self._count_check is not None:  # the last window's per-rank counts, unread by its step()
+            self._report_count_check()
         if self._num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
@@ -593,7 +605,8 @@ class GradientAccumulator:
             self.hooks.set_written(i, True)
         self._stats = launch_window_stats(self.reducer, self.main_grad, unused, self._loss_sum,
                                           self._window_items(), self.process_group,
-                                          extra=None if self._noise is None else self._noise_terms())
+                                          extra=None if self._noise is None else self._noise_terms(),
+                                          count=self._num_micro_batches)
 
     def _window_sources(self) -> torch.Tensor | None:
         """``(k,)`` fp32 on the device: the source norms of the window's micro-batches so far, those of a window saved
@@ -657,10 +670,32 @@ class GradientAccumulator:
         is True, ``grad_norm`` and ``loss`` are inf or NaN, the window is dropped; with dynamic loss scaling the
         scale backs off as for any skipped update). Python ints are checked in ``backward()`` instead.
 
+        Several ranks: every rank's window must hold the same number of micro-batches (5 micro-batches on one
+        rank and 6 on another in an epoch with K = 2 leave one rank a window of 1 and the other one of 2). The
+        window's stats all-reduce carries each rank's count in a slot of its own, so every rank learns every count
+        on the device. When they differ, no rank applies the update: the step runs to its end as a skipped update
+        (every rank issues the same collectives: at ``zero_stage=2`` a partial window reduce-scatters K - k rounds
+        of zeros for the micro-batches it lacks, as the fuller windows reduce theirs), the parameters, the optimizer
+        state, the ``lr_scheduler`` and the loss scale are left unchanged on every rank (``result.skipped`` is True,
+        the schedule's update count does not move; BatchNorm window statistics are applied, as forward passes in
+        training mode would), the window is dropped, and every rank raises ``RuntimeError`` naming this rank's count
+        and the others' and what to do (``DistributedSampler(drop_last=True)``, equal micro-batch counts).
+        ``acc.zero_grad()`` afterwards is harmless, and training goes on. When the host reads the counts:
+
+        * in this ``step()``, which then raises, when it reads the device anyway: a non-fused optimizer, an
+          ``lr_scheduler`` or ``max_consecutive_skips`` read the skip flag, and the counts are read right after it
+          (the device is drained by then); a rank with parameters it used in no micro-batch reads their flags and
+          the counts in one read; a partial window (``force=True``, once an epoch) reads them;
+        * otherwise (a fused optimizer, nothing read: no host sync in ``step()``) they are copied to host memory
+          behind the all-reduce without waiting, and this rank's next ``backward()`` or ``step()`` reads them and
+          raises before doing anything (on CUDA waiting for that copy only, not for the device to drain).
+
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
         k = self._num_micro_batches
+        if self._count_check is not None:  # the last window's per-rank counts, unread by its step()
+            self._report_count_check()
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
         self._check_model()
@@ -669,10 +704,13 @@ class GradientAccumulator:
 
         dev = self.device
         loss_sum = self._loss_sum
+        mismatch = None  # several ranks: 0-d bool on the device, the ranks' windows hold different counts
+        partial = False
         if self.distributed:
-            if self._stats is None:  # a partial window (force=True): nothing launched yet
-                if self._zero is not None and self.zero_stage == 2:
-                    self._zero.end_partial_window(self.hooks)  # its micro-batches are reduced already
+            partial = self._stats is None
+            if partial:  # force=True on a partial window: nothing launched yet
+                if self._zero is not None and self.zero_stage == 2:  # its micro-batches are reduced already; and
+                    self._zero.end_partial_window(self.hooks, self.accumulation_steps - k)  # K - k rounds of zeros
                 else:
                     self.reducer.begin()
                 self._finish_communication_launch()
@@ -680,6 +718,7 @@ class GradientAccumulator:
             loss_sum, global_items = self._stats.wait()
             for i in self._stats.globally_unused():
                 self.hooks.set_written(i, False)
+            mismatch = self._stats.count_mismatch()
         if self._item_mode:
             if self.distributed:
                 denom = num_items = global_items
@@ -704,26 +743,42 @@ class GradientAccumulator:
                                free=self.hooks.free_norm())
         loss = loss_sum / denom
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
+        skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
             terms = self._stats.extra() if self.distributed else self._noise_terms()
-            noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, norm.skipped)
+            noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
 
         if self.optimizer is None:
             self.backend.scale_(self.main_grad.data, norm.coef)
             expose_grads(self.params, self.main_grad, unwritten)
             self._grads_left = True
         elif self._zero is not None:  # each rank updates its shard, then the parameters are all-gathered
-            self._zero.update(self.lr_scheduler, self.backend, norm.coef, norm.skipped, unwritten)
+            self._zero.update(self.lr_scheduler, self.backend, norm.coef, skipped, unwritten)
         else:
             apply_update(self.optimizer, self.lr_scheduler, self._masters, self.backend, self.params,
-                         self.main_grad, norm.coef, norm.skipped, unwritten)
+                         self.main_grad, norm.coef, skipped, unwritten)
 
-        if self.scaler is not None:
+        # The ranks' counts on the host: read now where step() reads the device anyway or ends an epoch (see the
+        # docstring), else copied behind the all-reduce and read by the next backward() / step().
+        counts, unread = None, False
+        if mismatch is not None:
+            if partial or self._stats.host_counts is not None or self._reads_skip_flag():
+                counts = self._stats.read_counts()  # host read: after the skip flag's, or the unused flags', or force
+            else:
+                unread = True
+                if self._count_mailbox is None:
+                    self._count_mailbox = CountMailbox(self.world_size, self.device)
+                self._count_mailbox.post(self._stats.counts())  # no host wait
+        differ = counts is not None and any(c != k for c in counts)
+        scaler_state = None  # what a mismatch found later restores
+        if self.scaler is not None and not differ:
+            if unread and self.scaler.dynamic:
+                scaler_state = (loss_scale, self.scaler.growth_tracker.clone())
             self.scaler.update(norm.skipped.to(torch.float32))
         if self.window_batchnorm is not None:
             self.window_batchnorm.end_window()
-        result = StepResult(grad_norm=norm.grad_norm, clip_coef=norm.clip_coef, skipped=norm.skipped,
+        result = StepResult(grad_norm=norm.grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss, loss_scale=loss_scale,
                             **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
                                                              noise_trace_sigma=noise.trace_sigma,
@@ -731,16 +786,57 @@ class GradientAccumulator:
         observe = getattr(self._schedule, "observe", None)
         if observe is not None:  # an adaptive schedule (gaengine.schedules.Adaptive) reads the window's result
             observe(result)
-        self._update_index += 1
-        self._items_seen += k * self.world_size * (self.micro_batch_size or 1)
-        if self.max_consecutive_skips is not None:
+        counters = (self._update_index, self._items_seen)
+        if not differ:
+            self._update_index += 1
+            self._items_seen += k * self.world_size * (self.micro_batch_size or 1)
+        if self.max_consecutive_skips is not None and not differ:
             self._check_consecutive_skips(norm.skipped, loss_scale)
         self._reset_window()
         if self.hooks.arrival is not None:
-            self._relearn_layout()
+            self._relearn_layout()  # a collective: every rank gets here, whether it knows the counts or not
+        if differ:
+            self._raise_count_mismatch(counts)
+        if unread:
+            self._count_check = (*counters, scaler_state)
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
         return result
+
+    # Several ranks (see step()): the counters and loss scale of the last window, whose per-rank micro-batch counts
+    # its step() copied to ``_count_mailbox`` without reading them (``(update_index, items_seen, (scale,
+    # growth_tracker) or None)``), for the next backward() / step() to check; None when there is nothing to check.
+    _count_check: tuple | None = None
+    _count_mailbox: CountMailbox | None = None
+
+    def _reads_skip_flag(self) -> bool:
+        """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
+        device), an ``lr_scheduler`` (it runs on the host) or ``max_consecutive_skips``."""
+        return ((self.optimizer is not None and not fused_optimizer(self.optimizer)) or self.lr_scheduler is not None
+                or self.max_consecutive_skips is not None)
+
+    def _report_count_check(self) -> None:
+        """Read the last window's per-rank counts (``_count_check``); when they differed, restore what its
+        ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise ``RuntimeError``.
+        Called first thing by ``backward()`` and ``step()``, so the window since is empty and stays so."""
+        update_index, items_seen, scaler_state = self._count_check
+        self._count_check = None
+        counts = self._count_mailbox.read()  # host memory; on CUDA waits for its copy only
+        if all(c == counts[0] for c in counts):
+            return
+        self._update_index, self._items_seen = update_index, items_seen
+        if scaler_state is not None:
+            self.scaler.scale.copy_(scaler_state[0])
+            self.scaler.growth_tracker.copy_(scaler_state[1])
+        self._raise_count_mismatch(counts, f" in the last window (after {update_index} updates: its step() skipped the "
+                                           "update on the device without reading the counts, this call read them)")
+
+    def _raise_count_mismatch(self, counts: list[int], found: str = "") -> None:
+        """Raise the error of a window whose ranks held different micro-batch counts (``count_mismatch_message``);
+        without an optimizer, the gradients ``step()`` left in ``.grad`` are dropped first."""
+        if self.optimizer is None:
+            self._clear_grads()
+        raise RuntimeError(count_mismatch_message(counts, dist.get_rank(self.process_group), found))
 
     @property
     def accumulation_steps(self) -> int:

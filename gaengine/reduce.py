@@ -7,9 +7,10 @@ Buckets are launched strictly in index order, as torch DDP's reducer does (``red
 ``next_bucket_``), because collectives must be issued in the same order on every rank.
 
 At the end of the last backward, ``launch_window_stats`` zeroes the slices this rank never wrote, launches
-the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P), extra)`` in fp64 on the
-device: ``step()`` gets the global loss and item count from it, the parameters no rank produced a gradient
-for (``WindowStats.globally_unused``), which get no update, as with torch DDP, and the sums of any extra
+the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P), counts[0..W), extra)`` in
+fp64 on the device: ``step()`` gets the global loss and item count from it, the parameters no rank produced a
+gradient for (``WindowStats.globally_unused``), which get no update, as with torch DDP, every rank's micro-batch
+count (``WindowStats.count_mismatch``: the ranks' windows must hold equal counts) and the sums of any extra
 per-rank values (the noise scale's small-batch terms, ``gaengine.noise``).
 
 All of this is torch.distributed underneath (NCCL on GPU, gloo on CPU); gaengine owns only the bucketing
@@ -28,8 +29,8 @@ import torch.distributed as dist
 from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["BucketReducer", "WindowStats", "broadcast_from_first_rank", "launch_window_stats", "wait_for",
-           "wait_quietly"]
+__all__ = ["BucketReducer", "CountMailbox", "WindowStats", "broadcast_from_first_rank", "count_mismatch_message",
+           "launch_window_stats", "wait_for", "wait_quietly"]
 
 
 class BucketReducer:
@@ -144,58 +145,148 @@ def wait_for(work, what: str) -> None:
 class WindowStats:
     """The window's stats all-reduce, launched at the end of the last backward.
 
-    data: (2 + P + E,) fp64 on the device: the loss sum, the item count, per parameter (layout order) 1.0 where
-    this rank produced a gradient, then the E extra values (summed over ranks once ``wait()`` returned).
+    data: (2 + P + W + E,) fp64 on the device: the loss sum, the item count, per parameter (layout order) 1.0 where
+    this rank produced a gradient, per rank of the group (group rank order) its micro-batch count in the window
+    (this rank writes its own slot, the others 0), then the E extra values (all summed over ranks once ``wait()``
+    returned: every rank then holds every rank's count).
     locally_unused: layout indices of the parameters this rank got no gradient for in the window.
     num_extra: E, the extra values (the noise scale's small-batch terms, ``gaengine.noise``).
+    num_ranks: W, the group's size. rank: this rank's index in the group. count: this rank's micro-batches.
+    host_counts: the W counts once a host read brought them over (``globally_unused``, ``read_counts``), else None.
     """
 
     data: torch.Tensor
     work: object
     locally_unused: list[int]
     num_extra: int = 0
+    num_ranks: int = 0
+    rank: int = 0
+    count: int = 0
+    host_counts: list[int] | None = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the all-reduce; returns the global ``(loss_sum, items)``, 0-d fp32 on the device."""
         wait_for(self.work, "all-reduce of the window's loss and item count")
         return self.data[0].float(), self.data[1].float()
 
+    def counts(self) -> torch.Tensor:
+        """Every rank's micro-batch count in the window (after ``wait()``): ``(W,)`` fp64 on the device."""
+        end = self.data.numel() - self.num_extra
+        return self.data[end - self.num_ranks:end]
+
+    def count_mismatch(self) -> torch.Tensor:
+        """0-d bool on the device, no host read: True when some rank's window holds another number of micro-batches
+        than this rank's (every rank computes the same flag: if the counts are not all equal, each rank sees one
+        that differs from its own)."""
+        return self.counts().ne(float(self.count)).any()
+
+    def read_counts(self) -> list[int]:
+        """The W counts on the host (after ``wait()``): the ones ``globally_unused`` read, else one host read."""
+        if self.host_counts is None:
+            self.host_counts = [int(c) for c in self.counts().tolist()]  # host read: see GradientAccumulator.step
+        return self.host_counts
+
     def globally_unused(self) -> list[int]:
         """Parameters no rank produced a gradient for (after ``wait()``). Reads the flags on the host only on a
-        rank that has locally unused parameters (torch DDP's find_unused_parameters pays the same read)."""
+        rank that has locally unused parameters (torch DDP's find_unused_parameters pays the same read); the
+        ranks' micro-batch counts come over in the same read (``host_counts``)."""
         if not self.locally_unused:
             return []
-        flags = self.data[2:][self.locally_unused].tolist()  # host read: needed to leave .grad None
-        return [i for i, f in zip(self.locally_unused, flags) if f == 0.0]
+        n = len(self.locally_unused)
+        values = torch.cat([self.data[2:][self.locally_unused], self.counts()]).tolist()  # host read: .grad None
+        self.host_counts = [int(c) for c in values[n:]]
+        return [i for i, f in zip(self.locally_unused, values[:n]) if f == 0.0]
 
     def extra(self) -> torch.Tensor:
         """The extra values summed over ranks (after ``wait()``): ``(E,)`` fp64 on the device."""
         return self.data[self.data.numel() - self.num_extra:]
 
 
+class CountMailbox:
+    """Host memory for one window's per-rank micro-batch counts, filled behind the stats all-reduce without a host
+    wait (``post``) and read at the rank's next ``backward()`` / ``step()`` (``read``).
+
+    num_ranks: W. device: the stats' device; on CUDA the buffer is pinned, the copy is non-blocking and an event
+    marks its end, so ``read`` waits for that copy only (the device has the next micro-batch queued behind it),
+    never for the device to drain. The buffer is read through a NumPy view made here: host memory, no tensor read.
+    """
+
+    def __init__(self, num_ranks: int, device: torch.device) -> None:
+        self._host = torch.zeros(num_ranks, dtype=torch.float64, pin_memory=device.type == "cuda")
+        self._view = self._host.numpy()
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._posted = False
+
+    def post(self, counts: torch.Tensor) -> None:
+        """Start copying ``counts`` ((W,) fp64 on the device) into host memory; no host wait."""
+        self._host.copy_(counts, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self._posted = True
+
+    def read(self) -> list[int]:
+        """The counts of the last ``post`` (waiting on CUDA for that copy only)."""
+        if not self._posted:
+            raise RuntimeError("gaengine: CountMailbox.read() before post() (a bug)")
+        if self._event is not None:
+            self._event.synchronize()
+        self._posted = False
+        return [int(c) for c in self._view]
+
+
+def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str:
+    """The error every rank raises when the ranks' windows held different numbers of micro-batches.
+
+    counts: every rank's micro-batch count in the window (group rank order); rank: this rank's index in the group;
+    found: where it was found, when that was not the step that raises."""
+    shown = ", ".join(f"{r}: {c}" for r, c in enumerate(counts[:16])) + (", ..." if len(counts) > 16 else "")
+    hi, lo = max(counts), min(counts)
+    fewest = [r for r, c in enumerate(counts) if c == lo]
+    most = [r for r, c in enumerate(counts) if c == hi]
+    ranks = lambda rs: ", ".join(map(str, rs[:8])) + (", ..." if len(rs) > 8 else "")  # noqa: E731
+    return (
+        f"gaengine: the ranks' accumulation windows held different numbers of micro-batches{found}: this rank "
+        f"(rank {rank} of {len(counts)}) held {counts[rank]}; the most was {hi} (rank(s) {ranks(most)}), the fewest "
+        f"{lo} (rank(s) {ranks(fewest)}); per rank {{{shown}}}. Unequal windows are normalized differently on each "
+        "rank (the ranks' parameters would drift apart silently) and leave the ranks at different points of their "
+        "epoch, so no rank applied this update: the parameters, the optimizer state, the lr_scheduler and the loss "
+        "scale are unchanged on every rank, and the window is dropped (acc.zero_grad() is harmless; training can go "
+        "on). Every rank must call acc.backward() the same number of times per window and acc.step() together: give "
+        "every rank the same number of micro-batches per epoch, e.g. torch.utils.data.DistributedSampler(dataset, "
+        "drop_last=True) and the same batch size on every rank, or stop every rank at the smallest count."
+    )
+
+
 def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_unused: list[int],
                         loss_sum: torch.Tensor, items: torch.Tensor,
-                        group: dist.ProcessGroup | None, extra: torch.Tensor | None = None) -> WindowStats:
+                        group: dist.ProcessGroup | None, extra: torch.Tensor | None = None,
+                        count: int = 0) -> WindowStats:
     """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
 
     locally_unused: layout indices this rank wrote no gradient for in the window (their slices of
     ``main_grad`` are zeroed here, so the all-reduce sums zeros for them). loss_sum, items: 0-d, this rank's
     window loss sum (fp32) and item count (fp64), on the device. The stats all-reduce carries them and, per
-    parameter, whether this rank produced a gradient for it, so a parameter no rank used gets no update.
+    parameter, whether this rank produced a gradient for it, so a parameter no rank used gets no update; and, per
+    rank, its micro-batch count (``count``: this rank's, written into its own slot; one slot per rank, so the sum
+    gives every rank each rank's count exactly, in the same all-reduce: ``WindowStats.count_mismatch``).
     extra: ``(E,)`` fp64 on the device, more per-rank values to sum in the same all-reduce, or None.
     """
     for i in locally_unused:
         main_grad.flat_views[i].zero_()
     reducer.flush()
-    used = torch.ones(len(main_grad.flat_views), dtype=torch.float64)
-    used[locally_unused] = 0.0
-    parts = [loss_sum.double().reshape(1), items.double().reshape(1), used.to(loss_sum.device, non_blocking=True)]
+    num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_params = len(main_grad.flat_views)
+    host = torch.zeros(num_params + num_ranks, dtype=torch.float64)  # used flags, then the counts: one copy
+    host[:num_params] = 1.0
+    host[locally_unused] = 0.0
+    host[num_params + rank] = float(count)
+    parts = [loss_sum.double().reshape(1), items.double().reshape(1), host.to(loss_sum.device, non_blocking=True)]
     if extra is not None:
         parts.append(extra.double().reshape(-1))
     data = torch.cat(parts)
     work = dist.all_reduce(data, group=group, async_op=True)
     reducer.collectives_issued += 1
-    return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel())
+    return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel(), num_ranks, rank, count)
 
 
 def _first_rank(group: dist.ProcessGroup | None) -> int:

@@ -675,7 +675,20 @@ class ShardedState:
         if last:
             hooks.set_all_written(self.window_used)
 
-    def end_partial_window(self, hooks) -> None:
-        """Stage 2, ``step(force=True)``: complete the last reductions; ``written`` becomes the window's."""
-        self.reducer.wait()
+    def end_partial_window(self, hooks, missing: int = 0) -> None:
+        """Stage 2, ``step(force=True)`` on a window of k < K micro-batches: reduce-scatter ``missing`` (K - k) rounds
+        of zeros, every bucket in order as a micro-batch would (added into the gradient shard: zeros when every
+        rank's window is as short), so that every rank issues K rounds and then the stats all-reduce per window,
+        whatever its count. A rank whose window holds more micro-batches is reduce-scattering them meanwhile: the
+        collectives stay matched one to one, and the stats tell every rank that the counts differ. Then complete
+        the last reductions; ``written`` becomes the window's."""
+        reducer = self.reducer
+        for _ in range(missing):
+            reducer.wait()
+            reducer.overwrite = False
+            reducer.begin()
+            for b in reducer.buckets:
+                reducer.acquire(b.index).zero_()  # a bucket of the ring (the earliest launched one completes first)
+                reducer.bucket_ready(b.index)  # launched at once: every bucket before it was
+        reducer.wait()
         hooks.set_all_written(self.window_used)
