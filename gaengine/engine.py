@@ -39,7 +39,7 @@ from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.noise import NoiseEstimate, NoiseScale
 from gaengine.norm import window_norm
-from gaengine.reduce import (BucketReducer, CountMailbox, WindowStats, broadcast_from_first_rank,
+from gaengine.reduce import (BucketReducer, HostMailbox, WindowStats, broadcast_from_first_rank,
                              count_mismatch_message, launch_window_stats, wait_quietly)
 from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, check_min_loss_scale, guard_grad_scaler,
                              scaled_by_grad_scaler)
@@ -768,7 +768,7 @@ class GradientAccumulator:
             else:
                 unread = True
                 if self._count_mailbox is None:
-                    self._count_mailbox = CountMailbox(self.world_size, self.device)
+                    self._count_mailbox = HostMailbox(self.world_size, torch.float64, self.device)
                 self._count_mailbox.post(self._stats.counts())  # no host wait
         differ = counts is not None and any(c != k for c in counts)
         scaler_state = None  # what a mismatch found later restores
@@ -807,7 +807,7 @@ class GradientAccumulator:
     # its step() copied to ``_count_mailbox`` without reading them (``(update_index, items_seen, (scale,
     # growth_tracker) or None)``), for the next backward() / step() to check; None when there is nothing to check.
     _count_check: tuple | None = None
-    _count_mailbox: CountMailbox | None = None
+    _count_mailbox: HostMailbox | None = None
 
     def _reads_skip_flag(self) -> bool:
         """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
@@ -821,7 +821,7 @@ class GradientAccumulator:
         Called first thing by ``backward()`` and ``step()``, so the window since is empty and stays so."""
         update_index, items_seen, scaler_state = self._count_check
         self._count_check = None
-        counts = self._count_mailbox.read()  # host memory; on CUDA waits for its copy only
+        counts = [int(c) for c in self._count_mailbox.read()]  # host memory; on CUDA waits for its copy only
         if all(c == counts[0] for c in counts):
             return
         self._update_index, self._items_seen = update_index, items_seen

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["BucketReducer", "CountMailbox", "WindowStats", "broadcast_from_first_rank", "count_mismatch_message",
+__all__ = ["BucketReducer", "HostMailbox", "WindowStats", "broadcast_from_first_rank", "count_mismatch_message",
            "launch_window_stats", "wait_for", "wait_quietly"]
 
 
@@ -202,36 +202,42 @@ class WindowStats:
         return self.data[self.data.numel() - self.num_extra:]
 
 
-class CountMailbox:
-    """Host memory for one window's per-rank micro-batch counts, filled behind the stats all-reduce without a host
-    wait (``post``) and read at the rank's next ``backward()`` / ``step()`` (``read``).
+class HostMailbox:
+    """Host memory that a small device tensor is copied into behind the device's queued work, without a host wait
+    (``post``), and read later (``ready``, ``read``): a flag or a few counts reported one call late instead of a
+    sync now.
 
-    num_ranks: W. device: the stats' device; on CUDA the buffer is pinned, the copy is non-blocking and an event
-    marks its end, so ``read`` waits for that copy only (the device has the next micro-batch queued behind it),
-    never for the device to drain. The buffer is read through a NumPy view made here: host memory, no tensor read.
+    numel, dtype: the tensors posted. device: theirs; on CUDA the buffer is pinned, the copy is non-blocking and an
+    event marks its end, so ``read`` waits for that copy only (the device has later work queued behind it), never
+    for the device to drain, and ``ready`` does not wait at all. The buffer is read through a NumPy view made here:
+    host memory, no tensor read.
     """
 
-    def __init__(self, num_ranks: int, device: torch.device) -> None:
-        self._host = torch.zeros(num_ranks, dtype=torch.float64, pin_memory=device.type == "cuda")
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._host = torch.zeros(numel, dtype=dtype, pin_memory=device.type == "cuda")
         self._view = self._host.numpy()
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._posted = False
 
-    def post(self, counts: torch.Tensor) -> None:
-        """Start copying ``counts`` ((W,) fp64 on the device) into host memory; no host wait."""
-        self._host.copy_(counts, non_blocking=True)
+    def post(self, value: torch.Tensor) -> None:
+        """Start copying ``value`` (``numel`` elements on the device) into host memory; no host wait."""
+        self._host.copy_(value.reshape(-1), non_blocking=True)
         if self._event is not None:
             self._event.record()
         self._posted = True
 
-    def read(self) -> list[int]:
-        """The counts of the last ``post`` (waiting on CUDA for that copy only)."""
+    def ready(self) -> bool:
+        """Whether a ``post`` has landed in host memory and was not read yet (never waits)."""
+        return self._posted and (self._event is None or self._event.query())
+
+    def read(self) -> list:
+        """The values of the last ``post`` as Python numbers (waiting on CUDA for that copy only)."""
         if not self._posted:
-            raise RuntimeError("gaengine: CountMailbox.read() before post() (a bug)")
+            raise RuntimeError("gaengine: HostMailbox.read() before post() (a bug)")
         if self._event is not None:
             self._event.synchronize()
         self._posted = False
-        return [int(c) for c in self._view]
+        return self._view.tolist()
 
 
 def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str:

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from gaengine.reduce import HostMailbox
+
 __all__ = ["DEFAULT_MIN_LOSS_SCALE", "LossScaler", "check_min_loss_scale", "guard_grad_scaler", "scaled_by_grad_scaler"]
 
 _GRAD_SCALER_MARK = "_gaengine_scaled_by_grad_scaler"
@@ -74,12 +76,10 @@ class LossScaler:
         self.min_scale = check_min_loss_scale(min_scale)
         self.scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
-        # Whether a back-off reached min_scale: a device flag, copied to the host without waiting (pinned
-        # memory and an event on CUDA), read by floor_reached().
+        # Whether a back-off reached min_scale: a device flag, posted to the host without waiting after every
+        # update, read by floor_reached().
         self._below = torch.zeros((), dtype=torch.bool, device=device)
-        cuda = device.type == "cuda"
-        self._below_host = torch.zeros((), dtype=torch.bool, pin_memory=cuda) if cuda else self._below
-        self._copied = torch.cuda.Event() if cuda else None
+        self._below_host = HostMailbox(1, torch.bool, device)
 
     def update(self, found_inf: torch.Tensor) -> None:
         """After a window: back off if ``found_inf`` (0-d fp32, 1.0 = overflow), else count towards growth. A
@@ -91,23 +91,16 @@ class LossScaler:
                                      self.backoff_factor, self.growth_interval)
             self._below |= (found_inf > 0) & (self.scale <= self.min_scale)
             self.scale.clamp_(min=self.min_scale)
-            if self._copied is not None:
-                self._below_host.copy_(self._below, non_blocking=True)
-                self._copied.record()
+            self._below_host.post(self._below)
 
     def floor_reached(self) -> bool:
         """True once a back-off reached ``min_scale``: the gradients overflowed with the loss scaled by twice
         ``min_scale`` or less. Never waits for the device: on CUDA it answers from the last flag that has reached
         the host (that of this window or, while its copy is in flight, an earlier one: the floor is then seen one
         window later, at the next ``step()``)."""
-        if self._copied is not None and not self._copied.query():
-            return False
-        # Host memory read as a byte (pinned on CUDA, where the event says the copy landed; on CPU the flag itself):
-        # no device is waited for.
-        if not self._below_host.untyped_storage()[0]:
+        if not self._below_host.ready() or not self._below_host.read()[0]:
             return False
         self._below.zero_()  # reported once: training may go on (a lower learning rate, a smaller floor)
-        self._below_host.zero_()
         return True
 
     def floor_error(self) -> RuntimeError:
