@@ -170,9 +170,14 @@ def main():
                                            strict=build_ext_mode == "1")
             cmdclass["build_ext"] = build_ext.with_options(use_ninja=True)
 
+    # Every package lies under gaengine/ and package_dir maps only "" (the project root): setuptools then makes
+    # the editable install a plain path entry (the root appended to sys.path by a .pth file) instead of a finder
+    # appended to sys.meta_path after PathFinder, which lets a folder named gaengine in the working directory
+    # (the clone itself, seen from its parent) shadow the package as an empty namespace package
+    # (pypa/setuptools#3557). tests/test_packaging.py imports gaengine from such a folder.
     setup(
         packages=["gaengine", "gaengine.tools", "gaengine.tools.bench", "gaengine.kernels"],
-        package_dir={"gaengine": "gaengine", "gaengine.kernels": "kernels"},
+        package_dir={"": "."},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

@@ -3,7 +3,7 @@
     python benchmarks/bench_accumulate.py [--numel 50000000] [--device cpu|cuda|all] [--json PATH]
 
 Operation: ``main_grad += float(grad)`` (micro-batch k > 0 of an accumulation window, scale 1).
-Bytes model (DESIGN.md): 10 B/element = read grad 2 + read main_grad 4 + write main_grad 4. Every row's
+Bytes model (docs/design.md): 10 B/element = read grad 2 + read main_grad 4 + write main_grad 4. Every row's
 GB/s uses this model, so the eager baseline ``main_grad.add_(grad.float())`` (tests/reference.py; it
 really moves 18 B/element plus a fresh temporary) shows as slow as it is.
 Peak: fp32 ``a.add_(b)`` on the same device in the same run, 12 B/element (read 4 + 4, write 4): the

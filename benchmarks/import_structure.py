@@ -12,8 +12,8 @@ Reads ``gaengine/**/*.py`` from the working tree, or with ``--rev`` from that gi
 An import names the module it reaches: ``from gaengine.a import b`` reaches ``gaengine.a.b`` when that is a
 module of the package, else ``gaengine.a``; relative imports are resolved; the implicit import of parent
 packages (``import gaengine.a`` runs ``gaengine/__init__.py`` first) is not counted. Imports of anything
-outside the files read (``torch``, ``gaengine._C``, ``gaengine.kernels``, which installs from ``kernels/``)
-are not arrows.
+outside the files read (``torch``, ``gaengine._C``; ``gaengine.kernels`` too at a revision from before the Triton
+kernels moved from ``kernels/`` into ``gaengine/kernels/``) are not arrows.
 
 Floors: ``floor(m) = 1 + max floor of what m imports at module level`` (1 for a module that imports none of
 the package), computed on the strongly connected components, so that the modules of an import cycle share a

@@ -89,7 +89,7 @@ def _accesses(n_elements: int, num_warps: int, nbytes: int) -> int:
 
 def _cases() -> list[Case]:
     # Kept in sync with the launchers by test_cases_match_the_launchers (block sizes, warps).
-    block, warps = 4096, 8  # kernels/accumulate.py, norm.py, scale.py
+    block, warps = 4096, 8  # gaengine/kernels/accumulate.py, norm.py, scale.py
     cases = []
     acc_sig = {"dst_ptr": "*fp32", "src_ptr": None, "scale_ptr": "*fp32", "scale": "fp32", "n_elements": "i64",
                "HAS_SCALE": "constexpr", "SCALE_IS_PTR": "constexpr", "OVERWRITE": "constexpr",
@@ -113,7 +113,7 @@ def _cases() -> list[Case]:
     norm_sig = {"x_ptr": None, "partials_ptr": "*fp32", "n_elements": "i64", "n_partials": "i32",
                 "BLOCK_SIZE": "constexpr", "BLOCKS_PER_PROGRAM": "constexpr"}
     for dt in SRC_BYTES:
-        for bpp in (1, 16):  # kernels/norm.py: 1 below LARGE_NUMEL, LARGE_BLOCKS_PER_PROGRAM above
+        for bpp in (1, 16):  # gaengine/kernels/norm.py: 1 below LARGE_NUMEL, LARGE_BLOCKS_PER_PROGRAM above
             cases.append(Case(
                 f"norm-partial-{dt}-x{bpp}", "norm", "_l2norm_sq_partial_kernel", {**norm_sig, "x_ptr": TL_TYPES[dt]},
                 {"BLOCK_SIZE": block, "BLOCKS_PER_PROGRAM": bpp}, ("x_ptr", "partials_ptr", "n_elements"), warps,
@@ -131,7 +131,7 @@ def _cases() -> list[Case]:
         {"BLOCK_SIZE": block}, ("x_ptr", "coef_ptr", "n_elements"), warps,
         v4_loads=_accesses(block, warps, 4), v4_stores=_accesses(block, warps, 4), other_loads=1,
     ))
-    bucket_block, bucket_warps = 2048, 8  # kernels/bucket.py
+    bucket_block, bucket_warps = 2048, 8  # gaengine/kernels/bucket.py
     bucket_sig = {"dst_ptr": "*fp32", "tensor_table_ptr": "*i64", "block_table_ptr": "*i32", "scale_ptr": "*fp32",
                   "scale": "fp32", "partials_ptr": "*fp32", "partials_stride": "i64", "source_partials_ptr": "*fp32",
                   "source_partials_stride": "i64", "block_offset": "i64",

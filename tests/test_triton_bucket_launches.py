@@ -1,4 +1,4 @@
-"""``kernels/bucket.py``: one launch per source dtype for a bucket of gradients, and its argument checks.
+"""``gaengine/kernels/bucket.py``: one launch per source dtype for a bucket of gradients, and its argument checks.
 
 The values (bitwise, within 1 ulp, the free norm) on every backend are tested in ``tests/ops/test_accumulate_bucket.py``
 and ``tests/ops/test_l2norm.py``; here, the Triton launch structure.

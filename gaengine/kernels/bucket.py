@@ -17,12 +17,12 @@ pointers are 16-byte aligned, see ``DST_ALIGNED`` / ``SRC_ALIGNED``), the last c
 "Free norm": given ``partials`` (``(2, n_blocks)`` fp32), each program also writes the sum of squares and the
 non-finite flag of the values it wrote (after accumulation), so the last micro-batch's accumulate yields the
 buffer's norm with no extra read of it; ``l2norm_sq_from_partials`` finishes it with the deterministic
-finalize of ``kernels/norm.py``. Given ``source_partials`` (the same format), each program also writes, in the
-same pass, the sum of squares and the non-finite flag of the source values it read (the per-micro-batch
+finalize of ``gaengine/kernels/norm.py``. Given ``source_partials`` (the same format), each program also writes,
+in the same pass, the sum of squares and the non-finite flag of the source values it read (the per-micro-batch
 gradient norms of the noise scale), so measuring them costs no extra launch and no extra read.
 
-Bytes per element, numerics: as ``kernels/accumulate.py`` (6 B overwriting, 10 B adding, bf16 source; an
-unscaled add is one IEEE fp32 add, bitwise equal to torch; a scaled one is one fused multiply-add), plus
+Bytes per element, numerics: as ``gaengine/kernels/accumulate.py`` (6 B overwriting, 10 B adding, bf16 source;
+an unscaled add is one IEEE fp32 add, bitwise equal to torch; a scaled one is one fused multiply-add), plus
 8 B per ``BLOCK_SIZE`` elements of partials, plus 16 B per tensor and 8 B per block of tables.
 """
 
@@ -305,8 +305,8 @@ def l2norm_sq_from_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch
         ``(k, 2, n)`` of ``k`` such tables (one per micro-batch), finished in one launch; read only.
 
     Returns fp32 tensors on ``partials.device``, 0-d (``(k,)`` for a stack): the sum of row 0, reduced in a fixed
-    order by the finalize kernel of ``kernels/norm.py`` (the same bits every run), and 1.0 if a flag is set, else
-    0.0. Raises ``ValueError`` for a wrong dtype, shape or layout.
+    order by the finalize kernel of ``gaengine/kernels/norm.py`` (the same bits every run), and 1.0 if a flag is
+    set, else 0.0. Raises ``ValueError`` for a wrong dtype, shape or layout.
     """
     if not (isinstance(partials, torch.Tensor) and partials.dtype == torch.float32 and partials.dim() in (2, 3)
             and partials.shape[-2] == 2 and partials.is_contiguous()):

@@ -1,0 +1,46 @@
+"""``import gaengine`` works from any working directory, the folder that contains the clone included.
+
+With the clone named ``gaengine`` and the working directory its parent, ``''`` (the working directory, first on
+``sys.path`` for ``python -c`` and ``python -m``) holds a folder ``gaengine/`` without ``__init__.py``: a namespace
+portion. An editable install that setuptools implements as a finder appended to ``sys.meta_path`` loses to it
+(``PathFinder`` runs first and returns the namespace package when no regular package is on ``sys.path``:
+``module 'gaengine' has no attribute 'GradientAccumulator'``, pypa/setuptools#3557). ``setup.py`` keeps every package
+under ``gaengine/`` and maps only ``""``, so the editable install is a path entry, and a regular package found
+anywhere on ``sys.path`` wins over a namespace portion found earlier. A wheel install is a regular package too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = "import gaengine, sys; sys.stdout.write(repr((gaengine.__file__, gaengine.GradientAccumulator.__name__)))"
+
+
+def _import_from(cwd) -> tuple[str, str]:
+    """``(gaengine.__file__, 'GradientAccumulator')`` as a fresh interpreter sees them from ``cwd``, with no
+    ``PYTHONPATH``: the install alone decides (``-I`` would also drop ``cwd`` from ``sys.path``, hiding the case)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, f"import gaengine from {cwd} failed:\n{done.stderr}"
+    return ast.literal_eval(done.stdout)
+
+
+@pytest.mark.parametrize("folder", ["empty", "clone"])
+def test_import_from_a_folder_that_holds_a_gaengine_folder(tmp_path, folder):
+    """``empty``: an empty ``gaengine/``; ``clone``: what a clone's root looks like (no ``__init__.py`` at the top,
+    the package one level down, itself without an ``__init__.py`` here so that it cannot be imported by mistake)."""
+    (tmp_path / "gaengine").mkdir()
+    if folder == "clone":
+        (tmp_path / "gaengine" / "setup.py").write_text("raise SystemExit('not a package')\n")
+        (tmp_path / "gaengine" / "gaengine").mkdir()
+        (tmp_path / "gaengine" / "gaengine" / "engine.py").write_text("raise ImportError('the wrong gaengine')\n")
+    where, name = _import_from(tmp_path)
+    assert name == "GradientAccumulator"
+    assert os.path.basename(where) == "__init__.py" and not where.startswith(str(tmp_path)), where
+
