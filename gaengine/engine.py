@@ -190,9 +190,11 @@ class GradientAccumulator:
             ``gaengine.optim.FusedAdamW``'s pass). What users see: a parameter (and each tensor of
             ``model.state_dict()``) shares that buffer's storage, so ``torch.save`` of a few of them writes the
             whole buffer (``.clone()`` them first); a non-contiguous (e.g. channels_last) parameter becomes
-            contiguous; ``model.load_state_dict`` writes into the buffer in place but not into the fp32
-            masters (restore those with ``acc.load_state_dict``, or load the model before building the
-            accumulator); ``copy.deepcopy(model)`` gives ordinary independent parameters; ``torch.compile``
+            contiguous; ``model.load_state_dict`` (or an in-place write under ``torch.no_grad()``) after
+            construction writes into the buffer and reaches the fp32 masters at the next update or ``state_dict()``
+            (seen by the parameters' version counters; elements still holding their master's rounding keep the
+            master's fp32 bits, so a checkpoint's model and accumulator load in either order; a write through
+            ``p.data`` is not seen); ``copy.deepcopy(model)`` gives ordinary independent parameters; ``torch.compile``
             and activation checkpointing work unchanged. Moving or converting the model afterwards
             (``model.to(another device or dtype)``, ``.float()``, ``.cuda()``, ``load_state_dict(assign=True)``)
             is not supported: build the accumulator last (``step()`` raises ``RuntimeError`` when it sees the
