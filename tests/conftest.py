@@ -48,3 +48,64 @@ def emulated_cuda_module():
     except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
         pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
     return emu_engine, module
+
+
+# ---------------------------------------------------------------- progress of `make test` (pytest -q)
+# pytest -q prints dots without file names and ends a line only when it is full, and the multi-process tests
+# (marker multiproc: gloo ranks started as processes) take several seconds each, minutes in all on a 2-core
+# machine: the log would sit on one percentage as if hung. Under -q, before the first multi-process test of each
+# file, a line names that file's share; a file with another slow part names it in a module-level PROGRESS_NOTE.
+# (Without -q every line already starts with its file's name.)
+MULTIPROC_TEST_S = 6
+"""Rough seconds per multi-process test on a 2-core machine (some 40 of them took about 4 minutes in ``make test``):
+the basis of the estimate printed, not a limit."""
+
+_announcements: dict[str, str] = {}  # node id of a file's first multi-process test -> the line printed before it
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def _will_skip(item) -> bool:
+    return any(m.name == "skip" or (m.name == "skipif" and m.args and m.args[0] is True) for m in item.iter_markers())
+
+
+def multiproc_line(path: str, count: int) -> str:
+    """The line printed before the first of ``count`` multi-process tests of the file ``path``."""
+    seconds = count * MULTIPROC_TEST_S
+    when = "under a minute" if seconds < 60 else f"about {round(seconds / 60)} minute{'s' if seconds >= 90 else ''}"
+    return f"{path}: {count} multi-process test{'s' if count > 1 else ''} (gloo), {when}"
+
+
+def pytest_collection_finish(session):
+    """Plan the lines over the tests that will run (after -k/-m deselection; known skips left out), under -q."""
+    _announcements.clear()
+    if session.config.option.verbose >= 0:
+        return
+    files: dict[str, list[str]] = {}
+    noted: dict[str, list[str]] = {}  # files that name their own slow part (a module-level PROGRESS_NOTE)
+    for item in session.items:
+        path = item.nodeid.split("::")[0]
+        if getattr(getattr(item, "module", None), "PROGRESS_NOTE", None) and not _will_skip(item):
+            noted.setdefault(path, []).append(item.nodeid)
+        elif item.get_closest_marker("multiproc") is not None and not _will_skip(item):
+            files.setdefault(path, []).append(item.nodeid)
+    _announcements.update({ids[0]: multiproc_line(path, len(ids)) for path, ids in files.items()})
+    for path, ids in noted.items():
+        note = session.items[[i.nodeid for i in session.items].index(ids[0])].module.PROGRESS_NOTE
+        _announcements[ids[0]] = f"{path}: {len(ids)} tests, {note}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    line = _announcements.pop(nodeid, None)
+    if line is None or _config is None or _config.pluginmanager.get_plugin("terminalreporter") is None:
+        return  # not a first multi-process test, or no terminal (e.g. an xdist worker)
+    writer = _config.get_terminal_writer()
+    if writer.width_of_current_line:
+        writer.line()  # end the line of dots
+    writer.line(line)
+    writer.flush()

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import pytest
 
 ARCHS = {"sm80": 80, "sm90": 90}
+# What `make test` (pytest -q) prints before this file (tests/conftest.py): the compiles take minutes on 2 cores.
+PROGRESS_NOTE = "ahead-of-time Triton compiles for sm_80 and sm_90 (a subprocess each), a few minutes"
 # Per-SM limits of sm_80 (A100) and sm_90 (H100): CUDA C++ Programming Guide, "Compute capabilities" table.
 REGS_PER_SM = 65536
 MAX_THREADS_PER_SM = 2048

@@ -27,6 +27,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 _THREADS = torch.get_num_threads()
 
 
+# The quick run's memory table runs gloo ranks as processes, its e2e memory a fresh process per variant: the tests
+# that read it are multi-process tests (``make test`` names them before they start, tests/conftest.py).
+multiproc = pytest.mark.multiproc
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -52,62 +57,146 @@ def test_parser_defaults_and_choices():
         _parse(["bench", "--only", "nope"])
 
 
+def _paragraphs(text: str) -> list[str]:
+    """The printed lines with each wrapped line joined to the one it continues (indented by two more spaces)."""
+    out: list[str] = []
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if out and out[-1].strip() and line.strip() and not line.startswith("|") and not out[-1].startswith("|") \
+                and indent >= len(out[-1]) - len(out[-1].lstrip(" ")) + 2:
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+    return out
+
+
+def _note(text: str, start: str) -> str:
+    """The (wrapped) line of ``text`` that starts with ``start``, joined."""
+    return next(line for line in _paragraphs(text) if line.startswith(start))
+
+
 def _tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
-    """``(title, header cells, body rows' cells)`` of every Markdown table in ``text``; the title is the line
-    just above the header."""
-    lines = text.splitlines()
+    """``(title, header cells, body rows' cells)`` of every Markdown table in ``text``; the title is the (wrapped)
+    line just above the header. A continuation row (its first cell's text indented, or empty: a wrapped cell) is
+    joined to its row; a table titled ``... (continued)`` is joined to the one before it (its leading columns,
+    the ones both share, name the same rows)."""
+    lines = _paragraphs(text)
     tables = []
     for i, line in enumerate(lines):
         if line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|--"):
-            body = []
+            header = [c.strip() for c in line.strip("|").split("|")]
+            body: list[list[str]] = []
             for row in lines[i + 2:]:
                 if not row.startswith("| "):
                     break
-                body.append([c.strip() for c in row.strip("|").split("|")])
-            tables.append((lines[i - 1], [c.strip() for c in line.strip("|").split("|")], body))
+                raw = row[1:-1].split("|")
+                cells = [c.strip() for c in raw]
+                if body and raw[0][1:2] == " ":  # a continuation row
+                    body[-1] = [f"{a} {b}".strip() for a, b in zip(body[-1], cells)]
+                else:
+                    body.append(cells)
+            title = lines[i - 1]
+            if title.endswith(" (continued)") and tables:
+                first, head, rows = tables[-1]
+                keep = next(k for k in range(len(header)) if k == len(head) or header[k] != head[k])
+                tables[-1] = (first, head + header[keep:], [a + b[keep:] for a, b in zip(rows, body)])
+            else:
+                tables.append((title, header, body))
     return tables
 
 
-KERNEL_HEADER = ["variant", "ms", "GB/s", "% of peak", "vs torch [p25-p75]"]
+KERNEL_HEADER = ["variant", "ms", "GB/s", "% of copy", "vs torch [p25-p75]"]
 
 
+@multiproc
 def test_quick_prints_a_table_per_benchmark(quick_run):
     rc, text, _ = quick_run
     assert rc == 0
     assert torch.get_num_threads() == _THREADS  # --threads holds for the run only
     tables = _tables(text)
     titles = [title for title, _, _ in tables]
-    assert len(tables) == 6, titles  # three kernels, host, e2e, memory
+    assert len(tables) == 9, titles  # three kernels, host (2), e2e (2), memory (2)
     for (title, header, body), name in zip(tables[:3], ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32")):
         assert title.startswith(f"{name}: 1,048,576 elements, ") and title.endswith(" B/element")
         assert header == KERNEL_HEADER
         assert body[0][0].startswith("torch:") and body[0][-1] == "1 (baseline)"
         assert all(len(row) == len(header) for row in body)
+    assert "gaengine cpu: accumulate_bucket_ (16 grads), noise scale on" in [row[0] for row in tables[0][2]]
     title, header, body = tables[3]
     assert title.startswith("host: ") and header[:3] == ["dtype", "P", "variant"]
     assert len(body) == 2 * 3 * 2  # dtypes x P (quick) x variants
     title, header, body = tables[4]
-    assert title.startswith("e2e: ") and header[:4] == ["variant", "ms/update", "tokens/s", "vs plain [p25-p75]"]
+    assert title.startswith("host per parameter: ") and header == ["dtype", "P", "variant", "us/param/mb",
+                                                                    "added us/param/mb"]
+    title, header, body = tables[5]
+    assert title.startswith("e2e: ") and header == ["variant", "ms/update", "tokens/s", "vs plain [p25-p75]"]
     assert [row[0] for row in body] == list(bench.E2E_VARIANTS)
-    assert "fp32 dst.copy_(src) at" in text  # the measured peak
-    for label in bench.E2E_VARIANTS.values():  # the legend under the e2e table
+    # The copy the kernels are measured against.
+    assert "% of copy = GB/s / the GB/s of fp32 dst.copy_(src) timed in the same rounds" in _note(text, "kernels: ms")
+    for label in bench.E2E_VARIANTS.values():  # the legend under the e2e tables
         assert label in text
-    # Every memory column of the e2e table is explained under it, and nothing it lacks is.
-    note = next(line for line in text.splitlines() if line.startswith("e2e memory: "))
+    title, header, body = tables[6]
+    assert title.startswith("e2e memory: ") and [row[0] for row in body] == list(bench.E2E_VARIANTS)
+    # Every memory column of the e2e tables is explained under them, and nothing they lack is.
+    note = _note(text, "e2e memory: peak = ")
     for column in ("peak = ", "peak delta = ", "peak live = ", "state = ", "state B/param = "):
         assert column in note, column
-    assert {"peak MiB", "peak delta MiB", "peak live MiB", "state MiB", "state B/param"} <= set(header)
-    title, header, body = tables[5]  # the memory table (tests/test_bench_memory.py checks its numbers)
+    assert header == ["variant", "peak MiB", "peak delta MiB", "peak live MiB", "state MiB", "state B/param"]
+    title, header, body = tables[7]  # the memory table (tests/test_bench_memory.py checks its numbers)
     assert title.startswith("memory: bytes per parameter per rank") and header[:2] == ["recipe", "d"]
     assert [(row[0], row[1]) for row in body][:2] == [("plain", "1"), ("gaengine stage 0", "1")]
+    title, header, body = tables[8]
+    assert title.startswith("memory: the formula") and header == ["recipe", "d", "formula", "wire B/param/window",
+                                                                  "wire vs stage 0"]
+    assert [(row[0], row[1]) for row in body] == [(row[0], row[1]) for row in tables[7][2]]
 
 
+@multiproc
+def test_quick_lines_fit_100_columns(quick_run, host_run):
+    """Every line ``gaengine bench --quick`` prints, tables and notes, fits in 100 columns (issue 21)."""
+    for text in (quick_run[1], host_run[1]):
+        wide = [line for line in text.splitlines() if len(line) > 100]
+        assert not wide, "\n".join(wide)
+
+
+@multiproc
+def test_percent_of_copy_above_100_says_why(quick_run):
+    """A kernel row above 100 % of the copy is explained under the tables; none above it, no such note."""
+    _, text, out = quick_run
+    rows = [r for r in json.loads((out / "r.json").read_text())["results"] if "pct_of_copy" in r]
+    above = [r for r in rows if r["pct_of_copy"] > 100]
+    assert ("% of copy above 100" in text) == bool(above)
+    if above:
+        note = _note(text, "% of copy above 100")
+        assert f"({len(above)} of {len(rows)} rows)" in note and "cache" in note and "write-allocate" in note
+
+
+def test_print_table_wraps_then_splits_a_wide_table(capsys):
+    """A too-wide table: the ``wrap`` column's text wraps onto continuation rows; what still does not fit goes to
+    a ``(continued)`` table that repeats the ``keep`` columns; every line within the width."""
+    rows = [{"name": "a long variant label " * 3, "x": 1.0, "note": "short"},
+            {"name": "b", "x": 22.5, "note": "n" * 25}]
+    columns = [("name", "variant", "s"), ("x", "x", ".1f"), ("note", "note", "s")]
+    bench.print_table(rows, columns, "t: wide", width=60, wrap=("name",))
+    text = capsys.readouterr().out
+    assert all(len(line) <= 60 for line in text.splitlines()), text
+    assert "t (continued)" in text
+    [(title, header, body)] = _tables(text)
+    assert (title, header) == ("t: wide", ["variant", "x", "note"])
+    assert body == [[("a long variant label " * 3).strip(), "1.0", "short"], ["b", "22.5", "n" * 25]]
+    bench.print_table(rows[1:], columns, "t: narrow")  # fits: one table, as before
+    assert capsys.readouterr().out.splitlines()[1:] == ["t: narrow", "| variant | x    | note                      |",
+                                                        "|---------|------|---------------------------|",
+                                                        "| b       | 22.5 | nnnnnnnnnnnnnnnnnnnnnnnnn |"]
+
+
+@multiproc
 def test_quick_ratios_say_when_they_are_noise(quick_run):
     """Every printed ratio is a figure with its spread, the baseline, or marked as noise, as its JSON row says."""
     _, text, out = quick_run
     rows = json.loads((out / "r.json").read_text())["results"]
-    cells = [row[-1] if header[-1].startswith("vs") else row[header.index("vs plain [p25-p75]")]
-             for _, header, body in _tables(text) if header[0] not in ("dtype", "recipe") for row in body]
+    cells = [row[-1] for _, header, body in _tables(text) if header[0] not in ("dtype", "recipe")
+             and header[-1].startswith("vs ") for row in body]
     timed = [r for r in rows if not r["benchmark"].startswith(("host", "memory"))]  # memory: bytes, no ratios
     assert len(cells) == len(timed)
     for cell, r in zip(cells, timed):
@@ -120,6 +209,7 @@ def test_quick_ratios_say_when_they_are_noise(quick_run):
             assert re.fullmatch(r"\d+\.\d\dx \[\d+\.\d\d-\d+\.\d\d\]", cell), cell
 
 
+@multiproc
 def test_quick_writes_json(quick_run):
     _, _, out = quick_run
     payload = json.loads((out / "r.json").read_text())
@@ -137,7 +227,7 @@ def test_quick_writes_json(quick_run):
     assert any(r["variant"] == "gaengine torch: accumulate_" for r in kernels)
     repeats = payload["params"]["repeats"]
     for r in kernels:
-        assert r["ms"] > 0 and r["gb_s"] > 0 and r["pct_of_peak"] > 0 and r["ratio_vs_torch"] > 0
+        assert r["ms"] > 0 and r["gb_s"] > 0 and r["pct_of_copy"] > 0 and r["ratio_vs_torch"] > 0
         assert r["ratio_min"] <= r["ratio_p25"] <= r["ratio_vs_torch"] <= r["ratio_p75"] <= r["ratio_max"]
         assert r["ratio_rounds"] == repeats and isinstance(r["ratio_noise"], bool)
     first = {}
@@ -158,6 +248,7 @@ def test_quick_writes_json(quick_run):
     assert payload["params"]["memory"]["numel"] > 0
 
 
+@multiproc
 def test_e2e_same_start_and_exact_state_bytes(quick_run):
     _, _, out = quick_run
     e2e = {r["key"]: r for r in json.loads((out / "r.json").read_text())["results"]
@@ -175,6 +266,7 @@ def test_e2e_same_start_and_exact_state_bytes(quick_run):
         assert r["peak_live_mib"] > r["state_mib"]
 
 
+@multiproc
 def test_quick_writes_png(quick_run):
     _, _, out = quick_run
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -195,18 +287,21 @@ def test_host_quick_prints_rows_and_target(host_run):
     rc, text, _ = host_run
     assert rc == 0
     tables = _tables(text)
-    assert len(tables) == 1, text  # --only host: its table alone
-    title, header, body = tables[0]
-    assert title.startswith("host: ")
-    assert header == ["dtype", "P", "variant", "ms/window", "us/param/mb", "added us/param/mb", "vs (b) [p25-p75]",
-                      "launches/mb", "buckets"]
-    assert [(row[0], row[1], row[2]) for row in body] == [
-        (dtype, p, label) for dtype in ("bf16", "fp32") for p in ("4", "16") for label in bench.HOST_VARIANTS.values()]
-    for row in body:
-        plain = row[2] == bench.HOST_VARIANTS["plain"]
-        assert (row[5] == "") == plain and (row[6] == "1 (baseline)") == plain and (row[8] == "") == plain
+    assert len(tables) == 2, text  # --only host: its tables alone
+    (title, header, body), (per_title, per_header, per_body) = tables
+    assert title.startswith("host: ") and per_title.startswith("host per parameter: ")
+    assert header == ["dtype", "P", "variant", "ms/window", "vs (b) [p25-p75]", "launches/mb", "buckets"]
+    assert per_header == ["dtype", "P", "variant", "us/param/mb", "added us/param/mb"]
+    names = {key: label.split(":")[0] for key, label in bench.HOST_VARIANTS.items()}  # "(b) plain", "(a) gaengine"
+    expected = [(dtype, p, name) for dtype in ("bf16", "fp32") for p in ("4", "16") for name in names.values()]
+    assert [tuple(row[:3]) for row in body] == [tuple(row[:3]) for row in per_body] == expected
+    for row, per in zip(body, per_body):
+        plain = row[2] == names["plain"]
+        assert (row[4] == "1 (baseline)") == plain and (row[6] == "") == plain and (per[4] == "") == plain
+    for label in bench.HOST_VARIANTS.values():  # the legend under the tables
+        assert f"  {label}" in text.splitlines()
     for dtype in ("bf16", "fp32"):
-        line = next(line for line in text.splitlines() if line.startswith(f"host {dtype}: gaengine adds "))
+        line = _note(text, f"host {dtype}: gaengine adds ")
         assert "per parameter per micro-batch" in line and f"CPU target <= {bench.HOST_TARGET_US:g} us" in line
     assert "accumulate bf16->fp32" not in text and "e2e:" not in text  # --only host
 

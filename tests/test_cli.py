@@ -190,6 +190,7 @@ def test_parser_defaults_and_clip_off():
         parser.parse_args([])  # a command is required
 
 
+@pytest.mark.multiproc
 def test_torchrun_two_ranks(tmp_path):
     """`torchrun --nproc-per-node 2 -m gaengine train --steps 3` (gloo on CPU): rank 0 alone writes the outputs."""
     out = tmp_path / "run"
@@ -237,6 +238,36 @@ def test_verify_prints_a_passing_report(capsys):
     assert "PASS" in out.upper() and "blocks.0.attn.qkv.weight" in out
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_verify_defaults_pass_in_every_dtype_and_state_the_bounds(capsys, dtype):
+    """With the defaults (16 x 64 bytes, 4 micro-batches, seed 0) a correct engine passes in each dtype, bf16 and
+    fp16 included (their rounding is bounded, not mistaken for a bug); the output states both bounds, and every
+    line fits in 100 columns."""
+    assert main(["verify", "--dtype", dtype]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "gradient equivalence PASSED"
+    unit_roundoff = {"fp32": "2^-24", "bf16": "2^-8", "fp16": "2^-11"}[dtype]
+    rtol = {"fp32": "1.0e-05", "bf16": "2^-3", "fp16": "2^-6"}[dtype]
+    assert lines[3] == "  engine vs the micro-batch gradients summed in fp64: ok"
+    assert lines[5].endswith(f"K = 4, u = {unit_roundoff} ({dtype})")
+    assert lines[6] == "  whole batch vs the micro-batches: ok" and lines[8].endswith(f"rtol = {rtol} ({dtype})")
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
+@pytest.mark.parametrize("bug", ["divided-twice", "not-divided", "dropped-micro-batch", "bf16-sum"])
+def test_verify_fails_on_an_engine_bug_with_the_reason(capsys, monkeypatch, bug):
+    """A bug planted in the engine (tests/test_verify.py) fails the bf16 demo with exit status 1 and says why."""
+    from tests.test_verify import _plant
+
+    _plant(monkeypatch, bug)
+    assert main(["verify", "--dtype", "bf16", "--backend", "torch", "--batch-size", "4", "--seq-len", "16"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "gradient equivalence FAILED: the engine's accumulation is wrong (beyond rounding)"
+    assert lines[3].startswith("  engine vs the micro-batch gradients summed in fp64: FAIL in ")
+    assert lines[6] == "  whole batch vs the micro-batches: ok"
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
 def _help(capsys, command: str) -> str:
     with pytest.raises(SystemExit) as exc:
         main([command, "--help"])
@@ -272,6 +303,9 @@ def test_info_reports_what_was_built(capsys):
     assert main(["info"]) == 0
     rows = {}
     for line in capsys.readouterr().out.splitlines():
+        if line.startswith("    "):  # a long finding wraps under itself
+            rows[item] += " " + line.strip()
+            continue
         item, _, finding = line.strip().partition("  ")
         rows[item] = finding.strip()
     assert {"gaengine", "torch", "gaengine._C", "CPU ops", "CUDA kernels", "hooks on CPU", "triton"} <= set(rows)
@@ -281,6 +315,21 @@ def test_info_reports_what_was_built(capsys):
     native = built and os.environ.get("GAENGINE_HOT_PATH", "auto") != "python"
     assert rows["hooks on CPU"].startswith("native C++ hooks" if native else "Python hooks")
     assert rows["triton"].startswith("yes" if importlib.util.find_spec("triton") else "no")
+
+
+def test_output_fits_100_columns(tmp_path, capsys):
+    """Every line ``gaengine train`` (its header and summary, with the widest table: --compare's gap column and
+    --noise-scale's row) and ``gaengine info`` print fits in 100 columns (issue 21)."""
+    out = tmp_path / "run"  # "wrote <metrics.jsonl>, <loss.png>" wraps between the two (a path never breaks)
+    assert main(["train", "--steps", "2", *TINY, "--threads", "1", "--compare", "--noise-scale",
+                 "--out", str(out)]) == 0
+    train = capsys.readouterr().out
+    assert "gap (gaengine - torch)" in train and "final noise scale" in train
+    assert main(["info"]) == 0
+    info = capsys.readouterr().out
+    for text in (train, info):
+        wide = [line for line in text.splitlines() if len(line) > 100]
+        assert not wide, "\n".join(wide)
 
 
 # ---------------------------------------------------------------- the noise scale and accumulation schedules

@@ -1,5 +1,6 @@
 """verify_equivalence: passes where accumulation equals the large batch, fails on the classic pitfalls,
-and leaves the model (grads, buffers, modes, RNG) exactly as it was."""
+tells an engine bug from rounding in every dtype, and leaves the model (grads, buffers, modes, RNG) exactly
+as it was."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import torch
 from torch import nn
 
 import gaengine
+from gaengine.backends import TorchBackend
+from gaengine.engine import GradientAccumulator
+from gaengine.utils import split_batch
 from gaengine.verify import GRAD_RTOL, EquivalenceReport, verify_equivalence
 from tests.test_engine import BACKENDS, MLP, TinyLM
+from tests.tolerances import RTOL
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _mse(model, batch):
@@ -81,6 +88,7 @@ def test_mlp_passes(backend, n_rows, k, mode):
     assert report.mode == mode and sum(report.micro_batch_sizes) == n_rows and len(report.micro_batch_sizes) == k
     assert [d.name for d in report.parameters] == [n for n, _ in model.named_parameters()]
     assert report.max_rel <= 1e-5 and report.failed == []
+    assert report.engine_passed and report.engine_badness <= 1
     assert math.isclose(report.engine_loss, report.reference_loss, rel_tol=1e-5)
 
 
@@ -121,7 +129,8 @@ def test_low_precision_model_passes_with_its_tolerance(dtype):
     assert all(d.rtol == GRAD_RTOL[dtype] for d in report.parameters)
     assert report.max_rel > 0  # not bitwise: the tolerance is doing work
     strict = verify_equivalence(model, _mse, _regression(64, dtype=dtype), 4, backend="torch", rtol=1e-7)
-    assert not strict.passed
+    assert not strict.passed and strict.engine_passed and not strict.setup_passed  # rtol= is the setup's alone
+    assert str(strict).startswith("gradient equivalence FAILED: the setup is not equivalent to the whole batch")
 
 
 # ---------------------------------------------------------------- the pitfalls fail
@@ -182,6 +191,101 @@ def test_nan_gradient_fails():
         model.head.bias[0] = float("nan")
     report = verify_equivalence(model, _mse, _regression(8), 2, backend="torch")
     assert not report.passed and report.worst in report.failed
+
+
+# ---------------------------------------------------------------- engine bugs are told from rounding, in every dtype
+K = 4
+BUGS = ["divided-twice", "not-divided", "dropped-micro-batch", "bf16-sum"]
+
+
+def _plant(monkeypatch, bug):
+    """Plant one engine bug in the torch backend (the backend these checks run)."""
+    if bug == "divided-twice":  # the window's coefficient 1/K applied twice
+        monkeypatch.setattr(TorchBackend, "scale_", lambda self, x, coef: x.mul_(coef).mul_(coef))
+    elif bug == "not-divided":
+        monkeypatch.setattr(TorchBackend, "scale_", lambda self, x, coef: x)
+    elif bug in ("dropped-micro-batch", "bf16-sum"):
+        calls = []
+        backward, accumulate = GradientAccumulator.backward, TorchBackend.accumulate_bucket_
+
+        def counting_backward(self, *args, **kwargs):
+            calls.append(None)
+            return backward(self, *args, **kwargs)
+
+        def broken_accumulate(self, dst, *args, **kwargs):
+            if bug == "dropped-micro-batch":  # the second micro-batch's backward runs, its sum never lands
+                return dst if len(calls) == 2 else accumulate(self, dst, *args, **kwargs)
+            accumulate(self, dst, *args, **kwargs)
+            return dst.copy_(dst.to(torch.bfloat16))  # the running sum kept in bf16
+
+        monkeypatch.setattr(GradientAccumulator, "backward", counting_backward)
+        monkeypatch.setattr(TorchBackend, "accumulate_bucket_", broken_accumulate)
+    else:
+        raise AssertionError(bug)
+
+
+def _plain_micro_grads(model, batch, k):
+    """Plain PyTorch: each micro-batch's ``loss.backward()`` on its own, the gradients as autograd produces them
+    (the parameters' dtype). The model's ``.grad`` are left None."""
+    grads = []
+    for mb in split_batch(batch, k):
+        model.zero_grad(set_to_none=True)
+        _mse(model, mb).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _expected_engine_grad(micro_grads, name, dtype, bug):
+    """The final ``.grad`` a correct (bug=None) or planted-bug engine gives, simulated in fp32 from the
+    micro-batch gradients: a sum in order, the scale 1/K (exact for K = 4), one rounding to ``dtype``; fp64."""
+    terms = [g[name].float() for g in micro_grads]
+    if bug == "dropped-micro-batch":
+        del terms[1]
+    total = torch.zeros_like(terms[0])
+    for t in terms:
+        total = total + t
+        if bug == "bf16-sum":
+            total = total.bfloat16().float()
+    scale = {"divided-twice": 1 / K**2, "not-divided": 1.0}.get(bug, 1 / K)
+    return (total * scale).to(dtype).double()
+
+
+@pytest.mark.parametrize("bug", [None, *BUGS], ids=["correct", *BUGS])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_engine_bugs_fail_and_rounding_passes(monkeypatch, dtype, bug):
+    """The engine comparison passes a correct engine in every dtype (the difference it measures is nonzero in
+    bf16/fp16: the bound does work) and fails each planted bug. Its measured difference is checked against an
+    independent plain-PyTorch oracle, the micro-batch gradients summed in fp64 and the engine simulated in fp32."""
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    batch = _regression(64, dtype=dtype)
+    micro_grads = _plain_micro_grads(model, batch, K)
+    if bug is not None:
+        _plant(monkeypatch, bug)
+    report = verify_equivalence(model, _mse, batch, K, backend="torch")
+
+    assert report.setup_passed, str(report)  # the setup is fine: a planted bug is the engine's alone
+    assert report.passed == report.engine_passed == (bug is None), str(report)
+    for d in report.parameters:
+        exact = sum(g[d.name].double() for g in micro_grads) / K  # the plain recipe, summed without rounding
+        expected = _expected_engine_grad(micro_grads, d.name, dtype, bug)
+        assert math.isclose(d.engine_max_abs, (expected - exact).abs().max().item(), rel_tol=1e-9), d.name
+        if bug is None:
+            # An independent rounding budget: one rounding to dtype plus K fp32 ulps of the terms.
+            budget = RTOL[dtype] * exact.abs().max().item() + 2 * K * RTOL[torch.float32] * max(
+                g[d.name].double().abs().max().item() for g in micro_grads)
+            assert d.engine_max_abs <= budget, d.name
+        elif bug in ("divided-twice", "not-divided"):  # off by a factor K: far outside any rounding
+            assert d.engine_max_abs >= 0.5 * exact.abs().max().item(), d.name
+    if bug is None:
+        assert report.engine_badness <= 1
+        assert (report.engine_badness > 0.5) == (dtype != torch.float32)  # low precision: near its bound
+    else:
+        assert report.engine_badness > 2 and report.failed
+        assert str(report).startswith("gradient equivalence FAILED: the engine's accumulation is wrong (beyond "
+                                      "rounding)\n")
+        assert report.worst in report.failed
 
 
 # ---------------------------------------------------------------- the model is left exactly as it was
@@ -247,16 +351,20 @@ def test_report_table_and_str():
     report = verify_equivalence(BNNet(), _mse, _regression(10), 3, backend="torch")
     text = str(report)
     lines = text.splitlines()
-    assert lines[0].startswith("gradient equivalence FAILED")
-    assert "[4, 3, 3] rows" in lines[0] and "mode 'rows'" in lines[0] and repr(report.worst) in lines[0]
-    assert lines[1].split() == ["parameter", "shape", "dtype", "max", "abs", "diff", "max", "rel", "diff", "rtol",
-                                "abs", "bound"]
-    assert len(lines) == 3 + len(report.parameters)
+    assert lines[0] == "gradient equivalence FAILED: the setup is not equivalent to the whole batch"
+    assert "[4, 3, 3] rows" in lines[1] and "mode 'rows'" in lines[1]
+    assert lines[2] == "  engine vs the micro-batch gradients summed in fp64: ok"
+    assert lines[4].endswith("K = 3, u = 2^-24 (fp32)")
+    assert lines[5].startswith("  whole batch vs the micro-batches: FAIL in ")
+    assert lines[6].startswith(f"    worst {report.worst!r} at ") and lines[7].endswith("rtol = 1.0e-05 (fp32)")
+    assert lines[8].split() == ["parameter", "shape", "dtype", "max", "abs", "diff", "max", "rel", "diff", "abs",
+                                "bound", "engine/bound"]
+    assert len(lines) == 10 + len(report.parameters)
     row = next(line for line in lines if line.startswith("fc.weight"))
-    assert "16x12" in row and "float32" in row and row.endswith("FAIL")
-    assert report.table() in text
+    assert "16x12" in row and "fp32" in row and row.endswith("FAIL")
+    assert report.table() in text and report.summary() in text
     ok = verify_equivalence(MLP(), _mse, _regression(8), 2, backend="torch")
-    assert str(ok).startswith("gradient equivalence PASSED: 2 micro-batches of 4 rows")
+    assert str(ok).startswith("gradient equivalence PASSED\n  2 micro-batches of 4 rows")
 
 
 # ---------------------------------------------------------------- bad input

@@ -4,3 +4,18 @@
 
 The tools import the library; the library never imports the tools (``tests/test_layout.py``).
 """
+
+from __future__ import annotations
+
+import textwrap
+
+WIDTH = 100
+"""Columns of every line the ``gaengine`` command prints (``train``'s header and summary, ``info``, ``bench``'s
+tables and notes): a long line is wrapped (:func:`fill`), a wide table is narrowed or split
+(:func:`gaengine.tools.bench.common.print_table`). ``tests/test_cli.py`` and ``tests/test_bench.py`` check it."""
+
+
+def fill(text: str, indent: str = "  ", width: int = WIDTH) -> str:
+    """``text`` wrapped to ``width`` columns, the lines after the first indented by ``indent``. Lines break at
+    spaces only: a path, a version or a hyphenated name stays whole (and may leave its line longer)."""
+    return textwrap.fill(text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import gaengine
 from gaengine import backends
-from gaengine.tools import bench
+from gaengine.tools import bench, fill
 from gaengine.tools.data import load_corpus, sample_batch
 from gaengine.tools.train import (SCHEDULE_FORMS, TrainConfig, accumulation_schedule, build_model, choose_threads,
                                   parse_accumulation_schedule, train_gaengine, train_reference)
@@ -169,18 +169,22 @@ def _add_verify_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "verify",
         help="check that accumulation over micro-batches equals the large batch on the built-in GPT",
-        description="Compare the gradient of one batch with the engine's accumulated gradient over its split "
-                    "into micro-batches (gaengine.verify_equivalence) and print the per-parameter report.",
+        description="Split one batch into micro-batches and check two things per parameter "
+                    "(gaengine.verify_equivalence): the engine's gradient against the micro-batch gradients summed "
+                    "in fp64, within a bound derived from the dtype's rounding (u = 2^-8 bf16, 2^-11 fp16, 2^-24 "
+                    "fp32); and that sum against the whole batch's gradient, within rtol 1e-5 (fp32), 2^-3 (bf16) "
+                    "or 2^-6 (fp16). Prints the verdict with its reason, the bounds and a per-parameter table; "
+                    "exit status 1 when a check fails.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences in the whole batch")
     p.add_argument("--accumulation-steps", type=_positive_int, default=4, help="micro-batches it is split into")
     p.add_argument("--seq-len", type=_positive_int, default=64, help="bytes per sequence")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
-                   help="parameter dtype. fp32, unlike train's bf16: in bf16 each side rounds every activation and "
-                        "gradient on its own, and on this 4-layer GPT the embedding's gradient can differ by more "
-                        "than the bf16 tolerance (2^-5) on rounding alone (4 of seeds 0-5 fail with the defaults); "
-                        "in fp32 a wrong setup is off by 100x the tolerance or more")
+                   help="parameter dtype; the engine is checked to its rounding in each. fp32 (train's is bf16) "
+                        "for the sharpest whole-batch comparison: in bf16 and fp16 the two sides round every "
+                        "activation and gradient on their own (the embedding's gradients land up to 14 unit "
+                        "roundoffs apart on this GPT)")
     p.add_argument("--backend", choices=_BACKENDS, default="auto", help="gaengine backend")
     p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
     p.add_argument("--data", type=Path, default=None, help="text file or folder; default: the standard library")
@@ -200,9 +204,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     model = build_model(config)
     batch = sample_batch(corpus.train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
     report = verify_equivalence(model, lambda m, b: m(*b), batch, args.accumulation_steps, backend=args.backend)
-    print(f"gaengine verify: {model.num_params():,}-parameter byte-level GPT ({args.dtype}), batch of "
-          f"{args.batch_size} x {args.seq_len} bytes vs {args.accumulation_steps} micro-batches")
-    print(report)
+    print(fill(f"gaengine verify: {model.num_params():,}-parameter byte-level GPT ({args.dtype}), batch of "
+               f"{args.batch_size} x {args.seq_len} bytes vs {args.accumulation_steps} micro-batches"))
+    print(report)  # the verdict and its reason, both comparisons' bounds, the per-parameter table
     return 0 if report.passed else 1
 
 
@@ -285,8 +289,8 @@ def build_report() -> list[tuple[str, str]]:
 def _cmd_info(args: argparse.Namespace) -> int:
     rows = build_report()
     width = max(len(item) for item, _ in rows)
-    for item, finding in rows:
-        print(f"{item.ljust(width)}  {finding}")
+    for item, finding in rows:  # a long finding wraps under itself
+        print(fill(f"{item.ljust(width)}  {finding}", " " * (width + 2)))
     return 0
 
 
@@ -320,7 +324,7 @@ class _Reporter:
             message = (f"  out of memory: window dropped; micro-batch {record['previous'][0]} -> "
                        f"{record['micro_batch_size']}, accumulation steps {record['previous'][1]} -> "
                        f"{record['accumulation_steps']} (effective batch {record['effective_batch_size']})")
-            (self._bar.write if self._bar is not None else print)(message)
+            (self._bar.write if self._bar is not None else print)(fill(message, "    "))
             return
         if self._bar is None:
             return
@@ -419,23 +423,25 @@ def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
     header = ["", *names]
     widths = [max(len(row[i]) for row in [header] + table) for i in range(len(header))]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    # Within gaengine.tools.WIDTH columns: the sentences wrap; the table (a label, two or three short figures) fits.
     out = [
-        f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
-        f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}"
-        + (f", torch threads {threads}" if threads else ""),
-        f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}"
-        + (f" then {config.accumulation_schedule}" if config.accumulation_schedule else "") + ", "
-        f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update; max_grad_norm {config.max_grad_norm}; "
-        f"lr {config.lr:g}",
-        f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
-        f"{corpus.val.numel():,} validation bytes",
+        fill(f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
+             f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}"),
+        fill(f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}"
+             + (f" then {config.accumulation_schedule}" if config.accumulation_schedule else "") + ", "
+             f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update"),
+        fill(f"optimizer: AdamW, lr {config.lr:g}, max_grad_norm {config.max_grad_norm}"
+             + (f"; torch threads {threads}" if threads else "")),
+        fill(f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
+             f"{corpus.val.numel():,} validation bytes"),
         "",
         line(header),
         line(["-" * w for w in widths]),
         *(line(row) for row in table),
-        f"(final train loss: mean window loss over the last 10% of updates; peak memory: {results[0].peak_memory_kind}"
-        + (", cumulative over both runs of this process" if len(results) == 2 and config.device == "cpu" else "")
-        + ")",
+        fill("(final train loss: mean window loss over the last 10% of updates; peak memory: "
+             f"{results[0].peak_memory_kind}"
+             + (", cumulative over both runs of this process" if len(results) == 2 and config.device == "cpu" else "")
+             + ")", " "),
     ]
     return "\n".join(out)
 
@@ -517,7 +523,7 @@ def _train(args: argparse.Namespace, threads: str) -> int:
         if reporter.enabled:
             plot = reporter.plot(results)
             reporter.print(_summary(results, config, corpus, world, threads))
-            reporter.print(f"wrote {out_dir / 'metrics.jsonl'}, {plot}")
+            reporter.print(fill(f"wrote {out_dir / 'metrics.jsonl'}, {plot}"))
     finally:
         reporter.close()
         if world > 1:

@@ -114,8 +114,8 @@ def choose_threads(requested: Optional[int] = None, environ=None,
     * Otherwise half of ``cpus``, at least 1 (1 on a 2-core machine). torch's default, one thread per physical
       core, falls off a cliff as soon as another process takes one of the cores: every op ends in an OpenMP
       barrier that waits for its slowest thread, and a descheduled thread is late by a whole scheduler time
-      slice. Measured on a 2-core machine (README, "Threads"): with a busy loop on one core, the default
-      ``gaengine train`` ran at 1,100-1,750 tokens/s with 2 threads and 6,700-8,900 with 1; with both cores
+      slice. Measured on a 2-core machine (docs/performance.md, "Threads"): with a busy loop on one core, the
+      default ``gaengine train`` ran at 1,100-1,750 tokens/s with 2 threads and 6,700-8,900 with 1; with both cores
       idle, at 22,500-24,900 with 2 and 13,600-14,800 with 1. Half the cores gives up at most that 1.65x on an
       idle machine for the 4-8x of a busy one.
     """

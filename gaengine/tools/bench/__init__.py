@@ -3,10 +3,13 @@
     gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale host e2e memory] [--quick] [--threads N]
                    [--host-params P ...] [--json PATH] [--plot PNG]
 
-Each benchmark prints its own table with the columns it has: a kernel ``variant | ms | GB/s | % of peak | vs
-torch``, the host benchmark ``dtype | P | variant | ms/window | us/param/mb | added us/param/mb | vs (b) |
-launches/mb | buckets``, the end-to-end one ``variant | ms/update | tokens/s | vs plain | peak, peak delta and
-peak live MiB | state MiB | state B/param``. Every ratio is the median of per-round ratios, printed with the
+Each benchmark prints its own tables with the columns it has: a kernel ``variant | ms | GB/s | % of copy | vs
+torch``; the host benchmark ``dtype | P | variant | ms/window | vs (b) | launches/mb | buckets`` and, per parameter
+per micro-batch, ``us/param/mb | added us/param/mb``; the end-to-end one ``variant | ms/update | tokens/s | vs
+plain`` and ``variant | peak, peak delta and peak live MiB | state MiB | state B/param``; the memory one the bytes
+per parameter by what holds them, then the formula and the bytes on the wire. Every line fits in
+:data:`gaengine.tools.WIDTH` (100) columns: notes wrap, a long variant wraps onto a continuation row, a table too
+wide for its columns is split (``print_table``). Every ratio is the median of per-round ratios, printed with the
 25th to 75th percentile of them (:func:`ratio_text`); one whose spread contains 1, or that comes from fewer than
 :data:`MIN_ROUNDS` rounds, is printed as noise, not as a figure (:func:`ratio_stats`). The JSON (``--json``)
 holds every row with all its fields.
@@ -25,9 +28,12 @@ writes), so a baseline that moves more bytes shows as slow as it is:
 * ``scale`` ``x *= coef`` with a 0-d device coefficient, 8 B/element (read 4 + write 4); baselines
   ``x.mul_(coef)`` and ``clip_grad_norm_``'s ``torch._foreach_mul_`` over per-parameter views.
 
-Peak: ``dst.copy_(src)`` of fp32 buffers of the same size on the same device in the same run, 8 B/element
-(read 4 + write 4): the streaming bandwidth this device reaches now. ``% of peak`` = GB/s / peak GB/s.
-All kernel rows and the peak are timed in interleaved rounds (one call of each per round, in a shuffled
+Copy: ``dst.copy_(src)`` of fp32 buffers of the same size on the same device in the same rounds, 8 B/element
+(read 4 + write 4): the streaming bandwidth a plain copy reaches now (``peak`` in the JSON). ``% of copy`` = GB/s /
+the copy's GB/s (``pct_of_copy``); it is a reference, not a ceiling: above 100 % the kernel's buffers stayed in
+cache (a small ``--numel``) or, on a CPU, the copy paid a read of every line it wrote (write-allocate) that an
+in-place kernel does not, and a note under the tables says so.
+All kernel rows and the copy are timed in interleaved rounds (one call of each per round, in a shuffled
 order); ``ms`` is the median over rounds, and a ratio is the median of the per-round ratios ``baseline ms /
 variant ms`` (> 1: faster than torch), so a machine shared with other processes shifts every row alike.
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from gaengine.tools.bench import e2e, host, kernels, memory
-from gaengine.tools.bench.common import device_name, git_sha, write_json
+from gaengine.tools.bench.common import device_name, git_sha, print_note, write_json
 
 BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "e2e", "memory")
 """Names accepted by ``--only``, in the order they run."""
@@ -82,7 +82,7 @@ def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    print(f"wrote {path}")
+    print_note(f"wrote {path}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     repeats = args.repeats or (5 if quick else 15)
     warmup = 1 if quick else 3
     name = device_name(device)
-    print(f"gaengine bench on {device} ({name}); torch {torch.__version__}, git {git_sha()}", flush=True)
+    print_note(f"gaengine bench on {device} ({name}); torch {torch.__version__}, git {git_sha()}", flush=True)
 
     rows: list[dict] = []
     params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     kernel_names = [w for w in which if w not in ("host", "e2e", "memory")]
     peak = None
     if kernel_names:
-        print(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
+        print_note(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
         kernel_rows, peak = kernels.bench_kernels(device, numel, kernel_names, warmup=warmup, repeats=repeats)
         rows += kernel_rows
         params.update(numel=numel, warmup=warmup, repeats=repeats, peak=peak,
@@ -129,9 +129,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     host_info = None
     if "host" in which:
         counts = tuple(args.host_params or (host.HOST_PARAM_COUNTS_QUICK if quick else host.HOST_PARAM_COUNTS))
-        print(f"host: P = {', '.join(map(str, counts))} params x {host.HOST_PARAM_NUMEL} elements, "
-              f"{', '.join(map(host.dtype_name, host.HOST_DTYPES))}, K = {host.HOST_ACCUMULATION_STEPS}, "
-              f"{warmup} + {repeats} interleaved rounds ...", flush=True)
+        print_note(f"host: P = {', '.join(map(str, counts))} params x {host.HOST_PARAM_NUMEL} elements, "
+                   f"{', '.join(map(host.dtype_name, host.HOST_DTYPES))}, K = {host.HOST_ACCUMULATION_STEPS}, "
+                   f"{warmup} + {repeats} interleaved rounds ...", flush=True)
         host_rows, host_info = host.bench_host(device, counts, warmup=warmup, repeats=repeats)
         rows += host_rows
         params["host"] = host_info
@@ -140,18 +140,19 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         cfg = e2e.e2e_config(device.type, quick)
         if args.e2e_updates:
             cfg = e2e.E2EConfig(**{**asdict(cfg), "timed_updates": args.e2e_updates})
-        e2e_rows, e2e_info = e2e.bench_e2e(cfg, progress=lambda s: print(f"  {s}", flush=True))
+        e2e_rows, e2e_info = e2e.bench_e2e(cfg, progress=lambda s: print_note(f"  {s}", "    ", flush=True))
         rows += e2e_rows
         params["e2e"] = e2e_info
     memory_info = None
     if "memory" in which:
         worlds = (1, 2) if quick else memory.MEMORY_WORLD_SIZES
-        print(f"memory: d = {', '.join(map(str, worlds))} gloo processes on the CPU ...", flush=True)
+        print_note(f"memory: d = {', '.join(map(str, worlds))} gloo processes on the CPU ...", flush=True)
         memory_rows, memory_info = memory.bench_memory(memory.QUICK if quick else memory.MemoryConfig(), worlds)
         rows += memory_rows
         params["memory"] = memory_info
 
-    print(f"\ngaengine bench, {device} ({name}), torch {torch.__version__}")
+    print()
+    print_note(f"gaengine bench, {device} ({name}), torch {torch.__version__}")
     if kernel_names:
         kernels.print_tables(kernel_rows, peak, repeats)
     if host_info is not None:

@@ -16,12 +16,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from gaengine.tools import WIDTH, fill
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the repository root in a checkout / editable install
 
@@ -169,22 +172,64 @@ def environment(devices: Sequence[torch.device | str]) -> dict[str, object]:
     return env
 
 
+MIN_WRAP = 24
+"""A wrapped table column (``print_table``'s ``wrap``) is no narrower than this many characters."""
+
+
+def print_note(text: str, indent: str = "  ", *, flush: bool = False) -> None:
+    """Print ``text`` wrapped to :data:`~gaengine.tools.WIDTH` columns (:func:`gaengine.tools.fill`), the lines
+    after the first indented by ``indent``."""
+    print(fill(text, indent), flush=flush)
+
+
 def print_table(rows: Sequence[dict[str, object]], columns: Sequence[tuple[str, str, str]],
-                title: str | None = None) -> None:
+                title: str | None = None, *, width: int = WIDTH, keep: int = 1, wrap: Sequence[str] = ()) -> None:
     """Print ``rows`` as a Markdown table; ``columns`` are ``(key, header, format)``, e.g. ``("ms", "ms", ".2f")``.
 
-    A missing or None value prints as an empty cell; text columns are left-aligned, numbers right-aligned.
+    A missing or None value prints as an empty cell; text columns are left-aligned, numbers right-aligned. The
+    title is wrapped (:func:`print_note`). A table wider than ``width`` columns is fitted: first the text of the
+    columns whose keys are in ``wrap`` is wrapped at spaces onto continuation rows (the row's other cells empty,
+    the text indented by two spaces), down to :data:`MIN_WRAP` characters; a table still too wide is dealt into
+    several, left to right, each repeating the first ``keep`` columns (the rows' names), the later ones titled
+    ``<title up to its first ':'> (continued)``.
     """
     cells = [[("" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns] for row in rows]
     left = [any(isinstance(row.get(key), str) for row in rows) for key, _, _ in columns]
     headers = [header for _, header, _ in columns]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    if title:
-        print(f"\n{title}")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for c in cells:
-        print("| " + " | ".join(v.ljust(w) if lj else v.rjust(w) for v, w, lj in zip(c, widths, left)) + " |")
+
+    def table_width(indices: Sequence[int]) -> int:  # "| " + cells joined by " | " + " |"
+        return sum(widths[i] + 3 for i in indices) + 1
+
+    lines = [[[v] for v in c] for c in cells]  # row -> column -> the cell's lines
+    for i, (key, _, _) in enumerate(columns):
+        over = table_width(range(len(columns))) - width
+        if key not in wrap or over <= 0 or not cells:
+            continue
+        target = max(MIN_WRAP, widths[i] - over)
+        for row in lines:
+            row[i] = textwrap.wrap(row[i][0], target, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False) or [""]
+        widths[i] = max(len(headers[i]), *(len(line) for row in lines for line in row[i]))
+    physical = [[[col[j] if j < len(col) else "" for col in row] for j in range(max(len(col) for col in row))]
+                for row in lines]
+
+    keep = max(1, min(keep, len(columns)))
+    parts = [list(range(keep))]
+    for i in range(keep, len(columns)):
+        if len(parts[-1]) > keep and table_width(parts[-1] + [i]) > width:
+            parts.append(list(range(keep)))
+        parts[-1].append(i)
+    for n, part in enumerate(parts):
+        if title or n:
+            print()
+            print_note(title if n == 0 else f"{title.split(':')[0] if title else 'table'} (continued)")
+        print("| " + " | ".join(headers[i].ljust(widths[i]) for i in part) + " |")
+        print("|" + "|".join("-" * (widths[i] + 2) for i in part) + "|")
+        for row in physical:
+            for line in row:
+                print("| " + " | ".join(line[i].ljust(widths[i]) if left[i] else line[i].rjust(widths[i])
+                                        for i in part) + " |")
 
 
 def write_json(path: str | os.PathLike, benchmark: str, params: dict[str, object], rows: Sequence[dict[str, object]],
@@ -194,7 +239,8 @@ def write_json(path: str | os.PathLike, benchmark: str, params: dict[str, object
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": benchmark, "params": params, "environment": environment(devices), "results": list(rows)}
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    print()
+    print_note(f"wrote {path}")
 
 
 def median_ratio(baseline_ms: Sequence[float], ms: Sequence[float]) -> float:

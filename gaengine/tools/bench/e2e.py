@@ -20,8 +20,8 @@ import torch
 
 from gaengine.engine import GradientAccumulator
 from gaengine.optim import FusedAdamW
-from gaengine.tools.bench.common import (MIN_ROUNDS, PACKAGE_ROOT, RATIO_NOTE, display_rows, median_ratio, print_table,
-                                         ratio_stats, sync, time_rounds, without_kineto_log)
+from gaengine.tools.bench.common import (MIN_ROUNDS, PACKAGE_ROOT, RATIO_NOTE, display_rows, median_ratio, print_note,
+                                         print_table, ratio_stats, sync, time_rounds, without_kineto_log)
 from gaengine.tools.model import GPT, GPTConfig
 
 E2E_VARIANTS = {
@@ -413,22 +413,25 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
 
 
 E2E_COLUMNS = [("key", "variant", "s"), ("ms", "ms/update", ",.1f"), ("tokens_per_s", "tokens/s", ",.0f"),
-               ("ratio_text", "vs plain [p25-p75]", "s"), ("peak_mib", "peak MiB", ",.1f"),
-               ("peak_delta_mib", "peak delta MiB", ",.1f"), ("peak_live_mib", "peak live MiB", ",.1f"),
-               ("state_mib", "state MiB", ",.2f"), ("state_bytes_per_param", "state B/param", ".1f")]
-"""Columns of the end-to-end table; the variants' full labels follow it as a legend."""
+               ("ratio_text", "vs plain [p25-p75]", "s")]
+"""Columns of the end-to-end throughput table; the variants' full labels follow the tables as a legend."""
+E2E_MEMORY_COLUMNS = [("key", "variant", "s"), ("peak_mib", "peak MiB", ",.1f"),
+                      ("peak_delta_mib", "peak delta MiB", ",.1f"), ("peak_live_mib", "peak live MiB", ",.1f"),
+                      ("state_mib", "state MiB", ",.2f"), ("state_bytes_per_param", "state B/param", ".1f")]
+"""Columns of the end-to-end memory table (the same variants, each in a fresh process)."""
 
 
 def print_tables(rows: Sequence[dict], info: dict) -> None:
-    """The end-to-end table, the variants' labels, and what each column means."""
+    """The end-to-end throughput and memory tables, the variants' labels, and what each column means."""
     c = info["config"]
     print_table(display_rows(rows), E2E_COLUMNS,
                 f"e2e: {info['num_params']:,}-parameter GPT in bf16 ({c['n_layers']} layers, d_model {c['d_model']}), "
                 f"{c['micro_batch_size']} x {c['seq_len']} tokens x K={c['accumulation_steps']} = "
                 f"{info['tokens_per_update']:,} tokens per update on {c['device']}")
+    print_table(rows, E2E_MEMORY_COLUMNS, "e2e memory: the same variants, each in a fresh process")
     for r in rows:
-        print(f"  {r['key']}: {r['variant']}")
-    print(f"e2e: {c['timed_updates']} timed rounds after {c['warmup_updates']}, one update of every variant per "
-          "round; ms/update = median; tokens/s = tokens per update / that median; vs plain = median per-round "
-          f"ratio of the plain recipe's (b) update time to the variant's, > 1: faster. {RATIO_NOTE}.")
-    print(f"e2e memory: {info['memory']}. state = {info['state']}; state B/param = state / parameters.")
+        print_note(f"  {r['key']}: {r['variant']}", indent="      ")
+    print_note(f"e2e: {c['timed_updates']} timed rounds after {c['warmup_updates']}, one update of every variant per "
+               "round; ms/update = median; tokens/s = tokens per update / that median; vs plain = median per-round "
+               f"ratio of the plain recipe's (b) update time to the variant's, > 1: faster. {RATIO_NOTE}.")
+    print_note(f"e2e memory: {info['memory']}. state = {info['state']}; state B/param = state / parameters.")

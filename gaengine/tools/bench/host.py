@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 import torch
 
 from gaengine.engine import GradientAccumulator
-from gaengine.tools.bench.common import (RATIO_NOTE, Elapsed, display_rows, print_table, ratio_stats, sync, time_rounds,
-                                         without_kineto_log)
+from gaengine.tools.bench.common import (RATIO_NOTE, Elapsed, display_rows, print_note, print_table, ratio_stats,
+                                         sync, time_rounds, without_kineto_log)
 
 HOST_PARAM_COUNTS = (64, 256, 1024)
 """P of the ``host`` benchmark: the slope of the added time over P is its per-parameter figure."""
@@ -304,24 +304,34 @@ def bench_host(device: torch.device, param_counts: Sequence[int] = HOST_PARAM_CO
     return rows, info
 
 
-HOST_COLUMNS = [("dtype", "dtype", "s"), ("num_params", "P", "d"), ("variant", "variant", "s"),
-                ("ms", "ms/window", ".3f"), ("us_per_param_mb", "us/param/mb", ".2f"),
-                ("added_us_per_param_mb", "added us/param/mb", ".2f"), ("ratio_text", "vs (b) [p25-p75]", "s"),
+HOST_COLUMNS = [("dtype", "dtype", "s"), ("num_params", "P", "d"), ("name", "variant", "s"),
+                ("ms", "ms/window", ".3f"), ("ratio_text", "vs (b) [p25-p75]", "s"),
                 ("launches_per_mb", "launches/mb", ""), ("buckets", "buckets", "d")]
-"""Columns of the host benchmark's table (its measured rows)."""
+"""Columns of the host benchmark's first table (its measured rows); ``name`` is the variant's label up to its
+colon, ``(b) plain`` or ``(a) gaengine`` (the full labels follow the tables)."""
+HOST_PER_PARAM_COLUMNS = [("dtype", "dtype", "s"), ("num_params", "P", "d"), ("name", "variant", "s"),
+                          ("us_per_param_mb", "us/param/mb", ".2f"),
+                          ("added_us_per_param_mb", "added us/param/mb", ".2f")]
+"""Columns of its second table: the same rows per parameter per micro-batch."""
 
 
 def print_tables(rows: Sequence[dict], info: dict, device: torch.device) -> None:
-    """The host benchmark's measured rows, what the columns mean, and its fit over P against the target."""
-    measured = [r for r in rows if not r["key"].endswith("-fit")]
-    print_table(display_rows(measured), HOST_COLUMNS,
-                f"host: P leaf params x {info['param_numel']} elements, K = {info['accumulation_steps']} micro-batches "
-                f"per window, backward only; gaengine backend {info['backend']}, hooks {info['hooks']}")
-    print(f"host: {info['model']} (kernel time ~0: host time dominates). ms/window = {info['ms']}, "
-          f"{info['repeats']} interleaved rounds; us/param/mb = ms/window / (P * K); added us/param/mb = "
-          f"{info['added']}; vs (b) = median per-round ratio (b) / variant, > 1: faster. {RATIO_NOTE}.")
-    print(f"host: launches/mb = {info['launches']}; buckets = gaengine's buckets (a bucketed accumulate needs "
-          "buckets + the model's own launches).")
+    """The host benchmark's measured rows (two tables), what the columns mean, and its fit over P against the
+    target."""
+    measured = [{**r, "name": r["variant"].split(":")[0]} for r in display_rows(rows) if not r["key"].endswith("-fit")]
+    print_table(measured, HOST_COLUMNS, keep=3, title=(
+        f"host: P leaf params x {info['param_numel']} elements, K = {info['accumulation_steps']} micro-batches per "
+        f"window, backward only; gaengine backend {info['backend']}, hooks {info['hooks']}"))
+    print_table(measured, HOST_PER_PARAM_COLUMNS, keep=3,
+                title="host per parameter: the same windows per parameter per micro-batch")
+    for label in HOST_VARIANTS.values():
+        print_note(f"  {label}", indent="      ")
+    print_note(f"host: {info['model']} (kernel time ~0: host time dominates). ms/window = {info['ms']}, "
+               f"{info['repeats']} interleaved rounds; vs (b) = median per-round ratio (b) / variant, > 1: faster. "
+               f"{RATIO_NOTE}.")
+    print_note(f"host: launches/mb = {info['launches']}; buckets = gaengine's buckets (a bucketed accumulate needs "
+               "buckets + the model's own launches).")
+    print_note(f"host: us/param/mb = ms/window / (P * K); added us/param/mb = {info['added']}.")
     for name, fit in info["fit"].items():
         added = ", ".join(f"P={n}: {us / n:.2f}" for n, us in fit["added_us_per_mb"].items())
         line = (f"host {name}: gaengine adds {fit['slope_us_per_param_mb']:.2f} us per parameter per micro-batch "
@@ -330,4 +340,4 @@ def print_tables(rows: Sequence[dict], info: dict, device: torch.device) -> None
         if device.type == "cpu":
             met = fit["slope_us_per_param_mb"] <= HOST_TARGET_US
             line += f"; CPU target <= {HOST_TARGET_US:g} us: {'met' if met else 'NOT met'}"
-        print(line + ".")
+        print_note(line + ".")

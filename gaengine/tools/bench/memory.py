@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gaengine.tools.bench.common import print_table
+from gaengine.tools.bench.common import print_note, print_table
 
 MEMORY_WORLD_SIZES = (1, 2, 4)
 MEMORY_STAGES = (0, 1, 2)
@@ -296,10 +296,17 @@ def bench_memory(cfg: MemoryConfig, worlds: Sequence[int] = MEMORY_WORLD_SIZES,
 
 
 def print_tables(rows: Sequence[dict], info: dict) -> None:
-    columns = [("variant", "recipe", "s"), ("world", "d", "d")] + [(c, c, ".3f") for c in COLUMNS] + [
-        ("total", "total B/param", ".3f"), ("formula", "formula", "s"), ("formula_value", "= B/param", ".3f"),
-        ("wire", "wire B/param/window", ".3f"), ("wire_vs_stage0", "wire vs stage 0", ".3f")]
-    print_table(rows, columns, title=(
+    """Two tables of the same rows: the bytes per parameter per rank by what holds them, with their total and the
+    formula's value; then the formula and the bytes each rank sends per window."""
+    bytes_columns = [("variant", "recipe", "s"), ("world", "d", "d")] + [(c, c, ".3f") for c in COLUMNS] + [
+        ("total", "total B/param", ".3f"), ("formula_value", "= formula", ".3f")]
+    print_table(rows, bytes_columns, keep=2, title=(
         f"memory: bytes per parameter per rank at the high point of a window ({info['numel']:,} bf16 parameters, "
-        "AdamW, fp32 masters for gaengine; largest over the ranks), measured from the allocated storages, and bytes "
-        "per parameter each rank sends per window (ring algorithm)"))
+        "AdamW, fp32 masters for gaengine; largest over the ranks), measured from the allocated storages"))
+    wire_columns = [("variant", "recipe", "s"), ("world", "d", "d"), ("formula", "formula", "s"),
+                    ("wire", "wire B/param/window", ".3f"), ("wire_vs_stage0", "wire vs stage 0", ".3f")]
+    print_table(rows, wire_columns, keep=2,
+                title="memory: the formula of each row, and the bytes per parameter each rank sends per window "
+                      "(ring algorithm)")
+    print_note("memory: = formula (first table) is the value of the formula (second table) in B/param, what total "
+               "B/param should be, padding to whole buckets aside.")
