@@ -120,7 +120,7 @@ def _scenario_zero_habits(rank, world, out):
 
 @pytest.mark.multiproc
 def test_zero_stages_leftover_step_and_load_after_construction(tmp_path):
-    codes, results = launch_ranks(tmp_path, 2, _scenario_zero_habits, join_s=240)
+    codes, results = launch_ranks(tmp_path, 2, _scenario_zero_habits, timeout_s=300, join_s=600)
     assert codes == [0, 0]
     assert all(r == [True] * 4 for r in results)
 
