@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from gaengine.reduce import Collective
+
 __all__ = ["ZERO_FORMAT", "FlatShard", "Piece", "full_optimizer_state_dict", "gather_full", "load_shard_state_dict",
            "load_zero_state_dict", "zero_state_dict",
            "pieces_in_ranges", "shard_state_dict"]
@@ -230,8 +232,8 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     world = len(all_pieces)
     if world > 1:
         gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(  # torch < 2.10: the old name
-            gathered, shard.contiguous(), group=group)
+        Collective(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # torch < 2.10: old name
+                   gathered, shard.contiguous(), group=group).wait()  # returns with no backend thread holding them
         rows = gathered.view(world, shard.numel())
     else:
         rows = shard.reshape(1, -1)
@@ -421,8 +423,8 @@ def _reduced_window_grad(acc: Any) -> torch.Tensor:
             if not written[i]:
                 o = layout.layout.offsets[i] - b.start
                 tmp[o:o + layout.layout.numels[i]].zero_()
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(  # torch < 2.10: the old name
-            out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=acc.process_group)
+        Collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # torch < 2.10
+                   out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=acc.process_group).wait()
     return out
 
 

@@ -20,7 +20,7 @@ and the schedule.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +29,85 @@ import torch.distributed as dist
 from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["BucketReducer", "HostMailbox", "WindowStats", "broadcast_from_first_rank", "count_mismatch_message",
-           "launch_window_stats", "wait_for", "wait_quietly"]
+__all__ = ["BucketReducer", "Collective", "HostMailbox", "WindowStats", "broadcast_from_first_rank",
+           "count_mismatch_message", "launch_window_stats", "settle", "wait_for", "wait_quietly"]
+
+SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
+_SETTLE_POLL_S = 5e-5
+_use_count = getattr(torch.Tensor, "_use_count", None)  # C++ references to a tensor (one: its Python object's)
+# The Python object torch.autograd.graph._engine_run_backward stashes in the thread-local state for a backward
+# (a contextvars.Context), and torch's functions to take it out and put it back (torch >= 2.6 as far as they exist).
+_BACKWARD_TLS_KEY = "context"
+_tls = tuple(getattr(torch._C, name, None) for name in
+             ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls"))
+
+
+class Collective:
+    """One asynchronous collective gaengine launches: torch's work handle, and the tensors it reads and writes,
+    held here until the backend has let go of them.
+
+    Why: gloo runs a collective on a worker thread of the process group, which drops the work (its tensors and the
+    thread-local state it captured at the launch) a little after ``wait()`` has returned, a third of the time on a
+    loaded 2-core machine. Dropping a reference to a Python object takes the GIL (a tensor's, through torch's
+    ``TensorImpl::decref_pyobject``; the ``contextvars`` context a backward keeps in the thread-local state); a
+    worker thread that takes it once the interpreter has begun to finalize is ended by Python inside a C++
+    destructor, and the process aborts with ``terminate called without an active exception``. So:
+
+    * the collective is launched with that context taken out of the thread-local state (put back at once): the
+      reductions the hooks launch during backward capture no Python object;
+    * ``wait()`` also waits, for CPU tensors, until no other thread holds them (``settle``).
+
+    When ``step()`` and ``state_dict()`` return, nothing gaengine launched is in flight or holds a Python object
+    on a backend thread (``overlap_param_gather``'s all-gathers apart, which ``gaengine.zero.ShardedState``
+    waits for at the latest at interpreter exit). On CUDA ``wait()`` stays a stream wait: no host sync.
+
+    fn: a ``torch.distributed`` collective, called as ``fn(*tensors, async_op=True, **kwargs)`` on aliases of
+    ``tensors`` made here (``detach()``: the same memory, a tensor object only this and the collective hold).
+    """
+
+    __slots__ = ("tensors", "work")
+
+    def __init__(self, fn: Callable, *tensors: torch.Tensor, **kwargs) -> None:
+        self.tensors = tuple(t.detach() for t in tensors)
+        is_key, get, remove, stash = _tls
+        stashed = None
+        if all(_tls) and is_key(_BACKWARD_TLS_KEY):
+            stashed = get(_BACKWARD_TLS_KEY)
+            remove(_BACKWARD_TLS_KEY)
+        try:
+            self.work = fn(*self.tensors, async_op=True, **kwargs)
+        finally:
+            if stashed is not None:
+                stash(_BACKWARD_TLS_KEY, stashed)
+
+    def wait(self) -> None:
+        """Wait for the collective (raising what torch's ``work.wait()`` raises), then ``settle`` its tensors."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None  # torch's handle holds the tensors too
+        if self.tensors and settle(self.tensors):
+            self.tensors = ()
+
+
+def settle(tensors: Iterable[torch.Tensor], timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait (host; sleeping, so the GIL is free for the thread that needs it) until no C++ reference but its Python
+    object's holds any CPU tensor of ``tensors`` (aliases only ``Collective`` holds), for at most ``timeout_s``.
+    Returns whether they all settled. CUDA tensors are not waited for (that would be a host sync); nor is anything
+    where torch does not count references (``Tensor._use_count``)."""
+    if _use_count is None:
+        return True
+    pending = [t for t in tensors if t.device.type == "cpu"]
+    deadline = None
+    while True:
+        pending = [t for t in pending if _use_count(t) > 1]
+        if not pending:
+            return True
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + timeout_s
+        elif now >= deadline:
+            return False
+        time.sleep(_SETTLE_POLL_S)
 
 
 class BucketReducer:
@@ -93,7 +170,7 @@ class BucketReducer:
         """Start bucket ``b``'s collective: ``b.wire`` (the bucket, in ``reduce_dtype``) and ``b.work``."""
         view = self.data[b.start:b.end]
         b.wire = view if self.reduce_dtype == torch.float32 else view.to(self.reduce_dtype)
-        b.work = dist.all_reduce(b.wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        b.work = Collective(dist.all_reduce, b.wire, op=dist.ReduceOp.SUM, group=self.group)
 
     def _finish(self, b: Bucket) -> None:
         """Bucket ``b``'s collective completed: its result into ``data`` (fp32) when the wire was narrower."""
@@ -290,7 +367,7 @@ def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_u
     if extra is not None:
         parts.append(extra.double().reshape(-1))
     data = torch.cat(parts)
-    work = dist.all_reduce(data, group=group, async_op=True)
+    work = Collective(dist.all_reduce, data, group=group)
     reducer.collectives_issued += 1
     return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel(), num_ranks, rank, count)
 
@@ -305,4 +382,4 @@ def broadcast_from_first_rank(tensors: Iterable[torch.Tensor], group: dist.Proce
     src = _first_rank(group)
     with torch.no_grad():
         for t in tensors:
-            dist.broadcast(t.data, src=src, group=group)
+            Collective(dist.broadcast, t, src=src, group=group).wait()

@@ -60,7 +60,8 @@ state live on it):
   bucket of the parameter buffers is all-gathered in place. ``overlap_param_gather=True`` leaves those gathers
   in flight: a forward pre-hook on every module that owns a parameter of a bucket waits for that bucket, so the
   gather overlaps the next forward (a parameter used in the forward of a module that does not own it must be
-  owned by a module that runs earlier; ``acc.backward()``, ``step()`` and ``state_dict()`` wait for all).
+  owned by a module that runs earlier; ``acc.backward()``, ``step()`` and ``state_dict()`` wait for all, and at
+  the latest the interpreter's exit, with or without ``acc.close()``).
 
 A world of one accepts ``zero_stage`` and shards nothing (stage 0).
 """
@@ -68,6 +69,7 @@ A world of one accepts ``zero_stage`` and shards nothing (stage 0).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,7 +80,7 @@ from torch.autograd.graph import increment_version
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.norm import window_norm
-from gaengine.reduce import BucketReducer, wait_for, wait_quietly
+from gaengine.reduce import BucketReducer, Collective, wait_for, wait_quietly
 from gaengine.update import fused_optimizer, merge_model_write, param_versions, step_optimizer, step_scheduler
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
@@ -236,14 +238,25 @@ class ShardLayout:
         return shard.shard_offset - self.dtype_shard_span(self.dtypes[shard.index])[0]
 
 
-def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> object:
+def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.10: the old name
-    return fn(output, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Collective(fn, output, inp, op=dist.ReduceOp.SUM, group=group)
 
 
-def _all_gather(output: torch.Tensor, inp: torch.Tensor, group) -> object:
+def _all_gather(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, inp, group=group, async_op=True)
+    return Collective(fn, output, inp, group=group)
+
+
+def _finish_in_flight(pending: dict[int, Collective], reducer: BucketReducer) -> None:
+    """Wait (errors ignored) for the all-gathers in ``pending`` and the reductions of ``reducer`` still in flight:
+    ``ShardedState.close()``, and the last chance (``weakref.finalize``) when the state is collected or the
+    interpreter exits with it alive (a script that ends without ``acc.close()``, ``overlap_param_gather``'s
+    gathers in flight). It must not refer to the state itself."""
+    for work in pending.values():
+        wait_quietly(work)
+    pending.clear()
+    reducer.drain()
 
 
 class ShardReducer(BucketReducer):
@@ -499,8 +512,11 @@ class ShardedState:
         self._mastered = [(p, piece, view) for p, piece, view in zip(params, self.pieces, self.model_views)
                           if piece is not None and p.dtype in self.master_shards]
         self._versions = param_versions([p for p, _, _ in self._mastered])
-        self._pending: dict[int, object] = {}
+        self._pending: dict[int, Collective] = {}
         self._handles = []
+        # Nothing of this state may be in flight when the interpreter finalizes (a backend thread letting go of a
+        # tensor then aborts the process, see gaengine.reduce.Collective): waited at exit, or when collected.
+        self._exit_wait = weakref.finalize(self, _finish_in_flight, self._pending, reducer)
         if overlap_param_gather and model is not None:
             index = {id(p): i for i, p in enumerate(params)}
             bucket_of = [b.index for b in shard.buckets for _ in range(b.first, b.last)]
@@ -531,7 +547,7 @@ class ShardedState:
             sums = torch.stack([sum_sq, (~torch.isfinite(sum_sq)).float()])
         else:
             sums = torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
-        wait_for(dist.all_reduce(sums, group=self.group, async_op=True), "all-reduce of the gradient norm")
+        wait_for(Collective(dist.all_reduce, sums, group=self.group), "all-reduce of the gradient norm")
         return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
 
     def pull_model_writes(self) -> None:
@@ -638,9 +654,9 @@ class ShardedState:
     def close(self) -> None:
         """Remove the forward pre-hooks, after waiting (errors ignored) for the gathers and the gradient
         reductions still in flight, so that no collective of this accumulator outlives it (a process group torn
-        down under a pending gloo collective aborts the process)."""
-        self.drop_gathers()
-        self.reducer.drain()
+        down under a pending gloo collective aborts the process). Without ``close()`` the same wait runs when
+        the state is collected or, at the latest, when the interpreter exits (``weakref.finalize``)."""
+        _finish_in_flight(self._pending, self.reducer)
         for h in self._handles:
             h.remove()
         self._handles = []
