@@ -59,11 +59,29 @@ def backend(request, monkeypatch) -> Backend:
     return get_backend("cuda", "cpu")
 
 
-def test_every_backend_has_every_op(backend):
-    for op in OPS:
-        assert callable(getattr(backend, op)), op
+def _function(obj, op: str):
+    f = getattr(obj, op)
+    return getattr(f, "__func__", f)
+
+
+LAYOUT_OPS = ("new_bucket_partials", "finish_norm_partials")  # the partials format, shared by the row layout
+
+
+def test_every_backend_runs_its_own_kernel_for_every_op(backend):
+    """Each compute op of a backend is its own kernel, not the reference's it would silently inherit, unless
+    ``lacks`` names it; the partials-format ops are the reference's exactly when its layout is the reference's
+    (rows, ``partials_dim`` 0). The reference itself (``torch``) is the yardstick, not checked."""
     assert set(backend.lacks) <= set(OPS)
     assert backend.lacks == {} or backend.name == "cpu"  # only an old gaengine._C lacks one (adamw_step_)
+    if backend.name == "torch":
+        pytest.skip("the reference: every op is its own by definition")
+    for op in OPS:
+        inherited = _function(backend, op) is _function(Backend, op)
+        if op in LAYOUT_OPS:
+            assert inherited == (backend.partials_dim == 0), f"{backend.name}.{op}: partials layout mismatch"
+        else:
+            assert inherited == (op in backend.lacks), f"{backend.name}.{op}: " + (
+                "runs the torch reference without saying so in lacks" if inherited else "listed in lacks")
 
 
 # ------------------------------------------------------------------------------------------ accumulate_bucket_
