@@ -6,6 +6,7 @@ variant we time, on rank 0, the window's last micro-batch: its backward plus the
 
     compute   = the same last micro-batch with no communication (a one-rank group)
     serial    = gaengine with every all-reduce issued after backward      -> all-reduce time = serial - compute
+                (``overlap_grad_reduce=False``)
     overlap   = gaengine, buckets launched during backward                -> exposed = overlap - compute
     ddp       = torch DDP + no_sync() for micro-batches 0..K-2            -> exposed = ddp - ddp_compute
 
@@ -19,6 +20,7 @@ all-reduce on a one-rank group, whose Work stands in for theirs; the shard's sma
 
     zero_compute = stage s with no communication
     zero_serial  = stage s with each reduce-scatter issued after backward and waited at once
+                   (``overlap_grad_reduce=False``)
                                                               -> reduce-scatter + all-gather time = serial - compute
     zero_overlap = stage s as it runs (buckets reduce-scattered during backward)  -> exposed = overlap - compute
 
@@ -152,8 +154,8 @@ def _worker(rank, world, store, out, windows):
     def engine(group, overlap):
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1.0, process_group=group)
-        acc._overlap = overlap
+        acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1.0, process_group=group,
+                                           overlap_grad_reduce=overlap)
         ms = _time_last_micro_batch(_gaengine_window(acc, model), windows)
         calls = acc.reducer.collectives_issued / windows if acc.reducer is not None else 0
         buckets = len(acc.reducer.buckets) if acc.reducer is not None else 0
@@ -168,8 +170,8 @@ def _worker(rank, world, store, out, windows):
         for variant in ("compute", "serial", "overlap"):
             model = _model()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1.0, zero_stage=stage)
-            acc._overlap = variant != "serial"
+            acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1.0, zero_stage=stage,
+                                               overlap_grad_reduce=variant != "serial")
             with _no_communication(solo) if variant == "compute" else contextlib.nullcontext():
                 ms = _time_last_micro_batch(_zero_window(acc, model, stage, variant == "serial"), windows)
             calls = (acc.reducer.collectives_issued + acc._zero.gathers_issued) / windows

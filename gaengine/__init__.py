@@ -8,6 +8,7 @@ neither initializes CUDA nor loads the compiled extension or triton.
 
 from gaengine import ops, optim, schedules
 from gaengine.clip import clip_grad_norm_
+from gaengine.config import AccumulatorConfig
 from gaengine.engine import GradientAccumulator, StepResult
 from gaengine.utils import MicroBatches, find_micro_batch_size, scale_lr, split_batch
 from gaengine.verify import EquivalenceReport, verify_equivalence
@@ -25,6 +26,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AccumulatorConfig",
     "EquivalenceReport",
     "GradientAccumulator",
     "MicroBatches",

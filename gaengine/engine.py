@@ -20,7 +20,6 @@ stage lives in the module named after it:
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -31,21 +30,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gaengine.backends import BACKEND_NAMES, get_backend
+from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine.bucket import build_buckets
 from gaengine.clip import OWNER_ATTR as _OWNER_ATTR, guard_torch_clip_grad_norm
+from gaengine.config import AccumulatorConfig
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.noise import NoiseEstimate, NoiseScale
 from gaengine.norm import window_norm
 from gaengine.reduce import (BucketReducer, HostMailbox, WindowStats, broadcast_from_first_rank,
                              count_mismatch_message, launch_window_stats, wait_quietly)
-from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, check_min_loss_scale, guard_grad_scaler,
+from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, guard_grad_scaler,
                              scaled_by_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.update import MasterWeights, apply_update, check_optimizer_step, expose_grads, fused_optimizer
-from gaengine.zero import (STAGING_SLOTS, ZERO_STAGES, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer,
+from gaengine.zero import (STAGING_SLOTS, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer,
                            zero_order)
 
 __all__ = ["GradientAccumulator", "StepResult"]
@@ -88,18 +88,6 @@ class StepResult:
     grad_noise_scale: torch.Tensor | None = None
     noise_trace_sigma: torch.Tensor | None = None
     noise_grad_sq: torch.Tensor | None = None
-
-
-def _check_max_grad_norm(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"max_grad_norm must be a positive finite float or None, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"max_grad_norm must be a positive finite float or None (no clipping), got {value!r}")
-    return value
 
 
 _SHARDED_ADVICE = ("gaengine does not support sharded models yet: it would accumulate nothing (FSDP2 reduces and "
@@ -254,6 +242,9 @@ class GradientAccumulator:
         overlap_param_gather: with ``zero_stage`` >= 1, leave the parameters' all-gather in flight after
             ``step()``; a forward pre-hook on each module waits for the buckets of its own parameters, so the
             gather overlaps the next forward (Megatron-Core's name). Needs ``model`` as an ``nn.Module``.
+        overlap_grad_reduce: launch each bucket's reduction during the last micro-batch's backward, as soon as the
+            bucket is complete (default True); False reduces every bucket after backward, one after another (the
+            benchmarks' serial baseline; same numbers).
         measure_noise_scale: measure the gradient noise scale (``gaengine.noise``): every micro-batch's
             accumulate also writes the squared norm of its incoming gradient (same pass, no extra launch, no
             Python per parameter), and ``step()`` reports ``grad_noise_scale``, ``noise_trace_sigma`` and
@@ -266,6 +257,11 @@ class GradientAccumulator:
     soon as backward has produced its last gradient, overlapping the rest of backward. The denominator is
     micro-batches x world size (mean mode) or the all-reduced item count (item mode), so every rank gets
     the exact global mean. Every rank must call ``backward`` and ``step`` the same number of times.
+
+    The options (every argument but ``model``, ``optimizer``, ``lr_scheduler`` and ``process_group``) are checked
+    once by ``gaengine.AccumulatorConfig``, whose field docstrings are their reference, and kept as ``acc.config``
+    (frozen: what was asked at construction). ``acc.accumulation_steps`` (K of the current window) and
+    ``acc.micro_batch_size`` start from it and are the accumulator's own to change.
 
     Raises ``ValueError`` / ``TypeError`` naming the argument for bad input (see the tests), and
     ``RuntimeError`` when a parameter already belongs to another live accumulator.
@@ -300,7 +296,16 @@ class GradientAccumulator:
         noise_scale_ema: float = 0.95,
         zero_stage: int = 0,
         overlap_param_gather: bool = False,
+        overlap_grad_reduce: bool = True,
     ) -> None:
+        # Every option checked once, before anything touches the model (gaengine.config: ValueError naming it).
+        self.config = AccumulatorConfig(
+            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, backend=backend,
+            master_weights=master_weights, bucket_size_mb=bucket_size_mb, reduce_dtype=reduce_dtype,
+            broadcast_buffers=broadcast_buffers, loss_scale=loss_scale, min_loss_scale=min_loss_scale,
+            batchnorm=batchnorm, max_consecutive_skips=max_consecutive_skips, micro_batch_size=micro_batch_size,
+            measure_noise_scale=measure_noise_scale, noise_scale_ema=noise_scale_ema, zero_stage=zero_stage,
+            overlap_param_gather=overlap_param_gather, overlap_grad_reduce=overlap_grad_reduce)
         self._schedule: AccumulationSchedule | None = None
         self._update_index = 0  # windows stepped (the schedule's position)
         self._items_seen = 0  # samples those windows consumed over all ranks
@@ -309,33 +314,15 @@ class GradientAccumulator:
         if callable(accumulation_steps):
             self._schedule, self._k_update = accumulation_steps, -1
         else:
-            self._k = check_accumulation_steps(accumulation_steps)
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be a positive number (MiB of fp32 gradient), got {bucket_size_mb!r}")
-        if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"reduce_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {reduce_dtype!r}")
-        if batchnorm not in (None, "window"):
-            raise ValueError(f"batchnorm must be None or 'window', got {batchnorm!r}")
-        for name, value in (("max_consecutive_skips", max_consecutive_skips), ("micro_batch_size", micro_batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        if not (loss_scale in ("auto", "dynamic", None) or (isinstance(loss_scale, (int, float))
-                                                             and not isinstance(loss_scale, bool))):
-            raise ValueError(f"loss_scale must be 'auto', 'dynamic', a positive float or None, got {loss_scale!r}")
-        self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
-        self.min_loss_scale = check_min_loss_scale(min_loss_scale)
-        if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
-        if not isinstance(overlap_param_gather, bool):
-            raise ValueError(f"overlap_param_gather must be True or False, got {overlap_param_gather!r}")
-        if overlap_param_gather and (zero_stage == 0 or not isinstance(model, nn.Module)):
-            raise ValueError("overlap_param_gather=True needs zero_stage=1 or 2 (it overlaps the all-gather of the "
-                             "sharded update with the next forward) and model as an nn.Module (for its forward "
-                             f"pre-hooks); got zero_stage={zero_stage!r} and a model of type {type(model).__name__}")
+            self._k = accumulation_steps
+        self.max_grad_norm = self.config.max_grad_norm
+        self.min_loss_scale = self.config.min_loss_scale
+        if overlap_param_gather and not isinstance(model, nn.Module):
+            raise ValueError("overlap_param_gather=True needs model as an nn.Module (the all-gather is waited for in "
+                             f"its modules' forward pre-hooks), got a model of type {type(model).__name__}: pass the "
+                             "module, or leave overlap_param_gather off")
         if zero_stage:
             check_zero_optimizer(optimizer, zero_stage)
-        if backend not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if optimizer is not None:
@@ -385,11 +372,6 @@ class GradientAccumulator:
         self.reduce_dtype = reduce_dtype
         self.max_consecutive_skips = max_consecutive_skips
         self.micro_batch_size = micro_batch_size
-        if not isinstance(measure_noise_scale, bool):
-            raise ValueError(f"measure_noise_scale must be True or False, got {measure_noise_scale!r}")
-        if getattr(self._schedule, "needs_noise_scale", False) and not measure_noise_scale:
-            raise ValueError(f"accumulation_steps={self._schedule!r} follows the gradient noise scale: build the "
-                             "accumulator with measure_noise_scale=True")
         # The noise scale's averages; the window's item count per micro-batch (item mode) and, after a mid-window
         # resume, the source norms of the micro-batches the saved window already held.
         self._noise = NoiseScale(noise_scale_ema, self.device) if measure_noise_scale else None
@@ -447,7 +429,6 @@ class GradientAccumulator:
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._failed_backward = False
         self._stats: WindowStats | None = None  # the last micro-batch's stats all-reduce (multi-rank)
-        self._overlap = True  # benchmarks set False to issue every all-reduce after backward
 
         ref = weakref.ref(self)
         for p in self.params:
@@ -556,7 +537,7 @@ class GradientAccumulator:
         # The first window (the layout and each parameter's arrivals per backward are being learned) reduces after
         # backward: a bucket whose parameter arrives twice (reentrant checkpointing) must not start early.
         every = self._zero is not None and self.zero_stage == 2  # zero_stage=2 reduces every micro-batch
-        armed = self.reducer is not None and (last or every) and self._overlap and self.hooks.arrival is None
+        armed = self.reducer is not None and (last or every) and self.config.overlap_grad_reduce and self.hooks.arrival is None
         if self._zero is not None:
             self._zero.before_backward(self.hooks, first=self._num_micro_batches == 0)
         if armed:

@@ -8,9 +8,9 @@ import gaengine
 
 def test_all_is_pinned():
     assert sorted(gaengine.__all__) == sorted([
-        "EquivalenceReport", "GradientAccumulator", "MicroBatches", "StepResult", "clip_grad_norm_",
-        "find_micro_batch_size", "full_optimizer_state_dict", "ops", "optim", "scale_lr", "schedules", "split_batch",
-        "verify_equivalence", "__version__",
+        "AccumulatorConfig", "EquivalenceReport", "GradientAccumulator", "MicroBatches", "StepResult",
+        "clip_grad_norm_", "find_micro_batch_size", "full_optimizer_state_dict", "ops", "optim", "scale_lr",
+        "schedules", "split_batch", "verify_equivalence", "__version__",
     ])
     for name in gaengine.__all__:
         assert hasattr(gaengine, name), name

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import gaengine
 from gaengine import backends
+from gaengine.config import AccumulatorConfig, field_help
 from gaengine.tools import bench, fill
 from gaengine.tools.data import load_corpus, sample_batch
 from gaengine.tools.train import (SCHEDULE_FORMS, TrainConfig, accumulation_schedule, build_model, choose_threads,
@@ -25,9 +26,6 @@ from gaengine.tools.train import (SCHEDULE_FORMS, TrainConfig, accumulation_sche
 from gaengine.verify import verify_equivalence
 
 __all__ = ["main", "build_parser"]
-
-_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
-
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's help ends with its default (a switch's as ``on``/``off``), except where the default is
@@ -82,11 +80,42 @@ def _accumulation_schedule(text: str) -> str:
     return text
 
 
-def _grad_norm(text: str) -> Optional[float]:
-    """``--max-grad-norm``: a positive number, or ``0`` / ``none`` / ``off`` to disable clipping."""
-    if text.strip().lower() in ("0", "0.0", "none", "off"):
+_NONE_WORDS = ("0", "0.0", "none", "off")
+
+
+def _optional_positive_float(text: str) -> Optional[float]:
+    """A positive number, or ``0`` / ``none`` / ``off`` for None (e.g. ``--max-grad-norm``: no clipping)."""
+    if text.strip().lower() in _NONE_WORDS:
         return None
     return _positive_float(text)
+
+
+_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(AccumulatorConfig)}
+
+
+def _add_config_option(group, name: str, default, *flags: str, dest: Optional[str] = None, more: str = "") -> None:
+    """The option for field ``name`` of :class:`gaengine.AccumulatorConfig`, built from the field rather than spelled
+    again: the flag is its name (``--max-grad-norm``; ``flags`` replace it), the help its docstring's first paragraph
+    (then ``more``), the values it accepts from its default's type and its metadata (``choices``; ``minimum`` for an
+    int; ``positive`` for a float that may be None: ``0``/``none``/``off``). ``default``: the command's own (``gaengine
+    train`` trains a small model: its K and micro-batch size are ``TrainConfig``'s)."""
+    f = _CONFIG_FIELDS[name]
+    summary = field_help(name)
+    if summary.split()[0][1:].islower():  # "Keep fp32 ..." -> "keep fp32 ...", argparse's style; "K, ..." stays
+        summary = summary[0].lower() + summary[1:]
+    options: dict = {"default": default, "dest": dest or name, "help": summary.rstrip(".") + more}
+    if "choices" in f.metadata:
+        options.update(choices=f.metadata["choices"], type=type(f.metadata["choices"][0]))
+    elif isinstance(f.default, bool):
+        options["action"] = argparse.BooleanOptionalAction
+    elif "minimum" in f.metadata:
+        options["type"] = _number(int, lambda v, m=f.metadata["minimum"]: v >= m, f"must be >= {f.metadata['minimum']}")
+    elif f.metadata.get("positive"):
+        options["type"] = _optional_positive_float
+        options["help"] += f" ({'/'.join(_NONE_WORDS[:1] + _NONE_WORDS[2:])} on the command line)"
+    else:  # pragma: no cover - a field no command exposes yet
+        raise TypeError(f"no command-line form for AccumulatorConfig.{name}")
+    group.add_argument(*(flags or ("--" + name.replace("_", "-"),)), **options)
 
 
 def _add_train_parser(subparsers) -> None:
@@ -112,13 +141,11 @@ def _add_train_parser(subparsers) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=d.dtype, help="parameter dtype")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer updates")
-    g.add_argument("--micro-batch-size", type=_positive_int, default=d.micro_batch_size, help="sequences per micro-batch")
-    g.add_argument("--accumulation-steps", type=_positive_int, default=d.accumulation_steps,
-                   help="micro-batches per update (K)")
+    _add_config_option(g, "micro_batch_size", d.micro_batch_size, more="; here sequences")
+    _add_config_option(g, "accumulation_steps", d.accumulation_steps)
     g.add_argument("--lr", type=_positive_float, default=d.lr, help="peak learning rate (AdamW)")
     g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps, help="linear warmup updates")
-    g.add_argument("--max-grad-norm", type=_grad_norm, default=d.max_grad_norm,
-                   help="clip the gradient norm to this; 0 or 'none' disables clipping")
+    _add_config_option(g, "max_grad_norm", d.max_grad_norm)
     g.add_argument("--seed", type=int, default=d.seed, help="initialization and sampling seed")
     g.add_argument("--accumulation-schedule", type=_accumulation_schedule, default=None, metavar="SPEC",
                    help=f"K changes during training: {SCHEDULE_FORMS[0]} (Megatron's batch-size ramp-up, in sequences "
@@ -126,17 +153,16 @@ def _add_train_parser(subparsers) -> None:
                         f"{SCHEDULE_FORMS[1]} (K follows the measured gradient noise scale within [K_MIN, K_MAX], "
                         "changed at most every EVERY updates, starting from --accumulation-steps; K_MIN >= 2 on one "
                         "rank; linear|sqrt moves the learning rate with the effective batch); default: K fixed")
-    g.add_argument("--noise-scale", action="store_true",
-                   help="measure the gradient noise scale B_simple (McCandlish et al. 2018, the batch above which "
-                        "more data per update stops paying) at every update, from the norms the accumulation "
-                        "computes anyway: logged to metrics.jsonl (grad_noise_scale, in sequences) and drawn in a "
-                        "second panel of loss.png")
+    _add_config_option(g, "measure_noise_scale", d.noise_scale, "--measure-noise-scale", "--noise-scale",
+                       dest="noise_scale", more=": the batch above which more data per update stops paying, from the "
+                       "norms the accumulation computes anyway; logged to metrics.jsonl (grad_noise_scale, in "
+                       "sequences) and drawn in a second panel of loss.png")
     g = p.add_argument_group("engine and device")
-    g.add_argument("--backend", choices=_BACKENDS, default=d.backend, help="gaengine backend")
+    _add_config_option(g, "backend", d.backend)
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=d.master_weights,
-                   help="keep fp32 master weights and fp32 AdamW state for bf16/fp16 params; --no-master-weights: "
-                        "AdamW updates the bf16/fp16 params in place, state in their dtype (8 instead of 16 B/param)")
+    _add_config_option(g, "master_weights", d.master_weights,
+                       more="; --no-master-weights: AdamW updates the bf16/fp16 params in place, state in their "
+                       "dtype (8 instead of 16 B/param)")
     g.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
                    help="torch CPU threads (torch.set_num_threads), set before any work. auto: half of the CPUs "
                         "this process may use, at least 1, which holds up when other processes take some of them: "
@@ -155,11 +181,9 @@ def _add_train_parser(subparsers) -> None:
     g.add_argument("--auto-micro-batch", action="store_true",
                    help="on an out-of-memory error, drop the window, halve the micro-batch and double the "
                         "accumulation steps (same effective batch); single process only")
-    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=d.zero_stage,
-                   help="under torchrun: 1 shards the fp32 master weights and AdamW state over the ranks (12/d "
-                        "instead of 12 B/param, the same communication as 0: a reduce-scatter in the last micro-batch "
-                        "and an all-gather of the parameters); 2 also shards the fp32 gradient sum (4/d B/param) "
-                        "at the price of a reduce-scatter every micro-batch; 0: every rank holds everything")
+    _add_config_option(g, "zero_stage", d.zero_stage,
+                       more=", under torchrun: 1 costs the communication of 0 (a reduce-scatter in the last "
+                       "micro-batch and an all-gather of the parameters), 2 a reduce-scatter every micro-batch")
     g.add_argument("--dist-timeout", type=_positive_float, default=600.0,
                    help="under torchrun: seconds a rank waits for the others before failing (process group timeout)")
     p.set_defaults(func=_cmd_train)
@@ -185,7 +209,7 @@ def _add_verify_parser(subparsers) -> None:
                         "for the sharpest whole-batch comparison: in bf16 and fp16 the two sides round every "
                         "activation and gradient on their own (the embedding's gradients land up to 14 unit "
                         "roundoffs apart on this GPT)")
-    p.add_argument("--backend", choices=_BACKENDS, default="auto", help="gaengine backend")
+    _add_config_option(p, "backend", AccumulatorConfig.backend)
     p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
     p.add_argument("--data", type=Path, default=None, help="text file or folder; default: the standard library")
     p.set_defaults(func=_cmd_verify)

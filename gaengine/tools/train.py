@@ -22,20 +22,21 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from gaengine.config import AccumulatorConfig
 from gaengine.tools.data import ByteCorpus, eval_batches, sample_batch
 from gaengine.engine import GradientAccumulator
-from gaengine.schedules import Adaptive, RampUp
+from gaengine.schedules import AccumulationSchedule, Adaptive, RampUp
 from gaengine.tools.model import GPT, GPTConfig
 from gaengine.utils import is_oom_error
 
-__all__ = ["DTYPES", "TrainConfig", "TrainResult", "accumulation_schedule", "build_model", "choose_threads",
-           "evaluate", "parse_accumulation_schedule", "train_gaengine", "train_reference"]
+__all__ = ["DTYPES", "ENGINE_FIELDS", "TrainConfig", "TrainResult", "accumulation_schedule", "build_model",
+           "choose_threads", "evaluate", "parse_accumulation_schedule", "train_gaengine", "train_reference"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Parameter dtypes accepted by ``TrainConfig.dtype``."""
@@ -131,16 +132,24 @@ def choose_threads(requested: Optional[int] = None, environ=None,
     return max(1, cpus // 2), f"auto: half of {cpus} CPUs"
 
 
+_ENGINE = AccumulatorConfig()  # the engine's defaults
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything that defines a training run; both recipes read the same one."""
+    """Everything that defines a training run; both recipes read the same one.
+
+    A field named as one of :class:`gaengine.AccumulatorConfig` is that option of the accumulator (its docstring
+    there is the reference, ``gaengine train --help`` shows it) and is checked there: :meth:`accumulator_config`
+    passes every such field on by name, none is spelled again. ``noise_scale`` is ``measure_noise_scale``.
+    """
 
     steps: int = 120
     """Optimizer updates (accumulation windows)."""
     micro_batch_size: int = 16
-    """Sequences per micro-batch."""
+    """The accumulator's ``micro_batch_size``, in sequences (required here)."""
     accumulation_steps: int = 4
-    """Micro-batches per update (K); effective batch = ``micro_batch_size * accumulation_steps`` sequences."""
+    """The accumulator's K; effective batch = ``micro_batch_size * accumulation_steps`` sequences (x ranks)."""
     seq_len: int = 128
     """Tokens (bytes) per sequence; also the model's context length."""
     n_layers: int = 4
@@ -159,18 +168,16 @@ class TrainConfig:
     """Updates of linear warmup from ``lr / warmup_steps``."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
-    max_grad_norm: Optional[float] = 1.0
-    """L2 clipping threshold of the normalized gradient; ``None`` disables clipping."""
+    max_grad_norm: Optional[float] = _ENGINE.max_grad_norm
+    """The accumulator's ``max_grad_norm`` (the plain recipe clips to it too)."""
     device: str = "cpu"
     """``cpu`` or ``cuda``."""
-    backend: str = "auto"
-    """gaengine backend: ``auto`` | ``torch`` | ``cpu`` | ``triton``."""
-    zero_stage: int = 0
-    """gaengine's ``zero_stage`` (0, 1 or 2): under torchrun, shard the fp32 master weights and the AdamW state over
-    the ranks (1), and the fp32 gradient sum too (2); one process shards nothing."""
-    master_weights: bool = True
-    """gaengine keeps fp32 master weights (and fp32 AdamW state) for bf16/fp16 parameters; False: AdamW updates
-    the low-precision parameters in place with its state in their dtype (8 instead of 16 B/param)."""
+    backend: str = _ENGINE.backend
+    """The accumulator's ``backend``."""
+    zero_stage: int = _ENGINE.zero_stage
+    """The accumulator's ``zero_stage`` (under torchrun; one process shards nothing)."""
+    master_weights: bool = _ENGINE.master_weights
+    """The accumulator's ``master_weights`` (False: AdamW's state in the parameters' dtype, 8 instead of 16 B/param)."""
     seed: int = 0
     """Seeds the initialization and the micro-batch sampler (the same for both recipes)."""
     eval_interval: int = 50
@@ -180,8 +187,8 @@ class TrainConfig:
     auto_micro_batch: bool = False
     """On an out-of-memory error mid-window: drop the window (``acc.zero_grad()``), halve the micro-batch,
     double the accumulation steps (same effective batch) and go on. Single process only."""
-    noise_scale: bool = False
-    """Measure the gradient noise scale ``B_simple`` every update (``measure_noise_scale``, gaengine only)."""
+    noise_scale: bool = _ENGINE.measure_noise_scale
+    """The accumulator's ``measure_noise_scale`` (gaengine only; an ``adaptive`` schedule turns it on)."""
     accumulation_schedule: Optional[str] = None
     """K per window from a schedule, one of :data:`SCHEDULE_FORMS` (gaengine only; ``adaptive`` measures the
     noise scale); None: K = ``accumulation_steps`` throughout. With ``rampup`` the ramp ends at
@@ -194,16 +201,13 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_interval < 0 or self.warmup_steps < 0:
             raise ValueError(f"eval_interval and warmup_steps must be >= 0, got {self.eval_interval}, {self.warmup_steps}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
+        self.accumulator_config()  # the engine's options, checked where they are defined (ValueError naming one)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.d_model % self.n_heads:
@@ -222,6 +226,15 @@ class TrainConfig:
         """Whether the gaengine run measures the noise scale (asked for, or needed by an adaptive schedule)."""
         return self.noise_scale or (self.accumulation_schedule or "").startswith("adaptive:")
 
+    def accumulator_config(self, schedule: Optional[AccumulationSchedule] = None) -> AccumulatorConfig:
+        """The accumulator's options for this run: every field named as one of ``AccumulatorConfig``'s
+        (:data:`ENGINE_FIELDS`), ``measure_noise_scale`` from :attr:`measures_noise_scale`, and ``schedule`` as
+        ``accumulation_steps`` when given. ``ValueError`` naming the option for a bad value."""
+        options = {name: getattr(self, name) for name in ENGINE_FIELDS}
+        if schedule is not None:
+            options["accumulation_steps"] = schedule
+        return AccumulatorConfig(**options, measure_noise_scale=self.measures_noise_scale)
+
     @property
     def tokens_per_update(self) -> int:
         """Tokens consumed by one update: ``micro_batch_size * accumulation_steps * seq_len``."""
@@ -231,6 +244,10 @@ class TrainConfig:
     def model_config(self) -> GPTConfig:
         """Shape of the GPT this run trains."""
         return GPTConfig(context_len=self.seq_len, n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads)
+
+
+ENGINE_FIELDS = tuple(f.name for f in fields(AccumulatorConfig) if f.name in {g.name for g in fields(TrainConfig)})
+"""The fields of :class:`TrainConfig` that are options of the accumulator, passed on by name."""
 
 
 @dataclass
@@ -435,18 +452,8 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
         # The optimizer is built over the model's params first; the accumulator re-points it at its fp32
         # master weights when the params are bf16/fp16.
         schedule = accumulation_schedule(config, rank_and_world()[1], optimizer, scheduler)
-        acc = GradientAccumulator(
-            model,
-            optimizer,
-            accumulation_steps=config.accumulation_steps if schedule is None else schedule,
-            max_grad_norm=config.max_grad_norm,
-            lr_scheduler=scheduler,
-            backend=config.backend,
-            micro_batch_size=config.micro_batch_size,
-            master_weights=config.master_weights,
-            zero_stage=config.zero_stage,
-            measure_noise_scale=config.measures_noise_scale,
-        )
+        acc = GradientAccumulator(model, optimizer, lr_scheduler=scheduler,
+                                  **config.accumulator_config(schedule).as_kwargs())
 
         def update(next_micro_batch):
             result = None
