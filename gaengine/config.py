@@ -47,9 +47,13 @@ class AccumulatorConfig:
     """K, micro-batches per optimizer update (the accumulation window).
 
     An int >= 1, or a schedule ``(update_index, items_seen) -> K`` called at the start of every window
-    (``gaengine.schedules``: ``RampUp``, ``Milestones``, ``Adaptive``, or any callable). Default 8. A schedule that
-    follows the gradient noise scale (``needs_noise_scale``) needs ``measure_noise_scale=True``. ``ValueError``
-    naming ``accumulation_steps`` for anything else (a bool, a float, a string)."""
+    (``gaengine.schedules``: ``RampUp``, ``Milestones``, ``Adaptive``, or any callable; ``update_index``: windows
+    stepped so far; ``items_seen``: the samples they consumed over all ranks, ``micro_batch_size`` x micro-batches x
+    world size, or micro-batches x world size without ``micro_batch_size``). Default 8. ``acc.accumulation_steps`` is
+    the current window's K; every window is normalized by the micro-batches it holds, so each is the exact mean of
+    its own effective batch. A schedule that follows the gradient noise scale (``needs_noise_scale``) needs
+    ``measure_noise_scale=True``. ``ValueError`` naming ``accumulation_steps`` for anything else (a bool, a float, a
+    string)."""
 
     max_grad_norm: float | None = field(default=1.0, metadata={"positive": True})
     """Clip the L2 norm of the normalized gradient to this; None disables clipping.
@@ -62,16 +66,22 @@ class AccumulatorConfig:
     """The backend that runs the accumulate, norm and scale kernels.
 
     One of ``gaengine.backends.BACKEND_NAMES``: "auto" (default; reads ``GAENGINE_BACKEND``, then picks ``cuda``
-    or ``triton`` for CUDA parameters and ``cpu`` or ``torch`` for CPU ones), "torch", "cpu", "triton", "cuda". A
-    backend asked for by name that cannot load raises ``RuntimeError`` at construction; an unknown name
-    ``ValueError`` naming ``backend``."""
+    or ``triton`` for CUDA parameters and ``cpu`` or ``torch`` for CPU ones), "torch", "cpu", "triton", "cuda"
+    (``gaengine.backends``). The hooks are native for "cpu" and "cuda", Python for "triton" and "torch"
+    (``gaengine.hooks``). A backend asked for by name that cannot load raises ``RuntimeError`` at construction; an
+    unknown name ``ValueError`` naming ``backend``."""
 
     master_weights: bool = True
     """Keep fp32 master weights for bf16/fp16 parameters (4 B/param; the optimizer and its state work in fp32).
 
     Default True (Megatron-Core's and DeepSpeed's mixed-precision optimizers). False: the optimizer updates the
-    low-precision parameters in place with its state in their dtype (8 instead of 16 B/param of gradient and AdamW
-    state); accumulation stays fp32 either way. ``ValueError`` naming ``master_weights`` unless a bool."""
+    low-precision parameters in place with its state in their dtype, as torch's optimizers keep it (8 instead of 16
+    B/param of gradient and AdamW state). With ``gaengine.optim.FusedAdamW`` that is one pass per parameter: it reads
+    the fp32 main_grad view (as ``p.main_grad``) with normalization and clipping as its ``grad_scale`` and the skip as
+    ``found_inf``, computes in fp32 and rounds p, m, v to their dtype (16 B/param, no host sync). With a torch
+    optimizer, at ``step()`` one fp32 pass normalizes and clips the buffer, and each parameter gets it rounded once
+    to its dtype (a transient copy, 2 B/param while the optimizer runs). Accumulation stays fp32 either way.
+    ``ValueError`` naming ``master_weights`` unless a bool."""
 
     bucket_size_mb: float = 25.0
     """MiB of fp32 gradient per all-reduce (or reduce-scatter) bucket.
@@ -96,14 +106,17 @@ class AccumulatorConfig:
 
     "auto" (default): dynamic when a parameter is fp16 or a backward runs under ``torch.autocast(dtype=
     torch.float16)``, else none. "dynamic": ``torch.amp.GradScaler``'s defaults (2^16 start, x2 every 2000 clean
-    windows, /2 on overflow), updated on the device. The inverse scale is folded into the step's single coefficient.
+    windows, /2 on overflow), updated on the device. The loss is multiplied by the scale in ``backward``; the inverse
+    scale is folded into the step's single coefficient.
     ``ValueError`` naming ``loss_scale`` for another string, a bool, 0, a negative or a non-finite float."""
 
     min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE
     """The dynamic loss scale's floor: a back-off that reaches it makes ``step()`` raise ``RuntimeError``.
 
-    A positive finite float; default 1.0, DeepSpeed's ``min_loss_scale``. ``ValueError`` naming
-    ``min_loss_scale`` otherwise."""
+    A positive finite float; default 1.0, DeepSpeed's ``min_loss_scale``. A back-off that reaches it holds the scale
+    there and makes ``step()`` raise ``RuntimeError`` naming the likely causes (a loss already scaled by
+    ``torch.amp.GradScaler``; a diverged model): a scale that keeps falling skips every update silently otherwise.
+    Read without a host sync (on CUDA one window late). ``ValueError`` naming ``min_loss_scale`` otherwise."""
 
     batchnorm: str | None = field(default=None, metadata={"choices": (None, "window")})
     """BatchNorm over a window: None (warn once when the model has BatchNorm layers and K > 1) or "window".
@@ -128,8 +141,10 @@ class AccumulatorConfig:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) at every update (``gaengine.noise``).
 
     Default False. True: each micro-batch's accumulate also writes the squared norm of its incoming gradient
-    (same pass, no extra launch) and ``StepResult.grad_noise_scale`` reports it (0-d fp32, no host sync).
-    ``ValueError`` naming ``measure_noise_scale`` unless a bool."""
+    (same pass, no extra launch, no Python per parameter) and ``step()`` reports ``grad_noise_scale``,
+    ``noise_trace_sigma`` and ``noise_grad_sq`` in ``StepResult`` (0-d fp32 device tensors, no host sync). A window
+    of one micro-batch on one rank cannot be measured (there is no small batch besides the big one). ``ValueError``
+    naming ``measure_noise_scale`` unless a bool."""
 
     noise_scale_ema: float = 0.95
     """Decay of the noise scale's two moving averages, a float in (0, 1); default 0.95.
@@ -140,18 +155,25 @@ class AccumulatorConfig:
     zero_stage: int = field(default=0, metadata={"choices": ZERO_STAGES})
     """ZeRO stage: 0 holds everything on every rank, 1 shards the fp32 masters and optimizer state, 2 also the gradient.
 
-    Default 0. Over the d ranks of the process group: 1 holds 12/d B/param of masters and AdamW state with the
-    communication of stage 0; 2 also shards the fp32 gradient sum (4/d B/param) at the price of a reduce-scatter every
-    micro-batch (``gaengine.zero``, docs/sharding.md). A world of one accepts it and shards nothing.
-    ``ValueError`` naming ``zero_stage`` for another value; the accumulator also refuses an optimizer it cannot
-    shard."""
+    Default 0. Several ranks only (``gaengine.zero``, docs/sharding.md); a world of one accepts it and shards
+    nothing. 1: the fp32 master weights and the optimizer state are sharded over the d ranks of ``process_group``
+    (12/d B/param with AdamW and masters); main_grad still accumulates the window locally and the last micro-batch
+    reduce-scatters each bucket as it completes (the bytes of stage 0's all-reduce, counting the all-gather of the
+    parameters after the update). 2: the fp32 gradient sum is sharded too (4/d B/param): every micro-batch's buckets
+    are reduce-scattered (in ``reduce_dtype``) and added into the rank's fp32 shard, K reductions per window instead
+    of one: it trades communication for memory. Each micro-batch's buckets are staged in a ring of
+    ``gaengine.zero.STAGING_SLOTS`` bucket-sized fp32 buffers (S x ``bucket_size_mb``; no full-size main_grad; the
+    first window, which learns the layout, stages all its buckets at once). Needs an elementwise optimizer
+    (``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``) with no state yet (the accumulator
+    checks it); the layout is not re-learned from the first window. ``ValueError`` naming ``zero_stage`` for another
+    value or optimizer."""
 
     overlap_param_gather: bool = False
     """With ``zero_stage`` >= 1, leave the parameters' all-gather in flight after ``step()``.
 
-    A forward pre-hook on each module waits for its own parameters' buckets, so the gather overlaps the next forward
-    (Megatron-Core's name). Default False. ``ValueError`` naming ``overlap_param_gather`` unless a bool, or when True
-    with ``zero_stage=0``; the accumulator also needs ``model`` as an ``nn.Module``."""
+    A forward pre-hook on each module waits for the buckets of its own parameters, so the gather overlaps the next
+    forward (Megatron-Core's name). Default False. ``ValueError`` naming ``overlap_param_gather`` unless a bool, or
+    when True with ``zero_stage=0``; the accumulator also needs ``model`` as an ``nn.Module``."""
 
     overlap_grad_reduce: bool = True
     """Launch each bucket's reduction during the last micro-batch's backward, as soon as the bucket is complete.

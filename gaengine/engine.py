@@ -187,81 +187,24 @@ class GradientAccumulator:
             (``model.to(another device or dtype)``, ``.float()``, ``.cuda()``, ``load_state_dict(assign=True)``)
             is not supported: build the accumulator last (``step()`` raises ``RuntimeError`` when it sees the
             parameters left the buffer; a same-device, same-dtype ``.to()`` is a no-op and fine).
-        accumulation_steps: K, micro-batches per update: an int >= 1, or a schedule ``(update_index, items_seen)
-            -> K`` called at the start of every window (``gaengine.schedules``: ``RampUp``, ``Milestones``, or any
-            callable; ``update_index``: windows stepped so far; ``items_seen``: the samples they consumed over all
-            ranks, ``micro_batch_size`` x micro-batches x world size, or micro-batches x world size without
-            ``micro_batch_size``). ``acc.accumulation_steps`` is the current window's K; every window is
-            normalized by the micro-batches it holds, so each is the exact mean of its own effective batch.
-        max_grad_norm: L2 clipping threshold applied to the normalized gradient; None disables clipping.
         lr_scheduler: stepped once after every applied (not skipped) update.
-        backend: "auto" | "cpu" | "cuda" | "triton" | "torch" (see ``gaengine.backends``; the hooks are native
-            for all but "triton", see ``gaengine.hot_path``).
-        master_weights: keep fp32 master weights for bf16/fp16 parameters (default True: 4 B/param, the
-            optimizer and its state work in fp32). False: the optimizer updates the low-precision parameters
-            in place (its state in their dtype, as torch's optimizers keep it). With
-            ``gaengine.optim.FusedAdamW`` that is one pass per parameter: it reads the fp32 main_grad view
-            (as ``p.main_grad``) with normalization and clipping as its ``grad_scale`` and the skip as
-            ``found_inf``, computes in fp32 and rounds p, m, v to their dtype (16 B/param, no host sync).
-            With a torch optimizer, at ``step()`` one fp32 pass normalizes and clips the buffer, and each
-            parameter gets it rounded once to its dtype (a transient copy, 2 B/param while the optimizer
-            runs). Accumulation stays fp32 either way.
         process_group: reduce gradients across the ranks of this group; by default the global group when
             ``torch.distributed`` is initialized with more than one rank. Parameters (and, with
             ``broadcast_buffers``, buffers) are broadcast from the group's first rank at construction.
-        bucket_size_mb: MiB of fp32 gradient per all-reduce bucket (torch DDP's default, 25).
-        reduce_dtype: dtype on the wire: fp32 (default) or bf16/fp16; accumulation stays fp32.
-        broadcast_buffers: also broadcast the model's buffers at construction (multi-rank only).
-        loss_scale: "dynamic" (torch.amp.GradScaler's defaults, updated on the device), a fixed float, or
-            None. "auto" (default): dynamic when a parameter is fp16 or a backward runs under
-            ``torch.autocast(dtype=torch.float16)``, else None. The loss is multiplied by the scale in
-            ``backward``; the inverse scale is folded into the step's single coefficient.
-        min_loss_scale: the dynamic loss scale's floor (1.0: DeepSpeed's ``min_loss_scale`` default). A back-off
-            that reaches it holds the scale there and makes ``step()`` raise ``RuntimeError`` naming the
-            likely causes (a loss already scaled by ``torch.amp.GradScaler``; a diverged model): a scale that keeps
-            falling skips every update silently otherwise. Read without a host sync (on CUDA one window late).
-        batchnorm: None (warn once when the model has BatchNorm layers and K > 1) or "window" (running
-            statistics updated once per window from the combined micro-batch statistics).
-        max_consecutive_skips: raise ``RuntimeError`` after this many skipped windows in a row, naming the
-            loss scale and the parameters with non-finite gradients (None: never). Reads the skip flag on
-            the host once per update.
-        micro_batch_size: samples per micro-batch, when fixed; enables ``effective_batch_size``.
-        zero_stage: 0 (default: every rank holds everything), 1 or 2 (``gaengine.zero``; several ranks only, a
-            world of one accepts it and shards nothing). 1: the fp32 master weights and the optimizer state are
-            sharded over the ranks of ``process_group`` (12/d B/param with AdamW and masters); main_grad still
-            accumulates the window locally and the last micro-batch reduce-scatters each bucket as it completes
-            (the bytes of stage 0's all-reduce, counting the all-gather of the parameters after the update). 2: the
-            fp32 gradient sum is sharded too (4/d B/param): every micro-batch's buckets are reduce-scattered (in
-            ``reduce_dtype``) and added into the rank's fp32 shard, K reductions per window instead of one: it
-            trades communication for memory. Each micro-batch's buckets are staged in a ring of
-            ``gaengine.zero.STAGING_SLOTS`` bucket-sized fp32 buffers (S x ``bucket_size_mb``; no full-size main_grad;
-            the first window, which learns the layout, stages all its buckets at once; see ``gaengine.zero``). Needs an
-            elementwise optimizer (``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``) with no
-            state yet; the layout is not re-learned from the first window. ``ValueError`` naming ``zero_stage``
-            otherwise.
-        overlap_param_gather: with ``zero_stage`` >= 1, leave the parameters' all-gather in flight after
-            ``step()``; a forward pre-hook on each module waits for the buckets of its own parameters, so the
-            gather overlaps the next forward (Megatron-Core's name). Needs ``model`` as an ``nn.Module``.
-        overlap_grad_reduce: launch each bucket's reduction during the last micro-batch's backward, as soon as the
-            bucket is complete (default True); False reduces every bucket after backward, one after another (the
-            benchmarks' serial baseline; same numbers).
-        measure_noise_scale: measure the gradient noise scale (``gaengine.noise``): every micro-batch's
-            accumulate also writes the squared norm of its incoming gradient (same pass, no extra launch, no
-            Python per parameter), and ``step()`` reports ``grad_noise_scale``, ``noise_trace_sigma`` and
-            ``noise_grad_sq`` in ``StepResult`` (0-d device tensors, no host sync). A window of one micro-batch
-            on one rank cannot be measured (there is no small batch besides the big one).
-        noise_scale_ema: decay of the noise scale's two moving averages, a float in (0, 1) (0.95 by default);
-            bias-corrected as Adam's moments, so the first window reports its own estimate.
+        **options: the accumulator's options, the fields of ``gaengine.AccumulatorConfig`` (``gaengine/config.py``),
+            whose docstrings are their reference (units, default and its source, what raises): ``accumulation_steps``
+            (K micro-batches per update, an int or a schedule), ``max_grad_norm``, ``backend``, ``master_weights``,
+            ``bucket_size_mb``, ``reduce_dtype``, ``broadcast_buffers``, ``loss_scale``, ``min_loss_scale``,
+            ``batchnorm``, ``max_consecutive_skips``, ``micro_batch_size``, ``measure_noise_scale``,
+            ``noise_scale_ema``, ``zero_stage``, ``overlap_param_gather``, ``overlap_grad_reduce``. They are checked
+            once, before anything touches the model, and kept as ``acc.config`` (frozen: what was asked at
+            construction); ``acc.accumulation_steps`` (K of the current window) and ``acc.micro_batch_size`` start
+            from it and are the accumulator's own to change.
 
     Multi-rank: only the last micro-batch of a window communicates; each bucket's all-reduce starts as
     soon as backward has produced its last gradient, overlapping the rest of backward. The denominator is
     micro-batches x world size (mean mode) or the all-reduced item count (item mode), so every rank gets
     the exact global mean. Every rank must call ``backward`` and ``step`` the same number of times.
-
-    The options (every argument but ``model``, ``optimizer``, ``lr_scheduler`` and ``process_group``) are checked
-    once by ``gaengine.AccumulatorConfig``, whose field docstrings are their reference, and kept as ``acc.config``
-    (frozen: what was asked at construction). ``acc.accumulation_steps`` (K of the current window) and
-    ``acc.micro_batch_size`` start from it and are the accumulator's own to change.
 
     Raises ``ValueError`` / ``TypeError`` naming the argument for bad input (see the tests), and
     ``RuntimeError`` when a parameter already belongs to another live accumulator.

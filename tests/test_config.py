@@ -51,6 +51,13 @@ def test_every_field_has_a_docstring_that_says_what_raises(name):
     assert f"ValueError naming {name}" in full, full
 
 
+def test_the_accumulator_docstring_points_at_every_field():
+    doc = gaengine.GradientAccumulator.__doc__
+    options = doc[doc.index("**options:"):doc.index("Multi-rank:")]
+    named = set(re.findall(r"``([a-z_]+)``", options))
+    assert {f.name for f in dataclasses.fields(AccumulatorConfig)} <= named, options
+
+
 BAD = [
     ("accumulation_steps", 0), ("accumulation_steps", 2.0), ("accumulation_steps", True), ("accumulation_steps", "4"),
     ("max_grad_norm", 0.0), ("max_grad_norm", -1), ("max_grad_norm", math.nan), ("max_grad_norm", math.inf),
