@@ -10,7 +10,8 @@ the accumulator.
 
 The docstring under each field is its reference (``gaengine train --help`` shows its first paragraph:
 ``field_help``). ``metadata`` records what a command line needs besides the type of the default:
-``choices`` (the accepted values) and ``minimum`` (an int's lower bound).
+``choices`` (the accepted values), ``minimum`` (an int's lower bound) and ``positive`` (a float that must be > 0
+where it is not None).
 
 What changes during training is not here: ``acc.accumulation_steps`` (K of the current window: a schedule's
 answer, or a value set with ``acc.accumulation_steps = K``) and ``acc.micro_batch_size`` start from the
@@ -183,19 +184,19 @@ class AccumulatorConfig:
     Several ranks only. ``ValueError`` naming ``overlap_grad_reduce`` unless a bool."""
 
     def __post_init__(self) -> None:
+        for name in ("master_weights", "broadcast_buffers", "measure_noise_scale", "overlap_param_gather",
+                     "overlap_grad_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         steps = self.accumulation_steps
         if not callable(steps):
             check_accumulation_steps(steps)
-        elif getattr(steps, "needs_noise_scale", False) and self.measure_noise_scale is not True:
+        elif getattr(steps, "needs_noise_scale", False) and not self.measure_noise_scale:
             raise ValueError(f"accumulation_steps={steps!r} follows the gradient noise scale: build the "
                              "accumulator with measure_noise_scale=True")
         self._set("max_grad_norm", _check_max_grad_norm(self.max_grad_norm))
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
-        for name in ("master_weights", "broadcast_buffers", "measure_noise_scale", "overlap_param_gather",
-                     "overlap_grad_reduce"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         size = self.bucket_size_mb
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not (size > 0 and math.isfinite(size)):
             raise ValueError(f"bucket_size_mb must be a positive number (MiB of fp32 gradient), got {size!r}")
