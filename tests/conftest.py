@@ -30,6 +30,55 @@ def _seed():
     yield
 
 
+# ---------------------------------------------------------------- the backends that exist here
+BACKENDS = ("torch", "cpu", "triton", "cuda-emu", "cuda-gpu")
+"""Every backend a test can run, by test id: ``torch`` (the plain-PyTorch reference backend, CPU tensors), ``cpu``
+(``gaengine._C``), ``triton`` (``gaengine.kernels``: CUDA tensors with a GPU, else CPU tensors under
+``TRITON_INTERPRET=1``), ``cuda-emu`` (the ``cuda`` backend over the emulated build of ``gaengine._C``,
+``tests/cuda_emu``: csrc/cuda's kernels on CPU tensors) and ``cuda-gpu`` (the ``cuda`` backend on a GPU). An id never
+says just ``cuda``: ``pytest_collection_modifyitems`` skips items with a ``cuda`` keyword where there is no GPU."""
+
+_BACKEND_MARKS = {"triton": [pytest.mark.interpreter], "cuda-gpu": [pytest.mark.cuda]}
+
+
+def backend_params(*ids: str) -> list:
+    """``pytest.param`` of each backend id of ``ids`` (all of ``BACKENDS`` when none), with its marks: the values of a
+    ``backend`` parametrization, e.g. ``@pytest.mark.parametrize("backend", backend_params("torch", "cpu"),
+    indirect=True)`` for a test that runs only those."""
+    unknown = set(ids) - set(BACKENDS)
+    assert not unknown, f"no backend {sorted(unknown)} (tests/conftest.py BACKENDS)"
+    return [pytest.param(i, id=i, marks=_BACKEND_MARKS.get(i, [])) for i in (ids or BACKENDS)]
+
+
+def backend_name(backend_id: str) -> str:
+    """The name gaengine takes for a backend id (``GradientAccumulator(backend=...)``, ``get_backend``)."""
+    return "cuda" if backend_id.startswith("cuda-") else backend_id
+
+
+def backend_device(backend_id: str) -> torch.device:
+    """Where the backend's tensors live here."""
+    gpu = backend_id == "cuda-gpu" or (backend_id == "triton" and _has_cuda)
+    return torch.device("cuda" if gpu else "cpu")
+
+
+@pytest.fixture(params=backend_params())
+def backend(request) -> str:
+    """Each backend that exists here (``BACKENDS``), as the name gaengine takes (``backend_name``), skipped where it
+    cannot load; ``cuda-emu`` installs the emulated build for the test (``monkeypatch``). The id is
+    ``request.node.callspec.params["backend"]``. A file's own ``backend`` fixture may take this one's value."""
+    backend_id = request.param
+    if backend_id == "cuda-emu":
+        emu_engine, module = request.getfixturevalue("emulated_cuda_module")
+        emu_engine.use(request.getfixturevalue("monkeypatch"), module)
+    from gaengine.backends import get_backend  # noqa: PLC0415
+
+    try:
+        get_backend(backend_name(backend_id), backend_device(backend_id))
+    except RuntimeError as exc:
+        pytest.skip(f"backend {backend_id!r} unavailable here: {exc}")
+    return backend_name(backend_id)
+
+
 @pytest.fixture(scope="session")
 def emulated_cuda_module():
     """``(engine, module)``: the emulated build of ``gaengine._C`` (``tests/cuda_emu/engine.py``: csrc/cuda's kernels
