@@ -432,13 +432,13 @@ def zero_state_dict(acc: Any) -> dict[str, Any]:
     """``acc.state_dict()`` at ``zero_stage >= 1`` (see ``GradientAccumulator.state_dict``). Every rank of the
     process group must call it (it gathers the ranks' window counters, and mid-window at stage 1 reduce-scatters
     the window's gradient)."""
-    if acc._stats is not None:
+    if acc.window.stats is not None:
         raise RuntimeError("state_dict() was called after the window's last acc.backward() and before acc.step(): "
                            "the window's reductions are in flight; call acc.step() first, then save")
     zero = acc._zero
     world = acc.world_size
     group = acc.process_group
-    mid_window = acc._num_micro_batches > 0
+    mid_window = acc.num_micro_batches > 0
     if zero is not None:
         zero.wait_gathers()  # the parameters (model.state_dict() views) must be whole before DCP reads them
         if zero.stage == 2:
@@ -446,9 +446,7 @@ def zero_state_dict(acc: Any) -> dict[str, Any]:
     entries = _entries(acc)
     optimizer = acc.optimizer
 
-    per_rank: dict[str, Any] = {"scalars": acc._state_scalars()}
-    if zero is not None and zero.stage == 2 and mid_window:
-        per_rank["window_used"] = list(zero.window_used)
+    per_rank: dict[str, Any] = {"scalars": acc._state_scalars()}  # with the window's (gaengine.window)
     ranks = [per_rank]
     if world > 1:
         ranks = [None] * world
@@ -548,6 +546,8 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
             "(after acc.step()), which loads on any world size")
     rank = dist.get_rank(acc.process_group) if world > 1 else 0
     scalars = dict(meta["ranks"][rank if mid_window else 0]["scalars"])
+    if mid_window and scalars.get("window_used") is None and "window_used" in meta["ranks"][rank]:
+        scalars["window_used"] = meta["ranks"][rank]["window_used"]  # saved beside the scalars before gaengine.window
     acc._check_state_scalars(scalars)
     # Validate every value before writing any.
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -614,12 +614,10 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
     if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     acc._load_state_scalars(scalars)
-    if mid_window and acc._zero is not None:
-        if acc._zero.stage == 1:  # every rank's range now holds the reduced sum of what any rank wrote
-            written = [any(r["scalars"]["written"][i] for r in meta["ranks"]) for i in range(len(acc.params))]
-            acc.hooks.set_all_written(written)
-        else:
-            acc._zero.window_used = list(meta["ranks"][rank]["window_used"])
+    if mid_window and acc._zero is not None and acc._zero.stage == 1:
+        # every rank's range now holds the reduced sum of what any rank wrote
+        written = [any(r["scalars"]["written"][i] for r in meta["ranks"]) for i in range(len(acc.params))]
+        acc.hooks.set_all_written(written)
 
 
 def _layout_order(acc: Any) -> list[int]:

@@ -32,26 +32,21 @@ from torch import nn
 
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine.bucket import build_buckets
 from gaengine.clip import OWNER_ATTR as _OWNER_ATTR, guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig
-from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
-from gaengine.hooks import Hooks, make_hooks
-from gaengine.noise import NoiseEstimate, NoiseScale
-from gaengine.norm import window_norm
-from gaengine.reduce import (BucketReducer, HostMailbox, WindowStats, broadcast_from_first_rank,
-                             count_mismatch_message, launch_window_stats, wait_quietly)
+from gaengine.buffer import FlatBuffer
+from gaengine.hooks import Hooks
+from gaengine.noise import NoiseEstimate, WindowNoise
+from gaengine.reduce import HostMailbox, count_mismatch_message, \
+    launch_window_stats, wait_quietly
 from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, guard_grad_scaler,
                              scaled_by_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
-from gaengine.update import MasterWeights, apply_update, check_optimizer_step, expose_grads, fused_optimizer
-from gaengine.zero import (STAGING_SLOTS, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer,
-                           zero_order)
+from gaengine.sharding import ShardingStrategy, check_sharding_optimizer, make_sharding, trainable_params
+from gaengine.update import check_optimizer_step, fused_optimizer
+from gaengine.window import FAILED_WINDOW, Window
 
 __all__ = ["GradientAccumulator", "StepResult"]
-
-_FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
-                  "micro-batches; call acc.zero_grad() to drop it, then go on")
 
 
 @dataclass(frozen=True)
@@ -88,75 +83,6 @@ class StepResult:
     grad_noise_scale: torch.Tensor | None = None
     noise_trace_sigma: torch.Tensor | None = None
     noise_grad_sq: torch.Tensor | None = None
-
-
-_SHARDED_ADVICE = ("gaengine does not support sharded models yet: it would accumulate nothing (FSDP2 reduces and "
-                   "frees gradients in its own hooks) and would broadcast one rank's shard over the others. Pass the "
-                   "plain model (gaengine reduces across ranks itself, and zero_stage=1 or 2 shards the optimizer state "
-                   "and gradients), or train the sharded model with its own accumulation (FSDP2: "
-                   "model.set_requires_gradient_sync(is_last_micro_batch)) without gaengine")
-
-
-def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None:
-    """``TypeError`` for a model that FSDP2 (``fully_shard``, ``replicate``), FSDP1 or the composable ``replicate``
-    manages, or any DTensor parameter: each would train nothing or wrongly under gaengine's hooks, silently."""
-    if not dist.is_available():
-        return
-    from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415 - only when distributed exists
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    for name, module in (model.named_modules() if model is not None else ()):
-        where = f"model.{name}" if name else "model"
-        if isinstance(module, FSDPModule):
-            kind = "an FSDP2 module (fully_shard or replicate)"
-        elif isinstance(module, FullyShardedDataParallel):
-            kind = "wrapped in FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel)"
-        elif _get_registry(module):
-            kind = f"managed by torch.distributed composable API(s) {sorted(_get_registry(module))}"
-        else:
-            continue
-        raise TypeError(f"{where} is {kind}. {_SHARDED_ADVICE}")
-    dtensors = [p for p in params if isinstance(p, DTensor)]
-    if dtensors:
-        raise TypeError(f"model has {len(dtensors)} DTensor parameter(s) (the first of global shape "
-                        f"{tuple(dtensors[0].shape)}, placements {tuple(dtensors[0].placements)}). {_SHARDED_ADVICE}")
-
-
-def _trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            "model is wrapped in torch.nn.parallel.DistributedDataParallel: pass the bare module. "
-            "gaengine frees each gradient in its hook as soon as it is accumulated, so DDP's reducer would "
-            "all-reduce freed (zero) gradients; gaengine reduces across ranks itself."
-        )
-    if isinstance(model, nn.Module):
-        for name, module in model.named_modules():
-            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-                raise ValueError(
-                    f"model.{name or 'self'} produces sparse gradients (sparse=True); gaengine accumulates dense "
-                    "gradients into a flat fp32 buffer: build the embedding with sparse=False"
-                )
-        candidates = model.parameters()
-    else:
-        candidates = model
-    params, seen = [], set()
-    for p in candidates:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"model must be an nn.Module or an iterable of Parameters, got an element of type {type(p).__name__}")
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
-    _refuse_sharded(model if isinstance(model, nn.Module) else None, params)
-    if not params:
-        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        raise ValueError(f"model parameters must all be on one device, found {sorted(map(str, devices))}")
-    bad = [p for p in params if not p.is_floating_point() or p.dtype == torch.float64]
-    if bad:
-        raise ValueError(f"model parameters must be float32, bfloat16 or float16, found {bad[0].dtype}")
-    return params
 
 
 class GradientAccumulator:
@@ -252,7 +178,6 @@ class GradientAccumulator:
         self._schedule: AccumulationSchedule | None = None
         self._update_index = 0  # windows stepped (the schedule's position)
         self._items_seen = 0  # samples those windows consumed over all ranks
-        self._num_micro_batches = 0
         self._k_update = 0  # the update whose window K (self._k) was set for
         if callable(accumulation_steps):
             self._schedule, self._k_update = accumulation_steps, -1
@@ -264,13 +189,12 @@ class GradientAccumulator:
             raise ValueError("overlap_param_gather=True needs model as an nn.Module (the all-gather is waited for in "
                              f"its modules' forward pre-hooks), got a model of type {type(model).__name__}: pass the "
                              "module, or leave overlap_param_gather off")
-        if zero_stage:
-            check_zero_optimizer(optimizer, zero_stage)
+        check_sharding_optimizer(zero_stage, optimizer)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if optimizer is not None:
             check_optimizer_step(optimizer)
-        params = _trainable_params(model)
+        params = trainable_params(model)
         self._named_params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
         for p in params:
             owner = getattr(p, _OWNER_ATTR, None)
@@ -306,20 +230,15 @@ class GradientAccumulator:
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             self.world_size = dist.get_world_size(process_group)
         self.distributed = self.world_size > 1
-        self.zero_stage = zero_stage  # as asked; sharded only on several ranks (gaengine.zero)
-        self._zero_layout: ShardLayout | None = None
-        self._zero: ShardedState | None = None
-        if zero_stage and self.distributed:
-            self._zero_layout = ShardLayout.build(zero_order(initial_order(params)), bucket_size_mb, self.world_size)
+        self.window = Window(self.device)  # the window's counters, loss sum, failed flag and stats (gaengine.window)
+        self.zero_stage = zero_stage  # as asked; sharded only on several ranks (gaengine.sharding)
         self.bucket_size_mb = float(bucket_size_mb)
         self.reduce_dtype = reduce_dtype
         self.max_consecutive_skips = max_consecutive_skips
         self.micro_batch_size = micro_batch_size
         # The noise scale's averages; the window's item count per micro-batch (item mode) and, after a mid-window
         # resume, the source norms of the micro-batches the saved window already held.
-        self._noise = NoiseScale(noise_scale_ema, self.device) if measure_noise_scale else None
-        self._noise_sizes: list[int | float | torch.Tensor] = []
-        self._noise_carry: torch.Tensor | None = None
+        self._noise = WindowNoise(noise_scale_ema, self.device) if measure_noise_scale else None
         self._consecutive_skips = 0
         self._auto_loss_scale = loss_scale == "auto"
         if loss_scale == "auto":
@@ -335,43 +254,24 @@ class GradientAccumulator:
                 self.window_batchnorm = WindowBatchNorm(model)
             else:
                 warn_batchnorm(model, self.accumulation_steps)
-        if self.distributed:
-            tensors = list(params)
-            if broadcast_buffers and isinstance(model, nn.Module):
-                tensors += [b for b in model.buffers()]
-            broadcast_from_first_rank(tensors, self.process_group)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        # Per-parameter, per-micro-batch state lives in the hooks object (gaengine.hooks); a gradient that
-        # gaengine left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
-        self.hooks: Hooks | None = None
+        # The layout, main_grad, the hooks (per-parameter, per-micro-batch state: gaengine.hooks), the reducer, the
+        # masters and the update: one data-parallel sharding strategy (gaengine.sharding). A gradient that gaengine
+        # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
         self._grads_left = False
-        self._masters: MasterWeights | None = None  # the optimizer's params and fp32 masters (gaengine.update)
         self._registration = params  # registration order, the reference frame of state_dict()
-        self._set_layout(initial_order(params) if self._zero_layout is None else zero_order(initial_order(params)))
-
-        self.master_buffer: FlatBuffer | None = None
-        if self._zero_layout is not None:  # sharded masters and optimizer state (gaengine.zero)
-            self._zero = ShardedState(optimizer, self.params, self._zero_layout, self.main_grad, self.reducer,
-                                      zero_stage, dist.get_rank(self.process_group), self.process_group,
-                                      self.device, master_weights, model if isinstance(model, nn.Module) else None,
-                                      overlap_param_gather)
-        elif optimizer is not None:
-            self._masters = MasterWeights(optimizer, self.params, self.main_grad, self.device, master_weights)
-            self.master_buffer = self._masters.buffer
+        self.sharding: ShardingStrategy = make_sharding(
+            zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
+            process_group=self.process_group, bucket_size_mb=self.bucket_size_mb, reduce_dtype=reduce_dtype,
+            master_weights=master_weights, measure_sources=self._noise is not None,
+            model=model if isinstance(model, nn.Module) else None, overlap_param_gather=overlap_param_gather,
+            broadcast_buffers=broadcast_buffers)
         # One parameter per dtype tells whether the model was moved or converted afterwards (Module._apply
         # converts them all); a re-pointed bf16/fp16 one must also still be a view of its flat buffer.
         self._model_sentinels = {p.dtype: p for p in reversed(self.params)}
         self._model_error: str | None = None
 
-        # Window state; host-side Python values only, so the hooks never read the device.
-        self._num_micro_batches = 0
-        self._item_mode: bool | None = None
-        self._items_host = 0
-        self._items_dev: torch.Tensor | None = None
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._failed_backward = False
-        self._stats: WindowStats | None = None  # the last micro-batch's stats all-reduce (multi-rank)
 
         ref = weakref.ref(self)
         for p in self.params:
@@ -379,53 +279,40 @@ class GradientAccumulator:
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
 
-    # ------------------------------------------------------------------ setup
-    def _set_layout(self, order: list[torch.Tensor]) -> None:
-        """Lay ``order`` out in a new zeroed main_grad buffer (new buckets, new hooks); only between windows."""
-        self.params = list(order)
-        zero = self._zero_layout
-        staged = zero is not None and self.zero_stage == 2  # main_grad is layout only: buckets stage in a ring
-        self.main_grad = FlatBuffer(FlatLayout.build(self.params) if zero is None else zero.layout, torch.float32,
-                                    torch.device("meta") if staged else self.device)
-        self.reducer = (BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb,
-                                      self.reduce_dtype, self.process_group) if self.distributed else None)
-        if zero is not None:  # reduce-scatter; stage 2 adds each micro-batch into the fp32 gradient shard
-            grad_shard = (torch.zeros(zero.shard_numel, dtype=torch.float32, device=self.device)
-                          if self.zero_stage == 2 else None)
-            self.reducer = ShardReducer(self.main_grad.data, zero, dist.get_rank(self.process_group),
-                                        self.reduce_dtype, self.process_group, grad_shard,
-                                        staging_slots=STAGING_SLOTS if staged else 0)
-        buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
-            self.main_grad.layout, self.bucket_size_mb)
-        learning, expected = True, {}
-        if self.hooks is not None:
-            learning = self.hooks.arrival is not None
-            expected = {id(p): n for p, n in zip(self.hooks.params, self.hooks.expected_arrivals)}
-            self._grads_left |= self.hooks.take_stale()
-            self.hooks.close()
-        options = {"measure_sources": True} if self._noise is not None else {}  # hooks.Hooks.window_source_sumsq
-        if staged:
-            options["acquire"] = self.reducer.acquire  # each bucket into a staging buffer of the ring
-        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **options)
-        if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
-            self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])
-        if not learning:
-            self.hooks.stop_learning()
-
-    def _relearn_layout(self) -> None:
-        """After the first window: lay the buffer out in the order gradients arrived (rank 0's order on all ranks)."""
-        arrival = self.hooks.arrival
-        self.hooks.stop_learning()
-        if self._zero is not None:
-            return  # the shards, masters and optimizer state live on the layout of construction (gaengine.zero)
-        order = learned_order(arrival, len(self.params), self.device, distributed=self.distributed,
-                              group=self.process_group)
-        if order != list(range(len(self.params))):
-            self._set_layout([self.params[i] for i in order])
+    # ------------------------------------------------------------------ the strategy's parts, as attributes
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The trainable parameters in layout order (index i: ``main_grad``'s slice i)."""
+        return self.sharding.params
 
     @property
-    def _optimizer_writes_model(self) -> bool:
-        return self._masters is not None and self._masters.optimizer_writes_model
+    def main_grad(self) -> FlatBuffer:
+        """The window's fp32 gradient sums, ``(n,)`` on the parameters' device (``meta`` at ``zero_stage=2`` on
+        several ranks, where the sums live in each rank's gradient shard)."""
+        return self.sharding.main_grad
+
+    @property
+    def reducer(self):
+        """The bucket reducer (``gaengine.reduce``), or None on one rank."""
+        return self.sharding.reducer
+
+    @property
+    def hooks(self) -> Hooks:
+        """The per-parameter hooks (``gaengine.hooks``)."""
+        return self.sharding.hooks
+
+    @property
+    def master_buffer(self) -> FlatBuffer | None:
+        """The flat fp32 master weights (``zero_stage=0``), or None."""
+        return self.sharding.master_buffer
+
+    @property
+    def _masters(self):  # gaengine.checkpoint reads them until it takes the strategy's interface
+        return getattr(self.sharding, "masters", None)
+
+    @property
+    def _zero(self):  # gaengine.checkpoint reads it until it takes the strategy's interface
+        return getattr(self.sharding, "zero", None)
 
     # ------------------------------------------------------------------ hot path
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
@@ -457,34 +344,25 @@ class GradientAccumulator:
                 "window overflow and the updates 65536x too large. Pass the unscaled loss, acc.backward(loss), and "
                 "delete the GradScaler and its unscale_/step/update calls; nothing was accumulated")
         self._check_model()
-        if self._failed_backward:
-            raise RuntimeError(_FAILED_WINDOW)
+        window = self.window
+        if window.failed:
+            raise RuntimeError(FAILED_WINDOW)
         if self._count_check is not None:  # the last window's per-rank counts, unread by its step()
             self._report_count_check()
-        if self._num_micro_batches >= self.accumulation_steps:
+        if window.num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
                 "call acc.step() before the next acc.backward()"
             )
-        item_mode = num_items is not None
-        if self._item_mode is not None and item_mode != self._item_mode:
-            raise ValueError(
-                "num_items must be given for every micro-batch of a window or for none: this window was started "
-                f"{'with' if self._item_mode else 'without'} num_items"
-            )
-        if item_mode:
+        window.check_next(num_items is not None)
+        if num_items is not None:
             num_items = self._check_num_items(num_items)
         if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
-        last = self._num_micro_batches == self.accumulation_steps - 1
+        last = window.num_micro_batches == self.accumulation_steps - 1
         # The first window (the layout and each parameter's arrivals per backward are being learned) reduces after
         # backward: a bucket whose parameter arrives twice (reentrant checkpointing) must not start early.
-        every = self._zero is not None and self.zero_stage == 2  # zero_stage=2 reduces every micro-batch
-        armed = self.reducer is not None and (last or every) and self.config.overlap_grad_reduce and self.hooks.arrival is None
-        if self._zero is not None:
-            self._zero.before_backward(self.hooks, first=self._num_micro_batches == 0)
-        if armed:
-            self.reducer.begin()  # only the window's last micro-batch communicates (zero_stage=2: every one)
+        armed = self.sharding.begin_backward(window, last, self.config.overlap_grad_reduce)
 
         if self.scaler is None and self._auto_loss_scale and torch.is_autocast_enabled(self.device.type) \
                 and torch.get_autocast_dtype(self.device.type) == torch.float16:
@@ -500,72 +378,32 @@ class GradientAccumulator:
             # Some parameters of this micro-batch may be accumulated and others not: the window is no
             # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
             self.hooks.abort()
-            self._failed_backward = True
+            window.fail()
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
             raise
 
-        self._item_mode = item_mode
-        self._num_micro_batches += 1
-        self._loss_sum += loss.detach().reshape(()).to(torch.float32)
-        if item_mode:
-            if isinstance(num_items, torch.Tensor):
-                n = num_items.to(device=self.device, dtype=torch.float64, non_blocking=True)  # exact past 2**24
-                self._items_dev = n if self._items_dev is None else self._items_dev + n
-            else:
-                self._items_host += num_items
-            if self._noise is not None:
-                self._noise_sizes.append(n if isinstance(num_items, torch.Tensor) else num_items)
-        if every:
-            self._zero.after_backward(self.hooks, armed, last)
-        if self.reducer is not None and last:
-            if not armed and not every:
-                self.reducer.begin()
+        counted = window.add(loss, num_items)
+        if self._noise is not None:
+            self._noise.add_micro_batch(counted)
+        if self.sharding.end_backward(armed, last):
             self._finish_communication_launch()
 
     def _finish_communication_launch(self) -> None:
         """End of the last backward: launch the remaining buckets and the stats all-reduce (``gaengine.reduce``);
         the slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
-        unused = [i for i, w in enumerate(self.hooks.written) if not w]
-        for i in unused:
-            self.hooks.set_written(i, True)
-        self._stats = launch_window_stats(self.reducer, self.main_grad, unused, self._loss_sum,
-                                          self._window_items(), self.process_group,
-                                          extra=None if self._noise is None else self._noise_terms(),
-                                          count=self._num_micro_batches)
+        window = self.window
+        unused = [i for i, used in enumerate(window.used_with(self.hooks.written)) if not used]
+        window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
+                                           self.process_group, extra=self._noise_terms(), count=window.num_micro_batches)
 
-    def _window_sources(self) -> torch.Tensor | None:
-        """``(k,)`` fp32 on the device: the source norms of the window's micro-batches so far, those of a window saved
-        mid-window first (the hooks' ``window_source_sumsq()`` holds only the ones since the resume)."""
-        rows = self.hooks.window_source_sumsq()
-        if self._noise_carry is not None:
-            rows = self._noise_carry if rows is None or rows.numel() == 0 else torch.cat([self._noise_carry, rows])
-        return rows
-
-    def _noise_terms(self) -> torch.Tensor:
-        """This rank's small-batch terms of the window (``NoiseScale.small_batch_terms``): (3,) fp64 on the device,
-        from the hooks' source norms (one reduction, once per window) and the items of each micro-batch."""
-        rows = self._window_sources()
-        if rows is None or rows.numel() != self._num_micro_batches:
-            raise RuntimeError(
-                f"gaengine: the hooks measured {0 if rows is None else rows.numel()} micro-batch gradient norms for "
-                f"a window of {self._num_micro_batches} micro-batches; the noise scale cannot be measured (a bug: "
-                "please report it with GAENGINE_HOT_PATH and the backend)")
-        sizes = None
-        if self._item_mode:
-            if all(not isinstance(s, torch.Tensor) for s in self._noise_sizes):
-                sizes = torch.tensor(self._noise_sizes, dtype=torch.float64).to(self.device, non_blocking=True)
-            else:
-                sizes = torch.stack([s if isinstance(s, torch.Tensor) else
-                                     torch.full((), float(s), dtype=torch.float64, device=self.device)
-                                     for s in self._noise_sizes])
-        return NoiseScale.small_batch_terms(rows, sizes, None if self.scaler is None else self.scaler.scale)
-
-    def _window_items(self) -> torch.Tensor:
-        """This rank's item count of the window: 0-d fp64 on the device (host ints added without a read)."""
-        if self._items_dev is None:
-            return torch.full((), float(self._items_host), dtype=torch.float64, device=self.device)  # a fill, no copy
-        return self._items_dev + self._items_host
+    def _noise_terms(self) -> torch.Tensor | None:
+        """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
+        if self._noise is None:
+            return None
+        window = self.window
+        return self._noise.terms(self.hooks, window.num_micro_batches, bool(window.item_mode),
+                                 None if self.scaler is None else self.scaler.scale)
 
     @staticmethod
     def _check_num_items(num_items: Any) -> int | torch.Tensor:
@@ -619,83 +457,71 @@ class GradientAccumulator:
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
-        k = self._num_micro_batches
+        window = self.window
+        k = window.num_micro_batches
         if self._count_check is not None:  # the last window's per-rank counts, unread by its step()
             self._report_count_check()
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
         self._check_model()
-        if self._failed_backward:
-            raise RuntimeError(_FAILED_WINDOW)
+        if window.failed:
+            raise RuntimeError(FAILED_WINDOW)
 
         dev = self.device
-        loss_sum = self._loss_sum
+        loss_sum = window.loss_sum
         mismatch = None  # several ranks: 0-d bool on the device, the ranks' windows hold different counts
         partial = False
         if self.distributed:
-            partial = self._stats is None
+            partial = window.stats is None
             if partial:  # force=True on a partial window: nothing launched yet
-                if self._zero is not None and self.zero_stage == 2:  # its micro-batches are reduced already; and
-                    self._zero.end_partial_window(self.hooks, self.accumulation_steps - k)  # K - k rounds of zeros
-                else:
-                    self.reducer.begin()
+                self.sharding.end_partial_window(self.accumulation_steps - k)
                 self._finish_communication_launch()
-            self.reducer.wait()
-            loss_sum, global_items = self._stats.wait()
-            for i in self._stats.globally_unused():
-                self.hooks.set_written(i, False)
-            mismatch = self._stats.count_mismatch()
-        if self._item_mode:
+            self.sharding.wait_reductions()
+            loss_sum, global_items = window.stats.wait()
+            mismatch = window.stats.count_mismatch()
+        if window.item_mode:
             if self.distributed:
                 denom = num_items = global_items
             else:
-                items = self._window_items()
-                denom = items.float()
-                num_items = items if self._items_dev is not None else self._items_host
+                num_items = window.num_items()
+                denom = window.items().float()
         else:
             denom = torch.full((), float(k * self.world_size), dtype=torch.float32, device=dev)  # a fill, no H2D copy
             num_items = None
 
-        unwritten = [i for i, w in enumerate(self.hooks.written) if not w]
-        for i in unwritten:  # parameters with no gradient in this window (unused branches)
-            self.main_grad.flat_views[i].zero_()
+        # Parameters with no gradient in this window (unused branches), on any rank: zeroed, and not updated.
+        unwritten = (window.stats.globally_unused() if self.distributed else
+                     [i for i, used in enumerate(window.used_with(self.hooks.written)) if not used])
+        self.sharding.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = denom if self.scaler is None else denom * self.scaler.scale
-        if self._zero is not None:  # from the shards: one all-reduce of two floats
-            norm = self._zero.norm(grad_denom, self.max_grad_norm, self.backend)
-        else:
-            norm = window_norm(self.main_grad.data, grad_denom, self.max_grad_norm, self.backend,
-                               free=self.hooks.free_norm())
+        norm = self.sharding.norm(grad_denom, self.max_grad_norm)
         loss = loss_sum / denom
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
-            terms = self._stats.extra() if self.distributed else self._noise_terms()
+            terms = window.stats.extra() if self.distributed else self._noise_terms()
             noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
 
         if self.optimizer is None:
-            self.backend.scale_(self.main_grad.data, norm.coef)
-            expose_grads(self.params, self.main_grad, unwritten)
+            self.sharding.expose_grads(norm.coef, unwritten)
             self._grads_left = True
-        elif self._zero is not None:  # each rank updates its shard, then the parameters are all-gathered
-            self._zero.update(self.lr_scheduler, self.backend, norm.coef, skipped, unwritten)
         else:
-            apply_update(self.optimizer, self.lr_scheduler, self._masters, self.backend, self.params,
-                         self.main_grad, norm.coef, skipped, unwritten)
+            self.sharding.update(norm.coef, skipped, unwritten, self.lr_scheduler)
 
         # The ranks' counts on the host: read now where step() reads the device anyway or ends an epoch (see the
         # docstring), else copied behind the all-reduce and read by the next backward() / step().
         counts, unread = None, False
         if mismatch is not None:
-            if partial or self._stats.host_counts is not None or self._reads_skip_flag():
-                counts = self._stats.read_counts()  # host read: after the skip flag's, or the unused flags', or force
+            if partial or window.stats.host_counts is not None or self._reads_skip_flag():
+                counts = window.stats.read_counts()  # host read: after the skip flag's, or the unused flags', or force
             else:
                 unread = True
                 if self._count_mailbox is None:
                     self._count_mailbox = HostMailbox(self.world_size, torch.float64, self.device)
-                self._count_mailbox.post(self._stats.counts())  # no host wait
+                self._count_mailbox.post(window.stats.counts())  # no host wait
         differ = counts is not None and any(c != k for c in counts)
         scaler_state = None  # what a mismatch found later restores
         if self.scaler is not None and not differ:
@@ -719,8 +545,8 @@ class GradientAccumulator:
         if self.max_consecutive_skips is not None and not differ:
             self._check_consecutive_skips(norm.skipped, loss_scale)
         self._reset_window()
-        if self.hooks.arrival is not None:
-            self._relearn_layout()  # a collective: every rank gets here, whether it knows the counts or not
+        if self.hooks.arrival is not None:  # the first window: the layout follows its arrival order
+            self._grads_left |= self.sharding.relearn_layout()  # a collective: every rank gets here
         if differ:
             self._raise_count_mismatch(counts)
         if unread:
@@ -769,7 +595,7 @@ class GradientAccumulator:
         """K, the micro-batches of the current window. With a schedule it is asked once per window, when the
         window's first ``backward()`` runs or this is read between windows; ``ValueError`` naming the schedule
         if it answers anything but an int >= 1 (the window is untouched)."""
-        if self._schedule is not None and self._k_update != self._update_index and self._num_micro_batches == 0:
+        if self._schedule is not None and self._k_update != self._update_index and self.window.num_micro_batches == 0:
             self._k = check_accumulation_steps(
                 self._schedule(self._update_index, self._items_seen),
                 f"accumulation_steps schedule {self._schedule!r} at update {self._update_index} (its value)")
@@ -788,10 +614,7 @@ class GradientAccumulator:
     def _pull_model_writes(self) -> None:
         """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
         reach the fp32 masters (``MasterWeights.pull_model_writes``, ``ShardedState.pull_model_writes``)."""
-        if self._masters is not None:
-            self._masters.pull_model_writes()
-        elif self._zero is not None:
-            self._zero.pull_model_writes()
+        self.sharding.pull_model_writes()
 
     def _check_model(self) -> None:
         """Raise ``RuntimeError`` (for good) when the model was moved or converted after construction."""
@@ -799,8 +622,7 @@ class GradientAccumulator:
             moved = next(((dtype, p) for dtype, p in self._model_sentinels.items()
                           if p.dtype != dtype or p.device != self.device), None)
             try:
-                if self._masters is not None:
-                    self._masters.check_model()
+                self.sharding.check_model()
                 if moved is not None:
                     dtype, p = moved
                     raise RuntimeError(
@@ -823,21 +645,15 @@ class GradientAccumulator:
 
     def _reset_window(self) -> None:
         self.hooks.reset_window()
-        self._num_micro_batches = 0
-        self._item_mode = None
-        self._items_host = 0
-        self._items_dev = None
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._failed_backward = False
-        self._stats = None
-        self._noise_sizes = []
-        self._noise_carry = None
+        self.window.reset()
+        if self._noise is not None:
+            self._noise.reset()
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches accumulated in the current window."""
-        return self._num_micro_batches
+        return self.window.num_micro_batches
 
     def zero_grad(self) -> None:
         """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params.
@@ -846,11 +662,9 @@ class GradientAccumulator:
         several ranks it first waits for the all-reduces a failed last micro-batch had launched). It cannot
         undo moving or converting the model after construction: then build a new accumulator.
         """
-        if self.reducer is not None:
-            self.reducer.drain()
-        if self._stats is not None:
-            wait_quietly(self._stats.work)
-            self._stats = None
+        self.sharding.drain()
+        if self.window.stats is not None:
+            wait_quietly(self.window.stats.work)
         self.hooks.drop()
         self._clear_grads()
         self._reset_window()
@@ -858,8 +672,6 @@ class GradientAccumulator:
             self.hooks.restart_learning()  # learn the order from a complete window
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
-
-    _FORMAT = "gaengine.GradientAccumulator/1"
 
     def state_dict(self) -> dict:
         """Everything needed to resume mid-window: accumulated buffer, counts, loss scale, bucket order, masters.
@@ -884,18 +696,13 @@ class GradientAccumulator:
         on the same ones. Raises ``RuntimeError`` between the window's last ``backward`` and ``step()``.
         """
         self._pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
-        if self.zero_stage:
-            from gaengine.checkpoint import zero_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
-
-            return zero_state_dict(self)
-        return {**self._state_scalars(), "main_grad": self.main_grad.data.detach().cpu().clone(),
-                "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone()}
+        return self.sharding.state_dict(self)
 
     def _state_scalars(self) -> dict:
         """``state_dict()`` without the buffers (``main_grad``, ``master``): this rank's counters and small state."""
         reg = {id(p): i for i, p in enumerate(self._registration)}
         return {
-            "format": self._FORMAT,
+            "format": self.sharding.FORMAT,
             "param_shapes": [list(p.shape) for p in self._registration],
             "param_dtypes": [str(p.dtype) for p in self._registration],
             "accumulation_steps": self.accumulation_steps,
@@ -904,74 +711,28 @@ class GradientAccumulator:
             "arrival": self.hooks.arrival,
             "written": self.hooks.written,
             "expected_arrivals": self.hooks.expected_arrivals,
-            "num_micro_batches": self._num_micro_batches,
-            "item_mode": self._item_mode,
-            "items_host": self._items_host,
-            "items_dev": None if self._items_dev is None else self._items_dev.detach().cpu().clone(),
-            "loss_sum": self._loss_sum.detach().cpu().clone(),
-            "failed_backward": self._failed_backward,
+            **self.window.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "consecutive_skips": self._consecutive_skips,
             "update_index": self._update_index,
             "items_seen": self._items_seen,
             "schedule": getattr(self._schedule, "state_dict", lambda: None)(),
-            "noise_scale": None if self._noise is None else self._noise_state(),
+            "noise_scale": (None if self._noise is None else
+                            self._noise.state_dict(self.hooks, self.window.num_micro_batches)),
         }
-
-    def _noise_state(self) -> dict:
-        """The noise scale's averages and, mid-window, the source norms and sizes of the micro-batches so far."""
-        rows = self._window_sources() if self._num_micro_batches else None
-        return {**self._noise.state_dict(), "sources": None if rows is None else rows.detach().cpu().clone(),
-                "sizes": [float(s) for s in self._noise_sizes]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``; raises ``ValueError`` (changing nothing) if it was made for other parameters
         (at ``zero_stage >= 1``: ``gaengine.checkpoint.load_zero_state_dict``, also for a state saved mid-window on
         another world size, naming both)."""
-        if self.zero_stage:
-            from gaengine.checkpoint import load_zero_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
-
-            load_zero_state_dict(self, state)
-            return
-        if not isinstance(state, dict) or state.get("format") != self._FORMAT:
-            raise ValueError(f"state is not a {self._FORMAT} state dict")
-        shapes = [list(p.shape) for p in self._registration]
-        dtypes = [str(p.dtype) for p in self._registration]
-        if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
-            raise ValueError(
-                f"state was saved for {len(state['param_shapes'])} parameters of shapes/dtypes "
-                f"{list(zip(state['param_shapes'], state['param_dtypes']))[:4]}..., but this accumulator has "
-                f"{len(shapes)} of {list(zip(shapes, dtypes))[:4]}...: it belongs to another model"
-            )
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"state was saved with world_size={state['world_size']}, this run has {self.world_size}")
-        if (state["master"] is None) != (self.master_buffer is None) or (
-                self.master_buffer is not None and state["master"].numel() != self.master_buffer.data.numel()):
-            raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
-        self._check_state_scalars(state)
-        order = [self._registration[i] for i in state["layout_order"]]
-        if [id(p) for p in order] != [id(p) for p in self.params]:
-            self._set_layout(order)
-        if state["main_grad"].numel() != self.main_grad.data.numel():
-            raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
-        with torch.no_grad():
-            self.main_grad.data.copy_(state["main_grad"])
-            if self.master_buffer is not None:
-                self.master_buffer.data.copy_(state["master"])
-                self._masters.copy_to_model()
-        self._load_state_scalars(state)
+        self.sharding.load_state_dict(self, state)
 
     def _check_state_scalars(self, state: dict) -> None:
         """The checks of ``load_state_dict`` on ``_state_scalars()``'s part (``ValueError``, nothing changed)."""
         if (state["scaler"] is None) != (self.scaler is None):
             raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
-        noise_state = state.get("noise_scale")
-        if self._noise is not None and noise_state is not None and float(noise_state["ema"]) != self._noise.ema:
-            raise ValueError(f"state was saved with noise_scale_ema={noise_state['ema']}, this accumulator has "
-                             f"{self._noise.ema}: build it with the same noise_scale_ema to resume the averages")
-        if self._noise is not None and noise_state is None and int(state["num_micro_batches"]):
-            raise ValueError("state was saved mid-window without measure_noise_scale, so the norms of its micro-batches "
-                             "are unknown: resume it without measure_noise_scale, or from a state saved between windows")
+        if self._noise is not None:
+            self._noise.check_state(state.get("noise_scale"), int(state["num_micro_batches"]))
 
     def _load_state_scalars(self, state: dict) -> None:
         """Restore ``_state_scalars()``'s part (the layout and the buffers are restored before)."""
@@ -981,27 +742,19 @@ class GradientAccumulator:
         self.hooks.set_all_written(list(state["written"]))
         if "expected_arrivals" in state:  # absent from state dicts saved before it was learned
             self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
-        self._num_micro_batches = int(state["num_micro_batches"])
-        self._item_mode = state["item_mode"]
-        self._items_host = int(state["items_host"])
-        self._items_dev = None if state["items_dev"] is None else state["items_dev"].to(self.device)
-        self._loss_sum = state["loss_sum"].to(self.device)
-        self._failed_backward = bool(state["failed_backward"])
+        self.window.load_state_dict(state)
         self._consecutive_skips = int(state["consecutive_skips"])
         self._update_index = int(state.get("update_index", 0))  # the schedule's position
         self._items_seen = int(state.get("items_seen", 0))
         if self._schedule is not None:
             # Mid-window the window keeps the K it started with; at a boundary the schedule says the next one.
             self._k, self._k_update = int(state["accumulation_steps"]), self._update_index
-            if self._num_micro_batches == 0:
+            if self.window.num_micro_batches == 0:
                 self._k_update = -1
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
-        if self._noise is not None and state.get("noise_scale") is not None:
-            self._noise.load_state_dict(state["noise_scale"])
-            rows = state["noise_scale"]["sources"]
-            self._noise_carry = None if rows is None or not self._num_micro_batches else rows.to(self.device)
-            self._noise_sizes = [int(s) if float(s).is_integer() else float(s) for s in state["noise_scale"]["sizes"]]
+        if self._noise is not None:
+            self._noise.load_state_dict(state.get("noise_scale"), self.window.num_micro_batches)
         if state.get("schedule") is not None and hasattr(self._schedule, "load_state_dict"):
             self._schedule.load_state_dict(state["schedule"])
         self._grads_left = True
@@ -1022,7 +775,7 @@ class GradientAccumulator:
         if self._consecutive_skips < self.max_consecutive_skips:
             return
         names = {id(p): n for n, p in self._named_params}
-        grads = self._zero.grad_views if self._zero is not None and self.zero_stage == 2 else self.main_grad.flat_views
+        grads = self.sharding.grad_views()
         bad = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)
                if not bool(torch.isfinite(grads[i]).all())]
         scale = "none" if loss_scale is None else f"{float(loss_scale):g}"
@@ -1045,12 +798,12 @@ class GradientAccumulator:
         self._release()
 
     def _release(self) -> None:
-        if self.hooks is not None:
-            self.hooks.close()
+        sharding = getattr(self, "sharding", None)  # None: the constructor raised before building it
+        if sharding is None:
+            return
+        sharding.close()  # the hooks, the collectives in flight, the forward pre-hooks of overlap_param_gather
         if self.window_batchnorm is not None:
             self.window_batchnorm.close()
-        if getattr(self, "_zero", None) is not None:
-            self._zero.close()  # the forward pre-hooks of overlap_param_gather
         for p in self.params:
             if getattr(p, _OWNER_ATTR, None) is not None and getattr(p, _OWNER_ATTR)() is self:
                 delattr(p, _OWNER_ATTR)

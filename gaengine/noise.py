@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NoiseEstimate", "NoiseScale", "check_noise_scale_ema"]
+__all__ = ["NoiseEstimate", "NoiseScale", "check_noise_scale_ema", "WindowNoise"]
 
 
 def check_noise_scale_ema(value: object) -> float:
@@ -145,3 +145,92 @@ class NoiseScale:
         self.trace_avg = state["trace_avg"].to(self.device, torch.float64)
         self.grad_sq_avg = state["grad_sq_avg"].to(self.device, torch.float64)
         self.decay_pow = state["decay_pow"].to(self.device, torch.float64)
+
+
+class WindowNoise:
+    """The accumulator's noise-scale bookkeeping: the averages (``NoiseScale``), and per window the item count of
+    each micro-batch (item mode) and, after a mid-window resume, the source norms of the micro-batches the saved
+    window already held (the hooks measure only those since the resume).
+
+    ema: as ``NoiseScale``. device: where the averages and the terms live.
+    """
+
+    def __init__(self, ema: float, device: torch.device | str) -> None:
+        self.scale = NoiseScale(ema, device)
+        self.device = self.scale.device
+        self.sizes: list[int | float | torch.Tensor] = []  # items per micro-batch of the window (item mode)
+        self.carry: torch.Tensor | None = None  # (j,) fp32: source norms of a window saved mid-window
+
+    @property
+    def ema(self) -> float:
+        return self.scale.ema
+
+    def reset(self) -> None:
+        """A new window."""
+        self.sizes = []
+        self.carry = None
+
+    def add_micro_batch(self, num_items: int | torch.Tensor | None) -> None:
+        """One micro-batch of the window ended: its item count (item mode; a 0-d fp64 device tensor or a Python
+        number), or None (mean mode)."""
+        if num_items is not None:
+            self.sizes.append(num_items)
+
+    def sources(self, hooks) -> torch.Tensor | None:
+        """``(k,)`` fp32 on the device: the source norms of the window's micro-batches so far, a resumed window's
+        first (``hooks.window_source_sumsq()`` holds only the ones since the resume)."""
+        rows = hooks.window_source_sumsq()
+        if self.carry is not None:
+            rows = self.carry if rows is None or rows.numel() == 0 else torch.cat([self.carry, rows])
+        return rows
+
+    def terms(self, hooks, num_micro_batches: int, item_mode: bool, loss_scale: torch.Tensor | None) -> torch.Tensor:
+        """This rank's small-batch terms of the window (``NoiseScale.small_batch_terms``): ``(3,)`` fp64 on the
+        device, from the hooks' source norms (one reduction, once per window) and the items of each micro-batch.
+        ``RuntimeError`` when the hooks measured another number of micro-batches than the window holds (a bug)."""
+        rows = self.sources(hooks)
+        if rows is None or rows.numel() != num_micro_batches:
+            raise RuntimeError(
+                f"gaengine: the hooks measured {0 if rows is None else rows.numel()} micro-batch gradient norms for "
+                f"a window of {num_micro_batches} micro-batches; the noise scale cannot be measured (a bug: "
+                "please report it with GAENGINE_HOT_PATH and the backend)")
+        sizes = None
+        if item_mode:
+            if all(not isinstance(s, torch.Tensor) for s in self.sizes):
+                sizes = torch.tensor(self.sizes, dtype=torch.float64).to(self.device, non_blocking=True)
+            else:
+                sizes = torch.stack([s if isinstance(s, torch.Tensor) else
+                                     torch.full((), float(s), dtype=torch.float64, device=self.device)
+                                     for s in self.sizes])
+        return NoiseScale.small_batch_terms(rows, sizes, loss_scale)
+
+    def update(self, terms: torch.Tensor, big_sq: torch.Tensor, total: torch.Tensor,
+               skipped: torch.Tensor) -> NoiseEstimate:
+        """``NoiseScale.update``: average in the window."""
+        return self.scale.update(terms, big_sq, total, skipped)
+
+    def state_dict(self, hooks, num_micro_batches: int) -> dict:
+        """The averages and, mid-window, the source norms and sizes of the micro-batches so far."""
+        rows = self.sources(hooks) if num_micro_batches else None
+        return {**self.scale.state_dict(), "sources": None if rows is None else rows.detach().cpu().clone(),
+                "sizes": [float(s) for s in self.sizes]}
+
+    def check_state(self, state: dict | None, num_micro_batches: int) -> None:
+        """``ValueError`` (nothing changed) for a state this cannot resume: another ``noise_scale_ema``, or one
+        saved mid-window without the noise scale (its micro-batches' norms are unknown)."""
+        if state is not None and float(state["ema"]) != self.ema:
+            raise ValueError(f"state was saved with noise_scale_ema={state['ema']}, this accumulator has "
+                             f"{self.ema}: build it with the same noise_scale_ema to resume the averages")
+        if state is None and num_micro_batches:
+            raise ValueError("state was saved mid-window without measure_noise_scale, so the norms of its micro-batches "
+                             "are unknown: resume it without measure_noise_scale, or from a state saved between windows")
+
+    def load_state_dict(self, state: dict | None, num_micro_batches: int) -> None:
+        """Restore ``state_dict()`` (checked by ``check_state``); the hooks' own window must be reset before."""
+        self.reset()
+        if state is None:
+            return
+        self.scale.load_state_dict(state)
+        rows = state["sources"]
+        self.carry = None if rows is None or not num_micro_batches else rows.to(self.device)
+        self.sizes = [int(s) if float(s).is_integer() else float(s) for s in state["sizes"]]

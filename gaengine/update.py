@@ -32,7 +32,7 @@ from torch.autograd.graph import increment_version
 from gaengine.buffer import FlatBuffer, FlatLayout
 
 __all__ = ["MasterWeights", "apply_update", "check_optimizer_step", "expose_grads", "fused_optimizer",
-           "merge_model_write", "param_versions", "step_optimizer", "step_scheduler"]
+           "merge_model_write", "param_versions", "step_optimizer", "step_scheduler", "writes_model_params"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -43,7 +43,7 @@ class MasterWeights:
     optimizer: re-pointed at the masters (param groups, hyper-parameters and any existing state kept).
     params: the trainable parameters in layout order; main_grad: the fp32 flat gradient buffer over them.
     enabled: keep masters (``master_weights=True``); False: the optimizer updates the low-precision params
-        in place: ``optimizer_reads_main_grad`` is set for ``gaengine.optim.FusedAdamW`` (it takes the fp32
+        in place: ``reads_main_grad`` is set for ``gaengine.optim.FusedAdamW`` (it takes the fp32
         main_grad views as ``p.main_grad``; existing fp32 moments of those params, e.g. a master-weights
         checkpoint loaded before, are rounded to the param dtype once, as torch's loader would), else
         ``normalize_before_rounding``.
@@ -81,7 +81,7 @@ class MasterWeights:
         # master_weights=False with gaengine.optim.FusedAdamW: each low-precision param's fp32 main_grad view is
         # passed as p.main_grad (p.grad cannot hold an fp32 gradient of a bf16 tensor) and coef as grad_scale:
         # no scale pass, no rounding copy, one in-place pass per param.
-        self.optimizer_reads_main_grad = False
+        self.reads_main_grad = False
         low = [p for p in params if p.dtype in _LOW_PRECISION and id(p) in self.optimized]
         if not low:
             return
@@ -90,8 +90,8 @@ class MasterWeights:
             # checkpoint loaded before) is rounded to it once, as torch's Optimizer.load_state_dict casts it.
             for p in low:
                 _convert_state(optimizer.state.get(p, {}), p, p.dtype)
-            if hasattr(optimizer, "attach_model_params"):  # gaengine.optim.FusedAdamW
-                self.optimizer_reads_main_grad = True
+            if writes_model_params(optimizer):
+                self.reads_main_grad = True
             else:
                 self.normalize_before_rounding = True
             return
@@ -125,7 +125,7 @@ class MasterWeights:
                 _convert_state(state, p, torch.float32)  # exact: bf16/fp16 -> fp32
         self.low_params = low
         self.low_masters = [self.masters[id(p)] for p in low]
-        self.optimizer_writes_model = hasattr(optimizer, "attach_model_params")
+        self.optimizer_writes_model = writes_model_params(optimizer)
         if self.optimizer_writes_model:
             optimizer.attach_model_params(list(zip(self.low_masters, low)))
         self._versions = param_versions(low)
@@ -222,6 +222,13 @@ def param_versions(params: list[torch.Tensor]) -> list[int]:
     return [p._version for p in params]
 
 
+def writes_model_params(optimizer: torch.optim.Optimizer) -> bool:
+    """An optimizer that takes the fp32 gradient of a bf16/fp16 parameter as ``p.main_grad`` and writes the rounded
+    master into the model parameter in its own pass (``gaengine.optim.FusedAdamW``: its ``attach_model_params``).
+    The one test of it, for the masters of every sharding strategy."""
+    return callable(getattr(optimizer, "attach_model_params", None))
+
+
 def fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """A torch optimizer with ``fused=True`` that takes ``grad_scale``/``found_inf`` (Adam, AdamW, SGD)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
@@ -251,7 +258,7 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, masters: Master
         target = masters.masters.get(id(p), p)
         view = main_grad.views[i]
         targets.append(target)
-        if masters.optimizer_reads_main_grad and target.dtype != torch.float32:
+        if masters.reads_main_grad and target.dtype != torch.float32:
             target.grad = None
             target.main_grad = None if id(p) in unused else view  # read by FusedAdamW in fp32, no copy
         elif id(p) in unused:

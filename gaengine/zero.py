@@ -81,7 +81,8 @@ from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.norm import window_norm
 from gaengine.reduce import BucketReducer, Collective, wait_for, wait_quietly
-from gaengine.update import fused_optimizer, merge_model_write, param_versions, step_optimizer, step_scheduler
+from gaengine.update import (fused_optimizer, merge_model_write, param_versions, step_optimizer, step_scheduler,
+                             writes_model_params)
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
 
@@ -424,8 +425,6 @@ class ShardedState:
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], shard: ShardLayout,
                  main_grad, reducer: ShardReducer, stage: int, rank: int, group, device: torch.device,
                  master_weights: bool, model: torch.nn.Module | None, overlap_param_gather: bool) -> None:
-        from gaengine.optim import FusedAdamW  # noqa: PLC0415
-
         self.optimizer = optimizer
         self.params = params
         self.shard = shard
@@ -441,7 +440,7 @@ class ShardedState:
         layout = shard.layout
         optimized = {id(q) for g in optimizer.param_groups for q in g["params"]}
         self.optimized = [id(p) in optimized for p in params]
-        fused_adamw = type(optimizer) is FusedAdamW
+        fused_adamw = writes_model_params(optimizer)  # gaengine.optim.FusedAdamW
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
         with torch.no_grad():
             for dtype, (lo, hi) in shard.dtype_spans.items():
@@ -672,32 +671,22 @@ class ShardedState:
         self.reducer.wait()
         self.reducer.release_staging()  # what a failed backward staged and never launched
         self.reducer.overwrite = first
-        if first:
-            self.window_used = [False] * len(self.params)
         hooks.set_all_written([False] * len(self.params))
 
-    def after_backward(self, hooks, armed: bool, last: bool) -> None:
+    def after_backward(self, armed: bool) -> None:
         """Stage 2, end of a micro-batch's backward: launch the buckets not launched yet (the hooks' ``end()``
-        staged every bucket, zeroing the slices no gradient reached); in the window's last one, ``written``
-        becomes the window's (for the stats)."""
-        written = hooks.written
-        if all(written):  # the usual case: no Python per parameter
-            self.window_used = written
-        else:
-            self.window_used = [u or w for u, w in zip(self.window_used, written)]
+        staged every bucket, zeroing the slices no gradient reached)."""
         if not armed:
             self.reducer.begin()
         self.reducer.flush()
-        if last:
-            hooks.set_all_written(self.window_used)
 
-    def end_partial_window(self, hooks, missing: int = 0) -> None:
+    def end_partial_window(self, missing: int = 0) -> None:
         """Stage 2, ``step(force=True)`` on a window of k < K micro-batches: reduce-scatter ``missing`` (K - k) rounds
         of zeros, every bucket in order as a micro-batch would (added into the gradient shard: zeros when every
         rank's window is as short), so that every rank issues K rounds and then the stats all-reduce per window,
         whatever its count. A rank whose window holds more micro-batches is reduce-scattering them meanwhile: the
         collectives stay matched one to one, and the stats tell every rank that the counts differ. Then complete
-        the last reductions; ``written`` becomes the window's."""
+        the last reductions."""
         reducer = self.reducer
         for _ in range(missing):
             reducer.wait()
@@ -707,4 +696,3 @@ class ShardedState:
                 reducer.acquire(b.index).zero_()  # a bucket of the ring (the earliest launched one completes first)
                 reducer.bucket_ready(b.index)  # launched at once: every bucket before it was
         reducer.wait()
-        hooks.set_all_written(self.window_used)

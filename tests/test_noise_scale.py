@@ -226,7 +226,7 @@ def test_one_micro_batch_on_one_rank_is_not_measured():
     acc.backward(_loss(model, x, y, "mean"))
     r = acc.step()
     assert all(math.isnan(float(t)) for t in (r.grad_noise_scale, r.noise_trace_sigma, r.noise_grad_sq))
-    assert float(acc._noise.decay_pow) == 1.0
+    assert float(acc._noise.scale.decay_pow) == 1.0
     plain = gaengine.GradientAccumulator(_model(), None, accumulation_steps=1)
     plain.backward(plain.params[0].sum() + plain.params[1].sum())
     r = plain.step()

@@ -89,7 +89,7 @@ def _in_flight(acc, launched: list[tuple[Collective, tuple[torch.Tensor, ...]]])
     its Python object's still holds (a backend thread's)."""
     zero = acc._zero
     return {"reductions": sum(b.work is not None for b in acc.reducer.buckets),
-            "stats": int(acc._stats is not None),
+            "stats": int(acc.window.stats is not None),
             "gathers": 0 if zero is None else len(zero._pending),
             "held": sum(c.work is not None or any(t._use_count() > 1 for t in tensors) for c, tensors in launched)}
 

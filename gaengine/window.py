@@ -1,0 +1,129 @@
+"""The accumulation window: what one window of micro-batches has accumulated besides the gradients.
+
+``Window`` is the only writer of the window's host-side state: the micro-batch count, whether the window is in
+item mode and its item count, the loss sum, the failed flag (a backward raised mid-window), and the stats
+all-reduce of several ranks (``gaengine.reduce.WindowStats``, launched by the last micro-batch). The gradients
+themselves live with the sharding strategy (``gaengine.sharding``), the per-parameter flags with the hooks
+(``gaengine.hooks``), the noise-scale bookkeeping with ``gaengine.noise.WindowNoise``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gaengine.reduce import WindowStats
+
+__all__ = ["FAILED_WINDOW", "Window"]
+
+FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
+                 "micro-batches; call acc.zero_grad() to drop it, then go on")
+
+
+class Window:
+    """One accumulation window's counters (see the module docstring), on ``device``.
+
+    num_micro_batches: micro-batches accumulated. item_mode: None before the first, then whether they passed
+    ``num_items``. items_host: the items given as Python ints; items_dev: the items given as tensors, summed as a
+    0-d fp64 tensor on the device (no host read), or None. loss_sum: 0-d fp32 on the device, the sum of the
+    micro-batches' losses (unscaled). failed: a backward of this window raised. stats: the stats all-reduce of
+    the window's last micro-batch (several ranks), or None. used: per parameter (layout order), whether a gradient
+    reached it in an earlier micro-batch of the window whose hooks' flags were since restarted (``mark_used``; the
+    ``zero_stage=2`` staging restarts them every micro-batch), or None for none; ``used_with`` adds the hooks'
+    current flags.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty window."""
+        self.num_micro_batches = 0
+        self.item_mode: bool | None = None
+        self.items_host = 0
+        self.items_dev: torch.Tensor | None = None
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.failed = False
+        self.stats: WindowStats | None = None
+        self.used: list[bool] | None = None
+
+    def check_next(self, item_mode: bool) -> None:
+        """Before a micro-batch's backward: ``RuntimeError`` if a backward of this window failed, ``ValueError`` if
+        ``item_mode`` differs from the window's (``num_items`` for every micro-batch of a window or for none)."""
+        if self.failed:
+            raise RuntimeError(FAILED_WINDOW)
+        if self.item_mode is not None and item_mode != self.item_mode:
+            raise ValueError(
+                "num_items must be given for every micro-batch of a window or for none: this window was started "
+                f"{'with' if self.item_mode else 'without'} num_items"
+            )
+
+    def add(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> int | torch.Tensor | None:
+        """A micro-batch's backward succeeded: count it, add its loss (0-d, any float dtype) and items (an int, a
+        0-d tensor on any device, or None in mean mode). Returns its items as counted (a 0-d fp64 tensor on the
+        device, or the int), or None."""
+        self.item_mode = num_items is not None
+        self.num_micro_batches += 1
+        self.loss_sum += loss.detach().reshape(()).to(torch.float32)
+        if num_items is None:
+            return None
+        if isinstance(num_items, torch.Tensor):
+            n = num_items.to(device=self.device, dtype=torch.float64, non_blocking=True)  # exact past 2**24
+            self.items_dev = n if self.items_dev is None else self.items_dev + n
+            return n
+        self.items_host += num_items
+        return num_items
+
+    def mark_used(self, flags: list[bool]) -> None:
+        """The hooks' per-parameter flags of a micro-batch (which parameters a gradient reached), before the hooks
+        restart them: kept in ``used`` (or-ed in)."""
+        self.used = self.used_with(flags)
+
+    def used_with(self, flags: list[bool]) -> list[bool]:
+        """Per parameter (layout order), whether a gradient reached it in the window: ``used`` or-ed with the
+        hooks' current ``flags``."""
+        if self.used is None or all(flags):  # the usual case: no Python per parameter
+            return list(flags)
+        return [u or f for u, f in zip(self.used, flags)]
+
+    def fail(self) -> None:
+        """A backward raised mid-window: the window is no longer a sum of whole micro-batches."""
+        self.failed = True
+
+    def items(self) -> torch.Tensor:
+        """This rank's item count: 0-d fp64 on the device (host ints added without a read)."""
+        if self.items_dev is None:
+            return torch.full((), float(self.items_host), dtype=torch.float64, device=self.device)  # a fill, no copy
+        return self.items_dev + self.items_host
+
+    def num_items(self) -> int | torch.Tensor:
+        """The items as ``StepResult.num_items`` reports them on one rank: the int when every count was an int,
+        else the 0-d fp64 device tensor."""
+        return self.items() if self.items_dev is not None else self.items_host
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, CPU tensors and Python scalars."""
+        return {
+            "num_micro_batches": self.num_micro_batches,
+            "item_mode": self.item_mode,
+            "items_host": self.items_host,
+            "items_dev": None if self.items_dev is None else self.items_dev.detach().cpu().clone(),
+            "loss_sum": self.loss_sum.detach().cpu().clone(),
+            "failed_backward": self.failed,
+            "window_used": None if self.used is None else list(self.used),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (``stats`` is None: a state is never saved between the last backward and
+        ``step()``)."""
+        self.reset()
+        self.num_micro_batches = int(state["num_micro_batches"])
+        self.item_mode = state["item_mode"]
+        self.items_host = int(state["items_host"])
+        self.items_dev = None if state["items_dev"] is None else state["items_dev"].to(self.device)
+        self.loss_sum = state["loss_sum"].to(self.device)
+        self.failed = bool(state["failed_backward"])
+        used = state.get("window_used")  # absent from state dicts saved before it was the window's
+        self.used = None if used is None else [bool(u) for u in used]
