@@ -23,7 +23,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,48 +40,12 @@ from gaengine.reduce import HostMailbox, count_mismatch_message, \
     launch_window_stats, wait_quietly
 from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, guard_grad_scaler,
                              scaled_by_grad_scaler)
-from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
+from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import ShardingStrategy, check_sharding_optimizer, make_sharding, trainable_params
 from gaengine.update import check_optimizer_step, fused_optimizer
-from gaengine.window import FAILED_WINDOW, Window
+from gaengine.window import FAILED_WINDOW, StepResult, Window
 
 __all__ = ["GradientAccumulator", "StepResult"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one applied (or skipped) update did. Tensors are 0-d and on the parameters' device.
-
-    grad_norm: fp32, L2 norm of the normalized gradient (after dividing by the window's denominator,
-        before clipping).
-    clip_coef: fp32, the clip coefficient ``min(1, max_norm / (grad_norm + 1e-6))`` (1.0 without clipping).
-    skipped: bool, True when a gradient was inf/NaN and the update was not applied.
-    num_micro_batches: micro-batches in the window (K, or fewer for ``step(force=True)``).
-    num_items: total items of the window in item mode (an int, or a 0-d tensor when items were given as
-        tensors); None in mean mode.
-    loss: fp32, the window's loss normalized like the gradient (mean of the micro-batch means, or the
-        sum of the loss sums divided by ``num_items``).
-    loss_scale: fp32, the loss scale this window was computed with (None without loss scaling).
-    grad_noise_scale: fp32, ``B_simple = noise_trace_sigma / noise_grad_sq`` after this window
-        (``measure_noise_scale=True``; else None): the gradient noise scale of McCandlish et al. (arXiv
-        1812.06162), in items (item mode) or micro-batches (mean mode); NaN until a window could be measured.
-        See ``gaengine.noise``.
-    noise_trace_sigma: fp32, the bias-corrected moving average of tr(Sigma), the per-sample gradient
-        covariance's trace (eq. A.3), or None.
-    noise_grad_sq: fp32, the bias-corrected moving average of |G|^2, the true gradient's squared norm (eq.
-        A.2), or None.
-    """
-
-    grad_norm: torch.Tensor
-    clip_coef: torch.Tensor
-    skipped: torch.Tensor
-    num_micro_batches: int
-    num_items: int | torch.Tensor | None
-    loss: torch.Tensor
-    loss_scale: torch.Tensor | None = None
-    grad_noise_scale: torch.Tensor | None = None
-    noise_trace_sigma: torch.Tensor | None = None
-    noise_grad_sq: torch.Tensor | None = None
 
 
 class GradientAccumulator:
@@ -175,14 +138,7 @@ class GradientAccumulator:
             batchnorm=batchnorm, max_consecutive_skips=max_consecutive_skips, micro_batch_size=micro_batch_size,
             measure_noise_scale=measure_noise_scale, noise_scale_ema=noise_scale_ema, zero_stage=zero_stage,
             overlap_param_gather=overlap_param_gather, overlap_grad_reduce=overlap_grad_reduce)
-        self._schedule: AccumulationSchedule | None = None
-        self._update_index = 0  # windows stepped (the schedule's position)
-        self._items_seen = 0  # samples those windows consumed over all ranks
-        self._k_update = 0  # the update whose window K (self._k) was set for
-        if callable(accumulation_steps):
-            self._schedule, self._k_update = accumulation_steps, -1
-        else:
-            self._k = accumulation_steps
+        self.schedule = WindowSchedule(accumulation_steps)  # K per window, and the updates and samples so far
         self.max_grad_norm = self.config.max_grad_norm
         self.min_loss_scale = self.config.min_loss_scale
         if overlap_param_gather and not isinstance(model, nn.Module):
@@ -434,25 +390,13 @@ class GradientAccumulator:
         is True, ``grad_norm`` and ``loss`` are inf or NaN, the window is dropped; with dynamic loss scaling the
         scale backs off as for any skipped update). Python ints are checked in ``backward()`` instead.
 
-        Several ranks: every rank's window must hold the same number of micro-batches (5 micro-batches on one
-        rank and 6 on another in an epoch with K = 2 leave one rank a window of 1 and the other one of 2). The
-        window's stats all-reduce carries each rank's count in a slot of its own, so every rank learns every count
-        on the device. When they differ, no rank applies the update: the step runs to its end as a skipped update
-        (every rank issues the same collectives: at ``zero_stage=2`` a partial window reduce-scatters K - k rounds
-        of zeros for the micro-batches it lacks, as the fuller windows reduce theirs), the parameters, the optimizer
-        state, the ``lr_scheduler`` and the loss scale are left unchanged on every rank (``result.skipped`` is True,
-        the schedule's update count does not move; BatchNorm window statistics are applied, as forward passes in
-        training mode would), the window is dropped, and every rank raises ``RuntimeError`` naming this rank's count
-        and the others' and what to do (``DistributedSampler(drop_last=True)``, equal micro-batch counts).
-        ``acc.zero_grad()`` afterwards is harmless, and training goes on. When the host reads the counts:
-
-        * in this ``step()``, which then raises, when it reads the device anyway: a non-fused optimizer, an
-          ``lr_scheduler`` or ``max_consecutive_skips`` read the skip flag, and the counts are read right after it
-          (the device is drained by then); a rank with parameters it used in no micro-batch reads their flags and
-          the counts in one read; a partial window (``force=True``, once an epoch) reads them;
-        * otherwise (a fused optimizer, nothing read: no host sync in ``step()``) they are copied to host memory
-          behind the all-reduce without waiting, and this rank's next ``backward()`` or ``step()`` reads them and
-          raises before doing anything (on CUDA waiting for that copy only, not for the device to drain).
+        Several ranks: every rank's window must hold the same number of micro-batches. The stats all-reduce
+        carries each rank's count; when they differ, every rank runs the step to its end as a skipped update
+        (``result.skipped`` True; parameters, optimizer state, ``lr_scheduler``, loss scale and the schedule's count
+        unchanged; the window dropped) and raises ``RuntimeError`` naming each rank's count: in this ``step()`` when
+        it reads the device anyway (a non-fused optimizer, an ``lr_scheduler``, ``max_consecutive_skips``, unused
+        parameters, ``force=True``), else, with no host sync here, in the next ``backward()`` or ``step()``.
+        ``acc.zero_grad()`` afterwards is harmless (docs/multi-rank.md).
 
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
@@ -535,13 +479,10 @@ class GradientAccumulator:
                             **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
                                                              noise_trace_sigma=noise.trace_sigma,
                                                              noise_grad_sq=noise.grad_sq)))
-        observe = getattr(self._schedule, "observe", None)
-        if observe is not None:  # an adaptive schedule (gaengine.schedules.Adaptive) reads the window's result
-            observe(result)
-        counters = (self._update_index, self._items_seen)
+        self.schedule.observe(result)
+        counters = (self.schedule.update_index, self.schedule.items_seen)
         if not differ:
-            self._update_index += 1
-            self._items_seen += k * self.world_size * (self.micro_batch_size or 1)
+            self.schedule.advance(k, self.world_size, self.micro_batch_size)
         if self.max_consecutive_skips is not None and not differ:
             self._check_consecutive_skips(norm.skipped, loss_scale)
         self._reset_window()
@@ -576,7 +517,7 @@ class GradientAccumulator:
         counts = [int(c) for c in self._count_mailbox.read()]  # host memory; on CUDA waits for its copy only
         if all(c == counts[0] for c in counts):
             return
-        self._update_index, self._items_seen = update_index, items_seen
+        self.schedule.update_index, self.schedule.items_seen = update_index, items_seen
         if scaler_state is not None:
             self.scaler.scale.copy_(scaler_state[0])
             self.scaler.growth_tracker.copy_(scaler_state[1])
@@ -595,21 +536,14 @@ class GradientAccumulator:
         """K, the micro-batches of the current window. With a schedule it is asked once per window, when the
         window's first ``backward()`` runs or this is read between windows; ``ValueError`` naming the schedule
         if it answers anything but an int >= 1 (the window is untouched)."""
-        if self._schedule is not None and self._k_update != self._update_index and self.window.num_micro_batches == 0:
-            self._k = check_accumulation_steps(
-                self._schedule(self._update_index, self._items_seen),
-                f"accumulation_steps schedule {self._schedule!r} at update {self._update_index} (its value)")
-            self._k_update = self._update_index
-        return self._k
+        return self.schedule.k(self.window.num_micro_batches)
 
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         """Set K from the current window on (e.g. twice the micro-batches after halving them for memory, as
         ``gaengine train --auto-micro-batch`` does); ``ValueError`` for anything but an int >= 1 or while a
         schedule sets K (change the schedule instead)."""
-        if self._schedule is not None:
-            raise ValueError("accumulation_steps follows a schedule here; change the schedule instead of setting it")
-        self._k = check_accumulation_steps(value)
+        self.schedule.set_k(value)
 
     def _pull_model_writes(self) -> None:
         """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
@@ -714,9 +648,7 @@ class GradientAccumulator:
             **self.window.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "consecutive_skips": self._consecutive_skips,
-            "update_index": self._update_index,
-            "items_seen": self._items_seen,
-            "schedule": getattr(self._schedule, "state_dict", lambda: None)(),
+            **self.schedule.state_dict(),
             "noise_scale": (None if self._noise is None else
                             self._noise.state_dict(self.hooks, self.window.num_micro_batches)),
         }
@@ -744,19 +676,11 @@ class GradientAccumulator:
             self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
         self.window.load_state_dict(state)
         self._consecutive_skips = int(state["consecutive_skips"])
-        self._update_index = int(state.get("update_index", 0))  # the schedule's position
-        self._items_seen = int(state.get("items_seen", 0))
-        if self._schedule is not None:
-            # Mid-window the window keeps the K it started with; at a boundary the schedule says the next one.
-            self._k, self._k_update = int(state["accumulation_steps"]), self._update_index
-            if self.window.num_micro_batches == 0:
-                self._k_update = -1
+        self.schedule.load_state_dict(state, state["accumulation_steps"], self.window.num_micro_batches > 0)
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         if self._noise is not None:
             self._noise.load_state_dict(state.get("noise_scale"), self.window.num_micro_batches)
-        if state.get("schedule") is not None and hasattr(self._schedule, "load_state_dict"):
-            self._schedule.load_state_dict(state["schedule"])
         self._grads_left = True
 
     @property

@@ -34,7 +34,7 @@ import torch
 
 from gaengine.utils import LR_SCALING_RULES, scale_lr
 
-__all__ = ["AccumulationSchedule", "Adaptive", "Milestones", "RampUp", "check_accumulation_steps"]
+__all__ = ["AccumulationSchedule", "Adaptive", "Milestones", "RampUp", "WindowSchedule", "check_accumulation_steps"]
 
 
 class AccumulationSchedule(Protocol):
@@ -292,3 +292,65 @@ class Adaptive:
         self._asked = None if state["asked"] is None else tuple(int(v) for v in state["asked"])
         self._events = [None, None]
         self._host[:] = state["readings"]
+
+
+class WindowSchedule:
+    """The accumulator's K: a fixed int or a schedule, and the position the schedule is asked at.
+
+    accumulation_steps: an int >= 1 (checked by ``gaengine.AccumulatorConfig``) or an ``AccumulationSchedule``.
+    update_index: windows stepped so far; items_seen: the samples they consumed over all ranks (the schedule's
+    arguments). A schedule is asked once per window, when ``k(0)`` is read with the window still empty.
+    """
+
+    def __init__(self, accumulation_steps: int | AccumulationSchedule) -> None:
+        self.schedule: AccumulationSchedule | None = None
+        self.update_index = 0
+        self.items_seen = 0
+        self._k_update = 0  # the update whose window self._k was set for
+        if callable(accumulation_steps):
+            self.schedule, self._k_update = accumulation_steps, -1
+        else:
+            self._k = accumulation_steps
+
+    def k(self, num_micro_batches: int) -> int:
+        """K of the current window, which holds ``num_micro_batches`` so far. ``ValueError`` naming the schedule
+        if it answers anything but an int >= 1 (nothing changed)."""
+        if self.schedule is not None and self._k_update != self.update_index and num_micro_batches == 0:
+            self._k = check_accumulation_steps(
+                self.schedule(self.update_index, self.items_seen),
+                f"accumulation_steps schedule {self.schedule!r} at update {self.update_index} (its value)")
+            self._k_update = self.update_index
+        return self._k
+
+    def set_k(self, value: object) -> None:
+        """Set K from the current window on; ``ValueError`` for anything but an int >= 1 or while a schedule
+        sets K (change the schedule instead)."""
+        if self.schedule is not None:
+            raise ValueError("accumulation_steps follows a schedule here; change the schedule instead of setting it")
+        self._k = check_accumulation_steps(value)
+
+    def advance(self, num_micro_batches: int, world_size: int, micro_batch_size: int | None) -> None:
+        """A window of ``num_micro_batches`` per rank was stepped: one update more, and its samples
+        (``micro_batch_size`` x micro-batches x world size, or micro-batches x world size without it)."""
+        self.update_index += 1
+        self.items_seen += num_micro_batches * world_size * (micro_batch_size or 1)
+
+    def observe(self, result) -> None:
+        """An adaptive schedule (``Adaptive``) reads each window's ``StepResult``."""
+        observe = getattr(self.schedule, "observe", None)
+        if observe is not None:
+            observe(result)
+
+    def state_dict(self) -> dict:
+        return {"update_index": self.update_index, "items_seen": self.items_seen,
+                "schedule": getattr(self.schedule, "state_dict", lambda: None)()}
+
+    def load_state_dict(self, state: dict, k: int, mid_window: bool) -> None:
+        """Restore ``state_dict()``'s part of an accumulator state; ``k``: the saved window's K. Mid-window the
+        window keeps the K it started with; at a boundary the schedule says the next one."""
+        self.update_index = int(state.get("update_index", 0))
+        self.items_seen = int(state.get("items_seen", 0))
+        if self.schedule is not None:
+            self._k, self._k_update = int(k), (self.update_index if mid_window else -1)
+        if state.get("schedule") is not None and hasattr(self.schedule, "load_state_dict"):
+            self.schedule.load_state_dict(state["schedule"])

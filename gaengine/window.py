@@ -9,13 +9,14 @@ themselves live with the sharding strategy (``gaengine.sharding``), the per-para
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gaengine.reduce import WindowStats
 
-__all__ = ["FAILED_WINDOW", "Window"]
+__all__ = ["FAILED_WINDOW", "StepResult", "Window"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                  "micro-batches; call acc.zero_grad() to drop it, then go on")
@@ -127,3 +128,39 @@ class Window:
         self.failed = bool(state["failed_backward"])
         used = state.get("window_used")  # absent from state dicts saved before it was the window's
         self.used = None if used is None else [bool(u) for u in used]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one applied (or skipped) update did. Tensors are 0-d and on the parameters' device.
+
+    grad_norm: fp32, L2 norm of the normalized gradient (after dividing by the window's denominator,
+        before clipping).
+    clip_coef: fp32, the clip coefficient ``min(1, max_norm / (grad_norm + 1e-6))`` (1.0 without clipping).
+    skipped: bool, True when a gradient was inf/NaN and the update was not applied.
+    num_micro_batches: micro-batches in the window (K, or fewer for ``step(force=True)``).
+    num_items: total items of the window in item mode (an int, or a 0-d tensor when items were given as
+        tensors); None in mean mode.
+    loss: fp32, the window's loss normalized like the gradient (mean of the micro-batch means, or the
+        sum of the loss sums divided by ``num_items``).
+    loss_scale: fp32, the loss scale this window was computed with (None without loss scaling).
+    grad_noise_scale: fp32, ``B_simple = noise_trace_sigma / noise_grad_sq`` after this window
+        (``measure_noise_scale=True``; else None): the gradient noise scale of McCandlish et al. (arXiv
+        1812.06162), in items (item mode) or micro-batches (mean mode); NaN until a window could be measured.
+        See ``gaengine.noise``.
+    noise_trace_sigma: fp32, the bias-corrected moving average of tr(Sigma), the per-sample gradient
+        covariance's trace (eq. A.3), or None.
+    noise_grad_sq: fp32, the bias-corrected moving average of |G|^2, the true gradient's squared norm (eq.
+        A.2), or None.
+    """
+
+    grad_norm: torch.Tensor
+    clip_coef: torch.Tensor
+    skipped: torch.Tensor
+    num_micro_batches: int
+    num_items: int | torch.Tensor | None
+    loss: torch.Tensor
+    loss_scale: torch.Tensor | None = None
+    grad_noise_scale: torch.Tensor | None = None
+    noise_trace_sigma: torch.Tensor | None = None
+    noise_grad_sq: torch.Tensor | None = None

@@ -142,7 +142,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
             raise
     tokens, labels = _train_data()
     saves = dict(cfg.get("saves", {}))
-    for update in range(acc._update_index, STEPS):
+    for update in range(acc.schedule.update_index, STEPS):
         for k in range(acc.num_micro_batches, k_steps):
             lo = (rank * k_steps + k) * B
             acc.backward(_mean_loss(model, tokens[update, lo:lo + B], labels[update, lo:lo + B]))
@@ -184,7 +184,7 @@ def _bf16_resume(rank: int, world: int, cfg: dict) -> dict:
     if cfg.get("load"):
         _load(model, acc, cfg["load"])
         snapshot = _snapshot(model, acc)
-    for update in range(acc._update_index, STEPS):
+    for update in range(acc.schedule.update_index, STEPS):
         for k in range(k_steps):
             lo = (rank * k_steps + k) * B
             logits = model(tokens[update, lo:lo + B]).float().reshape(-1, 11)
