@@ -151,7 +151,8 @@ class GradientAccumulator:
         if optimizer is not None:
             check_optimizer_step(optimizer)
         params = trainable_params(model)
-        self._named_params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
+        # The parameters' names (checkpoint keys) and registration order: the reference frame of state_dict().
+        self.named_params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
         for p in params:
             owner = getattr(p, _OWNER_ATTR, None)
             if owner is not None and owner() is not None:
@@ -216,7 +217,7 @@ class GradientAccumulator:
         # masters and the update: one data-parallel sharding strategy (gaengine.sharding). A gradient that gaengine
         # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
         self._grads_left = False
-        self._registration = params  # registration order, the reference frame of state_dict()
+        self.registered_params = params
         self.sharding: ShardingStrategy = make_sharding(
             zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
             process_group=self.process_group, bucket_size_mb=self.bucket_size_mb, reduce_dtype=reduce_dtype,
@@ -259,16 +260,8 @@ class GradientAccumulator:
 
     @property
     def master_buffer(self) -> FlatBuffer | None:
-        """The flat fp32 master weights (``zero_stage=0``), or None."""
+        """This rank's flat fp32 master weights (``gaengine.store.ParameterStore.master_buffer``), or None."""
         return self.sharding.master_buffer
-
-    @property
-    def _masters(self):  # gaengine.checkpoint reads them until it takes the strategy's interface
-        return getattr(self.sharding, "masters", None)
-
-    @property
-    def _zero(self):  # gaengine.checkpoint reads it until it takes the strategy's interface
-        return getattr(self.sharding, "zero", None)
 
     # ------------------------------------------------------------------ hot path
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
@@ -547,7 +540,7 @@ class GradientAccumulator:
 
     def _pull_model_writes(self) -> None:
         """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
-        reach the fp32 masters (``MasterWeights.pull_model_writes``, ``ShardedState.pull_model_writes``)."""
+        reach the fp32 masters (``gaengine.store.ParameterStore.pull_model_writes``)."""
         self.sharding.pull_model_writes()
 
     def _check_model(self) -> None:
@@ -632,13 +625,16 @@ class GradientAccumulator:
         self._pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)
 
-    def _state_scalars(self) -> dict:
-        """``state_dict()`` without the buffers (``main_grad``, ``master``): this rank's counters and small state."""
-        reg = {id(p): i for i, p in enumerate(self._registration)}
+    # The accumulator's own part of every state dict (the strategies' state dicts hold it, gaengine.sharding and
+    # gaengine.checkpoint): what the window, the schedule, the loss scale, the noise scale and the hooks' learned
+    # layout need to resume, as Python scalars and CPU tensors; checked, then restored, after the buffers.
+    def scalars_state_dict(self) -> dict:
+        """This rank's counters and small state: ``state_dict()`` without the buffers and the optimizer."""
+        reg = {id(p): i for i, p in enumerate(self.registered_params)}
         return {
             "format": self.sharding.FORMAT,
-            "param_shapes": [list(p.shape) for p in self._registration],
-            "param_dtypes": [str(p.dtype) for p in self._registration],
+            "param_shapes": [list(p.shape) for p in self.registered_params],
+            "param_dtypes": [str(p.dtype) for p in self.registered_params],
             "accumulation_steps": self.accumulation_steps,
             "world_size": self.world_size,
             "layout_order": [reg[id(p)] for p in self.params],
@@ -659,15 +655,15 @@ class GradientAccumulator:
         another world size, naming both)."""
         self.sharding.load_state_dict(self, state)
 
-    def _check_state_scalars(self, state: dict) -> None:
-        """The checks of ``load_state_dict`` on ``_state_scalars()``'s part (``ValueError``, nothing changed)."""
+    def check_scalars_state(self, state: dict) -> None:
+        """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError``, nothing changed)."""
         if (state["scaler"] is None) != (self.scaler is None):
             raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
         if self._noise is not None:
             self._noise.check_state(state.get("noise_scale"), int(state["num_micro_batches"]))
 
-    def _load_state_scalars(self, state: dict) -> None:
-        """Restore ``_state_scalars()``'s part (the layout and the buffers are restored before)."""
+    def load_scalars_state(self, state: dict) -> None:
+        """Restore ``scalars_state_dict()``'s part (the layout and the buffers are restored before)."""
         if self._noise is not None:
             self.hooks.reset_window()  # no source norms of this accumulator's own window: the saved ones follow
         self.hooks.set_arrival(state["arrival"])
@@ -682,6 +678,18 @@ class GradientAccumulator:
         if self._noise is not None:
             self._noise.load_state_dict(state.get("noise_scale"), self.window.num_micro_batches)
         self._grads_left = True
+
+    _state_scalars = scalars_state_dict  # the names gaengine.checkpoint and gaengine.sharding call them by still
+    _check_state_scalars = check_scalars_state
+    _load_state_scalars = load_scalars_state
+
+    @property
+    def _registration(self) -> list[torch.Tensor]:
+        return self.registered_params
+
+    @property
+    def _named_params(self) -> list:
+        return self.named_params
 
     @property
     def effective_batch_size(self) -> int:
@@ -698,7 +706,7 @@ class GradientAccumulator:
         self._consecutive_skips += 1
         if self._consecutive_skips < self.max_consecutive_skips:
             return
-        names = {id(p): n for n, p in self._named_params}
+        names = {id(p): n for n, p in self.named_params}
         grads = self.sharding.grad_views()
         bad = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)
                if not bool(torch.isfinite(grads[i]).all())]
