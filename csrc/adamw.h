@@ -44,7 +44,7 @@ using AdamWKernel = void (*)(const AdamWLists& lists, const AdamWHyperparams& hy
 void adamw_step_cpu(const AdamWLists& lists, const AdamWHyperparams& hyper,
                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
 
-// The op's flat argument list, in the order of its schema (kAdamWStepSchema) and of the Python bindings: the one
+// The op's flat argument list, in the order of its schema (kAdamWStepSchema): the one
 // place the 14 arguments are spelled out in C++. Forwards to Kernel.
 template <AdamWKernel Kernel>
 void adamw_step_op(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -61,16 +61,6 @@ inline constexpr const char* kAdamWStepSchema =
     "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] steps, Tensor(e!)?[] model_params, float lr, float beta1, float beta2, float eps, "
     "float weight_decay, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()";
-
-// The Python binding of adamw_step_op<Kernel> as `name` (the GIL released), with the argument names of the schema.
-template <AdamWKernel Kernel>
-void def_adamw_step(pybind11::module_& m, const char* name, const char* doc) {
-  namespace py = pybind11;
-  m.def(name, &adamw_step_op<Kernel>, doc, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
-        py::arg("exp_avg_sqs"), py::arg("steps"), py::arg("model_params"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_scale"),
-        py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
-}
 
 // The contracts of an AdamW step that do not depend on the device, checked by the CPU and the CUDA kernel
 // (csrc/cuda/cuda_ops.cu) before anything is written; each kernel checks devices and contiguity itself.

@@ -1,4 +1,5 @@
-// The CPU kernels of gaengine._C (gaengine.backends.CpuBackend), declared in cpu_ops.h, bound in module.cpp.
+// The CPU kernels of gaengine._C's ops (torch.ops.gaengine.*, gaengine.backends.CompiledBackend), declared in
+// cpu_ops.h, registered in module.cpp.
 //
 // Contracts at the top, one dtype dispatch per op, at::parallel_for over fixed-size blocks, the GIL
 // released, and the vector ISA chosen at run time (cpu_kernels.h). GAENGINE_CPU_ISA=auto|avx2|portable
@@ -53,7 +54,8 @@ void parallel_blocks(int64_t n, const F& fn) {
 
 }  // namespace
 
-void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite) {
+void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
+                 const std::optional<at::Tensor>& scale_tensor) {
   CHECK_CPU(dst);
   CHECK_CPU(src);
   CHECK_CONTIGUOUS(dst);
@@ -62,6 +64,13 @@ void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, boo
   CHECK_GRAD_DTYPE(src);
   TORCH_CHECK(src.numel() == dst.numel(), "src has ", src.numel(), " elements but dst has ", dst.numel(),
               "; they must match");
+  if (scale_tensor.has_value()) {
+    const at::Tensor& scale_t = *scale_tensor;
+    TORCH_CHECK(scale_t.device().is_cpu() && scale_t.scalar_type() == at::kFloat && scale_t.dim() == 0,
+                "scale_tensor must be a 0-d float32 CPU tensor, got shape ", scale_t.sizes(), " ",
+                scale_t.scalar_type(), " on ", scale_t.device());
+    scale = static_cast<double>(scale_t.item<float>());  // a plain load on CPU, not a device sync
+  }
   const int64_t n = dst.numel();
   if (n == 0) return;
   [[maybe_unused]] const bool avx2 = use_avx2();

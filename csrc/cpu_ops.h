@@ -1,4 +1,4 @@
-// The CPU ops of gaengine._C (defined in cpu_ops.cpp, bound and registered in module.cpp): the checked ops, and
+// The CPU ops of gaengine._C (defined in cpu_ops.cpp, registered in module.cpp): the checked ops, and
 // the bucket accumulate without its argument checks, for callers inside the extension that have already checked
 // everything once (csrc/hot_path.cpp).
 #pragma once
@@ -11,16 +11,19 @@
 
 namespace gaengine {
 
-// The checked CPU ops (TORCH_CHECK contracts first; gaengine.backends.CpuBackend checks them in Python before).
+// The checked CPU ops (TORCH_CHECK contracts first; gaengine.backends.CompiledBackend checks them in Python
+// before).
 //   accumulate_:  dst = (0 if overwrite else dst) + float(src) * scale; dst fp32, src fp32 | bf16 | fp16, both
-//                 contiguous CPU tensors with the same numel
+//                 contiguous CPU tensors with the same numel; scale_tensor, when given (0-d fp32 CPU), replaces
+//                 scale
 //   l2norm_sq:    (sum of squares, found_inf) of x, two 0-d fp32 tensors
 //   scale_:       x *= coef, x fp32 contiguous, coef a 0-d CPU tensor
 //   accumulate_bucket_: dst[offsets[j] : offsets[j] + srcs[j].numel()] = (0 if overwrite[j] else that slice)
 //                 + float(srcs[j]) for every j, in one parallel region; partials / source_partials: None or a
 //                 (len(srcs), 2) float64 tensor whose row j receives the (sum of squares, found_inf) of the values
 //                 written for source j / of source j's own values (float(srcs[j]), before the add)
-void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite);
+void accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
+                 const std::optional<at::Tensor>& scale_tensor);
 std::tuple<at::Tensor, at::Tensor> l2norm_sq(const at::Tensor& x);
 void scale_(const at::Tensor& x, const at::Tensor& coef);
 void accumulate_bucket_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
@@ -44,7 +47,7 @@ struct BucketSource {
 // Every source of a bucket in one parallel region (the CPU's "one launch per bucket"): the sources are cut at
 // fixed 65536-element chunks (the norm chunks of l2norm_sq) that at::parallel_for spreads over the threads;
 // each source's partials are the sums of its chunks' partials in chunk order, so their bits do not depend on the
-// thread count. No checks: see gaengine._C.accumulate_bucket_.
+// thread count. No checks: see torch.ops.gaengine.accumulate_bucket_.
 void accumulate_bucket_cpu(const std::vector<BucketSource>& sources);
 
 }  // namespace gaengine

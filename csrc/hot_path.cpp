@@ -63,11 +63,12 @@ namespace py = pybind11;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// The kernel of accumulate_bucket_ that main_grad's device picks: CUDA for a CUDA tensor (in the emulated build
-// of tests/cuda_emu, whose CPU tensors stand in for CUDA ones, every tensor), else CPU. Only the backend key is
-// dispatched on (HotPath's tensors never need autograd, and its host time is per bucket, not per op layer).
+// The kernel of accumulate_bucket_ that main_grad's device picks: CUDA for a CUDA tensor (in the emulated build of
+// tests/cuda_emu, whose CPU tensors stand in for CUDA ones, every tensor, under its CPU key), else CPU. Only the
+// backend key is dispatched on (HotPath's tensors never need autograd, and its host time is per bucket, not per op
+// layer).
 c10::DispatchKeySet kernel_keys(const at::Tensor& main_grad) {
-  if (GAENGINE_IS_CUDA_TENSOR(main_grad)) return c10::DispatchKeySet(c10::DispatchKey::CUDA);
+  if (GAENGINE_IS_CUDA_TENSOR(main_grad)) return c10::DispatchKeySet(c10::DispatchKey::GAENGINE_CUDA_DISPATCH_KEY);
   TORCH_CHECK_VALUE(main_grad.device().is_cpu(), "main_grad must be a CPU or CUDA tensor, got ", main_grad.device());
   return c10::DispatchKeySet(c10::DispatchKey::CPU);
 }

@@ -3,8 +3,8 @@
 The ops (schemas in ``csrc/op_library.h`` and ``csrc/adamw.h``, kernels per device in ``csrc/module.cpp`` (CPU) and
 ``csrc/cuda/cuda_ops.cu`` (CUDA)) are ``torch.ops.gaengine.*``; ``gaengine._C`` calls ``register_fakes`` when it
 loads (the emulated build of ``tests/cuda_emu`` with its own namespace). A fake implementation allocates the
-outputs' shapes and dtypes and writes nothing: the mutating ops return nothing, ``l2norm_sq`` two 0-d fp32 tensors
-on ``x.device``. Imports only torch.
+outputs' shapes and dtypes and writes nothing: the mutating ops return nothing, ``l2norm_sq`` and ``sum_partials``
+(a CUDA build's) two 0-d fp32 tensors on their argument's device. Imports only torch.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ __all__ = ["register_fakes"]
 _registered: set[str] = set()
 
 
-def register_fakes(namespace: str = "gaengine") -> None:
-    """Register the fake implementations of ``torch.ops.<namespace>.*``; a second call for a namespace does nothing."""
+def register_fakes(namespace: str = "gaengine", with_cuda: bool = False) -> None:
+    """Register the fake implementations of ``torch.ops.<namespace>.*`` (with_cuda: also of the ops only a CUDA build
+    defines); a second call for a namespace does nothing."""
     if namespace in _registered:
         return
     _registered.add(namespace)
@@ -31,3 +32,8 @@ def register_fakes(namespace: str = "gaengine") -> None:
     @torch.library.register_fake(f"{namespace}::l2norm_sq")
     def _l2norm_sq_fake(x):
         return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+    if with_cuda:
+        @torch.library.register_fake(f"{namespace}::sum_partials")
+        def _sum_partials_fake(partials):
+            return partials.new_empty((), dtype=torch.float32), partials.new_empty((), dtype=torch.float32)

@@ -131,7 +131,7 @@ def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, bucke
     ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
 
     acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch (ZeRO stage 2's staging ring,
-    ``gaengine.bucket.BucketAccumulation``); the native hooks take it when their ``HotPath`` accepts ``acquire``.
+    ``gaengine.bucket.BucketAccumulation``); the native hooks take it (``HotPath.set_acquire``).
 
     Raises ``ValueError`` for an unknown ``GAENGINE_HOT_PATH`` and ``RuntimeError`` when it says ``native``
     and the native hooks cannot run.
@@ -146,12 +146,8 @@ def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, bucke
     elif not backend.hot_path_kernels:
         why = f"backend {backend.name!r} launches its kernels from Python"
     else:
-        module, why = load_native(backend)
+        _, why = load_native(backend)
         why = why or backend.kernels_problem()
-        if why is None and measure_sources and not hasattr(module.HotPath, "set_measure_sources"):
-            why = "the native hooks of this gaengine._C do not measure the source norms (rebuild it)"
-        if why is None and acquire is not None and not hasattr(module.HotPath, "set_acquire"):
-            why = "the native hooks of this gaengine._C do not stage buckets through acquire (zero_stage=2)"
     if why is None:
         if acquire is not None:
             return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire)

@@ -9,13 +9,13 @@ into Python once per complete bucket to start that bucket's all-reduce (``Bucket
 is otherwise entered once per ``acc.backward()`` (``begin`` / ``end``) and once per ``acc.step()``.
 
 Each bucket launch is one call of the ``torch.library`` op ``accumulate_bucket_`` of the extension's namespace
-(``torch.ops.gaengine``), made from C++ through the dispatcher: ``main_grad``'s device picks its kernel (CPU: one
-parallel region per bucket, ``csrc/cpu_ops.cpp``; CUDA: one multi-tensor kernel per bucket on the current stream,
-``csrc/cuda/``, when ``gaengine._C`` was built against a CUDA torch). The partials tables (free norm, sources) have
-the backend's layout (``Backend.new_bucket_partials`` of all parameters: ``(P, 2)`` fp64 rows on ``cpu``,
-``(2, n_chunks)`` fp32 columns on ``cuda``), each launch writing its bucket's slice; the backend finishes them
-(``finish_norm_partials``). Backends whose kernels C++ cannot call (``torch``, the reference, and ``triton``) run
-``PythonHooks``.
+(``torch.ops.gaengine``), made from C++ through the dispatcher, as the backend's own calls are: ``main_grad``'s
+device picks its kernel (CPU: one parallel region per bucket, ``csrc/cpu_ops.cpp``; CUDA: one multi-tensor kernel
+per bucket on the current stream, ``csrc/cuda/``, when ``gaengine._C`` was built against a CUDA torch). The partials
+tables (free norm, sources) have the backend's layout (``Backend.new_bucket_partials`` of all parameters:
+``(P, 2)`` fp64 rows on ``cpu``, ``(2, n_chunks)`` fp32 columns on ``cuda``), each launch writing its bucket's
+slice; the backend finishes them (``finish_norm_partials``). Backends whose kernels C++ cannot call (``torch``,
+the reference, and ``triton``) run ``PythonHooks``.
 
 With ``measure_sources``, every launch also writes the partials of its sources' own squares (the per-micro-batch
 norms of the gradient noise scale, issue 17) into one table per micro-batch, kept until the window's
@@ -38,13 +38,8 @@ __all__ = ["NativeHooks"]
 def load_native(backend=None):
     """The compiled module whose ``HotPath`` runs ``backend``'s ``hot_path_kernels`` (``backend.extension()``;
     ``gaengine._C`` when no backend is given), or the reason it cannot be used, as a string: ``(module, None)`` or
-    ``(None, why)``."""
-    module, why = backend.extension() if backend is not None else load_extension()
-    if module is None:
-        return None, why
-    if not hasattr(module, "HotPath"):
-        return None, "gaengine._C predates HotPath: rebuild it with pip install --no-build-isolation -e ."
-    return module, None
+    ``(None, why)``. A module built from other sources is refused when it is loaded (``load_extension``)."""
+    return backend.extension() if backend is not None else load_extension()
 
 
 class NativeHooks:

@@ -2,7 +2,7 @@
 
 The backend is chosen by the tensors' device (``auto``, see ``gaengine.backends``) unless ``backend=``
 names one. Each op validates its arguments in Python, before any kernel (and any call into ``gaengine._C``),
-and raises ``ValueError`` (``gaengine.backends.ContractError``) or ``TypeError`` naming the bad one; ``dst``
+and raises ``ValueError`` (``gaengine.contract.ContractError``) or ``TypeError`` naming the bad one; ``dst``
 is untouched when it raises.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gaengine.backends import Scale, check_accumulate_args, check_grad_tensor, check_scale_args, get_backend
+from gaengine.backends import get_backend
+from gaengine.contract import Scale, check_accumulate_args, check_grad_tensor, check_scale_args
 
 __all__ = ["accumulate_", "l2norm_sq", "scale_"]
 

@@ -19,11 +19,15 @@ The gradient of a parameter ``p`` is ``p.main_grad`` when that attribute is set 
 name: an fp32 gradient of a bf16/fp16 parameter, which ``p.grad`` cannot hold; ``GradientAccumulator`` sets it
 to its view of the fp32 main_grad buffer for the duration of ``step()``), else ``p.grad``.
 
-Kernels: ``gaengine._C.adamw_step_`` (C++, AVX2 or portable, ``at::parallel_for``) for CPU tensors,
-``gaengine.kernels.adamw`` (Triton) for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a
-plain-torch fallback. On the CPU and Triton paths the result is bitwise equal to ``torch.optim.AdamW(fused=True)``
-on CPU (outside torch's scalar tail: the last ``numel % 8`` elements, where torch skips an FMA), and within
-1e-6 relative of the default ``torch.optim.AdamW`` (which rounds ``sqrt(v) / sqrt(bc2)`` differently).
+Kernels: the backend's ``adamw_step_`` (``backend=``, ``"auto"`` by default: ``gaengine.backends.get_backend`` for
+the parameters' device). ``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or
+portable, ``at::parallel_for``) and on CUDA tensors when the extension carries its CUDA kernels (one launch per 384
+parameters and dtype; ``csrc/cuda/``), else ``gaengine.kernels.adamw`` (Triton, one launch per parameter) on CUDA
+tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a plain-torch fallback
+(``gaengine.backends.adamw_step_reference``). On the CPU and Triton paths the result is bitwise equal to
+``torch.optim.AdamW(fused=True)`` on CPU (outside torch's scalar tail: the last ``numel % 8`` elements, where torch
+skips an FMA), and within 1e-6 relative of the default ``torch.optim.AdamW`` (which rounds ``sqrt(v) / sqrt(bc2)``
+differently).
 
 Integration protocol (the one torch's fused optimizers share with ``torch.amp.GradScaler``):
 ``_step_supports_amp_scaling = True`` and ``defaults["fused"] = True``; before ``step()`` a caller may set
@@ -33,7 +37,6 @@ when != 0 nothing is written, step counts included). Both are read by the kernel
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,13 +44,11 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from gaengine.backends import BACKEND_NAMES, AdamWStep, get_backend
-from gaengine.backends import adamw_step_reference as adamw_step_torch  # noqa: F401 - the plain-torch fallback
+from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.buffer import FlatLayout
+from gaengine.contract import AdamWStep
 
 __all__ = ["FusedAdamW", "flat_moments"]
-
-logger = logging.getLogger("gaengine")
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -264,13 +265,7 @@ class FusedAdamW(torch.optim.Optimizer):
         # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
         # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
         # launch for the whole list (Triton launches once per parameter).
-        backend = get_backend(self.backend, device)
-        kernel = backend.adamw_step_  # the kernel function itself (the cpu, cuda or Triton one, or the reference)
-        why = backend.lacks.get("adamw_step_")
-        if why is not None:  # the backend runs the reference for it
-            if self.backend != "auto":
-                raise RuntimeError(f"{why}: rebuild it with pip install --no-build-isolation -e .")
-            logger.info("gaengine: FusedAdamW uses the torch fallback (%s)", why)
+        kernel = get_backend(self.backend, device).adamw_step_
         self._kernels[device] = kernel
         return kernel
 

@@ -36,7 +36,17 @@ _CHILD_MAIN = textwrap.dedent(
     """
     import json, sys
     import torch
-    from gaengine import _C
+    import gaengine._C  # registers torch.ops.gaengine
+
+    # _C.<op>(...): the CPU kernel of torch.ops.gaengine.<op>, called under the CPU dispatch key, so a meta
+    # argument reaches the kernel's CHECK_CPU (the dispatcher would send it to the fake kernel).
+    class CpuKernels:
+        def __getattr__(self, op):
+            keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+            overload = getattr(torch.ops.gaengine, op).default
+            return lambda *args, **kwargs: overload.redispatch(keys, *args, **kwargs)
+
+    _C = CpuKernels()
     cases = json.loads(sys.stdin.read())
     env = {"torch": torch, "_C": _C, "strided": lambda n, dtype=torch.float32: torch.zeros(n, 2, dtype=dtype)[:, 0]}
     for case_id, setup, call in cases:
@@ -121,7 +131,8 @@ def skip_or_fail_on_crash(proc: subprocess.CompletedProcess, what: str) -> None:
 def check_raw_contracts(cases: list[tuple[str, str, str, str]], timeout: int = 300) -> None:
     """Run each ``(id, setup, call, regex)`` in one child: ``call`` must raise ``RuntimeError`` matching ``regex``.
 
-    ``setup`` and ``call`` are Python source run with ``torch``, ``_C`` (gaengine._C) and ``strided(n, dtype)``
+    ``setup`` and ``call`` are Python source run with ``torch``, ``_C`` (``_C.<op>``: the CPU kernel of
+    ``torch.ops.gaengine.<op>``, whatever its arguments' devices) and ``strided(n, dtype)``
     in scope; ``setup`` may define ``check()``, run after the refused call (e.g. to assert nothing was written).
     All mismatches are reported together.
     """

@@ -73,37 +73,38 @@ def test_bucket_partials_same_bits_for_any_thread_count(dtype):
 _PORTABLE_CHECK = textwrap.dedent(
     """
     import torch
-    from gaengine import _C
+    import gaengine._C  # registers torch.ops.gaengine
+    ops = torch.ops.gaengine
     from tests.reference import accumulate_fp64, sum_sq_fp64
     from tests.tolerances import assert_bitwise_equal, assert_within_ulp, sum_sq_rtol
     torch.manual_seed(0)
     for n in (1, 127, 4097, 65540, 200_003):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             dst, src = torch.randn(n), torch.randn(n).to(dtype)
-            out = dst.clone(); _C.accumulate_(out, src, 1.0, False)
+            out = dst.clone(); ops.accumulate_(out, src, 1.0, False)
             assert_bitwise_equal(out, dst.clone().add_(src), "portable add")
-            out = torch.full((n,), float("nan")); _C.accumulate_(out, src, 1.0, True)
+            out = torch.full((n,), float("nan")); ops.accumulate_(out, src, 1.0, True)
             assert_bitwise_equal(out, src.float(), "portable overwrite")
-            out = dst.clone(); _C.accumulate_(out, src, 1 / 3, False)
+            out = dst.clone(); ops.accumulate_(out, src, 1 / 3, False)
             assert_within_ulp(out, accumulate_fp64(dst, src, 1 / 3), src.double() / 3, what="portable scaled")
-            sum_sq, found_inf = _C.l2norm_sq(src)
+            sum_sq, found_inf = ops.l2norm_sq(src)
             assert abs(sum_sq.item() - sum_sq_fp64(src)) <= sum_sq_rtol(n) * sum_sq_fp64(src)
             assert found_inf.item() == 0.0
             for ow in (False, True):
                 out, ref = dst.clone(), dst.clone()
-                _C.accumulate_(ref, src, 1.0, ow)
+                ops.accumulate_(ref, src, 1.0, ow)
                 partials = torch.zeros(1, 2, dtype=torch.float64)
-                _C.accumulate_bucket_(out, [src], [0], [ow], partials)
+                ops.accumulate_bucket_(out, [src], [0], [ow], partials)
                 assert_bitwise_equal(out, ref, "portable accumulate_bucket_")
                 assert abs(partials[0, 0].item() - sum_sq_fp64(ref)) <= sum_sq_rtol(n) * sum_sq_fp64(ref)
                 assert partials[0, 1].item() == 0.0
             src[n // 2] = float("nan")
-            assert _C.l2norm_sq(src)[1].item() == 1.0
+            assert ops.l2norm_sq(src)[1].item() == 1.0
             partials = torch.zeros(1, 2, dtype=torch.float64)
-            _C.accumulate_bucket_(dst.clone(), [src], [0], [False], partials)
+            ops.accumulate_bucket_(dst.clone(), [src], [0], [False], partials)
             assert partials[0, 1].item() == 1.0
         x = torch.randn(n); expected = x.clone().mul_(torch.tensor(0.37))
-        _C.scale_(x, torch.tensor(0.37)); assert_bitwise_equal(x, expected, "portable scale")
+        ops.scale_(x, torch.tensor(0.37)); assert_bitwise_equal(x, expected, "portable scale")
     print("ok")
     """
 )

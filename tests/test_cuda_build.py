@@ -2,10 +2,11 @@
 
 On a CUDA build of torch, ``setup.py`` makes ``gaengine._C`` a ``CUDAExtension`` over ``csrc/*.cpp`` +
 ``csrc/cuda/*.cu`` with ``GAENGINE_WITH_CUDA`` defined. Nothing else on CI compiles that configuration
-(``csrc/module.cpp``'s ``register_cuda_ops`` call, ``csrc/cuda/cuda_ops.cu`` with the CUDA kernels of the
-``torch.library`` ops that ``csrc/hot_path.cpp`` dispatches to), so a mistake there would only show on the GPU machine, where it breaks the whole
-build. This module compiles (``-c``, no link) exactly those translation units with the machine's host compiler
-and ``nvcc`` (``sm_90``), with the flags ``torch.utils.cpp_extension.BuildExtension`` would use, in parallel:
+(``csrc/module.cpp``'s ``WITH_CUDA``, ``csrc/cuda/cuda_ops.cu`` with the CUDA kernels of the ``torch.library`` ops
+that Python calls and ``csrc/hot_path.cpp`` dispatches to), so a mistake there would only show on the GPU machine,
+where it breaks the whole build. This module compiles (``-c``, no link) exactly those translation units with the
+machine's host compiler and ``nvcc`` (``sm_90``), with the flags ``torch.utils.cpp_extension.BuildExtension`` would
+use, in parallel:
 
 * ``.cpp``: ``$CXX`` (or ``c++`` / ``g++``, as torch's ninja build) + Python's ``CFLAGS CCSHARED`` (without
   ``-g`` / ``-O*``) + ``-DGAENGINE_WITH_CUDA`` + the includes + setup.py's ``cxx`` flags + the flags
@@ -247,8 +248,8 @@ def _symbols(nm: str, obj: str, *args: str) -> set[str]:
 
 def test_cross_object_symbols(compiled):
     """Every ``gaengine::`` function an object calls is defined in one of the objects: a declaration in
-    ``module.cpp`` (``register_cuda_ops``) that no longer matches its definition in
-    ``cuda_ops.cu`` links into a ``.so`` with an undefined symbol, which fails only at import on the GPU machine."""
+    ``module.cpp`` (``register_hot_path``) that no longer matches its definition in ``hot_path.cpp`` links into a
+    ``.so`` with an undefined symbol, which fails only at import on the GPU machine."""
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("needs nm")
@@ -262,4 +263,4 @@ def test_cross_object_symbols(compiled):
         if undefined - defined:
             missing[src] = sorted(undefined - defined)
     assert not missing, f"gaengine:: symbols used but defined in no object of the CUDA build: {missing}"
-    assert any(s.startswith("gaengine::register_cuda_ops(") for s in defined), "register_cuda_ops not defined"
+    assert any(s.startswith("gaengine::register_hot_path(") for s in defined), "register_hot_path not defined"

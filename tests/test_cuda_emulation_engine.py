@@ -6,8 +6,9 @@ tensors standing in for CUDA ones.
 (``csrc/cuda/kernels.cuh``'s kernels run on CPU with fibers and real barriers, ``-fsanitize=alignment``) into
 ``gaengine_emu_C``, once per session (cached under ``build/cuda_emu_engine``), and points the cuda backend at it:
 ``GradientAccumulator(backend="cuda")`` on a CPU model then accumulates through the native hot path's multi-tensor
-bucket kernel (``accumulate_bucket_``'s CUDA kernel, per-chunk free-norm partials, ``sum_partials_cuda``), normalizes and
-clips with ``l2norm_sq_cuda`` / ``scale_cuda_``, and ``FusedAdamW(backend="cuda")`` steps with ``adamw_step_cuda_``.
+bucket kernel (``accumulate_bucket_``'s CUDA kernel, per-chunk free-norm partials, ``sum_partials``), normalizes and
+clips with ``l2norm_sq`` / ``scale_``, and ``FusedAdamW(backend="cuda")`` steps with ``adamw_step_`` (the CUDA
+kernels of ``torch.ops.<namespace>.*``).
 
 Every run is compared with the same run on ``backend="cpu"`` (the real ``gaengine._C``, whose kernels are tested
 against fp64 oracles elsewhere): ``main_grad`` after each window's backwards, parameters, master weights and
@@ -15,7 +16,7 @@ optimizer state after every step, bitwise, as the backend contract says (unscale
 AdamW: the same fp32 operations). The gradient norm is the exception the contract makes: CUDA sums fp32 squares
 per 4096- or 16384-element chunk, the CPU sums in fp64, so ``grad_norm`` is checked against an fp64 oracle within
 ``tests/tolerances.py``'s ``sum_sq_rtol`` on both backends, and a clipped window against the clip coefficient the
-run itself computed (``scale_cuda_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival,
+run itself computed (``scale_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival,
 stale-gradient and 2-rank gloo tests of ``tests/test_double_arrival.py`` / ``tests/test_stale_gradients.py`` /
 ``tests/test_distributed.py`` run again on the emulated backend, and the ops' contracts raise their named errors.
 Skipped only when no C++ compiler is found; the build takes about 1 to 3 minutes on 2 cores the first time.
@@ -246,7 +247,7 @@ BUCKETS = [pytest.param(25.0, id="one-bucket"), pytest.param(2e-3, id="two-bucke
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_windows_bitwise_against_the_cpu_backend(emu, dtype, bucket_size_mb):
     """Mean mode, no optimizer: the exposed gradients after step() are main_grad / K on both backends. Every
-    parameter arrives in the last micro-batch: the norm is the free one (per-chunk partials, sum_partials_cuda)."""
+    parameter arrives in the last micro-batch: the norm is the free one (per-chunk partials, sum_partials)."""
     torch.manual_seed(1)
     model = Net(dtype, unused=False)
     runs = _run_both(model, windows=4, bucket_size_mb=bucket_size_mb)
@@ -258,27 +259,28 @@ def test_windows_bitwise_against_the_cpu_backend(emu, dtype, bucket_size_mb):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_python_hooks_on_the_emulated_backend(emu, dtype, monkeypatch):
     """GAENGINE_HOT_PATH=python with backend="cuda": the Python hooks launch the bucket kernel from Python
-    (accumulate_bucket_cuda_; no single-tensor accumulate_cuda_), the norm by an
-    l2norm_sq_cuda pass (an unused parameter); bitwise against the CPU backend's native hooks."""
-    calls = {"accumulate_cuda_": 0, "accumulate_bucket_cuda_": 0, "l2norm_sq_cuda": 0}
+    (accumulate_bucket_; no single-tensor accumulate_), the norm by an l2norm_sq pass (an unused parameter), each
+    counted at torch.ops.<namespace>; bitwise against the CPU backend's native hooks."""
+    calls = {"accumulate_": 0, "accumulate_bucket_": 0, "l2norm_sq": 0}
+    ops = getattr(torch.ops, emu.OP_NAMESPACE)
     for op in calls:
-        def counted(*args, _op=getattr(emu, op), _name=op, **kwargs):
+        def counted(*args, _op=getattr(ops, op), _name=op, **kwargs):
             calls[_name] += 1
             return _op(*args, **kwargs)
-        monkeypatch.setattr(emu, op, counted)
+        monkeypatch.setattr(ops, op, counted)
     torch.manual_seed(7)
     model = Net(dtype, unused=True)
     runs = _run_both(model, windows=4, cuda_hot_path="python", optimizer="fused_adamw", bucket_size_mb=2e-3)
     assert not runs["cuda"].acc.hooks.native
-    assert calls["accumulate_bucket_cuda_"] >= 4 * 3, calls  # at least one launch per micro-batch
-    assert calls["accumulate_cuda_"] == 0 and calls["l2norm_sq_cuda"] == 4, calls
+    assert calls["accumulate_bucket_"] >= 4 * 3, calls  # at least one launch per micro-batch
+    assert calls["accumulate_"] == 0 and calls["l2norm_sq"] == 4, calls
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
 @pytest.mark.parametrize("bucket_size_mb", BUCKETS)
 def test_item_mode_partial_window_and_an_unused_parameter(emu, bucket_size_mb):
     """Item mode, a partial window (step(force=True) after K - 1 micro-batches), an unused branch: the last bucket
-    launched incomplete in end(), the norm by an l2norm_sq_cuda pass over the buffer (no free norm)."""
+    launched incomplete in end(), the norm by an l2norm_sq pass over the buffer (no free norm)."""
     torch.manual_seed(2)
     model = Net(torch.bfloat16, unused=True)
     runs = _run_both(model, windows=3, item_mode=True, forces=[False, True, False], bucket_size_mb=bucket_size_mb)
@@ -289,8 +291,8 @@ def test_item_mode_partial_window_and_an_unused_parameter(emu, bucket_size_mb):
 @pytest.mark.parametrize("unused", [False, True], ids=["free-norm", "norm-pass"])
 def test_clipping_scales_by_the_runs_own_coefficient(emu, unused):
     """max_grad_norm below the gradient's norm: main_grad bitwise as on the CPU backend before the step; the
-    exposed gradient is main_grad * (clip_coef / K) with the run's own clip_coef, bitwise (scale_cuda_ is one
-    fp32 multiply); grad_norm within the fp64 budget (checked in _run_both)."""
+    exposed gradient is main_grad * (clip_coef / K) with the run's own clip_coef, bitwise (scale_ is one fp32
+    multiply); grad_norm within the fp64 budget (checked in _run_both)."""
     torch.manual_seed(3)
     model = Net(torch.float32, unused=unused)
     runs = _run_both(model, windows=2, max_grad_norm=1e-3, bucket_size_mb=2e-3)
@@ -353,13 +355,15 @@ def test_split_launches_mixed_dtypes_and_unaligned_sources(emu, optimizer):
     assert all(w["free_norm"] for w in runs["cuda"].windows)
     assert runs["cuda"].acc.hooks.num_buckets == 1
     assert runs["cuda"].acc.hooks.launches == runs["cpu"].acc.hooks.launches > 0  # one op call per bucket
-    srcs = [torch.ones(1) for _ in range(804)]  # ... which is two kernel launches for 804 sources
-    assert emu.accumulate_bucket_cuda_(torch.zeros(804), srcs, list(range(804)), [True] * 804, None) == 2
+    srcs = [torch.full((1,), float(j)) for j in range(804)]  # ... which is two kernel launches for 804 sources
+    dst = torch.full((804,), float("nan"))
+    getattr(torch.ops, emu.OP_NAMESPACE).accumulate_bucket_(dst, srcs, list(range(804)), [True] * 804, None)
+    assert_bitwise_equal(dst, torch.arange(804, dtype=torch.float32), "804 sources in one op call")
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
 def test_a_window_of_empty_parameters(emu):
-    """Every parameter empty: one launch of no chunks, (2, 0) partials, sum_partials_cuda reduces nothing to 0."""
+    """Every parameter empty: one launch of no chunks, (2, 0) partials, sum_partials reduces nothing to 0."""
     model = nn.ParameterDict({"a": nn.Parameter(torch.zeros(0)), "b": nn.Parameter(torch.zeros(0, 3))})
     results = {}
     for backend in ("cuda", "cpu"):
@@ -378,7 +382,7 @@ def test_a_window_of_empty_parameters(emu):
 @pytest.mark.parametrize("master_weights", [True, False], ids=["masters", "in-place"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_adamw_bitwise_against_the_cpu_backend(emu, dtype, master_weights):
-    """GradientAccumulator + FusedAdamW(backend="cuda") (adamw_step_cuda_: fp32 masters, or bf16 / fp16 parameters
+    """GradientAccumulator + FusedAdamW(backend="cuda") (its adamw_step_: fp32 masters, or bf16 / fp16 parameters
     updated in place with moments in their dtype): parameters, masters and optimizer state bitwise after every
     step; fp16 runs under dynamic loss scaling (grad_scale / found_inf read on the device)."""
     if master_weights is False and dtype == torch.float32:
@@ -388,8 +392,7 @@ def test_fused_adamw_bitwise_against_the_cpu_backend(emu, dtype, master_weights)
     runs = _run_both(model, windows=5 if dtype == torch.float16 else 3, optimizer="fused_adamw",
                      master_weights=master_weights, bucket_size_mb=2e-3)
     for run in runs.values():
-        assert run.optimizer._kernel(torch.device("cpu")).__name__ == ("adamw_step_cuda_" if run.backend == "cuda"
-                                                                        else "adamw_step_")
+        assert run.optimizer._kernel(torch.device("cpu")).__self__ is run.acc.backend  # the run's backend's kernel
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
@@ -502,38 +505,53 @@ def test_distributed_on_the_emulated_backend(emu, monkeypatch, tmp_path, scenari
 
 # ------------------------------------------------------------------------------------------ the backend's ops
 # ------------------------------------------------------------------------------------------------ the contracts
+def _cuda_kernels(module):
+    """``module``'s CUDA kernels (``torch.ops.<namespace>.<op>``), called under the key they are registered under
+    (CPU, in the emulated build), so a meta argument reaches their CHECK_CUDA instead of the fake kernel."""
+    ops = getattr(torch.ops, module.OP_NAMESPACE)
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+    class Kernels:
+        def __getattr__(self, op):
+            if op == "bucket_num_chunks":  # reads no tensor: one kernel for every key
+                return ops.bucket_num_chunks
+            return lambda *args: getattr(ops, op).default.redispatch(keys, *args)
+
+    return Kernels()
+
+
 def test_the_cuda_ops_contracts_raise_named_errors(emu):
     """cuda_ops.cu's TORCH_CHECKs (a meta tensor is "not a CUDA tensor" here): each names the argument, before
     anything is written."""
-    C = emu
+    C = _cuda_kernels(emu)
     dst = torch.zeros(256)
     meta = torch.empty(256, device="meta")
     cases = [
-        (lambda: C.accumulate_cuda_(meta, dst, 1.0, None, False), r"dst must be a CUDA tensor, got device meta"),
-        (lambda: C.accumulate_cuda_(dst, meta, 1.0, None, False), r"src must be a CUDA tensor"),
-        (lambda: C.accumulate_cuda_(dst.double(), dst, 1.0, None, False), r"dst must be float32"),
-        (lambda: C.accumulate_cuda_(dst, dst.int(), 1.0, None, False), r"src must be float32, bfloat16 or float16"),
-        (lambda: C.accumulate_cuda_(dst, dst[:7], 1.0, None, False), r"src has 7 elements but dst has 256"),
-        (lambda: C.accumulate_cuda_(dst, dst, 1.0, torch.ones(1), False), r"scale must be a 0-d tensor"),
-        (lambda: C.accumulate_cuda_(dst[::2], dst[:128], 1.0, None, False), r"dst must be contiguous"),
-        (lambda: C.l2norm_sq_cuda(meta), r"x must be a CUDA tensor"),
-        (lambda: C.scale_cuda_(dst, torch.ones(())[None]), r"coef must be a 0-d tensor"),
-        (lambda: C.scale_cuda_(dst, torch.ones((), dtype=torch.float64)), r"coef must be float32"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [0, 8], [False], None),
+        (lambda: C.accumulate_(meta, dst, 1.0, False, None), r"dst must be a CUDA tensor, got device meta"),
+        (lambda: C.accumulate_(dst, meta, 1.0, False, None), r"src must be a CUDA tensor"),
+        (lambda: C.accumulate_(dst.double(), dst, 1.0, False, None), r"dst must be float32"),
+        (lambda: C.accumulate_(dst, dst.int(), 1.0, False, None), r"src must be float32, bfloat16 or float16"),
+        (lambda: C.accumulate_(dst, dst[:7], 1.0, False, None), r"src has 7 elements but dst has 256"),
+        (lambda: C.accumulate_(dst, dst, 1.0, False, torch.ones(1)), r"scale must be a 0-d tensor"),
+        (lambda: C.accumulate_(dst[::2], dst[:128], 1.0, False, None), r"dst must be contiguous"),
+        (lambda: C.l2norm_sq(meta), r"x must be a CUDA tensor"),
+        (lambda: C.scale_(dst, torch.ones(())[None]), r"coef must be a 0-d tensor"),
+        (lambda: C.scale_(dst, torch.ones((), dtype=torch.float64)), r"coef must be float32"),
+        (lambda: C.accumulate_bucket_(dst, [torch.ones(8)], [0, 8], [False], None),
          r"offsets has 2 entries but srcs has 1"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [0], [False, True], None),
+        (lambda: C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False, True], None),
          r"overwrite has 2 flags but srcs has 1"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [250], [False], None),
+        (lambda: C.accumulate_bucket_(dst, [torch.ones(8)], [250], [False], None),
          r"offsets\[0\] = 250 puts the 8 elements of srcs\[0\] outside dst"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8), torch.ones(8)], [0, 4], [False, False], None),
+        (lambda: C.accumulate_bucket_(dst, [torch.ones(8), torch.ones(8)], [0, 4], [False, False], None),
          r"the dst slices of srcs\[0\] and srcs\[1\] overlap"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.empty(8, device="meta")], [0], [False], None),
+        (lambda: C.accumulate_bucket_(dst, [torch.empty(8, device="meta")], [0], [False], None),
          r"srcs\[0\] must be a CUDA tensor, got device meta"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8).t()[None].expand(2, 8)], [0], [False], None),
+        (lambda: C.accumulate_bucket_(dst, [torch.ones(8).t()[None].expand(2, 8)], [0], [False], None),
          r"srcs\[0\] must be contiguous"),
-        (lambda: C.accumulate_bucket_cuda_(dst, [torch.ones(8)], [0], [False], torch.zeros(2, 3)),
+        (lambda: C.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], torch.zeros(2, 3)),
          r"partials must be a \(2, 1\) tensor"),
-        (lambda: C.sum_partials_cuda(torch.zeros(3, 4)), r"partials must have shape \(2, n_chunks\)"),
+        (lambda: C.sum_partials(torch.zeros(3, 4)), r"partials must have shape \(2, n_chunks\)"),
         (lambda: C.bucket_num_chunks([4096, -1]), r"numels\[1\] must be >= 0, got -1"),
     ]
     for call, message in cases:
@@ -544,18 +562,18 @@ def test_the_cuda_ops_contracts_raise_named_errors(emu):
 
 
 def test_adamw_step_cuda_contracts(emu):
-    C = emu
+    C = _cuda_kernels(emu)
     p = torch.zeros(8)
     g, m, v, step = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(())
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, False)
     with pytest.raises(RuntimeError, match=r"params\[0\] must be a CUDA tensor, got device meta"):
-        C.adamw_step_cuda_([p.to("meta")], [g], [m], [v], [step], [None], *hyper, None, None)
+        C.adamw_step_([p.to("meta")], [g], [m], [v], [step], [None], *hyper, None, None)
     with pytest.raises(RuntimeError, match=r"steps\[0\] must be a 0-d float32 tensor"):
-        C.adamw_step_cuda_([p], [g], [m], [v], [torch.zeros(1)], [None], *hyper, None, None)
+        C.adamw_step_([p], [g], [m], [v], [torch.zeros(1)], [None], *hyper, None, None)
     with pytest.raises(RuntimeError, match=r"grad_scale must be a 0-d float32 tensor"):
-        C.adamw_step_cuda_([p], [g], [m], [v], [step], [None], *hyper, torch.ones(2), None)
+        C.adamw_step_([p], [g], [m], [v], [step], [None], *hyper, torch.ones(2), None)
     with pytest.raises(RuntimeError, match=r"found_inf must be a CUDA tensor"):
-        C.adamw_step_cuda_([p], [g], [m], [v], [step], [None], *hyper, None, torch.zeros((), device="meta"))
+        C.adamw_step_([p], [g], [m], [v], [step], [None], *hyper, None, torch.zeros((), device="meta"))
     assert bool((p == 0).all()) and float(step) == 0.0
 
 
@@ -573,7 +591,7 @@ sys.path.insert(0, {emu_dir!r})
 import engine
 module, _ = engine.build()
 try:
-    module.accumulate_bucket_cuda_(torch.zeros(8), [torch.ones(8)], [0], [False], None)
+    getattr(torch.ops, module.OP_NAMESPACE).accumulate_bucket_(torch.zeros(8), [torch.ones(8)], [0], [False], None)
 except RuntimeError as exc:
     print("RAISED", str(exc).splitlines()[0])
 """

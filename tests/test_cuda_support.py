@@ -28,8 +28,6 @@ from gaengine.optim import FusedAdamW
 from tests.test_nvcc import NVCC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_OPS = ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_", "sum_partials_cuda",
-            "adamw_step_cuda_")
 
 
 @pytest.fixture(scope="module")
@@ -226,15 +224,16 @@ def test_cuda_driver_version_on_a_cpu_torch_is_unknown():
 @pytest.fixture
 def cuda_machine(monkeypatch):
     """A CUDA torch on a machine with a GPU, as far as ``gaengine.backends`` can tell; ``driver(v)`` sets what
-    ``cudaDriverGetVersion`` reports. Fresh backend caches; ``gaengine._C`` gets every CUDA op (never called)."""
+    ``cudaDriverGetVersion`` reports. Fresh backend caches; ``gaengine._C`` is a module built with CUDA, its ops in
+    a namespace of their own (never called)."""
     monkeypatch.setattr(backends, "_instances", {})
     monkeypatch.setattr(backends, "_load_errors", {})
     monkeypatch.setattr(backends, "_announced", set())
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fake = types.ModuleType("gaengine._C")
-    for op in CUDA_OPS + ("HotPath",):
-        setattr(fake, op, lambda *args, **kwargs: pytest.fail("a CUDA op was called"))
+    fake.HotPath = lambda *args, **kwargs: pytest.fail("HotPath was built")
+    fake.OP_NAMESPACE, fake.ABI_VERSION, fake.WITH_CUDA = "gaengine_fake_cuda", backends.EXTENSION_ABI_VERSION, True
     monkeypatch.setitem(sys.modules, "gaengine._C", fake)
     monkeypatch.setattr(gaengine, "_C", fake, raising=False)
     monkeypatch.delenv("GAENGINE_BACKEND", raising=False)
@@ -274,14 +273,15 @@ def test_old_driver_fused_adamw_does_not_choose_adamw_step_cuda(cuda_machine):
     if backends._load("triton") is not None:
         from gaengine.kernels.adamw import adamw_step_
 
-        assert FusedAdamW(params)._kernel(torch.device("cuda")) is adamw_step_
+        kernel = FusedAdamW(params)._kernel(torch.device("cuda"))
+        assert kernel.__self__.name == "triton" and kernel.__self__._adamw.adamw_step_ is adamw_step_
 
 
 def test_old_driver_native_hot_path_refuses_the_cuda_kernels(cuda_machine, monkeypatch):
     cuda_machine(12000)
-    cuda_backend = backends.TorchBackend()  # the cuda backend as if loaded before the driver was seen
-    cuda_backend.name, cuda_backend.hot_path_kernels = "cuda", "cuda"
-    cuda_backend.kernels_problem = backends.cuda_kernels_unusable
+    # the cuda backend as if loaded before the driver was seen (its partials in rows: the fake module has no ops)
+    cuda_backend = backends.CompiledBackend("cuda", gaengine._C, "cuda", backends.RowPartials(),
+                                            problem=backends.cuda_kernels_unusable)
     layout = FlatLayout.build([])
     main_grad = FlatBuffer(layout, torch.float32, torch.device("cpu"))
     monkeypatch.setenv("GAENGINE_HOT_PATH", "native")
@@ -298,7 +298,7 @@ def test_new_driver_keeps_the_cuda_kernels(cuda_machine, driver):
     assert backends.get_backend("auto", "cuda").name == "cuda"
     assert backends.get_backend("cuda", "cuda") is backends.get_backend("auto", "cuda")
     kernel = FusedAdamW([torch.nn.Parameter(torch.zeros(3))])._kernel(torch.device("cuda"))
-    assert kernel is gaengine._C.adamw_step_cuda_  # the fake module's: chosen, never called
+    assert kernel.__self__.name == "cuda" and kernel.__self__._C is gaengine._C  # the fake module's: never called
 
 
 def test_no_gpu_skips_the_driver_query(cuda_machine, monkeypatch):

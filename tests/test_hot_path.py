@@ -5,7 +5,7 @@
   would be seen). The Python fallback (``GAENGINE_HOT_PATH=python``) is measured the same way: its count grows,
   which shows that the counter sees per-parameter hooks.
 * Launches per micro-batch are at most buckets + 1.
-* ``gaengine._C.accumulate_bucket_`` (the CPU bucket launch) against the fp64 oracle: bitwise for an unscaled
+* ``torch.ops.gaengine.accumulate_bucket_`` (the CPU bucket launch) against the fp64 oracle: bitwise for an unscaled
   add; its partials (of the values written, fp64) and source partials (of the sources) within their budgets of the
   fp64 oracle, flagged where non-finite, and bitwise the same whatever else the bucket holds.
 * The native and the Python hot paths give bitwise-equal buffers and updates over windows, with unused
@@ -121,7 +121,7 @@ def test_accumulate_bucket_against_fp64(dtype):
             out[o:o + n] = float("nan")  # poisoned: an overwrite must not read it
     partials = torch.full((len(sizes), 2), float("nan"), dtype=torch.float64)
     source_partials = partials.clone()
-    _C.accumulate_bucket_(out, srcs, offsets, overwrite, partials, source_partials)
+    torch.ops.gaengine.accumulate_bucket_(out, srcs, offsets, overwrite, partials, source_partials)
     for j, (o, n) in enumerate(zip(offsets, sizes)):
         exact = accumulate_fp64(dst[o:o + n], srcs[j], overwrite=overwrite[j])
         assert_bitwise_equal(out[o:o + n], exact.to(torch.float32), f"source {j}")
@@ -135,7 +135,7 @@ def test_accumulate_bucket_against_fp64(dtype):
             assert table[j, 1].item() == 0.0, f"{what} flag of source {j}"
         # The bits of a source's partials do not depend on the rest of its bucket.
         row, source_row = torch.empty(1, 2, dtype=torch.float64), torch.empty(1, 2, dtype=torch.float64)
-        _C.accumulate_bucket_(dst[o:o + n].clone(), [srcs[j]], [0], [overwrite[j]], row, source_row)
+        torch.ops.gaengine.accumulate_bucket_(dst[o:o + n].clone(), [srcs[j]], [0], [overwrite[j]], row, source_row)
         assert_bitwise_equal(row[0], partials[j], f"partials of source {j} alone")
         assert_bitwise_equal(source_row[0], source_partials[j], f"source partials of source {j} alone")
 
@@ -149,7 +149,7 @@ def test_accumulate_bucket_source_partials_flag_non_finite_sources():
     srcs[0][4099] = float("inf")
     partials = torch.empty(2, 2, dtype=torch.float64)
     source_partials = torch.empty(2, 2, dtype=torch.float64)
-    _C.accumulate_bucket_(dst, srcs, [0, 4100], [False, False], partials, source_partials)
+    torch.ops.gaengine.accumulate_bucket_(dst, srcs, [0, 4100], [False, False], partials, source_partials)
     assert partials[:, 1].tolist() == [1.0, 1.0]
     assert source_partials[:, 1].tolist() == [1.0, 0.0]
     assert source_partials[1, 0].item() == 4100.0
@@ -158,9 +158,9 @@ def test_accumulate_bucket_source_partials_flag_non_finite_sources():
 def test_accumulate_bucket_contracts():
     dst = torch.zeros(64)
     with pytest.raises(RuntimeError, match="same length"):
-        _C.accumulate_bucket_(dst, [torch.ones(4)], [0, 8], [False], None)
+        torch.ops.gaengine.accumulate_bucket_(dst, [torch.ones(4)], [0, 8], [False], None)
     with pytest.raises(RuntimeError, match="outside dst"):
-        _C.accumulate_bucket_(dst, [torch.ones(8)], [60], [False], None)
+        torch.ops.gaengine.accumulate_bucket_(dst, [torch.ones(8)], [60], [False], None)
     assert bool((dst == 0).all())
 
 

@@ -276,9 +276,9 @@ def test_cuda_backend_raises_clearly_where_it_is_not_built():
         from gaengine import _C  # noqa: PLC0415
     except ImportError:
         _C = None
-    if torch.version.cuda and _C is not None and hasattr(_C, "accumulate_cuda_"):
-        pytest.skip("this build has the CUDA ops")
-    with pytest.raises(RuntimeError, match="backend 'cuda' could not be loaded: .*(CPU-only|without its CUDA ops)"):
+    if torch.version.cuda and _C is not None and _C.WITH_CUDA:
+        pytest.skip("this build has the CUDA kernels")
+    with pytest.raises(RuntimeError, match="backend 'cuda' could not be loaded: .*(CPU-only|without its CUDA kernels)"):
         backends.get_backend("cuda", "cuda")
 
 
@@ -322,13 +322,12 @@ NAN = float("nan")
 
 @pytest.fixture(scope="module")
 def cuda_ops():
+    """``torch.ops.gaengine``, whose ops run their CUDA kernels on CUDA tensors."""
     from gaengine import _C  # noqa: PLC0415
 
-    missing = [op for op in ("accumulate_bucket_cuda_", "sum_partials_cuda", "bucket_num_chunks", "adamw_step_cuda_")
-               if not hasattr(_C, op)]
-    if missing:
-        raise RuntimeError(f"gaengine._C lacks {', '.join(missing)}: rebuild it against a CUDA torch")
-    return _C
+    if not _C.WITH_CUDA:
+        raise RuntimeError("gaengine._C was built without its CUDA kernels: rebuild it against a CUDA torch")
+    return torch.ops.gaengine
 
 
 def _source(n: int, dtype: str, unaligned: bool) -> torch.Tensor:
@@ -369,29 +368,29 @@ def test_cuda_bucket_partials_within_tolerance_and_deterministic(cuda_ops):
     assert n_chunks == sum(-(-n // BUCKET_CHUNK_NUMEL) for n in BUCKET_SIZES)
     before = dst.clone()
     partials = torch.full((2, n_chunks), NAN, device=DEVICE)
-    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, partials)
+    cuda_ops.accumulate_bucket_(dst, srcs, offsets, OVERWRITE, partials)
     exact = _chunk_sums_fp64(dst, srcs, offsets)  # of the values written
     err = (partials[0].double().cpu() - exact).abs()
     assert bool((err <= sum_sq_rtol(BUCKET_CHUNK_NUMEL) * exact).all()), f"per-chunk sums off by {err.max():.3e}"
     assert partials[1].eq(0).all()
-    sum_sq, found_inf = cuda_ops.sum_partials_cuda(partials)
+    sum_sq, found_inf = cuda_ops.sum_partials(partials)
     total = float(exact.sum())
     assert abs(sum_sq.item() - total) <= sum_sq_rtol(sum(BUCKET_SIZES)) * total and found_inf.item() == 0.0
 
     # The same inputs give the same bits, also into a column slice of a larger table (strided rows).
     table = torch.full((2, n_chunks + 5), NAN, device=DEVICE)
     dst.copy_(before)
-    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, table[:, 3:3 + n_chunks])
+    cuda_ops.accumulate_bucket_(dst, srcs, offsets, OVERWRITE, table[:, 3:3 + n_chunks])
     assert_bitwise_equal(table[:, 3:3 + n_chunks].contiguous(), partials, "second run, strided partials")
     assert table[:, :3].isnan().all() and table[:, 3 + n_chunks:].isnan().all(), "a column outside the slice written"
-    assert_bitwise_equal(torch.stack(cuda_ops.sum_partials_cuda(partials)), torch.stack((sum_sq, found_inf)), "sum")
+    assert_bitwise_equal(torch.stack(cuda_ops.sum_partials(partials)), torch.stack((sum_sq, found_inf)), "sum")
 
     # The sources' partials in the same launch: the values written and their partials unchanged (bitwise), the
     # sources' per-chunk sums within budget of the fp64 oracle.
     written = dst.clone()
     both, sources = torch.full_like(partials, NAN), torch.full_like(partials, NAN)
     dst.copy_(before)
-    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, both, sources)
+    cuda_ops.accumulate_bucket_(dst, srcs, offsets, OVERWRITE, both, sources)
     assert_bitwise_equal(dst, written, "dst with source partials")
     assert_bitwise_equal(both, partials, "partials with source partials")
     exact = torch.tensor([sum_sq_fp64(s[start:start + BUCKET_CHUNK_NUMEL]) for s in srcs
@@ -402,10 +401,10 @@ def test_cuda_bucket_partials_within_tolerance_and_deterministic(cuda_ops):
 
     srcs[2][BUCKET_CHUNK_NUMEL] = float("inf")  # chunk 1 of source 2 (its last element): partials column 3
     dst.copy_(before)
-    cuda_ops.accumulate_bucket_cuda_(dst, srcs, offsets, OVERWRITE, partials, sources)
+    cuda_ops.accumulate_bucket_(dst, srcs, offsets, OVERWRITE, partials, sources)
     assert partials[1].cpu().tolist() == [1.0 if j == 3 else 0.0 for j in range(n_chunks)]
     assert sources[1].cpu().tolist() == [1.0 if j == 3 else 0.0 for j in range(n_chunks)]
-    assert cuda_ops.sum_partials_cuda(partials)[1].item() == 1.0
+    assert cuda_ops.sum_partials(partials)[1].item() == 1.0
 
 
 @pytest.mark.cuda
@@ -426,13 +425,13 @@ def test_cuda_bucket_contracts_name_the_argument_and_write_nothing(cuda_ops):
         ("[good, good], [0, 64], [False, False], torch.zeros(2, 3, device='cuda')", r"partials must be a \(2, 2\)"),
         ("[good, good], [0, 64], [False, False], torch.zeros(2, 2)", r"partials must be a CUDA tensor"),
     ]
-    cases = [(f"bucket-{i}", setup, f"_C.accumulate_bucket_cuda_(dst, {args})", match)
+    cases = [(f"bucket-{i}", setup, f"torch.ops.gaengine.accumulate_bucket_(dst, {args})", match)
              for i, (args, match) in enumerate(calls)]
     cases += [
-        ("bucket-dst-dtype", setup, "_C.accumulate_bucket_cuda_(dst.bfloat16(), [good], [0], [False], None)",
+        ("bucket-dst-dtype", setup, "torch.ops.gaengine.accumulate_bucket_(dst.bfloat16(), [good], [0], [False], None)",
          "dst must be float32"),
-        ("num-chunks", "", "_C.bucket_num_chunks([1, -1])", r"numels\[1\] must be >= 0"),
-        ("sum-partials", "", "_C.sum_partials_cuda(torch.zeros(3, 4, device='cuda'))",
+        ("num-chunks", "", "torch.ops.gaengine.bucket_num_chunks([1, -1])", r"numels\[1\] must be >= 0"),
+        ("sum-partials", "", "torch.ops.gaengine.sum_partials(torch.zeros(3, 4, device='cuda'))",
          r"partials must have shape \(2, n_chunks\)"),
     ]
     check_raw_contracts(cases)
@@ -450,7 +449,7 @@ ADAMW_HYPER = {  # lr, beta1, beta2, eps, weight_decay, maximize; beta1 = 0.3: t
 
 @pytest.mark.cuda
 def test_cuda_adamw_contracts_name_the_argument(cuda_ops):
-    setup = ("d = 'cuda'; n = [5, 7, 9]\n"
+    setup = ("d = 'cuda'; n = [5, 7, 9]; adamw_step_ = torch.ops.gaengine.adamw_step_\n"
              "ps = [torch.randn(k, device=d) for k in n]; gs = [torch.randn(k, device=d) for k in n]\n"
              "ms = [torch.zeros(k, device=d) for k in n]; vs = [torch.zeros(k, device=d) for k in n]\n"
              "steps = [torch.zeros((), device=d) for k in n]; models = [None] * 3\n"
@@ -459,13 +458,13 @@ def test_cuda_adamw_contracts_name_the_argument(cuda_ops):
              "    assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs + steps, before)), 'written before raising'\n")
     hyper = "1e-3, 0.9, 0.999, 1e-8, 1e-2, False"
     cases = [
-        ("adamw-grad-device", setup, f"_C.adamw_step_cuda_(ps, gs[:2] + [gs[2].cpu()], ms, vs, steps, models, {hyper}, "
+        ("adamw-grad-device", setup, f"adamw_step_(ps, gs[:2] + [gs[2].cpu()], ms, vs, steps, models, {hyper}, "
          "None, None)", r"grads\[2\] must be a CUDA tensor"),
-        ("adamw-found-inf", setup, f"_C.adamw_step_cuda_(ps, gs, ms, vs, steps, models, {hyper}, None, "
+        ("adamw-found-inf", setup, f"adamw_step_(ps, gs, ms, vs, steps, models, {hyper}, None, "
          "torch.zeros(1, device=d))", "found_inf must be a 0-d float32 tensor"),
-        ("adamw-lengths", setup, f"_C.adamw_step_cuda_(ps, gs, ms, vs, steps, models[:-1], {hyper}, None, None)",
+        ("adamw-lengths", setup, f"adamw_step_(ps, gs, ms, vs, steps, models[:-1], {hyper}, None, None)",
          "must have the same length"),
-        ("adamw-moments-mix", setup, f"_C.adamw_step_cuda_([p.half() for p in ps], gs, ms, vs, steps, models, {hyper}, "
+        ("adamw-moments-mix", setup, f"adamw_step_([p.half() for p in ps], gs, ms, vs, steps, models, {hyper}, "
          "None, None)", r"exp_avgs\[0\] and exp_avg_sqs\[0\] must be float16 \(the dtype of params\[0\]\)"),
     ]
     check_raw_contracts(cases)
@@ -480,8 +479,8 @@ def test_fused_adamw_uses_the_cuda_kernel_and_matches_torch_fused(cuda_ops, monk
     ours = [torch.nn.Parameter(p.detach().clone()) for p in torch_params]
     reference = torch.optim.AdamW(torch_params, lr=1e-3, weight_decay=1e-2, fused=True)
     opt = FusedAdamW(ours, lr=1e-3, weight_decay=1e-2, backend="auto")
-    assert opt._kernel(torch.device(DEVICE)) is cuda_ops.adamw_step_cuda_
-    assert FusedAdamW(ours, backend="cuda")._kernel(torch.device(DEVICE)) is cuda_ops.adamw_step_cuda_
+    assert opt._kernel(torch.device(DEVICE)).__self__.name == "cuda"  # torch.ops.gaengine.adamw_step_'s CUDA kernel
+    assert FusedAdamW(ours, backend="cuda")._kernel(torch.device(DEVICE)).__self__.name == "cuda"
     for _ in range(3):
         for p, q in zip(torch_params, ours):
             p.grad = torch.randn_like(p)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gaengine import backends
-from gaengine.backends import OPS, Backend, adamw_step_reference, get_backend
+from gaengine.backends import OPS, Backend, ReferenceBackend, adamw_step_reference, get_backend
 from tests.reference import accumulate_fp64, sum_sq_fp64
 from tests.tolerances import assert_bitwise_equal, rel_diff, sum_sq_rtol
 
@@ -33,7 +33,7 @@ def _op_namespace() -> str | None:
         from gaengine import _C  # noqa: PLC0415
     except ImportError:
         return None
-    return getattr(_C, "OP_NAMESPACE", None)
+    return _C.OP_NAMESPACE
 
 
 def _loadable(name: str) -> bool:
@@ -64,24 +64,23 @@ def _function(obj, op: str):
     return getattr(f, "__func__", f)
 
 
-LAYOUT_OPS = ("new_bucket_partials", "finish_norm_partials")  # the partials format, shared by the row layout
+def test_the_interface_is_abstract_and_is_the_operation_table():
+    """``Backend`` (gaengine.contract) is the contract alone: it cannot be instantiated, and its abstract methods are
+    exactly the operation table."""
+    assert set(Backend.__abstractmethods__) == set(OPS)
+    with pytest.raises(TypeError, match="abstract"):
+        Backend()
 
 
 def test_every_backend_runs_its_own_kernel_for_every_op(backend):
-    """Each compute op of a backend is its own kernel, not the reference's it would silently inherit, unless
-    ``lacks`` names it; the partials-format ops are the reference's exactly when its layout is the reference's
-    (rows, ``partials_dim`` 0). The reference itself (``torch``) is the yardstick, not checked."""
-    assert set(backend.lacks) <= set(OPS)
-    assert backend.lacks == {} or backend.name == "cpu"  # only an old gaengine._C lacks one (adamw_step_)
+    """Each op of a backend is its own code, not the torch reference's (a subclass of ``ReferenceBackend`` would
+    silently inherit it). The reference itself (``torch``) is the yardstick, not checked."""
+    assert isinstance(backend, Backend)
     if backend.name == "torch":
         pytest.skip("the reference: every op is its own by definition")
+    assert not isinstance(backend, ReferenceBackend)
     for op in OPS:
-        inherited = _function(backend, op) is _function(Backend, op)
-        if op in LAYOUT_OPS:
-            assert inherited == (backend.partials_dim == 0), f"{backend.name}.{op}: partials layout mismatch"
-        else:
-            assert inherited == (op in backend.lacks), f"{backend.name}.{op}: " + (
-                "runs the torch reference without saying so in lacks" if inherited else "listed in lacks")
+        assert _function(backend, op) is not _function(ReferenceBackend, op), f"{backend.name}.{op}"
 
 
 # ------------------------------------------------------------------------------------------ accumulate_bucket_
@@ -196,7 +195,7 @@ def test_adamw_step_matches_torch_adamw(backend, skip):
 # ----------------------------------------------------------------------------------------- torch.ops.gaengine.*
 NAMESPACE = _op_namespace()
 ops = getattr(torch.ops, NAMESPACE) if NAMESPACE is not None else None
-needs_ops = pytest.mark.skipif(ops is None, reason="gaengine._C is not built (or predates its torch.library ops)")
+needs_ops = pytest.mark.skipif(ops is None, reason="gaengine._C is not built")
 
 
 @needs_ops
@@ -238,14 +237,17 @@ def test_ops_have_cpu_kernels():
 
 
 def test_emulated_build_registers_the_cuda_kernels_under_its_own_namespace(emulated_cuda_module):
+    """csrc/cuda/cuda_ops.cu's kernels in the emulated build: registered under the module's own name and the CPU key
+    (its CPU tensors stand in for CUDA ones, so torch.ops.<namespace>.* runs them), with no CUDA key; the CUDA
+    partials layout's own ops beside them."""
     emulated_module = emulated_cuda_module[1]
-    """csrc/cuda/cuda_ops.cu's TORCH_LIBRARY_IMPL(CUDA) in the emulated build: registered (never dispatched to: its
-    tensors are CPU ones) under the module's own name, beside that build's CPU kernels."""
     namespace = emulated_module.OP_NAMESPACE
     assert namespace == emulated_module.__name__.rpartition(".")[2] and namespace.startswith("gaengine_emu_C")
-    for op in TORCH_OPS:
-        for key in ("CPU", "CUDA"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{op}", key), (op, key)
+    assert emulated_module.WITH_CUDA
+    for op in TORCH_OPS + ("sum_partials",):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{op}", "CPU"), op
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{op}", "CUDA"), op
+    assert getattr(torch.ops, namespace).bucket_num_chunks([4096, 4097, 0]) == 3
 
 
 @needs_ops
@@ -292,7 +294,7 @@ def test_torch_compile_traces_the_ops(compiler):
 # --------------------------------------------------------------------------------------- nothing branches on names
 def test_no_module_outside_backends_compares_a_backend_name():
     """``backend.name`` (or ``.backend.name``) is never compared outside ``gaengine/backends.py``: the engine asks the
-    backend (its ops, ``lacks``, ``hot_path_kernels``, ``partials_dim``), not its name."""
+    backend (its ops, ``hot_path_kernels``, ``partials_dim``), not its name."""
     offenders = []
     for folder in ("gaengine",):  # gaengine/kernels/ (the Triton kernels) included
         for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):

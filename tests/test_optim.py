@@ -37,7 +37,7 @@ def _backend_params() -> list:
     for name, device in (("cpu", torch.device("cpu")), ("triton", TRITON_DEVICE)):
         try:
             get_backend(name, device)
-            available = name != "cpu" or hasattr(get_backend("cpu")._C, "adamw_step_")
+            available = True
         except RuntimeError:
             available = False
         marks = [pytest.mark.skip(reason=f"backend {name!r} unavailable")] if not available else []
@@ -133,7 +133,7 @@ def test_cpu_kernel_is_bitwise_torch_fused(n):
     """Same bits as ``torch.optim.AdamW(fused=True)`` on CPU, grad_scale/found_inf protocol included, except
     torch's scalar tail (its last ``n % 16`` elements skip the FMAs its vector loop uses)."""
     if not _available("cpu"):
-        pytest.skip("gaengine._C.adamw_step_ unavailable")
+        pytest.skip("gaengine._C unavailable")
     ours, ref = _params("cpu", [n]), _params("cpu", [n])
     opt = FusedAdamW(ours, lr=1e-3, weight_decay=0.01, backend="cpu")
     ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
@@ -176,7 +176,7 @@ def test_cpu_and_triton_kernels_agree_bitwise(model_dtype, grad_dtype, grad_scal
     outside [2^-20, 2^20] take those other paths. beta2 = 1 - 1e-13 makes sqrt(1 - beta2^t) < 2^-20."""
     if TRITON_DEVICE.type != "cpu" or not (_available("cpu") and _available("triton")):
         pytest.skip("needs both kernels on CPU tensors (gaengine._C and the Triton interpreter)")
-    from gaengine import _C
+    import gaengine._C  # noqa: F401 - registers torch.ops.gaengine
     from gaengine.kernels import adamw
 
     n = 3000
@@ -191,7 +191,7 @@ def test_cpu_and_triton_kernels_agree_bitwise(model_dtype, grad_dtype, grad_scal
             beta2 = 1.0 - 1e-13 if k == 3 else 0.999
             args = ([p], [g], [m], [v], [step], [model], 1e-2, 0.9, beta2, 1e-8, 0.1, k == 2,
                     torch.tensor(grad_scale), torch.tensor(0.0))
-            _C.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
+            torch.ops.gaengine.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
         tensors[name] = [p, m, v, step] + ([model] if model is not None else [])
     for a, b, what in zip(tensors["cpu"], tensors["triton"], ["param", "exp_avg", "exp_avg_sq", "step", "model"]):
         if a.dtype != torch.float32:
@@ -209,8 +209,8 @@ def test_large_param_streams_the_model_write_exactly(offset, model_dtype):
     """From 2^20 elements the C++ kernel writes the model copy with non-temporal stores, after peeling
     elements up to a 16-byte boundary: the bits are those of the cached path and of master.to(dtype)."""
     if not _available("cpu"):
-        pytest.skip("gaengine._C.adamw_step_ unavailable")
-    from gaengine import _C
+        pytest.skip("gaengine._C unavailable")
+    import gaengine._C  # noqa: F401 - registers torch.ops.gaengine
 
     n = (1 << 20) + 13
     runs = []
@@ -220,7 +220,8 @@ def test_large_param_streams_the_model_write_exactly(offset, model_dtype):
         buf = torch.full((n + offset,), float("nan"), dtype=model_dtype)
         model = buf[offset:] if attach else None
         g = torch.randn(n)
-        _C.adamw_step_([p], [g], [m], [v], [step], [model], 1e-2, 0.9, 0.999, 1e-8, 0.1, False, None, None)
+        torch.ops.gaengine.adamw_step_([p], [g], [m], [v], [step], [model], 1e-2, 0.9, 0.999, 1e-8, 0.1, False, None,
+                                       None)
         runs.append((p, m, v, model, buf))
     (p, m, v, model, buf), (p0, m0, v0, _, _) = runs
     for a, b, what in ((p, p0, "param"), (m, m0, "exp_avg"), (v, v0, "exp_avg_sq")):
@@ -231,7 +232,7 @@ def test_large_param_streams_the_model_write_exactly(offset, model_dtype):
 
 _PORTABLE_CHECK = textwrap.dedent("""
     import torch
-    from gaengine import _C
+    import gaengine._C  # noqa: F401 - registers torch.ops.gaengine
     torch.manual_seed(0)
     n = 4097 + 13
     p, m, v, step = torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.tensor(2.0)
@@ -240,9 +241,9 @@ _PORTABLE_CHECK = textwrap.dedent("""
     for k in range(4):
         g = torch.randn(n) * 3
         g[torch.randperm(n)[:64]] = specials.repeat(8)
-        _C.adamw_step_([p], [g.to(torch.bfloat16)], [m], [v], [step], [model], 1e-2, 0.3 if k == 1 else 0.9,
-                       1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1, False,
-                       torch.tensor(2.0**-30 if k == 2 else 0.7), None)
+        torch.ops.gaengine.adamw_step_([p], [g.to(torch.bfloat16)], [m], [v], [step], [model], 1e-2,
+                                       0.3 if k == 1 else 0.9, 1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1, False,
+                                       torch.tensor(2.0**-30 if k == 2 else 0.7), None)
     in_place = []  # bf16 | fp16 params updated in place (no master) from fp32 gradients
     for dtype in (torch.bfloat16, torch.float16):
         torch.manual_seed(1)
@@ -251,8 +252,8 @@ _PORTABLE_CHECK = textwrap.dedent("""
         for k in range(3):
             g = torch.randn(n) * 3
             g[torch.randperm(n)[:64]] = specials.repeat(8)
-            _C.adamw_step_([q], [g], [qm], [qv], [qs], [None], 1e-2, 0.9, 0.999, 1e-8, 0.1, k == 1,
-                           torch.tensor(2.0**-30 if k == 2 else 0.7), None)
+            torch.ops.gaengine.adamw_step_([q], [g], [qm], [qv], [qs], [None], 1e-2, 0.9, 0.999, 1e-8, 0.1, k == 1,
+                                           torch.tensor(2.0**-30 if k == 2 else 0.7), None)
         in_place += [q, qm, qv]
     torch.save([p, m, v, step, model] + in_place, __import__("sys").argv[1])
 """)
@@ -263,7 +264,7 @@ def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
     gradients (+-0, subnormal, tiny, huge), grad scales outside [2^-20, 2^20] and a tiny sqrt(bc2) included;
     also for bf16 | fp16 params updated in place (portable: c10 rounding; AVX2: bit ops / F16C)."""
     if not _available("cpu"):
-        pytest.skip("gaengine._C.adamw_step_ unavailable")
+        pytest.skip("gaengine._C unavailable")
     root = Path(__file__).resolve().parent.parent
     out = {}
     for isa in ("auto", "portable"):
@@ -563,7 +564,7 @@ _ADAMW_RAW_CONTRACTS = [
 
 def test_cpu_extension_contract_errors():
     if not _available("cpu"):
-        pytest.skip("gaengine._C.adamw_step_ unavailable")
+        pytest.skip("gaengine._C unavailable")
     from tests.child_contracts import check_raw_contracts  # noqa: PLC0415
 
     check_raw_contracts([(case_id, _ADAMW_SETUP, call, regex) for case_id, call, regex in _ADAMW_RAW_CONTRACTS])
@@ -671,7 +672,7 @@ def test_step_refuses_bad_input_before_writing_anything(spoil, error, message, b
     """step() checks every argument its kernel takes, in Python, for every group before any is updated: the
     first group (valid) is not stepped either, and no state is created or written."""
     if backend == "auto" and not _available("cpu"):
-        pytest.skip("gaengine._C.adamw_step_ unavailable")
+        pytest.skip("gaengine._C unavailable")
     opt, ps = _stepped_twice(backend)
     spoil(opt, ps)
     before = _snapshot(opt, ps)
@@ -890,7 +891,7 @@ def test_in_place_cpu_and_triton_kernels_agree_bitwise(dtype, grad_dtype):
     Markstein division and its IEEE fallback), maximize, a tiny sqrt(bc2): the same bits from both kernels."""
     if TRITON_DEVICE.type != "cpu" or not (_available("cpu") and _available("triton")):
         pytest.skip("needs both kernels on CPU tensors (gaengine._C and the Triton interpreter)")
-    from gaengine import _C
+    import gaengine._C  # noqa: F401 - registers torch.ops.gaengine
     from gaengine.kernels import adamw
 
     n = 3000
@@ -903,7 +904,7 @@ def test_in_place_cpu_and_triton_kernels_agree_bitwise(dtype, grad_dtype):
             g = _special_grads(n, grad_dtype, k) if k % 2 else (torch.randn(n) * 5).to(grad_dtype)
             args = ([p], [g], [m], [v], [step], [None], 1e-2, 0.9, 1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1,
                     k == 2, torch.tensor((2.5, 2.0**-30, 3.0e7, 0.7)[k]), torch.tensor(0.0))
-            _C.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
+            torch.ops.gaengine.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
         out[name] = (p, m, v, step)
     for a, b, what in zip(out["cpu"], out["triton"], ("param", "exp_avg", "exp_avg_sq", "step")):
         assert_bitwise_equal(_bits(b), _bits(a), f"triton vs cpu: {what}")
@@ -1179,12 +1180,11 @@ def test_one_cuda_kernel_launch_per_param_group():
     from torch.autograd import DeviceType  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    try:
-        from gaengine import _C  # noqa: PLC0415
-    except ImportError:
-        _C = None
-    if not hasattr(_C, "adamw_step_cuda_"):
-        pytest.skip("gaengine._C built without adamw_step_cuda_ (the Triton path launches once per parameter)")
+    from gaengine.backends import cuda_kernels_unusable  # noqa: PLC0415
+
+    why = cuda_kernels_unusable()
+    if why is not None:
+        pytest.skip(f"no CUDA kernels in gaengine._C (the Triton path launches once per parameter): {why}")
     device = torch.device("cuda")
     groups = _three_groups(device, per_group=20)
     opt = FusedAdamW(groups, backend="auto")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gaengine
-from gaengine.backends import TorchBackend
+from gaengine.backends import ReferenceBackend
 from gaengine.engine import GradientAccumulator
 from gaengine.utils import split_batch
 from gaengine.verify import GRAD_RTOL, EquivalenceReport, verify_equivalence
@@ -201,12 +201,12 @@ BUGS = ["divided-twice", "not-divided", "dropped-micro-batch", "bf16-sum"]
 def _plant(monkeypatch, bug):
     """Plant one engine bug in the torch backend (the backend these checks run)."""
     if bug == "divided-twice":  # the window's coefficient 1/K applied twice
-        monkeypatch.setattr(TorchBackend, "scale_", lambda self, x, coef: x.mul_(coef).mul_(coef))
+        monkeypatch.setattr(ReferenceBackend, "scale_", lambda self, x, coef: x.mul_(coef).mul_(coef))
     elif bug == "not-divided":
-        monkeypatch.setattr(TorchBackend, "scale_", lambda self, x, coef: x)
+        monkeypatch.setattr(ReferenceBackend, "scale_", lambda self, x, coef: x)
     elif bug in ("dropped-micro-batch", "bf16-sum"):
         calls = []
-        backward, accumulate = GradientAccumulator.backward, TorchBackend.accumulate_bucket_
+        backward, accumulate = GradientAccumulator.backward, ReferenceBackend.accumulate_bucket_
 
         def counting_backward(self, *args, **kwargs):
             calls.append(None)
@@ -219,7 +219,7 @@ def _plant(monkeypatch, bug):
             return dst.copy_(dst.to(torch.bfloat16))  # the running sum kept in bf16
 
         monkeypatch.setattr(GradientAccumulator, "backward", counting_backward)
-        monkeypatch.setattr(TorchBackend, "accumulate_bucket_", broken_accumulate)
+        monkeypatch.setattr(ReferenceBackend, "accumulate_bucket_", broken_accumulate)
     else:
         raise AssertionError(bug)
 

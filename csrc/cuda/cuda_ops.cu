@@ -1,10 +1,9 @@
-// The "cuda" backend's ops (gaengine.backends.CudaBackend), registered into gaengine._C by
-// register_cuda_ops when the extension is built with CUDA (setup.py defines GAENGINE_WITH_CUDA and
-// csrc/module.cpp calls it), as the CUDA kernels of the torch.library ops (op_library.h; csrc/hot_path.cpp
-// launches its buckets through accumulate_bucket_'s). The kernels are in kernels.cuh; this
-// file holds the contracts (all checked before any launch), the dtype dispatch and the launches on the current
-// stream. No op syncs the host or allocates beyond its outputs (adamw_step_cuda_: one 4-byte counter per
-// device and stream, allocated at its first use).
+// The CUDA kernels of gaengine._C's torch.library ops (op_library.h; torch.ops.gaengine.* on CUDA tensors, reached
+// from Python through gaengine.backends.CompiledBackend, and csrc/hot_path.cpp launches its buckets through
+// accumulate_bucket_'s), compiled in when the extension is built with CUDA (setup.py defines GAENGINE_WITH_CUDA).
+// The kernels are in kernels.cuh; this file holds the contracts (all checked before any launch), the dtype dispatch
+// and the launches on the current stream, and registers them (the end of the file). No op syncs the host or
+// allocates beyond its outputs (adamw_step_: one 4-byte counter per device and stream, allocated at its first use).
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAStream.h>
@@ -75,8 +74,8 @@ void check_driver_for_multi_tensor() {
 }
 
 // dst = (0 if overwrite else dst) + float(src) * scale; scale_tensor (0-d fp32, same device) replaces scale.
-void accumulate_cuda_(const at::Tensor& dst, const at::Tensor& src, double scale,
-                      const c10::optional<at::Tensor>& scale_tensor, bool overwrite) {
+void accumulate_cuda(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
+                     const std::optional<at::Tensor>& scale_tensor) {
   CHECK_CUDA(dst);
   CHECK_CONTIGUOUS(dst);
   CHECK_DTYPE(dst, dst.scalar_type() == at::kFloat, "float32 (the main_grad buffer)");
@@ -122,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_sq_cuda(const at::Tensor& x) {
 }
 
 // x *= coef in place; coef a 0-d fp32 tensor on x.device, read by the kernel.
-void scale_cuda_(const at::Tensor& x, const at::Tensor& coef) {
+void scale_cuda(const at::Tensor& x, const at::Tensor& coef) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
   CHECK_DTYPE(x, x.scalar_type() == at::kFloat, "float32");
@@ -195,14 +194,16 @@ std::pair<float*, int64_t> bucket_partials(const std::optional<at::Tensor>& part
   return {t.data_ptr<float>(), t.stride(0)};
 }
 
-// Python: accumulate_bucket_cuda_(dst, srcs, offsets, overwrite, partials, source_partials=None) -> launches
-// issued. partials / source_partials: None, or a (2, bucket_num_chunks(numels)) fp32 tensor (bucket_partials),
-// written: per chunk, the (sum of squares, non-finite flag) of the values written / of the source values read.
-// Every contract is checked before anything is launched.
-int64_t accumulate_bucket_cuda_(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
-                                const std::vector<int64_t>& offsets, const std::vector<bool>& overwrite,
-                                const std::optional<at::Tensor>& partials,
-                                const std::optional<at::Tensor>& source_partials) {
+// accumulate_bucket_(dst, srcs, offsets, overwrite, partials=None, source_partials=None) on CUDA tensors, in one
+// launch per 512 sources (its signature AccumulateBucketKernel, op_library.h: HotPath calls it unboxed).
+// partials / source_partials: None, or a (2, bucket_num_chunks(numels)) fp32 tensor (bucket_partials), written: per
+// chunk, the (sum of squares, non-finite flag) of the values written / of the source values read. Every contract is
+// checked before anything is launched.
+void accumulate_bucket_cuda(const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
+                            const std::vector<int64_t>& offsets, const c10::List<bool>& overwrite_flags,
+                            const std::optional<at::Tensor>& partials,
+                            const std::optional<at::Tensor>& source_partials) {
+  const std::vector<bool> overwrite = to_flags(overwrite_flags);
   check_bucket(dst, srcs, offsets, overwrite.size());
   std::vector<cuda::BucketEntry> entries(srcs.size());
   for (size_t i = 0; i < srcs.size(); ++i) {
@@ -214,12 +215,11 @@ int64_t accumulate_bucket_cuda_(const at::Tensor& dst, const std::vector<at::Ten
   const auto [source_rows, source_stride] = bucket_partials(source_partials, "source_partials", dst, n_chunks);
   check_driver_for_multi_tensor();
   const c10::cuda::CUDAGuard guard(dst.device());
-  int launches = 0;
   CHECK_LAUNCH(cuda::launch_accumulate_bucket(dst.data_ptr<float>(), entries.data(), static_cast<int>(entries.size()),
-                                              rows, c10::cuda::getCurrentCUDAStream(), &launches, stride,
+                                              rows, c10::cuda::getCurrentCUDAStream(), nullptr, stride,
                                               source_rows, source_stride));
-  return launches;
 }
+static_assert(std::is_same_v<decltype(accumulate_bucket_cuda), AccumulateBucketKernel>);
 
 // (sum of row 0, 1.0 if a row-1 flag is set else 0.0) of (2, n) fp32 partials: two 0-d fp32 tensors, views of
 // one (2,) output, reduced in a fixed order (the same bits every run).
@@ -344,57 +344,21 @@ int64_t bucket_num_chunks(const std::vector<int64_t>& numels) {
 }
 
 }  // namespace
-
-void register_cuda_ops(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("accumulate_cuda_", &accumulate_cuda_,
-        "dst = (0 if overwrite else dst) + float(src) * scale on CUDA tensors; scale_tensor (0-d fp32) replaces scale",
-        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("scale_tensor"), py::arg("overwrite"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("l2norm_sq_cuda", &l2norm_sq_cuda, "(sum of squares, found_inf) of a CUDA tensor, two 0-d fp32 tensors",
-        py::arg("x"), py::call_guard<py::gil_scoped_release>());
-  m.def("scale_cuda_", &scale_cuda_, "x *= coef in place on CUDA tensors, coef a 0-d fp32 tensor", py::arg("x"),
-        py::arg("coef"), py::call_guard<py::gil_scoped_release>());
-  m.def("accumulate_bucket_cuda_", &accumulate_bucket_cuda_,
-        "dst[offsets[i]:][:n_i] = (0 if overwrite[i] else dst[...]) + float(srcs[i]) for every i, unscaled, in one "
-        "launch (per 512 sources); partials / source_partials (2, bucket_num_chunks) fp32 or None: per-chunk sum of "
-        "squares and non-finite flag of the values written / of the source values read; returns the launches issued",
-        py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("overwrite"), py::arg("partials"),
-        py::arg("source_partials") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("sum_partials_cuda", &sum_partials_cuda,
-        "(sum of squares, found_inf) of accumulate_bucket_cuda_'s (2, n) fp32 partials, two 0-d fp32 tensors",
-        py::arg("partials"), py::call_guard<py::gil_scoped_release>());
-  m.def("bucket_num_chunks", &bucket_num_chunks,
-        "chunks (partials columns) of accumulate_bucket_cuda_ over sources of these numels", py::arg("numels"));
-  def_adamw_step<adamw_step_cuda>(
-      m, "adamw_step_cuda_",
-      "adamw_step_ on CUDA tensors: the fused AdamW step of every param in one launch (per 384 params and param "
-      "dtype: fp32 masters, or bf16 | fp16 params in place), skipped when found_inf != 0; see csrc/adamw.h");
-}
-
-namespace {
-
-// The torch.library ops' argument lists (op_library.h), where they differ from the Python bindings'.
-void accumulate_op(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite) {
-  accumulate_cuda_(dst, src, scale, std::nullopt, overwrite);
-}
-
-// The op's CUDA kernel (its signature AccumulateBucketKernel, op_library.h: HotPath calls it unboxed).
-void accumulate_bucket_op(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
-                          const c10::List<bool>& overwrite, const std::optional<at::Tensor>& partials,
-                          const std::optional<at::Tensor>& source_partials) {
-  accumulate_bucket_cuda_(dst, srcs, offsets, to_flags(overwrite), partials, source_partials);
-}
-static_assert(std::is_same_v<decltype(accumulate_bucket_op), AccumulateBucketKernel>);
-
-}  // namespace
 }  // namespace gaengine
 
-// The CUDA kernels of the torch.library ops csrc/module.cpp defines: torch.ops.gaengine.* on CUDA tensors.
-GAENGINE_TORCH_LIBRARY_IMPL(CUDA, m) {
-  m.impl("accumulate_", &gaengine::accumulate_op);
+// The CUDA kernels of the ops csrc/module.cpp defines (under the CPU key in tests/cuda_emu's emulated build).
+GAENGINE_TORCH_LIBRARY_IMPL(GAENGINE_CUDA_DISPATCH_KEY, m) {
+  m.impl("accumulate_", &gaengine::accumulate_cuda);
   m.impl("l2norm_sq", &gaengine::l2norm_sq_cuda);
-  m.impl("scale_", &gaengine::scale_cuda_);
-  m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_op);
+  m.impl("scale_", &gaengine::scale_cuda);
+  m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_cuda);
   m.impl("adamw_step_", &gaengine::adamw_step_op<gaengine::adamw_step_cuda>);
+}
+
+// The ops of the CUDA partials layout ((2, n_chunks) fp32 columns per bucket): sum_partials has this CUDA kernel
+// only; bucket_num_chunks reads no tensor (one kernel for every device).
+GAENGINE_TORCH_LIBRARY_FRAGMENT(m) {
+  m.def(gaengine::kSumPartialsSchema);
+  m.impl("sum_partials", c10::DispatchKey::GAENGINE_CUDA_DISPATCH_KEY, TORCH_FN(gaengine::sum_partials_cuda));
+  m.def(gaengine::kBucketNumChunksSchema, &gaengine::bucket_num_chunks);
 }

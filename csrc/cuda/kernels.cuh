@@ -1,6 +1,6 @@
-// CUDA kernels of gaengine's "cuda" backend (gaengine.backends.CudaBackend), with no torch dependency:
+// CUDA kernels of gaengine's "cuda" backend (torch.ops.gaengine.* on CUDA tensors), with no torch dependency:
 // tests/test_nvcc.py compiles them with nvcc for sm_80 and sm_90 on machines without a GPU or a CUDA torch,
-// and csrc/cuda/cuda_ops.cu binds them.
+// and csrc/cuda/cuda_ops.cu registers them as the ops' CUDA kernels.
 //
 // Kernels (every pointer is a device pointer; n and offsets are int64: buffers pass 2^31 elements):
 //   accumulate_kernel<src_t, kOverwrite, kHasScale>  dst = (0 if overwrite else dst) + float(src) * scale

@@ -1,5 +1,6 @@
-"""Helpers shared by the Triton launchers: argument contracts, the device guard, block-size checks, and the
-arguments of the multi-tensor AdamW step every backend takes (``AdamWStep``).
+"""Helpers shared by the Triton launchers: argument contracts, the device guard and block-size checks. (The
+arguments of the multi-tensor AdamW step every backend takes, ``AdamWStep``, are the backend contract's:
+``gaengine.contract``.)
 
 Nothing here imports triton, so the contracts can be checked (and tested) without it.
 """
@@ -7,7 +8,6 @@ Nothing here imports triton, so the contracts can be checked (and tested) withou
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Optional
 
 import torch
 
@@ -67,40 +67,3 @@ def check_block_size(block_size: int, name: str = "block_size") -> int:
 def device_guard(t: torch.Tensor):
     """Make ``t``'s CUDA device current for the launch (Triton launches on the current device); a no-op on CPU."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-class AdamWStep(NamedTuple):
-    """The arguments of the multi-tensor AdamW step, in their positional order: the one spelling of the signature
-    of every backend's ``adamw_step_`` (``gaengine.backends.adamw_step_reference``, the Triton ``adamw_step_``,
-    ``gaengine.optim.FusedAdamW``'s call; the C++ ones in ``csrc/adamw.h``), which take ``*AdamWStep(...)``.
-
-    One AdamW update (``torch.optim.AdamW``; Loshchilov & Hutter 2019) of every ``params[i]``:
-
-    params[i]: contiguous, updated in place: fp32 (the master weight), or bf16 | fp16 (the model parameter itself:
-        computed in fp32, p, m, v each rounded to nearest even).
-    grads[i]: fp32 | bf16 | fp16, contiguous, same numel; read only.
-    exp_avgs[i], exp_avg_sqs[i]: params[i]'s dtype, contiguous, same numel; updated in place.
-    steps[i]: 0-d fp32 on the parameters' device, incremented in place (by ``found_inf == 0``, by 1 without
-        ``found_inf``) before the update; the new value sets the bias corrections.
-    model_params[i]: None, or (fp32 params[i] only) bf16 | fp16 contiguous with the same numel: receives the
-        rounded new param.
-    lr, beta1, beta2, eps, weight_decay: Python floats (torch.optim.AdamW's hyper-parameters).
-    maximize: ascend the gradient instead.
-    grad_scale: None or a 0-d floating tensor on the device; the gradient used is ``grads[i] / grad_scale``.
-    found_inf: None or a 0-d floating tensor on the device; when != 0 nothing is written (steps included).
-    """
-
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
-    steps: list[torch.Tensor]
-    model_params: list[Optional[torch.Tensor]]
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    maximize: bool
-    grad_scale: Optional[torch.Tensor]
-    found_inf: Optional[torch.Tensor]

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gaengine.contract import AdamWStep
 from gaengine.kernels._utils import (
-    AdamWStep,
     check_block_size,
     check_device_scalar,
     check_float_input,
@@ -152,7 +152,7 @@ def _check_step(t: torch.Tensor, i: int, device: torch.device) -> None:
 def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
     """One AdamW update of every ``params[i]``, one kernel launch (one pass) per parameter.
 
-    Arguments: ``*AdamWStep(...)`` (positional or by name; ``gaengine.kernels._utils.AdamWStep`` gives them and the
+    Arguments: ``*AdamWStep(...)`` (positional or by name; ``gaengine.contract.AdamWStep`` gives them and the
     contract), the tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); ``steps`` are incremented with
     one device op before the launches, and the kernels read the new value. ``grad_scale`` / ``found_inf``: any
     floating dtype. block_size: elements per program, a power of two >= 16 (tests use small ones to get many

@@ -1,8 +1,8 @@
 """The engine on the CUDA kernels, executed on CPU: an emulated build of ``gaengine._C`` and the switch to use it.
 
 ``build()`` compiles what ``setup.py``'s ``CUDAExtension`` compiles, ``csrc/*.cpp`` + ``csrc/cuda/cuda_ops.cu`` in the
-CUDA configuration (``GAENGINE_WITH_CUDA``: ``register_cuda_ops`` and the ops' CUDA kernels, which ``HotPath``
-dispatches to), with g++ as C++ against the shim (``include/``, first on the include path),
+CUDA configuration (``GAENGINE_WITH_CUDA``: the ops' CUDA kernels, which ``torch.ops.<namespace>.*`` and
+``HotPath`` dispatch to), with g++ as C++ against the shim (``include/``, first on the include path),
 into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, ninja). What makes it build on CPU:
 
 * ``cuda_ops.cu`` is copied as ``src/cuda/cuda_ops.cpp`` next to ``kernels.cuh`` and its ``kernels/*.cuh``
@@ -10,10 +10,12 @@ into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, n
   ``#line`` directive pointing reports at the original;
 * ``torch_include/`` (searched before torch's headers): stubs of ``c10/cuda/CUDAStream.h`` (the current stream is
   the shim's null stream) and ``CUDAGuard.h`` (a no-op), and ``gaengine_emu_build.h``, force-included, which
-  defines ``GAENGINE_WITH_CUDA`` and ``GAENGINE_IS_CUDA_TENSOR(t)`` as ``t.is_cpu()``: the device test of every
-  contract in ``cuda_ops.cu`` and of the kernel ``HotPath`` dispatches to (``csrc/op_library.h`` defines it as
-  ``t.is_cuda()`` otherwise), so CPU tensors stand in for CUDA ones (``HotPath`` calls the CUDA kernel of
-  ``accumulate_bucket_`` for them) and a meta tensor is "not a CUDA tensor";
+  defines ``GAENGINE_WITH_CUDA`` and ``GAENGINE_EMULATED_CUDA``: ``csrc/op_library.h`` then makes
+  ``GAENGINE_IS_CUDA_TENSOR(t)`` ``t.is_cpu()`` (the device test of every contract in ``cuda_ops.cu`` and of the
+  kernel ``HotPath`` dispatches to) and registers the CUDA kernels under the CPU dispatch key of the module's own
+  namespace (``csrc/module.cpp`` registers no CPU kernels there), so CPU tensors stand in for CUDA ones
+  (``torch.ops.<namespace>.*`` and ``HotPath`` run the CUDA kernels on them) and a meta tensor is "not a CUDA
+  tensor";
 * the shim's flags (``-ffp-contract=off -fno-strict-aliasing``, ``-fsanitize=alignment``: a misaligned 128-bit
   access aborts), ``-fvisibility=hidden`` (nothing interposes between this module and ``gaengine._C``), ``-O1``.
 
@@ -21,9 +23,10 @@ into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, n
 ``recordDataPtrOnStream``): on CPU tensors the one CPU stream, so they do nothing.
 
 ``use(monkeypatch, module)`` points ``gaengine.backends._EMULATED_CUDA_MODULE`` (the one test hook) at the module,
-with fresh backend caches: ``backend="cuda"`` on a CPU device is then a ``CudaBackend`` over its ops, the native
-hot path builds its ``HotPath`` (``backend.extension()``), and ``FusedAdamW(backend="cuda")`` takes its
-``adamw_step_cuda_``. The build is cached under ``build/cuda_emu_engine`` (ninja rebuilds what changed).
+with fresh backend caches: ``backend="cuda"`` on a CPU device is then a ``CompiledBackend`` over its ops
+(``torch.ops.<module.OP_NAMESPACE>``), the native hot path builds its ``HotPath`` (``backend.extension()``), and
+``FusedAdamW(backend="cuda")`` takes its ``adamw_step_``. The build is cached under ``build/cuda_emu_engine``
+(ninja rebuilds what changed).
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ TORCH_STUBS = os.path.join(HERE, "torch_include")
 KERNELS = os.path.join(CSRC, "cuda", "kernels.cuh")
 BUILD_DIR = os.path.join(ROOT, "build", "cuda_emu_engine")
 MODULE_NAME = "gaengine_emu_C"
-CUDA_OPS = ("accumulate_cuda_", "l2norm_sq_cuda", "scale_cuda_", "accumulate_bucket_cuda_", "sum_partials_cuda",
-            "bucket_num_chunks", "adamw_step_cuda_", "HotPath")
 CFLAGS = ["-O1", "-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisibility=hidden",
           "-fsanitize=alignment", "-fno-sanitize-recover=all", "-include",
           os.path.join(TORCH_STUBS, "gaengine_emu_build.h")]
@@ -84,9 +85,8 @@ def build(build_dir: str = BUILD_DIR, kernels: str = KERNELS, verbose: bool = Fa
     includes = [SHIM_INCLUDE, TORCH_STUBS, os.path.join(CSRC, "cuda"), CSRC]
     module = cpp_extension.load(name=MODULE_NAME, sources=srcs, extra_include_paths=includes, extra_cflags=CFLAGS,
                                 extra_ldflags=LDFLAGS, build_directory=build_dir, verbose=verbose)
-    missing = [op for op in CUDA_OPS if not hasattr(module, op)]
-    if missing:
-        raise RuntimeError(f"{MODULE_NAME} lacks {missing}: GAENGINE_WITH_CUDA did not reach cpu_ops.cpp")
+    if not module.WITH_CUDA:
+        raise RuntimeError(f"{MODULE_NAME} was built without its CUDA kernels: GAENGINE_WITH_CUDA did not reach it")
     return module, time.perf_counter() - start
 
 

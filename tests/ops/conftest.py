@@ -4,7 +4,7 @@ One test file per operation (``test_accumulate.py``, ``test_accumulate_bucket.py
 ``test_scale.py``, ``test_adamw.py``); each case runs on every backend available here against the fp64 oracle of
 ``tests/reference.py`` with the one budget of ``tests/tolerances.py`` (the same for every backend):
 
-* ``torch``: ``gaengine.backends`` ``TorchBackend`` (plain PyTorch), CPU tensors;
+* ``torch``: ``gaengine.backends`` ``ReferenceBackend`` (plain PyTorch), CPU tensors;
 * ``cpu``: the compiled ``gaengine._C`` (skipped when it is not built);
 * ``triton``: ``gaengine.kernels`` on CUDA tensors with a GPU, else on CPU tensors under ``TRITON_INTERPRET=1``
   (``tests/conftest.py``); slow there, so its cases keep the sizes the Triton kernel tests used
@@ -16,7 +16,7 @@ One test file per operation (``test_accumulate.py``, ``test_accumulate_bucket.py
 
 Parametrize ids never say just ``cuda``: ``tests/conftest.py`` skips items with a ``cuda`` keyword without a GPU.
 
-The ``Backend`` interface (``gaengine/backends.py``) has ``accumulate_``, ``l2norm_sq``, ``scale_``,
+The ``Backend`` interface (``gaengine/contract.py``) has ``accumulate_``, ``l2norm_sq``, ``scale_``,
 ``accumulate_bucket_``, ``new_bucket_partials``, ``finish_norm_partials`` and ``adamw_step_``; the tests call those on
 ``backend.ops``. ``OpBackend.accumulate_bucket_`` adds a scale (the torch reference: one ``accumulate_`` per source;
 triton: its kernel with small blocks) and ``OpBackend.adamw_step_`` small Triton blocks; the others forward to
@@ -100,7 +100,7 @@ class OpBackend:
 
     # -- the multi-tensor AdamW step -------------------------------------------------------------------------
     def adamw_step_(self, *args, **kwargs):
-        """The backend's ``adamw_step_(*AdamWStep(...))`` (``gaengine.kernels._utils.AdamWStep``)."""
+        """The backend's ``adamw_step_(*AdamWStep(...))`` (``gaengine.contract.AdamWStep``)."""
         return self._adamw(*args, **kwargs)
 
 
@@ -116,12 +116,11 @@ def _torch_bucket(ops):
 
 
 def _torch_backend() -> OpBackend:
-    from gaengine.backends import get_backend  # noqa: PLC0415
-    from gaengine.optim import adamw_step_torch  # noqa: PLC0415
+    from gaengine.backends import adamw_step_reference, get_backend  # noqa: PLC0415
 
     ops = get_backend("torch", "cpu")
     return OpBackend("torch", torch.device("cpu"), ops, _bucket=_torch_bucket(ops), _num_partials=len,
-                     _adamw=adamw_step_torch)
+                     _adamw=adamw_step_reference)
 
 
 def _cpu_backend() -> OpBackend:
@@ -167,14 +166,14 @@ def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpB
     from gaengine.backends import get_backend  # noqa: PLC0415
 
     ops = get_backend("cuda", device)
-    C = ops._C
+    C = getattr(torch.ops, ops._C.OP_NAMESPACE)
 
     def bucket(dst, srcs, offsets, overwrite, scale, partials):
         ops.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
 
     return OpBackend(name, device, ops, public_name="cuda", max_numel=max_numel, bucket_scale=False,
                      partials_layout="columns",
-                     _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=C.adamw_step_cuda_)
+                     _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=C.adamw_step_)
 
 
 BACKEND_PARAMS = [

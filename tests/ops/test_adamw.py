@@ -1,7 +1,7 @@
-"""The multi-tensor AdamW step on every backend: ``gaengine.optim.adamw_step_torch`` (torch),
-``gaengine._C.adamw_step_`` (cpu), ``gaengine.kernels.adamw.adamw_step_`` (triton), ``adamw_step_cuda_`` (cuda,
-emulated and on a GPU), called through ``OpBackend.adamw_step_`` (``conftest.py``). ``FusedAdamW``-level tests live
-in ``tests/test_optim.py``.
+"""The multi-tensor AdamW step on every backend: ``gaengine.backends.adamw_step_reference`` (torch),
+``torch.ops.gaengine.adamw_step_`` (cpu; cuda, emulated and on a GPU), ``gaengine.kernels.adamw.adamw_step_``
+(triton), called through ``OpBackend.adamw_step_`` (``conftest.py``). ``FusedAdamW``-level tests live in
+``tests/test_optim.py``.
 
 Oracles: ``tests/reference.py``'s fp64 AdamW (every backend, fp32 masters: within ``ADAMW_RTOL`` of
 ``tests/tolerances.py``), and the CPU kernel, bit for bit, for the other fused kernels (triton, cuda: the same fp32
@@ -105,7 +105,7 @@ def fresh_grads(state, *others):
 @pytest.mark.parametrize("hyper", HYPER)
 def test_masters_against_fp64_and_the_cpu_kernel(backend, hyper, scaled):
     pytest.importorskip("gaengine._C")
-    from gaengine import _C  # noqa: PLC0415
+    import gaengine._C  # noqa: F401, PLC0415 - registers torch.ops.gaengine
 
     sizes = sizes_for(backend)
     state = adamw_state(backend.device, sizes)
@@ -119,7 +119,7 @@ def test_masters_against_fp64_and_the_cpu_kernel(backend, hyper, scaled):
         before = to(state, "cpu")
         backend.adamw_step_(*state, *HYPER[hyper], None if grad_scale is None else grad_scale.to(backend.device),
                             torch.zeros((), device=backend.device))
-        _C.adamw_step_(*reference, *HYPER[hyper], grad_scale, torch.tensor(0.0))
+        torch.ops.gaengine.adamw_step_(*reference, *HYPER[hyper], grad_scale, torch.tensor(0.0))
         assert_step_against_fp64(before, state, hyper, grad_scale, f"step {step}")
         for i in range(len(sizes)):
             if state[5][i] is not None:
@@ -137,7 +137,7 @@ def test_in_place_bitwise_equal_to_cpu_kernel(backend, hyper, scaled):
     if backend.name not in FUSED:
         pytest.skip(f"{backend.name}: not a fused kernel other than the CPU one (torch's fp32 copies round "
                     "differently; the CPU kernel is the yardstick here)")
-    from gaengine import _C  # noqa: PLC0415
+    import gaengine._C  # noqa: F401, PLC0415 - registers torch.ops.gaengine
 
     sizes = sizes_for(backend, [1, 127, 4097, 70 * 4096 + 3, 1000, 4096])
     param_dtypes = [torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32]
@@ -151,7 +151,7 @@ def test_in_place_bitwise_equal_to_cpu_kernel(backend, hyper, scaled):
         grad_scale = torch.tensor(512.0 * (step + 1)) if scaled else None
         backend.adamw_step_(*state, *HYPER[hyper], None if grad_scale is None else grad_scale.to(backend.device),
                             torch.zeros((), device=backend.device))
-        _C.adamw_step_(*reference, *HYPER[hyper], grad_scale, torch.tensor(0.0))
+        torch.ops.gaengine.adamw_step_(*reference, *HYPER[hyper], grad_scale, torch.tensor(0.0))
         assert_state_bitwise(state, reference, f"step {step}")
         fresh_grads(state, reference)
 
@@ -164,9 +164,9 @@ def test_found_inf_skips_everything(backend):
     backend.adamw_step_(*state, *HYPER["default"], None, torch.tensor(0.0, device=backend.device))
     assert_step_against_fp64(before, state, "default", what="step after the skip")
     if backend.name in FUSED:
-        from gaengine import _C  # noqa: PLC0415
+        import gaengine._C  # noqa: F401, PLC0415 - registers torch.ops.gaengine
 
-        _C.adamw_step_(*before, *HYPER["default"], None, None)
+        torch.ops.gaengine.adamw_step_(*before, *HYPER["default"], None, None)
         assert_state_bitwise(state, before, "step after the skip")
 
 
@@ -183,8 +183,8 @@ def test_many_params_one_increment_each(backend):
     for i in range(n):
         assert float(state[4][i]) == float(start[4][i]) + 2, f"steps[{i}]"
     if backend.name in FUSED:
-        from gaengine import _C  # noqa: PLC0415
+        import gaengine._C  # noqa: F401, PLC0415 - registers torch.ops.gaengine
 
         for _ in range(2):
-            _C.adamw_step_(*start, *HYPER["default"], None, None)
+            torch.ops.gaengine.adamw_step_(*start, *HYPER["default"], None, None)
         assert_state_bitwise(state, start, "two steps of 784 params")
