@@ -13,7 +13,7 @@ against the 32764-byte limit of CUDA >= 12.1 on sm_70+ (``static_assert`` in the
 
 ``pytest.mark.cuda`` tests run the ``cuda`` backend (``gaengine._C`` built with CUDA) on a GPU against the
 fp64 oracles of ``tests/reference.py`` with the budgets of ``tests/tolerances.py``, the multi-tensor AdamW against
-``gaengine._C.adamw_step_`` on CPU (bitwise) and ``torch.optim.AdamW(fused=True)`` on CUDA.
+``torch.ops.gaengine.adamw_step_`` on CPU (bitwise) and ``torch.optim.AdamW(fused=True)`` on CUDA.
 """
 
 from __future__ import annotations
