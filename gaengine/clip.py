@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from gaengine.backends import get_backend
+from gaengine.norm import clip_coefficient
 
 __all__ = ["OWNER_ATTR", "clip_grad_norm_", "clip_coefficient", "guard_torch_clip_grad_norm"]
 
@@ -18,8 +19,6 @@ __all__ = ["OWNER_ATTR", "clip_grad_norm_", "clip_coefficient", "guard_torch_cli
 OWNER_ATTR = "_gaengine_accumulator"
 _warned = False
 
-# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (clip_grad.py, `max_norm / (total_norm + 1e-6)`).
-CLIP_EPS = 1e-6
 # The dtypes the backends' l2norm_sq takes; any other gradient (float64, complex) goes to torch's clip_grad_norm_.
 _FUSED_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,11 +66,6 @@ def guard_torch_clip_grad_norm() -> None:
     clip_grad_norm_._gaengine_guard = True
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-
-
-def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))`` as a 0-d tensor on ``total_norm.device`` (torch's formula)."""
-    return torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
 
 
 def clip_grad_norm_(

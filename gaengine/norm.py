@@ -13,9 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gaengine.clip import clip_coefficient
 
-__all__ = ["WindowNorm", "window_norm"]
+__all__ = ["CLIP_EPS", "WindowNorm", "clip_coefficient", "window_norm"]
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (clip_grad.py, `max_norm / (total_norm + 1e-6)`).
+CLIP_EPS = 1e-6
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))`` as a 0-d tensor on ``total_norm.device`` (torch's formula)."""
+    return torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
 
 
 @dataclass(frozen=True)
