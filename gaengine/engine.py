@@ -342,7 +342,7 @@ class GradientAccumulator:
         """End of the last backward: launch the remaining buckets and the stats all-reduce (``gaengine.reduce``);
         the slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
         window = self.window
-        unused = [i for i, used in enumerate(window.used_with(self.hooks.written)) if not used]
+        unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
         window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
                                            self.process_group, extra=self._noise_terms(), count=window.num_micro_batches)
 
@@ -428,7 +428,7 @@ class GradientAccumulator:
 
         # Parameters with no gradient in this window (unused branches), on any rank: zeroed, and not updated.
         unwritten = (window.stats.globally_unused() if self.distributed else
-                     [i for i, used in enumerate(window.used_with(self.hooks.written)) if not used])
+                     [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used])
         self.sharding.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
@@ -639,7 +639,7 @@ class GradientAccumulator:
             "world_size": self.world_size,
             "layout_order": [reg[id(p)] for p in self.params],
             "arrival": self.hooks.arrival,
-            "written": self.hooks.written,
+            "written": self.hooks.accumulated,
             "expected_arrivals": self.hooks.expected_arrivals,
             **self.window.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -667,7 +667,7 @@ class GradientAccumulator:
         if self._noise is not None:
             self.hooks.reset_window()  # no source norms of this accumulator's own window: the saved ones follow
         self.hooks.set_arrival(state["arrival"])
-        self.hooks.set_all_written(list(state["written"]))
+        self.hooks.set_all_accumulated(list(state["written"]))
         if "expected_arrivals" in state:  # absent from state dicts saved before it was learned
             self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
         self.window.load_state_dict(state)

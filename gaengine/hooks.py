@@ -72,12 +72,16 @@ class Hooks(Protocol):
         """Autograd raised: drop what is held (the engine marks the window failed)."""
 
     @property
-    def written(self) -> list[bool]:
-        """A copy: ``written[i]``, parameter i holds a gradient of this window (the next write adds)."""
+    def accumulated(self) -> list[bool]:
+        """A copy: ``accumulated[i]``, parameter i's slice of the destination holds a gradient sum, so its next
+        gradient is added to it (else written over it). The destination is main_grad for the whole window, or, where
+        a bucket is staged per micro-batch (``acquire``: ZeRO stage 2), that micro-batch's staging buffer: then the
+        flags restart every micro-batch, and which parameters the window reached is the window's to keep
+        (``gaengine.window.Window.used``)."""
 
-    def set_written(self, index: int, value: bool) -> None: ...
+    def set_accumulated(self, index: int, value: bool) -> None: ...
 
-    def set_all_written(self, values: list[bool]) -> None: ...
+    def set_all_accumulated(self, values: list[bool]) -> None: ...
 
     @property
     def arrival(self) -> list[int] | None:

@@ -95,16 +95,20 @@ class NativeHooks:
         self._hot.abort()
 
     @property
-    def written(self) -> list[bool]:
+    def accumulated(self) -> list[bool]:
         return self._hot.written()
 
-    def set_written(self, index: int, value: bool) -> None:
+    def set_accumulated(self, index: int, value: bool) -> None:
         self._hot.set_written(index, value)
 
-    def set_all_written(self, values: list[bool]) -> None:
+    def set_all_accumulated(self, values: list[bool]) -> None:
         if len(values) != len(self.params):
-            raise ValueError(f"written has {len(values)} entries for {len(self.params)} parameters")
+            raise ValueError(f"accumulated has {len(values)} entries for {len(self.params)} parameters")
         self._hot.set_all_written([bool(v) for v in values])
+
+    written = accumulated  # the former names, while callers move to the new ones
+    set_written = set_accumulated
+    set_all_written = set_all_accumulated
 
     @property
     def arrival(self) -> list[int] | None:

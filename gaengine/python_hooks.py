@@ -162,17 +162,21 @@ class PythonHooks:
 
     # ------------------------------------------------------------------ window state
     @property
-    def written(self) -> list[bool]:
-        """A copy: ``written[i]``, parameter i holds a gradient of this window (the next write adds)."""
+    def accumulated(self) -> list[bool]:
+        """A copy: ``accumulated[i]``, parameter i's slice of the destination holds a gradient sum (``Hooks``)."""
         return list(self._written)
 
-    def set_written(self, index: int, value: bool) -> None:
+    def set_accumulated(self, index: int, value: bool) -> None:
         self._written[index] = value
 
-    def set_all_written(self, values: list[bool]) -> None:
+    def set_all_accumulated(self, values: list[bool]) -> None:
         if len(values) != len(self.params):
-            raise ValueError(f"written has {len(values)} entries for {len(self.params)} parameters")
+            raise ValueError(f"accumulated has {len(values)} entries for {len(self.params)} parameters")
         self._written = [bool(v) for v in values]
+
+    written = accumulated  # the former names, while callers move to the new ones
+    set_written = set_accumulated
+    set_all_written = set_all_accumulated
 
     @property
     def arrival(self) -> list[int] | None:

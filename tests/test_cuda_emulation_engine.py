@@ -166,7 +166,7 @@ class Run:
             acc.backward(loss, num_items=n)
         free = acc.hooks.free_norm()
         record = {"main_grad": acc.main_grad.data.clone(), "free_norm": free is not None,
-                  "written": list(acc.hooks.written)}
+                  "written": list(acc.hooks.accumulated)}
         # Per model parameter (the layout may be re-learned at step): its main_grad slice and whether it was written.
         slot = {id(p): i for i, p in enumerate(acc.params)}
         record["views"] = [acc.main_grad.flat_views[slot[id(p)]].clone() if id(p) in slot else None

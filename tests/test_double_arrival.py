@@ -106,7 +106,7 @@ def _per_arrival_reference(model):
 def _main_grad_by_name(acc, model):
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: acc.main_grad.flat_views[i] for i, p in enumerate(acc.params)}, \
-        {names[id(p)] for p, w in zip(acc.params, acc.hooks.written) if w}
+        {names[id(p)] for p, w in zip(acc.params, acc.hooks.accumulated) if w}
 
 
 def _index(acc, param):
