@@ -2,7 +2,8 @@
 (``ValueError`` / ``TypeError``, nothing written, ``gaengine._C`` never called); the C++ contracts themselves
 (``TORCH_CHECK``) are checked on ``gaengine._C`` in a child process (``tests/child_contracts.py``), so a crashing
 image cannot take the test run down. The ops' values are tested per operation in ``tests/ops/`` on every backend;
-the ISA and thread-count checks are in ``tests/test_cpu_isa.py``.
+the ISA and thread-count checks are in ``tests/test_cpu_isa.py``; the Python contracts of the public functions, for every
+way in (``gaengine.ops`` and the backends' methods), in ``tests/test_errors.py``.
 Skipped as a whole when the extension is not built (``GAENGINE_BUILD_EXT=0``, or a failed ``auto`` build).
 """
 
@@ -14,7 +15,6 @@ import torch
 
 _C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
 
-from gaengine import ops  # noqa: E402
 from gaengine.backends import get_backend  # noqa: E402
 from tests import child_contracts  # noqa: E402
 from tests.child_contracts import check_raw_contracts  # noqa: E402
@@ -22,23 +22,6 @@ from tests.tolerances import assert_bitwise_equal  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_PARAMS = [pytest.param(dt, id=name) for name, dt in DTYPES.items()]
-VIA = ["backend", "ops"]
-
-
-def accumulate(via: str, dst, src, scale=1.0, overwrite=False):
-    if via == "ops":
-        return ops.accumulate_(dst, src, scale, overwrite=overwrite, backend="cpu")
-    return get_backend("cpu").accumulate_(dst, src, scale, overwrite)
-
-
-def l2norm_sq(via: str, x):
-    return ops.l2norm_sq(x, backend="cpu") if via == "ops" else get_backend("cpu").l2norm_sq(x)
-
-
-def scale(via: str, x, coef):
-    return ops.scale_(x, coef, backend="cpu") if via == "ops" else get_backend("cpu").scale_(x, coef)
-
-
 def test_backend_is_the_extension():
     backend = get_backend("cpu")
     assert backend.name == "cpu" and backend._C is _C
@@ -48,33 +31,6 @@ def test_backend_is_the_extension():
 
 
 # ------------------------------------------------------------------------------------------------ l2norm_sq
-
-
-_F64 = torch.float64
-
-
-@pytest.mark.parametrize(
-    "partials, message",
-    [
-        (torch.zeros(1, 2), r"partials must be a \(1, 2\) torch.float64"),
-        (torch.zeros(1, 3, dtype=_F64), r"partials must be a \(1, 2\) torch.float64"),
-        (torch.zeros(2, dtype=_F64), r"partials must be a \(1, 2\) torch.float64"),
-        (torch.zeros(1, 4, dtype=_F64)[:, ::2], "contiguous"),
-        (torch.zeros(1, 2, dtype=_F64, device="meta"), "on cpu"),
-    ],
-    ids=["fp32", "shape-n3", "1d", "strided", "meta"],
-)
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_bucket_partials_contract_errors_name_the_argument(partials, message, backend):
-    """The free-norm partials of ``accumulate_bucket_``, through the backends: refused in Python (``ValueError``)
-    before ``gaengine._C`` is called, nothing written."""
-    dst = torch.randn(8)
-    before, partials_before = dst.clone(), partials.clone() if partials.device.type == "cpu" else None
-    with pytest.raises(ValueError, match=message):
-        get_backend(backend).accumulate_bucket_(dst, [torch.ones(8, dtype=torch.bfloat16)], [0], [False], partials)
-    assert_bitwise_equal(dst, before, "dst after a refused call")
-    if partials_before is not None:
-        assert_bitwise_equal(partials, partials_before, "partials after a refused call")
 
 
 # --------------------------------------------------------------------------------------------------- errors
@@ -165,81 +121,8 @@ def test_control_extension_raises_runtime_error():
     assert "raised RuntimeError: control: a failed TORCH_CHECK" in detail, detail
 
 
-# The same contracts through the public functions (the backend and gaengine.ops): refused in Python, with a
-# ValueError naming the argument (also a RuntimeError: gaengine.backends.ContractError), before gaengine._C is
-# called, so no failed TORCH_CHECK is ever reached from them.
-_PUBLIC_CONTRACTS = [
-    pytest.param(lambda d: (torch.zeros(4, dtype=torch.float64), torch.zeros(4)), "dst must be float32", id="dst-fp64"),
-    pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.int32)), "src must be float32, bfloat16 or float16",
-                 id="src-int32"),
-    pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.float64)), "src must be float32, bfloat16 or float16",
-                 id="src-fp64"),
-    pytest.param(lambda d: (strided(4), torch.zeros(4)), "dst must be contiguous", id="dst-strided"),
-    pytest.param(lambda d: (d, torch.ones(3, dtype=torch.bfloat16)), "src has 3 elements but dst has 4",
-                 id="numel-mismatch"),
-    pytest.param(lambda d: (d, torch.zeros(4, device="meta")), "src must be a CPU tensor|src is on meta",
-                 id="src-meta"),
-]
-
-
-@pytest.mark.parametrize("via", VIA)
-@pytest.mark.parametrize("args, message", _PUBLIC_CONTRACTS)
-def test_public_accumulate_refuses_bad_input_in_python(args, message, via):
-    dst = torch.randn(4)
-    before = dst.clone()
-    bad_dst, src = args(dst)
-    with pytest.raises(ValueError, match=message):
-        accumulate(via, bad_dst, src)
-    assert_bitwise_equal(dst, before, "dst after a refused call")
-
-
-@pytest.mark.parametrize("via", VIA)
-@pytest.mark.parametrize(
-    "x, message",
-    [
-        pytest.param(torch.zeros(4, dtype=torch.int64), "x must be float32, bfloat16 or float16", id="int64"),
-        pytest.param(torch.zeros(4, dtype=torch.float64), "x must be float32, bfloat16 or float16", id="fp64"),
-    ],
-)
-def test_public_l2norm_sq_refuses_bad_input_in_python(x, message, via):
-    with pytest.raises(ValueError, match=message):
-        l2norm_sq(via, x)
-
-
-@pytest.mark.parametrize("via", VIA)
-@pytest.mark.parametrize(
-    "make_x, coef, message",
-    [
-        pytest.param(lambda: torch.zeros(4, dtype=torch.bfloat16), torch.tensor(1.0), "x must be a contiguous float32",
-                     id="x-bf16"),
-        pytest.param(lambda: strided(4), torch.tensor(1.0), "x must be a contiguous float32", id="x-strided"),
-        pytest.param(lambda: torch.randn(4), torch.ones(1), "coef must be a 0-d tensor", id="coef-1d"),
-        pytest.param(lambda: torch.randn(4), torch.tensor(1.0, device="meta"), "coef must be a 0-d tensor on cpu",
-                     id="coef-meta"),
-        pytest.param(lambda: torch.randn(4), torch.tensor(1 + 1j), "coef must be a real tensor", id="coef-complex"),
-    ],
-)
-def test_public_scale_refuses_bad_input_in_python(make_x, coef, message, via):
-    x = make_x()
-    before = x.clone()
-    with pytest.raises(ValueError, match=message):
-        scale(via, x, coef)
-    assert_bitwise_equal(x, before, "x after a refused call")
-
-
-@pytest.mark.parametrize("via", VIA)
-def test_public_functions_refuse_non_tensors_with_type_error(via):
-    dst = torch.randn(4)
-    before = dst.clone()
-    with pytest.raises(TypeError, match="src must be a torch.Tensor"):
-        accumulate(via, dst, [1.0, 2.0, 3.0, 4.0])
-    with pytest.raises(TypeError, match="scale must be a Python float"):
-        accumulate(via, dst, torch.ones(4), "2")
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        l2norm_sq(via, [1.0])
-    with pytest.raises(TypeError, match="coef must be a 0-d tensor"):
-        scale(via, dst, 2.0)
-    assert_bitwise_equal(dst, before, "dst after refused calls")
+# The same contracts through the public functions (every backend's methods and gaengine.ops, refused in Python before
+# gaengine._C is called): tests/test_errors.py, once for every way in.
 
 
 def test_cpu_backend_never_reaches_a_failed_torch_check(monkeypatch):

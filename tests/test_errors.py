@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gaengine
+from tests.conftest import backend_params
 from tests.tolerances import rel_diff
 
 
@@ -196,7 +197,27 @@ def _strided(n: int, dtype=torch.float32) -> torch.Tensor:
     return torch.zeros(n, 2, dtype=dtype)[:, 0]
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+# Every way in: gaengine.ops with a backend name, and a backend's own methods. The contracts are the same for each.
+VIAS = ["ops-auto", "ops-torch", "ops-cpu", "backend-cpu"]
+
+
+def _via(via: str):
+    """``(accumulate_, l2norm_sq, scale_)`` through ``via``: ``gaengine.ops`` with ``backend=<name>`` ("ops-*"), or
+    the methods of ``get_backend(<name>)`` ("backend-*"); the cpu ones skip where gaengine._C is not built."""
+    kind, name = via.split("-")
+    if name == "cpu":
+        pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
+    if kind == "ops":
+        return (lambda dst, src, scale=1.0: gaengine.ops.accumulate_(dst, src, scale, backend=name),
+                lambda x: gaengine.ops.l2norm_sq(x, backend=name),
+                lambda x, coef: gaengine.ops.scale_(x, coef, backend=name))
+    from gaengine.backends import get_backend  # noqa: PLC0415
+
+    b = get_backend(name)
+    return b.accumulate_, b.l2norm_sq, b.scale_
+
+
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize(
     "make, error, message",
     [
@@ -204,22 +225,30 @@ def _strided(n: int, dtype=torch.float32) -> torch.Tensor:
         pytest.param(lambda d: (_strided(4), torch.zeros(4)), ValueError, "dst must be contiguous", id="dst-strided"),
         pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.int32)), ValueError,
                      "src must be float32, bfloat16 or float16", id="src-int32"),
+        pytest.param(lambda d: (d, torch.zeros(4, dtype=torch.float64)), ValueError,
+                     "src must be float32, bfloat16 or float16", id="src-fp64"),
         pytest.param(lambda d: (d, torch.zeros(3)), ValueError, "src has 3 elements but dst has 4", id="numel"),
-        pytest.param(lambda d: (d, torch.zeros(4, device="meta")), ValueError, "src is on meta but dst is on cpu",
+        pytest.param(lambda d: (d, torch.ones(3, dtype=torch.bfloat16)), ValueError, "src has 3 elements but dst has 4",
+                     id="numel-bf16"),
+        pytest.param(lambda d: (d, torch.zeros(4, device="meta")), ValueError,
+                     {"ops": "src is on meta but dst is on cpu", "backend": "src must be a CPU tensor, got device meta"},
                      id="src-meta"),
         pytest.param(lambda d: (d, [0.0] * 4), TypeError, "src must be a torch.Tensor", id="src-list"),
     ],
 )
-def test_ops_accumulate_bad_input(make, error, message, backend):
+def test_accumulate_bad_input(make, error, message, via):
+    """``message``: what every way in says, or by way in ("ops", "backend") where they word it differently."""
+    accumulate_, _, _ = _via(via)
+    message = message[via.split("-")[0]] if isinstance(message, dict) else message
     dst = torch.randn(4)
     before = dst.clone()
     bad_dst, src = make(dst)
     with pytest.raises(error, match=message):
-        gaengine.ops.accumulate_(bad_dst, src, backend=backend)
+        accumulate_(bad_dst, src)
     assert torch.equal(dst, before)
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize(
     "scale, error, message",
     [
@@ -232,25 +261,27 @@ def test_ops_accumulate_bad_input(make, error, message, backend):
         pytest.param(None, TypeError, "scale must be a Python float", id="none"),
     ],
 )
-def test_ops_accumulate_bad_scale(scale, error, message, backend):
+def test_accumulate_bad_scale(scale, error, message, via):
+    accumulate_, _, _ = _via(via)
     dst = torch.randn(4)
     before = dst.clone()
     with pytest.raises(error, match=message):
-        gaengine.ops.accumulate_(dst, torch.ones(4, dtype=torch.bfloat16), scale, backend=backend)
+        accumulate_(dst, torch.ones(4, dtype=torch.bfloat16), scale)
     assert torch.equal(dst, before)
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_ops_l2norm_sq_bad_input(backend):
+@pytest.mark.parametrize("via", VIAS)
+def test_l2norm_sq_bad_input(via):
+    _, l2norm_sq, _ = _via(via)
     with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16, got torch.int64"):
-        gaengine.ops.l2norm_sq(torch.zeros(4, dtype=torch.int64), backend=backend)
+        l2norm_sq(torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16, got torch.float64"):
-        gaengine.ops.l2norm_sq(torch.zeros(4, dtype=torch.float64), backend=backend)
+        l2norm_sq(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        gaengine.ops.l2norm_sq([1.0, 2.0], backend=backend)
+        l2norm_sq([1.0, 2.0])
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize(
     "make_x, coef, error, message",
     [
@@ -260,6 +291,8 @@ def test_ops_l2norm_sq_bad_input(backend):
                      "contiguous=False", id="x-strided"),
         pytest.param(lambda: torch.randn(4), torch.ones(2), ValueError, r"coef must be a 0-d tensor on cpu.*\(2,\)",
                      id="coef-vector"),
+        pytest.param(lambda: torch.randn(4), torch.ones(1), ValueError, r"coef must be a 0-d tensor on cpu.*\(1,\)",
+                     id="coef-1d"),
         pytest.param(lambda: torch.randn(4), torch.tensor(2.0, device="meta"), ValueError,
                      "coef must be a 0-d tensor on cpu .* on meta", id="coef-meta"),
         pytest.param(lambda: torch.randn(4), torch.tensor(2 + 0j), ValueError, "coef must be a real tensor",
@@ -267,11 +300,12 @@ def test_ops_l2norm_sq_bad_input(backend):
         pytest.param(lambda: torch.randn(4), 2.0, TypeError, "coef must be a 0-d tensor on cpu", id="coef-float"),
     ],
 )
-def test_ops_scale_bad_input(make_x, coef, error, message, backend):
+def test_scale_bad_input(make_x, coef, error, message, via):
+    _, _, scale_ = _via(via)
     x = make_x()
     before = x.clone()
     with pytest.raises(error, match=message):
-        gaengine.ops.scale_(x, coef, backend=backend)
+        scale_(x, coef)
     assert torch.equal(x, before)
 
 
@@ -284,20 +318,29 @@ def test_contract_error_is_a_value_error_and_a_runtime_error():
         gaengine.ops.accumulate_(torch.zeros(4), torch.zeros(3))
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_accumulate_bucket_bad_partials(backend):
+_F64 = torch.float64
+
+
+@pytest.mark.parametrize(
+    "partials",
+    [torch.zeros(2, 2, dtype=_F64), torch.zeros(1, 2), "rows", torch.zeros(1, 3, dtype=_F64), torch.zeros(2, dtype=_F64),
+     torch.zeros(1, 4, dtype=_F64)[:, ::2], torch.zeros(1, 2, dtype=_F64, device="meta")],
+    ids=["rows-n2", "fp32", "str", "shape-n3", "1d", "strided", "meta"],
+)
+@pytest.mark.parametrize("backend", backend_params("torch", "cpu"), indirect=True)
+def test_accumulate_bucket_bad_partials(backend, partials):
+    """The free-norm partials of ``accumulate_bucket_`` in the row layout (torch, cpu): refused in Python
+    (``ValueError`` naming the argument) before any kernel, nothing written."""
     from gaengine.backends import get_backend  # noqa: PLC0415
 
-    try:
-        b = get_backend(backend)
-    except RuntimeError:
-        pytest.skip(f"backend {backend!r} unavailable")
     dst = torch.randn(8)
     before = dst.clone()
-    for partials in (torch.zeros(2, 2, dtype=torch.float64), torch.zeros(1, 2), "rows"):
-        with pytest.raises(ValueError, match=r"partials must be a \(1, 2\) torch.float64 tensor on cpu"):
-            b.accumulate_bucket_(dst, [torch.ones(8)], [0], [False], partials)
+    partials_before = partials.clone() if isinstance(partials, torch.Tensor) and not partials.is_meta else None
+    with pytest.raises(ValueError, match=r"partials must be a \(1, 2\) torch.float64 tensor on cpu"):
+        get_backend(backend).accumulate_bucket_(dst, [torch.ones(8, dtype=torch.bfloat16)], [0], [False], partials)
     assert torch.equal(dst, before)
+    if partials_before is not None:
+        assert torch.equal(partials, partials_before)
 
 
 def test_clip_grad_norm_float64_grads_go_to_torch():
