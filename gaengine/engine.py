@@ -36,14 +36,13 @@ from gaengine.config import AccumulatorConfig
 from gaengine.buffer import FlatBuffer
 from gaengine.hooks import Hooks
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.reduce import HostMailbox, count_mismatch_message, \
-    launch_window_stats, wait_quietly
+from gaengine.reduce import count_mismatch_message, launch_window_stats, wait_quietly
 from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, LossScaler, guard_grad_scaler,
                              scaled_by_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import ShardingStrategy, check_sharding_optimizer, make_sharding, trainable_params
 from gaengine.update import check_optimizer_step, fused_optimizer
-from gaengine.window import FAILED_WINDOW, StepResult, Window
+from gaengine.window import FAILED_WINDOW, LateCounts, StepResult, Window
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -188,6 +187,7 @@ class GradientAccumulator:
             self.world_size = dist.get_world_size(process_group)
         self.distributed = self.world_size > 1
         self.window = Window(self.device)  # the window's counters, loss sum, failed flag and stats (gaengine.window)
+        self._late_counts = LateCounts(self.world_size, self.device)  # a step() that read no counts (several ranks)
         self.zero_stage = zero_stage  # as asked; sharded only on several ranks (gaengine.sharding)
         self.bucket_size_mb = float(bucket_size_mb)
         self.reduce_dtype = reduce_dtype
@@ -296,7 +296,7 @@ class GradientAccumulator:
         window = self.window
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
-        if self._count_check is not None:  # the last window's per-rank counts, unread by its step()
+        if self._late_counts.pending:  # the last window's per-rank counts, unread by its step()
             self._report_count_check()
         if window.num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
@@ -396,7 +396,7 @@ class GradientAccumulator:
         """
         window = self.window
         k = window.num_micro_batches
-        if self._count_check is not None:  # the last window's per-rank counts, unread by its step()
+        if self._late_counts.pending:  # the last window's per-rank counts, unread by its step()
             self._report_count_check()
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
@@ -456,9 +456,7 @@ class GradientAccumulator:
                 counts = window.stats.read_counts()  # host read: after the skip flag's, or the unused flags', or force
             else:
                 unread = True
-                if self._count_mailbox is None:
-                    self._count_mailbox = HostMailbox(self.world_size, torch.float64, self.device)
-                self._count_mailbox.post(window.stats.counts())  # no host wait
+                late_counts = window.stats.counts()
         differ = counts is not None and any(c != k for c in counts)
         scaler_state = None  # what a mismatch found later restores
         if self.scaler is not None and not differ:
@@ -483,17 +481,11 @@ class GradientAccumulator:
             self._grads_left |= self.sharding.relearn_layout()  # a collective: every rank gets here
         if differ:
             self._raise_count_mismatch(counts)
-        if unread:
-            self._count_check = (*counters, scaler_state)
+        if unread:  # no host wait: read by the next backward() / step()
+            self._late_counts.post(late_counts, (*counters, scaler_state))
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
         return result
-
-    # Several ranks (see step()): the counters and loss scale of the last window, whose per-rank micro-batch counts
-    # its step() copied to ``_count_mailbox`` without reading them (``(update_index, items_seen, (scale,
-    # growth_tracker) or None)``), for the next backward() / step() to check; None when there is nothing to check.
-    _count_check: tuple | None = None
-    _count_mailbox: HostMailbox | None = None
 
     def _reads_skip_flag(self) -> bool:
         """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
@@ -502,12 +494,10 @@ class GradientAccumulator:
                 or self.max_consecutive_skips is not None)
 
     def _report_count_check(self) -> None:
-        """Read the last window's per-rank counts (``_count_check``); when they differed, restore what its
+        """Read the last window's per-rank counts (``_late_counts``); when they differed, restore what its
         ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise ``RuntimeError``.
         Called first thing by ``backward()`` and ``step()``, so the window since is empty and stays so."""
-        update_index, items_seen, scaler_state = self._count_check
-        self._count_check = None
-        counts = [int(c) for c in self._count_mailbox.read()]  # host memory; on CUDA waits for its copy only
+        counts, (update_index, items_seen, scaler_state) = self._late_counts.take()
         if all(c == counts[0] for c in counts):
             return
         self.schedule.update_index, self.schedule.items_seen = update_index, items_seen

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from gaengine.reduce import WindowStats
+from gaengine.reduce import HostMailbox, WindowStats
 
-__all__ = ["FAILED_WINDOW", "StepResult", "Window"]
+__all__ = ["FAILED_WINDOW", "LateCounts", "StepResult", "Window"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                  "micro-batches; call acc.zero_grad() to drop it, then go on")
@@ -164,3 +164,30 @@ class StepResult:
     grad_noise_scale: torch.Tensor | None = None
     noise_trace_sigma: torch.Tensor | None = None
     noise_grad_sq: torch.Tensor | None = None
+
+
+class LateCounts:
+    """Several ranks, a ``step()`` that read nothing on the host (a fused optimizer): its window's per-rank
+    micro-batch counts, copied to host memory behind the stats all-reduce without a wait
+    (``gaengine.reduce.HostMailbox``), and what that step counted, for the next ``backward()`` or ``step()`` to
+    check (``gaengine.engine``). world_size: the counts; device: where they come from."""
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        self.world_size = world_size
+        self.device = device
+        self._mailbox: HostMailbox | None = None
+        self._saved: Any = None
+        self.pending = False
+
+    def post(self, counts: torch.Tensor, saved: Any) -> None:
+        """``counts``: ``(world_size,)`` fp64 on the device (``WindowStats.counts()``); ``saved``: what ``take()``
+        gives back with them."""
+        if self._mailbox is None:
+            self._mailbox = HostMailbox(self.world_size, torch.float64, self.device)
+        self._mailbox.post(counts)
+        self._saved, self.pending = saved, True
+
+    def take(self) -> tuple[list[int], Any]:
+        """The counts as ints (host memory; on CUDA waits for their copy only) and what was posted with them."""
+        saved, self._saved, self.pending = self._saved, None, False
+        return [int(c) for c in self._mailbox.read()], saved
