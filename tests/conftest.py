@@ -14,6 +14,8 @@ if not _has_cuda:
 
 import pytest  # noqa: E402
 
+from tests import poison  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     if _has_cuda:
@@ -28,6 +30,18 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# Every test's floating torch.empty / torch.empty_like / Tensor.new_empty comes back NaN-filled (tests/poison.py), in
+# this process and in the gloo ranks it starts (they inherit GAENGINE_POISON): a missing write shows.
+os.environ[poison.ENV] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _poison_allocations():
+    undo = poison.install()
+    yield
+    undo()
 
 
 # ---------------------------------------------------------------- the backends that exist here
@@ -50,22 +64,38 @@ def backend_params(*ids: str) -> list:
     return [pytest.param(i, id=i, marks=_BACKEND_MARKS.get(i, [])) for i in (ids or BACKENDS)]
 
 
+NATIVE_HOOKS = ("cpu", "cuda-emu", "cuda-gpu")
+"""The backends whose bucket kernels the native hooks launch from C++ (``Backend.hot_path_kernels``); every backend
+runs the Python hooks."""
+
+
+def backend_hook_params(*ids: str) -> list:
+    """``pytest.param(backend_id, hot_path)`` of each backend of ``ids`` (all when none) with each of its hooks
+    (``GAENGINE_HOT_PATH``: "python", and "native" for ``NATIVE_HOOKS``), id ``<backend>-<hooks>``: the values of
+    ``@pytest.mark.parametrize("backend,hot_path", backend_hook_params(), indirect=["backend"])``."""
+    return [pytest.param(p.values[0], hooks, id=f"{p.id}-{hooks}", marks=p.marks)
+            for p in backend_params(*ids) for hooks in ("python", "native")
+            if hooks == "python" or p.values[0] in NATIVE_HOOKS]
+
+
 def backend_name(backend_id: str) -> str:
     """The name gaengine takes for a backend id (``GradientAccumulator(backend=...)``, ``get_backend``)."""
     return "cuda" if backend_id.startswith("cuda-") else backend_id
 
 
 def backend_device(backend_id: str) -> torch.device:
-    """Where the backend's tensors live here."""
+    """Where the backend's tensors live here: a GPU for ``cuda-gpu``, and for ``triton`` when there is one."""
     gpu = backend_id == "cuda-gpu" or (backend_id == "triton" and _has_cuda)
     return torch.device("cuda" if gpu else "cpu")
 
 
 @pytest.fixture(params=backend_params())
 def backend(request) -> str:
-    """Each backend that exists here (``BACKENDS``), as the name gaengine takes (``backend_name``), skipped where it
-    cannot load; ``cuda-emu`` installs the emulated build for the test (``monkeypatch``). The id is
-    ``request.node.callspec.params["backend"]``. A file's own ``backend`` fixture may take this one's value."""
+    """Each backend that exists here (``BACKENDS``) for a model on CPU tensors (``cuda-gpu``: CUDA ones), as the name
+    gaengine takes (``backend_name``), skipped where it cannot load; ``cuda-emu`` installs the emulated build for the
+    test (``monkeypatch``). The id is ``request.node.callspec.params["backend"]``. Files whose tensors follow
+    ``backend_device`` (``tests/ops``, ``tests/test_op_table.py``) parametrize their own fixture with
+    ``backend_params()``."""
     backend_id = request.param
     if backend_id == "cuda-emu":
         emu_engine, module = request.getfixturevalue("emulated_cuda_module")
@@ -73,7 +103,7 @@ def backend(request) -> str:
     from gaengine.backends import get_backend  # noqa: PLC0415
 
     try:
-        get_backend(backend_name(backend_id), backend_device(backend_id))
+        get_backend(backend_name(backend_id), "cuda" if backend_id == "cuda-gpu" else "cpu")
     except RuntimeError as exc:
         pytest.skip(f"backend {backend_id!r} unavailable here: {exc}")
     return backend_name(backend_id)

@@ -39,7 +39,7 @@ from torch import nn
 import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
-from tests import test_distributed, test_double_arrival, test_hot_path, test_stale_gradients
+from tests import test_distributed, test_hot_path, test_stale_gradients
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,10 +49,6 @@ import engine as emu_engine  # noqa: E402
 
 pytestmark = pytest.mark.skipif(emu_build.find_cxx() is None,
                                 reason="no C++ compiler ($CXX, g++, c++, clang++) to build the emulation")
-
-# Parametrize ids never say just "cuda": conftest.py skips items with a "cuda" keyword when no GPU is present.
-EMU = "emu-cuda"
-
 
 @pytest.fixture(scope="session")
 def emulated_module():
@@ -420,20 +416,7 @@ def test_fused_adamw_skips_a_non_finite_window(emu):
 
 
 # --------------------------------------------------------------------------- the existing tests, on the emulation
-def test_double_arrival_one_op_per_arrival(emu, monkeypatch):
-    """tests/test_double_arrival.py's one-op-per-arrival test on backend="cuda": a shared layer under reentrant
-    checkpointing and a nested backward (a second arrival combined with the held one), bucket per parameter and
-    one bucket, fp32 and bf16."""
-    for dtype in (torch.float32, torch.bfloat16):
-        for bucket_size_mb in (1e-6, 25.0):
-            test_double_arrival.test_double_arrival_equals_one_op_per_arrival(
-                "cuda", "native", dtype, bucket_size_mb, monkeypatch)
-
-
-def test_double_arrival_plain_recipe(emu, monkeypatch):
-    for bucket_size_mb in (1e-6, 25.0):
-        test_double_arrival.test_double_arrival_equals_the_plain_recipe("cuda", "native", bucket_size_mb, monkeypatch)
-
+# (tests/test_double_arrival.py runs on the emulation itself: its cuda-emu-native and cuda-emu-python ids.)
 
 def test_source_rows_without_gradient_on_the_emulated_backend(emu, monkeypatch):
     """tests/test_hot_path.py's unused-parameter source rows on backend "cuda", native hooks: the parts of each

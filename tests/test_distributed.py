@@ -17,6 +17,7 @@ from torch import nn
 
 import gaengine
 from gaengine.reduce import BucketReducer
+from tests import poison
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -197,6 +198,7 @@ SCENARIOS = {"equivalence": _scenario_equivalence, "items_unused": _scenario_ite
 def _worker(rank, world, init_file, scenario, out, timeout_s):
     """One rank: ``scenario`` (a name in ``SCENARIOS``, or a picklable callable ``(rank, world, out) -> result``, as
     other test files pass theirs) runs in a gloo group; its result is saved for the test to load."""
+    poison.install_if_asked()  # NaN-filled torch.empty, as in the parent test (tests/poison.py)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

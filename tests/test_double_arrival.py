@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gaengine
+from tests.conftest import backend_hook_params
 from tests.tolerances import assert_bitwise_equal, rel_diff
 
 D = 128  # a bucket past the CPU kernel's parallel grain: two sources on one slice would race
@@ -113,17 +114,12 @@ def _index(acc, param):
     return next(i for i, p in enumerate(acc.params) if p is param)
 
 
-CONFIGS = [
-    pytest.param("cpu", "native", id="cpu-native"),
-    pytest.param("torch", "python", id="torch-python"),
-    pytest.param("cpu", "python", id="cpu-python"),
-    pytest.param("triton", "python", id="triton", marks=pytest.mark.interpreter),
-]
+CONFIGS = backend_hook_params()  # every backend here with each of its hooks (tests/conftest.py)
 
 
 @pytest.mark.parametrize("bucket_size_mb", [1e-6, 25.0], ids=["bucket-per-param", "one-bucket"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("backend,hot_path", CONFIGS)
+@pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_double_arrival_equals_one_op_per_arrival(backend, hot_path, dtype, bucket_size_mb, monkeypatch):
     monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
     torch.manual_seed(0)
@@ -154,7 +150,7 @@ def test_double_arrival_equals_one_op_per_arrival(backend, hot_path, dtype, buck
 
 
 @pytest.mark.parametrize("bucket_size_mb", [1e-6, 25.0], ids=["bucket-per-param", "one-bucket"])
-@pytest.mark.parametrize("backend,hot_path", CONFIGS)
+@pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_double_arrival_equals_the_plain_recipe(backend, hot_path, bucket_size_mb, monkeypatch):
     """fp32 through the whole engine, against autograd's own fp32 ``.grad`` accumulation divided by K."""
     monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)

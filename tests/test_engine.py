@@ -1,4 +1,5 @@
-"""GradientAccumulator against the plain PyTorch recipe and fp64 references (single process, CPU)."""
+"""GradientAccumulator against the plain PyTorch recipe and fp64 references (single process, CPU), on every backend
+that exists here (the ``backend`` fixture of ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,6 @@ from torch import nn
 import gaengine
 from gaengine.backends import get_backend
 from tests.tolerances import rel_diff
-
-
-def _available_backends() -> list:
-    out = ["torch"]
-    for name in ("cpu", "triton"):
-        try:
-            get_backend(name, "cpu")
-        except RuntimeError:
-            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"backend {name!r} unavailable")))
-        else:
-            out.append(pytest.param(name, marks=pytest.mark.interpreter) if name == "triton" else name)
-    return out
-
-
-BACKENDS = _available_backends()
 
 
 class MLP(nn.Module):
@@ -64,7 +50,6 @@ def _make_pair(seed=0, **kw):
 
 
 # ---------------------------------------------------------------- equivalence with the large batch
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt_name", ["adamw-fused", "adamw-foreach", "sgd"])
 def test_k_micro_batches_equal_one_large_batch(backend, opt_name):
     K, B, steps, max_norm = 4, 3, 3, 0.05
@@ -103,7 +88,6 @@ def test_k_micro_batches_equal_one_large_batch(backend, opt_name):
     acc.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_partial_window_force_is_exact(backend):
     K, B, done = 5, 2, 3
     model, ref = _make_pair()
@@ -127,7 +111,6 @@ def test_partial_window_force_is_exact(backend):
     assert acc.step(force=True) is None  # an empty window does nothing
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_item_mode_padded_sequences_equal_token_mean(backend):
     """Variable-length sequences padded with label -100: the window's gradient is the mean over all real tokens."""
     torch.manual_seed(3)
@@ -176,7 +159,6 @@ def test_item_mode_with_device_tensor_counts():
 
 
 # ---------------------------------------------------------------- fidelity of fp32 accumulation
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fidelity_64_bf16_gradients(backend):
     """The same 64 bf16 gradients: engine (fp32 buffer) vs bf16 .grad accumulation, both against fp64."""
     n, K = 4096, 64
@@ -216,7 +198,6 @@ def test_tied_weight_receives_both_uses_once():
 
 
 # ---------------------------------------------------------------- clipping and non-finite gradients
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_clipping_matches_torch(backend):
     model, ref = _make_pair()
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=0.01, backend=backend)

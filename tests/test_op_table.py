@@ -4,8 +4,8 @@ torch reference / fp64 oracle with the same error budget; the ``torch.library`` 
 ``gaengine/backends.py`` branching on a backend's name.
 
 Backends: ``torch`` (the reference), ``cpu`` (``gaengine._C``), ``triton`` (CPU tensors under ``TRITON_INTERPRET=1``,
-set by ``conftest.py``) and ``emu-cuda`` (the cuda backend over ``tests/cuda_emu/engine.py``'s emulated build, CUDA
-kernels executed on CPU tensors).
+set by ``conftest.py``), ``cuda-emu`` (the cuda backend over ``tests/cuda_emu/engine.py``'s emulated build, CUDA
+kernels executed on CPU tensors) and ``cuda-gpu``: ``tests/conftest.py``'s list.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from gaengine import backends
 from gaengine.backends import OPS, Backend, ReferenceBackend, adamw_step_reference, get_backend
+from tests.conftest import backend_name, backend_params
 from tests.reference import accumulate_fp64, sum_sq_fp64
 from tests.tolerances import assert_bitwise_equal, rel_diff, sum_sq_rtol
 
@@ -36,27 +37,18 @@ def _op_namespace() -> str | None:
     return _C.OP_NAMESPACE
 
 
-def _loadable(name: str) -> bool:
-    try:
-        get_backend(name, DEVICE)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _backend_param(name: str):
-    marks = [] if _loadable(name) else [pytest.mark.skip(reason=f"backend {name!r} unavailable")]
-    return pytest.param(name, id=name, marks=marks)
-
-
-@pytest.fixture(params=[_backend_param("torch"), _backend_param("cpu"), _backend_param("triton"),
-                        pytest.param("emu-cuda", id="emu-cuda")])
+@pytest.fixture(params=backend_params())
 def backend(request, monkeypatch) -> Backend:
-    if request.param != "emu-cuda":
-        return get_backend(request.param, DEVICE)
-    emu_engine, module = request.getfixturevalue("emulated_cuda_module")
-    emu_engine.use(monkeypatch, module)
-    return get_backend("cuda", "cpu")
+    """Each backend of ``tests/conftest.py``'s list as its ``Backend`` (``DEVICE``'s; the emulated cuda one on CPU
+    tensors), skipped where it cannot load."""
+    if request.param == "cuda-emu":
+        emu_engine, module = request.getfixturevalue("emulated_cuda_module")
+        emu_engine.use(monkeypatch, module)
+        return get_backend("cuda", "cpu")
+    try:
+        return get_backend(backend_name(request.param), DEVICE)
+    except RuntimeError as exc:
+        pytest.skip(f"backend {request.param!r} unavailable: {exc}")
 
 
 def _function(obj, op: str):

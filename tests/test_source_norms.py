@@ -38,27 +38,18 @@ from gaengine.backends import get_backend
 from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.hooks import make_hooks
+from tests.conftest import backend_hook_params
 from tests.test_double_arrival import SharedCheckpointed, _batches
 from tests.tolerances import sum_sq_rtol
 
-CONFIGS = [
-    pytest.param("torch", "python", id="torch-python"),
-    pytest.param("cpu", "python", id="cpu-python"),
-    pytest.param("cpu", "native", id="cpu-native"),
-    pytest.param("triton", "python", id="triton", marks=pytest.mark.interpreter),
-    pytest.param("cuda-emu", "python", id="cuda-emu-python"),
-    pytest.param("cuda-emu", "native", id="cuda-emu-native"),
-]
+CONFIGS = backend_hook_params()  # every backend here with each of its hooks (tests/conftest.py)
 
 
 @pytest.fixture
-def backend_of(request, monkeypatch):
-    """``backend_of(name)``: the backend for CPU tensors; "cuda-emu" is the cuda backend over the emulated build."""
+def backend_of():
+    """``backend_of(name)``: the backend for CPU tensors of a name gaengine takes (the ``backend`` fixture's value:
+    with ``cuda-emu``, "cuda" over the emulated build it installed)."""
     def get(name):
-        if name == "cuda-emu":
-            emu_engine, module = request.getfixturevalue("emulated_cuda_module")
-            emu_engine.use(monkeypatch, module)
-            name = "cuda"
         try:
             return get_backend(name, "cpu")
         except RuntimeError as exc:
@@ -101,7 +92,7 @@ def _reference_rows(model, batches):
 
 
 @pytest.mark.parametrize("bucket_size_mb", [1e-6, 25.0], ids=["bucket-per-param", "one-bucket"])
-@pytest.mark.parametrize("backend,hot_path", CONFIGS)
+@pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_rows_match_the_fp64_reference_double_arrival_included(backend, hot_path, bucket_size_mb, monkeypatch,
                                                                backend_of):
     torch.manual_seed(0)
@@ -129,7 +120,7 @@ def test_rows_match_the_fp64_reference_double_arrival_included(backend, hot_path
         hooks.close()
 
 
-@pytest.mark.parametrize("backend,hot_path", CONFIGS)
+@pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_off_gives_none_and_drop_clears(backend, hot_path, monkeypatch, backend_of):
     torch.manual_seed(0)
     model = SharedCheckpointed()
@@ -229,7 +220,7 @@ def _cost(layers, backend, hot_path, measure, monkeypatch):
         hooks.close()
 
 
-@pytest.mark.parametrize("backend,hot_path", CONFIGS)
+@pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_measuring_adds_no_launch_and_no_python_per_parameter(backend, hot_path, monkeypatch, backend_of):
     backend = backend_of(backend)
     extra = {}
