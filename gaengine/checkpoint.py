@@ -275,20 +275,22 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
             return value.detach().to(device=value.device if device is None else device, copy=True)
         return value
 
-    zero = getattr(acc, "_zero", None)
-    if zero is None:  # unsharded: the optimizer holds whole tensors, numbered like the user's groups
+    sharding = acc.sharding
+    if not sharding.sharded:  # one shard: the optimizer holds parameter-shaped tensors, numbered like the user's groups
         saved = optimizer.state_dict()
         return {"state": {i: {k: copy(v) for k, v in s.items()} for i, s in saved["state"].items()},
                 "param_groups": [{k: copy(v) for k, v in g.items()} for g in saved["param_groups"]]}
 
-    layout, world = zero.shard, acc.world_size
+    layout, world = sharding.layout, acc.world_size
     params = acc.params
+    slots = sharding.param_slots()
     all_pieces = [[Piece(s.index, s.lo, s.numel, s.shard_offset) for s in layout.param_shards(r) if s.numel]
                   for r in range(world)]
     group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
     steps: dict[int, float] = {}
     moment_keys: set[str] = set()
-    for i, piece in enumerate(zero.pieces):
+    for i, slot in enumerate(slots):
+        piece = slot.piece
         state = optimizer.state.get(piece) if piece is not None else None
         if state:
             keys = _moment_keys(optimizer, optimizer.param_groups[group_of[id(piece)]])
@@ -302,16 +304,16 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     full: dict[str, list[torch.Tensor]] = {}
     for key in sorted({k for _, keys in gathered for k in keys}):
         buf = torch.zeros(layout.shard_numel, dtype=torch.float32, device=acc.device)
-        for i, (s, piece) in enumerate(zip(zero.shards, zero.pieces)):
-            state = optimizer.state.get(piece) if piece is not None else None
+        for s in slots:
+            state = optimizer.state.get(s.piece) if s.piece is not None else None
             if state and isinstance(state.get(key), torch.Tensor):
-                buf[s.shard_offset:s.shard_offset + s.numel] = state[key].reshape(-1)
+                buf[s.shard_offset:s.shard_offset + s.hi - s.lo] = state[key].reshape(-1)
         full[key] = gather_full(buf, all_pieces, [p.shape for p in params], group=acc.process_group, device=device)
-    dtype_of = [zero.pieces[i].dtype if zero.pieces[i] is not None else
-                (torch.float32 if p.dtype in zero.master_shards else p.dtype) for i, p in enumerate(params)]
+    dtype_of = [s.piece.dtype if s.piece is not None else (torch.float32 if s.master else s.param.dtype)
+                for s in slots]
     layout_index = {id(p): i for i, p in enumerate(params)}
     state_out, groups_out, n = {}, [], 0
-    for g, members in enumerate(zero.group_params):  # the model's parameters of each group, as built
+    for g, members in enumerate(sharding.store.group_params):  # the model's parameters of each group, as built
         ids = []
         keys = _moment_keys(optimizer, optimizer.param_groups[g])
         for p in members:
@@ -343,6 +345,8 @@ class _Entry:
     group: index of the piece's param group (-1 without a piece). master: the parameter has fp32 master weights.
     grad: ``(hi - lo,)`` fp32 view of the window's gradient sum for that range (stage 2: the gradient shard;
         stage 1: this rank's range of ``main_grad``; unsharded: the whole ``main_grad`` view).
+    shard_offset: where ``lo`` lies in the rank's gradient shard (sharded). All from
+    ``acc.sharding.param_slots()`` (``gaengine.store.ParamSlot``).
     """
 
     key: str
@@ -357,15 +361,16 @@ class _Entry:
     optimized: bool
     master: bool
     grad: torch.Tensor
+    shard_offset: int
 
 
 def _param_keys(acc: Any) -> dict[int, str]:
     """id(parameter) -> its checkpoint key: its name in the model (the first, for a tied parameter), else
     ``param<i>`` with i its registration order."""
     names: dict[int, str] = {}
-    for name, p in acc._named_params:
+    for name, p in acc.named_params:
         names.setdefault(id(p), name)
-    return {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(acc._registration)}
+    return {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(acc.registered_params)}
 
 
 def _entries(acc: Any) -> list[_Entry]:
@@ -373,24 +378,13 @@ def _entries(acc: Any) -> list[_Entry]:
     keys = _param_keys(acc)
     optimizer = acc.optimizer
     group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
-    zero = acc._zero
     out = []
-    for i, p in enumerate(acc.params):
-        numel = p.numel()
-        if zero is not None:
-            s, piece = zero.shards[i], zero.pieces[i]
-            lo, hi, grad = s.lo, s.hi, zero.grad_views[i]
-            optimized = bool(zero.optimized[i])
-            master = optimized and p.dtype in zero.master_shards
-        else:
-            masters = acc._masters
-            optimized = id(p) in masters.optimized
-            master = id(p) in masters.masters
-            piece = masters.masters.get(id(p), p) if optimized else None
-            lo, hi, grad = 0, numel, acc.main_grad.flat_views[i]
-        out.append(_Entry(keys[id(p)], i, numel, p.shape, p.dtype, lo, hi, piece,
-                          group_of.get(id(piece), -1) if piece is not None else -1, optimized, master, grad))
-    order = {id(p): j for j, p in enumerate(acc._registration)}
+    for i, s in enumerate(acc.sharding.param_slots()):  # what this rank holds of each parameter
+        p, piece = s.param, s.piece
+        out.append(_Entry(keys[id(p)], i, p.numel(), p.shape, p.dtype, s.lo, s.hi, piece,
+                          group_of.get(id(piece), -1) if piece is not None else -1, s.optimized, s.master, s.grad,
+                          s.shard_offset))
+    order = {id(p): j for j, p in enumerate(acc.registered_params)}
     return sorted(out, key=lambda e: order[id(acc.params[e.layout_index])])
 
 
@@ -413,8 +407,7 @@ def _reduced_window_grad(acc: Any) -> torch.Tensor:
     Each bucket of ``main_grad`` is copied (the slices this rank did not write in this window zeroed: they hold
     an earlier window's values) and reduce-scattered in fp32 into a ``(shard_numel,)`` buffer; ``main_grad``
     itself is not changed, so training goes on after the save."""
-    zero = acc._zero
-    layout = zero.shard
+    layout = acc.sharding.layout
     written = acc.hooks.written
     out = torch.empty(layout.shard_numel, dtype=torch.float32, device=acc.device)
     for b in layout.buckets:
@@ -435,24 +428,21 @@ def zero_state_dict(acc: Any) -> dict[str, Any]:
     if acc.window.stats is not None:
         raise RuntimeError("state_dict() was called after the window's last acc.backward() and before acc.step(): "
                            "the window's reductions are in flight; call acc.step() first, then save")
-    zero = acc._zero
+    sharding = acc.sharding
     world = acc.world_size
     group = acc.process_group
     mid_window = acc.num_micro_batches > 0
-    if zero is not None:
-        zero.wait_gathers()  # the parameters (model.state_dict() views) must be whole before DCP reads them
-        if zero.stage == 2:
-            acc.reducer.wait()  # the last micro-batch's reduce-scatters, into the gradient shard
+    sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
     optimizer = acc.optimizer
 
-    per_rank: dict[str, Any] = {"scalars": acc._state_scalars()}  # with the window's (gaengine.window)
+    per_rank: dict[str, Any] = {"scalars": acc.scalars_state_dict()}  # with the window's (gaengine.window)
     ranks = [per_rank]
     if world > 1:
         ranks = [None] * world
         dist.all_gather_object(ranks, per_rank, group=group)
     meta = {
-        "world_size": world, "zero_stage": acc.zero_stage, "sharded": zero is not None,
+        "world_size": world, "zero_stage": acc.zero_stage, "sharded": sharding.sharded,
         "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "lr_scheduler": None if acc.lr_scheduler is None else acc.lr_scheduler.state_dict(),
@@ -462,7 +452,7 @@ def zero_state_dict(acc: Any) -> dict[str, Any]:
     torch.save(meta, blob)
 
     masters, opt_state, window = {}, {}, {}
-    reduced = _reduced_window_grad(acc) if zero is not None and zero.stage == 1 and mid_window else None
+    reduced = _reduced_window_grad(acc) if sharding.holds_local_sums and mid_window else None
     for e in entries:
         owned = e.piece is not None
         if e.master:
@@ -483,8 +473,7 @@ def zero_state_dict(acc: Any) -> dict[str, Any]:
                 entry[k] = FlatShard(local, e.numel, e.lo)
             opt_state[e.key] = entry
         if reduced is not None:
-            s = zero.shards[e.layout_index]
-            window[e.key] = FlatShard(reduced[s.shard_offset:s.shard_offset + s.numel], e.numel, e.lo)
+            window[e.key] = FlatShard(reduced[e.shard_offset:e.shard_offset + e.hi - e.lo], e.numel, e.lo)
         else:
             window[e.key] = FlatShard(e.grad.view(-1), e.numel, e.lo, template=not mid_window)
     return {"format": ZERO_FORMAT, "meta": blob.getvalue(), "master": masters, "optimizer": opt_state,
@@ -537,7 +526,7 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
     saved_scalars = meta["ranks"][0]["scalars"]
     mid_window = int(saved_scalars["num_micro_batches"]) > 0
     if mid_window and (saved_world != world or meta["zero_stage"] != acc.zero_stage
-                       or meta["sharded"] != (acc._zero is not None)):
+                       or meta["sharded"] != acc.sharding.sharded):
         raise ValueError(
             f"state was saved mid-window ({saved_scalars['num_micro_batches']} micro-batches into a window) on "
             f"{saved_world} rank(s) with zero_stage={meta['zero_stage']}; this run has {world} rank(s) and "
@@ -548,7 +537,7 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
     scalars = dict(meta["ranks"][rank if mid_window else 0]["scalars"])
     if mid_window and scalars.get("window_used") is None and "window_used" in meta["ranks"][rank]:
         scalars["window_used"] = meta["ranks"][rank]["window_used"]  # saved beside the scalars before gaengine.window
-    acc._check_state_scalars(scalars)
+    acc.check_scalars_state(scalars)
     # Validate every value before writing any.
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     opt_groups: list[dict[str, Any]] = []
@@ -593,8 +582,8 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
 
     # Write.
     with torch.no_grad():
-        if mid_window and acc._zero is not None and acc._zero.stage == 1:
-            layout = acc._zero.shard
+        if mid_window and acc.sharding.holds_local_sums:
+            layout = acc.sharding.layout
             for b in layout.buckets:  # the other ranks' ranges hold nothing of the saved (reduced) sum
                 lo, hi = b.rank_range(rank)
                 acc.main_grad.data[b.start:lo].zero_()
@@ -613,13 +602,13 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
     optimizer.load_state_dict({"state": numbered, "param_groups": opt_groups})
     if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    acc._load_state_scalars(scalars)
-    if mid_window and acc._zero is not None and acc._zero.stage == 1:
+    acc.load_scalars_state(scalars)
+    if mid_window and acc.sharding.holds_local_sums:
         # every rank's range now holds the reduced sum of what any rank wrote
         written = [any(r["scalars"]["written"][i] for r in meta["ranks"]) for i in range(len(acc.params))]
         acc.hooks.set_all_written(written)
 
 
 def _layout_order(acc: Any) -> list[int]:
-    reg = {id(p): i for i, p in enumerate(acc._registration)}
+    reg = {id(p): i for i, p in enumerate(acc.registered_params)}
     return [reg[id(p)] for p in acc.params]

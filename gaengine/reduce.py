@@ -58,7 +58,7 @@ class Collective:
     * ``wait()`` also waits, for CPU tensors, until no other thread holds them (``settle``).
 
     When ``step()`` and ``state_dict()`` return, nothing gaengine launched is in flight or holds a Python object
-    on a backend thread (``overlap_param_gather``'s all-gathers apart, which ``gaengine.zero.ShardedState``
+    on a backend thread (``overlap_param_gather``'s all-gathers apart, which ``gaengine.zero.ParamGather``
     waits for at the latest at interpreter exit). On CUDA ``wait()`` stays a stream wait: no host sync.
 
     fn: a ``torch.distributed`` collective, called as ``fn(*tensors, async_op=True, **kwargs)`` on aliases of

@@ -25,7 +25,8 @@ more implementation: its hooks write the reduce-scattered local shards, it has n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -37,9 +38,11 @@ from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import BucketReducer, broadcast_from_first_rank
-from gaengine.update import MasterWeights, apply_update, expose_grads
+from gaengine.store import ParameterStore, ParamSlot
+from gaengine.update import expose_grads, step_scheduler
 from gaengine.window import Window
-from gaengine.zero import STAGING_SLOTS, ShardedState, ShardLayout, ShardReducer, check_zero_optimizer, zero_order
+from gaengine.zero import (STAGING_SLOTS, ParamGather, ShardLayout, ShardReducer, check_zero_optimizer, shard_norm,
+                           zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "check_sharding_optimizer", "make_sharding",
            "trainable_params"]
@@ -51,8 +54,13 @@ class ShardingStrategy:
     params: the trainable parameters in layout order (index i: ``main_grad``'s slice i, the hooks' index i).
     main_grad: the ``(layout.total_numel,)`` fp32 ``FlatBuffer`` of the window's gradient sums (on ``meta`` where
     the sums live elsewhere, ``ZeroStage2``). reducer: the bucket reducer, or None on one rank. hooks: the
-    per-parameter hooks (``gaengine.hooks``), rebuilt with the layout. master_buffer: the fp32 master weights'
-    flat ``FlatBuffer`` where they are one whole buffer (``Replicated``), else None.
+    per-parameter hooks (``gaengine.hooks``), rebuilt with the layout. store: the ``gaengine.store.ParameterStore``
+    (parameter buffers, masters, the optimizer's pieces, the update), or None without an optimizer.
+    master_buffer: the store's fp32 master weights (this rank's, a ``FlatBuffer``), or None. layout: the
+    ``gaengine.zero.ShardLayout`` of the sharded strategies (None: ``Replicated``). gather: the parameters'
+    all-gathers after each update (``gaengine.zero.ParamGather``), or None. sharded: the optimizer state is split
+    over several ranks. holds_local_sums: mid-window, ``main_grad`` holds this rank's own unreduced sums while the
+    rank owns only its shard of the update (a checkpoint reduce-scatters them, ``gaengine.checkpoint``).
 
     Built from the trainable ``params`` (registration order) and the ``optimizer`` (or None), with the
     accumulator's backend, device, process group and world size and the options of ``gaengine.AccumulatorConfig``
@@ -66,12 +74,17 @@ class ShardingStrategy:
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     relearns_layout = False  # the layout follows the first window's gradient arrival order
+    sharded = False
+    holds_local_sums = False
 
     params: list[torch.Tensor]
     main_grad: FlatBuffer
     reducer: BucketReducer | None
     hooks: Hooks | None
+    store: ParameterStore | None = None
     master_buffer: FlatBuffer | None = None
+    layout: ShardLayout | None = None
+    gather: ParamGather | None = None
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, *, backend,
                  device: torch.device, process_group: dist.ProcessGroup | None, world_size: int,
@@ -123,7 +136,14 @@ class ShardingStrategy:
             self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])
         if not learning:
             self.hooks.stop_learning()
+        self._map_store()
         return stale
+
+    def _map_store(self) -> None:
+        """The layout index of each of the store's parameters (its order is fixed at construction)."""
+        if self.store is not None:
+            position = {id(p): i for i, p in enumerate(self.params)}
+            self._store_order = [position[id(p)] for p in self.store.params]
 
     def _new_main_grad(self) -> FlatBuffer:
         raise NotImplementedError
@@ -195,8 +215,29 @@ class ShardingStrategy:
 
     def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
         """Run the optimizer on the window's gradient times ``coef`` (skipped when ``skipped``), write the model,
-        step ``lr_scheduler``; a parameter in ``unwritten`` gets no update."""
+        step ``lr_scheduler``; a parameter in ``unwritten`` gets no update. One path for every strategy: the
+        store's update (``gaengine.store.ParameterStore.update``) on this strategy's gradient views, then the
+        parameters' gathers, then the scheduler."""
+        self.wait_gathers()
+        grads: list[torch.Tensor | None] = list(self._update_grads())
+        for i in unwritten:
+            grads[i] = None
+        applied = self.store.update([grads[i] for i in self._store_order], self._grad_chunks(), coef, skipped,
+                                    self.backend)
+        self._after_update()
+        step_scheduler(lr_scheduler, applied, skipped)
+
+    def _update_grads(self) -> Sequence[torch.Tensor]:
+        """Per parameter (layout order) the fp32 gradient view of the range this rank updates, shaped like its
+        store piece (``update``, ``param_slots``)."""
         raise NotImplementedError
+
+    def _grad_chunks(self) -> list[torch.Tensor]:
+        """The contiguous fp32 tensors holding this rank's gradients (scaled in place by the update)."""
+        raise NotImplementedError
+
+    def _after_update(self) -> None:
+        """After the model is written: the gathers (sharded strategies)."""
 
     def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
         """No optimizer: leave the final gradients (times ``coef``) in ``p.grad``."""
@@ -206,15 +247,38 @@ class ShardingStrategy:
         """Per parameter (layout order), the fp32 gradient this rank holds for it (a view, possibly empty)."""
         return self.main_grad.flat_views
 
+    def param_slots(self) -> list[ParamSlot]:
+        """Per parameter (layout order), what this rank holds of it: its range, the optimizer's piece, whether it
+        is optimized and has a master, and its fp32 gradient view (``gaengine.store.ParamSlot``; what
+        ``gaengine.checkpoint`` reads)."""
+        grads = self._update_grads()
+        out = []
+        for i, p in enumerate(self.params):
+            slot = (self.store.slots[self.store.index[id(p)]] if self.store is not None
+                    else ParamSlot(p, 0, p.numel(), 0, None, False, False))
+            out.append(dataclasses.replace(slot, grad=grads[i].view(-1)))
+        return out
+
     def pull_model_writes(self) -> None:
         """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
-        reach the fp32 masters."""
+        reach the fp32 masters (``gaengine.store.ParameterStore.pull_model_writes``)."""
+        if self.store is not None:
+            self.store.pull_model_writes()
 
     def check_model(self) -> None:
         """``RuntimeError`` when re-pointed parameters left their flat buffers (the model was moved)."""
+        if self.store is not None:
+            self.store.check_model()
 
     def wait_gathers(self) -> None:
         """Wait for the parameters' all-gathers still in flight (``overlap_param_gather``)."""
+        if self.gather is not None:
+            self.gather.wait()
+
+    def finish_collectives(self) -> None:
+        """Before a state dict reads the buffers: the parameters' gathers complete (``model.state_dict()`` views
+        whole), and the reductions into a gradient shard."""
+        self.wait_gathers()
 
     # ------------------------------------------------------------------ state dict
     FORMAT = "gaengine.GradientAccumulator/1"  # the plain format's tag (``Replicated`` without DCP)
@@ -240,12 +304,14 @@ class ShardingStrategy:
 
     @property
     def optimizer_writes_model(self) -> bool:
-        return False
+        """The optimizer rounds the masters into the model in its own pass (``gaengine.optim.FusedAdamW``)."""
+        return self.store is not None and self.store.optimizer_writes_model
 
 
 class Replicated(ShardingStrategy):
     """Every rank holds everything; the window's last micro-batch all-reduces ``main_grad``'s buckets (one rank:
-    no reduction). The optimizer is re-pointed at fp32 masters (``gaengine.update.MasterWeights``)."""
+    no reduction). The store is the one-shard case (``gaengine.store.ParameterStore``): the optimizer keeps
+    parameter-shaped pieces (fp32 masters of the bf16/fp16 parameters, the others themselves)."""
 
     name = "replicated (zero_stage=0)"
     relearns_layout = True
@@ -253,10 +319,10 @@ class Replicated(ShardingStrategy):
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
         self._lay_out(initial_order(params))
-        self.masters: MasterWeights | None = None
         if optimizer is not None:
-            self.masters = MasterWeights(optimizer, self.params, self.main_grad, self.device, self.master_weights)
-            self.master_buffer = self.masters.buffer
+            self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights)
+            self.master_buffer = self.store.master_buffer
+            self._map_store()
 
     def _new_main_grad(self) -> FlatBuffer:
         return FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
@@ -282,30 +348,20 @@ class Replicated(ShardingStrategy):
     def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
         return window_norm(self.main_grad.data, grad_denom, max_grad_norm, self.backend, free=self.hooks.free_norm())
 
-    def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
-        apply_update(self.optimizer, lr_scheduler, self.masters, self.backend, self.params, self.main_grad, coef,
-                     skipped, unwritten)
+    def _update_grads(self) -> Sequence[torch.Tensor]:
+        return self.main_grad.views  # shaped like the parameters (the store's pieces on one rank)
+
+    def _grad_chunks(self) -> list[torch.Tensor]:
+        return [self.main_grad.data]
 
     def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
         self.backend.scale_(self.main_grad.data, coef)
         expose_grads(self.params, self.main_grad, unwritten)
 
-    def pull_model_writes(self) -> None:
-        if self.masters is not None:
-            self.masters.pull_model_writes()
-
-    def check_model(self) -> None:
-        if self.masters is not None:
-            self.masters.check_model()
-
-    @property
-    def optimizer_writes_model(self) -> bool:
-        return self.masters is not None and self.masters.optimizer_writes_model
-
     def state_dict(self, acc) -> dict:
         if self.dcp_state_dict:
             return super().state_dict(acc)
-        return {**acc._state_scalars(), "main_grad": self.main_grad.data.detach().cpu().clone(),
+        return {**acc.scalars_state_dict(), "main_grad": self.main_grad.data.detach().cpu().clone(),
                 "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone()}
 
     def load_state_dict(self, acc, state: dict) -> None:
@@ -314,7 +370,7 @@ class Replicated(ShardingStrategy):
             return
         if not isinstance(state, dict) or state.get("format") != self.FORMAT:
             raise ValueError(f"state is not a {self.FORMAT} state dict")
-        registration = acc._registration
+        registration = acc.registered_params
         shapes = [list(p.shape) for p in registration]
         dtypes = [str(p.dtype) for p in registration]
         if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
@@ -328,7 +384,7 @@ class Replicated(ShardingStrategy):
         if (state["master"] is None) != (self.master_buffer is None) or (
                 self.master_buffer is not None and state["master"].numel() != self.master_buffer.data.numel()):
             raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
-        acc._check_state_scalars(state)
+        acc.check_scalars_state(state)
         stale = self.set_layout([registration[i] for i in state["layout_order"]])
         if state["main_grad"].numel() != self.main_grad.data.numel():
             raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
@@ -336,16 +392,18 @@ class Replicated(ShardingStrategy):
             self.main_grad.data.copy_(state["main_grad"])
             if self.master_buffer is not None:
                 self.master_buffer.data.copy_(state["master"])
-                self.masters.copy_to_model()
+                self.store.copy_to_model()
         acc._grads_left |= stale
-        acc._load_state_scalars(state)
+        acc.load_scalars_state(state)
 
 
 class _Zero(ShardingStrategy):
     """ZeRO stages 1 and 2 on several ranks (``gaengine.zero``): one ``ShardLayout`` fixed at construction for
-    ``main_grad``, the reducer, the parameter buffers, the master shards and the optimizer pieces."""
+    ``main_grad``, the reducer, the parameter buffers, the master shards and the optimizer pieces (the store over
+    the rank's shard), and the parameters' all-gathers after each update (``gaengine.zero.ParamGather``)."""
 
     relearns_layout = False
+    sharded = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -353,9 +411,22 @@ class _Zero(ShardingStrategy):
         self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self.rank = dist.get_rank(self.process_group)
         self._lay_out(order)
-        self.zero = ShardedState(optimizer, self.params, self.layout, self.main_grad, self.reducer,
-                                 self.zero_stage, self.rank, self.process_group, self.device, self.master_weights,
-                                 self.model, self.overlap_param_gather)
+        shards = self.layout.param_shards(self.rank)
+        grad_shard = self.reducer.grad_shard
+        if grad_shard is not None:  # stage 2: the rank's fp32 gradient shard
+            self._grad_views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
+            self._chunks = [grad_shard]
+        else:  # stage 1: the rank's ranges of main_grad, one per bucket
+            offsets = self.layout.layout.offsets
+            self._grad_views = [self.main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards]
+            self._chunks = [self.main_grad.data[slice(*b.rank_range(self.rank))] for b in self.layout.buckets]
+        self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
+                                    layout=self.layout, rank=self.rank)
+        self.master_buffer = self.store.master_buffer
+        self._map_store()
+        buckets = [b for b in self.layout.buckets if any(self.store.optimized[b.first:b.last])]
+        self.gather = ParamGather(self.store.param_buffers, self.layout, buckets, self.params, self.rank,
+                                  self.process_group, self.reducer, self.overlap_param_gather, self.model)
 
     def _new_reducer(self) -> BucketReducer:
         grad_shard = (torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
@@ -364,27 +435,24 @@ class _Zero(ShardingStrategy):
                             grad_shard, staging_slots=STAGING_SLOTS if self.zero_stage == 2 else 0)
 
     def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
-        self.zero.before_backward(self.hooks, first=window.num_micro_batches == 0)
+        self.wait_gathers()  # the parameters must be whole
         return super().begin_backward(window, last, overlap)
 
     def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
-        return self.zero.norm(grad_denom, max_grad_norm, self.backend)
+        return shard_norm(self._chunks, grad_denom, max_grad_norm, self.backend, self.process_group)
 
-    def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
-        self.zero.update(lr_scheduler, self.backend, coef, skipped, unwritten)
+    def _update_grads(self) -> Sequence[torch.Tensor]:
+        return self._grad_views  # 1-D, like the store's pieces
 
-    def pull_model_writes(self) -> None:
-        self.zero.pull_model_writes()
+    def _grad_chunks(self) -> list[torch.Tensor]:
+        return self._chunks
 
-    def wait_gathers(self) -> None:
-        self.zero.wait_gathers()
-
-    @property
-    def optimizer_writes_model(self) -> bool:
-        return self.zero.optimizer_writes_model
+    def _after_update(self) -> None:
+        self.gather.launch()  # every bucket holding an optimized parameter; in flight with overlap_param_gather
+        self.store.model_written()
 
     def close(self) -> None:
-        self.zero.close()  # the collectives in flight, and the forward pre-hooks of overlap_param_gather
+        self.gather.close()  # the collectives in flight, and the forward pre-hooks of overlap_param_gather
         super().close()
 
 
@@ -394,6 +462,7 @@ class ZeroStage1(_Zero):
 
     name = "zero_stage=1"
     zero_stage = 1
+    holds_local_sums = True
 
     def _new_main_grad(self) -> FlatBuffer:
         return FlatBuffer(self.layout.layout, torch.float32, self.device)
@@ -413,27 +482,56 @@ class ZeroStage2(_Zero):
         return self.reducer.acquire  # each bucket into a staging buffer of the ring
 
     def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
+        """The parameters gathered; the previous micro-batch's reductions completed into the gradient shard (the
+        staging buffers are about to be written again); every parameter's next write overwrites its staging
+        slice."""
         first = window.num_micro_batches == 0
         if not first:  # the hooks' flags restart with the staging: the window keeps which parameters were reached
             window.mark_used(self.hooks.written)
-        self.zero.before_backward(self.hooks, first=first)
+        self.wait_gathers()
+        self.reducer.wait()
+        self.reducer.release_staging()  # what a failed backward staged and never launched
+        self.reducer.overwrite = first
+        self.hooks.set_all_written([False] * len(self.params))
         armed = overlap and self.hooks.arrival is None  # every micro-batch reduces
         if armed:
             self.reducer.begin()
         return armed
 
     def end_backward(self, armed: bool, last: bool) -> bool:
-        self.zero.after_backward(armed)
+        """Launch the buckets not launched yet (the hooks' ``end()`` staged every bucket, zeroing the slices no
+        gradient reached)."""
+        if not armed:
+            self.reducer.begin()
+        self.reducer.flush()
         return last
 
     def end_partial_window(self, missing: int) -> None:
-        self.zero.end_partial_window(missing)  # K - k rounds of zeros, as the fuller windows reduce
+        """``step(force=True)`` on a window of k < K micro-batches: reduce-scatter ``missing`` (K - k) rounds of
+        zeros, every bucket in order as a micro-batch would (added into the gradient shard: zeros when every rank's
+        window is as short), so that every rank issues K rounds and then the stats all-reduce per window, whatever
+        its count. A rank whose window holds more micro-batches is reduce-scattering them meanwhile: the
+        collectives stay matched one to one, and the stats tell every rank that the counts differ. Then complete
+        the last reductions."""
+        reducer = self.reducer
+        for _ in range(missing):
+            reducer.wait()
+            reducer.overwrite = False
+            reducer.begin()
+            for b in reducer.buckets:
+                reducer.acquire(b.index).zero_()  # a bucket of the ring (the earliest launched one completes first)
+                reducer.bucket_ready(b.index)  # launched at once: every bucket before it was
+        reducer.wait()
 
     def zero_unused(self, unwritten: list[int]) -> None:
         """Nothing to do: the staging zeroes the slices no gradient reached before every reduce-scatter."""
 
     def grad_views(self) -> list[torch.Tensor]:
-        return self.zero.grad_views
+        return self._grad_views  # the gradient shard's ranges: no full-size main_grad exists
+
+    def finish_collectives(self) -> None:
+        super().finish_collectives()
+        self.reducer.wait()  # the last micro-batch's reduce-scatters, into the gradient shard
 
 
 _SHARDED_ADVICE = ("gaengine does not support sharded models yet: it would accumulate nothing (FSDP2 reduces and "

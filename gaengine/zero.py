@@ -39,12 +39,14 @@ state live on it):
   holding one has been launched yet (the first window, which learns the layout and reduces after backward, or
   buckets completing out of order) a buffer is added and dropped again once free. The reductions of micro-batch
   k overlap the rest of its backward and the next forward; the next ``acc.backward()`` completes them first.
-* **Parameters.** Every trainable parameter (the same ``Parameter`` object, ``p.data`` re-pointed as
-  ``gaengine.update.MasterWeights`` does) becomes a view of one flat buffer per dtype laid out like its span of
-  ``main_grad`` (``param_buffers[dtype]``, covering ``ShardLayout.dtype_spans[dtype]``): fp32 parameters too, so
-  each tensor of ``model.state_dict()`` shares its dtype's buffer (``.clone()`` before ``torch.save`` of a few).
-* **Masters and optimizer state.** For bf16/fp16 parameters with ``master_weights=True``: one fp32 buffer per
-  dtype holding rank r's ranges of that dtype's buckets (``master_shards[dtype]``, 4/d B/param). The optimizer is
+* **Parameters** (``gaengine.store.ParameterStore``, which also holds them on one rank). Every trainable
+  parameter (the same ``Parameter`` object, ``p.data`` re-pointed) becomes a view of one flat buffer per dtype
+  laid out like its span of ``main_grad`` (``param_buffers[dtype]``, covering ``ShardLayout.dtype_spans[dtype]``):
+  fp32 parameters too, so each tensor of ``model.state_dict()`` shares its dtype's buffer (``.clone()`` before
+  ``torch.save`` of a few).
+* **Masters and optimizer state.** For bf16/fp16 parameters with ``master_weights=True``: one fp32 buffer
+  holding rank r's ranges of the bf16/fp16 buckets, laid out like its shard (``ParameterStore.master_buffer``,
+  4/d B/param). The optimizer is
   re-pointed at one 1-D ``nn.Parameter`` per (parameter, rank) range that is not empty (``pieces``): a view of
   the master shard (bf16/fp16 with masters), or of the rank's range of the parameter buffer itself (fp32
   parameters; bf16/fp16 with ``master_weights=False``, updated in place). Each piece stays in its parameter's
@@ -79,12 +81,11 @@ from torch.autograd.graph import increment_version
 
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
-from gaengine.norm import window_norm
+from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import BucketReducer, Collective, wait_for, wait_quietly
-from gaengine.update import (fused_optimizer, merge_model_write, param_versions, step_optimizer, step_scheduler,
-                             writes_model_params)
 
-__all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamShard", "ShardBucket", "ShardLayout", "pad_unit", "zero_order"]
+__all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout", "ShardReducer",
+           "check_zero_optimizer", "pad_unit", "shard_norm", "zero_order"]
 
 ZERO_STAGES = (0, 1, 2)
 STAGING_SLOTS = 2  # stage 2: bucket-sized fp32 staging buffers in the ring (``ShardReducer.acquire``)
@@ -234,8 +235,8 @@ class ShardLayout:
         return bs[0].shard_offset, bs[-1].shard_offset + bs[-1].shard_numel
 
     def master_offset(self, shard: ParamShard) -> int:
-        """Where ``shard`` starts in its dtype's master shard (``master_shards[dtype]``, which holds the rank's
-        part of that dtype's buckets only)."""
+        """Where ``shard`` starts in its dtype's part of a rank's shard (the rank's part of that dtype's buckets
+        only)."""
         return shard.shard_offset - self.dtype_shard_span(self.dtypes[shard.index])[0]
 
 
@@ -251,7 +252,7 @@ def _all_gather(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
 
 def _finish_in_flight(pending: dict[int, Collective], reducer: BucketReducer) -> None:
     """Wait (errors ignored) for the all-gathers in ``pending`` and the reductions of ``reducer`` still in flight:
-    ``ShardedState.close()``, and the last chance (``weakref.finalize``) when the state is collected or the
+    ``ParamGather.close()``, and the last chance (``weakref.finalize``) when the state is collected or the
     interpreter exits with it alive (a script that ends without ``acc.close()``, ``overlap_param_gather``'s
     gathers in flight). It must not refer to the state itself."""
     for work in pending.values():
@@ -406,117 +407,60 @@ def check_zero_optimizer(optimizer, zero_stage: int) -> None:
                          "and restore a checkpoint through acc.load_state_dict")
 
 
-class ShardedState:
-    """Rank ``rank``'s parameter buffers, gradient shard, master shards and optimizer pieces (module docstring).
+def shard_norm(chunks: Sequence[torch.Tensor], grad_denom: torch.Tensor, max_grad_norm: float | None, backend,
+               group) -> WindowNorm:
+    """``gaengine.norm.window_norm`` of the whole gradient from the ranks' shards: each rank's sum of squares and
+    non-finite flag over ``chunks`` (the contiguous fp32 tensors of its gradient shard: the backend's one
+    ``l2norm_sq`` pass over one; at stage 1, where the shard is one range per bucket of main_grad, one multi-tensor
+    ``torch._foreach_norm`` over them, a non-finite value making the sum non-finite), summed over the ranks of
+    ``group`` by one all-reduce of two fp32 values on the device (no host read)."""
+    chunks = [c for c in chunks if c.numel()]
+    if len(chunks) == 1:
+        sum_sq, found_inf = backend.l2norm_sq(chunks[0])
+        sums = torch.stack([sum_sq.float(), found_inf.float()])
+    elif chunks:
+        sum_sq = torch.stack(torch._foreach_norm(chunks)).float().square().sum()
+        sums = torch.stack([sum_sq, (~torch.isfinite(sum_sq)).float()])
+    else:
+        sums = torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
+    wait_for(Collective(dist.all_reduce, sums, group=group), "all-reduce of the gradient norm")
+    return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
 
-    optimizer: re-pointed at ``pieces`` (param groups and hyper-parameters kept). params: the trainable
-    parameters in layout order, re-pointed into ``param_buffers``. main_grad: the fp32 flat buffer of ``shard``'s
-    layout. reducer: the ``ShardReducer`` (its ``grad_shard`` at stage 2). model: the ``nn.Module`` for the
-    forward pre-hooks of ``overlap_param_gather`` (None: no pre-hooks).
 
-    Attributes: ``param_buffers[dtype]`` (the dtype's span of the layout, the parameters' storage);
-    ``master_shards[dtype]`` (fp32, bf16/fp16 with masters); ``grad_shard`` (stage 2) or None; ``shards``
-    (``ParamShard`` per parameter for this rank); ``pieces[i]`` (the optimizer's 1-D parameter for parameter i's
-    range, or None); ``grad_views[i]`` (the fp32 gradient of that range); ``group_params`` (the optimizer's
-    param groups as given, model parameters, before re-pointing); ``gather_bytes`` (output bytes of the
-    all-gathers issued, for tests and the bench).
+class ParamGather:
+    """The all-gathers of the parameter buffers after each update (module docstring, **Step**).
+
+    param_buffers: dtype -> the flat parameter buffer laid out like ``shard.dtype_spans[dtype]``
+    (``gaengine.store.ParameterStore.param_buffers``). buckets: the ``ShardBucket``s to gather (those that hold an
+    optimized parameter), in bucket order. params: the parameters in layout order (their version counters are
+    bumped by each gather). reducer: the gradient reducer, whose reductions in flight ``close`` also waits for.
+    overlap: leave the gathers in flight after ``launch`` (``overlap_param_gather``): a forward pre-hook on every
+    module of ``model`` that owns a parameter of a bucket waits for that bucket.
+
+    pending: bucket index -> its gather in flight. gather_bytes, gathers_issued: output bytes and count of the
+    all-gathers issued (tests and the bench). exit_wait: the ``weakref.finalize`` that waits for everything in
+    flight when the object is collected or the interpreter exits with it alive.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], shard: ShardLayout,
-                 main_grad, reducer: ShardReducer, stage: int, rank: int, group, device: torch.device,
-                 master_weights: bool, model: torch.nn.Module | None, overlap_param_gather: bool) -> None:
-        self.optimizer = optimizer
-        self.params = params
+    def __init__(self, param_buffers: dict[torch.dtype, torch.Tensor], shard: ShardLayout, buckets: list[ShardBucket],
+                 params: list[torch.Tensor], rank: int, group, reducer: BucketReducer, overlap: bool,
+                 model: torch.nn.Module | None) -> None:
+        self.param_buffers = param_buffers
         self.shard = shard
-        self.stage = stage
+        self.buckets = buckets
+        self.params = params
         self.rank = rank
         self.group = group
         self.reducer = reducer
-        self.grad_shard = reducer.grad_shard
-        self.shards = shard.param_shards(rank)
-        self.overlap_param_gather = overlap_param_gather
+        self.overlap = overlap
         self.gather_bytes = 0
         self.gathers_issued = 0
-        layout = shard.layout
-        optimized = {id(q) for g in optimizer.param_groups for q in g["params"]}
-        self.optimized = [id(p) in optimized for p in params]
-        fused_adamw = writes_model_params(optimizer)  # gaengine.optim.FusedAdamW
-        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        with torch.no_grad():
-            for dtype, (lo, hi) in shard.dtype_spans.items():
-                buf = torch.zeros(hi - lo, dtype=dtype, device=device)
-                for i, p in enumerate(params):
-                    if p.dtype == dtype:
-                        view = buf[layout.offsets[i] - lo:layout.offsets[i] - lo + p.numel()].view(p.shape)
-                        view.copy_(p.detach())
-                        p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
-                self.param_buffers[dtype] = buf
-        # The fp32 gradient of this rank's range of each parameter.
-        self.grad_views: list[torch.Tensor] = []
-        for s in self.shards:
-            if self.grad_shard is not None:
-                self.grad_views.append(self.grad_shard[s.shard_offset:s.shard_offset + s.numel])
-            else:
-                o = layout.offsets[s.index]
-                self.grad_views.append(main_grad.data[o + s.lo:o + s.hi])
-        # The gradient shard as contiguous chunks (for the norm and the scale pass).
-        if self.grad_shard is not None:
-            self.grad_chunks = [self.grad_shard]
-        else:
-            self.grad_chunks = [main_grad.data[slice(*b.rank_range(rank))] for b in shard.buckets]
-        low = {p.dtype for p, opt in zip(params, self.optimized) if opt and p.dtype != torch.float32}
-        self.masters_enabled = master_weights
-        self.master_shards: dict[torch.dtype, torch.Tensor] = {}
-        if master_weights:
-            for dtype in sorted(low, key=_DTYPE_ORDER.index):
-                slo, shi = shard.dtype_shard_span(dtype)
-                self.master_shards[dtype] = torch.empty(shi - slo, dtype=torch.float32, device=device)
-        self._master_copies = self._master_copy_lists()
-        if self.master_shards:
-            with torch.no_grad():  # the masters start as the (exact) fp32 values of the parameters
-                torch._foreach_copy_(self._master_copies[1], self._master_copies[0])
-        self.pieces: list[torch.nn.Parameter | None] = []
-        self.model_views: list[torch.Tensor | None] = []  # the parameter buffer's view of each piece
-        for s, p, opt in zip(self.shards, params, self.optimized):
-            span_lo = shard.dtype_spans[p.dtype][0]
-            o = layout.offsets[s.index] - span_lo
-            model_view = self.param_buffers[p.dtype][o + s.lo:o + s.hi]
-            if not opt or s.numel == 0:
-                self.pieces.append(None)
-                self.model_views.append(None)
-                continue
-            if p.dtype in self.master_shards:
-                mo = shard.master_offset(s)
-                piece = torch.nn.Parameter(self.master_shards[p.dtype][mo:mo + s.numel])
-            else:
-                piece = torch.nn.Parameter(model_view)  # updated in place (fp32, or bf16/fp16 without masters)
-            self.pieces.append(piece)
-            self.model_views.append(model_view)
-        # The user's param groups as built (model parameters), before they are re-pointed at this rank's pieces:
-        # what an export numbered like the original optimizer needs (gaengine.full_optimizer_state_dict).
-        self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
-        piece_of = {id(p): piece for p, piece in zip(params, self.pieces)}
-        for group_ in optimizer.param_groups:
-            group_["params"] = [piece_of[id(q)] for q in group_["params"] if piece_of.get(id(q)) is not None]
-        # master -> model: FusedAdamW writes the rounding in its pass; otherwise one copy per bucket after the step.
-        self.optimizer_writes_model = fused_adamw and bool(self.master_shards)
-        if self.optimizer_writes_model:
-            optimizer.attach_model_params([(piece, view) for piece, view, p in zip(self.pieces, self.model_views,
-                                                                                   params)
-                                           if piece is not None and p.dtype in self.master_shards])
-        self.reads_main_grad = fused_adamw and not master_weights and bool(low)
-        self.normalize_before_rounding = not fused_adamw and not master_weights and bool(low)
-        self.gather_buckets = [b for b in shard.buckets if any(self.optimized[b.first:b.last])]
-        # The parameters whose rank range has an fp32 master here: (parameter, master piece, its model view).
-        self._mastered = [(p, piece, view) for p, piece, view in zip(params, self.pieces, self.model_views)
-                          if piece is not None and p.dtype in self.master_shards]
-        self._versions = param_versions([p for p, _, _ in self._mastered])
-        self._pending: dict[int, Collective] = {}
+        self.pending: dict[int, Collective] = {}
         self._handles = []
         # Nothing of this state may be in flight when the interpreter finalizes (a backend thread letting go of a
         # tensor then aborts the process, see gaengine.reduce.Collective): waited at exit, or when collected.
-        self._exit_wait = weakref.finalize(self, _finish_in_flight, self._pending, reducer)
-        if overlap_param_gather and model is not None:
+        self.exit_wait = weakref.finalize(self, _finish_in_flight, self.pending, reducer)
+        if overlap and model is not None:
             index = {id(p): i for i, p in enumerate(params)}
             bucket_of = [b.index for b in shard.buckets for _ in range(b.first, b.last)]
             for module in model.modules():
@@ -526,173 +470,38 @@ class ShardedState:
 
     def _make_pre_hook(self, buckets: list[int]):
         def pre_hook(module, args):
-            if self._pending:
-                self.wait_gathers(buckets)
+            if self.pending:
+                self.wait(buckets)
         return pre_hook
 
-    # ------------------------------------------------------------------ step
-    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None, backend):
-        """``gaengine.norm.window_norm`` of the whole gradient from the shards: each rank's sum of squares and
-        non-finite flag (the backend's one ``l2norm_sq`` pass over a contiguous shard; at stage 1, where the shard
-        is one range per bucket of main_grad, one multi-tensor ``torch._foreach_norm`` over them, a non-finite
-        value making the sum non-finite), summed over the ranks by one all-reduce of two fp32 values on the device
-        (no host read)."""
-        chunks = [c for c in self.grad_chunks if c.numel()]
-        if len(chunks) == 1:
-            sum_sq, found_inf = backend.l2norm_sq(chunks[0])
-            sums = torch.stack([sum_sq.float(), found_inf.float()])
-        elif chunks:
-            sum_sq = torch.stack(torch._foreach_norm(chunks)).float().square().sum()
-            sums = torch.stack([sum_sq, (~torch.isfinite(sum_sq)).float()])
-        else:
-            sums = torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
-        wait_for(Collective(dist.all_reduce, sums, group=self.group), "all-reduce of the gradient norm")
-        return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
-
-    def pull_model_writes(self) -> None:
-        """``gaengine.update.MasterWeights.pull_model_writes`` for this rank's master shard: each parameter written
-        since the last update (``model.load_state_dict()``, an in-place write under ``torch.no_grad()``) has its
-        rank range merged into its master (``gaengine.update.merge_model_write``), so the next update does not revert
-        it."""
-        versions = param_versions([p for p, _, _ in self._mastered])
-        if versions == self._versions:
-            return
-        for (_, piece, view), new, old in zip(self._mastered, versions, self._versions):
-            if new != old:
-                merge_model_write(piece, view)
-        self._versions = versions
-
-    def update(self, lr_scheduler, backend, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int]) -> None:
-        """Update this rank's pieces with the gradient ``shard · coef`` (skipped when ``skipped``), write the
-        masters' rounding into the parameter buffers, then all-gather every bucket that holds an optimized
-        parameter (left in flight with ``overlap_param_gather``). Mirrors ``gaengine.update.apply_update``:
-        a parameter in ``unwritten`` (no rank produced a gradient) gets no update."""
-        optimizer = self.optimizer
-        self.wait_gathers()
-        self.pull_model_writes()  # model.load_state_dict() since the last update reaches the masters
-        fused = fused_optimizer(optimizer)
-        scaled = not fused or self.normalize_before_rounding
-        if scaled:
-            chunks = [c for c in self.grad_chunks if c.numel()]
-            if len(chunks) == 1:
-                backend.scale_(chunks[0], coef)
-            elif chunks:
-                torch._foreach_mul_(chunks, coef)  # one multi-tensor launch over the buckets' ranges
-        unused = set(unwritten)
-        with_grad = []
-        for i, (piece, view, p) in enumerate(zip(self.pieces, self.grad_views, self.params)):
-            if piece is None:
-                continue
-            if i in unused:
-                piece.grad = None
-            elif piece.dtype == torch.float32:
-                piece.grad = view
-            elif self.reads_main_grad:
-                piece.main_grad = view  # FusedAdamW reads the fp32 gradient in place
-            else:
-                piece.grad = view.to(piece.dtype)  # rounded once, at its final scale (normalize_before_rounding)
-            with_grad.append(piece)
-        try:
-            applied = step_optimizer(optimizer, coef, skipped, scaled)
-        finally:
-            for piece in with_grad:
-                piece.grad = None
-                if hasattr(piece, "main_grad"):
-                    del piece.main_grad
-        if self.master_shards and not self.optimizer_writes_model:
-            self._masters_to_model()  # unconditional: a skipped update copies back the same rounding
-        self.launch_gathers()
-        step_scheduler(lr_scheduler, applied, skipped)
-
-    def _master_copy_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(the rank's range of each bucket in its parameter buffer, the same range of its master shard), for the
-        bf16/fp16 buckets with masters."""
-        dst, src = [], []
-        for dtype, m in self.master_shards.items():
-            slo = self.shard.dtype_shard_span(dtype)[0]
-            span_lo = self.shard.dtype_spans[dtype][0]
-            for b in self.shard.buckets:
-                if b.dtype == dtype:
-                    r_lo, r_hi = b.rank_range(self.rank)
-                    dst.append(self.param_buffers[dtype][r_lo - span_lo:r_hi - span_lo])
-                    src.append(m[b.shard_offset - slo:b.shard_offset - slo + b.shard_numel])
-        return dst, src
-
-    def _masters_to_model(self) -> None:
-        """Round each master shard into the rank's ranges of its parameter buffer: one multi-tensor copy."""
-        with torch.no_grad():
-            torch._foreach_copy_(*self._master_copies)
-
-    def launch_gathers(self) -> None:
-        """All-gather every bucket holding an optimized parameter, in place in its parameter buffer, in bucket
-        order; waited at once unless ``overlap_param_gather`` (then by the forward pre-hooks or ``wait_gathers``)."""
-        for b in self.gather_buckets:
+    def launch(self) -> None:
+        """All-gather every bucket, in place in its parameter buffer, in bucket order; waited at once unless
+        ``overlap`` (then by the forward pre-hooks or ``wait``). The parameters' version counters are bumped, as an
+        in-place op would."""
+        for b in self.buckets:
             span_lo = self.shard.dtype_spans[b.dtype][0]
             out = self.param_buffers[b.dtype][b.start - span_lo:b.end - span_lo]
             lo = self.rank * b.shard_numel
-            self._pending[b.index] = _all_gather(out, out[lo:lo + b.shard_numel], self.group)
+            self.pending[b.index] = _all_gather(out, out[lo:lo + b.shard_numel], self.group)
             self.gather_bytes += out.numel() * out.element_size()
             self.gathers_issued += 1
-        increment_version(self.params)  # written in place, as an in-place op would
-        self._versions = param_versions([p for p, _, _ in self._mastered])
-        if not self.overlap_param_gather:
-            self.wait_gathers()
+        increment_version(self.params)
+        if not self.overlap:
+            self.wait()
 
-    def wait_gathers(self, buckets: list[int] | None = None) -> None:
-        """Wait for the parameter all-gathers in flight (of ``buckets``, or all); on CUDA the stream waits."""
-        for b in (list(self._pending) if buckets is None else buckets):
-            work = self._pending.pop(b, None)
+    def wait(self, buckets: list[int] | None = None) -> None:
+        """Wait for the all-gathers in flight (of ``buckets``, or all); on CUDA the stream waits."""
+        for b in (list(self.pending) if buckets is None else buckets):
+            work = self.pending.pop(b, None)
             if work is not None:
                 wait_for(work, f"all-gather of parameter bucket {b}")
-
-    def drop_gathers(self) -> None:
-        for work in self._pending.values():
-            wait_quietly(work)
-        self._pending.clear()
 
     def close(self) -> None:
         """Remove the forward pre-hooks, after waiting (errors ignored) for the gathers and the gradient
         reductions still in flight, so that no collective of this accumulator outlives it (a process group torn
         down under a pending gloo collective aborts the process). Without ``close()`` the same wait runs when
-        the state is collected or, at the latest, when the interpreter exits (``weakref.finalize``)."""
-        _finish_in_flight(self._pending, self.reducer)
+        the object is collected or, at the latest, when the interpreter exits (``exit_wait``)."""
+        _finish_in_flight(self.pending, self.reducer)
         for h in self._handles:
             h.remove()
         self._handles = []
-
-    # ------------------------------------------------------------------ micro-batches (the engine calls these)
-    def before_backward(self, hooks, first: bool) -> None:
-        """Start of ``acc.backward()``: the parameters must be gathered; at stage 2 the previous micro-batch's
-        reductions are completed into the gradient shard (the staging buffer is about to be written again) and
-        every parameter's next write overwrites its staging slice."""
-        self.wait_gathers()
-        if self.stage != 2:
-            return
-        self.reducer.wait()
-        self.reducer.release_staging()  # what a failed backward staged and never launched
-        self.reducer.overwrite = first
-        hooks.set_all_written([False] * len(self.params))
-
-    def after_backward(self, armed: bool) -> None:
-        """Stage 2, end of a micro-batch's backward: launch the buckets not launched yet (the hooks' ``end()``
-        staged every bucket, zeroing the slices no gradient reached)."""
-        if not armed:
-            self.reducer.begin()
-        self.reducer.flush()
-
-    def end_partial_window(self, missing: int = 0) -> None:
-        """Stage 2, ``step(force=True)`` on a window of k < K micro-batches: reduce-scatter ``missing`` (K - k) rounds
-        of zeros, every bucket in order as a micro-batch would (added into the gradient shard: zeros when every
-        rank's window is as short), so that every rank issues K rounds and then the stats all-reduce per window,
-        whatever its count. A rank whose window holds more micro-batches is reduce-scattering them meanwhile: the
-        collectives stay matched one to one, and the stats tell every rank that the counts differ. Then complete
-        the last reductions."""
-        reducer = self.reducer
-        for _ in range(missing):
-            reducer.wait()
-            reducer.overwrite = False
-            reducer.begin()
-            for b in reducer.buckets:
-                reducer.acquire(b.index).zero_()  # a bucket of the ring (the earliest launched one completes first)
-                reducer.bucket_ready(b.index)  # launched at once: every bucket before it was
-        reducer.wait()

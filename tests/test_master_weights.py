@@ -316,30 +316,41 @@ def _mixed_loss(model, w, k):
     return ((model(x) - y) ** 2).mean()
 
 
+def _piece(acc, p):
+    """The optimizer's parameter for model parameter ``p`` (its fp32 master, or ``p`` itself)."""
+    store = acc.sharding.store
+    return store.pieces[store.index[id(p)]]
+
+
 def _assert_model_is_flat(model, acc):
-    """Every optimized low-precision param is a view of its dtype's model buffer, at its master's offset."""
-    masters = acc._masters
+    """Every optimized low-precision param is a view of its dtype's parameter buffer, at its master's offset in
+    the master buffer (the bf16 range first, then the fp16 one), and the padding of both is zero."""
+    store = acc.sharding.store
+    master = acc.master_buffer.data
     start = {}
     cursor = 0
-    for dtype, buf in masters.model_buffers.items():
+    for dtype, buf in store.param_buffers.items():
         start[dtype] = cursor
-        cursor += buf.data.numel()
-    assert cursor == acc.master_buffer.data.numel()
+        cursor += buf.numel()
+    assert cursor == master.numel()
     for p in model.parameters():
+        piece = _piece(acc, p)
         if p.dtype == torch.float32:
-            assert id(p) not in masters.masters
+            assert piece is p  # optimized as it is: not re-pointed, no master
             continue
-        buf = masters.model_buffers[p.dtype].data
-        master = masters.masters[id(p)]
+        buf = store.param_buffers[p.dtype]
         assert p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() and p.is_contiguous()
-        assert p.storage_offset() + start[p.dtype] == master.storage_offset()  # same offsets as the masters
-        assert torch.equal(p, master.detach().to(p.dtype))
-    for buf in masters.model_buffers.values():  # the padding is zero
-        used = torch.zeros(buf.data.numel(), dtype=torch.bool)
-        for o, n in zip(buf.layout.offsets, buf.layout.numels):
-            used[o:o + n] = True
-        assert not bool(buf.data[~used].any())
-        assert not bool(acc.master_buffer.data[start[buf.data.dtype]:][:buf.data.numel()][~used].any())
+        assert piece.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
+        assert piece.shape == p.shape and piece.dtype == torch.float32
+        assert p.storage_offset() + start[p.dtype] == piece.storage_offset()  # same offsets as the masters
+        assert torch.equal(p, piece.detach().to(p.dtype))
+    for dtype, buf in store.param_buffers.items():  # the padding is zero
+        used = torch.zeros(buf.numel(), dtype=torch.bool)
+        for p in model.parameters():
+            if p.dtype == dtype:
+                used[p.storage_offset():p.storage_offset() + p.numel()] = True
+        assert not bool(buf[~used].any())
+        assert not bool(master[start[dtype]:][:buf.numel()][~used].any())
 
 
 def test_low_precision_params_become_views_of_one_flat_buffer_per_dtype():
@@ -348,14 +359,14 @@ def test_low_precision_params_become_views_of_one_flat_buffer_per_dtype():
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
                                        accumulation_steps=2, loss_scale=None)
-    assert set(acc._masters.model_buffers) == {torch.bfloat16, torch.float16}
+    assert set(acc.sharding.store.param_buffers) == {torch.bfloat16, torch.float16}
     for name, p in model.named_parameters():
         assert p is before[name][0] and torch.equal(p, before[name][1])  # same objects, same values
     _assert_model_is_flat(model, acc)
     # the master buffer holds the bf16 params first, then the fp16 ones, each range ALIGN_NUMEL-aligned
-    n_bf16 = acc._masters.model_buffers[torch.bfloat16].data.numel()
+    n_bf16 = acc.sharding.store.param_buffers[torch.bfloat16].numel()
     assert n_bf16 % gaengine.buffer.ALIGN_NUMEL == 0
-    assert all(acc._masters.masters[id(p)].storage_offset() >= n_bf16 for p in model.head.parameters())
+    assert all(_piece(acc, p).storage_offset() >= n_bf16 for p in model.head.parameters())
 
 
 def _reference_window(twin, masters, opt, w, k_steps):
@@ -441,7 +452,7 @@ def test_model_state_dict_deepcopy_to_and_close_with_flat_params(opt_name):
     opt = (FusedAdamW(model.parameters(), lr=1e-2) if opt_name == "gaengine-fused"
            else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2)
-    buf = acc._masters.model_buffers[torch.bfloat16]
+    buf = acc.sharding.store.param_buffers[torch.bfloat16]
 
     def window(seed):
         for k in range(2):
@@ -459,8 +470,8 @@ def test_model_state_dict_deepcopy_to_and_close_with_flat_params(opt_name):
     model.load_state_dict(new)
     for (name, p), q in zip(model.named_parameters(), params):
         assert p is q and torch.equal(p, new[name])
-        view = buf.views[[id(q) for q in acc._masters.low_params].index(id(p))]
-        assert torch.equal(view, new[name]) and p.data_ptr() == view.data_ptr()
+        view = buf[p.storage_offset():p.storage_offset() + p.numel()].view(p.shape)
+        assert torch.equal(view, new[name]) and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
     # deepcopy: independent, ordinary parameters with equal values
     twin = copy.deepcopy(model)
     for p, q in zip(model.parameters(), twin.parameters()):
@@ -490,10 +501,10 @@ def test_model_state_dict_deepcopy_to_and_close_with_flat_params(opt_name):
 
 
 def _assert_flat_mlp(model, acc):
-    buf = acc._masters.model_buffers[torch.bfloat16]
+    buf = acc.sharding.store.param_buffers[torch.bfloat16]
     for p in model.parameters():
-        assert p.untyped_storage().data_ptr() == buf.data.untyped_storage().data_ptr()
-        assert torch.equal(p, acc._masters.masters[id(p)].detach().to(p.dtype))
+        assert p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert torch.equal(p, _piece(acc, p).detach().to(p.dtype))
 
 
 @pytest.mark.parametrize("opt_name", ["torch-fused", "gaengine-fused"])
@@ -506,12 +517,13 @@ def test_converting_the_model_after_building_the_accumulator_raises(opt_name, co
     acc.backward(_loss(model, *_batch(0, torch.bfloat16)))
     getattr(model, convert)()  # the parameters leave the flat bf16 buffer
     dtype = next(model.parameters()).dtype
-    masters = [m.detach().clone() for m in acc._masters.low_masters]
+    low_masters = [s.piece for s in acc.sharding.param_slots() if s.master]
+    masters = [m.detach().clone() for m in low_masters]
     with pytest.raises(RuntimeError, match="no longer a view.*moved or converted"):
         acc.step()
     with pytest.raises(RuntimeError, match="no longer a view.*moved or converted"):  # found before autograd runs
         acc.backward(_loss(model, *_batch(0, dtype)))
-    assert all(torch.equal(m, b) for m, b in zip(acc._masters.low_masters, masters))  # nothing was updated
+    assert low_masters and all(torch.equal(m, b) for m, b in zip(low_masters, masters))  # nothing was updated
 
 
 def test_model_write_is_one_flat_copy_and_bumps_versions(monkeypatch):

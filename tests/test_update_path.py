@@ -306,3 +306,109 @@ def test_state_dict_from_another_model_is_refused():
     with pytest.raises(ValueError, match="state"):
         acc.load_state_dict({"format": "something else"})
     assert torch.equal(acc.main_grad.data, before) and acc.num_micro_batches == 1
+
+
+# ---------------------------------------------------------------- the parameter store: one path, both layouts
+# Odd sizes; over 3 ranks and 1e-3 MiB buckets: parameters cut by a rank boundary, and in the last bucket
+# parameters that lie past a rank's range (that rank owns none of them).
+_STORE_SHAPES = [(1,), (127,), (33, 5), (4097,), (3,), (70,), (5,)]
+
+
+def _store_optimizer(name, params):
+    from gaengine.optim import FusedAdamW  # noqa: PLC0415
+
+    if name == "adamw-foreach":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-1, momentum=0.9)
+    return FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("layout", ["shaped", "flat-d1", "flat-d3"])  # one rank's store; every rank of d
+@pytest.mark.parametrize("opt", ["adamw-foreach", "adamw-fused", "sgd", "fused-adamw"])
+@pytest.mark.parametrize("dtype,masters", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False),
+                                           (torch.float16, True), (torch.float16, False)],
+                         ids=["fp32", "bf16-masters", "bf16", "fp16-masters", "fp16"])
+def test_store_update_matches_the_plain_recipe(layout, opt, dtype, masters):
+    """``ParameterStore.update`` with parameter-shaped pieces (the replicated store) or with 1-D pieces over a
+    ``ShardLayout`` of d ranks (the sharded store; every rank's store built here, no collective needed: each
+    rank's own range of the parameters is what it writes), against the plain recipe on the same gradients: fp32
+    masters (or the params themselves) stepped by the same optimizer on ``grad * coef``, bit for bit on the ranges
+    each rank owns. Three updates: a plain one, a skipped one, one with a parameter without gradient. A leftover
+    ``optimizer.step()`` after each changes nothing."""
+    from gaengine.buffer import FlatBuffer, FlatLayout  # noqa: PLC0415
+    from gaengine.store import ParameterStore  # noqa: PLC0415
+    from gaengine.zero import ShardLayout  # noqa: PLC0415
+
+    torch.manual_seed(3)
+    values = [torch.randn(*shape).to(dtype) for shape in _STORE_SHAPES]
+    world = 3 if layout == "flat-d3" else 1
+    ranks = []  # per rank: (its params, its optimizer, its store, its fp32 gradient buffer, its gradient views)
+    for rank in range(world):
+        params = [nn.Parameter(v.clone()) for v in values]
+        optimizer = _store_optimizer(opt, params)
+        shard = ShardLayout.build(params, 1e-3, world) if layout != "shaped" else None  # 1e-3 MiB: several buckets
+        store = ParameterStore(optimizer, params, device=torch.device("cpu"), master_weights=masters, layout=shard,
+                               rank=rank)
+        grad_buf = FlatBuffer(shard.layout if shard is not None else FlatLayout.build(params), torch.float32,
+                              torch.device("cpu"))
+        if shard is None:
+            grads, chunks = grad_buf.views, [grad_buf.data]
+        else:  # this rank's range of each parameter, and of each bucket (stage 1's layout)
+            grads = [v[s.lo:s.hi] for v, s in zip(grad_buf.flat_views, store.slots)]
+            chunks = [grad_buf.data[slice(*b.rank_range(rank))] for b in shard.buckets]
+        for piece, s, p in zip(store.pieces, store.slots, params):
+            assert (piece is None) == (s.hi == s.lo and shard is not None)
+            assert s.optimized and s.master == (masters and dtype != torch.float32)  # owned here or not
+            if piece is not None:
+                assert piece.shape == (p.shape if shard is None else torch.Size([s.hi - s.lo]))
+                assert piece.dtype == (torch.float32 if masters else dtype)
+        ranks.append((params, optimizer, store, grad_buf, grads, chunks))
+    owned = [0] * len(values)  # every element of every parameter is owned by exactly one rank
+    for _, _, store, _, _, _ in ranks:
+        for j, s in enumerate(store.slots):
+            owned[j] += s.hi - s.lo
+    assert owned == [v.numel() for v in values]
+
+    # The plain recipe: fp32 masters (or the params themselves) and the same optimizer.
+    with_masters = masters or dtype == torch.float32
+    ref_params = [v.clone() for v in values]
+    ref_held = [nn.Parameter(v.float()) for v in ref_params] if with_masters else [nn.Parameter(v) for v in ref_params]
+    ref_opt = _store_optimizer(opt, ref_held)
+    coef = torch.tensor(0.5)  # a power of two: grad / (1 / coef) == grad * coef, exactly
+    g = torch.Generator().manual_seed(7)
+    for update in range(3):
+        raw = [torch.randn(*shape, generator=g) for shape in _STORE_SHAPES]
+        skipped = torch.tensor(update == 1)
+        unused = 2 if update == 2 else None
+        for params, optimizer, store, grad_buf, grads, chunks in ranks:
+            for view, r in zip(grad_buf.views, raw):
+                view.copy_(r)
+            applied = store.update([None if j == unused else v for j, v in enumerate(grads)], chunks, coef,
+                                   skipped, gaengine.backends.get_backend("torch"))
+            assert applied in (None, update != 1)
+            assert all(piece is None or (piece.grad is None and not hasattr(piece, "main_grad"))
+                       for piece in store.pieces)
+        if update != 1:
+            for j, (q, r) in enumerate(zip(ref_held, raw)):
+                if j == unused:
+                    q.grad = None
+                elif opt == "fused-adamw" and not with_masters:
+                    q.main_grad = r * 0.5  # FusedAdamW reads the fp32 gradient of a bf16/fp16 param
+                else:
+                    q.grad = (r * 0.5).to(q.dtype)
+            ref_opt.step()
+            for q in ref_held:
+                q.grad = None
+                q.__dict__.pop("main_grad", None)
+            ref_params = [q.detach().to(dtype) for q in ref_held]
+        for params, optimizer, store, _, _, _ in ranks:
+            for j, (p, s, r) in enumerate(zip(params, store.slots, ref_params)):
+                assert torch.equal(p.reshape(-1)[s.lo:s.hi], r.reshape(-1)[s.lo:s.hi]), (update, j)
+                if s.master and s.piece is not None:
+                    assert torch.equal(s.piece.detach().reshape(-1), ref_held[j].detach().reshape(-1)[s.lo:s.hi])
+            before = [p.detach().clone() for p in params]
+            optimizer.step()  # a leftover step: no piece holds a gradient
+            assert all(torch.equal(p, b) for p, b in zip(params, before))

@@ -150,19 +150,18 @@ def _run_config(rank, world, cfg):
             acc.backward(loss, num_items=torch.tensor(int((l != -100).sum())) if cfg["items"] else None)
         r = acc.step(force=k_steps < K)
         skipped.append(bool(r.skipped))
-        pending.append(len(acc._zero._pending))  # overlap_param_gather: all-gathers still in flight
-    acc._zero.wait_gathers()
+        pending.append(len(acc.sharding.gather.pending))  # overlap_param_gather: all-gathers still in flight
+    acc.sharding.wait_gathers()
     names = [n for n, _ in model.named_parameters()]
-    index = {id(p): i for i, p in enumerate(acc.params)}
+    slots = {id(s.param): s for s in acc.sharding.param_slots()}
     # This rank's pieces of the fp32 masters (or of the parameters updated in place), by parameter name.
     pieces = {}
     for name, p in model.named_parameters():
-        i = index[id(p)]
-        s, piece = acc._zero.shards[i], acc._zero.pieces[i]
-        if piece is not None:
-            pieces[name] = (s.lo, s.hi, piece.detach().float().clone())
+        s = slots[id(p)]
+        if s.piece is not None:
+            pieces[name] = (s.lo, s.hi, s.piece.detach().float().clone())
     out = {"params": {n: p.detach().clone() for n, p in zip(names, model.parameters())}, "pieces": pieces,
-           "skipped": skipped, "pending": pending, "shard_numel": acc._zero.shard.shard_numel,
+           "skipped": skipped, "pending": pending, "shard_numel": acc.sharding.layout.shard_numel,
            "state_numel": sum(t.numel() for s in opt.state.values() for t in s.values()
                               if isinstance(t, torch.Tensor) and t.dim() > 0),
            "lr": [g["lr"] for g in opt.param_groups]}
@@ -478,7 +477,7 @@ def test_world_of_one_accepts_zero_stage_and_shards_nothing():
     acc0 = gaengine.GradientAccumulator(ref, _optimizer("adamw-fused", list(ref.parameters())), accumulation_steps=K)
     acc2 = gaengine.GradientAccumulator(model, _optimizer("adamw-fused", list(model.parameters())),
                                         accumulation_steps=K, zero_stage=2)
-    assert acc2.zero_stage == 2 and acc2._zero is None
+    assert acc2.zero_stage == 2 and not acc2.sharding.sharded
     data = _data(1)
     for step in range(2):
         for k in range(K):

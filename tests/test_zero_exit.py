@@ -87,10 +87,10 @@ def _in_flight(acc, launched: list[tuple[Collective, tuple[torch.Tensor, ...]]])
     """What of ``acc`` is still in flight: reductions, the window's stats all-reduce, parameter all-gathers, and
     the collectives (all it launched) whose wait() has not returned or one of whose tensors another reference than
     its Python object's still holds (a backend thread's)."""
-    zero = acc._zero
+    gather = acc.sharding.gather
     return {"reductions": sum(b.work is not None for b in acc.reducer.buckets),
             "stats": int(acc.window.stats is not None),
-            "gathers": 0 if zero is None else len(zero._pending),
+            "gathers": 0 if gather is None else len(gather.pending),
             "held": sum(c.work is not None or any(t._use_count() > 1 for t in tensors) for c, tensors in launched)}
 
 
@@ -148,14 +148,15 @@ def _scenario_nothing_in_flight(rank, world, out):
                 for _ in range(K):
                     acc.backward(model(torch.randn(8, 16, generator=g)).square().mean())
                 acc.step()
-                exit_wait = acc._zero._exit_wait
+                exit_wait = acc.sharding.gather.exit_wait
                 at_exit = {"registered": bool(exit_wait.alive and exit_wait.atexit),
                            "before": _in_flight(acc, launched)}
                 exit_wait()
                 at_exit["after"] = _in_flight(acc, launched)
+            gather = acc.sharding.gather
             results[(stage, overlap)] = {"after_step": after_step, "after_state_dict": after_state_dict,
                                          "at_exit": at_exit,
-                                         "gather_buckets": 0 if acc._zero is None else len(acc._zero.gather_buckets)}
+                                         "gather_buckets": 0 if gather is None else len(gather.buckets)}
             acc.close()
             launched.clear()
     finally:

@@ -179,8 +179,7 @@ def _measure_gaengine(cfg: MemoryConfig, stage: int, world: int, rank: int) -> d
                 acc.backward(model(x).float().square().mean())
             if window == 1:
                 seen: set[int] = set()
-                zero = acc._zero
-                shard = getattr(zero, "grad_shard", None) if zero is not None else None
+                shard = getattr(acc.reducer, "grad_shard", None)
                 row = {"params": _nbytes(list(model.parameters()), seen)}
                 if shard is not None:  # stage 2: the fp32 sum is the shard, micro-batches stage in a ring
                     row["grad"] = _nbytes([shard], seen)

@@ -1,0 +1,305 @@
+"""The parameter store: the model's parameters as the optimizer sees them, the fp32 master weights, and the update.
+
+One ``ParameterStore`` per accumulator with an optimizer, built by the sharding strategy (``gaengine.sharding``)
+over a ``gaengine.zero.ShardLayout``: rank r of d owns the range ``[lo, hi)`` of every laid-out parameter that
+the layout gives it (``ParamShard``). The replicated case is the one-shard case, d = 1: every range is the whole
+parameter.
+
+* **Parameter buffers.** The laid-out parameters (the same ``Parameter`` objects, ``p.data`` re-pointed: autograd
+  keeps their AccumulateGrad nodes and the hooks on them) become views of one flat buffer per dtype laid out like
+  the dtype's span of the layout (``param_buffers[dtype]``; Megatron-Core's distributed optimizer re-points its
+  parameters the same way). Padding is zero and stays zero. On d > 1 ranks every trainable parameter is laid out
+  (the bucket all-gathers write the buffers, ``gaengine.zero.ParamGather``); on one, only those that need a flat
+  buffer: the bf16/fp16 parameters the optimizer holds, when they have masters (one flat master -> model copy).
+* **Masters.** With ``master_weights=True``, one fp32 buffer (``master_buffer``, 4/d B/param) holds the rank's
+  range of every bucket of the bf16/fp16 dtypes the optimizer holds, laid out like the rank's shard.
+  ``model.load_state_dict()`` after construction reaches the masters (``pull_model_writes``).
+* **Pieces.** The optimizer is re-pointed at one parameter per (parameter, rank range), ``pieces``: on d > 1
+  ranks a 1-D ``nn.Parameter`` (a view of the master buffer, or of the rank's range of the parameter buffer
+  itself: fp32, or bf16/fp16 without masters, updated in place) for each range that is not empty; on one rank a
+  parameter SHAPED like its model parameter (its fp32 master, or the model parameter itself), so any torch
+  optimizer works and state built before the accumulator follows its parameter (to fp32 for a master, to the
+  parameter's dtype without one: torch's ``Optimizer.load_state_dict`` casts it the same way). Each piece stays
+  in its parameter's param group (hyper-parameters per group).
+* **Update** (``update``): every piece gets its gradient (the fp32 view the strategy hands over: its fp32 value,
+  its rounding to a bf16/fp16 piece, or, for ``gaengine.optim.FusedAdamW`` without masters, ``p.main_grad``),
+  the optimizer steps with the window's normalization x clip coefficient and the skip flag folded in (a fused
+  torch optimizer and ``FusedAdamW`` through ``grad_scale``/``found_inf``: no pass, no host sync; any other one
+  scale pass over the gradient and one host read of the skip flag), then the masters are rounded into the model
+  (one multi-tensor copy; ``FusedAdamW`` writes the rounding in its own pass). The gradients exist only for that
+  call: outside it no piece holds a ``.grad`` (or ``main_grad``), so a leftover ``optimizer.step()`` /
+  ``optimizer.zero_grad()`` after ``acc.step()`` changes nothing (torch's optimizers skip a parameter without one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.graph import increment_version
+
+from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
+from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
+                             step_optimizer, writes_model_params)
+from gaengine.zero import ShardLayout, zero_order
+
+__all__ = ["ParamSlot", "ParameterStore"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One trainable parameter as this rank holds it (``ShardingStrategy.param_slots``; what a checkpoint reads).
+
+    param: the model parameter. lo, hi: the range ``[lo, hi)`` of the flattened parameter this rank owns
+    (``0, numel`` on one rank; ``lo == hi``: nothing). shard_offset: where element ``lo`` lies in the rank's
+    gradient shard (d > 1 ranks; 0 on one). piece: the optimizer's parameter holding that
+    range (shaped like ``param`` on one rank, 1-D on several), or None (not optimized, or nothing owned).
+    optimized: the optimizer holds ``param``. master: it has fp32 master weights (``piece`` is then a view of
+    ``master_buffer``). grad: ``(hi - lo,)`` fp32, the window's gradient sum of that range, a view.
+    """
+
+    param: torch.Tensor
+    lo: int
+    hi: int
+    shard_offset: int
+    piece: torch.Tensor | None
+    optimized: bool
+    master: bool
+    grad: torch.Tensor | None = None
+
+
+class ParameterStore:
+    """The parameter buffers, fp32 masters and optimizer pieces of one rank, and the update (module docstring).
+
+    optimizer: re-pointed at ``pieces`` (param groups, hyper-parameters and, on one rank, existing state kept).
+    params: every trainable parameter, in the order the update's ``grads`` come in. master_weights: keep fp32
+    masters for the bf16/fp16 parameters the optimizer holds; False: the optimizer updates them in place
+    (``reads_main_grad`` for ``FusedAdamW``, which takes the fp32 gradient as ``p.main_grad``, else
+    ``normalize_before_rounding``: each gradient is rounded once, at its final scale).
+    layout, rank: the ``ShardLayout`` of ``params`` (in its order, every parameter laid out) and this rank, on
+    d > 1 ranks; None on one rank (the store lays out the parameters with masters itself, one bucket per dtype:
+    the layout of ``master_buffer`` depends on the parameters only).
+
+    Attributes: ``pieces[j]`` (the optimizer's parameter for ``params[j]``'s range, or None); ``optimized[j]``;
+    ``param_buffers[dtype]`` (the laid-out parameters' storage); ``master_buffer`` (``FlatBuffer`` of the fp32
+    masters, ``views[k]`` the k-th master piece, or None); ``group_params`` (the optimizer's param groups as
+    built, model parameters, before re-pointing); ``optimizer_writes_model`` (``FusedAdamW`` rounds the masters
+    into the model in its pass).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, device: torch.device,
+                 master_weights: bool, layout: ShardLayout | None = None, rank: int = 0) -> None:
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.index = {id(p): j for j, p in enumerate(self.params)}
+        held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        self.optimized = [id(p) in held for p in self.params]
+        low = [p for p, opt in zip(self.params, self.optimized) if opt and p.dtype in LOW_PRECISION]
+        fused_adamw = writes_model_params(optimizer)  # gaengine.optim.FusedAdamW
+        self.reads_main_grad = fused_adamw and not master_weights and bool(low)
+        self.normalize_before_rounding = not fused_adamw and not master_weights and bool(low)
+        mastered = {p.dtype for p in low} if master_weights else set()
+        self.shaped = layout is None  # one rank: the optimizer keeps parameter-shaped pieces
+        if layout is None:
+            laid = zero_order([p for p in low if p.dtype in mastered])
+            whole_mb = sum(p.numel() + ALIGN_NUMEL for p in laid) * 4 / 2**20 + 1  # one bucket per dtype
+            layout = ShardLayout.build(laid, whole_mb, 1) if laid else None
+        else:
+            laid = self.params
+        self.layout = layout
+        self.rank = rank
+        shards = {id(p): s for p, s in zip(laid, layout.param_shards(rank))} if layout is not None else {}
+        position = {id(p): k for k, p in enumerate(laid)}  # layout index of each laid-out parameter
+
+        # The parameter buffers: the laid-out parameters re-pointed at views of one flat buffer per dtype.
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._firsts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dtype's buffer, its first param): check_model
+        if layout is not None:
+            offsets = layout.layout.offsets
+            with torch.no_grad():
+                for dtype, (lo, hi) in layout.dtype_spans.items():
+                    buf = torch.zeros(hi - lo, dtype=dtype, device=device)
+                    group = [(k, p) for k, p in enumerate(laid) if p.dtype == dtype]
+                    for k, p in group:
+                        view = buf[offsets[k] - lo:offsets[k] - lo + p.numel()].view(p.shape)
+                        view.copy_(p.detach())
+                        p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
+                    self.param_buffers[dtype] = buf
+                    self._firsts.append((buf, group[0][1]))
+
+        # The masters: the rank's range of each bucket of the mastered dtypes, laid out like the rank's shard.
+        self.master_buffer: FlatBuffer | None = None
+        self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (model ranges, master ranges)
+        master_of: dict[int, torch.Tensor] = {}
+        if mastered:
+            spans = [layout.dtype_shard_span(dt) for dt in sorted(mastered, key=lambda dt: LOW_PRECISION.index(dt))]
+            m_lo, m_hi = spans[0][0], spans[-1][1]  # bf16 then fp16: adjacent in the shard (zero_order)
+            ranged = [(p, shards[id(p)]) for p in laid  # on several ranks, the ranges this rank owns
+                      if p.dtype in mastered and (self.shaped or shards[id(p)].numel)]
+            flat = FlatLayout(tuple(s.shard_offset - m_lo for _, s in ranged), tuple(s.numel for _, s in ranged),
+                              tuple(p.shape if self.shaped else torch.Size([s.numel]) for p, s in ranged), m_hi - m_lo)
+            self.master_buffer = FlatBuffer(flat, torch.float32, device)
+            views = self.master_buffer.views
+            master_of = {id(p): v for (p, _), v in zip(ranged, views)}
+            if self.shaped:  # one rank: each dtype's buffer is one range of the masters, copied whole
+                for dtype in mastered:
+                    lo, hi = layout.dtype_spans[dtype]
+                    self._copies[0].append(self.param_buffers[dtype])
+                    self._copies[1].append(self.master_buffer.data[lo - m_lo:hi - m_lo])
+            else:  # the rank's range of each bucket
+                for b in layout.buckets:
+                    if b.dtype in mastered:
+                        r_lo, r_hi = b.rank_range(rank)
+                        span_lo = layout.dtype_spans[b.dtype][0]
+                        self._copies[0].append(self.param_buffers[b.dtype][r_lo - span_lo:r_hi - span_lo])
+                        self._copies[1].append(self.master_buffer.data[b.shard_offset - m_lo:
+                                                                       b.shard_offset - m_lo + b.shard_numel])
+            _copy(self._copies[1], self._copies[0])  # the masters start as the (exact) fp32 values of the params
+
+        # The pieces, and the model's view of each (what a master is rounded into).
+        self.pieces: list[torch.Tensor | None] = []
+        self.slots: list[ParamSlot] = []
+        self._mastered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, master piece, model view)
+        for p, opt in zip(self.params, self.optimized):
+            s = shards.get(id(p))
+            lo, hi = (s.lo, s.hi) if s is not None else (0, p.numel())
+            if s is not None:
+                span_lo = layout.dtype_spans[p.dtype][0]
+                o = layout.layout.offsets[position[id(p)]] - span_lo
+            piece = None
+            master = opt and p.dtype in mastered  # whether or not this rank owns any of it
+            if opt and (self.shaped or hi > lo):
+                if master:
+                    piece = nn.Parameter(master_of[id(p)], requires_grad=True)  # aliases the master buffer
+                elif self.shaped:
+                    piece = p  # an fp32 parameter, or bf16/fp16 without masters, updated as it is
+                else:
+                    piece = nn.Parameter(self.param_buffers[p.dtype][o + lo:o + hi])  # updated in place
+                if master:
+                    model_view = p if self.shaped else self.param_buffers[p.dtype][o + lo:o + hi]
+                    self._mastered.append((p, piece, model_view))
+            self.pieces.append(piece)
+            self.slots.append(ParamSlot(p, lo, hi, s.shard_offset if s is not None else 0, piece, opt, master))
+        self._low_params = [p for p, _, _ in self._mastered]
+
+        # The optimizer: re-pointed at the pieces (one rank keeps what it holds that is not trainable).
+        self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
+        piece_of = {id(p): piece for p, piece in zip(self.params, self.pieces)}
+        for group_ in optimizer.param_groups:
+            group_["params"] = [q2 for q2 in (piece_of.get(id(q), q if self.shaped else None) for q in group_["params"])
+                                if q2 is not None]
+        for p, piece in zip(self.params, self.pieces):  # state built before the accumulator follows its parameter
+            if piece is not None and p.dtype in LOW_PRECISION and p in optimizer.state:
+                state = optimizer.state.pop(p) if piece is not p else optimizer.state[p]
+                optimizer.state[piece] = state
+                convert_state(state, p, piece.dtype)  # exact to fp32; rounded once to the param dtype
+        self.optimizer_writes_model = fused_adamw and self.master_buffer is not None
+        if self.optimizer_writes_model:
+            optimizer.attach_model_params([(piece, view) for _, piece, view in self._mastered])
+        self._versions = param_versions(self._low_params)
+
+    # ------------------------------------------------------------------ the model
+    def check_model(self) -> None:
+        """Raise ``RuntimeError`` when the re-pointed parameters no longer live in the flat parameter buffers (the
+        model was moved or converted after the accumulator was built: ``model.to(other device or dtype)``,
+        ``.float()``, ...). One parameter per dtype is looked at: ``Module._apply`` moves them all."""
+        for buf, first in self._firsts:
+            if first.device != buf.device or first.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    f"a {buf.dtype} model parameter of shape {tuple(first.shape)} is no longer a view of the "
+                    f"accumulator's flat {buf.dtype} buffer (it is {first.dtype} on {first.device}): the model was "
+                    "moved or converted after the GradientAccumulator was built (model.to(...), .float(), "
+                    ".cuda(), ...). Move and convert the model first, then build the optimizer and the accumulator"
+                )
+
+    def pull_model_writes(self) -> None:
+        """Copy into their fp32 masters the bf16/fp16 parameters written since the masters were last rounded into
+        the model: ``model.load_state_dict()`` or an in-place write under ``torch.no_grad()`` after construction
+        (exact: a bf16/fp16 value is an fp32 value). Without it the next update would start from the old masters
+        and revert the write. Seen through each parameter's version counter (bumped by every in-place op; a write
+        through ``p.data`` is not seen): one host-side integer per parameter, no device work unless one changed.
+        An element that still holds its master's rounding keeps the master (``merge_model_write``), so loading the
+        model of a checkpoint beside the accumulator's own masters, in either order, keeps their fp32 bits."""
+        versions = param_versions(self._low_params)
+        if versions == self._versions:
+            return
+        for (_, piece, view), new, old in zip(self._mastered, versions, self._versions):
+            if new != old:
+                merge_model_write(piece, view)
+        self._versions = versions
+
+    def model_written(self) -> None:
+        """The masters' rounding is in the model now: the version counters ``pull_model_writes`` compares with."""
+        self._versions = param_versions(self._low_params)
+
+    def copy_to_model(self) -> None:
+        """Round the fp32 masters into the rank's ranges of the parameter buffers (one ``copy_`` per dtype on one
+        rank, one multi-tensor copy over the buckets' ranges on several; the padding is zero in both), bumping the
+        parameters' version counters as an in-place op would. Raises
+        ``RuntimeError`` as ``check_model``."""
+        self.check_model()
+        _copy(*self._copies)
+        increment_version(self._low_params)  # p.data = view gave each parameter its own version counter
+        self.model_written()
+
+    # ------------------------------------------------------------------ the update
+    def update(self, grads: Sequence[torch.Tensor | None], chunks: Sequence[torch.Tensor], coef: torch.Tensor,
+               skipped: torch.Tensor, backend) -> bool | None:
+        """Run the optimizer on the window's gradient times ``coef``, skipped when ``skipped``; returns whether it
+        stepped (None: decided on the device, ``gaengine.update.step_optimizer``).
+
+        grads: per parameter (``params``' order) the fp32 view of the window's raw gradient sum of its range,
+        shaped like its piece, or None: no gradient in the window (no update, as torch's optimizers do).
+        chunks: the contiguous fp32 tensors that hold those views, scaled in place by ``coef`` when the optimizer
+        cannot take it (one pass: the backend's ``scale_`` for one, ``torch._foreach_mul_`` for several).
+        coef: 0-d fp32 (normalization x clip coefficient), skipped: 0-d bool, both on the device. Raises
+        ``RuntimeError`` as ``check_model`` before anything is written.
+        """
+        optimizer = self.optimizer
+        self.check_model()
+        self.pull_model_writes()  # model.load_state_dict() since the last update reaches the masters
+        scaled = not fused_optimizer(optimizer) or self.normalize_before_rounding
+        if scaled:
+            chunks = [c for c in chunks if c.numel()]
+            if len(chunks) == 1:
+                backend.scale_(chunks[0], coef)  # one fp32 pass: normalization and clipping
+            elif chunks:
+                torch._foreach_mul_(chunks, coef)  # one multi-tensor launch over the ranges
+        targets = []  # the pieces handed a gradient: none of them keeps one after the step
+        for piece, grad in zip(self.pieces, grads):
+            if piece is None:
+                continue  # trainable but not optimized (counted in the norm, left alone), or nothing owned here
+            targets.append(piece)
+            if grad is None:
+                piece.grad = None
+            elif piece.dtype == torch.float32:
+                piece.grad = grad  # the view itself
+            elif self.reads_main_grad:
+                piece.main_grad = grad  # FusedAdamW reads the fp32 gradient in place, no copy
+            else:
+                piece.grad = grad.to(piece.dtype)  # rounded once, at its final scale (normalize_before_rounding)
+        try:
+            applied = step_optimizer(optimizer, coef, skipped, scaled)
+        finally:
+            for piece in targets:
+                piece.grad = None
+                if hasattr(piece, "main_grad"):
+                    del piece.main_grad
+        if self.master_buffer is not None and not self.optimizer_writes_model:
+            # A skipped update left the masters unchanged, and the model already holds their rounding:
+            # copying unconditionally is bit-identical and needs no host read of the skip flag.
+            self.copy_to_model()
+        self.model_written()
+        return applied
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i: ``copy_`` for one or two (one per dtype), else one multi-tensor launch."""
+    with torch.no_grad():
+        if len(dsts) <= len(LOW_PRECISION):
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
+        else:
+            torch._foreach_copy_(dsts, srcs)
