@@ -32,6 +32,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from tests.conftest import backend_params
+
 HAS_GPU = torch.cuda.is_available()
 TRITON_DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
 # Sizes the slow backends run (larger cases skip there): the Triton interpreter, and the emulated CUDA kernels
@@ -176,13 +178,7 @@ def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpB
                      _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=C.adamw_step_)
 
 
-BACKEND_PARAMS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("cpu", id="cpu"),
-    pytest.param("triton", id="triton", marks=pytest.mark.interpreter),
-    pytest.param("cuda-emu", id="cuda-emu"),
-    pytest.param("cuda-gpu", id="cuda-gpu", marks=pytest.mark.cuda),
-]
+BACKEND_PARAMS = backend_params()  # tests/conftest.py's list of the backends that exist here
 
 
 @pytest.fixture(params=BACKEND_PARAMS)
