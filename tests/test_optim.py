@@ -25,6 +25,7 @@ from torch import nn
 import gaengine
 from gaengine.backends import get_backend
 from gaengine.optim import FusedAdamW
+from tests.conftest import backend_device, backend_params
 from tests.tolerances import assert_bitwise_equal, low_precision_ulp, rel_diff
 
 RTOL = 1e-6
@@ -33,17 +34,18 @@ TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _backend_params() -> list:
-    out = [pytest.param("torch", torch.device("cpu"), id="torch")]
-    for name, device in (("cpu", torch.device("cpu")), ("triton", TRITON_DEVICE)):
+    """``(name, device)`` of tests/conftest.py's backends that FusedAdamW is tested on here, each on the device its
+    tensors live on (``backend_device``), skipped where it cannot load. (The cuda backends' kernel is tested at the
+    op level, tests/ops/test_adamw.py, and through the engine in tests/test_cuda_emulation_engine.py.)"""
+    out = []
+    for p in backend_params("torch", "cpu", "triton"):
+        name, device = p.values[0], backend_device(p.values[0])
         try:
             get_backend(name, device)
-            available = True
+            marks = list(p.marks)
         except RuntimeError:
-            available = False
-        marks = [pytest.mark.skip(reason=f"backend {name!r} unavailable")] if not available else []
-        if name == "triton":
-            marks.append(pytest.mark.interpreter)
-        out.append(pytest.param(name, device, id=name, marks=marks))
+            marks = [*p.marks, pytest.mark.skip(reason=f"backend {name!r} unavailable")]
+        out.append(pytest.param(name, device, id=p.id, marks=marks))
     return out
 
 
