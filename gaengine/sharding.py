@@ -381,8 +381,11 @@ class Replicated(ShardingStrategy):
             )
         if state["world_size"] != self.world_size:
             raise ValueError(f"state was saved with world_size={state['world_size']}, this run has {self.world_size}")
-        if (state["master"] is None) != (self.master_buffer is None) or (
-                self.master_buffer is not None and state["master"].numel() != self.master_buffer.data.numel()):
+        master = state["master"]
+        if master is not None and self.master_buffer is not None and master.numel() != self.master_buffer.data.numel():
+            master = self._masters_of_flat_layout(master)
+        if (master is None) != (self.master_buffer is None) or (
+                self.master_buffer is not None and master.numel() != self.master_buffer.data.numel()):
             raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
         acc.check_scalars_state(state)
         stale = self.set_layout([registration[i] for i in state["layout_order"]])
@@ -391,10 +394,27 @@ class Replicated(ShardingStrategy):
         with torch.no_grad():
             self.main_grad.data.copy_(state["main_grad"])
             if self.master_buffer is not None:
-                self.master_buffer.data.copy_(state["master"])
+                self.master_buffer.data.copy_(master)
                 self.store.copy_to_model()
         acc._grads_left |= stale
         acc.load_scalars_state(state)
+
+    def _masters_of_flat_layout(self, saved: torch.Tensor) -> torch.Tensor:
+        """The fp32 masters of a state dict saved before ``gaengine.store`` (one ``FlatLayout`` over the bf16, then
+        the fp16 masters, in layout order at construction, each ``ALIGN_NUMEL``-aligned, where the store pads each
+        dtype's span to a whole bucket), moved into this store's layout; ``saved`` as it is when it is not that
+        layout either (then the caller's size check refuses it)."""
+        slots = [s for s in self.store.slots if s.master]
+        slots = [s for dtype in (torch.bfloat16, torch.float16) for s in slots if s.param.dtype == dtype]
+        old = FlatLayout.build([s.param for s in slots])
+        if old.total_numel != saved.numel():
+            return saved
+        out = torch.zeros_like(self.master_buffer.data, device="cpu")
+        base = self.master_buffer.data.storage_offset()
+        for s, offset, numel in zip(slots, old.offsets, old.numels):
+            at = s.piece.storage_offset() - base
+            out[at:at + numel] = saved[offset:offset + numel]
+        return out
 
 
 class _Zero(ShardingStrategy):
