@@ -408,7 +408,7 @@ def _reduced_window_grad(acc: Any) -> torch.Tensor:
     an earlier window's values) and reduce-scattered in fp32 into a ``(shard_numel,)`` buffer; ``main_grad``
     itself is not changed, so training goes on after the save."""
     layout = acc.sharding.layout
-    written = acc.hooks.written
+    written = acc.hooks.accumulated
     out = torch.empty(layout.shard_numel, dtype=torch.float32, device=acc.device)
     for b in layout.buckets:
         tmp = acc.main_grad.data[b.start:b.end].clone()
@@ -606,7 +606,7 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
     if mid_window and acc.sharding.holds_local_sums:
         # every rank's range now holds the reduced sum of what any rank wrote
         written = [any(r["scalars"]["written"][i] for r in meta["ranks"]) for i in range(len(acc.params))]
-        acc.hooks.set_all_written(written)
+        acc.hooks.set_all_accumulated(written)
 
 
 def _layout_order(acc: Any) -> list[int]:

@@ -669,18 +669,6 @@ class GradientAccumulator:
             self._noise.load_state_dict(state.get("noise_scale"), self.window.num_micro_batches)
         self._grads_left = True
 
-    _state_scalars = scalars_state_dict  # the names gaengine.checkpoint and gaengine.sharding call them by still
-    _check_state_scalars = check_scalars_state
-    _load_state_scalars = load_scalars_state
-
-    @property
-    def _registration(self) -> list[torch.Tensor]:
-        return self.registered_params
-
-    @property
-    def _named_params(self) -> list:
-        return self.named_params
-
     @property
     def effective_batch_size(self) -> int:
         """Samples per update: micro_batch_size x accumulation_steps x world size (needs micro_batch_size); with

@@ -106,10 +106,6 @@ class NativeHooks:
             raise ValueError(f"accumulated has {len(values)} entries for {len(self.params)} parameters")
         self._hot.set_all_written([bool(v) for v in values])
 
-    written = accumulated  # the former names, while callers move to the new ones
-    set_written = set_accumulated
-    set_all_written = set_all_accumulated
-
     @property
     def arrival(self) -> list[int] | None:
         return self._hot.arrival()

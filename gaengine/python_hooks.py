@@ -174,10 +174,6 @@ class PythonHooks:
             raise ValueError(f"accumulated has {len(values)} entries for {len(self.params)} parameters")
         self._written = [bool(v) for v in values]
 
-    written = accumulated  # the former names, while callers move to the new ones
-    set_written = set_accumulated
-    set_all_written = set_all_accumulated
-
     @property
     def arrival(self) -> list[int] | None:
         """A copy of the first-arrival order (layout indices) while learning the layout, else None."""

@@ -388,7 +388,7 @@ class Replicated(ShardingStrategy):
                 self.master_buffer is not None and master.numel() != self.master_buffer.data.numel()):
             raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
         acc.check_scalars_state(state)
-        stale = self.set_layout([registration[i] for i in state["layout_order"]])
+        self.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_scalars_state
         if state["main_grad"].numel() != self.main_grad.data.numel():
             raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
         with torch.no_grad():
@@ -396,7 +396,6 @@ class Replicated(ShardingStrategy):
             if self.master_buffer is not None:
                 self.master_buffer.data.copy_(master)
                 self.store.copy_to_model()
-        acc._grads_left |= stale
         acc.load_scalars_state(state)
 
     def _masters_of_flat_layout(self, saved: torch.Tensor) -> torch.Tensor:
@@ -507,12 +506,12 @@ class ZeroStage2(_Zero):
         slice."""
         first = window.num_micro_batches == 0
         if not first:  # the hooks' flags restart with the staging: the window keeps which parameters were reached
-            window.mark_used(self.hooks.written)
+            window.mark_used(self.hooks.accumulated)
         self.wait_gathers()
         self.reducer.wait()
         self.reducer.release_staging()  # what a failed backward staged and never launched
         self.reducer.overwrite = first
-        self.hooks.set_all_written([False] * len(self.params))
+        self.hooks.set_all_accumulated([False] * len(self.params))
         armed = overlap and self.hooks.arrival is None  # every micro-batch reduces
         if armed:
             self.reducer.begin()
