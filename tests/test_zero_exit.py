@@ -32,7 +32,7 @@ from tests.test_distributed import _launch as launch_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-PROGRESS_NOTE = "40 two-rank training scripts started fresh beside a busy core (each must exit 0), 2 to 3 minutes"
+PROGRESS_NOTE = "25 two-rank training scripts started fresh beside a busy core (each must exit 0), 3 to 4 minutes"
 
 CHILD = os.path.join(os.path.dirname(__file__), "zero_exit_child.py")
 K = 2
@@ -68,10 +68,12 @@ def _run_scripts(tmp_path, pattern: str, runs: int) -> list[str]:
 
 
 def test_dcp_checkpoint_then_destroy_without_close_exits_cleanly(tmp_path):
-    """The reported pattern, 20 times: zero_stage=1, a DCP checkpoint after each window, dist.barrier(),
+    """The reported pattern, 5 times (it never aborted here, before the fix or after, in about 275 runs; the
+    ``step`` and ``overlap`` scripts below are the ones that caught the cause): zero_stage=1, a DCP checkpoint
+    after each window, dist.barrier(),
     dist.destroy_process_group(), no acc.close()."""
-    failures = _run_scripts(tmp_path, "dcp", 20)
-    assert not failures, f"{len(failures)} rank(s) of 20 runs failed:\n" + "\n".join(failures)
+    failures = _run_scripts(tmp_path, "dcp", 5)
+    assert not failures, f"{len(failures)} rank(s) of 5 runs failed:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("pattern", ["step", "overlap"])
