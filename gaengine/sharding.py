@@ -26,6 +26,7 @@ more implementation: its hooks write the reduce-scattered local shards, it has n
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ __all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "check_
            "trainable_params"]
 
 
-class ShardingStrategy:
+class ShardingStrategy(ABC):
     """What the accumulator does differently per data-parallel mode (module docstring). Built once.
 
     params: the trainable parameters in layout order (index i: ``main_grad``'s slice i, the hooks' index i).
@@ -145,11 +146,13 @@ class ShardingStrategy:
             position = {id(p): i for i, p in enumerate(self.params)}
             self._store_order = [position[id(p)] for p in self.store.params]
 
+    @abstractmethod
     def _new_main_grad(self) -> FlatBuffer:
-        raise NotImplementedError
+        """A zeroed fp32 ``FlatBuffer`` over ``self.params`` in this strategy's layout (``meta`` when layout only)."""
 
+    @abstractmethod
     def _new_reducer(self) -> BucketReducer:
-        raise NotImplementedError
+        """The reducer of ``main_grad``'s buckets over the process group (several ranks only)."""
 
     def _acquire(self):
         """The hooks' ``acquire(b)`` (a destination per bucket and micro-batch), or None: main_grad itself."""
@@ -209,9 +212,9 @@ class ShardingStrategy:
         for i in unwritten:
             self.main_grad.flat_views[i].zero_()
 
+    @abstractmethod
     def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
         """The window's ``WindowNorm`` (``gaengine.norm``): global over the ranks, on the device."""
-        raise NotImplementedError
 
     def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
         """Run the optimizer on the window's gradient times ``coef`` (skipped when ``skipped``), write the model,
@@ -227,14 +230,14 @@ class ShardingStrategy:
         self._after_update()
         step_scheduler(lr_scheduler, applied, skipped)
 
+    @abstractmethod
     def _update_grads(self) -> Sequence[torch.Tensor]:
         """Per parameter (layout order) the fp32 gradient view of the range this rank updates, shaped like its
         store piece (``update``, ``param_slots``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _grad_chunks(self) -> list[torch.Tensor]:
         """The contiguous fp32 tensors holding this rank's gradients (scaled in place by the update)."""
-        raise NotImplementedError
 
     def _after_update(self) -> None:
         """After the model is written: the gathers (sharded strategies)."""
