@@ -556,37 +556,48 @@ class ZeroStage2(_Zero):
         self.reducer.wait()  # the last micro-batch's reduce-scatters, into the gradient shard
 
 
-_SHARDED_ADVICE = ("gaengine does not support sharded models yet: it would accumulate nothing (FSDP2 reduces and "
-                   "frees gradients in its own hooks) and would broadcast one rank's shard over the others. Pass the "
-                   "plain model (gaengine reduces across ranks itself, and zero_stage=1 or 2 shards the optimizer state "
-                   "and gradients), or train the sharded model with its own accumulation (FSDP2: "
-                   "model.set_requires_gradient_sync(is_last_micro_batch)) without gaengine")
+_SHARDED_ADVICE = ("gaengine accumulates FSDP2 (fully_shard) models and plain modules; pass the plain model (gaengine "
+                   "reduces across ranks itself, and zero_stage=1 or 2 shards the optimizer state and gradients), or "
+                   "shard it with fully_shard (FSDP2)")
 
 
 def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None:
-    """``TypeError`` for a model that FSDP2 (``fully_shard``, ``replicate``), FSDP1 or the composable ``replicate``
-    manages, or any DTensor parameter: each would train nothing or wrongly under gaengine's hooks, silently."""
+    """``TypeError``/``ValueError`` for a sharded model gaengine cannot accumulate exactly, each of which would
+    train nothing or wrongly under gaengine's hooks, silently: FSDP1 (``FullyShardedDataParallel``: its
+    reduce-scatter runs from hooks on the same AccumulateGrad nodes), the composable ``replicate``, DTensor
+    parameters that ``fully_shard`` did not make (tensor parallelism, other meshes), and the FSDP2 models
+    ``gaengine.fsdp2.check_fsdp2_model`` refuses (a root that is not an ``FSDPModule``, a mix of sharded and plain
+    trainable parameters, ``CPUOffloadPolicy``, HSDP). A supported FSDP2 model passes (``gaengine.fsdp2``)."""
     if not dist.is_available():
         return
     from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415 - only when distributed exists
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
+    fsdp2 = False
     for name, module in (model.named_modules() if model is not None else ()):
         where = f"model.{name}" if name else "model"
-        if isinstance(module, FSDPModule):
-            kind = "an FSDP2 module (fully_shard or replicate)"
-        elif isinstance(module, FullyShardedDataParallel):
-            kind = "wrapped in FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel)"
-        elif _get_registry(module):
-            kind = f"managed by torch.distributed composable API(s) {sorted(_get_registry(module))}"
-        else:
-            continue
-        raise TypeError(f"{where} is {kind}. {_SHARDED_ADVICE}")
+        if isinstance(module, FullyShardedDataParallel):
+            raise TypeError(f"{where} is wrapped in FullyShardedDataParallel (FSDP1): it reduce-scatters FlatParameter "
+                            "gradients in its own hooks on the AccumulateGrad nodes gaengine hooks, so gradients would "
+                            "be lost or never reduced. Use fully_shard (FSDP2), or pass the bare module with "
+                            "zero_stage=2")
+        if isinstance(module, FSDPModule) and set(_get_registry(module) or {}) <= {"fully_shard"}:
+            fsdp2 = True
+        elif isinstance(module, FSDPModule) or _get_registry(module):
+            raise TypeError(f"{where} is managed by torch.distributed composable API(s) "
+                            f"{sorted(_get_registry(module) or {})}. {_SHARDED_ADVICE}")
+    if fsdp2:
+        from gaengine.fsdp2 import check_fsdp2_model  # noqa: PLC0415 - imports this module
+
+        check_fsdp2_model(model, params)
+        return
     dtensors = [p for p in params if isinstance(p, DTensor)]
     if dtensors:
-        raise TypeError(f"model has {len(dtensors)} DTensor parameter(s) (the first of global shape "
-                        f"{tuple(dtensors[0].shape)}, placements {tuple(dtensors[0].placements)}). {_SHARDED_ADVICE}")
+        raise TypeError(f"model has {len(dtensors)} DTensor parameter(s) that fully_shard did not make (the first of "
+                        f"global shape {tuple(dtensors[0].shape)}, placements {tuple(dtensors[0].placements)}, "
+                        "e.g. tensor parallelism or a model passed as a list of parameters); gaengine supports only "
+                        "FSDP2 (fully_shard) data-parallel sharding, passed as the module. " + _SHARDED_ADVICE)
 
 
 def trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -637,8 +648,20 @@ def check_sharding_optimizer(zero_stage: int, optimizer) -> None:
 
 def make_sharding(zero_stage: int, world_size: int, params: list[torch.Tensor], optimizer,
                   **kwargs) -> ShardingStrategy:
-    """The strategy for ``zero_stage`` on ``world_size`` ranks: a world of one shards nothing (``Replicated``),
-    and keeps the ``torch.distributed.checkpoint`` state dict of ``zero_stage >= 1`` (it loads a sharded run's)."""
+    """The strategy for ``zero_stage`` on ``world_size`` ranks: an FSDP2 model (``fully_shard``, checked by
+    ``trainable_params``) gets ``gaengine.fsdp2.FullyShardedGrads`` (``ValueError`` with ``zero_stage > 0``); a world
+    of one shards nothing (``Replicated``), and keeps the ``torch.distributed.checkpoint`` state dict of
+    ``zero_stage >= 1`` (it loads a sharded run's)."""
+    model = kwargs.get("model")
+    if model is not None and dist.is_available():
+        from gaengine.fsdp2 import FullyShardedGrads, is_fsdp2_model  # noqa: PLC0415 - imports this module
+
+        if is_fsdp2_model(model):
+            if zero_stage:
+                raise ValueError(f"zero_stage={zero_stage} with an FSDP2 (fully_shard) model: FSDP2 already shards the "
+                                 "parameters, gradients and optimizer state, and gaengine accumulates its reduce-scattered "
+                                 "shards; leave zero_stage=0")
+            return FullyShardedGrads(params, optimizer, world_size=world_size, **kwargs)
     if zero_stage == 0 or world_size == 1:
         return Replicated(params, optimizer, world_size=world_size, dcp_state_dict=zero_stage > 0, **kwargs)
     cls = ZeroStage1 if zero_stage == 1 else ZeroStage2

@@ -1,0 +1,461 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) models: fp32 accumulation of FSDP2's reduce-scattered shards.
+
+FSDP2 shards every parameter over the data-parallel ranks (ZeRO-3) and reduce-scatters each micro-batch's
+gradient itself (sync every micro-batch, its default). It then calls each sharded parameter's Python
+post-accumulate-grad hooks itself, right after it assigned the shard to ``.grad`` (torch
+``fsdp/_fully_shard/_fsdp_collectives.py``, ``foreach_reduce``; the sharded DTensor parameters never enter
+autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrads`` is the sharding strategy
+(``gaengine.sharding.ShardingStrategy``) built on that hook:
+
+* **Hooks** (``ShardHooks``, the Python hooks over the local shards): each hook adds ``p.grad.to_local()`` (this
+  rank's shard of the micro-batch's reduced gradient, in the sharded parameter's dtype) into one flat fp32
+  ``main_grad`` laid out over the local shards (local numels, possibly 0) and sets ``p.grad = None``. A bucket is
+  one FSDP2 parameter group: its hooks fire back to back in one ``foreach_reduce``, so a group costs one
+  accumulate launch, on the stream FSDP2 runs them on (its ``post_reduce_stream`` on CUDA, before it records the
+  event ``finalize_backward`` waits on). The parameters are never re-pointed (FSDP2 all-gathers from their
+  storage).
+* **Normalization.** FSDP2 divides each reduced gradient by its divide factor ``f`` (the data-parallel size d by
+  default, its ``ReduceOp.AVG``; ``set_gradient_divide_factor`` changes it), so ``main_grad`` holds the window's
+  raw sum over ranks and micro-batches divided by ``f``; the engine's denominator (micro-batches x d in mean mode,
+  the global item count in item mode) is divided by ``f`` once in ``norm`` (exact for partial windows and
+  schedules, no look-ahead over the window).
+* **Step.** One pass over the local buffer for the sum of squares and the non-finite flag, one all-reduce of the
+  two (fp64), the norm, clip coefficient and skip flag on the device; the user's optimizer runs over the DTensor
+  parameters with ``.grad`` set to DTensor views of the buffer (a fused torch optimizer takes the coefficient and
+  the skip flag as ``grad_scale``/``found_inf``). fp32 sharded parameters are their own masters; bf16/fp16 ones
+  get an fp32 master shard (a DTensor over a view of one flat ``master_buffer``) that the optimizer updates, its
+  rounding copied into the parameter's local shard in place.
+
+What is refused (``check_fsdp2_model``, ``TypeError``/``ValueError`` at construction, on any world size): a root
+that is not an ``FSDPModule``, trainable parameters ``fully_shard`` does not manage, ``CPUOffloadPolicy``, HSDP
+(2-D meshes) and other meshes than the accumulator's group, ``replicate()``; in ``FullyShardedGrads``:
+``zero_stage > 0``, ``reduce_dtype`` other than fp32 (FSDP2's ``MixedPrecisionPolicy.reduce_dtype`` sets the
+wire), ``overlap_param_gather``, ``measure_noise_scale`` and ``gaengine.optim.FusedAdamW``. A model whose
+gradient sync was turned off behind the accumulator's back (``set_requires_gradient_sync(False)``,
+``set_requires_all_reduce(False)``) is refused at the next ``backward()`` (``RuntimeError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gaengine.bucket import Bucket
+from gaengine.buffer import FlatBuffer, FlatLayout
+from gaengine.norm import WindowNorm, window_norm
+from gaengine.python_hooks import PythonHooks
+from gaengine.reduce import Collective, broadcast_from_first_rank, wait_for
+from gaengine.sharding import ShardingStrategy
+from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
+                             step_optimizer, step_scheduler, writes_model_params)
+from gaengine.window import Window
+
+__all__ = ["FullyShardedGrads", "ShardHooks", "check_fsdp2_model", "fsdp2_param_groups", "is_fsdp2_model"]
+
+
+def is_fsdp2_model(model: nn.Module | None) -> bool:
+    """Whether ``model`` or one of its submodules is an FSDP2 module (``fully_shard``)."""
+    if model is None or not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - only when distributed exists
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp2_param_groups(model: nn.Module) -> list:
+    """FSDP2's parameter groups of ``model`` (``FSDPParamGroup``, one per ``fully_shard`` call that holds
+    parameters), in module registration order. Reads FSDP2's state through ``FSDPModule._get_fsdp_state()``."""
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            groups.extend(g for g in module._get_fsdp_state()._fsdp_param_groups if g.fsdp_params)
+    return groups
+
+
+def check_fsdp2_model(model: nn.Module, params: list[torch.Tensor]) -> None:
+    """``TypeError``/``ValueError`` for an FSDP2 model gaengine cannot accumulate exactly (module docstring);
+    ``params``: the model's trainable parameters."""
+    from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule  # noqa: PLC0415
+    from torch.distributed.fsdp._fully_shard._fsdp_api import OffloadPolicy  # noqa: PLC0415,F401
+    from torch.distributed.fsdp._fully_shard._fsdp_param import HSDPMeshInfo  # noqa: PLC0415
+
+    for name, module in model.named_modules():
+        registry = _get_registry(module) or {}
+        others = sorted(set(registry) - {"fully_shard"})
+        if others:
+            raise TypeError(f"model.{name or 'self'} is managed by torch.distributed composable API(s) {others} "
+                            "besides fully_shard; gaengine accumulates only FSDP2 (fully_shard) data-parallel "
+                            "sharding: apply fully_shard alone")
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"model is a {type(model).__name__} whose submodules use FSDP2 (fully_shard), but the root "
+                        "is not an FSDPModule: call fully_shard(model) on the root as well (after the per-block "
+                        "fully_shard calls), so that every trainable parameter is sharded by FSDP2")
+    groups = fsdp2_param_groups(model)
+    managed = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
+    plain = [p for p in params if id(p) not in managed]
+    if plain:
+        names = {id(p): n for n, p in model.named_parameters()}
+        raise TypeError(f"model mixes FSDP2-sharded and plain trainable parameters: {len(plain)} are not managed by "
+                        f"fully_shard (the first: {names.get(id(plain[0]), tuple(plain[0].shape))!s}). FSDP2 reduces "
+                        "only its own parameters' gradients, so these would never be averaged across ranks: call "
+                        "fully_shard(model) on the root as well, or freeze them (requires_grad=False)")
+    for g in groups:
+        for fp in g.fsdp_params:
+            if fp.offload_to_cpu:
+                raise ValueError(f"model.{fp._param_fqn} is sharded with offload_policy=CPUOffloadPolicy(): gaengine "
+                                 "accumulates FSDP2's gradient shards on the parameters' device and does not support "
+                                 "CPU offload; build fully_shard without offload_policy")
+        if isinstance(g.mesh_info, HSDPMeshInfo):
+            raise ValueError(f"model.{g._module_fqn or 'self'} is sharded over a 2-D mesh (HSDP: replicate and shard "
+                             "dims); gaengine supports FSDP2 over a 1-D data-parallel mesh only: build fully_shard "
+                             "with a 1-D DeviceMesh")
+    del CPUOffloadPolicy
+
+
+class _LocalGrad:
+    """What ``PythonHooks`` reads of a parameter: the local shard of its reduced gradient as ``grad``, the local
+    shape for its messages."""
+
+    __slots__ = ("grad", "shape")
+
+    def __init__(self, grad: torch.Tensor, shape: torch.Size) -> None:
+        self.grad = grad
+        self.shape = shape
+
+
+class ShardHooks(PythonHooks):
+    """``gaengine.python_hooks.PythonHooks`` over FSDP2's sharded parameters (``params``: DTensors, layout order).
+
+    FSDP2 calls each hook itself after it assigned or added the reduce-scattered shard to ``p.grad`` (a DTensor
+    whose local tensor is this rank's ``(local shape)`` shard, in the sharded parameter's dtype); the hook takes
+    ``p.grad.to_local()``, sets ``p.grad = None`` (FSDP2 assigns afresh at the next micro-batch), and accumulates
+    the local shard exactly as the Python hooks accumulate a whole gradient: one launch per complete bucket (an
+    FSDP2 parameter group) into ``main_grad``'s local-shard layout. There is no reducer (FSDP2 reduces)."""
+
+    def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
+                 measure_sources: bool = False) -> None:
+        super().__init__(params, main_grad, backend, buckets, None, measure_sources)
+
+    def _accumulate(self, i: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None  # FSDP2 assigns a fresh .grad on the next synced micro-batch
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        super()._accumulate(i, _LocalGrad(local, local.shape))
+
+
+class _NoReducer:
+    """FSDP2 reduces every micro-batch itself: gaengine launches no gradient collective, only the window's stats
+    all-reduce (``gaengine.reduce.launch_window_stats`` flushes this and counts it)."""
+
+    buckets: list = []
+
+    def __init__(self) -> None:
+        self.collectives_issued = 0
+
+    def begin(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+
+class FullyShardedGrads(ShardingStrategy):
+    """FSDP2 models (module docstring): ``main_grad`` over the local shards, FSDP2's reduce-scatter output
+    accumulated by ``ShardHooks``, the update over the DTensor parameters.
+
+    params: the trainable sharded parameters (``check_fsdp2_model`` passed), the model (an ``FSDPModule`` root) as
+    ``model``. main_grad: ``(sum of local numels, aligned)`` fp32 on the parameters' device. master_buffer: the
+    fp32 master shards of the bf16/fp16 parameters the optimizer holds (``master_weights=True``), or None.
+    Raises ``ValueError`` naming the option for ``reduce_dtype`` other than fp32, ``overlap_param_gather``,
+    ``measure_noise_scale`` (``measure_sources``), ``gaengine.optim.FusedAdamW``, and a process group whose size
+    is not FSDP2's shard group's.
+    """
+
+    name = "fsdp2 (fully_shard)"
+    sharded = True
+    FORMAT = "gaengine.GradientAccumulator/fsdp2/1"
+
+    def __init__(self, params: list[torch.Tensor], optimizer, *, world_size: int, model: nn.Module,
+                 broadcast_buffers: bool = True, **kwargs) -> None:
+        # FSDP2's shards differ per rank by construction: nothing is broadcast but the model's buffers.
+        super().__init__(params, optimizer, world_size=1, model=model, broadcast_buffers=False, **kwargs)
+        self.world_size, self.distributed = world_size, world_size > 1
+        if self.reduce_dtype != torch.float32:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} has no effect on an FSDP2 model: FSDP2 runs the "
+                             "reduce-scatter in its MixedPrecisionPolicy's reduce_dtype. Leave reduce_dtype at "
+                             "torch.float32 and build fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=..., "
+                             "reduce_dtype=torch.bfloat16)) for a bf16 wire (gaengine still accumulates in fp32)")
+        if self.overlap_param_gather:
+            raise ValueError("overlap_param_gather=True is a zero_stage option; FSDP2 all-gathers the parameters "
+                             "itself (its forward prefetching): leave overlap_param_gather off")
+        if self.measure_sources:
+            raise ValueError("measure_noise_scale=True is not supported with an FSDP2 model yet (its small batch is "
+                             "the global micro-batch, whose norm the per-rank terms do not give): leave "
+                             "measure_noise_scale off")
+        if optimizer is not None and writes_model_params(optimizer):
+            raise ValueError("optimizer is a gaengine.optim.FusedAdamW, which updates flat parameter pieces, not "
+                             "FSDP2's DTensor parameters: use torch.optim.AdamW(..., fused=True) (it takes "
+                             "gaengine's coefficient and skip flag as grad_scale/found_inf, with no extra pass)")
+        self.groups = fsdp2_param_groups(model)
+        sizes = {g.mesh_info.shard_mesh_size for g in self.groups}
+        if sizes != {world_size}:
+            raise ValueError(f"process_group has {world_size} rank(s) but the model is sharded over "
+                             f"{sorted(sizes)} rank(s): pass process_group= the group of fully_shard's mesh "
+                             "(mesh.get_group())")
+        if self.distributed and broadcast_buffers and list(model.buffers()):
+            broadcast_from_first_rank(list(model.buffers()), self.process_group)
+
+        # Layout: FSDP2's groups in reverse registration order (the order backward reduces them), each a bucket.
+        trainable = {id(p) for p in params}
+        order, bounds = [], []
+        for g in reversed(self.groups):
+            mine = [fp.sharded_param for fp in g.fsdp_params if id(fp.sharded_param) in trainable]
+            if mine:
+                bounds.append((len(order), len(order) + len(mine)))
+                order.extend(mine)
+        self.params = order
+        self._locals = [p.to_local() for p in order]
+        self.main_grad = self._new_main_grad()
+        layout = self.main_grad.layout
+        offsets = list(layout.offsets) + [layout.total_numel]
+        buckets = [Bucket(b, first, last, offsets[first], offsets[last]) for b, (first, last) in enumerate(bounds)]
+        self.reducer = _NoReducer() if self.distributed else None
+        self.hooks = ShardHooks(order, self.main_grad, self.backend, buckets)
+        self.store = None
+        self._build_update(optimizer)
+
+    # ------------------------------------------------------------------ layout
+    def _new_main_grad(self) -> FlatBuffer:
+        return FlatBuffer(FlatLayout.build(self._locals), torch.float32, self.device)
+
+    def _new_reducer(self):
+        return _NoReducer()
+
+    def _build_update(self, optimizer) -> None:
+        """The optimizer's parameters: each fp32 parameter itself; for each bf16/fp16 one (``master_weights``) an
+        fp32 master DTensor over its view of ``master_buffer``, put in its place in the param groups (state built
+        before follows it, converted to fp32)."""
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        self._pieces: list[torch.Tensor | None] = [None] * len(self.params)
+        self._mastered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, master local shard)
+        self.normalize_before_rounding = False
+        if optimizer is None:
+            return
+        held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        low = [i for i, p in enumerate(self.params) if id(p) in held and p.dtype in LOW_PRECISION]
+        self.normalize_before_rounding = bool(low) and not self.master_weights
+        if low and self.master_weights:
+            self.master_buffer = FlatBuffer(FlatLayout.build([self._locals[i] for i in low]), torch.float32,
+                                            self.device)
+        master_of = {}
+        for k, i in enumerate(low if self.master_buffer is not None else []):
+            p = self.params[i]
+            local = self.master_buffer.views[k]
+            with torch.no_grad():
+                local.copy_(p.to_local())
+            master = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride()))
+            master_of[id(p)] = master
+            self._mastered.append((p, local))
+        for i, p in enumerate(self.params):
+            if id(p) in held:
+                self._pieces[i] = master_of.get(id(p), p)
+        for group in optimizer.param_groups:
+            group["params"] = [master_of.get(id(q), q) for q in group["params"]]
+        for p, _ in self._mastered:
+            if p in optimizer.state:
+                state = optimizer.state.pop(p)
+                optimizer.state[master_of[id(p)]] = state
+                convert_state(state, p, torch.float32)
+        self._versions = param_versions([p.to_local() for p, _ in self._mastered])
+
+    # ------------------------------------------------------------------ micro-batches
+    def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
+        """``RuntimeError`` when FSDP2's gradient sync was turned off behind the accumulator's back (its hooks
+        would see one window sum late, or nothing); else nothing to arm (FSDP2 reduces every micro-batch)."""
+        off = [g for g in self.groups if not g.reduce_grads or not g.all_reduce_grads]
+        if off:
+            raise RuntimeError(
+                f"FSDP2's gradient sync is off on model.{off[0]._module_fqn or 'self'} "
+                "(model.set_requires_gradient_sync(False) or set_requires_all_reduce(False) was called): gaengine "
+                "accumulates FSDP2's reduce-scattered shard of every micro-batch in fp32 itself. Call "
+                "model.set_requires_gradient_sync(True) and let gaengine own the sync policy; nothing was accumulated")
+        return False
+
+    def end_backward(self, armed: bool, last: bool) -> bool:
+        return self.distributed and last  # the stats all-reduce (gaengine.reduce.launch_window_stats)
+
+    def end_partial_window(self, missing: int) -> None:
+        """Nothing to launch: FSDP2 reduced every micro-batch the window holds."""
+
+    # ------------------------------------------------------------------ step
+    def _divide_factor(self) -> float:
+        """The factor FSDP2 divided every reduced gradient by (``set_gradient_divide_factor``, else its data-parallel
+        size: ``_get_gradient_divide_factors`` in torch's ``_fsdp_collectives.py``); one for the whole model
+        (``ValueError`` when the groups differ)."""
+        factors = {float(g.gradient_divide_factor) if g.gradient_divide_factor is not None
+                   else float(g.mesh_info.shard_mesh_size) for g in self.groups}
+        if len(factors) != 1:
+            raise ValueError(f"the model's FSDP2 groups divide their gradients by different factors {sorted(factors)} "
+                             "(set_gradient_divide_factor on some modules only): call "
+                             "model.set_gradient_divide_factor(f) on the root, or not at all")
+        return factors.pop()
+
+    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
+        """One pass over the local shards (sum of squares, non-finite flag), one fp64 all-reduce of the two over
+        the group; the denominator divided by FSDP2's divide factor (``main_grad`` holds the sum over ranks
+        divided by it)."""
+        free = None if self.distributed else self.hooks.free_norm()
+        sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
+        if self.distributed:
+            both = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
+            wait_for(Collective(dist.all_reduce, both, group=self.process_group).work,
+                     "all-reduce of the window's gradient sum of squares")
+            sum_sq, found_inf = both[0].float(), both[1].float()
+        return window_norm(self.main_grad.data, grad_denom / self._divide_factor(), max_grad_norm, self.backend,
+                           free=(sum_sq, found_inf))
+
+    def _update_grads(self) -> Sequence[torch.Tensor]:
+        return self.main_grad.views  # shaped like the local shards
+
+    def _grad_chunks(self) -> list[torch.Tensor]:
+        return [self.main_grad.data]
+
+    def _dtensor(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+    def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
+        """The user's optimizer over the DTensor parameters (or their fp32 masters), ``.grad`` = DTensor views of
+        the local shards of ``main_grad``; a fused torch optimizer takes ``1 / coef`` as ``grad_scale`` and the
+        skip flag as ``found_inf``, any other gets the buffer scaled in one pass and one host read of the flag.
+        The masters' rounding is then copied into the bf16/fp16 local shards in place."""
+        optimizer = self.optimizer
+        self.pull_model_writes()
+        scaled = not fused_optimizer(optimizer) or self.normalize_before_rounding
+        if scaled:
+            self.backend.scale_(self.main_grad.data, coef)
+        unused = set(unwritten)
+        targets = []
+        for i, piece in enumerate(self._pieces):
+            if piece is None:
+                continue
+            targets.append(piece)
+            if i in unused:
+                piece.grad = None
+                continue
+            view = self.main_grad.views[i]
+            piece.grad = self._dtensor(piece, view if piece.dtype == torch.float32 else view.to(piece.dtype))
+        try:
+            applied = step_optimizer(optimizer, coef, skipped, scaled)
+        finally:
+            for piece in targets:
+                piece.grad = None
+        self._copy_to_model()
+        step_scheduler(lr_scheduler, applied, skipped)
+
+    def _copy_to_model(self) -> None:
+        """Round the fp32 master shards into the bf16/fp16 parameters' local shards, in place (a skipped update
+        copies the same rounding again: no host read)."""
+        if not self._mastered:
+            return
+        with torch.no_grad():
+            dsts = [p.to_local() for p, _ in self._mastered]
+            torch._foreach_copy_(dsts, [m for _, m in self._mastered])
+        self._versions = param_versions(dsts)
+
+    def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
+        """No optimizer: ``p.grad`` = a DTensor over the final local gradient (the fp32 view of ``main_grad``, or
+        its rounding for a bf16/fp16 parameter), None for the parameters no rank reached."""
+        self.backend.scale_(self.main_grad.data, coef)
+        unused = set(unwritten)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.main_grad.views[i]
+                p.grad = None if i in unused else self._dtensor(p, view if p.dtype == torch.float32
+                                                                else view.to(p.dtype))
+
+    def pull_model_writes(self) -> None:
+        """Writes into a bf16/fp16 parameter's local shard since the last update (``model.load_state_dict()``,
+        ``set_model_state_dict``) reach its fp32 master (``gaengine.update.merge_model_write``)."""
+        if not self._mastered:
+            return
+        locals_ = [p.to_local() for p, _ in self._mastered]
+        versions = param_versions(locals_)
+        for (_, master), local, new, old in zip(self._mastered, locals_, versions, self._versions):
+            if new != old:
+                merge_model_write(master, local)
+        self._versions = versions
+
+    def check_model(self) -> None:
+        """Nothing to check: the parameters are never re-pointed."""
+
+    def param_slots(self):
+        raise NotImplementedError("FSDP2 state dicts are FullyShardedGrads.state_dict")
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self, acc) -> dict:
+        """``acc.state_dict()`` on an FSDP2 model: the accumulator's scalars and this rank's local shards of
+        ``main_grad`` and of the fp32 masters (CPU tensors). The model and optimizer are saved with
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` beside it (docs/fsdp2.md). Between windows it
+        loads on any world size; mid-window only on the same one."""
+        return {**acc.scalars_state_dict(), "rank": dist.get_rank(self.process_group) if self.distributed else 0,
+                "main_grad": self.main_grad.data.detach().cpu().clone(),
+                "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone()}
+
+    def load_state_dict(self, acc, state: dict) -> None:
+        """Restore ``state_dict()`` (``ValueError``, nothing changed, for another format, model, or a mid-window
+        state of another world size). The masters are taken from the model (load the model first)."""
+        if not isinstance(state, dict) or state.get("format") != self.FORMAT:
+            raise ValueError(f"state is not a {self.FORMAT} state dict (saved from an FSDP2 model by acc.state_dict())")
+        shapes = [list(p.shape) for p in acc.registered_params]
+        dtypes = [str(p.dtype) for p in acc.registered_params]
+        if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
+            raise ValueError(f"state was saved for {len(state['param_shapes'])} parameters of other shapes/dtypes "
+                             f"than this accumulator's {len(shapes)}: it belongs to another model")
+        mid = int(state["num_micro_batches"]) > 0
+        if mid and state["world_size"] != self.world_size:
+            raise ValueError(f"state was saved mid-window on world_size={state['world_size']}, this run has "
+                             f"{self.world_size}: a mid-window state resumes only on the same world size (save "
+                             "between windows to change it)")
+        reg = {id(p): i for i, p in enumerate(acc.registered_params)}
+        if mid and state["layout_order"] != [reg[id(p)] for p in self.params]:
+            raise ValueError("state's layout differs from this accumulator's (another model structure)")
+        if mid and state["main_grad"].numel() != self.main_grad.data.numel():
+            raise ValueError("state's main_grad shard does not match this rank's shards")
+        acc.check_scalars_state(state)
+        with torch.no_grad():
+            if mid:
+                self.main_grad.data.copy_(state["main_grad"])
+            if self.master_buffer is not None:
+                saved = state.get("master")
+                if saved is not None and state["world_size"] == self.world_size and \
+                        saved.numel() == self.master_buffer.data.numel():
+                    self.master_buffer.data.copy_(saved)  # the fp32 bits; the model's writes are merged next
+                    self._versions = [-1] * len(self._mastered)
+                self.pull_model_writes()
+        if not mid:
+            state = {**state, "layout_order": [reg[id(p)] for p in self.params],
+                     "written": [False] * len(self.params), "expected_arrivals": [1] * len(self.params)}
+        acc.load_scalars_state(state)
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.close()
