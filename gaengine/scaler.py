@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
 from gaengine.reduce import HostMailbox
 
-__all__ = ["DEFAULT_MIN_LOSS_SCALE", "LossScaler", "check_min_loss_scale", "guard_grad_scaler", "scaled_by_grad_scaler"]
+__all__ = ["DEFAULT_MIN_LOSS_SCALE", "ConsecutiveSkips", "LossScaler", "autocast_loss_scaler", "check_loss",
+           "check_min_loss_scale", "choose_loss_scaler", "guard_grad_scaler", "scaled_by_grad_scaler"]
 
 _GRAD_SCALER_MARK = "_gaengine_scaled_by_grad_scaler"
 
@@ -122,3 +124,67 @@ class LossScaler:
         self.scale.copy_(state["scale"])
         self.growth_tracker.copy_(state["growth_tracker"])
         self.dynamic = bool(state["dynamic"])
+
+
+def choose_loss_scaler(loss_scale: str | float | None, params: list[torch.Tensor], device: torch.device,
+                       min_scale: float) -> LossScaler | None:
+    """The scaler ``loss_scale`` asks for: ``"auto"`` is dynamic when a parameter is fp16 (else none until
+    ``autocast_loss_scaler`` sees fp16 autocast), ``"dynamic"``, a float (static) or None (no scaling). The dynamic
+    scaler starts at 2**16, torch.amp.GradScaler's default ``init_scale``."""
+    if loss_scale == "auto":
+        loss_scale = "dynamic" if any(p.dtype == torch.float16 for p in params) else None
+    if loss_scale is None:
+        return None
+    dynamic = loss_scale == "dynamic"
+    return LossScaler(device, 2.0**16 if dynamic else float(loss_scale), dynamic=dynamic, min_scale=min_scale)
+
+
+def autocast_loss_scaler(device: torch.device, min_scale: float) -> LossScaler | None:
+    """A dynamic scaler when fp16 autocast is on for ``device``'s type (``loss_scale="auto"``'s first backward),
+    else None."""
+    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.float16:
+        return LossScaler(device, min_scale=min_scale)
+    return None
+
+
+def check_loss(loss: Any) -> None:
+    """``ValueError`` for a ``loss`` that ``GradientAccumulator.backward`` cannot take: not a one-element floating
+    tensor, not requiring grad, or already scaled by ``torch.amp.GradScaler.scale`` (gaengine scales it itself)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss must be a scalar floating tensor (reduce it with .mean() or .sum()), got {what}")
+    if not loss.requires_grad:
+        raise ValueError("loss does not require grad: it was computed under torch.no_grad() or from frozen parameters")
+    if scaled_by_grad_scaler(loss):
+        raise ValueError(
+            "loss was scaled by torch.amp.GradScaler.scale(): gaengine scales the loss itself (loss_scale='auto' "
+            "is dynamic for fp16) and folds the inverse scale into its update, so a second scale would make every "
+            "window overflow and the updates 65536x too large. Pass the unscaled loss, acc.backward(loss), and "
+            "delete the GradScaler and its unscale_/step/update calls; nothing was accumulated")
+
+
+class ConsecutiveSkips:
+    """``max_consecutive_skips``: raise ``RuntimeError`` once that many windows in a row were skipped for non-finite
+    gradients, instead of skipping on silently. ``limit``: an int >= 1, or None (never)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def observe(self, skipped: torch.Tensor, loss_scale: torch.Tensor | None, finite_by_param) -> None:
+        """After an update: ``skipped`` (0-d bool on the device, read on the host). ``finite_by_param()`` gives
+        ``[(name, finite)]`` for the error, which names the scale and the parameters with non-finite gradients."""
+        if self.limit is None:
+            return
+        if not bool(skipped):  # host read: only with max_consecutive_skips set
+            self.count = 0
+            return
+        self.count += 1
+        if self.count < self.limit:
+            return
+        bad = [name for name, finite in finite_by_param() if not finite]
+        scale = "none" if loss_scale is None else f"{float(loss_scale):g}"
+        raise RuntimeError(
+            f"{self.count} consecutive accumulation windows were skipped for non-finite gradients "
+            f"(max_consecutive_skips={self.limit}); loss scale {scale}; parameters with "
+            f"non-finite gradients: {bad or 'none (the norm overflowed)'}")

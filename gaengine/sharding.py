@@ -16,7 +16,7 @@ What a strategy owns: the layout (``params`` in layout order, ``main_grad``), th
 the reducer, what happens before and after each backward, the window's norm and non-finite flag, the update (or,
 without an optimizer, the gradients left in ``.grad``), the parameter gathers, its part of the state dict, and
 ``close``. What the engine owns: the window (micro-batch count, items, loss sum), the loss scale, the noise
-scale, the schedule, and the per-rank stats all-reduce that the strategy tells it to launch.
+scale and the schedule; the strategy launches the per-rank stats all-reduce when the engine asks.
 
 A sharding strategy for FSDP2 models (sharded DTensor parameters whose reduce-scatter FSDP2 runs itself) is one
 more implementation: its hooks write the reduce-scattered local shards, it has no reducer of its own, and its
@@ -38,7 +38,7 @@ from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
-from gaengine.reduce import BucketReducer, broadcast_from_first_rank
+from gaengine.reduce import BucketReducer, broadcast_from_first_rank, launch_window_stats
 from gaengine.store import ParameterStore, ParamSlot
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.window import Window
@@ -184,12 +184,21 @@ class ShardingStrategy(ABC):
     def end_backward(self, armed: bool, last: bool) -> bool:
         """After a backward that did not raise. Returns True when the window's last reductions must be launched
         now, with the stats all-reduce (several ranks, the window's last micro-batch): the engine then calls
-        ``reducer.flush()`` through ``gaengine.reduce.launch_window_stats``."""
+        ``launch_window_stats``."""
         if self.reducer is None or not last:
             return False
         if not armed:
             self.reducer.begin()
         return True
+
+    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> None:
+        """End of the window's last backward on several ranks (or ``step(force=True)`` after ``end_partial_window``):
+        launch the remaining reductions and the stats all-reduce (``gaengine.reduce.launch_window_stats``: the loss
+        sum, the items, each rank's micro-batch count, ``extra`` terms such as the noise scale's), kept in
+        ``window.stats``. The slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
+        unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
+        window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
+                                           self.process_group, extra=extra, count=window.num_micro_batches)
 
     def end_partial_window(self, missing: int) -> None:
         """``step(force=True)`` on several ranks, a window ``missing`` micro-batches short of K: arm the reducer for

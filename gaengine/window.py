@@ -16,7 +16,7 @@ import torch
 
 from gaengine.reduce import HostMailbox, WindowStats
 
-__all__ = ["FAILED_WINDOW", "LateCounts", "StepResult", "Window"]
+__all__ = ["FAILED_WINDOW", "LateCounts", "StepResult", "Window", "check_num_items"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                  "micro-batches; call acc.zero_grad() to drop it, then go on")
@@ -104,6 +104,34 @@ class Window:
         else the 0-d fp64 device tensor."""
         return self.items() if self.items_dev is not None else self.items_host
 
+    def unwritten(self, flags: list[bool], world_size: int) -> list[int]:
+        """Indices (layout order) of the parameters no gradient reached in this window on any rank (unused branches):
+        from the hooks' ``flags`` on one rank, from the stats all-reduce (``WindowStats.globally_unused``) on several."""
+        if world_size > 1:
+            return self.stats.globally_unused()
+        return [i for i, used in enumerate(self.used_with(flags)) if not used]
+
+    def totals(self, world_size: int) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor | None,
+                                               torch.Tensor | None]:
+        """The window over all ``world_size`` ranks, for ``step()``: ``(loss_sum, denom, num_items, mismatch)``.
+
+        loss_sum: 0-d fp32 on the device, every rank's losses. denom: the window's denominator, 0-d on the device:
+        the global item count (fp64) in item mode, else micro-batches x world size (fp32). num_items: what
+        ``StepResult.num_items`` reports (None in mean mode). mismatch: several ranks, 0-d bool, the ranks' windows
+        hold different micro-batch counts; else None. Several ranks: waits for the stats all-reduce (launched).
+        """
+        mismatch = items = None
+        loss_sum = self.loss_sum
+        if world_size > 1:
+            loss_sum, items = self.stats.wait()
+            mismatch = self.stats.count_mismatch()
+        if self.item_mode:
+            if world_size > 1:
+                return loss_sum, items, items, mismatch
+            return loss_sum, self.items().float(), self.num_items(), mismatch
+        count = float(self.num_micro_batches * world_size)
+        return loss_sum, torch.full((), count, dtype=torch.float32, device=self.device), None, mismatch  # no H2D copy
+
     def state_dict(self) -> dict[str, Any]:
         """The counters, CPU tensors and Python scalars."""
         return {
@@ -128,6 +156,25 @@ class Window:
         self.failed = bool(state["failed_backward"])
         used = state.get("window_used")  # absent from state dicts saved before it was the window's
         self.used = None if used is None else [bool(u) for u in used]
+
+
+def check_num_items(num_items: Any) -> int | torch.Tensor:
+    """``num_items`` as ``Window.add`` takes it: an int >= 1, or a one-element real tensor (any device, reshaped to
+    0-d, never read on the host). ``ValueError`` naming ``num_items`` otherwise."""
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
+            raise ValueError(f"num_items must be an int or a one-element real tensor, got shape {tuple(num_items.shape)} "
+                             f"{num_items.dtype}")
+        return num_items.reshape(())
+    if isinstance(num_items, bool) or not isinstance(num_items, int):
+        raise ValueError(f"num_items must be an int >= 1 or a one-element tensor, got {num_items!r}")
+    if num_items < 1:
+        raise ValueError(
+            f"num_items must be >= 1 (the items the summed loss covers), got {num_items}: a micro-batch with no "
+            "items adds nothing to the gradient, so skip its acc.backward() (the window is unchanged). On several "
+            "ranks, where every rank must call acc.backward() together, pass it as a tensor: "
+            "num_items=torch.tensor(0)")
+    return num_items
 
 
 @dataclass(frozen=True)
