@@ -5,9 +5,8 @@
   would be seen). The Python fallback (``GAENGINE_HOT_PATH=python``) is measured the same way: its count grows,
   which shows that the counter sees per-parameter hooks.
 * Launches per micro-batch are at most buckets + 1.
-* ``torch.ops.gaengine.accumulate_bucket_`` (the CPU bucket launch) against the fp64 oracle: bitwise for an unscaled
-  add; its partials (of the values written, fp64) and source partials (of the sources) within their budgets of the
-  fp64 oracle, flagged where non-finite, and bitwise the same whatever else the bucket holds.
+* (The CPU bucket launch's numbers and contracts, ``torch.ops.gaengine.accumulate_bucket_``: the op's own file,
+  ``tests/ops/test_accumulate_bucket.py``.)
 * The native and the Python hot paths give bitwise-equal buffers and updates over windows, with unused
   parameters, tied weights and several buckets; and the fallback says so once.
 """
@@ -24,7 +23,6 @@ import torch
 from torch import nn
 
 import gaengine
-from tests.reference import accumulate_fp64, sum_sq_fp64
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
 _C = pytest.importorskip("gaengine._C")
@@ -102,66 +100,6 @@ def test_launches_per_micro_batch_at_most_buckets_plus_one(bucket_size_mb):
         assert 1 <= launched <= n_buckets + 1, f"{launched} launches for {n_buckets} buckets"
         acc.step()
     acc.close()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_accumulate_bucket_against_fp64(dtype):
-    sizes = [1, 127, 4097, 65540, 70000]
-    offsets, cursor = [], 0
-    for n in sizes:
-        offsets.append(cursor)
-        cursor += (n + 63) // 64 * 64
-    g = torch.Generator().manual_seed(1)
-    dst = torch.randn(cursor, generator=g)
-    srcs = [torch.randn(n, generator=g).to(dtype) for n in sizes]
-    overwrite = [False, True, False, True, False]
-    out = dst.clone()
-    for j, (o, n) in enumerate(zip(offsets, sizes)):
-        if overwrite[j]:
-            out[o:o + n] = float("nan")  # poisoned: an overwrite must not read it
-    partials = torch.full((len(sizes), 2), float("nan"), dtype=torch.float64)
-    source_partials = partials.clone()
-    torch.ops.gaengine.accumulate_bucket_(out, srcs, offsets, overwrite, partials, source_partials)
-    for j, (o, n) in enumerate(zip(offsets, sizes)):
-        exact = accumulate_fp64(dst[o:o + n], srcs[j], overwrite=overwrite[j])
-        assert_bitwise_equal(out[o:o + n], exact.to(torch.float32), f"source {j}")
-        # The values written: two fp64 sums of n squares (ours, the oracle's), each within (n - 1) * 2^-53 of the
-        # exact sum. The sources: the AVX2 kernel sums fp32 squares four per lane before fp64 (csrc/cpu_kernels.h),
-        # within the fp32 budget of tests/tolerances.py.
-        for what, table, values, rtol in (("partials", partials, out[o:o + n], 2 * n * 2.0**-53),
-                                          ("source partials", source_partials, srcs[j], sum_sq_rtol(n))):
-            want = sum_sq_fp64(values)
-            assert abs(table[j, 0].item() - want) <= rtol * want, f"{what} of source {j}"
-            assert table[j, 1].item() == 0.0, f"{what} flag of source {j}"
-        # The bits of a source's partials do not depend on the rest of its bucket.
-        row, source_row = torch.empty(1, 2, dtype=torch.float64), torch.empty(1, 2, dtype=torch.float64)
-        torch.ops.gaengine.accumulate_bucket_(dst[o:o + n].clone(), [srcs[j]], [0], [overwrite[j]], row, source_row)
-        assert_bitwise_equal(row[0], partials[j], f"partials of source {j} alone")
-        assert_bitwise_equal(source_row[0], source_partials[j], f"source partials of source {j} alone")
-
-
-def test_accumulate_bucket_source_partials_flag_non_finite_sources():
-    """A non-finite source value flags that source's source partials (and, added, its partials); a finite source
-    added to a non-finite main_grad value flags only the partials of the values written."""
-    dst = torch.zeros(8200)
-    dst[4200] = float("inf")
-    srcs = [torch.ones(4100), torch.ones(4100)]
-    srcs[0][4099] = float("inf")
-    partials = torch.empty(2, 2, dtype=torch.float64)
-    source_partials = torch.empty(2, 2, dtype=torch.float64)
-    torch.ops.gaengine.accumulate_bucket_(dst, srcs, [0, 4100], [False, False], partials, source_partials)
-    assert partials[:, 1].tolist() == [1.0, 1.0]
-    assert source_partials[:, 1].tolist() == [1.0, 0.0]
-    assert source_partials[1, 0].item() == 4100.0
-
-
-def test_accumulate_bucket_contracts():
-    dst = torch.zeros(64)
-    with pytest.raises(RuntimeError, match="same length"):
-        torch.ops.gaengine.accumulate_bucket_(dst, [torch.ones(4)], [0, 8], [False], None)
-    with pytest.raises(RuntimeError, match="outside dst"):
-        torch.ops.gaengine.accumulate_bucket_(dst, [torch.ones(8)], [60], [False], None)
-    assert bool((dst == 0).all())
 
 
 def _run(hot_path: str, monkeypatch, dtype=torch.bfloat16, bucket_size_mb=1e-3, windows=3, k=3):

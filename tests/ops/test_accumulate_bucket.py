@@ -7,7 +7,8 @@ Buffers are NaN-poisoned where the kernel must not read (overwritten slices, pad
 start at multiples of 64 elements (``gaengine/buffer.py``'s ``ALIGN_NUMEL``) or one past (unaligned), sizes are
 odd (1, 127, 4097, a block plus one, several 4096-element chunks), and a bucket boundary falls inside a parameter.
 The free-norm partials the op writes are tested in ``test_l2norm.py``; the source partials (the per-micro-batch
-gradient norms) at the end of this file.
+gradient norms) after those; last, the CPU kernel through ``torch.ops.gaengine`` where its own partials (fp64 rows,
+sources past one 65536-element norm chunk) and contract messages are checked.
 """
 
 from __future__ import annotations
@@ -228,8 +229,10 @@ def test_source_partials_flag_the_sources_non_finite_values_only(backend, where)
     partials, sources = _nan_table(ops, srcs, dst.device), _nan_table(ops, srcs, dst.device)
     ops.accumulate_bucket_(dst, srcs, offsets, flags, partials, source_partials=sources)
     assert ops.finish_norm_partials(partials)[1].item() == 1.0
+    assert int((backend.non_finite_flags(partials) == 1.0).sum()) == 1, "exactly one partial saw the value"
     sum_sq, found_inf = ops.finish_norm_partials(sources)
     assert found_inf.item() == (1.0 if where == "src" else 0.0)
+    assert int((backend.non_finite_flags(sources) == 1.0).sum()) == (where == "src"), "the source partials flagged"
     assert math.isfinite(sum_sq.item()) == (where == "dst")
 
 
@@ -241,3 +244,61 @@ def test_source_partials_refused_in_the_wrong_format(backend):
     with pytest.raises(ValueError, match="source_partials must be"):
         ops.accumulate_bucket_(dst, srcs, offsets, flags, source_partials=wrong)
     assert_bitwise_equal(dst, before, "dst after a refused call")
+
+
+def test_refuses_overlapping_slices_before_writing(backend):
+    dst = torch.zeros(256, device=backend.device)
+    srcs = [torch.ones(100, device=backend.device), torch.ones(100, device=backend.device)]
+    with pytest.raises(ValueError, match="overlap"):
+        backend.ops.accumulate_bucket_(dst, srcs, [0, 64], [False, False])
+    assert not bool(dst.any())
+
+
+# --------------------------------------------------------------------------- the CPU kernel through torch.ops.gaengine
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_cpu_kernel_rows_against_fp64_past_a_norm_chunk(dtype):
+    """The CPU kernel (``torch.ops.gaengine.accumulate_bucket_``): sources past one norm chunk (65536), each row of
+    its partials (fp64, of the values written) within the fp64 summation bound, and the same bits alone."""
+    pytest.importorskip("gaengine._C")
+    sizes = [1, 127, 4097, 65540, 70000]
+    offsets, cursor = [], 0
+    for n in sizes:
+        offsets.append(cursor)
+        cursor += (n + 63) // 64 * 64
+    g = torch.Generator().manual_seed(1)
+    dst = torch.randn(cursor, generator=g)
+    srcs = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    overwrite = [False, True, False, True, False]
+    out = dst.clone()
+    for j, (o, n) in enumerate(zip(offsets, sizes)):
+        if overwrite[j]:
+            out[o:o + n] = float("nan")  # poisoned: an overwrite must not read it
+    partials = torch.full((len(sizes), 2), float("nan"), dtype=torch.float64)
+    source_partials = partials.clone()
+    torch.ops.gaengine.accumulate_bucket_(out, srcs, offsets, overwrite, partials, source_partials)
+    for j, (o, n) in enumerate(zip(offsets, sizes)):
+        exact = accumulate_fp64(dst[o:o + n], srcs[j], overwrite=overwrite[j])
+        assert_bitwise_equal(out[o:o + n], exact.to(torch.float32), f"source {j}")
+        # The values written: two fp64 sums of n squares (ours, the oracle's), each within (n - 1) * 2^-53 of the
+        # exact sum. The sources: the AVX2 kernel sums fp32 squares four per lane before fp64 (csrc/cpu_kernels.h),
+        # within the fp32 budget of tests/tolerances.py.
+        for what, table, values, rtol in (("partials", partials, out[o:o + n], 2 * n * 2.0**-53),
+                                          ("source partials", source_partials, srcs[j], sum_sq_rtol(n))):
+            want = sum_sq_fp64(values)
+            assert abs(table[j, 0].item() - want) <= rtol * want, f"{what} of source {j}"
+            assert table[j, 1].item() == 0.0, f"{what} flag of source {j}"
+        # The bits of a source's partials do not depend on the rest of its bucket.
+        row, source_row = torch.empty(1, 2, dtype=torch.float64), torch.empty(1, 2, dtype=torch.float64)
+        torch.ops.gaengine.accumulate_bucket_(dst[o:o + n].clone(), [srcs[j]], [0], [overwrite[j]], row, source_row)
+        assert_bitwise_equal(row[0], partials[j], f"partials of source {j} alone")
+        assert_bitwise_equal(source_row[0], source_partials[j], f"source partials of source {j} alone")
+
+
+def test_cpu_kernel_contracts():
+    pytest.importorskip("gaengine._C")
+    dst = torch.zeros(64)
+    with pytest.raises(RuntimeError, match="same length"):
+        torch.ops.gaengine.accumulate_bucket_(dst, [torch.ones(4)], [0, 8], [False], None)
+    with pytest.raises(RuntimeError, match="outside dst"):
+        torch.ops.gaengine.accumulate_bucket_(dst, [torch.ones(8)], [60], [False], None)
+    assert bool((dst == 0).all())
