@@ -77,17 +77,21 @@ def test_mixed_dtypes_one_launch_per_dtype_and_default_block_size():
 
 
 class _count_launches:
-    """Context manager: replaces the kernel with a wrapper that counts launches (programs per launch)."""
+    """Context manager: replaces the kernel with a wrapper that counts launches (programs per launch); with
+    ``run=False`` the launches are counted, not run (their values are tested elsewhere)."""
+
+    def __init__(self, run: bool = True):
+        self.run = run
 
     def __enter__(self):
         self.kernel, launches = bucket._accumulate_bucket_kernel, []
-        kernel = self.kernel
+        kernel, run = self.kernel, self.run
 
         class Counting:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
                     launches.append(grid[0])
-                    return kernel[grid](*args, **kwargs)
+                    return kernel[grid](*args, **kwargs) if run else None
 
                 return launch
 
@@ -110,6 +114,24 @@ def test_one_launch_for_a_bucket_of_n_tensors(n_tensors):
     assert len(launches) == 1, f"{n_tensors} tensors took {len(launches)} launches"
     assert launches[0] == bucket.num_blocks(numels, BLOCK) == sum(math.ceil(n / BLOCK) for n in numels)
     assert_bitwise_equal(dst, expected, f"{n_tensors} tensors")
+
+
+@pytest.mark.parametrize("n_dtypes", [1, 2], ids=["bf16", "bf16-fp16"])
+def test_804_small_sources_one_launch_per_dtype(n_dtypes):
+    """A bucket of many small parameters (804: past the cuda kernel's 512 entries per launch, which splits it in
+    two there, ``tests/cuda_emu/run_kernels.cpp``): the Triton kernel has no entry cap, so the launches are one
+    per source dtype, 2 for two dtypes, each of its sources' blocks. Counted, not run (804 programs take a minute
+    under the interpreter); the values of a 600-source bucket on every backend, triton included:
+    ``tests/ops/test_accumulate_bucket.py`` test_many_sources_and_empty_ones."""
+    numels = [1 + i % 3 for i in range(804)]
+    dtypes = [(torch.bfloat16, torch.float16)[i % n_dtypes] for i in range(804)]
+    srcs = [torch.ones(n, dtype=d, device=DEVICE) for n, d in zip(numels, dtypes)]
+    offsets, dst = _buffer(numels)
+    with _count_launches(run=False) as launches:
+        bucket.accumulate_bucket_(dst, srcs, offsets, block_size=BLOCK)
+    assert len(launches) == n_dtypes, f"804 sources of {n_dtypes} dtype(s) took {len(launches)} launches"
+    assert launches == [bucket.num_blocks(numels[k::n_dtypes], BLOCK) for k in range(n_dtypes)]
+    assert sum(launches) == 804
 
 
 # --- free norm ------------------------------------------------------------------------------------------------
