@@ -1,0 +1,368 @@
+"""``gaengine.integrations.accelerate.GaengineAccelerator``: Accelerate's own loop, run by Accelerate, against the
+plain single-process fp64 large-batch recipe computed here.
+
+The scenario is Accelerate's ``test_sync.py`` (``test_gradient_accumulation_with_opt_and_scheduler``): its
+``RegressionModel`` (y = a x + b) and ``RegressionDataset``, 80 samples, batch 16, K = 2, so the dataloader's 5
+batches make two full windows and a partial one; AdamW and ``LambdaLR(epoch ** 0.65)``. The reference runs each
+window as one batch (the concatenation of the window's micro-batches, whatever their count) in fp64. Accelerate's own
+recipe divides every loss by K, the partial window's too, and fails the same check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.test_utils.training import RegressionDataset, RegressionModel  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer  # noqa: E402
+from tests import poison  # noqa: E402
+from tests.tolerances import rel_diff  # noqa: E402
+
+N, BATCH, K, LR = 80, 16, 2, 1e-3
+BF16_RTOL = 2.0**-8  # one bf16 rounding (2^-9) of each micro-batch's gradient, twice over: the bound stated for bf16
+
+
+def _lam(step):
+    return step**0.65  # Accelerate's test_sync.py schedule
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps its state in process-wide singletons: each test starts from none."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _mse(model, batch):
+    out = model(batch["x"])
+    return torch.nn.functional.mse_loss(out, batch["y"].to(out.dtype))
+
+
+def _run(accelerator, *, dtype=torch.float32, optim="adamw", max_norm=None, record_batches=False):
+    """Accelerate's loop as its users write it; returns per applied update: the (fp32 master) parameters, the lr the
+    update used, the norm clip_grad_norm_ returned, and (``record_batches``) the batches each window held."""
+    torch.manual_seed(42)
+    model = RegressionModel().to(dtype)
+    if optim == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=_lam)
+    loader = DataLoader(RegressionDataset(length=N, seed=42), batch_size=BATCH)
+    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    updates, window = [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            window.append({k: v.clone() for k, v in batch.items()})
+            accelerator.backward(_mse(model, batch))
+            norm = None
+            if max_norm is not None and accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if accelerator.sync_gradients:
+                params = [p.detach().float().clone() for g in opt.param_groups for p in g["params"]]
+                updates.append({"params": params, "lr": lr, "norm": None if norm is None else float(norm),
+                                "batches": window if record_batches else None, "micro": len(window)})
+                window = []
+    return updates, model, opt
+
+
+def _reference(windows, *, optim="adamw", max_norm=None, lr_steps_per_update=1):
+    """fp64, one process: each window as one batch (the mean over all its samples), AdamW (or SGD) and LambdaLR
+    stepped ``lr_steps_per_update`` times per update; returns per update the parameters, the lr and the norm."""
+    torch.manual_seed(42)
+    model = RegressionModel().double()
+    opt = (torch.optim.AdamW(model.parameters(), lr=LR) if optim == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=_lam)
+    out = []
+    for batches in windows:
+        x = torch.cat([b["x"] for b in batches]).double()
+        y = torch.cat([b["y"] for b in batches]).double()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad for p in model.parameters()]))
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        opt.zero_grad()
+        for _ in range(lr_steps_per_update):
+            sched.step()
+        out.append({"params": [p.detach().clone() for p in model.parameters()], "lr": lr, "norm": float(norm)})
+    return out
+
+
+def _windows():
+    batches = list(DataLoader(RegressionDataset(length=N, seed=42), batch_size=BATCH))
+    return [batches[i:i + K] for i in range(0, len(batches), K)]
+
+
+def _max_rel(updates, ref):
+    return max(rel_diff(p, q.float()) for u, r in zip(updates, ref) for p, q in zip(u["params"], r["params"]))
+
+
+# ---------------------------------------------------------------- one process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sync_scenario_matches_full_batch_fp64(dtype):
+    """test_sync.py's AdamW + LambdaLR loop: after every update (the end-of-dataloader partial window included) the
+    parameters equal the fp64 full-batch reference, and the lr advanced once per applied update."""
+    updates, model, opt = _run(GaengineAccelerator(cpu=True, gradient_accumulation_steps=K), dtype=dtype)
+    assert isinstance(opt, GaengineOptimizer) and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    assert [u["micro"] for u in updates] == [2, 2, 1]  # the fifth batch is a partial window, stepped
+    ref = _reference(_windows())
+    assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
+    assert [u["lr"] for u in updates] == pytest.approx([0.0, LR, LR * 2**0.65], rel=1e-12)
+    assert _max_rel(updates, ref) <= (1e-6 if dtype == torch.float32 else BF16_RTOL)
+
+
+def test_accelerate_own_recipe_fails_the_reference():
+    """Accelerate's backward divides by K, the partial window's loss too: the same loop and check fail on the last
+    update (and only there), so the check above can fail."""
+    updates, _, _ = _run(Accelerator(cpu=True, gradient_accumulation_steps=K), optim="sgd")
+    ref = _reference(_windows(), optim="sgd")
+    assert _max_rel(updates[:2], ref[:2]) <= 1e-6
+    assert _max_rel(updates, ref) > 1e-2
+
+
+def test_clip_grad_norm_returns_the_window_norm_and_clips():
+    """``clip_grad_norm_`` at the window's end returns gaengine's norm of the normalized window gradient (the fp64
+    full-batch norm: no division by K, the partial window normalized by its one micro-batch) and clips with it; SGD,
+    where a wrong scale would show in the parameters."""
+    max_norm = 0.5
+    updates, _, _ = _run(GaengineAccelerator(cpu=True, gradient_accumulation_steps=K), optim="sgd", max_norm=max_norm)
+    ref = _reference(_windows(), optim="sgd", max_norm=max_norm)
+    assert [u["norm"] for u in updates] == pytest.approx([r["norm"] for r in ref], rel=1e-6)
+    assert min(r["norm"] for r in ref) > max_norm  # every update was clipped
+    assert _max_rel(updates, ref) <= 1e-6
+
+
+def test_backward_item_mode_is_the_exact_item_mean():
+    """``backward(loss_sum, num_items=n)``: micro-batches with different numbers of valid items (a mask, as padded
+    tokens), the window's gradient is the sum over the window's valid items over their count, as one fp64 batch."""
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=3)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ref = torch.nn.Linear(4, 1).double()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model, opt = accelerator.prepare(model, opt)
+    g = torch.Generator().manual_seed(1)
+    micro = [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g), torch.arange(6) < n) for n in (6, 1, 3)]
+    for x, y, mask in micro:
+        loss_sum = ((model(x) - y)[mask] ** 2).sum()
+        accelerator.backward(loss_sum, num_items=torch.tensor(int(mask.sum())))
+    opt.step()
+    x = torch.cat([m[0][m[2]] for m in micro]).double()
+    y = torch.cat([m[1][m[2]] for m in micro]).double()
+    token_mean = ((ref(x) - y) ** 2).mean()
+    mean_of_means = sum(((ref(a.double()) - b.double())[m] ** 2).mean() for a, b, m in micro) / len(micro)
+    assert float(opt.last_result.loss) == pytest.approx(token_mean.item(), rel=1e-6)
+    assert abs(mean_of_means.item() / token_mean.item() - 1) > 1e-2  # the two recipes differ on this data
+    token_mean.backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p, q.float()) <= 1e-6
+
+
+def test_no_sync_is_a_null_context_and_zero_grad_drops_at_sync():
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(3, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with accelerator.no_sync(model):
+        accelerator.backward(model(torch.ones(2, 3)).sum())
+    assert accelerator.accumulator.num_micro_batches == 1  # accumulated, nothing reduced (there is no DDP)
+    accelerator.gradient_state._set_sync_gradients(False)
+    opt.zero_grad()  # off a synchronizing step: Accelerate's zero_grad does nothing, nor does gaengine's
+    assert accelerator.accumulator.num_micro_batches == 1
+    accelerator.gradient_state._set_sync_gradients(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()  # at a synchronizing step Accelerate drops the .grad: gaengine drops the window
+    assert accelerator.accumulator.num_micro_batches == 0
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_fp16_uses_gaengine_loss_scaling_and_a_skip_holds_the_scheduler():
+    """``mixed_precision="fp16"``: no GradScaler (``accelerator.scaler`` is None, the prepared optimizer has none),
+    gaengine scales dynamically; a non-finite micro-batch skips the update: parameters kept, ``step_was_skipped``,
+    and Accelerate's scheduler does not step."""
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="fp16")
+    assert accelerator.scaler is None
+    model = torch.nn.Linear(4, 1).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda s: 1.0 / (s + 1))
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    assert opt.scaler is None and accelerator.accumulator.scaler is not None  # gaengine's dynamic loss scale
+    x = torch.ones(2, 4, dtype=torch.float16)
+    before = [p.detach().clone() for p in model.parameters()]
+    accelerator.gradient_state._set_sync_gradients(False)
+    accelerator.backward(model(x).float().mean())
+    accelerator.gradient_state._set_sync_gradients(True)
+    accelerator.backward(model(x).float().mean() * float("inf"))  # a non-finite gradient in the window
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    assert accelerator.optimizer_step_was_skipped
+    assert opt.param_groups[0]["lr"] == lr
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+# ---------------------------------------------------------------- checkpoints
+def test_save_state_load_state_resume_mid_window_exactly(tmp_path):
+    """bf16 parameters (their fp32 masters live in gaengine's state): save_state after the first micro-batch of the
+    second window, load_state into a fresh run, go on: the parameters end bit-identical to the uninterrupted run."""
+    def setup():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=K)
+        torch.manual_seed(42)
+        model = RegressionModel().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=_lam)
+        loader = DataLoader(RegressionDataset(length=N, seed=42), batch_size=BATCH)
+        return (accelerator, *accelerator.prepare(model, opt, sched, loader))
+
+    def train(accelerator, model, opt, sched, batches, stop=None):
+        for i, batch in enumerate(batches):
+            with accelerator.accumulate(model):
+                accelerator.backward(_mse(model, batch))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if stop is not None and i == stop:
+                return
+
+    accelerator, model, opt, sched, loader = setup()
+    train(accelerator, model, opt, sched, loader)
+    full = [p.detach().clone() for p in model.parameters()] + [p.detach().clone() for p in opt.param_groups[0]["params"]]
+
+    accelerator, model, opt, sched, loader = setup()
+    train(accelerator, model, opt, sched, loader, stop=2)  # windows [0, 1] applied, batch 2 in the window
+    assert accelerator.accumulator.num_micro_batches == 1
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    step = accelerator.step
+
+    accelerator, model, opt, sched, loader = setup()
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert accelerator.accumulator.num_micro_batches == 1 and accelerator.step == step
+    train(accelerator, model, opt, sched, accelerator.skip_first_batches(loader, 3))
+    resumed = ([p.detach().clone() for p in model.parameters()]
+               + [p.detach().clone() for p in opt.param_groups[0]["params"]])
+    assert all(torch.equal(a, b) for a, b in zip(full, resumed))
+
+
+# ---------------------------------------------------------------- refusals
+@pytest.mark.parametrize("argument", ["deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"])
+def test_refuses_engines_that_own_the_gradients(argument):
+    with pytest.raises(ValueError, match=argument):
+        GaengineAccelerator(cpu=True, **{argument: object()})
+
+
+def test_bad_options_and_calls_are_refused_and_keep_the_window():
+    with pytest.raises(TypeError, match="accumulator_options.*'buckets'"):
+        GaengineAccelerator(cpu=True, accumulator_options={"buckets": 3})
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        GaengineAccelerator(cpu=True, accumulator_options={"lr_scheduler": None})
+    with pytest.raises(ValueError, match="zero_stage"):
+        GaengineAccelerator(cpu=True, accumulator_options={"zero_stage": 5})
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="prepare"):
+        accelerator.backward(model(torch.ones(1, 3)).sum())
+    with pytest.raises(ValueError, match="optimizer: no prepared model"):
+        accelerator.prepare(opt, model)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(3, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.backward(model(torch.ones(1, 3)).sum())
+    accelerator.gradient_state._set_sync_gradients(True)
+    with pytest.raises(ValueError, match="norm_type"):
+        accelerator.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
+    with pytest.raises(ValueError, match="max_norm"):
+        accelerator.clip_grad_norm_(model.parameters(), 0.0)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: None)
+    assert accelerator.accumulator.num_micro_batches == 1  # nothing lost
+    assert float(accelerator.clip_grad_norm_(model.parameters(), float("inf"))) > 0
+
+
+# ---------------------------------------------------------------- two gloo ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, out):
+    poison.install_if_asked()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    try:
+        accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=K)
+        assert accelerator.num_processes == world and dist.get_backend() == "gloo"
+        updates, model, _ = _run(accelerator, record_batches=True)
+        result = {"updates": updates, "ddp": isinstance(model, torch.nn.parallel.DistributedDataParallel)}
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
+    """Two ranks under Accelerate's launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): the model is not
+    wrapped in DDP, gaengine all-reduces; each rank's parameters after every update (the end-of-dataloader partial
+    window included) equal one fp64 process running each window over both ranks' micro-batches as one batch.
+    Accelerate's scheduler steps num_processes times per applied update (its convention: the schedule is written
+    for one process's batches), the reference likewise."""
+    world, port = 2, _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert not any(r["ddp"] for r in results)
+    per_rank = [r["updates"] for r in results]
+    assert [u["micro"] for u in per_rank[0]] == [2, 1]  # 3 batches per rank (even_batches): one full, one partial
+    windows = [[b for r in range(world) for b in per_rank[r][w]["batches"]] for w in range(len(per_rank[0]))]
+    ref = _reference(windows, lr_steps_per_update=world)
+    for updates in per_rank:
+        assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
+        assert _max_rel(updates, ref) <= 1e-6
