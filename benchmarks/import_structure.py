@@ -257,8 +257,9 @@ def _floors(modules: list[str], edges: dict[str, set[str]]) -> tuple[dict[str, i
 
 def is_library(module: str, tools: Sequence[str] = ()) -> bool:
     """A module of the library: not a tool (``gaengine.tools``, or a module named in ``tools``, e.g. ``cli`` for
-    a revision before the tools had their own folder) and not the ``python -m gaengine`` entry point."""
-    names = [f"{PACKAGE}.tools", *(f"{PACKAGE}.{t}" for t in tools)]
+    a revision before the tools had their own folder), not a trainer integration (``gaengine.integrations``, built
+    on the public API like the tools) and not the ``python -m gaengine`` entry point."""
+    names = [f"{PACKAGE}.tools", f"{PACKAGE}.integrations", *(f"{PACKAGE}.{t}" for t in tools)]
     return not (module == f"{PACKAGE}.__main__" or any(module == n or module.startswith(n + ".") for n in names))
 
 

@@ -171,7 +171,7 @@ class GradientAccumulator:
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
 
-    # ------------------------------------------------------------------ the strategy's parts, as attributes
+    # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     @property
     def params(self) -> list[torch.Tensor]:
         """The trainable parameters in layout order (index i: ``main_grad``'s slice i)."""
@@ -179,8 +179,8 @@ class GradientAccumulator:
 
     @property
     def main_grad(self) -> FlatBuffer:
-        """The window's fp32 gradient sums, ``(n,)`` on the parameters' device (``meta`` at ``zero_stage=2`` on
-        several ranks, where the sums live in each rank's gradient shard)."""
+        """The window's fp32 gradient sums, ``(n,)`` on the parameters' device (``meta`` where they live in each
+        rank's gradient shard: ``zero_stage=2`` on several ranks)."""
         return self.sharding.main_grad
 
     @property
@@ -280,13 +280,10 @@ class GradientAccumulator:
         is True, ``grad_norm`` and ``loss`` are inf or NaN, the window is dropped; with dynamic loss scaling the
         scale backs off as for any skipped update). Python ints are checked in ``backward()`` instead.
 
-        Several ranks: every rank's window must hold the same number of micro-batches. The stats all-reduce
-        carries each rank's count; when they differ, every rank runs the step to its end as a skipped update
-        (``result.skipped`` True; parameters, optimizer state, ``lr_scheduler``, loss scale and the schedule's count
-        unchanged; the window dropped) and raises ``RuntimeError`` naming each rank's count: in this ``step()`` when
-        it reads the device anyway (a non-fused optimizer, an ``lr_scheduler``, ``max_consecutive_skips``, unused
-        parameters, ``force=True``), else, with no host sync here, in the next ``backward()`` or ``step()``.
-        ``acc.zero_grad()`` afterwards is harmless (docs/multi-rank.md).
+        Several ranks: every rank's window must hold the same number of micro-batches; when they differ, every
+        rank skips the update (``result.skipped``; parameters, optimizer, ``lr_scheduler``, loss scale and schedule
+        unchanged) and raises ``RuntimeError`` naming each rank's count, in this ``step()`` or, with no host read
+        here, in the next ``backward()``/``step()`` (docs/multi-rank.md).
 
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
@@ -440,26 +437,32 @@ class GradientAccumulator:
             self.window_batchnorm.reset()
 
     def state_dict(self) -> dict:
-        """Everything needed to resume mid-window: accumulated buffer, counts, loss scale, bucket order, masters.
+        """Everything needed to resume, mid-window included: the window's gradient sums and counts, the fp32
+        master weights, the optimizer's state and param groups, the ``lr_scheduler``, the loss scale, the bucket
+        order and the schedule's position, in one format for every ``zero_stage``
+        (``gaengine.checkpoint.accumulator_state_dict`` documents its entries).
 
-        Plain tensors (copied to CPU) and Python scalars: save with ``torch.save`` and load with
-        ``torch.load(..., weights_only=True)``. Save the model's and the optimizer's state dicts beside it
-        (the optimizer holds the master parameters after construction, so its own state dict covers them).
-
-        At ``zero_stage >= 1`` (on any number of ranks) it also holds the optimizer's state, the master weights,
-        the param groups' hyper-parameters and the ``lr_scheduler``, as ``gaengine.checkpoint.zero_state_dict``
-        builds them for ``torch.distributed.checkpoint``: every rank calls it, and the model's and the
-        accumulator's state dicts are then all a checkpoint needs::
+        It is ``torch.distributed.checkpoint``'s form: one ``gaengine.checkpoint.FlatShard`` per flattened
+        parameter, of which each rank holds its range (the whole parameter unless ``zero_stage >= 1`` shards it
+        over several ranks), so the model's and the accumulator's state dicts are all a checkpoint needs::
 
             state = {"model": model.state_dict(), "acc": acc.state_dict()}
             dcp.save(state, checkpoint_id=path)
-            # later, after building model, optimizer and accumulator again (any world size):
+            # later, after building model, optimizer and accumulator again (any world size, any zero_stage):
             state = {"model": model.state_dict(), "acc": acc.state_dict()}
             dcp.load(state, checkpoint_id=path)
             model.load_state_dict(state["model"]); acc.load_state_dict(state["acc"])
 
-        A state saved between windows loads on any world size and ``zero_stage >= 1``; one saved mid-window only
-        on the same ones. Raises ``RuntimeError`` between the window's last ``backward`` and ``step()``.
+        Where the rank holds every value whole (a replicated run: ``zero_stage=0``, or one rank), ``torch.save``
+        writes it as plain CPU tensors and Python scalars and ``torch.load(..., weights_only=True)`` reads it back
+        (one file per rank on several ranks); the optimizer's and scheduler's own state dicts may still be saved
+        and loaded beside it (the same values). A ``FlatShard`` of a sharded run refuses ``torch.save``.
+
+        Saved between windows it loads on any world size and ``zero_stage``; saved mid-window only on the same world
+        size and sharding strategy (on one rank every ``zero_stage`` is the replicated strategy, so there it loads
+        at any ``zero_stage``), bit-identically except at ``zero_stage=1`` on several ranks (its window's sums are
+        saved reduced over the ranks: fp32 rounding order). Every rank calls it; mid-window on several ranks it is a
+        collective. Raises ``RuntimeError`` between the window's last ``backward`` and ``step()``.
         """
         self.sharding.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)
@@ -489,9 +492,12 @@ class GradientAccumulator:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a ``state_dict()``; raises ``ValueError`` (changing nothing) if it was made for other parameters
-        (at ``zero_stage >= 1``: ``gaengine.checkpoint.load_zero_state_dict``, also for a state saved mid-window on
-        another world size, naming both)."""
+        """Restore a ``state_dict()`` of any ``zero_stage`` and world size (after ``dcp.load`` into this run's own
+        ``state_dict()``, or ``torch.load`` of a replicated run's file), through
+        ``gaengine.checkpoint.load_accumulator_state_dict``; also a ``zero_stage=0`` state saved by gaengine before
+        that format (``gaengine.checkpoint.PLAIN_FORMAT``, replicated runs only). Raises ``ValueError`` (changing
+        nothing it wrote) if it was made for other parameters, optimizer param groups, master weights or loss
+        scaling, or saved mid-window on another world size or sharding strategy (naming both)."""
         self.sharding.load_state_dict(self, state)
 
     def check_scalars_state(self, state: dict) -> None:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from gaengine.clip import OWNER_ATTR
-from gaengine.sharding import check_sharding_optimizer
 from gaengine.update import check_optimizer_step
+from gaengine.zero import check_zero_optimizer
 
 __all__ = ["ModelWatch", "check_arguments", "claim", "release", "take"]
 
@@ -32,7 +32,8 @@ def check_arguments(model: Any, optimizer: Any, config) -> None:
         raise ValueError("overlap_param_gather=True needs model as an nn.Module (the all-gather is waited for in "
                          f"its modules' forward pre-hooks), got a model of type {type(model).__name__}: pass the "
                          "module, or leave overlap_param_gather off")
-    check_sharding_optimizer(config.zero_stage, optimizer)
+    if config.zero_stage:  # ValueError naming zero_stage when the optimizer cannot run on its shards
+        check_zero_optimizer(optimizer, config.zero_stage)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if optimizer is not None:

@@ -38,14 +38,14 @@ from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
-from gaengine.reduce import BucketReducer, broadcast_from_first_rank, launch_window_stats
+from gaengine.reduce import BucketReducer, Collective, broadcast_from_first_rank, launch_window_stats
 from gaengine.store import ParameterStore, ParamSlot
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.window import Window
-from gaengine.zero import (STAGING_SLOTS, ParamGather, ShardLayout, ShardReducer, check_zero_optimizer, shard_norm,
+from gaengine.zero import (STAGING_SLOTS, ParamGather, ShardLayout, ShardReducer, shard_norm,
                            zero_order)
 
-__all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "check_sharding_optimizer", "make_sharding",
+__all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "make_sharding",
            "trainable_params"]
 
 
@@ -67,9 +67,9 @@ class ShardingStrategy(ABC):
     accumulator's backend, device, process group and world size and the options of ``gaengine.AccumulatorConfig``
     it needs (``bucket_size_mb``, ``reduce_dtype``, ``master_weights``, ``overlap_param_gather``,
     ``broadcast_buffers``); ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise
-    scale); ``model``: the module, for its buffers and forward pre-hooks, or None; ``dcp_state_dict``: the state
-    dict takes ``torch.distributed.checkpoint``'s form (``zero_stage >= 1`` asked). On several ranks the parameters
-    (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
+    scale); ``model``: the module, for its buffers and forward pre-hooks, or None; ``dcp_state_dict``: accepted and
+    unused (every strategy's state dict has one format, ``gaengine.checkpoint.STATE_FORMAT``). On several ranks the
+    parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
     """
 
     name = "?"
@@ -293,21 +293,40 @@ class ShardingStrategy(ABC):
         self.wait_gathers()
 
     # ------------------------------------------------------------------ state dict
-    FORMAT = "gaengine.GradientAccumulator/1"  # the plain format's tag (``Replicated`` without DCP)
+    # One format for every strategy (gaengine.checkpoint.accumulator_state_dict): what differs per strategy is what
+    # its ranges of the parameters are (param_slots) and where the window's sums live mid-window (below).
+    FORMAT = "gaengine.GradientAccumulator/2"  # gaengine.checkpoint.STATE_FORMAT (the tag of scalars_state_dict())
+    window_rows = False  # mid-window each rank saves its own unreduced sums of whole parameters, one row per rank
 
     def state_dict(self, acc) -> dict:
-        """``acc.state_dict()``: with ``dcp_state_dict`` (``zero_stage >= 1`` asked, on any world size), the
-        ``torch.distributed.checkpoint`` form of ``gaengine.checkpoint.zero_state_dict``."""
-        from gaengine.checkpoint import zero_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
+        """``acc.state_dict()``: ``gaengine.checkpoint.accumulator_state_dict`` (DCP's form; ``torch.save`` takes it
+        where this rank holds every value whole)."""
+        from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
-        return zero_state_dict(acc)
+        return accumulator_state_dict(acc)
 
     def load_state_dict(self, acc, state: dict) -> None:
-        """``acc.load_state_dict(state)`` of what ``state_dict`` returned (``ValueError``, nothing changed, for
-        another format or model)."""
-        from gaengine.checkpoint import load_zero_state_dict  # noqa: PLC0415
+        """``acc.load_state_dict(state)`` of what ``state_dict`` returned on any strategy and world size
+        (``gaengine.checkpoint.load_accumulator_state_dict``: ``ValueError``, nothing changed, for another format or
+        model, or a window saved on another world size or strategy)."""
+        from gaengine.checkpoint import PLAIN_FORMAT, load_accumulator_state_dict  # noqa: PLC0415
 
-        load_zero_state_dict(acc, state)
+        if isinstance(state, dict) and state.get("format") == PLAIN_FORMAT:
+            raise ValueError(
+                f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): it loads only "
+                f"into a replicated run (zero_stage=0, or one rank), this one is {self.name} on {self.world_size} "
+                "rank(s). Load it there, then save acc.state_dict() again (it loads at any zero_stage)")
+        load_accumulator_state_dict(acc, state)
+
+    def window_sums_to_save(self) -> list[torch.Tensor]:
+        """Mid-window, per parameter (layout order): the ``(hi - lo,)`` fp32 sum of the window's gradient over this
+        rank's range that a checkpoint saves (``param_slots``' ranges): by default the gradient views themselves
+        (one rank, a replicated run's own sums, ``ZeroStage2``'s reduced shard)."""
+        return [g.view(-1) for g in self._update_grads()]
+
+    def prepare_window_load(self) -> None:
+        """Before a checkpoint writes a saved window's sums into the gradient views (``window_sums_to_save``'s
+        ranges): nothing by default."""
 
     def close(self) -> None:
         """Remove the hooks (and any forward pre-hooks), after the collectives in flight."""
@@ -370,18 +389,24 @@ class Replicated(ShardingStrategy):
         self.backend.scale_(self.main_grad.data, coef)
         expose_grads(self.params, self.main_grad, unwritten)
 
-    def state_dict(self, acc) -> dict:
-        if self.dcp_state_dict:
-            return super().state_dict(acc)
-        return {**acc.scalars_state_dict(), "main_grad": self.main_grad.data.detach().cpu().clone(),
-                "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone()}
+    @property
+    def window_rows(self) -> bool:  # several ranks: mid-window each rank holds its own unreduced sums
+        return self.distributed
 
     def load_state_dict(self, acc, state: dict) -> None:
-        if self.dcp_state_dict:
+        """Also a ``gaengine.checkpoint.PLAIN_FORMAT`` state (saved by gaengine before ``STATE_FORMAT``, with
+        ``torch.save``; the optimizer's state dict was saved beside it): ``_load_plain_state``."""
+        from gaengine.checkpoint import PLAIN_FORMAT  # noqa: PLC0415
+
+        if isinstance(state, dict) and state.get("format") == PLAIN_FORMAT:
+            self._load_plain_state(acc, state)
+        else:
             super().load_state_dict(acc, state)
-            return
-        if not isinstance(state, dict) or state.get("format") != self.FORMAT:
-            raise ValueError(f"state is not a {self.FORMAT} state dict")
+
+    def _load_plain_state(self, acc, state: dict) -> None:
+        """A ``PLAIN_FORMAT`` state: ``main_grad`` and ``master`` whole CPU tensors in the saved layout, the scalars
+        beside them; masters of the layout before ``gaengine.store`` are moved into the store's
+        (``_masters_of_flat_layout``). ``ValueError``, nothing changed, for another model or world size."""
         registration = acc.registered_params
         shapes = [list(p.shape) for p in registration]
         dtypes = [str(p.dtype) for p in registration]
@@ -497,6 +522,32 @@ class ZeroStage1(_Zero):
 
     def _new_main_grad(self) -> FlatBuffer:
         return FlatBuffer(self.layout.layout, torch.float32, self.device)
+
+    def window_sums_to_save(self) -> list[torch.Tensor]:
+        """This rank's shard of the window's gradient summed over the ranks (a collective: every rank calls it):
+        each bucket of ``main_grad`` is copied (the slices this rank did not write in this window zeroed: they
+        hold an earlier window's values) and reduce-scattered in fp32 into a ``(shard_numel,)`` buffer;
+        ``main_grad`` itself is not changed, so training goes on after the save. Views of it per parameter."""
+        layout = self.layout
+        written = self.hooks.accumulated
+        out = torch.empty(layout.shard_numel, dtype=torch.float32, device=self.device)
+        for b in layout.buckets:
+            tmp = self.main_grad.data[b.start:b.end].clone()
+            for i in range(b.first, b.last):
+                if not written[i]:
+                    o = layout.layout.offsets[i] - b.start
+                    tmp[o:o + layout.layout.numels[i]].zero_()
+            Collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # torch < 2.10
+                       out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=self.process_group).wait()
+        return [out[s.shard_offset:s.shard_offset + s.numel] for s in layout.param_shards(self.rank)]
+
+    def prepare_window_load(self) -> None:
+        """The saved sums are reduced over the ranks: the other ranks' ranges of ``main_grad`` hold nothing of them
+        (zeroed), so the window's reduce-scatter adds each element once."""
+        for b in self.layout.buckets:
+            lo, hi = b.rank_range(self.rank)
+            self.main_grad.data[b.start:lo].zero_()
+            self.main_grad.data[hi:b.end].zero_()
 
 
 class ZeroStage2(_Zero):
@@ -646,13 +697,6 @@ def trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Te
     if bad:
         raise ValueError(f"model parameters must be float32, bfloat16 or float16, found {bad[0].dtype}")
     return params
-
-
-def check_sharding_optimizer(zero_stage: int, optimizer) -> None:
-    """Before anything is built: ``ValueError`` naming ``zero_stage`` when the optimizer cannot run on its shards
-    (``gaengine.zero.check_zero_optimizer``)."""
-    if zero_stage:
-        check_zero_optimizer(optimizer, zero_stage)
 
 
 def make_sharding(zero_stage: int, world_size: int, params: list[torch.Tensor], optimizer,
