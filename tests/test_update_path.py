@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import gaengine
+from tests.conftest import backend_name, backend_params
 from tests.tolerances import rel_diff
 
 
@@ -181,9 +182,9 @@ def _copy_run_state(src_model, src_acc, dst_model, dst_acc) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend_id", backend_params("triton", "cuda-gpu"))  # the GPU's (tests/conftest.py)
 @pytest.mark.parametrize("variant", ["torch-fused", "gaengine-fused", "no-master", "gaengine-no-master"])
-def test_no_device_sync_on_cuda(backend, variant):
+def test_no_device_sync_on_cuda(backend_id, variant):
     """On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronizing CUDA call (a copy to
     the host, a blocking host-to-device copy, a stream synchronize) inside the hooks and ``step()``.
 
@@ -217,7 +218,7 @@ def test_no_device_sync_on_cuda(backend, variant):
                                            backend=engine_backend, master_weights=not variant.endswith("no-master"))
         return model, acc
 
-    model, acc = make(backend)
+    model, acc = make(backend_name(backend_id))
     ref_model, ref_acc = make("torch")
     n = sum(p.numel() for p in model.parameters())
     batches = [tuple(t.cuda() for t in _batch(i, dtype=torch.bfloat16)) for i in range(9)]
