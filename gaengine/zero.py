@@ -134,8 +134,9 @@ class ParamShard:
     """The part of parameter ``index`` (layout order) that one rank owns.
 
     lo, hi: the range ``[lo, hi)`` of the flattened parameter (0 <= lo <= hi <= numel; ``lo == hi``: nothing).
-    bucket: its bucket. shard_offset: where element ``lo`` lies in the rank's shard (gradient shard at stage 2,
-    master shard offsets are relative to the dtype's first bucket, see ``ShardLayout.master_offset``).
+    bucket: its bucket. shard_offset: where element ``lo`` lies in the rank's shard (the gradient shard at stage
+    2; the store's master shard starts where the first low-precision dtype's span begins,
+    ``ShardLayout.dtype_shard_span``).
     """
 
     index: int
@@ -233,11 +234,6 @@ class ShardLayout:
         if not bs:
             return 0, 0
         return bs[0].shard_offset, bs[-1].shard_offset + bs[-1].shard_numel
-
-    def master_offset(self, shard: ParamShard) -> int:
-        """Where ``shard`` starts in its dtype's part of a rank's shard (the rank's part of that dtype's buckets
-        only)."""
-        return shard.shard_offset - self.dtype_shard_span(self.dtypes[shard.index])[0]
 
 
 def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
