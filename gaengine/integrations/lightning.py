@@ -342,6 +342,11 @@ class GaengineStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Lightning's set-up (module converted and moved, optimizer built), then the accumulator over them."""
         super().setup(trainer)
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if self.world_size == 1 and connector is not None:
+            # One process: keep the user's sampler, as Lightning's single-device strategy does (a DDPStrategy would
+            # swap in a shuffling DistributedSampler of one replica: another data order than strategy="auto").
+            connector.use_distributed_sampler = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
         module = self.lightning_module

@@ -1,0 +1,465 @@
+"""gaengine inside Lightning's ``Trainer`` (``gaengine.integrations.lightning``): Lightning's own accumulation
+scenarios, run through Lightning itself on CPU, offline, on a tiny regression model, each against the plain
+single-process large-batch recipe computed here (one backward over the window's samples, torch's clip, torch's
+optimizer and scheduler: no gaengine).
+
+Tolerances: fp32 parameters within 1e-5 relative of the recipe's (the recipe reduces the window in one backward,
+gaengine sums micro-batch gradients: fp32 rounding order only). bf16 parameters (``precision="bf16-true"``): the
+recipe computes each micro-batch's gradient from the same bf16 parameters by plain ``loss.backward()``, sums them in
+fp64 and keeps fp32 master weights; gaengine's fp32 masters are within 1e-5 relative of those (one fp32 rounding of
+the final gradient per update), and the bf16 parameters are the masters rounded once (at most one bf16 ulp from the
+recipe's rounding of its own masters)."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint  # noqa: E402
+
+import gaengine  # noqa: E402
+from gaengine.integrations.lightning import GaenginePrecision, GaengineStrategy  # noqa: E402
+from tests.tolerances import rel_diff  # noqa: E402
+
+N_FEATURES, BATCH, LR, MOMENTUM, GAMMA = 5, 2, 0.2, 0.5, 0.9
+RTOL = 1e-5
+
+warnings.filterwarnings("ignore", message=".*(does not have many workers|LeafSpec|litlogger|GPU available).*")
+
+
+def _data(n_samples: int, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_samples, N_FEATURES, generator=g)
+    y = (x @ torch.randn(N_FEATURES, 1, generator=g)).tanh() + 0.1 * torch.randn(n_samples, 1, generator=g)
+    return x, y
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _lr_lambda(step: int) -> float:
+    return GAMMA ** step
+
+
+class Regression(pl.LightningModule):
+    """Lightning's scenario model: mean-squared error, SGD with momentum, a step-interval LambdaLR. Records the
+    parameters after every batch and the number of backward calls."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, returns_none_at: int | None = None):
+        super().__init__()
+        self.net = _net()
+        self.dtype_ = dtype
+        self.returns_none_at = returns_none_at
+        self.after_batch: list[list[torch.Tensor]] = []
+        self.backward_calls = 0
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.returns_none_at:
+            return None
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x.to(self.dtype_)), y.to(self.dtype_))
+
+    def on_before_backward(self, loss):
+        self.backward_calls += 1
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.after_batch.append([p.detach().float().clone() for p in self.net.parameters()])
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _loader(x, y, batch_size=BATCH):
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+def _trainer(strategy="gaengine", **kw) -> pl.Trainer:
+    if strategy == "gaengine":
+        strategy = GaengineStrategy()
+    kw.setdefault("max_epochs", 1)
+    return pl.Trainer(accelerator="cpu", devices=kw.pop("devices", 1), strategy=strategy, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=kw.pop("enable_checkpointing", False), num_sanity_val_steps=0, **kw)
+
+
+def _windows(n_batches: int, ks: list[int]) -> list[list[int]]:
+    """Batch indices of each window of one epoch of ``n_batches`` with K = ``ks[epoch]``: full windows of K, and
+    the epoch's last batch closes a partial one (Lightning's rule)."""
+    out = []
+    for k in ks:
+        out += [list(range(i, min(i + k, n_batches))) for i in range(0, n_batches, k)]
+    return out
+
+
+def _rows_one_process(b: int) -> list[torch.Tensor]:
+    """The rows of batch ``b`` of one process: one micro-batch of ``BATCH`` consecutive samples."""
+    return [torch.arange(b * BATCH, (b + 1) * BATCH)]
+
+
+def _rows_two_ranks(b: int) -> list[torch.Tensor]:
+    """The rows of global batch ``b`` on 2 ranks under a ``DistributedSampler`` (no shuffle: rank r takes
+    samples r, r + 2, ...): rank r's micro-batch holds samples 4b + r and 4b + 2 + r."""
+    return [torch.tensor([4 * b + r, 4 * b + 2 + r]) for r in range(2)]
+
+
+def reference(x, y, windows: list[list[int]], clip: float | None = None, dtype=torch.float32,
+              rows=_rows_one_process):
+    """The plain single-process large-batch recipe, no gaengine: per window, the mean loss over the window's
+    samples, one backward (bf16: each micro-batch's gradient from the bf16 model, summed in fp64, divided by the
+    micro-batches), torch's ``clip_grad_norm_``, ``SGD`` on fp32 (master) weights and a ``LambdaLR`` stepped once per
+    update. ``rows(b)``: the micro-batches (row indices) of batch ``b``. Returns the fp32 parameters after every
+    update and the learning rate each update used."""
+    masters = [p.detach().to(dtype).float() for p in _net().parameters()]  # bf16: the converted model's values
+    model = _net().to(dtype)
+    opt = torch.optim.SGD(masters, lr=LR, momentum=MOMENTUM)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+    after, lrs = [], []
+    for batches in windows:
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+        micro = [r for b in batches for r in rows(b)]
+        if dtype == torch.float32:
+            whole = torch.cat(micro)
+            model.zero_grad()
+            nn.functional.mse_loss(model(x[whole]), y[whole]).backward()
+            grads = [p.grad.double() for p in model.parameters()]
+        else:
+            grads = [torch.zeros_like(m, dtype=torch.float64) for m in masters]
+            for r in micro:
+                model.zero_grad()
+                nn.functional.mse_loss(model(x[r].to(dtype)), y[r].to(dtype)).backward()
+                for g, p in zip(grads, model.parameters()):
+                    g += p.grad.double()
+            grads = [g / len(micro) for g in grads]
+        for m, g in zip(masters, grads):
+            m.grad = g.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        after.append([m.detach().clone() for m in masters])
+    return after, lrs
+
+
+def _assert_params_close(actual: list[torch.Tensor], expected: list[torch.Tensor], what: str, rtol=RTOL):
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        d = rel_diff(a, e)
+        assert d <= rtol, f"{what}, parameter {i}: relative difference {d:.3e} > {rtol:g}"
+
+
+# ---------------------------------------------------------------- Lightning's scenarios, one process
+
+
+@pytest.mark.parametrize("k,fraction", [(3, 1.0), (3, 0.8), (4, 1.0), (4, 0.7)],
+                         ids=["K3-all", "K3-0.8", "K4-all", "K4-0.7"])
+def test_gradient_accumulation_scheduling_last_batch(k, fraction):
+    """Lightning's ``test_gradient_accumulation_scheduling_last_batch``: 10 batches (or ``limit_train_batches`` of
+    them), K = 3 or 4, so the epoch ends in a partial window. Weights change only on a window's last batch and on the
+    epoch's last, every change the large-batch recipe's; ``global_step`` and the step-interval LambdaLR count the
+    partial window's update too."""
+    x, y = _data(20)
+    model = Regression()
+    trainer = _trainer(accumulate_grad_batches=k, limit_train_batches=fraction)
+    trainer.fit(model, _loader(x, y))
+    n_batches = int(10 * fraction)
+    windows = _windows(n_batches, [k])
+    assert len(model.after_batch) == n_batches
+    ref, ref_lrs = reference(x, y, windows)
+    assert trainer.global_step == len(windows) == math.ceil(n_batches / k)
+    initial = [p.detach() for p in _net().parameters()]
+    before, update = initial, 0
+    for b, after in enumerate(model.after_batch):
+        closes = b == windows[update][-1]
+        changed = any(not torch.equal(a, p) for a, p in zip(after, before))
+        assert changed == closes, f"batch {b}: weights {'changed' if changed else 'unchanged'}"
+        if closes:
+            _assert_params_close(after, ref[update], f"update {update}, batches {windows[update]}")
+            assert model.lrs[b] == pytest.approx(ref_lrs[update + 1] if update + 1 < len(ref_lrs)
+                                                 else LR * GAMMA ** (update + 1))
+            update += 1
+        before = after
+
+
+@pytest.mark.parametrize("k,fraction", [(3, 1.0), (4, 0.7)], ids=["K3-all", "K4-0.7"])
+def test_lightning_own_accumulation_fails_the_check(k, fraction):
+    """The naive path, Lightning's own accumulation (no gaengine): it divides the partial last window by K
+    (Lightning-AI/pytorch-lightning#19987), so its last update is off the recipe's by far more than the tolerance,
+    while its full windows agree (the check can tell them apart)."""
+    x, y = _data(20)
+    model = Regression()
+    trainer = _trainer(strategy="auto", accumulate_grad_batches=k, limit_train_batches=fraction)
+    trainer.fit(model, _loader(x, y))
+    windows = _windows(int(10 * fraction), [k])
+    ref, _ = reference(x, y, windows)
+    ends = [w[-1] for w in windows]
+    _assert_params_close(model.after_batch[ends[-2]], ref[-2], "Lightning's full windows")
+    worst = max(rel_diff(a, e) for a, e in zip(model.after_batch[ends[-1]], ref[-1]))
+    assert worst > 100 * RTOL, f"Lightning's partial window agrees with the recipe ({worst:.2e}): the check cannot fail"
+
+
+def test_bf16_parameters_within_one_rounding():
+    """``precision="bf16-true"``: bf16 parameters, gaengine's fp32 masters (the optimizer's parameters) within
+    1e-5 relative of the recipe's fp32 masters, which sums the same bf16 micro-batch gradients in fp64; the bf16
+    parameters are those masters rounded once, within one bf16 ulp of the recipe's masters rounded."""
+    x, y = _data(20)
+    model = Regression(dtype=torch.bfloat16)
+    trainer = _trainer(accumulate_grad_batches=3, precision="bf16-true")
+    trainer.fit(model, _loader(x, y))
+    windows = _windows(10, [3])
+    ref, _ = reference(x, y, windows, dtype=torch.bfloat16)
+    assert trainer.global_step == 4
+    masters = trainer.optimizers[0].param_groups[0]["params"]
+    assert all(m.dtype == torch.float32 for m in masters)
+    _assert_params_close(masters, ref[-1], "fp32 masters after 4 updates")
+    for p, m, r in zip(model.net.parameters(), masters, ref[-1]):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, m.to(torch.bfloat16))
+        ulp = torch.finfo(torch.bfloat16).eps * r.abs().clamp_min(1e-30)
+        assert bool(((p.float() - r).abs() <= ulp).all())
+
+
+def test_backward_calls():
+    """Lightning's ``test_backward_calls``: 6 batches at K = 2 run 6 backward calls and 3 updates; ``max_steps=6``
+    (two epochs of 6 batches) runs 12 backward calls and stops at global_step 6."""
+    x, y = _data(12)
+    model = Regression()
+    trainer = _trainer(accumulate_grad_batches=2)
+    trainer.fit(model, _loader(x, y))
+    assert (model.backward_calls, trainer.global_step) == (6, 3)
+    model = Regression()
+    trainer = _trainer(accumulate_grad_batches=2, max_epochs=-1, max_steps=6)
+    trainer.fit(model, _loader(x, y))
+    assert (model.backward_calls, trainer.global_step) == (12, 6)
+    ref, _ = reference(x, y, _windows(6, [2, 2]))
+    _assert_params_close(model.after_batch[-1], ref[-1], "after 6 updates over 2 epochs")
+
+
+def test_gradient_accumulation_scheduler_and_milestones():
+    """Lightning's ``GradientAccumulationScheduler({1: 2, 3: 4})`` over 4 epochs of 10 batches gives 23 updates (10,
+    5, 5, 3: the last epoch ends in a partial window of 2), each the recipe's; gaengine's own
+    ``Milestones({1: 2, 3: 4}, unit="epoch")`` in a plain loop gives the same windows and the same parameters."""
+    x, y = _data(20)
+    ks = [1, 2, 2, 4]
+    windows = _windows(10, ks)
+    assert len(windows) == 23
+    ref, _ = reference(x, y, windows)
+
+    model = Regression()
+    trainer = _trainer(max_epochs=4, callbacks=[GradientAccumulationScheduler({1: 2, 3: 4})])
+    trainer.fit(model, _loader(x, y))
+    assert trainer.global_step == 23
+    _assert_params_close(model.after_batch[-1], ref[-1], "Lightning + GradientAccumulationScheduler, 23 updates")
+
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+    acc = gaengine.GradientAccumulator(net, opt, accumulation_steps=gaengine.schedules.Milestones(
+        {1: 2, 3: 4}, unit="epoch", samples_per_epoch=10), max_grad_norm=None, lr_scheduler=sched)
+    sizes = []
+    for _ in range(4):
+        for xb, yb in _loader(x, y):
+            acc.backward(nn.functional.mse_loss(net(xb), yb))
+            result = acc.step()
+            sizes += [] if result is None else [result.num_micro_batches]
+        result = acc.step(force=True)
+        sizes += [] if result is None else [result.num_micro_batches]
+    acc.close()
+    assert sizes == [len(w) for w in windows]
+    _assert_params_close(list(net.parameters()), ref[-1], "gaengine + Milestones, 23 updates")
+
+
+def test_gradient_clip_val():
+    """``Trainer(gradient_clip_val=0.05)``: every window's normalized gradient clipped to L2 norm 0.05 (the recipe
+    clips with torch's ``clip_grad_norm_``), the partial window's too; without it the parameters differ (the clip is
+    active)."""
+    x, y = _data(20)
+    model = Regression()
+    trainer = _trainer(accumulate_grad_batches=3, gradient_clip_val=0.05)
+    trainer.fit(model, _loader(x, y))
+    windows = _windows(10, [3])
+    ref, _ = reference(x, y, windows, clip=0.05)
+    unclipped, _ = reference(x, y, windows)
+    assert rel_diff(ref[-1][0], unclipped[-1][0]) > 1e-2
+    _assert_params_close(model.after_batch[-1], ref[-1], "clipped, 4 updates")
+    result = trainer.strategy.precision_plugin.last_result
+    assert result.num_micro_batches == 1 and float(result.clip_coef) < 1.0
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_checkpoint_resume(tmp_path, precision):
+    """``ModelCheckpoint`` saves gaengine's state (under ``GaenginePrecision``) with the model and the optimizer;
+    ``fit(ckpt_path=...)`` from the end of epoch 1 ends bit for bit where the uninterrupted 2-epoch run does
+    (bf16: the fp32 masters, which the bf16 model cannot carry, come back from gaengine's state), and that run is
+    the recipe's."""
+    x, y = _data(20)
+    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
+    whole = Regression(dtype)
+    trainer = _trainer(accumulate_grad_batches=3, max_epochs=2, precision=precision)
+    trainer.fit(whole, _loader(x, y))
+    ref, _ = reference(x, y, _windows(10, [3, 3]), dtype=dtype)
+    _assert_params_close(trainer.optimizers[0].param_groups[0]["params"], ref[-1], "uninterrupted, 8 updates")
+
+    first = Regression(dtype)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="epoch{epoch}", save_top_k=-1)
+    trainer = _trainer(accumulate_grad_batches=3, max_epochs=1, precision=precision, callbacks=[ckpt],
+                       enable_checkpointing=True)
+    trainer.fit(first, _loader(x, y))
+    path = ckpt.best_model_path or os.path.join(tmp_path, os.listdir(tmp_path)[0])
+    saved = torch.load(path, weights_only=False)
+    assert "accumulator" in saved["GaenginePrecision"]
+
+    resumed = Regression(dtype)
+    trainer = _trainer(accumulate_grad_batches=3, max_epochs=2, precision=precision)
+    trainer.fit(resumed, _loader(x, y), ckpt_path=path)
+    assert trainer.global_step == 8
+    masters = trainer.optimizers[0].param_groups[0]["params"]
+    for a, b in zip(list(resumed.parameters()) + masters,
+                    list(whole.parameters()) + [m for m in _masters_of(whole)]):
+        assert torch.equal(a, b)
+
+
+def _masters_of(module: Regression) -> list[torch.Tensor]:
+    return module.trainer.optimizers[0].param_groups[0]["params"]
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_strategy_refuses_what_the_trainer_sets():
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        GaengineStrategy(accumulation_steps=4)
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        GaengineStrategy(max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="zero_stage"):
+        GaengineStrategy(zero_stage=1)
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        GaengineStrategy(bucket_size_mb=-1)
+    with pytest.raises(TypeError, match="no_such_option"):
+        GaengineStrategy(no_such_option=1)
+
+
+def test_precision_plugins_that_cannot_compose():
+    """``precision="64-true"`` (and any plugin but Lightning's 32/16/bf16 ones) is refused, naming it."""
+    with pytest.raises(ValueError, match="DoublePrecision.*64-true"):
+        _trainer(precision="64-true")
+    with pytest.raises(RuntimeError, match="GaengineStrategy"):
+        GaenginePrecision()._acc()
+
+
+def test_clip_by_value_refused_window_kept():
+    """``gradient_clip_algorithm="value"`` raises ``ValueError`` at the first window's end; the window's gradients
+    are still in the accumulator (nothing lost, nothing applied)."""
+    x, y = _data(12)
+    model = Regression()
+    trainer = _trainer(accumulate_grad_batches=2, gradient_clip_val=0.1, gradient_clip_algorithm="value")
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+        trainer.fit(model, _loader(x, y))
+    assert trainer.strategy.accumulator.num_micro_batches == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.net.parameters(), _net().parameters()))
+
+
+def test_training_step_returning_none_refused():
+    x, y = _data(12)
+    model = Regression(returns_none_at=1)
+    trainer = _trainer(accumulate_grad_batches=3)
+    with pytest.raises(ValueError, match="training_step returned None"):
+        trainer.fit(model, _loader(x, y))
+    assert trainer.strategy.accumulator.num_micro_batches == 1  # the first micro-batch is kept
+
+
+class ManualMisuse(Regression):
+    def __init__(self, call: str):
+        super().__init__()
+        self.automatic_optimization = False
+        self.call = call
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        if self.call == "manual_backward":
+            self.manual_backward(loss)
+        else:
+            self.optimizers().step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+@pytest.mark.parametrize("call", ["manual_backward", "step"])
+def test_manual_optimization_misuse(call):
+    """Manual optimization under ``GaengineStrategy``: ``self.manual_backward`` and ``optimizer.step()`` raise,
+    naming the accumulator's ``backward`` / ``step`` and the recipe."""
+    x, y = _data(4)
+    trainer = _trainer()
+    with pytest.raises(RuntimeError, match="acc.backward" if call == "manual_backward" else "acc.step"):
+        trainer.fit(ManualMisuse(call), _loader(x, y))
+
+
+# ---------------------------------------------------------------- two gloo processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    results = {}
+    x, y = _data(40)
+    for name, kw in (("K3", dict(accumulate_grad_batches=3)),
+                     ("K4-clip-bf16", dict(accumulate_grad_batches=4, gradient_clip_val=0.05,
+                                           precision="bf16-true"))):
+        dtype = torch.bfloat16 if "bf16" in name else torch.float32
+        model = Regression(dtype)
+        trainer = _trainer(devices=world, strategy=GaengineStrategy(process_group_backend="gloo"),
+                           use_distributed_sampler=False, **kw)
+        dataset = torch.utils.data.TensorDataset(x, y)
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler))
+        results[name] = dict(global_step=trainer.global_step, world=trainer.world_size,
+                             params=[p.detach().float().clone() for p in model.net.parameters()],
+                             masters=[m.detach().clone() for m in trainer.optimizers[0].param_groups[0]["params"]],
+                             wrapped=type(trainer.strategy.model).__name__)
+    torch.save(results, f"{out}.{rank}")
+
+
+@pytest.mark.multiproc
+def test_two_gloo_processes(tmp_path):
+    """2 processes launched as torchrun does (``LOCAL_RANK``, ``MASTER_PORT``), ``Trainer(devices=2)``: a
+    ``DistributedSampler`` without shuffling gives each rank 10 micro-batches of 2 (rank r: samples r, r + 2, ...), K = 3 and 4 (a
+    partial last window), clipped and bf16 in the second case. The model is not wrapped in DDP; every rank ends
+    with the parameters of the single-process recipe over the global micro-batches of 4 samples."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "res")
+    mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    x, y = _data(40)
+    for name, k, clip, dtype in (("K3", 3, None, torch.float32), ("K4-clip-bf16", 4, 0.05, torch.bfloat16)):
+        windows = _windows(10, [k])
+        ref, _ = reference(x, y, windows, clip=clip, dtype=dtype, rows=_rows_two_ranks)
+        for r, res in enumerate(ranks):
+            got = res[name]
+            assert (got["global_step"], got["world"], got["wrapped"]) == (len(windows), 2, "Regression"), (name, r)
+            _assert_params_close(got["masters"], ref[-1], f"{name}, rank {r}")
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"]))
