@@ -1,0 +1,490 @@
+"""FSDP2 (``fully_shard``) models under the accumulator (gaengine.fsdp2), as real gloo processes on 1-4 ranks.
+
+The reference of every configuration is the plain PyTorch recipe in one fp32 process over the same global
+micro-batches (``_reference``): each micro-batch's loss (mean loss / (k x d) in mean mode, summed loss / the
+window's global item count in item mode) backpropagated into fp32 ``.grad``, ``clip_grad_norm_``, a torch optimizer,
+a window with a non-finite gradient skipped. FSDP2's own recipe (``set_requires_gradient_sync`` on the last
+micro-batch, fp32) is the second reference of the mean case, run on the ranks. Target: 1e-5 relative after 3
+updates. One process group per world size runs every case (imports and the group cost seconds per spawn).
+
+bf16 sharded parameters: FSDP2 casts each micro-batch's reduced shard to the parameter's dtype before the hook
+sees it (torch ``_fsdp_collectives.py``, ``foreach_reduce``), so one bf16 rounding per micro-batch is inherent.
+With ``reduce_dtype=fp32`` the window's sum then differs from the fp64 sum of the exact micro-batch gradients G_k
+by at most ``sum_k 2^-9 |G_k|`` per element (round to nearest: half a bf16 ulp, 2^-9 relative) plus the fp32
+terms ``(K + d) 2^-24 sum_k |G_k|`` (the d-term fp32 reduce and the K fp32 adds): ``_bf16_bound``. FSDP2's own
+accumulation of bf16 sharded parameters (``.grad +=`` in bf16) also rounds every running sum and breaks that bound;
+the test shows it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import gaengine
+from tests import poison
+from tests.tolerances import rel_diff
+
+pytestmark = pytest.mark.multiproc
+
+K, B, T, IN, HID, OUT, STEPS, LR, MAX_NORM = 3, 2, 4, 6, 10, 5, 3, 1e-2, 0.05
+BF16_K = 16
+
+
+class Net(nn.Module):
+    """Three blocks (each its own ``fully_shard`` group) and a side head no case calls in ``unused``. OUT = 5 rows
+    shard unevenly over 2, 3 and 4 ranks (a rank may hold none of a bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(IN, HID)
+        self.l1 = nn.Linear(HID, HID)
+        self.head = nn.Linear(HID, OUT)
+        self.side = nn.Linear(HID, OUT)
+
+    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.l1(torch.tanh(self.l0(x))))
+        out = self.head(h)
+        return out + self.side(h) if use_side else out
+
+
+def _data(world: int, steps: int = STEPS, k: int = K, seed: int = 7):
+    """Inputs ``(steps, world, k, B, T, IN)`` and labels ``(steps, world, k, B, T)``, a different number of real
+    tokens (label != -100) in every micro-batch and on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(steps, world, k, B, T, IN, generator=g)
+    labels = torch.randint(0, OUT, (steps, world, k, B, T), generator=g)
+    for s in range(steps):
+        for r in range(world):
+            for j in range(k):
+                labels[s, r, j, :, (s + 2 * r + j) % T + 1:] = -100
+    return xs, labels
+
+
+def _loss(model, x, labels, items: bool, use_side: bool):
+    logits = model(x, use_side=use_side).float().reshape(-1, OUT)
+    if items:
+        return nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return nn.functional.cross_entropy(logits, labels.reshape(-1).clamp_min(0))
+
+
+def _optimizer(name: str, params):
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, fused=True)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    raise AssertionError(name)
+
+
+class _Schedule:
+    """K per window: 1, 3, 2 (``accumulation_steps`` as a schedule)."""
+
+    def __call__(self, update_index: int, items_seen: int) -> int:
+        return (1, 3, 2)[update_index % 3]
+
+
+_BASE = dict(items=False, clip=MAX_NORM, opt="adamw-fused", partial=False, nonfinite=False, loss_scale=None,
+             unused=False, schedule=False, scheduler=False)
+CASES = {
+    "mean": {},
+    "items": dict(items=True),
+    "partial-sgd-sched": dict(partial=True, opt="sgd", scheduler=True, clip=None),
+    "items-partial-noclip": dict(items=True, partial=True, clip=None, opt="adamw"),
+    "fp16-loss-scale": dict(loss_scale="dynamic"),
+    "nonfinite-one-rank": dict(nonfinite=True, opt="adamw"),
+    "nonfinite-fused-scaled": dict(nonfinite=True, loss_scale=2.0**10),
+    "unused": dict(unused=True),
+    "schedule-items": dict(schedule=True, items=True),
+}
+WORLD_CASES = {1: ["mean", "items", "items-partial-noclip", "unused"], 2: list(CASES), 3: ["mean", "items-partial-noclip"],
+               4: ["items"]}
+
+
+def _window_sizes(cfg) -> list[int]:
+    sizes = [_Schedule()(s, 0) for s in range(STEPS)] if cfg["schedule"] else [K] * STEPS
+    if cfg["partial"]:
+        sizes[-1] = K - 1  # the last window ends early: step(force=True)
+    return sizes
+
+
+def _shard(model: nn.Module, world: int, **kwargs) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in (model.l0, model.l1, model.head, model.side):
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _full(model) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().float().clone() for p in model.parameters()]
+
+
+def _run_case(rank: int, world: int, cfg: dict) -> dict:
+    torch.manual_seed(0)
+    model = _shard(Net(), world)
+    opt = _optimizer(cfg["opt"], model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if cfg["scheduler"] else None
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=_Schedule() if cfg["schedule"] else K,
+                                       max_grad_norm=cfg["clip"], lr_scheduler=sched, loss_scale=cfg["loss_scale"])
+    assert type(acc.sharding).__name__ == "FullyShardedGrads"
+    xs, labels = _data(world)
+    out = {"skipped": [], "norms": []}
+    for s, k in enumerate(_window_sizes(cfg)):
+        for j in range(k):
+            x = xs[s, rank, j].clone()
+            if cfg["nonfinite"] and s == 1 and rank == 0 and j == 1:
+                x[0, 0, 0] = float("inf")
+            loss = _loss(model, x, labels[s, rank, j], cfg["items"], not cfg["unused"])
+            n = int((labels[s, rank, j] != -100).sum())
+            acc.backward(loss, num_items=torch.tensor(n) if cfg["items"] else None)
+        res = acc.step(force=k < (_Schedule()(s, 0) if cfg["schedule"] else K))
+        out["skipped"].append(bool(res.skipped))
+        out["norms"].append(float(res.grad_norm))
+    out["params"] = _full(model)
+    out["grads_left"] = [p.grad is not None for p in model.parameters()]
+    acc.close()
+    return out
+
+
+def _fsdp2_recipe(rank: int, world: int) -> list[torch.Tensor]:
+    """FSDP2's own recipe of the mean case: sync on the last micro-batch only, fp32, clip_grad_norm_ over the
+    DTensor gradients."""
+    torch.manual_seed(0)
+    model = _shard(Net(), world)
+    opt = _optimizer("adamw-fused", model.parameters())
+    xs, labels = _data(world)
+    for s in range(STEPS):
+        for j in range(K):
+            model.set_requires_gradient_sync(j == K - 1)
+            (_loss(model, xs[s, rank, j], labels[s, rank, j], False, True) / K).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _full(model)
+
+
+def _bf16_windows(rank: int, world: int) -> dict:
+    """bf16 sharded parameters (reduce_dtype fp32), one window of BF16_K micro-batches: gaengine's main_grad shards
+    before the step, then 2 more updates with masters; and FSDP2's own bf16 ``.grad`` accumulation of the same
+    window (the wrong recipe)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    xs, labels = _data(world, steps=3, k=BF16_K, seed=11)
+    out = {}
+    torch.manual_seed(0)
+    model = _shard(Net().to(torch.bfloat16), world, mp_policy=mp_policy)
+    acc = gaengine.GradientAccumulator(model, _optimizer("adamw-fused", model.parameters()),
+                                       accumulation_steps=BF16_K, max_grad_norm=None)
+    assert acc.master_buffer is not None
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    for s in range(3):
+        for j in range(BF16_K):
+            acc.backward(_loss(model, xs[s, rank, j].bfloat16(), labels[s, rank, j], False, True))
+        if s == 0:
+            out["main_grad"] = {order[id(p)]: v.clone() for p, v in zip(acc.params, acc.main_grad.views)}
+        acc.step()
+    out["params"] = _full(model)
+    masters = [m for m in acc.optimizer.param_groups[0]["params"]]
+    out["masters_rounded"] = all(bool((m.to_local().bfloat16() == p.to_local()).all())
+                                 for m, p in zip(masters, model.parameters()))
+    acc.close()
+    torch.manual_seed(0)
+    model = _shard(Net().to(torch.bfloat16), world, mp_policy=mp_policy)
+    for j in range(BF16_K):
+        _loss(model, xs[0, rank, j].bfloat16(), labels[0, rank, j], False, True).backward()
+    out["fsdp2_bf16"] = {i: p.grad.to_local().float().clone() for i, p in enumerate(model.parameters())}
+    return out
+
+
+def _refusals(rank: int, world: int) -> dict:
+    """Every model and option the accumulator refuses; each entry: (exception type, message) or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp._common_utils import TrainingState
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def attempt(build):
+        try:
+            model, kwargs = build()
+            opt = kwargs.pop("optimizer", None) or torch.optim.AdamW(model.parameters(), lr=LR)
+            acc = gaengine.GradientAccumulator(model, opt, **kwargs)
+            if getattr(model, "_sync_off", False):
+                acc.backward(model(torch.randn(2, IN)).sum())
+            acc.close()
+            return None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            return type(exc).__name__, str(exc)
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def fsdp1():  # FSDP1 needs an accelerator to be built; the refusal reads the module's type only
+        torch.manual_seed(0)
+        wrapped = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+        nn.Module.__init__(wrapped)
+        wrapped._fsdp_wrapped_module = Net()
+        wrapped.training_state = TrainingState.IDLE
+        return wrapped, {}
+
+    def foreign_dtensor():
+        torch.manual_seed(0)
+        m = Net()
+        m.l0.weight = nn.Parameter(distribute_tensor(m.l0.weight.detach(), mesh, [Shard(0)]))
+        return m, {}
+
+    def child_only():
+        torch.manual_seed(0)
+        m = Net()
+        fully_shard(m.l0, mesh=mesh)
+        return m, {}
+
+    def mixed():
+        torch.manual_seed(0)
+        m = Net()
+        fully_shard(m, mesh=mesh, ignored_params={m.side.weight})
+        return m, {}
+
+    def offload():
+        torch.manual_seed(0)
+        return _shard(Net(), world, offload_policy=CPUOffloadPolicy(pin_memory=False)), {}
+
+    def zero():
+        torch.manual_seed(0)
+        return _shard(Net(), world), {"zero_stage": 1}
+
+    def noise():
+        torch.manual_seed(0)
+        return _shard(Net(), world), {"measure_noise_scale": True}
+
+    def reduce_dtype():
+        torch.manual_seed(0)
+        return _shard(Net(), world), {"reduce_dtype": torch.bfloat16}
+
+    def fused_adamw():
+        torch.manual_seed(0)
+        m = _shard(Net(), world)
+        return m, {"optimizer": gaengine.optim.FusedAdamW(m.parameters(), lr=LR)}
+
+    def sync_off():
+        torch.manual_seed(0)
+        m = _shard(Net(), world)
+        m.set_requires_gradient_sync(False)
+        m._sync_off = True
+        return m, {}
+
+    import gaengine.optim  # noqa: F401
+
+    out = {name: attempt(build) for name, build in [
+        ("fsdp1", fsdp1), ("foreign-dtensor", foreign_dtensor), ("root-not-fsdp", child_only), ("mixed", mixed),
+        ("cpu-offload", offload), ("zero-stage", zero), ("noise-scale", noise), ("reduce-dtype", reduce_dtype),
+        ("fused-adamw", fused_adamw), ("sync-off", sync_off)]}
+    return out
+
+
+def _rank_dies(rank: int, world: int) -> dict:
+    """Rank 1 stops after the first micro-batch of a window; rank 0 must raise within the group's timeout."""
+    torch.manual_seed(0)
+    model = _shard(Net(), world)
+    acc = gaengine.GradientAccumulator(model, _optimizer("adamw", model.parameters()), accumulation_steps=K)
+    xs, labels = _data(world)
+    acc.backward(_loss(model, xs[0, rank, 0], labels[0, rank, 0], False, True))
+    if rank == 1:
+        return {"died": True}
+    start = time.monotonic()
+    try:
+        for j in range(1, K):
+            acc.backward(_loss(model, xs[0, rank, j], labels[0, rank, j], False, True))
+        acc.step()
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - any error of the collectives counts, its type is recorded
+        return {"raised": type(exc).__name__, "after_s": time.monotonic() - start}
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]) -> None:
+    poison.install_if_asked()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5 if "dies" in plan else 60))
+    results = {}
+    try:
+        for name in plan:
+            if name in CASES:
+                results[name] = _run_case(rank, world, {**_BASE, **CASES[name]})
+            elif name == "fsdp2-recipe":
+                results[name] = _fsdp2_recipe(rank, world)
+            elif name == "bf16":
+                results[name] = _bf16_windows(rank, world)
+            elif name == "refusals":
+                results[name] = _refusals(rank, world)
+            elif name == "dies":
+                results[name] = _rank_dies(rank, world)
+            if name != "dies":
+                dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    if "dies" in plan:
+        os._exit(0)  # a gloo group whose peer is gone cannot be torn down cleanly
+    dist.destroy_process_group()
+
+
+def _launch(tmp_path, world: int, plan: list[str], join_s: float = 240) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), str(tmp_path), plan))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world, f"ranks exited with {[p.exitcode for p in procs]}"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# ---------------------------------------------------------------- references (one process, fp32)
+def _reference(cfg: dict, world: int, divide_partial_by_k: bool = False) -> dict:
+    """The plain fp32 large-batch recipe over the global micro-batches (module docstring).
+    divide_partial_by_k: the wrong recipe (a partial window divided by K instead of its own count)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = _optimizer(cfg["opt"], model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if cfg["scheduler"] else None
+    xs, labels = _data(world)
+    skipped = []
+    for s, k in enumerate(_window_sizes(cfg)):
+        denom_k = K if divide_partial_by_k else k
+        total = sum(int((labels[s, r, j] != -100).sum()) for r in range(world) for j in range(k))
+        for r in range(world):
+            for j in range(k):
+                x = xs[s, r, j].clone()
+                if cfg["nonfinite"] and s == 1 and r == 0 and j == 1:
+                    x[0, 0, 0] = float("inf")
+                loss = _loss(model, x, labels[s, r, j], cfg["items"], not cfg["unused"])
+                (loss / (total if cfg["items"] else denom_k * world)).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+        skipped.append(bad)
+        if not bad:
+            if cfg["clip"] is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+            opt.step()
+            if sched is not None:
+                sched.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": [p.detach().clone() for p in model.parameters()], "skipped": skipped}
+
+
+def _check_case(name: str, world: int, results: list[dict]) -> None:
+    cfg = {**_BASE, **CASES[name]}
+    ref = _reference(cfg, world)
+    for rank, res in enumerate(results):
+        got = res[name]
+        assert got["skipped"] == ref["skipped"], f"{name} rank {rank}: skipped {got['skipped']} != {ref['skipped']}"
+        for i, (p, q) in enumerate(zip(got["params"], ref["params"])):
+            assert rel_diff(p, q) <= 1e-5, f"{name} rank {rank} param {i}: {rel_diff(p, q):.2e} from the reference"
+        assert not any(got["grads_left"]), f"{name}: a .grad left on a parameter"
+        assert repr(got["norms"]) == repr(results[0][name]["norms"]), f"{name}: ranks disagree on the norm"
+    if cfg["partial"] and not cfg["items"]:  # the wrong recipe (the partial window divided by K) fails the check
+        wrong = _reference(cfg, world, divide_partial_by_k=True)
+        assert max(rel_diff(p, q) for p, q in zip(results[0][name]["params"], wrong["params"])) > 1e-5
+    if cfg["unused"]:  # the side head never got a gradient: no update (AdamW's weight decay would move it)
+        torch.manual_seed(0)
+        fresh = Net()
+        assert torch.equal(results[0][name]["params"][6], fresh.side.weight.detach())
+
+
+def _bf16_bound(world: int, results: list[dict]) -> None:
+    """gaengine's fp32 window sum of bf16 shards within ``_bf16_bound``'s per-element bound of the fp64 sum of the
+    exact micro-batch gradients; FSDP2's own bf16 ``.grad`` accumulation outside it."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    xs, labels = _data(world, steps=3, k=BF16_K, seed=11)
+    exact, absum = None, None
+    for j in range(BF16_K):  # G_j = (1/d) sum_r g_jr in fp64, g_jr the rank's bf16 gradient (FSDP2's AVG)
+        g_j = None
+        for r in range(world):
+            model.zero_grad(set_to_none=True)
+            _loss(model, xs[0, r, j].bfloat16(), labels[0, r, j], False, True).backward()
+            g = [p.grad.double() / world for p in model.parameters()]
+            g_j = g if g_j is None else [a + b for a, b in zip(g_j, g)]
+        exact = g_j if exact is None else [a + b for a, b in zip(exact, g_j)]
+        absum = [a.abs() for a in g_j] if absum is None else [a + b.abs() for a, b in zip(absum, g_j)]
+    ratios_ours, ratios_fsdp2 = [], []
+    for rank, res in enumerate(results):
+        got = res["bf16"]
+        for i, (e, a) in enumerate(zip(exact, absum)):
+            chunk_e = torch.chunk(e, world, dim=0)[rank] if rank < len(torch.chunk(e, world, dim=0)) else e[:0]
+            chunk_a = torch.chunk(a, world, dim=0)[rank] if rank < len(torch.chunk(a, world, dim=0)) else a[:0]
+            bound = 2.0**-9 * chunk_a + (BF16_K + world) * 2.0**-24 * chunk_a + 1e-30
+            for store, ratios in ((got["main_grad"][i], ratios_ours), (got["fsdp2_bf16"][i], ratios_fsdp2)):
+                if chunk_e.numel():
+                    ratios.append(float(((store.double() - chunk_e).abs() / bound).max()))
+        assert got["masters_rounded"], f"rank {rank}: the bf16 parameters are not their masters' rounding"
+    assert max(ratios_ours) <= 1.0, f"gaengine's fp32 accumulation exceeds the bound: {max(ratios_ours):.3f}"
+    assert max(ratios_fsdp2) > 1.0, "FSDP2's bf16 accumulation should break the one-rounding-per-micro-batch bound"
+
+
+def _check_refusals(results: list[dict]) -> None:
+    expect = {"fsdp1": ("TypeError", "FullyShardedDataParallel (FSDP1)"),
+              "foreign-dtensor": ("TypeError", "fully_shard did not make"),
+              "root-not-fsdp": ("TypeError", "call fully_shard(model) on the root"),
+              "mixed": ("TypeError", "mixes FSDP2-sharded and plain trainable parameters"),
+              "cpu-offload": ("ValueError", "CPUOffloadPolicy"),
+              "zero-stage": ("ValueError", "zero_stage=1"),
+              "noise-scale": ("ValueError", "measure_noise_scale"),
+              "reduce-dtype": ("ValueError", "reduce_dtype"),
+              "fused-adamw": ("ValueError", "FusedAdamW"),
+              "sync-off": ("RuntimeError", "set_requires_gradient_sync(True)")}
+    for rank, res in enumerate(results):
+        for name, (kind, words) in expect.items():
+            got = res["refusals"][name]
+            assert got is not None, f"rank {rank}: {name} was accepted"
+            assert got[0] == kind and words in got[1], f"rank {rank}: {name}: {got}"
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp2_against_plain_recipe(tmp_path, world):
+    plan = list(WORLD_CASES[world])
+    if world in (1, 2):
+        plan += ["refusals", "bf16"]
+    if world == 2:
+        plan += ["fsdp2-recipe"]
+    results = _launch(tmp_path, world, plan)
+    for name in WORLD_CASES[world]:
+        _check_case(name, world, results)
+    if "refusals" in plan:
+        _check_refusals(results)
+    if "bf16" in plan:
+        _bf16_bound(world, results)
+    if "fsdp2-recipe" in plan:  # the second reference: FSDP2's own fp32 recipe
+        for res in results:
+            for p, q in zip(res["mean"]["params"], res["fsdp2-recipe"]):
+                assert rel_diff(p, q) <= 1e-5
+
+
+def test_rank_dying_mid_window(tmp_path):
+    results = _launch(tmp_path, 2, ["dies"], join_s=60)
+    got = results[0]["dies"]
+    assert got["raised"] is not None and got["after_s"] < 30, got
+    assert results[1]["dies"] == {"died": True}
+
