@@ -11,10 +11,17 @@ Sizes with a tail, an empty parameter, one over many blocks, and an unaligned on
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.ops.conftest import DTYPES
+from tests.ops.conftest import DTYPES, TRITON_DEVICE
 from tests.reference import adamw_step_fp64
 from tests.tolerances import ADAMW_RTOL, assert_bitwise_equal, rel_diff
 
@@ -170,8 +177,18 @@ def test_found_inf_skips_everything(backend):
         assert_state_bitwise(state, before, "step after the skip")
 
 
+def _cuda_adamw_entries() -> int:
+    """``kMaxAdamWEntries`` of ``csrc/cuda/kernels/adamw.cuh``: the parameters one cuda AdamW launch takes."""
+    header = Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "kernels" / "adamw.cuh"
+    found = re.search(r"constexpr int kMaxAdamWEntries = (\d+);", header.read_text())
+    assert found, f"no kMaxAdamWEntries in {header}"
+    return int(found.group(1))
+
+
 def test_many_params_one_increment_each(backend):
-    n = 400 + 384  # cuda: kMaxAdamWEntries = 384 per launch, three launches; empty parameters' steps count too
+    # The count follows from the cuda kernel's entries per launch (not a measured number): two full launches and a
+    # third partial one (16 more), so every launch boundary is crossed; empty parameters' steps count too.
+    n = 2 * _cuda_adamw_entries() + 16
     sizes = [i % 7 for i in range(n)]
     state = adamw_state(backend.device, sizes, [("fp32", "bf16", "fp16")[i % 3] for i in range(n)],
                         [(None, "bf16", "fp16")[i % 3] for i in range(n)])
@@ -179,7 +196,7 @@ def test_many_params_one_increment_each(backend):
     for k in range(2):
         before = to(state, "cpu")
         backend.adamw_step_(*state, *HYPER["default"], None, None)
-        assert_step_against_fp64(before, state, "default", what=f"step {k} of 784 params")
+        assert_step_against_fp64(before, state, "default", what=f"step {k} of {n} params")
     for i in range(n):
         assert float(state[4][i]) == float(start[4][i]) + 2, f"steps[{i}]"
     if backend.name in FUSED:
@@ -187,4 +204,191 @@ def test_many_params_one_increment_each(backend):
 
         for _ in range(2):
             torch.ops.gaengine.adamw_step_(*start, *HYPER["default"], None, None)
-        assert_state_bitwise(state, start, "two steps of 784 params")
+        assert_state_bitwise(state, start, f"two steps of {n} params")
+
+
+# ------------------------------------------------------------------------ the CPU and Triton kernels, directly
+# Special gradients (+-0, subnormals, tiny and huge magnitudes), grad scales outside [2^-20, 2^20] and a tiny
+# sqrt(1 - beta2^t): the paths where the C++ kernel's division shortcut (Markstein's correction, AVX2) and its IEEE
+# fallback part; the C++ and Triton kernels are two implementations of one specification (the same bits), and the
+# portable C++ kernel gives the AVX2 one's bits. (FusedAdamW, the optimizer over these kernels, against
+# torch.optim.AdamW: tests/test_optim.py.)
+IN_PLACE_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+def _need_both_kernels_on_cpu() -> None:
+    """Skip unless gaengine._C (which registers torch.ops.gaengine) and the Triton interpreter both run here."""
+    if TRITON_DEVICE.type != "cpu":
+        pytest.skip("needs both kernels on CPU tensors (a GPU is present: triton runs on CUDA tensors)")
+    pytest.importorskip("gaengine._C")
+    from gaengine.backends import get_backend  # noqa: PLC0415
+
+    try:
+        get_backend("triton", "cpu")
+    except RuntimeError as exc:
+        pytest.skip(f"the Triton interpreter is unavailable: {exc}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype != torch.float32 else t.view(torch.int32)
+
+
+def _in_place_state(n: int, dtype: torch.dtype, seed: int = 0):
+    """A bf16 | fp16 param with a non-trivial moment state, as its optimizer would hold it."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g).to(dtype)
+    m = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    v = (torch.rand(n, generator=g) * 0.01).to(dtype)
+    return p, m, v
+
+
+def _special_grads(n: int, dtype: torch.dtype, k: int) -> torch.Tensor:
+    """Gradients with the values a division shortcut gets wrong: +-0, subnormals, tiny and huge magnitudes
+    (a huge one makes v = inf), in otherwise random vectors, so vector lanes mix them with normal values."""
+    g = torch.randn(n) * 5
+    specials = torch.tensor([0.0, -0.0, 1e-40, -3e-39, 1e-35, 2.0**-101, 2.0**-99, 1e30, -2.0**100, 2.0**99])
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(k))[: 4 * len(specials)]
+    g[idx] = specials.repeat(4)
+    return g.clamp(-6e4, 6e4).to(dtype) if dtype == torch.float16 else g.to(dtype)  # finite in fp16 too
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy: 1e30 / 2^-30 overflows, as it should
+@pytest.mark.parametrize("grad_scale", [2.5, 2.0**-30, 3.0e7], ids=["scale2.5", "scale2^-30", "scale3e7"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["g-fp32", "g-bf16", "g-fp16"])
+@pytest.mark.parametrize("model_dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16-model", "fp16-model"])
+def test_cpu_and_triton_kernels_agree_bitwise(model_dtype, grad_dtype, grad_scale):
+    """The C++ and Triton kernels are two implementations of one specification: the same bits (on CPU tensors).
+
+    The Triton kernel divides with IEEE division (div_rn); the C++ one replaces the two divisions by a scalar
+    with Markstein's correction where that is exact, and divides elsewhere: special values and grad scales
+    outside [2^-20, 2^20] take those other paths. beta2 = 1 - 1e-13 makes sqrt(1 - beta2^t) < 2^-20."""
+    _need_both_kernels_on_cpu()
+    from gaengine.kernels import adamw  # noqa: PLC0415
+
+    n = 3000
+    tensors = {}
+    for name in ("cpu", "triton"):
+        torch.manual_seed(0)
+        p, m, v = torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
+        step = torch.tensor(3.0)
+        model = None if model_dtype is None else torch.full((n,), float("nan"), dtype=model_dtype)
+        for k in range(4):
+            g = _special_grads(n, grad_dtype, k) if k % 2 else (torch.randn(n) * 5).to(grad_dtype)
+            beta2 = 1.0 - 1e-13 if k == 3 else 0.999
+            args = ([p], [g], [m], [v], [step], [model], 1e-2, 0.9, beta2, 1e-8, 0.1, k == 2,
+                    torch.tensor(grad_scale), torch.tensor(0.0))
+            torch.ops.gaengine.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
+        tensors[name] = [p, m, v, step] + ([model] if model is not None else [])
+    for a, b, what in zip(tensors["cpu"], tensors["triton"], ["param", "exp_avg", "exp_avg_sq", "step", "model"]):
+        if a.dtype != torch.float32:
+            a, b = a.view(torch.int16), b.view(torch.int16)  # bits, not values
+        assert_bitwise_equal(b, a, f"triton vs cpu: {what}")
+    p, finite = tensors["cpu"][0], tensors["cpu"][0].isfinite()  # 1e30 / 2^-30 overflows: some params are NaN
+    if model_dtype is not None:
+        assert_bitwise_equal(tensors["cpu"][4][finite].view(torch.int16), p[finite].to(model_dtype).view(torch.int16),
+                             "model == master.to(dtype)")
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "misaligned"])
+def test_large_param_streams_the_model_write_exactly(offset, model_dtype):
+    """From 2^20 elements the C++ kernel writes the model copy with non-temporal stores, after peeling
+    elements up to a 16-byte boundary: the bits are those of the cached path and of master.to(dtype)."""
+    pytest.importorskip("gaengine._C")  # registers torch.ops.gaengine
+
+    n = (1 << 20) + 13
+    runs = []
+    for attach in (True, False):
+        torch.manual_seed(0)
+        p, m, v, step = torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.tensor(1.0)
+        buf = torch.full((n + offset,), float("nan"), dtype=model_dtype)
+        model = buf[offset:] if attach else None
+        g = torch.randn(n)
+        torch.ops.gaengine.adamw_step_([p], [g], [m], [v], [step], [model], 1e-2, 0.9, 0.999, 1e-8, 0.1, False, None,
+                                       None)
+        runs.append((p, m, v, model, buf))
+    (p, m, v, model, buf), (p0, m0, v0, _, _) = runs
+    for a, b, what in ((p, p0, "param"), (m, m0, "exp_avg"), (v, v0, "exp_avg_sq")):
+        assert_bitwise_equal(a, b, what)
+    assert_bitwise_equal(model, p.to(model_dtype), "streamed model == master.to(dtype)")
+    assert bool(buf[:offset].isnan().all())  # nothing written before the view
+
+
+_PORTABLE_CHECK = textwrap.dedent("""
+    import torch
+    import gaengine._C  # noqa: F401 - registers torch.ops.gaengine
+    torch.manual_seed(0)
+    n = 4097 + 13
+    p, m, v, step = torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.tensor(2.0)
+    model = torch.empty(n, dtype=torch.bfloat16)
+    specials = torch.tensor([0.0, -0.0, 1e-40, 1e-35, 2.0**-101, 2.0**-99, 1e30, -2.0**100])
+    for k in range(4):
+        g = torch.randn(n) * 3
+        g[torch.randperm(n)[:64]] = specials.repeat(8)
+        torch.ops.gaengine.adamw_step_([p], [g.to(torch.bfloat16)], [m], [v], [step], [model], 1e-2,
+                                       0.3 if k == 1 else 0.9, 1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1, False,
+                                       torch.tensor(2.0**-30 if k == 2 else 0.7), None)
+    in_place = []  # bf16 | fp16 params updated in place (no master) from fp32 gradients
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(1)
+        q, qs = torch.randn(n).to(dtype), torch.tensor(2.0)
+        qm, qv = (torch.randn(n) * 0.1).to(dtype), (torch.rand(n) * 0.01).to(dtype)
+        for k in range(3):
+            g = torch.randn(n) * 3
+            g[torch.randperm(n)[:64]] = specials.repeat(8)
+            torch.ops.gaengine.adamw_step_([q], [g], [qm], [qv], [qs], [None], 1e-2, 0.9, 0.999, 1e-8, 0.1, k == 1,
+                                           torch.tensor(2.0**-30 if k == 2 else 0.7), None)
+        in_place += [q, qm, qv]
+    torch.save([p, m, v, step, model] + in_place, __import__("sys").argv[1])
+""")
+
+
+def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
+    """The portable kernel divides; the AVX2 one uses Markstein's correction where exact: same bits, special
+    gradients (+-0, subnormal, tiny, huge), grad scales outside [2^-20, 2^20] and a tiny sqrt(bc2) included;
+    also for bf16 | fp16 params updated in place (portable: c10 rounding; AVX2: bit ops / F16C)."""
+    pytest.importorskip("gaengine._C")
+    root = Path(__file__).resolve().parents[2]
+    out = {}
+    for isa in ("auto", "portable"):
+        env = {**os.environ, "GAENGINE_CPU_ISA": isa}
+        path = tmp_path / f"{isa}.pt"
+        proc = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, str(path)], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out[isa] = torch.load(path)
+    names = ["param", "exp_avg", "exp_avg_sq", "step", "model"] + [
+        f"in-place {d} {w}" for d in ("bf16", "fp16") for w in ("param", "exp_avg", "exp_avg_sq")]
+    assert len(out["auto"]) == len(names)
+    for a, b, what in zip(out["auto"], out["portable"], names):
+        if a.dtype != torch.float32:
+            a, b = a.view(torch.int16), b.view(torch.int16)  # bits, not values (some params overflow to NaN)
+        assert_bitwise_equal(b, a, f"portable vs auto: {what}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g-fp32", "g-bf16"])
+@pytest.mark.parametrize("dtype", IN_PLACE_DTYPES)
+def test_in_place_cpu_and_triton_kernels_agree_bitwise(dtype, grad_dtype):
+    """Special gradients (+-0, subnormal, tiny, huge), grad scales in and outside [2^-20, 2^20] (the AVX2 path's
+    Markstein division and its IEEE fallback), maximize, a tiny sqrt(bc2): the same bits from both kernels."""
+    _need_both_kernels_on_cpu()
+    from gaengine.kernels import adamw  # noqa: PLC0415
+
+    n = 3000
+    out = {}
+    for name in ("cpu", "triton"):
+        torch.manual_seed(0)  # the same gradients for both
+        p, m, v = _in_place_state(n, dtype)
+        p, step = p.detach(), torch.tensor(3.0)
+        for k in range(4):
+            g = _special_grads(n, grad_dtype, k) if k % 2 else (torch.randn(n) * 5).to(grad_dtype)
+            args = ([p], [g], [m], [v], [step], [None], 1e-2, 0.9, 1.0 - 1e-13 if k == 3 else 0.999, 1e-8, 0.1,
+                    k == 2, torch.tensor((2.5, 2.0**-30, 3.0e7, 0.7)[k]), torch.tensor(0.0))
+            torch.ops.gaengine.adamw_step_(*args) if name == "cpu" else adamw.adamw_step_(*args, block_size=512)
+        out[name] = (p, m, v, step)
+    for a, b, what in zip(out["cpu"], out["triton"], ("param", "exp_avg", "exp_avg_sq", "step")):
+        assert_bitwise_equal(_bits(b), _bits(a), f"triton vs cpu: {what}")
