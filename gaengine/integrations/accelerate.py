@@ -117,7 +117,8 @@ class GaengineOptimizer(AcceleratedOptimizer):
       what it holds) unless ``accelerator.clip_grad_norm_`` already applied this window; otherwise nothing.
       ``last_result`` is the ``gaengine.StepResult`` of the last applied window (None before the first).
     * ``step_was_skipped``: the last window's update was skipped (a non-finite gradient), read from the device on
-      first access after each update (one host sync), so Accelerate's scheduler and the Trainer do not step on it.
+      first access after each update (one host sync), so Accelerate's scheduler and the Trainer do not step on it;
+      ``num_skipped`` counts them.
     * ``zero_grad()``: at a synchronizing step, drops what the window holds (Accelerate's ``zero_grad`` drops the
       ``.grad`` there); elsewhere nothing. ``set_to_none`` is accepted and ignored (gaengine keeps no ``.grad``).
     * ``state_dict()`` / ``load_state_dict()``: ``{"optimizer": <the wrapped optimizer's>, "gaengine":
@@ -132,15 +133,28 @@ class GaengineOptimizer(AcceleratedOptimizer):
         self.last_result: gaengine.StepResult | None = None
         self._window_applied = False  # clip_grad_norm_ ran this window's step(); optimizer.step() is then a no-op
         self._skipped: bool | None = None  # host copy of last_result.skipped, read on first access
+        self._num_skipped = 0
 
     def apply_window(self) -> gaengine.StepResult | None:
         """End the accumulation window now: ``accumulator.step(force=True)``; None if it held no micro-batch."""
         result = self.accumulator.step(force=True)
         if result is not None:
+            self._settle()  # the previous window's skip flag into num_skipped (computed long ago: no wait)
             self.last_result = result
             self._skipped = None
             self._window_applied = True
         return result
+
+    def _settle(self) -> None:
+        if self._skipped is None and self.last_result is not None:
+            self._skipped = bool(self.last_result.skipped)  # host read: once per update
+            self._num_skipped += self._skipped
+
+    @property
+    def num_skipped(self) -> int:
+        """Updates skipped so far for a non-finite gradient (windows applied through this optimizer)."""
+        self._settle()
+        return self._num_skipped
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -162,8 +176,7 @@ class GaengineOptimizer(AcceleratedOptimizer):
     def step_was_skipped(self) -> bool:
         if self.last_result is None:
             return False
-        if self._skipped is None:
-            self._skipped = bool(self.last_result.skipped)  # host read: once per update, for the scheduler
+        self._settle()
         return self._skipped
 
     def state_dict(self) -> dict:
@@ -283,6 +296,14 @@ class GaengineAccelerator(Accelerator):
             model, optimizer, process_group=process_group, **options)
         self._optimizers.append(wrapped)
         return wrapped
+
+    def free_memory(self, *objects: Any):
+        """Accelerate's ``free_memory`` (it forgets the prepared objects), the accumulator closed and forgotten too,
+        so that a later ``prepare`` builds a new one (the Trainer calls this at the start of every ``train()``)."""
+        if self.accumulator is not None:
+            self.accumulator.close()
+            self.accumulator = None
+        return super().free_memory(*objects)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """Accelerate's ``get_state_dict``, each tensor of gaengine's model cloned: bf16/fp16 parameters are views of

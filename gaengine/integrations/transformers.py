@@ -1,0 +1,199 @@
+"""Hugging Face Transformers through gaengine: ``GaengineTrainer``, a ``transformers.Trainer`` subclass.
+
+Switching is one line (docs/integrations/transformers.md)::
+
+    trainer = GaengineTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)   # was: Trainer(...)
+    trainer.train()
+
+Everything comes from ``TrainingArguments`` as before: ``gradient_accumulation_steps`` is gaengine's K,
+``max_grad_norm`` its clipping threshold (0: none), the optimizer and the scheduler are those the Trainer builds
+(``optim``, ``learning_rate``, ``lr_scheduler_type``, ...), ``bf16`` / ``fp16`` Accelerate's autocast (fp16 with
+gaengine's dynamic loss scaling instead of a ``GradScaler``). What changes:
+
+* **Item mode for causal LMs** (models whose forward takes ``num_items_in_batch``, with ``labels``): each
+  micro-batch's loss is the sum over its labels that are not -100 (``labels[..., 1:]`` for causal LMs, or
+  ``shift_labels``), and ``num_items`` their count, so the window's gradient is the exact token mean over its
+  micro-batches and all ranks. Other models: mean mode, the mean of the micro-batch means. ``item_mode=False``
+  forces mean mode.
+* **Partial windows are exact**: the epoch's last window is normalized by the micro-batches (or tokens) it holds,
+  not by ``gradient_accumulation_steps``.
+* **The Trainer's log is gaengine's**: ``grad_norm`` is the window's norm after normalization, before clipping;
+  ``learning_rate`` the one the update used; ``loss`` the window's loss normalized like its gradient. A skipped
+  update (non-finite gradient) does not step the scheduler, and the count of skipped updates since the last log is
+  logged as ``skipped_updates``.
+* **Checkpoints**: the ``save_steps`` checkpoints hold the real optimizer's state and gaengine's (fp32 master
+  weights, loss scale) in ``optimizer.pt``; ``train(resume_from_checkpoint=...)`` resumes exactly.
+* **Multi-rank**: under ``torchrun`` the model is not wrapped in DDP; gaengine all-reduces the window's fp32
+  gradient once, overlapped with the last micro-batch's backward. ``accumulator_options={"zero_stage": 1}`` shards
+  the optimizer state (checkpoints through the Trainer are refused there: use ``torch.distributed.checkpoint``).
+
+Refused with ``ValueError`` naming the ``TrainingArguments`` field: ``deepspeed``, ``fsdp`` / ``fsdp_config``,
+``parallelism_config``, layer-wise optimizers (``optim="*_layerwise"``, ``"lomo"``, ``"adalomo"``: they update inside
+backward, with no gradient to accumulate), and several GPUs in one process (``n_gpu > 1``, torch ``DataParallel``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer, check_accumulator_options
+
+__all__ = ["GaengineTrainer"]
+
+_IGNORE_INDEX = -100  # transformers' label for "no target" (loss_utils.fixed_cross_entropy)
+_LAYERWISE = ("lomo", "adalomo")
+
+
+def _refuse_arguments(args: Any) -> None:
+    """``ValueError`` naming the ``TrainingArguments`` field that cannot compose with gaengine."""
+    why = ("cannot be combined with gaengine: it owns the gradients (their accumulation, reduction and sharding) that "
+           "gaengine accumulates into its fp32 buffer")
+    if args.deepspeed:
+        raise ValueError(f"TrainingArguments.deepspeed={args.deepspeed!r} {why}. Drop it; for sharded optimizer "
+                         "state use GaengineTrainer(..., accumulator_options={'zero_stage': 1})")
+    if args.fsdp or getattr(args, "fsdp_config", None) and args.fsdp_config.get("fsdp_version"):
+        raise ValueError(f"TrainingArguments.fsdp={args.fsdp!r} {why}. Drop it; for sharded optimizer state use "
+                         "GaengineTrainer(..., accumulator_options={'zero_stage': 1})")
+    if getattr(args, "parallelism_config", None) is not None:
+        raise ValueError(f"TrainingArguments.parallelism_config {why}; gaengine runs data parallelism only")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim.endswith("_layerwise") or optim in _LAYERWISE:
+        raise ValueError(f"TrainingArguments.optim={optim!r} updates each parameter inside backward (a layer-wise "
+                         "optimizer): there is no gradient to accumulate. Pick an optimizer that steps once per update, "
+                         "e.g. optim='adamw_torch_fused'")
+    if args.n_gpu > 1:
+        raise ValueError(f"n_gpu={args.n_gpu}: the Trainer would wrap the model in torch DataParallel, which gaengine "
+                         "cannot accumulate through; launch one process per GPU with torchrun (gaengine reduces across "
+                         "them) or set CUDA_VISIBLE_DEVICES to one GPU")
+
+
+class GaengineTrainer(Trainer):
+    """``transformers.Trainer`` whose accumulation, clipping and update run through ``gaengine.GradientAccumulator``.
+
+    Args:
+        *args, **kwargs: ``transformers.Trainer``'s own (``model``, ``args``, ``train_dataset``, ...).
+        item_mode: None (default): item mode when the model takes ``num_items_in_batch`` and the batch has
+            ``labels`` (every causal LM of transformers), else mean mode; False: always mean mode (the micro-batch
+            mean loss, normalized by the window's micro-batches); True: item mode, ``ValueError`` at the first
+            micro-batch where it cannot apply.
+        accumulator_options: further ``GradientAccumulator`` keywords (``zero_stage``, ``backend``, ``bucket_size_mb``,
+            ``reduce_dtype``, ``loss_scale``, ...); ``accumulation_steps`` and ``max_grad_norm`` come from
+            ``TrainingArguments`` and are refused here (``TypeError``).
+
+    The accumulator is ``trainer.accelerator.accumulator`` once training started; the last window's
+    ``gaengine.StepResult`` is ``trainer.optimizer.last_result``. ``.grad`` is None outside gaengine's update, so a
+    callback reading gradients sees none: read ``trainer.optimizer.last_result`` (``grad_norm``, ``clip_coef``,
+    ``skipped``) in ``on_step_end`` instead.
+
+    Raises ``ValueError`` naming the ``TrainingArguments`` field for what cannot compose (see the module docstring),
+    ``TypeError`` / ``ValueError`` for bad ``accumulator_options``.
+    """
+
+    # gaengine normalizes the window itself: the Trainer must not divide the loss by gradient_accumulation_steps.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, item_mode: bool | None = None,
+                 accumulator_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        if item_mode not in (None, True, False):
+            raise TypeError(f"item_mode must be None (automatic), True or False, got {item_mode!r}")
+        options = check_accumulator_options(accumulator_options)
+        for name, field in (("accumulation_steps", "gradient_accumulation_steps"), ("max_grad_norm", "max_grad_norm")):
+            if name in options:
+                raise TypeError(f"accumulator_options must not hold {name!r}: set TrainingArguments.{field} instead")
+        self._item_mode = item_mode
+        self._accumulator_options = options
+        self._logged_skips = 0
+        super().__init__(*args, **kwargs)
+        model = self.model
+        # Which labels the loss predicts (the rule of Trainer._get_num_items_in_batch): causal LMs shift them.
+        self._shifts_labels = (LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+                               and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+    # ------------------------------------------------------------------ set-up
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # The Trainer's own Accelerator arguments, kept to build the GaengineAccelerator from the same ones.
+        args = super()._build_accelerator_args(**kwargs)
+        self._accelerator_args = dict(args)
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's set-up, then its Accelerator replaced by a ``GaengineAccelerator`` built from the same
+        arguments (Accelerate's state is process-wide, so both see the same processes and devices), with
+        ``accumulation_steps=args.gradient_accumulation_steps`` and ``max_grad_norm=args.max_grad_norm``."""
+        _refuse_arguments(self.args)
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # set by `accelerate launch` rather than an argument
+            raise ValueError("DeepSpeed / FSDP (from the accelerate config or the environment) cannot be combined with "
+                             "gaengine: launch without them, e.g. with torchrun")
+        max_norm = self.args.max_grad_norm
+        self.accelerator = GaengineAccelerator(
+            **self._accelerator_args, accumulation_steps=self.args.gradient_accumulation_steps,
+            max_grad_norm=max_norm if max_norm and max_norm > 0 else None,
+            accumulator_options=self._accumulator_options)
+        gather = self.gather_function
+        self.gather_function = (self.accelerator.gather_for_metrics if not hasattr(gather, "keywords")
+                                else type(gather)(self.accelerator.gather_for_metrics, **gather.keywords))
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _micro_batch_items(self, inputs: Mapping[str, Any], num_items_in_batch: Any) -> torch.Tensor | None:
+        """The items this micro-batch's summed loss covers (labels that are not -100), or None for mean mode."""
+        applies = (num_items_in_batch is not None and self.model_accepts_loss_kwargs
+                   and self.compute_loss_func is None and self.label_smoother is None
+                   and ("labels" in inputs or "shift_labels" in inputs))
+        if self._item_mode is False or (self._item_mode is None and not applies):
+            return None
+        if not applies:
+            raise ValueError("item_mode=True needs a model whose forward takes num_items_in_batch (accepts_loss_kwargs), "
+                             "a batch with 'labels', and no compute_loss_func or label smoothing; use item_mode=None")
+        if "shift_labels" in inputs:
+            labels = inputs["shift_labels"]
+        else:
+            labels = inputs["labels"][..., 1:] if self._shifts_labels else inputs["labels"]
+        return labels.ne(_IGNORE_INDEX).sum()
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Forward and gaengine's backward of one micro-batch; returns its share of the window's loss (detached),
+        what the Trainer adds up and logs.
+
+        Item mode: ``compute_loss`` with ``num_items_in_batch=1`` gives the micro-batch's summed token loss (the
+        model's ``reduction="sum"`` path), handed to ``accelerator.backward(loss_sum, num_items=n)``. Mean mode: the
+        model's micro-batch mean, ``accelerator.backward(loss)``. The window's end (``clip_grad_norm_`` at the
+        Trainer's synchronizing step) normalizes, clips and updates.
+        """
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        items = self._micro_batch_items(inputs, num_items_in_batch)
+        with self.compute_loss_context_manager():
+            if items is None:
+                loss = self.compute_loss(model, inputs)
+            else:
+                one = torch.ones((), device=self.args.device)
+                loss = self.compute_loss(model, inputs, num_items_in_batch=one)
+        if self.args.n_gpu > 1:  # refused at construction; kept for subclasses that relax it
+            loss = loss.mean()
+        scaled_across = items is not None and self.args.average_tokens_across_devices and self.args.world_size > 1
+        factor = self.accelerator.num_processes if scaled_across else 1  # compute_loss's `loss *= num_processes`
+        self.accelerator.backward(loss if factor == 1 else loss / factor, num_items=items)
+        # What the Trainer sums over the window and averages over ranks: the window's loss, as its own recipe logs.
+        if items is None:
+            return loss.detach() / self.current_gradient_accumulation_steps
+        return loss.detach() / num_items_in_batch
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log, with ``skipped_updates`` (non-finite windows gaengine skipped since the last training
+        log) beside ``loss`` and ``grad_norm``."""
+        opt = self.optimizer
+        if "loss" in logs and isinstance(opt, GaengineOptimizer):
+            logs["skipped_updates"] = opt.num_skipped - self._logged_skips
+            self._logged_skips = opt.num_skipped
+        super().log(logs, start_time)

@@ -1,0 +1,332 @@
+"""``gaengine.integrations.transformers.GaengineTrainer``: the Trainer's own scenarios, run by the Trainer, offline.
+
+References: the Trainer's own large-batch run (batch 8 with K = 1, or the window's samples as one batch), which has
+no accumulation to get wrong, and for the loss alignment the Trainer's mean-of-means recipe as the run that must
+fail. Models are built from configs (a 2-layer ``LlamaForCausalLM`` of hidden size 32) or are a two-parameter
+regression, on CPU, with ``HF_HUB_OFFLINE=1``: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from gaengine.integrations.transformers import GaengineTrainer  # noqa: E402
+from tests import poison  # noqa: E402
+from tests.tolerances import rel_diff  # noqa: E402
+
+VOCAB, SEQ = 100, 12
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+# ---------------------------------------------------------------- models and data
+class RegressionModel(nn.Module):
+    """y = a x + b with an MSE loss: the Trainer test suite's regression model (tests/trainer/test_trainer.py)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros((), dtype=dtype))
+        self.b = nn.Parameter(torch.zeros((), dtype=dtype))
+        self.poison = False  # a test sets it to make the loss non-finite
+
+    def forward(self, input_x, labels=None):
+        y = input_x * self.a + self.b
+        if labels is None:
+            return (y,)
+        loss = nn.functional.mse_loss(y.float(), labels)
+        return (loss * float("inf") if self.poison else loss, y)
+
+
+class RegressionDataset(torch.utils.data.Dataset):
+    def __init__(self, length, seed=42):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(length, generator=g)
+        self.y = 2.0 * self.x + 3.0 + 0.1 * torch.randn(length, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_x": self.x[i], "labels": self.y[i]}
+
+
+class PaddedTokens(torch.utils.data.Dataset):
+    """Sequences of 2 to SEQ tokens, right-padded to SEQ, labels -100 on the padding: windows of very different
+    token counts, where the mean of micro-batch means is not the token mean."""
+
+    def __init__(self, length=48, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = []
+        for _ in range(length):
+            n = int(torch.randint(2, SEQ + 1, (), generator=g))
+            ids = torch.zeros(SEQ, dtype=torch.long)
+            ids[:n] = torch.randint(1, VOCAB, (n,), generator=g)
+            mask = (torch.arange(SEQ) < n).long()
+            self.rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def tiny_llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _args(tmp_path, name, **kw):
+    base = dict(output_dir=str(tmp_path / name), use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                seed=0, learning_rate=1e-2, disable_tqdm=True, dataloader_num_workers=0, per_device_train_batch_size=4,
+                gradient_accumulation_steps=1, num_train_epochs=1)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _train(cls, model, args, dataset, **kw):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    trainer = cls(model=model, args=args, train_dataset=dataset, **kw)
+    trainer.train()
+    return trainer
+
+
+def _logs(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+def _params(model):
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def _max_rel(a, b):
+    return max(rel_diff(p, q) for p, q in zip(a, b))
+
+
+# ---------------------------------------------------------------- single process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradient_accumulation_equals_the_large_batch(tmp_path, dtype):
+    """HF's test_gradient_accumulation: batch 4 with K = 2 through gaengine ends where the Trainer's batch 8 with
+    K = 1 (fp32) does: within 1e-5 (fp32), within one bf16 rounding of the gradient, 2^-8 (bf16 parameters, fp32
+    masters compared)."""
+    data = RegressionDataset(64)
+    ref = _train(Trainer, RegressionModel(), _args(tmp_path, "ref", per_device_train_batch_size=8), data)
+    ga = _train(GaengineTrainer, RegressionModel(dtype), _args(tmp_path, "ga", gradient_accumulation_steps=2), data)
+    assert ga.state.global_step == ref.state.global_step == 8
+    masters = [p.detach().float() for g in ga.optimizer.param_groups for p in g["params"]]
+    assert _max_rel(masters, _params(ref.model)) <= (1e-5 if dtype == torch.float32 else 2.0**-8)
+    assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
+
+
+def test_loss_alignment_with_model_loss(tmp_path):
+    """HF's test_gradient_accumulation_loss_alignment_with_model_loss, offline: a tiny LlamaForCausalLM, padded
+    sequences of mixed lengths. gaengine at batch 4, K = 2 (item mode: the exact token mean) logs the losses and
+    gradient norms of the Trainer's batch 8, K = 1 within 1e-5 relative over 5 updates; the Trainer's own
+    mean-of-means (model_accepts_loss_kwargs=False) does not."""
+    data = PaddedTokens()
+    common = dict(max_steps=5, learning_rate=3e-3)
+    ref = _train(Trainer, tiny_llama(), _args(tmp_path, "ref", per_device_train_batch_size=8, **common), data)
+    ga = _train(GaengineTrainer, tiny_llama(), _args(tmp_path, "ga", gradient_accumulation_steps=2, **common), data)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    naive = Trainer(model=tiny_llama(), args=_args(tmp_path, "naive", gradient_accumulation_steps=2, **common),
+                    train_dataset=data)
+    naive.model_accepts_loss_kwargs = False  # HF's broken recipe: each micro-batch's mean, divided by K
+    naive.train()
+    ref_loss, ga_loss, naive_loss = (_logs(t, "loss") for t in (ref, ga, naive))
+    assert len(ref_loss) == len(ga_loss) == 5
+    assert max(abs(g / r - 1) for g, r in zip(ga_loss, ref_loss)) <= 1e-5
+    assert max(abs(n / r - 1) for n, r in zip(naive_loss, ref_loss)) > 1e-3
+    assert _logs(ga, "grad_norm") == pytest.approx(_logs(ref, "grad_norm"), rel=1e-5)
+    assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
+    assert ga.optimizer.last_result.num_items is not None  # item mode was on
+    assert _logs(ga, "skipped_updates") == [0] * 5
+
+
+class _Windows(TrainerCallback):
+    def __init__(self):
+        self.micro, self.params = [], []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.micro.append(optimizer.last_result.num_micro_batches)
+        self.params.append(_params(model))
+
+
+@pytest.mark.parametrize("length,micro", [(123, [5] * 6 + [1]), (120, [5] * 6)], ids=["n123", "n120"])
+def test_num_batches_with_partial_windows(tmp_path, length, micro):
+    """HF's test_num_batches_in_training_with_gradient_accumulation: 123 and 120 samples, batch 4, K = 5: 7 and 6
+    updates, the 123's last window one micro-batch of 3 samples, normalized by what it holds: every update equals
+    the Trainer's batch 20, K = 1 run (each window's samples as one batch)."""
+    data = RegressionDataset(length)
+    windows = _Windows()
+    ga = _train(GaengineTrainer, RegressionModel(), _args(tmp_path, "ga", gradient_accumulation_steps=5), data,
+                callbacks=[windows])
+    ref_windows = _Windows.__new__(_Windows)
+    ref_windows.micro, ref_windows.params = [], []
+    ref_cb = type("RefParams", (TrainerCallback,), {
+        "on_step_end": lambda self, args, state, control, model=None, **kw: ref_windows.params.append(_params(model))})
+    _train(Trainer, RegressionModel(), _args(tmp_path, "ref", per_device_train_batch_size=20), data,
+           callbacks=[ref_cb()])
+    assert ga.state.global_step == len(micro) and windows.micro == micro
+    for got, want in zip(windows.params, ref_windows.params, strict=True):
+        assert _max_rel(got, want) <= 1e-5
+
+
+def test_skipped_update_is_reported_and_holds_the_scheduler(tmp_path):
+    """A non-finite loss in update 3: gaengine skips it (parameters unchanged), the Trainer logs skipped_updates 1,
+    and the scheduler does not step: update 4 uses update 3's learning rate."""
+    class Poison(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            model.poison = state.global_step == 2
+
+    windows = _Windows()
+    ga = _train(GaengineTrainer, RegressionModel(), _args(tmp_path, "ga", gradient_accumulation_steps=2, max_steps=5),
+                RegressionDataset(64), callbacks=[Poison(), windows])
+    assert _logs(ga, "skipped_updates") == [0, 0, 1, 0, 0]
+    assert all(torch.equal(p, q) for p, q in zip(windows.params[2], windows.params[1]))
+    assert not all(torch.equal(p, q) for p, q in zip(windows.params[3], windows.params[2]))
+    lrs = _logs(ga, "learning_rate")
+    assert lrs[3] == lrs[2] and lrs[2] < lrs[1]
+
+
+def test_resume_from_a_mid_training_checkpoint(tmp_path):
+    """save_steps=3 of 6 updates: train(resume_from_checkpoint=checkpoint-3) in a new Trainer ends bit for bit where
+    the uninterrupted run does (the checkpoint's optimizer.pt holds gaengine's state beside the optimizer's)."""
+    data = PaddedTokens()
+    common = dict(max_steps=6, gradient_accumulation_steps=2, save_strategy="steps", save_steps=3,
+                  learning_rate=3e-3)
+    full = _train(GaengineTrainer, tiny_llama(), _args(tmp_path, "run", **common), data)
+    state = torch.load(tmp_path / "run" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert set(state) == {"optimizer", "gaengine"}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed = GaengineTrainer(model=tiny_llama(), args=_args(tmp_path, "resumed", **common), train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert resumed.state.global_step == 6
+    assert all(torch.equal(p, q) for p, q in zip(_params(full.model), _params(resumed.model)))
+    assert _logs(resumed, "loss") == _logs(full, "loss")  # the checkpoint's log history, then the same 3 updates
+
+
+# ---------------------------------------------------------------- refusals
+@pytest.mark.parametrize("field,value", [("deepspeed", "ds_config.json"), ("fsdp", ["full_shard"]),
+                                         ("optim", "galore_adamw_layerwise"), ("optim", "lomo")])
+def test_refuses_what_cannot_compose(tmp_path, field, value):
+    args = _args(tmp_path, "x")
+    setattr(args, field, value)
+    with pytest.raises(ValueError, match=f"TrainingArguments.{field}"):
+        GaengineTrainer(model=RegressionModel(), args=args, train_dataset=RegressionDataset(8))
+
+
+def test_bad_options_are_refused(tmp_path):
+    args = _args(tmp_path, "x")
+    with pytest.raises(TypeError, match="gradient_accumulation_steps"):
+        GaengineTrainer(model=RegressionModel(), args=args, accumulator_options={"accumulation_steps": 4})
+    with pytest.raises(TypeError, match="item_mode"):
+        GaengineTrainer(model=RegressionModel(), args=args, item_mode="tokens")
+    with pytest.raises(ValueError, match="zero_stage"):
+        GaengineTrainer(model=RegressionModel(), args=args, accumulator_options={"zero_stage": 7})
+    with pytest.raises(ValueError, match="item_mode=True"):
+        _train(GaengineTrainer, RegressionModel(), _args(tmp_path, "y", max_steps=1), RegressionDataset(8),
+               item_mode=True)
+
+
+# ---------------------------------------------------------------- two gloo ranks under the Trainer's launch
+# SGD: a parameter's error is the gradient's (AdamW divides near-zero gradients by their own size, so their
+# summation order shows in the parameters, as it does between the Trainer's own batch-8 and GA runs).
+MULTI_RANK_OPT = dict(optim="sgd", learning_rate=0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, out):
+    poison.install_if_asked()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    try:
+        from pathlib import Path
+
+        results = {}
+        for zero_stage in (0, 1):
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            args = _args(Path(out), f"rank{rank}-z{zero_stage}", per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, max_steps=3, **MULTI_RANK_OPT)
+            trainer = GaengineTrainer(model=tiny_llama(), args=args, train_dataset=PaddedTokens(),
+                                      accumulator_options={"zero_stage": zero_stage})
+            trainer.train()
+            acc = trainer.accelerator.accumulator
+            results[zero_stage] = {
+                "loss": _logs(trainer, "loss"), "grad_norm": _logs(trainer, "grad_norm"),
+                "params": _params(trainer.model), "world": acc.world_size, "backend": dist.get_backend(),
+                "ddp": isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)}
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_match_one_process(tmp_path):
+    """Two ranks under the Trainer's torchrun environment, batch 2 and K = 2 each (8 sequences per update), with
+    zero_stage 0 and 1: no DDP wrap, gaengine all-reduces; the logged losses (the exact token mean over both ranks)
+    and gradient norms equal one process's Trainer at batch 8, K = 1 within 1e-5, and the parameters (SGD) within
+    1e-5."""
+    world, port = 2, _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 240
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ref = _train(Trainer, tiny_llama(), _args(tmp_path, "ref", per_device_train_batch_size=8, max_steps=3,
+                                              **MULTI_RANK_OPT), PaddedTokens())
+    for res in results:
+        for zero_stage, run in res.items():
+            assert run["world"] == world and run["backend"] == "gloo" and not run["ddp"]
+            assert max(abs(g / r - 1) for g, r in zip(run["loss"], _logs(ref, "loss"))) <= 1e-5
+            assert run["grad_norm"] == pytest.approx(_logs(ref, "grad_norm"), rel=1e-5)
+            assert _max_rel(run["params"], _params(ref.model)) <= 1e-5
