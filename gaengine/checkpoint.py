@@ -1,11 +1,14 @@
-"""Sharded checkpoints of the ZeRO stages through ``torch.distributed.checkpoint`` (DCP), and a full export.
+"""The accumulator's state dict, one format for every sharding strategy, through ``torch.distributed.checkpoint``
+(DCP) or ``torch.save``; and a full export of a sharded optimizer.
 
 At ``zero_stage >= 1`` each rank holds one contiguous range of the flat fp32 buffer of every bucket (the
 masters, the optimizer's moments and, at stage 2, the gradient sum). The ranges depend on the world size
 (buckets are padded to split evenly) and may cut a parameter in two, so a rank's range is not a ``DTensor``
 ``Shard`` placement. A checkpoint therefore stores every parameter's flattened tensor as one DCP tensor of
 shape ``(numel,)`` and each rank writes the chunk it owns (``FlatShard``); DCP reads back whatever chunks the
-loading ranks own, at any world size, straight into their flat buffers.
+loading ranks own, at any world size, straight into their flat buffers. The replicated strategy is the
+one-shard case: every rank's chunk is the whole parameter (DCP's save planner writes a chunk that several ranks
+hold once), so a checkpoint of any strategy saved between windows loads into any other on any world size.
 
 ``FlatShard`` implements DCP's chunk protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``, the one ``DTensor`` and torchrec's ``LocalShardsWrapper`` implement; source:
@@ -14,8 +17,12 @@ write items, the load planner for its chunks, and both read or write the chunk t
 
 The functions here are plain: a rank's flat shard and its ``Piece`` list in, per-parameter ``FlatShard``
 views out (``shard_state_dict``), back (``load_shard_state_dict``), or gathered whole on every rank
-(``gather_full``). ``GradientAccumulator.state_dict`` builds on them at ``zero_stage >= 1``;
-``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+(``gather_full``). ``accumulator_state_dict`` / ``load_accumulator_state_dict`` are
+``GradientAccumulator.state_dict`` / ``load_state_dict`` (through ``ShardingStrategy.state_dict``): they reach the
+accumulator through its documented names (``sharding``, ``params``, ``registered_params``, ``named_params``,
+``optimizer``, ``lr_scheduler``, ``window``, ``hooks``, ``scalars_state_dict`` ...) and the strategy through
+``param_slots``, ``finish_collectives``, ``window_sums_to_save``, ``prepare_window_load``, ``set_layout`` and its
+flags. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from gaengine.reduce import Collective
 
-__all__ = ["ZERO_FORMAT", "FlatShard", "Piece", "full_optimizer_state_dict", "gather_full", "load_shard_state_dict",
-           "load_zero_state_dict", "zero_state_dict",
+__all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
+           "full_optimizer_state_dict", "gather_full", "load_accumulator_state_dict", "load_shard_state_dict",
            "pieces_in_ranges", "shard_state_dict"]
 
 
@@ -50,24 +57,34 @@ class FlatShard(torch.Tensor):
     template: only a place to load into: ``dcp.save`` writes ``None`` under its key (one small entry, no data),
         ``dcp.load`` reads the checkpoint's chunks into ``local`` or, where the checkpoint holds ``None``, puts
         ``None`` in the state dict in its place. (The window gradient of a state saved between windows.)
+    own: ``local`` is this rank's own value of a tensor that holds one row per rank (``numel`` = world size x the
+        row's elements; the unreduced window sums of a replicated run on several ranks, which differ per rank).
 
     Dtype and device are ``local``'s. It is a placeholder for checkpointing only: ``local`` holds the data;
     any torch operation on the wrapper itself raises ``NotImplementedError`` (use ``.local``).
+
+    ``torch.save`` (and ``copy.deepcopy``) take it as a plain tensor where this rank's chunk is the whole value it
+    holds: a chunk covering the whole tensor (a replicated run: one rank, or every rank holding everything) or an
+    ``own`` row, pickled as a ``(length,)`` CPU copy of ``local`` (``torch.load(..., weights_only=True)`` reads
+    it back; the loaders take a plain tensor as the whole value); a template as a 0-element fp32 tensor. A chunk
+    of a sharded tensor (``zero_stage >= 1`` on several ranks) refuses ``torch.save`` with a ``TypeError``: save
+    it with DCP.
     """
 
     local: torch.Tensor
     start: int
-
     template: bool
+    own: bool
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, numel: int, start: int, template: bool = False) -> FlatShard:
+    def __new__(cls, local: torch.Tensor, numel: int, start: int, template: bool = False,
+                own: bool = False) -> FlatShard:
         if local.dim() != 1:
             raise ValueError(f"FlatShard: local must be 1-D, got shape {tuple(local.shape)}")
         if not 0 <= start <= start + local.numel() <= numel:
             raise ValueError(f"FlatShard: chunk [{start}, {start + local.numel()}) does not lie in [0, {numel})")
         r = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
-        r.local, r.start, r.template = local, int(start), bool(template)
+        r.local, r.start, r.template, r.own = local, int(start), bool(template), bool(own)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -103,10 +120,25 @@ class FlatShard(torch.Tensor):
         return (f"FlatShard(numel={self.shape[0]}, chunk=[{self.start}, {self.start + self.local.numel()}), "
                 f"dtype={self.dtype}, device={self.device})")
 
+    @property
+    def whole(self) -> bool:
+        """This rank's chunk is the whole value it holds: the whole tensor, or an ``own`` row."""
+        return self.own or (self.start == 0 and self.local.numel() == self.shape[0])
+
+    def _plain(self) -> torch.Tensor:
+        if self.template:
+            return torch.zeros(0)
+        if not self.whole:
+            raise TypeError("a gaengine FlatShard holds one rank's chunk of a sharded tensor: save it with "
+                            "torch.distributed.checkpoint (dcp.save), or export whole tensors with "
+                            "gaengine.full_optimizer_state_dict")
+        return self.local.detach().cpu().clone()
+
     def __reduce_ex__(self, protocol):
-        raise TypeError("a gaengine FlatShard holds one rank's chunk of a sharded tensor: save it with "
-                        "torch.distributed.checkpoint (dcp.save), or export whole tensors with "
-                        "gaengine.full_optimizer_state_dict")
+        return self._plain().__reduce_ex__(protocol)  # a plain tensor: torch.load(weights_only=True) reads it
+
+    def __deepcopy__(self, memo) -> FlatShard:
+        return FlatShard(self.local.detach().clone(), self.shape[0], self.start, self.template, self.own)
 
 
 @dataclass(frozen=True)
@@ -329,9 +361,11 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GradientAccumulator(..., zero_stage >= 1): its state dict in DCP's form
+# GradientAccumulator.state_dict(): one format for every sharding strategy, in DCP's form
 
-ZERO_FORMAT = "gaengine.GradientAccumulator.zero/1"
+STATE_FORMAT = "gaengine.GradientAccumulator/2"
+ZERO_FORMAT = "gaengine.GradientAccumulator.zero/1"  # zero_stage >= 1 before STATE_FORMAT (loaded as STATE_FORMAT)
+PLAIN_FORMAT = "gaengine.GradientAccumulator/1"  # zero_stage=0 before STATE_FORMAT (torch.save; Replicated loads it)
 
 
 @dataclass
@@ -377,7 +411,8 @@ def _entries(acc: Any) -> list[_Entry]:
     """The ``_Entry`` of every trainable parameter, in registration order (the same on every rank and world)."""
     keys = _param_keys(acc)
     optimizer = acc.optimizer
-    group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
+    groups = optimizer.param_groups if optimizer is not None else []
+    group_of = {id(q): g for g, group in enumerate(groups) for q in group["params"]}
     out = []
     for i, s in enumerate(acc.sharding.param_slots()):  # what this rank holds of each parameter
         p, piece = s.param, s.piece
@@ -395,64 +430,71 @@ def _moment_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> lis
     return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])  # Adam, AdamW, FusedAdamW
 
 
+def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer`` is one whose state ``_moment_keys`` names (``gaengine.zero.check_zero_optimizer``'s list: the
+    only ones a sharded strategy runs); any other one's state is saved whole, in the meta blob (one shard only)."""
+    from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
+
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdamW)
+
+
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous; gaengine checkpoints read and write it in place")
     return t.view(-1)
 
 
-def _reduced_window_grad(acc: Any) -> torch.Tensor:
-    """Stage 1, mid-window: this rank's shard of the window's gradient summed over the ranks (a collective).
-
-    Each bucket of ``main_grad`` is copied (the slices this rank did not write in this window zeroed: they hold
-    an earlier window's values) and reduce-scattered in fp32 into a ``(shard_numel,)`` buffer; ``main_grad``
-    itself is not changed, so training goes on after the save."""
-    layout = acc.sharding.layout
-    written = acc.hooks.accumulated
-    out = torch.empty(layout.shard_numel, dtype=torch.float32, device=acc.device)
-    for b in layout.buckets:
-        tmp = acc.main_grad.data[b.start:b.end].clone()
-        for i in range(b.first, b.last):
-            if not written[i]:
-                o = layout.layout.offsets[i] - b.start
-                tmp[o:o + layout.layout.numels[i]].zero_()
-        Collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # torch < 2.10
-                   out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=acc.process_group).wait()
-    return out
+def _cpu_copy(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def zero_state_dict(acc: Any) -> dict[str, Any]:
-    """``acc.state_dict()`` at ``zero_stage >= 1`` (see ``GradientAccumulator.state_dict``). Every rank of the
-    process group must call it (it gathers the ranks' window counters, and mid-window at stage 1 reduce-scatters
-    the window's gradient)."""
+def accumulator_state_dict(acc: Any) -> dict[str, Any]:
+    """``acc.state_dict()`` for every sharding strategy (see ``GradientAccumulator.state_dict``).
+
+    Returns ``{"format": STATE_FORMAT, "meta": bytes, "master": {key: FlatShard}, "optimizer": {key: {...}},
+    "window_grad": {key: FlatShard}}``, keyed by parameter name (``_param_keys``):
+
+    * ``master``: each parameter with fp32 master weights, ``(numel,)`` fp32, this rank's range ``[lo, hi)``
+      (``ShardingStrategy.param_slots``: the whole parameter unsharded, a view of the masters).
+    * ``optimizer``: each optimized parameter this rank holds a range of, ``{"initialized": 0-d, "step": 0-d
+      fp64, <moment>: FlatShard (numel,) in the state's dtype}`` for ``torch.optim.Adam``/``AdamW``/``SGD`` and
+      ``gaengine.optim.FusedAdamW`` (views of the optimizer's state); any other optimizer (unsharded strategies
+      only) keeps its whole state as CPU copies in the meta blob (``optimizer_state``).
+    * ``window_grad``: the window's fp32 gradient sum. Between windows a template (``FlatShard.template``: DCP
+      saves ``None``). Mid-window, per strategy (``ShardingStrategy.window_sums_to_save`` and ``window_rows``):
+      this rank's range of the sum over the ranks (``(numel,)``; sharded strategies, and one rank), or, for a
+      replicated run on several ranks, this rank's own unreduced sum as its row of a ``(world x numel,)`` tensor
+      (``FlatShard.own``), so the resume is bit-identical.
+    * ``meta``: ``torch.save`` bytes of the world size, the strategy's name (``mode``), whether it is sharded and
+      keeps rows, each parameter's (key, shape, dtype, optimized, master weights), the param groups'
+      hyper-parameters, the ``lr_scheduler``'s state, and ``ranks``: the accumulator's scalars
+      (``acc.scalars_state_dict()``) of every rank mid-window on several ranks, else of this rank only.
+
+    Every rank must call it mid-window on several ranks (an all-gather of the scalars; at ``zero_stage=1`` also a
+    reduce-scatter of the window's sums); between windows it runs no collective. ``RuntimeError`` between the
+    window's last ``acc.backward()`` and ``acc.step()`` (the window's reductions are in flight).
+    """
     if acc.window.stats is not None:
         raise RuntimeError("state_dict() was called after the window's last acc.backward() and before acc.step(): "
                            "the window's reductions are in flight; call acc.step() first, then save")
     sharding = acc.sharding
     world = acc.world_size
     group = acc.process_group
+    rank = dist.get_rank(group) if world > 1 else 0
     mid_window = acc.num_micro_batches > 0
     sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
     optimizer = acc.optimizer
+    elementwise = optimizer is not None and _elementwise(optimizer)
 
     per_rank: dict[str, Any] = {"scalars": acc.scalars_state_dict()}  # with the window's (gaengine.window)
     ranks = [per_rank]
-    if world > 1:
+    if mid_window and world > 1:  # each rank resumes its own window counters
         ranks = [None] * world
         dist.all_gather_object(ranks, per_rank, group=group)
-    meta = {
-        "world_size": world, "zero_stage": acc.zero_stage, "sharded": sharding.sharded,
-        "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-        "lr_scheduler": None if acc.lr_scheduler is None else acc.lr_scheduler.state_dict(),
-        "ranks": ranks,
-    }
-    blob = io.BytesIO()
-    torch.save(meta, blob)
-
-    masters, opt_state, window = {}, {}, {}
-    reduced = _reduced_window_grad(acc) if sharding.holds_local_sums and mid_window else None
+    rows = sharding.window_rows
+    masters, opt_state, window, whole_state = {}, {}, {}, {}
+    sums = sharding.window_sums_to_save() if mid_window else None
     for e in entries:
         owned = e.piece is not None
         if e.master:
@@ -460,33 +502,52 @@ def zero_state_dict(acc: Any) -> dict[str, Any]:
                                        e.numel, e.lo)
         if e.optimized and owned:
             state = optimizer.state.get(e.piece) or {}
-            moment_keys = _moment_keys(optimizer, optimizer.param_groups[e.group])
-            ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
-            entry: dict[str, Any] = {
-                "initialized": torch.tensor(float(ready)),
-                "step": torch.tensor(float(state["step"]) if ready and "step" in state else 0.0,
-                                     dtype=torch.float64),  # host read: once per checkpoint
-            }
-            for k in moment_keys:
-                local = _flat(state[k], f"optimizer state {k!r} of {e.key}") if ready else \
-                    torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=e.piece.device)
-                entry[k] = FlatShard(local, e.numel, e.lo)
-            opt_state[e.key] = entry
-        if reduced is not None:
-            window[e.key] = FlatShard(reduced[e.shard_offset:e.shard_offset + e.hi - e.lo], e.numel, e.lo)
+            if not elementwise:
+                if state:
+                    whole_state[e.key] = {k: _cpu_copy(v) for k, v in state.items()}
+            else:
+                moment_keys = _moment_keys(optimizer, optimizer.param_groups[e.group])
+                ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
+                entry: dict[str, Any] = {
+                    "initialized": torch.tensor(float(ready)),
+                    "step": torch.tensor(float(state["step"]) if ready and "step" in state else 0.0,
+                                         dtype=torch.float64),  # host read: once per checkpoint
+                }
+                for k in moment_keys:
+                    local = _flat(state[k], f"optimizer state {k!r} of {e.key}") if ready else \
+                        torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=e.piece.device)
+                    entry[k] = FlatShard(local, e.numel, e.lo)
+                opt_state[e.key] = entry
+        local = sums[e.layout_index] if sums is not None else e.grad.view(-1)
+        if rows:
+            window[e.key] = FlatShard(local, world * e.numel, rank * e.numel + e.lo, template=not mid_window, own=True)
         else:
-            window[e.key] = FlatShard(e.grad.view(-1), e.numel, e.lo, template=not mid_window)
-    return {"format": ZERO_FORMAT, "meta": blob.getvalue(), "master": masters, "optimizer": opt_state,
+            window[e.key] = FlatShard(local, e.numel, e.lo, template=not mid_window)
+    meta = {
+        "world_size": world, "mode": sharding.name, "sharded": sharding.sharded, "window_rows": rows,
+        "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
+        "param_groups": ([] if optimizer is None else
+                         [{k: _cpu_copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
+        "lr_scheduler": None if acc.lr_scheduler is None else acc.lr_scheduler.state_dict(),
+        "optimizer_state": whole_state,
+        "ranks": ranks,
+    }
+    blob = io.BytesIO()
+    torch.save(meta, blob)
+    return {"format": STATE_FORMAT, "meta": blob.getvalue(), "master": masters, "optimizer": opt_state,
             "window_grad": window}
 
 
-def _take(value: Any, e: _Entry, what: str) -> torch.Tensor:
-    """The loaded values of ``e``'s range from ``value``: a ``FlatShard`` of this range, or a whole tensor."""
+def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int | None = None) -> torch.Tensor:
+    """The loaded values of ``e``'s range from ``value``: a ``FlatShard`` whose chunk is ``[start, start + hi - lo)``
+    of ``size`` elements (default: ``[lo, hi)`` of ``numel``), or a whole tensor of ``numel`` elements (a plain
+    state, ``torch.load``)."""
+    start, size = (e.lo if start is None else start), (e.numel if size is None else size)
     if isinstance(value, FlatShard):
-        if value.start != e.lo or value.local.numel() != e.hi - e.lo or value.shape[0] != e.numel:
+        if value.start != start or value.local.numel() != e.hi - e.lo or value.shape[0] != size:
             raise ValueError(f"{what}[{e.key!r}] holds elements [{value.start}, {value.start + value.local.numel()}) of "
-                             f"{value.shape[0]}, this rank owns [{e.lo}, {e.hi}) of {e.numel}: take the state dict from "
-                             "this run's accumulator (acc.state_dict()) before dcp.load")
+                             f"{value.shape[0]}, this rank owns [{start}, {start + e.hi - e.lo}) of {size}: take the "
+                             "state dict from this run's accumulator (acc.state_dict()) before dcp.load")
         return value.local
     if not isinstance(value, torch.Tensor) or value.numel() != e.numel:
         got = f"{value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -499,58 +560,102 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
-    """``acc.load_state_dict(state)`` at ``zero_stage >= 1`` (see ``GradientAccumulator.load_state_dict``).
+def _read_meta(state: dict[str, Any]) -> dict[str, Any]:
+    """The meta blob of a ``STATE_FORMAT`` or ``ZERO_FORMAT`` state, the fields of the latter filled in."""
+    meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)  # plain containers, numbers, CPU tensors
+    if "mode" not in meta:  # ZERO_FORMAT: a sharded run's ranges were reduced sums, one rank a replicated run
+        meta["mode"] = f"zero_stage={meta['zero_stage']}" if meta["sharded"] else None
+        meta["window_rows"] = False
+        meta["optimizer_state"] = {}
+    return meta
+
+
+def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
+    """``acc.load_state_dict(state)`` of what ``accumulator_state_dict`` returned, on any sharding strategy (see
+    ``GradientAccumulator.load_state_dict``): after ``dcp.load`` into this run's own ``acc.state_dict()`` (any world
+    size and strategy), or ``torch.load`` of one rank's ``torch.save`` (FlatShards whose chunk is this rank's whole
+    value come back as plain tensors). Also loads ``ZERO_FORMAT`` states.
 
     Checks everything before writing: raises ``ValueError`` (changing nothing) for a state of another format,
     model, optimizer layout, ``master_weights`` or number of param groups, or saved mid-window on another world
-    size or ``zero_stage``."""
-    if not isinstance(state, dict) or state.get("format") != ZERO_FORMAT:
+    size or strategy (naming both)."""
+    if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, ZERO_FORMAT):
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"state is not a {ZERO_FORMAT} state dict (got {got!r}); a zero_stage >= 1 accumulator "
-                         "loads what acc.state_dict() of one returns (after dcp.load), not a zero_stage=0 state dict")
-    meta = torch.load(io.BytesIO(state["meta"]), weights_only=False)  # the caller's own checkpoint, as DCP reads it
+        raise ValueError(f"state is not a {STATE_FORMAT} state dict (got format {got!r}): load what "
+                         "acc.state_dict() returns (after dcp.load or torch.load)")
+    meta = _read_meta(state)
+    sharding = acc.sharding
     entries = _entries(acc)
     mine = [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries]
-    if meta["params"] != mine:
-        diff = next((a, b) for a, b in zip(meta["params"] + [None] * len(mine), mine + [None] * len(meta["params"]))
-                    if a != b)
-        raise ValueError(f"state was saved for other parameters: (key, shape, dtype, optimized, master weights) "
-                         f"{diff[0]} in the state, {diff[1]} here. Build the model, the optimizer's param groups and "
-                         "master_weights as the saved run did")
+    if [tuple(p) for p in meta["params"]] != mine:
+        diff = next((a, b) for a, b in zip([tuple(p) for p in meta["params"]] + [None] * len(mine),
+                                           mine + [None] * len(meta["params"])) if a != b)
+        raise ValueError(f"state was saved for another model or optimizer: (key, shape, dtype, optimized, master "
+                         f"weights) {diff[0]} in the state, {diff[1]} here. Build the model, the optimizer's param "
+                         "groups and master_weights as the saved run did")
     optimizer = acc.optimizer
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this optimizer "
-                         f"{len(optimizer.param_groups)}: build the optimizer with the saved run's groups")
+    n_groups = 0 if optimizer is None else len(optimizer.param_groups)
+    if len(meta["param_groups"]) != n_groups:
+        raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this accumulator's "
+                         f"optimizer {n_groups}: build the optimizer with the saved run's groups")
     saved_world, world = int(meta["world_size"]), acc.world_size
     saved_scalars = meta["ranks"][0]["scalars"]
     mid_window = int(saved_scalars["num_micro_batches"]) > 0
-    if mid_window and (saved_world != world or meta["zero_stage"] != acc.zero_stage
-                       or meta["sharded"] != acc.sharding.sharded):
+    saved_mode = meta["mode"] or sharding.name
+    if mid_window and (saved_world != world or saved_mode != sharding.name
+                       or bool(meta["window_rows"]) != sharding.window_rows):
         raise ValueError(
             f"state was saved mid-window ({saved_scalars['num_micro_batches']} micro-batches into a window) on "
-            f"{saved_world} rank(s) with zero_stage={meta['zero_stage']}; this run has {world} rank(s) and "
-            f"zero_stage={acc.zero_stage}. A window's micro-batches belong to their ranks, so it resumes only on the "
-            "same world size and zero_stage: resume it there, or go back to a checkpoint saved between windows "
-            "(after acc.step()), which loads on any world size")
+            f"{saved_world} rank(s) with {saved_mode}; this run has {world} rank(s) with {sharding.name}. A window's "
+            "micro-batches belong to their ranks, so it resumes only on the same world size and sharding: resume it "
+            "there, or go back to a checkpoint saved between windows (after acc.step()), which loads on any world "
+            "size and zero_stage")
     rank = dist.get_rank(acc.process_group) if world > 1 else 0
-    scalars = dict(meta["ranks"][rank if mid_window else 0]["scalars"])
-    if mid_window and scalars.get("window_used") is None and "window_used" in meta["ranks"][rank]:
-        scalars["window_used"] = meta["ranks"][rank]["window_used"]  # saved beside the scalars before gaengine.window
+    ranks = meta["ranks"]
+    if mid_window and len(ranks) != world:
+        raise ValueError(f"state saved mid-window holds the window counters of {len(ranks)} rank(s), this run has "
+                         f"{world}: save it with every rank calling acc.state_dict()")
+    scalars = dict(ranks[rank if mid_window else 0]["scalars"])
+    if mid_window and scalars.get("window_used") is None and "window_used" in ranks[rank]:
+        scalars["window_used"] = ranks[rank]["window_used"]  # saved beside the scalars before gaengine.window
     acc.check_scalars_state(scalars)
+    # The layout: a strategy that re-learns it adopts the saved one; a fixed one keeps its own (between windows).
+    registration = acc.registered_params
+    saved_order = list(scalars["layout_order"])
+    my_order = _layout_order(acc)
+    adopt = saved_order != my_order and sharding.relearns_layout
+    if saved_order != my_order and not adopt:
+        if mid_window:
+            raise ValueError("state was saved mid-window with another parameter layout; resume it as it was saved")
+        pos = {reg: j for j, reg in enumerate(saved_order)}
+        remap = [pos[reg] for reg in my_order]
+        for key in ("written", "expected_arrivals"):
+            if scalars.get(key) is not None:
+                scalars[key] = [scalars[key][j] for j in remap]
+        if scalars.get("arrival") is not None:
+            back = {j: i for i, j in enumerate(remap)}
+            scalars["arrival"] = [back[j] for j in scalars["arrival"]]
+        scalars["layout_order"] = my_order
     # Validate every value before writing any.
-    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-    opt_groups: list[dict[str, Any]] = []
+    masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+    grads: dict[str, torch.Tensor] = {}
     loaded: dict[int, dict[str, Any]] = {}
+    rows = sharding.window_rows
+    whole_state = meta["optimizer_state"]
+    elementwise = optimizer is not None and _elementwise(optimizer)
     for e in entries:
         owned = e.piece is not None
         if e.master and owned:
-            writes.append((_flat(e.piece.data, e.key), _take(state["master"].get(e.key), e, "state['master']")))
-        if e.optimized and owned:
+            masters.append((_flat(e.piece.data, e.key), _take(state["master"].get(e.key), e, "state['master']")))
+        if e.optimized and owned and not elementwise:
+            if e.key in whole_state:
+                loaded[id(e.piece)] = dict(whole_state[e.key])
+        elif e.optimized and owned:
             saved = state["optimizer"].get(e.key)
             if not isinstance(saved, dict):
-                raise ValueError(f"state['optimizer'][{e.key!r}] is missing: take the state dict from this run's "
-                                 "accumulator (acc.state_dict()) before dcp.load")
+                raise ValueError(f"state['optimizer'][{e.key!r}] is missing: it was saved with another optimizer, "
+                                 "or take the state dict from this run's accumulator (acc.state_dict()) before "
+                                 "dcp.load")
             if float(saved["initialized"]):
                 group = optimizer.param_groups[e.group]
                 moments = {}
@@ -563,49 +668,42 @@ def load_zero_state_dict(acc: Any, state: dict[str, Any]) -> None:
             grad = state["window_grad"].get(e.key)
             if grad is None:
                 raise ValueError(f"state['window_grad'][{e.key!r}] is missing for a state saved mid-window")
-            writes.append((e.grad.view(-1), _take(grad, e, "state['window_grad']")))
-    # Per-layout-index lists of the saved layout, in this accumulator's layout.
-    saved_order = list(scalars["layout_order"])
-    my_order = _layout_order(acc)
-    if saved_order != my_order:
-        if mid_window:
-            raise ValueError("state was saved mid-window with another parameter layout; resume it as it was saved")
-        pos = {reg: j for j, reg in enumerate(saved_order)}
-        remap = [pos[reg] for reg in my_order]
-        for key in ("written", "expected_arrivals"):
-            if scalars.get(key) is not None:
-                scalars[key] = [scalars[key][j] for j in remap]
-        if scalars.get("arrival") is not None:
-            back = {j: i for i, j in enumerate(remap)}
-            scalars["arrival"] = [back[j] for j in scalars["arrival"]]
-        scalars["layout_order"] = my_order
+            grads[e.key] = (_take(grad, e, "state['window_grad']", rank * e.numel + e.lo, world * e.numel) if rows
+                            else _take(grad, e, "state['window_grad']"))
 
     # Write.
+    if adopt:  # a new main_grad in the saved layout (the loaded sums are views of the old one: copied below)
+        sharding.set_layout([registration[i] for i in saved_order])
+        entries = _entries(acc)
     with torch.no_grad():
-        if mid_window and acc.sharding.holds_local_sums:
-            layout = acc.sharding.layout
-            for b in layout.buckets:  # the other ranks' ranges hold nothing of the saved (reduced) sum
-                lo, hi = b.rank_range(rank)
-                acc.main_grad.data[b.start:lo].zero_()
-                acc.main_grad.data[hi:b.end].zero_()
-        for dst, src in writes:
+        if mid_window:
+            sharding.prepare_window_load()
+            for e in entries:
+                _copy_into(e.grad.view(-1), grads[e.key])
+        for dst, src in masters:
             _copy_into(dst, src)
-    numbered, index = {}, 0
-    for g, group in enumerate(optimizer.param_groups):
-        ids = []
-        for q in group["params"]:
-            if id(q) in loaded:
-                numbered[index] = loaded[id(q)]
-            ids.append(index)
-            index += 1
-        opt_groups.append({**meta["param_groups"][g], "params": ids})
-    optimizer.load_state_dict({"state": numbered, "param_groups": opt_groups})
+        if masters and sharding.store is not None:
+            sharding.store.copy_to_model()
+    if optimizer is not None:
+        held = {id(e.piece) for e in entries if e.piece is not None}
+        numbered, opt_groups, index = {}, [], 0
+        for g, group in enumerate(optimizer.param_groups):
+            ids = []
+            for q in group["params"]:
+                if id(q) in loaded:
+                    numbered[index] = loaded[id(q)]
+                elif id(q) not in held and optimizer.state.get(q):
+                    numbered[index] = optimizer.state[q]  # a parameter the accumulator does not train: kept
+                ids.append(index)
+                index += 1
+            opt_groups.append({**meta["param_groups"][g], "params": ids})
+        optimizer.load_state_dict({"state": numbered, "param_groups": opt_groups})
     if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     acc.load_scalars_state(scalars)
-    if mid_window and acc.sharding.holds_local_sums:
+    if mid_window and sharding.holds_local_sums:
         # every rank's range now holds the reduced sum of what any rank wrote
-        written = [any(r["scalars"]["written"][i] for r in meta["ranks"]) for i in range(len(acc.params))]
+        written = [any(r["scalars"]["written"][i] for r in ranks) for i in range(len(acc.params))]
         acc.hooks.set_all_accumulated(written)
 
 
