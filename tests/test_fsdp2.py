@@ -107,7 +107,7 @@ CASES = {
     "unused": dict(unused=True),
     "schedule-items": dict(schedule=True, items=True),
 }
-WORLD_CASES = {1: ["mean", "items", "items-partial-noclip", "unused"], 2: list(CASES), 3: ["mean", "items-partial-noclip"],
+WORLD_CASES = {1: ["mean", "items-partial-noclip"], 2: list(CASES), 3: ["items-partial-noclip"],
                4: ["items"]}
 
 
@@ -314,6 +314,64 @@ def _rank_dies(rank: int, world: int) -> dict:
         return {"raised": type(exc).__name__, "after_s": time.monotonic() - start}
 
 
+def _checkpoint(rank: int, world: int, out_dir: str) -> dict:
+    """``torch.distributed.checkpoint`` with FSDP2's state dicts plus ``acc.state_dict()``: on 2 ranks, a window,
+    a save between windows, one micro-batch, a save mid-window, the window finished; then a fresh model, optimizer
+    and accumulator resume the mid-window save. On 3 ranks: the save between windows resumed, one more window."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        model = _shard(Net(), world)
+        opt = _optimizer("adamw-fused", model.parameters())
+        return model, opt, gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=MAX_NORM)
+
+    def save(model, opt, acc, name):
+        state_model, state_opt = get_state_dict(model, opt)
+        dcp.save({"model": state_model, "optim": state_opt}, checkpoint_id=os.path.join(out_dir, name))
+        torch.save(acc.state_dict(), os.path.join(out_dir, name, f"acc{rank}.pt"))
+
+    def load(model, opt, acc, name):
+        state_model, state_opt = get_state_dict(model, opt)
+        state = {"model": state_model, "optim": state_opt}
+        dcp.load(state, checkpoint_id=os.path.join(out_dir, name))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        saved = os.path.join(out_dir, name, f"acc{rank}.pt")  # between windows, any rank's scalars will do
+        acc.load_state_dict(torch.load(saved if os.path.exists(saved) else os.path.join(out_dir, name, "acc0.pt"),
+                                       weights_only=False))
+
+    xs, labels = _data(world)
+
+    def micro(model, acc, s, j):
+        acc.backward(_loss(model, xs[s, rank, j], labels[s, rank, j], False, True))
+
+    model, opt, acc = build()
+    if world == 3:
+        load(model, opt, acc, "between")
+        for j in range(K):
+            micro(model, acc, 1, j)
+        acc.step()
+        return {"params": _full(model)}
+    for j in range(K):
+        micro(model, acc, 0, j)
+    acc.step()
+    save(model, opt, acc, "between")
+    micro(model, acc, 1, 0)
+    save(model, opt, acc, "mid")
+    for j in range(1, K):
+        micro(model, acc, 1, j)
+    acc.step()
+    went_on = _full(model)
+    acc.close()
+    model, opt, acc = build()
+    load(model, opt, acc, "mid")
+    for j in range(1, K):
+        micro(model, acc, 1, j)
+    acc.step()
+    return {"went_on": went_on, "resumed": _full(model)}
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]) -> None:
     poison.install_if_asked()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -329,6 +387,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]
                 results[name] = _bf16_windows(rank, world)
             elif name == "refusals":
                 results[name] = _refusals(rank, world)
+            elif name == "checkpoint":
+                results[name] = _checkpoint(rank, world, out_dir)
             elif name == "dies":
                 results[name] = _rank_dies(rank, world)
             if name != "dies":
@@ -488,3 +548,27 @@ def test_rank_dying_mid_window(tmp_path):
     assert got["raised"] is not None and got["after_s"] < 30, got
     assert results[1]["dies"] == {"died": True}
 
+
+
+def test_checkpoint_2_ranks_to_3(tmp_path):
+    """Saved on 2 ranks between windows and loaded on 3: the plain recipe's window 0 on 2 ranks' micro-batches, then
+    window 1 on 3 ranks', within 1e-5. Saved and resumed mid-window on 2 ranks: bit for bit what going on gave."""
+    two = _launch(tmp_path, 2, ["checkpoint"])
+    for res in two:
+        for a, b in zip(res["checkpoint"]["resumed"], res["checkpoint"]["went_on"]):
+            assert torch.equal(a, b), "a mid-window resume is not exact"
+    three = _launch(tmp_path, 3, ["checkpoint"])
+    torch.manual_seed(0)
+    model = Net()
+    opt = _optimizer("adamw-fused", model.parameters())
+    for s, world in ((0, 2), (1, 3)):
+        xs, labels = _data(world)
+        for r in range(world):
+            for j in range(K):
+                (_loss(model, xs[s, r, j], labels[s, r, j], False, True) / (K * world)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for res in three:
+        for p, q in zip(res["checkpoint"]["params"], model.parameters()):
+            assert rel_diff(p, q) <= 1e-5
