@@ -119,3 +119,63 @@ def test_lightning_examples_run(kind, capsys, monkeypatch):
     losses = [float(u[2]) for u in updates]
     assert losses[0] == pytest.approx(float(sum(first) / 4), rel=1e-5)
     assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_example(name: str, args: list[str], tmp_path) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line for line in proc.stdout.splitlines() if line.startswith("update ")]
+
+
+def test_accelerate_loop_runs_as_a_script(tmp_path):
+    """``python examples/accelerate_loop.py --epochs 1 --sequences 40 --sequential``: 5 micro-batches of 8, K = 4, so
+    a full window and a partial one of 1; the first update's loss is the exact token mean of the first 32 sequences
+    under the untrained model, computed here by plain torch in fp64."""
+    pytest.importorskip("accelerate")
+    updates = _run_example("accelerate_loop", ["--epochs", "1", "--sequences", "40", "--sequential"], tmp_path)
+    assert [re.search(r"micro-batches (\d+)", line).group(1) for line in updates] == ["4", "1"]
+    assert not any("skipped" in line for line in updates)
+    losses = [float(re.search(r"loss (\S+)", line).group(1)) for line in updates]
+    ex = _load_example("accelerate_loop")
+    torch.manual_seed(0)
+    model = ex.TinyCausalLM().double()
+    rows = ex.padded_sequences(40, 0)[:32]
+    ids = torch.stack([r["input_ids"] for r in rows])
+    labels = torch.stack([r["labels"] for r in rows])[:, 1:]
+    with torch.no_grad():
+        logits = model(ids)[:, :-1]
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, ex.VOCAB), labels.reshape(-1), ignore_index=-100)
+    assert losses[0] == pytest.approx(float(ref), rel=1e-5)
+    assert losses[0] == pytest.approx(math.log(ex.VOCAB), abs=0.5)
+
+
+def test_hf_trainer_runs_as_a_script(tmp_path):
+    """``python examples/hf_trainer.py --epochs 1 --sequences 72 --sequential``: 18 micro-batches of 4, K = 4, so 5
+    updates (the last a partial window of 2); the first update's loss is the exact token mean of the first 16
+    sequences under the untrained tiny Llama, computed here by plain torch (fp32 model, fp64 loss)."""
+    pytest.importorskip("transformers")
+    updates = _run_example("hf_trainer", ["--epochs", "1", "--sequences", "72", "--sequential"], tmp_path)
+    assert len(updates) == 5 and all(line.endswith("skipped 0") for line in updates)
+    losses = [float(re.search(r"loss (\S+)", line).group(1)) for line in updates]
+    norms = [float(re.search(r"grad norm (\S+)", line).group(1)) for line in updates]
+    assert all(math.isfinite(v) and v > 0 for v in losses + norms)
+    ex = _load_example("hf_trainer")
+    model = ex.tiny_llama(0)
+    rows = ex.padded_sequences(72, 0)[:16]
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    labels = batch["labels"][:, 1:]
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, ex.VOCAB), labels.reshape(-1),
+                                            ignore_index=-100)
+    assert losses[0] == pytest.approx(float(ref), rel=1e-5)
+    assert losses[0] == pytest.approx(math.log(ex.VOCAB), abs=0.5)

@@ -366,3 +366,17 @@ def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
     for updates in per_rank:
         assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
         assert _max_rel(updates, ref) <= 1e-6
+
+
+def test_import_gaengine_imports_no_framework():
+    """``import gaengine`` and ``import gaengine.integrations`` load none of the frameworks; each integration module
+    loads its own only when imported."""
+    import subprocess
+
+    code = ("import sys, gaengine, gaengine.integrations; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
