@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import gaengine
-from gaengine.checkpoint import FlatShard, Piece, gather_full, load_shard_state_dict, pieces_in_ranges, \
-    shard_state_dict
+from gaengine.checkpoint import (PLAIN_FORMAT, FlatShard, Piece, gather_full, load_shard_state_dict, pieces_in_ranges,
+                                 shard_state_dict)
 from tests.test_distributed import _launch as launch
 from tests.tolerances import rel_diff
 
@@ -385,3 +386,124 @@ def test_bf16_masters_and_moments_survive_resharding_exactly(tmp_path, stage):
             for rank in range(2):
                 for name, t in saved[rank]["final"].items():
                     assert torch.equal(loaded[rank]["final"][name], t), (rank, name)
+
+
+# ---------------------------------------------------------------- one format for every zero_stage
+def _train_torch_save(stage: int, save_at=None, load=None) -> dict:
+    """``_train`` on one rank, in this process, through the plain recipe's torch.save / torch.load(weights_only=True)
+    of the model's, the optimizer's and the accumulator's state dicts (the optimizer's loaded too: a habit that must
+    change nothing); saves to ``save_at = (update, micro-batch, path)`` or first loads ``load``."""
+    model, opt, acc = _build(stage, 1)
+    if load is not None:
+        ckpt = torch.load(load, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        acc.load_state_dict(ckpt["acc"])
+    tokens, labels = _train_data()
+    for update in range(acc.schedule.update_index, STEPS):
+        for k in range(acc.num_micro_batches, G):
+            acc.backward(_mean_loss(model, tokens[update, k * B:(k + 1) * B], labels[update, k * B:(k + 1) * B]))
+            if save_at is not None and save_at[:2] == (update, k + 1):
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "acc": acc.state_dict()},
+                           save_at[2])
+        acc.step()
+    return {"params": {n: t.detach().clone() for n, t in model.state_dict().items()},
+            "optimizer": gaengine.full_optimizer_state_dict(acc), "lr": acc.optimizer.param_groups[0]["lr"]}
+
+
+def _assert_same_run(got: dict, want: dict, what: str) -> None:
+    assert got["lr"] == want["lr"], what
+    for name, t in want["params"].items():
+        assert torch.equal(got["params"][name], t), f"{what}: parameter {name}"
+    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys(), what
+    for i, state in want["optimizer"]["state"].items():
+        for key, t in state.items():
+            assert torch.equal(got["optimizer"]["state"][i][key], t), f"{what}: {key} of parameter {i}"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as documented
+@pytest.mark.parametrize("saved,loaded", [(0, 1), (0, 2), (1, 0), (2, 0)], ids=lambda s: f"stage{s}")
+def test_one_rank_state_loads_at_every_zero_stage_mid_window(tmp_path, saved, loaded):
+    """One rank: a state saved mid-window at one zero_stage resumes at another, through torch.save and through DCP,
+    bit for bit where the uninterrupted run ends (every zero_stage is the replicated strategy on one rank); the
+    uninterrupted run matches the plain recipe within 1e-5."""
+    path = str(tmp_path / "ckpt.pt")
+    uninterrupted = _train_torch_save(saved, save_at=(1, 2, path))
+    _check_against_reference(uninterrupted, _reference(), f"stage {saved} on one rank")
+    _assert_same_run(_train_torch_save(loaded, load=path), uninterrupted, f"torch.save stage {saved} -> {loaded}")
+    dcp_path = str(tmp_path / "dcp")
+    _train(0, 1, {"stage": saved, "saves": {(1, 2): dcp_path}})
+    _assert_same_run(_train(0, 1, {"stage": loaded, "load": dcp_path}), uninterrupted,
+                     f"DCP stage {saved} -> {loaded}")
+
+
+def test_replicated_state_round_trips_through_torch_save_as_plain_tensors(tmp_path):
+    """zero_stage=0 on one rank: torch.save writes the state's FlatShards as plain CPU tensors (read back with
+    weights_only=True), copies taken at save (training on does not change the file), and copy.deepcopy copies."""
+    import copy  # noqa: PLC0415
+
+    model, opt, acc = _build(0, 1)
+    tokens, labels = _train_data()
+    acc.backward(_mean_loss(model, tokens[0, :B], labels[0, :B]))
+    state = acc.state_dict()
+    grads = {k: v.local.clone() for k, v in state["window_grad"].items()}
+    copied = copy.deepcopy(state)
+    torch.save(state, tmp_path / "acc.pt")
+    acc.backward(_mean_loss(model, tokens[0, B:2 * B], labels[0, B:2 * B]))  # the buffers move on
+    back = torch.load(tmp_path / "acc.pt", weights_only=True)
+    for key, t in grads.items():
+        assert type(back["window_grad"][key]) is torch.Tensor and torch.equal(back["window_grad"][key], t), key
+        assert torch.equal(copied["window_grad"][key].local, t), key
+    _, _, other = _build(0, 1)
+    with pytest.raises(ValueError, match="another model or optimizer"):
+        other.load_state_dict({**back, "meta": _build_other_meta()})
+
+
+def _build_other_meta() -> bytes:
+    """The meta blob of an accumulator over another model (one Linear)."""
+    model = torch.nn.Linear(3, 2)
+    acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters()), accumulation_steps=2)
+    return acc.state_dict()["meta"]
+
+
+def _cross_modes(rank: int, world: int, cfg: dict) -> dict:
+    """2 ranks: replicated and zero_stage=1 runs saving through DCP, resumed in the other mode between windows and
+    in the same mode mid-window; a mid-window state of the other mode is refused."""
+    d = cfg["dir"]
+    out = {"replicated": _train(rank, world, {"stage": 0, "saves": {(1, 0): f"{d}/r_boundary", (1, 1): f"{d}/r_mid"}}),
+           "stage1": _train(rank, world, {"stage": 1, "saves": {(1, 0): f"{d}/z_boundary"}})}
+    out["replicated -> stage1 between windows"] = _train(rank, world, {"stage": 1, "load": f"{d}/r_boundary"})
+    out["stage1 -> replicated between windows"] = _train(rank, world, {"stage": 0, "load": f"{d}/z_boundary"})
+    out["replicated mid-window -> replicated"] = _train(rank, world, {"stage": 0, "load": f"{d}/r_mid"})
+    try:
+        _train(rank, world, {"stage": 1, "load": f"{d}/r_mid"})
+        out["refused"] = None
+    except CheckpointException as exc:  # dcp.load's own check, on every rank: the rows' size differs
+        out["refused"] = str(exc)
+    _, _, acc = _build(1, world)
+    try:  # a replicated state of gaengine's earlier plain format loads only into a replicated run
+        acc.load_state_dict({"format": PLAIN_FORMAT})
+        out["plain refused"] = None
+    except ValueError as exc:
+        out["plain refused"] = str(exc)
+    return out
+
+
+SCENARIOS["cross_modes"] = _cross_modes
+
+
+def test_two_rank_replicated_and_zero1_states_load_in_each_other(tmp_path):
+    """2 ranks through DCP: a replicated state saved between windows resumes at zero_stage=1 and the reverse, each
+    within 1e-5 of the plain recipe in one process; a replicated state saved mid-window resumes on 2 replicated
+    ranks bit for bit where the uninterrupted run ends, and is refused at zero_stage=1 (DCP: the window's rows)."""
+    reference = _reference()
+    results = _launch(tmp_path, 2, "cross_modes", {"dir": str(tmp_path)})
+    for rank, result in enumerate(results):
+        for what in ("replicated", "stage1", "replicated -> stage1 between windows",
+                     "stage1 -> replicated between windows", "replicated mid-window -> replicated"):
+            _check_against_reference(result[what], reference, f"{what}, rank {rank}")
+        _assert_same_run(result["replicated mid-window -> replicated"], result["replicated"], f"rank {rank}")
+        refused = result["refused"]
+        assert refused is not None and "Size mismatch" in refused and "acc.window_grad" in refused, refused
+        refused = result["plain refused"]
+        assert refused is not None and "zero_stage=1 on 2 rank(s)" in refused and "zero_stage=0" in refused, refused
