@@ -165,7 +165,7 @@ def test_loss_alignment_with_model_loss(tmp_path):
     ref_loss, ga_loss, naive_loss = (_logs(t, "loss") for t in (ref, ga, naive))
     assert len(ref_loss) == len(ga_loss) == 5
     assert max(abs(g / r - 1) for g, r in zip(ga_loss, ref_loss)) <= 1e-5
-    assert max(abs(n / r - 1) for n, r in zip(naive_loss, ref_loss)) > 1e-3
+    assert max(abs(n / r - 1) for n, r in zip(naive_loss, ref_loss)) > 5e-4  # measured: 1.03e-3
     assert _logs(ga, "grad_norm") == pytest.approx(_logs(ref, "grad_norm"), rel=1e-5)
     assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
     assert ga.optimizer.last_result.num_items is not None  # item mode was on
@@ -219,17 +219,19 @@ def test_skipped_update_is_reported_and_holds_the_scheduler(tmp_path):
 
 
 def test_resume_from_a_mid_training_checkpoint(tmp_path):
-    """save_steps=3 of 6 updates: train(resume_from_checkpoint=checkpoint-3) in a new Trainer ends bit for bit where
-    the uninterrupted run does (the checkpoint's optimizer.pt holds gaengine's state beside the optimizer's)."""
+    """bf16 parameters (their fp32 masters are gaengine's), save_steps=3 of 6 updates: a new Trainer's
+    train(resume_from_checkpoint=checkpoint-3) ends bit for bit where the uninterrupted run does (the checkpoint's
+    optimizer.pt holds gaengine's state beside the optimizer's)."""
     data = PaddedTokens()
     common = dict(max_steps=6, gradient_accumulation_steps=2, save_strategy="steps", save_steps=3,
                   learning_rate=3e-3)
-    full = _train(GaengineTrainer, tiny_llama(), _args(tmp_path, "run", **common), data)
+    full = _train(GaengineTrainer, tiny_llama(torch.bfloat16), _args(tmp_path, "run", **common), data)
     state = torch.load(tmp_path / "run" / "checkpoint-3" / "optimizer.pt", weights_only=True)
     assert set(state) == {"optimizer", "gaengine"}
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    resumed = GaengineTrainer(model=tiny_llama(), args=_args(tmp_path, "resumed", **common), train_dataset=data)
+    resumed = GaengineTrainer(model=tiny_llama(torch.bfloat16), args=_args(tmp_path, "resumed", **common),
+                              train_dataset=data)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     assert resumed.state.global_step == 6
     assert all(torch.equal(p, q) for p, q in zip(_params(full.model), _params(resumed.model)))
