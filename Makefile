@@ -44,8 +44,12 @@ info: $(BUILD_STAMP)
 demo: install
 	$(VPY) -m gaengine train
 
+# The suite on $(TEST_WORKERS) pytest-xdist workers (auto: one per core), a file's tests on one worker (--dist
+# loadfile: a module's fixtures are built once), the files with multi-process or slow tests handed out first
+# (tests/conftest.py). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
 test: install
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(VPY) benchmarks/bench_accumulate.py

@@ -12,18 +12,31 @@ except Exception:  # pragma: no cover
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import filelock  # noqa: E402 - torch's own dependency
 import pytest  # noqa: E402
 
 from tests import poison  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    if not _has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (not a pytest it started: the env var is inherited)
+        _heavy_files_first(items)
+
+
+def _heavy_files_first(items) -> None:
+    """Under pytest-xdist (``make test``: ``--dist loadfile``, a file's tests on one worker, files handed out in
+    collection order), the files holding a multi-process or slow test go first, each file's tests kept together and
+    in their order: the longest files start while the short ones still fill the other worker, instead of one of
+    them starting last and running alone. Every worker sorts the same collection the same way."""
+    heavy = {item.nodeid.split("::")[0] for item in items
+             if item.get_closest_marker("multiproc") is not None or item.get_closest_marker("slow") is not None}
+    position = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in heavy, position[item.nodeid]))
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +136,11 @@ def emulated_cuda_module():
     if emu_build.find_cxx() is None:
         pytest.skip("no C++ compiler ($CXX, g++, c++, clang++) to build the emulated cuda backend")
     try:
-        module, _ = emu_engine.build()
+        # One build at a time: the pytest-xdist workers of `make test` share build/cuda_emu_engine (the rewritten
+        # sources are written before torch's own build lock is taken); the second worker finds it built.
+        os.makedirs(os.path.dirname(emu_engine.BUILD_DIR), exist_ok=True)
+        with filelock.FileLock(emu_engine.BUILD_DIR + ".lock"):
+            module, _ = emu_engine.build()
     except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
         pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
     return emu_engine, module

@@ -507,3 +507,13 @@ def test_two_rank_replicated_and_zero1_states_load_in_each_other(tmp_path):
         assert refused is not None and "Size mismatch" in refused and "acc.window_grad" in refused, refused
         refused = result["plain refused"]
         assert refused is not None and "zero_stage=1 on 2 rank(s)" in refused and "zero_stage=0" in refused, refused
+
+
+def test_every_strategy_tags_its_scalars_with_the_one_format():
+    """The strategies' FORMAT (the tag of acc.scalars_state_dict()) is gaengine.checkpoint.STATE_FORMAT."""
+    from gaengine.checkpoint import STATE_FORMAT  # noqa: PLC0415
+    from gaengine.sharding import Replicated, ZeroStage1, ZeroStage2  # noqa: PLC0415
+
+    assert {Replicated.FORMAT, ZeroStage1.FORMAT, ZeroStage2.FORMAT} == {STATE_FORMAT}
+    model, _, acc = _build(2, 1)
+    assert acc.state_dict()["format"] == acc.scalars_state_dict()["format"] == STATE_FORMAT
