@@ -312,7 +312,10 @@ def test_low_precision_optimizer_state_is_widened_exactly(fused):
 
 # ---------------------------------------------------------------- S1: sharded models
 def _scenario_sharded(rank, world, out):
-    """Each way of sharding a model, refused at construction with an error naming it; returns the messages."""
+    """Each way of sharding a model that gaengine cannot accumulate exactly, refused at construction with an error
+    naming it; and a supported FSDP2 model (per-block ``fully_shard`` plus the root) trained one window of K
+    micro-batches (rank r's micro-batch k is ``_batch(r, k)``). Returns the messages and the trained parameters
+    (full tensors). tests/test_fsdp2.py covers the FSDP2 mode itself case by case."""
     from torch.distributed._composable.replicate import replicate as ddp_replicate
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.tensor import DeviceMesh, distribute_tensor
@@ -329,8 +332,7 @@ def _scenario_sharded(rank, world, out):
             messages.append(None)
 
     model = _mlp()
-    fully_shard(model[0])
-    fully_shard(model)
+    fully_shard(model[0])  # a block sharded, the root not: its other parameters would never be reduced
     refused(model)
     mesh = DeviceMesh("cpu", list(range(world)))
     model = _mlp()
@@ -339,19 +341,43 @@ def _scenario_sharded(rank, world, out):
     refused(None, [p for p in model.parameters()])
     refused(FullyShardedDataParallel(_mlp(), device_id=torch.device("cpu")))
     refused(ddp_replicate(_mlp()))
+
+    model = _mlp()
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), K, max_grad_norm=None)
+    for k in range(K):
+        acc.backward(_loss(model, rank, k, torch.float32))
+    acc.step()
+    trained = [p.full_tensor().detach().clone() for p in model.parameters()]
+    acc.close()
     dist.barrier()
-    return messages
+    return messages, trained
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2])
 def test_sharded_models_are_refused(tmp_path, world):
-    """On 058aedc an FSDP2 model on one rank trained nothing (grad_norm 0.0), silently."""
+    """On 058aedc an FSDP2 model on one rank trained nothing (grad_norm 0.0), silently. Every sharded model gaengine
+    cannot accumulate exactly is refused (FSDP1, the composable replicate, DTensor parameters fully_shard did not
+    make, an FSDP2 model whose root is not sharded); a supported FSDP2 model trains one window as the plain fp32
+    recipe over the global batch does (1e-6 relative)."""
     codes, results = launch_ranks(tmp_path, world, _scenario_sharded)
     assert codes == [0] * world
-    for messages in results:
-        fsdp2, dtensor_module, dtensor_params, fsdp1, replicate = messages
-        assert "model is an FSDP2 module" in fsdp2 and "set_requires_gradient_sync" in fsdp2
+    ref = _mlp()
+    for r in range(world):
+        for k in range(K):
+            (_loss(ref, r, k, torch.float32) / (K * world)).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for messages, trained in results:
+        fsdp2_child, dtensor_module, dtensor_params, fsdp1, replicate = messages
+        assert "call fully_shard(model) on the root" in fsdp2_child
         assert "DTensor parameter" in dtensor_module and "DTensor parameter" in dtensor_params
         assert "FSDP1" in fsdp1
         assert "composable" in replicate and "replicate" in replicate
+        for got, want, init in zip(trained, [p.detach() for p in ref.parameters()], _mlp().parameters()):
+            assert not torch.equal(got, init.detach()), "the FSDP2 model did not train"
+            assert float((got - want).norm() / want.norm()) <= 1e-6
