@@ -6,6 +6,7 @@ reduced across ranks in buckets while backward runs, and handed to the optimizer
 neither initializes CUDA nor loads the compiled extension or triton.
 """
 
+import gaengine.fsdp2  # noqa: F401 - registers FullyShardedGrads, the strategy of FSDP2 models (gaengine.sharding)
 from gaengine import ops, optim, schedules
 from gaengine.clip import clip_grad_norm_
 from gaengine.config import AccumulatorConfig

@@ -48,7 +48,7 @@ from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import Collective, broadcast_from_first_rank, wait_for
-from gaengine.sharding import ShardingStrategy
+from gaengine.sharding import ShardingStrategy, register_model_strategy
 from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
                              step_optimizer, step_scheduler, writes_model_params)
 from gaengine.window import Window
@@ -173,6 +173,7 @@ class _NoReducer:
         pass
 
 
+@register_model_strategy
 class FullyShardedGrads(ShardingStrategy):
     """FSDP2 models (module docstring): ``main_grad`` over the local shards, FSDP2's reduce-scatter output
     accumulated by ``ShardHooks``, the update over the DTensor parameters.
@@ -188,6 +189,27 @@ class FullyShardedGrads(ShardingStrategy):
     name = "fsdp2 (fully_shard)"
     sharded = True
     FORMAT = "gaengine.GradientAccumulator/fsdp2/1"
+
+    @classmethod
+    def takes_model(cls, model: nn.Module | None) -> bool:
+        """Whether ``model`` is an FSDP2 model (``gaengine.sharding.register_model_strategy``)."""
+        return is_fsdp2_model(model)
+
+    @classmethod
+    def check_taken_model(cls, model: nn.Module, params: list[torch.Tensor]) -> None:
+        """``check_fsdp2_model``: the FSDP2 models this strategy cannot accumulate exactly are refused."""
+        check_fsdp2_model(model, params)
+
+    @classmethod
+    def for_model(cls, zero_stage: int, world_size: int, params: list[torch.Tensor], optimizer,
+                  **kwargs) -> FullyShardedGrads:
+        """The strategy of an FSDP2 model (``gaengine.sharding.make_sharding``); ``ValueError`` for
+        ``zero_stage > 0``."""
+        if zero_stage:
+            raise ValueError(f"zero_stage={zero_stage} with an FSDP2 (fully_shard) model: FSDP2 already shards the "
+                             "parameters, gradients and optimizer state, and gaengine accumulates its reduce-scattered "
+                             "shards; leave zero_stage=0")
+        return cls(params, optimizer, world_size=world_size, **kwargs)
 
     def __init__(self, params: list[torch.Tensor], optimizer, *, world_size: int, model: nn.Module,
                  broadcast_buffers: bool = True, **kwargs) -> None:

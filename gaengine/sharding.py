@@ -46,7 +46,7 @@ from gaengine.zero import (STAGING_SLOTS, ParamGather, ShardLayout, ShardReducer
                            zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "make_sharding",
-           "trainable_params"]
+           "register_model_strategy", "trainable_params"]
 
 
 class ShardingStrategy(ABC):
@@ -616,6 +616,28 @@ class ZeroStage2(_Zero):
         self.reducer.wait()  # the last micro-batch's reduce-scatters, into the gradient shard
 
 
+_MODEL_STRATEGIES: list[type[ShardingStrategy]] = []
+
+
+def register_model_strategy(cls: type[ShardingStrategy]) -> type[ShardingStrategy]:
+    """Register ``cls``, a ``ShardingStrategy`` chosen by the model rather than by ``zero_stage`` (a module that
+    imports this one registers its own, so this module imports none of them). ``cls`` gives three classmethods:
+    ``takes_model(model) -> bool``; ``check_taken_model(model, params)``, raising ``TypeError``/``ValueError`` for
+    a model it takes but cannot accumulate exactly (called by ``trainable_params``); ``for_model(zero_stage,
+    world_size, params, optimizer, **kwargs)``, the strategy (called by ``make_sharding``). Returns ``cls``, so it
+    serves as a class decorator; registering a class twice keeps one entry."""
+    if cls not in _MODEL_STRATEGIES:
+        _MODEL_STRATEGIES.append(cls)
+    return cls
+
+
+def _model_strategy(model: nn.Module | None) -> type[ShardingStrategy] | None:
+    """The first registered strategy that takes ``model``, or None."""
+    if model is None:
+        return None
+    return next((cls for cls in _MODEL_STRATEGIES if cls.takes_model(model)), None)
+
+
 _SHARDED_ADVICE = ("gaengine accumulates FSDP2 (fully_shard) models and plain modules; pass the plain model (gaengine "
                    "reduces across ranks itself, and zero_stage=1 or 2 shards the optimizer state and gradients), or "
                    "shard it with fully_shard (FSDP2)")
@@ -648,9 +670,11 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
             raise TypeError(f"{where} is managed by torch.distributed composable API(s) "
                             f"{sorted(_get_registry(module) or {})}. {_SHARDED_ADVICE}")
     if fsdp2:
-        from gaengine.fsdp2 import check_fsdp2_model  # noqa: PLC0415 - imports this module
-
-        check_fsdp2_model(model, params)
+        strategy = _model_strategy(model)
+        if strategy is None:
+            raise TypeError("model is an FSDP2 (fully_shard) model, but no sharding strategy for it is registered: "
+                            "import gaengine (its __init__ imports gaengine.fsdp2, which registers FullyShardedGrads)")
+        strategy.check_taken_model(model, params)
         return
     dtensors = [p for p in params if isinstance(p, DTensor)]
     if dtensors:
@@ -701,20 +725,13 @@ def trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Te
 
 def make_sharding(zero_stage: int, world_size: int, params: list[torch.Tensor], optimizer,
                   **kwargs) -> ShardingStrategy:
-    """The strategy for ``zero_stage`` on ``world_size`` ranks: an FSDP2 model (``fully_shard``, checked by
-    ``trainable_params``) gets ``gaengine.fsdp2.FullyShardedGrads`` (``ValueError`` with ``zero_stage > 0``); a world
-    of one shards nothing (``Replicated``), and keeps the ``torch.distributed.checkpoint`` state dict of
-    ``zero_stage >= 1`` (it loads a sharded run's)."""
-    model = kwargs.get("model")
-    if model is not None and dist.is_available():
-        from gaengine.fsdp2 import FullyShardedGrads, is_fsdp2_model  # noqa: PLC0415 - imports this module
-
-        if is_fsdp2_model(model):
-            if zero_stage:
-                raise ValueError(f"zero_stage={zero_stage} with an FSDP2 (fully_shard) model: FSDP2 already shards the "
-                                 "parameters, gradients and optimizer state, and gaengine accumulates its reduce-scattered "
-                                 "shards; leave zero_stage=0")
-            return FullyShardedGrads(params, optimizer, world_size=world_size, **kwargs)
+    """The strategy for ``zero_stage`` on ``world_size`` ranks: a model that a registered strategy takes
+    (``register_model_strategy``: an FSDP2 model gets ``gaengine.fsdp2.FullyShardedGrads``, which raises
+    ``ValueError`` with ``zero_stage > 0``) gets that one; a world of one shards nothing (``Replicated``), and keeps
+    the ``torch.distributed.checkpoint`` state dict of ``zero_stage >= 1`` (it loads a sharded run's)."""
+    strategy = _model_strategy(kwargs.get("model"))
+    if strategy is not None:
+        return strategy.for_model(zero_stage, world_size, params, optimizer, **kwargs)
     if zero_stage == 0 or world_size == 1:
         return Replicated(params, optimizer, world_size=world_size, dcp_state_dict=zero_stage > 0, **kwargs)
     cls = ZeroStage1 if zero_stage == 1 else ZeroStage2
