@@ -323,10 +323,14 @@ def _rank_main(rank, world, port, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     try:
-        accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=K)
-        assert accelerator.num_processes == world and dist.get_backend() == "gloo"
-        updates, model, _ = _run(accelerator, record_batches=True)
-        result = {"updates": updates, "ddp": isinstance(model, torch.nn.parallel.DistributedDataParallel)}
+        result = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=K)
+            assert accelerator.num_processes == world and dist.get_backend() == "gloo"
+            updates, model, _ = _run(accelerator, dtype=dtype, record_batches=True)
+            result[dtype] = {"updates": updates, "ddp": isinstance(model, torch.nn.parallel.DistributedDataParallel)}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
     except BaseException:
@@ -342,7 +346,8 @@ def _rank_main(rank, world, port, out):
 def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
     """Two ranks under Accelerate's launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): the model is not
     wrapped in DDP, gaengine all-reduces; each rank's parameters after every update (the end-of-dataloader partial
-    window included) equal one fp64 process running each window over both ranks' micro-batches as one batch.
+    window included) equal one fp64 process running each window over both ranks' micro-batches as one batch, with
+    fp32 parameters (1e-6) and bf16 parameters (their fp32 masters, within BF16_RTOL).
     Accelerate's scheduler steps num_processes times per applied update (its convention: the schedule is written
     for one process's batches), the reference likewise."""
     world, port = 2, _free_port()
@@ -358,14 +363,15 @@ def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
             p.kill()
     assert [p.exitcode for p in procs] == [0] * world
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    assert not any(r["ddp"] for r in results)
-    per_rank = [r["updates"] for r in results]
-    assert [u["micro"] for u in per_rank[0]] == [2, 1]  # 3 batches per rank (even_batches): one full, one partial
-    windows = [[b for r in range(world) for b in per_rank[r][w]["batches"]] for w in range(len(per_rank[0]))]
-    ref = _reference(windows, lr_steps_per_update=world)
-    for updates in per_rank:
-        assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
-        assert _max_rel(updates, ref) <= 1e-6
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, BF16_RTOL)):
+        assert not any(r[dtype]["ddp"] for r in results)
+        per_rank = [r[dtype]["updates"] for r in results]
+        assert [u["micro"] for u in per_rank[0]] == [2, 1]  # 3 batches per rank (even_batches): a full, a partial
+        windows = [[b for r in range(world) for b in per_rank[r][w]["batches"]] for w in range(len(per_rank[0]))]
+        ref = _reference(windows, lr_steps_per_update=world)
+        for updates in per_rank:
+            assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
+            assert _max_rel(updates, ref) <= tol
 
 
 def test_import_gaengine_imports_no_framework():
@@ -380,3 +386,45 @@ def test_import_gaengine_imports_no_framework():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_more_refusals_name_their_argument():
+    """Each remaining error of the integration: a TypeError/ValueError naming what was wrong, raised before anything
+    is accumulated or built."""
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="accumulator_options must be a mapping"):
+        GaengineAccelerator(cpu=True, accumulator_options=[("zero_stage", 1)])
+    with pytest.raises(TypeError, match="max_grad_norm given both"):
+        GaengineAccelerator(cpu=True, max_grad_norm=1.0, accumulator_options={"max_grad_norm": 2.0})
+    with pytest.raises(ValueError, match="parallelism_config"):
+        GaengineAccelerator(cpu=True, parallelism_config=SimpleNamespace(tp_enabled=True, cp_enabled=False))
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2)
+    ddp = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        accelerator.prepare_model(ddp)
+
+    class Lomo(torch.optim.SGD):  # stands for lomo_optim.Lomo, matched by name as Accelerate does
+        pass
+
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="optimizer: Lomo"):
+        accelerator.prepare(model, Lomo(model.parameters(), lr=0.1))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2, accumulator_options={"zero_stage": 1})
+    model = torch.nn.Linear(3, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="a second optimizer"):
+        accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="learning_rate"):
+        accelerator.backward(model(torch.ones(1, 3)).sum(), learning_rate=0.1)
+    accelerator.gradient_state._set_sync_gradients(True)
+    accelerator.backward(model(torch.ones(1, 3)).sum())
+    with pytest.raises(TypeError, match="max_norm"):
+        accelerator.clip_grad_norm_(model.parameters(), "one")
+    with pytest.raises(RuntimeError, match="zero_stage=1"):
+        opt.state_dict()
+    assert accelerator.accumulator.num_micro_batches == 1  # nothing lost
+    opt.step()
+    assert opt.last_result.num_micro_batches == 1
