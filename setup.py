@@ -176,7 +176,7 @@ def main():
     # (the clone itself, seen from its parent) shadow the package as an empty namespace package
     # (pypa/setuptools#3557). tests/test_packaging.py imports gaengine from such a folder.
     setup(
-        packages=["gaengine", "gaengine.tools", "gaengine.tools.bench", "gaengine.kernels"],
+        packages=["gaengine", "gaengine.tools", "gaengine.tools.bench", "gaengine.kernels", "gaengine.integrations"],
         package_dir={"": "."},
         ext_modules=ext_modules,
         cmdclass=cmdclass,

@@ -10,7 +10,6 @@ recipe divides every loss by K, the partial window's too, and fails the same che
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import sys
@@ -256,7 +255,8 @@ def test_save_state_load_state_resume_mid_window_exactly(tmp_path):
 
     accelerator, model, opt, sched, loader = setup()
     train(accelerator, model, opt, sched, loader)
-    full = [p.detach().clone() for p in model.parameters()] + [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    full = ([p.detach().clone() for p in model.parameters()]
+            + [p.detach().clone() for p in opt.param_groups[0]["params"]])
 
     accelerator, model, opt, sched, loader = setup()
     train(accelerator, model, opt, sched, loader, stop=2)  # windows [0, 1] applied, batch 2 in the window

@@ -65,8 +65,8 @@ def _refuse_arguments(args: Any) -> None:
     optim = str(getattr(args.optim, "value", args.optim))
     if optim.endswith("_layerwise") or optim in _LAYERWISE:
         raise ValueError(f"TrainingArguments.optim={optim!r} updates each parameter inside backward (a layer-wise "
-                         "optimizer): there is no gradient to accumulate. Pick an optimizer that steps once per update, "
-                         "e.g. optim='adamw_torch_fused'")
+                         "optimizer): there is no gradient to accumulate. Pick an optimizer that steps once per "
+                         "update, e.g. optim='adamw_torch_fused'")
     if args.n_gpu > 1:
         raise ValueError(f"n_gpu={args.n_gpu}: the Trainer would wrap the model in torch DataParallel, which gaengine "
                          "cannot accumulate through; launch one process per GPU with torchrun (gaengine reduces across "
@@ -149,8 +149,9 @@ class GaengineTrainer(Trainer):
         if self._item_mode is False or (self._item_mode is None and not applies):
             return None
         if not applies:
-            raise ValueError("item_mode=True needs a model whose forward takes num_items_in_batch (accepts_loss_kwargs), "
-                             "a batch with 'labels', and no compute_loss_func or label smoothing; use item_mode=None")
+            raise ValueError("item_mode=True needs a model whose forward takes num_items_in_batch "
+                             "(accepts_loss_kwargs), a batch with 'labels', and no compute_loss_func or label "
+                             "smoothing; use item_mode=None")
         if "shift_labels" in inputs:
             labels = inputs["shift_labels"]
         else:
