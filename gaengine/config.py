@@ -223,6 +223,17 @@ class AccumulatorConfig:
                              "sharded update with the next forward); got zero_stage=0: drop overlap_param_gather or "
                              "set zero_stage")
 
+    @classmethod
+    def from_options(cls, owner: str = "GradientAccumulator", **options: Any) -> AccumulatorConfig:
+        """The config of ``owner(..., **options)``: ``TypeError`` naming an unknown keyword and listing the fields
+        (Python's own error would name this dataclass, not the call the user wrote)."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}; its options are the fields "
+                            f"of gaengine.AccumulatorConfig: {', '.join(names)}")
+        return cls(**options)
+
     def _set(self, name: str, value: Any) -> None:
         """Store the normalized value of a checked field (e.g. ``max_grad_norm=1`` as ``1.0``)."""
         object.__setattr__(self, name, value)

@@ -36,7 +36,7 @@ from gaengine.buffer import FlatBuffer
 from gaengine.hooks import Hooks
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.reduce import count_mismatch_message, wait_quietly
-from gaengine.scaler import (DEFAULT_MIN_LOSS_SCALE, ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss,
+from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
@@ -77,54 +77,20 @@ class GradientAccumulator:
             construction); ``acc.accumulation_steps`` (K of the current window) and ``acc.micro_batch_size`` start
             from it and are the accumulator's own to change.
 
-    Multi-rank: only the last micro-batch of a window communicates; each bucket's all-reduce starts as
-    soon as backward has produced its last gradient, overlapping the rest of backward. The denominator is
-    micro-batches x world size (mean mode) or the all-reduced item count (item mode), so every rank gets
-    the exact global mean. Every rank must call ``backward`` and ``step`` the same number of times.
-
-    Raises ``ValueError`` / ``TypeError`` naming the argument for bad input (see the tests), and
-    ``RuntimeError`` when a parameter already belongs to another live accumulator.
-
-    With a fused torch optimizer (``Adam``/``AdamW``/``SGD`` with ``fused=True``) the normalization and
-    clip coefficient and the skip flag reach the optimizer through its ``grad_scale``/``found_inf``
-    arguments: no extra pass over the gradients and no host sync. Other optimizers get one scale pass and
-    one host read of the skip flag. An ``lr_scheduler`` also costs one host read of the skip flag per
-    update (it runs on the host).
+    Multi-rank: only the last micro-batch of a window communicates, each bucket's all-reduce overlapping the rest
+    of backward; the denominator is global, so every rank gets the exact global mean (docs/multi-rank.md). Raises
+    ``ValueError`` / ``TypeError`` naming the argument for bad input, ``RuntimeError`` when a parameter already
+    belongs to another live accumulator. A fused torch optimizer (``fused=True``) gets the normalization x clip
+    coefficient and the skip flag as ``grad_scale``/``found_inf``: no extra pass, no host sync (docs/performance.md).
     """
 
-    def __init__(
-        self,
-        model: nn.Module | Iterable[torch.Tensor],
-        optimizer: torch.optim.Optimizer | None,
-        accumulation_steps: int | AccumulationSchedule = 8,
-        max_grad_norm: float | None = 1.0,
-        lr_scheduler: Any = None,
-        backend: str = "auto",
-        *,
-        master_weights: bool = True,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_size_mb: float = 25.0,
-        reduce_dtype: torch.dtype = torch.float32,
-        broadcast_buffers: bool = True,
-        loss_scale: str | float | None = "auto",
-        min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE,
-        batchnorm: str | None = None,
-        max_consecutive_skips: int | None = None,
-        micro_batch_size: int | None = None,
-        measure_noise_scale: bool = False,
-        noise_scale_ema: float = 0.95,
-        zero_stage: int = 0,
-        overlap_param_gather: bool = False,
-        overlap_grad_reduce: bool = True,
-    ) -> None:
+    def __init__(self, model: nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                 accumulation_steps: int | AccumulationSchedule = 8, max_grad_norm: float | None = 1.0,
+                 lr_scheduler: Any = None, backend: str = "auto", *, process_group: dist.ProcessGroup | None = None,
+                 **options: Any) -> None:
         # Every option checked once, before anything touches the model (gaengine.config: ValueError naming it).
-        self.config = config = AccumulatorConfig(
-            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, backend=backend,
-            master_weights=master_weights, bucket_size_mb=bucket_size_mb, reduce_dtype=reduce_dtype,
-            broadcast_buffers=broadcast_buffers, loss_scale=loss_scale, min_loss_scale=min_loss_scale,
-            batchnorm=batchnorm, max_consecutive_skips=max_consecutive_skips, micro_batch_size=micro_batch_size,
-            measure_noise_scale=measure_noise_scale, noise_scale_ema=noise_scale_ema, zero_stage=zero_stage,
-            overlap_param_gather=overlap_param_gather, overlap_grad_reduce=overlap_grad_reduce)
+        self.config = config = AccumulatorConfig.from_options(
+            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, backend=backend, **options)
         ownership.check_arguments(model, optimizer, config)
         module = model if isinstance(model, nn.Module) else None
         params = trainable_params(model)
@@ -139,21 +105,22 @@ class GradientAccumulator:
             process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
         self.distributed = self.world_size > 1
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.max_grad_norm, self.min_loss_scale = config.max_grad_norm, config.min_loss_scale
-        self.micro_batch_size = micro_batch_size
-        self.zero_stage = zero_stage  # as asked; sharded only on several ranks (gaengine.sharding)
-        self.bucket_size_mb, self.reduce_dtype = float(bucket_size_mb), reduce_dtype
+        # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
+        # micro-batch (gaengine train --auto-micro-batch halves it), the loss scale's floor.
+        self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
+        self.min_loss_scale = config.min_loss_scale
+        self.zero_stage, self.bucket_size_mb = config.zero_stage, config.bucket_size_mb  # zero_stage: as asked
         # The window (counters, loss sum, failed flag, stats: gaengine.window), K per window and the updates so far
         # (gaengine.schedules), the counts a step() left unread (several ranks), the loss scale, the noise scale.
         self.window = Window(self.device)
         self.schedule = WindowSchedule(accumulation_steps)
         self._late_counts = LateCounts(self.world_size, self.device)
-        self._skips = ConsecutiveSkips(max_consecutive_skips)
-        self.scaler: LossScaler | None = choose_loss_scaler(loss_scale, params, self.device, self.min_loss_scale)
-        self._auto_loss_scale = loss_scale == "auto" and self.scaler is None  # until the first backward sees autocast
-        self._noise = WindowNoise(noise_scale_ema, self.device) if measure_noise_scale else None
+        self._skips = ConsecutiveSkips(config.max_consecutive_skips)
+        self.scaler: LossScaler | None = choose_loss_scaler(config.loss_scale, params, self.device, self.min_loss_scale)
+        self._auto_loss_scale = config.loss_scale == "auto" and self.scaler is None  # till a backward sees autocast
+        self._noise = WindowNoise(config.noise_scale_ema, self.device) if config.measure_noise_scale else None
         self.window_batchnorm: WindowBatchNorm | None = None
-        if module is not None and batchnorm == "window":
+        if module is not None and config.batchnorm == "window":
             self.window_batchnorm = WindowBatchNorm(module)
         elif module is not None:
             warn_batchnorm(module, self.accumulation_steps)
@@ -162,10 +129,10 @@ class GradientAccumulator:
         # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
         self._grads_left = False
         self.sharding: ShardingStrategy = make_sharding(
-            zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
-            process_group=process_group, bucket_size_mb=self.bucket_size_mb, reduce_dtype=reduce_dtype,
-            master_weights=master_weights, measure_sources=self._noise is not None, model=module,
-            overlap_param_gather=overlap_param_gather, broadcast_buffers=broadcast_buffers)
+            config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
+            process_group=process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
+            master_weights=config.master_weights, measure_sources=self._noise is not None, model=module,
+            overlap_param_gather=config.overlap_param_gather, broadcast_buffers=config.broadcast_buffers)
         self._model = ownership.ModelWatch(self.params, self.device, self.sharding.check_model)
         ownership.claim(self.params, self)
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
@@ -209,12 +176,10 @@ class GradientAccumulator:
             micro-batch of a window passes it or none does.
         backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
 
-        Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``
-        (an int must be >= 1) and ``RuntimeError`` when the window is already complete (call ``step()``), when an earlier backward of this window raised (call
-        ``zero_grad()``), or when the model was moved or converted after construction (build a new accumulator);
-        in all these cases nothing is accumulated and the window is left as it was. An error raised during
-        autograd (a user's hook, out of memory, a gradient arriving too late to be reduced) leaves the window
-        failed and no ``.grad`` behind: ``zero_grad()`` drops it.
+        Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``,
+        ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the model
+        moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd leaves
+        the window failed and no ``.grad`` behind: ``zero_grad()`` drops it.
         """
         check_loss(loss)
         self._model.check()
@@ -275,10 +240,8 @@ class GradientAccumulator:
             micro-batches (or items) it actually holds, so the result is exact. With no micro-batch in the
             window, returns None.
 
-        Item mode with ``num_items`` given as tensors that add up to 0 over the window (every micro-batch was
-        empty): there is nothing to normalize by, so the update is skipped on the device (``result.skipped``
-        is True, ``grad_norm`` and ``loss`` are inf or NaN, the window is dropped; with dynamic loss scaling the
-        scale backs off as for any skipped update). Python ints are checked in ``backward()`` instead.
+        Item mode whose tensor ``num_items`` add up to 0 over the window: nothing to normalize by, so the update is
+        skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped).
 
         Several ranks: every rank's window must hold the same number of micro-batches; when they differ, every
         rank skips the update (``result.skipped``; parameters, optimizer, ``lr_scheduler``, loss scale and schedule
@@ -437,32 +400,15 @@ class GradientAccumulator:
             self.window_batchnorm.reset()
 
     def state_dict(self) -> dict:
-        """Everything needed to resume, mid-window included: the window's gradient sums and counts, the fp32
-        master weights, the optimizer's state and param groups, the ``lr_scheduler``, the loss scale, the bucket
-        order and the schedule's position, in one format for every ``zero_stage``
-        (``gaengine.checkpoint.accumulator_state_dict`` documents its entries).
-
-        It is ``torch.distributed.checkpoint``'s form: one ``gaengine.checkpoint.FlatShard`` per flattened
-        parameter, of which each rank holds its range (the whole parameter unless ``zero_stage >= 1`` shards it
-        over several ranks), so the model's and the accumulator's state dicts are all a checkpoint needs::
-
-            state = {"model": model.state_dict(), "acc": acc.state_dict()}
-            dcp.save(state, checkpoint_id=path)
-            # later, after building model, optimizer and accumulator again (any world size, any zero_stage):
-            state = {"model": model.state_dict(), "acc": acc.state_dict()}
-            dcp.load(state, checkpoint_id=path)
-            model.load_state_dict(state["model"]); acc.load_state_dict(state["acc"])
-
-        Where the rank holds every value whole (a replicated run: ``zero_stage=0``, or one rank), ``torch.save``
-        writes it as plain CPU tensors and Python scalars and ``torch.load(..., weights_only=True)`` reads it back
-        (one file per rank on several ranks); the optimizer's and scheduler's own state dicts may still be saved
-        and loaded beside it (the same values). A ``FlatShard`` of a sharded run refuses ``torch.save``.
-
-        Saved between windows it loads on any world size and ``zero_stage``; saved mid-window only on the same world
-        size and sharding strategy (on one rank every ``zero_stage`` is the replicated strategy, so there it loads
-        at any ``zero_stage``), bit-identically except at ``zero_stage=1`` on several ranks (its window's sums are
-        saved reduced over the ranks: fp32 rounding order). Every rank calls it; mid-window on several ranks it is a
-        collective. Raises ``RuntimeError`` between the window's last ``backward`` and ``step()``.
+        """Everything needed to resume, mid-window included: the window's fp32 sums and counts, the fp32 masters,
+        the optimizer's state and param groups, the ``lr_scheduler``, the loss scale, the bucket order and the
+        schedule's position. One format for every ``zero_stage`` (``gaengine.checkpoint.accumulator_state_dict``), in
+        ``torch.distributed.checkpoint``'s form: one ``gaengine.checkpoint.FlatShard`` per flattened parameter, each
+        rank holding its range. Save it with ``dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, ...)``
+        or, where a rank holds every value whole (``zero_stage=0``, one rank), ``torch.save`` (plain CPU tensors,
+        ``torch.load(..., weights_only=True)``). Saved between windows it loads on any world size and ``zero_stage``,
+        mid-window on the same ones, bit-identically (docs/checkpoints.md). Every rank calls it. Raises
+        ``RuntimeError`` between the window's last ``backward`` and ``step()``.
         """
         self.sharding.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)

@@ -1,7 +1,7 @@
 """``gaengine.AccumulatorConfig``: the accumulator's options in one frozen dataclass, checked once.
 
-Checked against references outside the config: ``GradientAccumulator``'s signature (every keyword is a field, with
-the same default), the error text (it names the field), the gradient of a window computed in fp64 by autograd, the
+Checked against references outside the config: ``GradientAccumulator``'s signature (its named options are fields,
+with the same defaults; every other keyword reaches the config, an unknown one is a ``TypeError`` naming it), the error text (it names the field), the gradient of a window computed in fp64 by autograd, the
 command line that ``gaengine train`` parses, and, on two gloo ranks, where the all-reduces are launched.
 """
 
@@ -38,10 +38,39 @@ def _loss(model: nn.Module, seed: int) -> torch.Tensor:
 
 def test_every_keyword_of_the_accumulator_is_a_field_with_the_same_default():
     signature = inspect.signature(gaengine.GradientAccumulator.__init__).parameters
-    keywords = {name: p.default for name, p in signature.items() if name != "self" and name not in OBJECTS}
+    named = {name: p.default for name, p in signature.items()
+             if p.kind is not p.VAR_KEYWORD and name != "self" and name not in OBJECTS}
     fields = {f.name: f.default for f in dataclasses.fields(AccumulatorConfig)}
-    assert keywords == fields
-    assert set(signature) - {"self"} - set(fields) == set(OBJECTS)
+    assert named and named == {name: fields[name] for name in named}
+    assert set(signature) - {"self", "options"} - set(fields) == set(OBJECTS)
+
+
+@pytest.mark.parametrize("field", [f for f in dataclasses.fields(AccumulatorConfig)], ids=lambda f: f.name)
+def test_every_field_reaches_the_accumulators_config(field):
+    """Each option passed by keyword ends in ``acc.config``: a non-default value where one is valid on one rank."""
+    other = {"accumulation_steps": 3, "max_grad_norm": 0.5, "backend": "torch", "master_weights": False,
+             "bucket_size_mb": 1.0, "reduce_dtype": torch.bfloat16, "broadcast_buffers": False, "loss_scale": 8.0,
+             "min_loss_scale": 0.5, "batchnorm": "window", "max_consecutive_skips": 2, "micro_batch_size": 4,
+             "measure_noise_scale": True, "noise_scale_ema": 0.5, "zero_stage": 1, "overlap_param_gather": None,
+             "overlap_grad_reduce": False}[field.name]
+    if other is None:  # needs zero_stage >= 1 too
+        kwargs = {"zero_stage": 1, field.name: True}
+    else:
+        kwargs = {field.name: other}
+    model = _model()
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    try:
+        assert {name: getattr(acc.config, name) for name in kwargs} == kwargs
+    finally:
+        acc.close()
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_it():
+    model = _model()
+    with pytest.raises(TypeError, match=r"GradientAccumulator\(\) got an unexpected keyword argument 'max_norm'.*"
+                                        r"max_grad_norm"):
+        gaengine.GradientAccumulator(model, None, max_norm=1.0)
+    assert all(not hasattr(p, "_gaengine_accumulator") for p in model.parameters())  # nothing was taken
 
 
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(AccumulatorConfig)])
