@@ -30,7 +30,7 @@ What is refused (``check_fsdp2_model``, ``TypeError``/``ValueError`` at construc
 that is not an ``FSDPModule``, trainable parameters ``fully_shard`` does not manage, ``CPUOffloadPolicy``, HSDP
 (2-D meshes) and other meshes than the accumulator's group, ``replicate()``; in ``FullyShardedGrads``:
 ``zero_stage > 0``, ``reduce_dtype`` other than fp32 (FSDP2's ``MixedPrecisionPolicy.reduce_dtype`` sets the
-wire), ``overlap_param_gather``, ``measure_noise_scale`` and ``gaengine.optim.FusedAdamW``. A model whose
+wire), ``overlap_param_gather`` and ``gaengine.optim.FusedAdamW``. A model whose
 gradient sync was turned off behind the accumulator's back (``set_requires_gradient_sync(False)``,
 ``set_requires_all_reduce(False)``) is refused at the next ``backward()`` (``RuntimeError``).
 """
@@ -139,8 +139,16 @@ class ShardHooks(PythonHooks):
     FSDP2 parameter group) into ``main_grad``'s local-shard layout. There is no reducer (FSDP2 reduces)."""
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 measure_sources: bool = False) -> None:
+                 measure_sources: bool = False, divide_factor=lambda: 1.0) -> None:
         super().__init__(params, main_grad, backend, buckets, None, measure_sources)
+        self._divide_factor = divide_factor
+
+    @property
+    def sources_reduced_by(self) -> float:
+        """f: what the hooks accumulate (and measure, ``measure_sources``) is this rank's shard of each micro-batch's
+        gradient summed over the ranks and divided by f, FSDP2's divide factor (``gaengine.noise.WindowNoise``
+        takes the global micro-batch as the small batch)."""
+        return self._divide_factor()
 
     def _accumulate(self, i: int, param: torch.Tensor) -> None:
         grad = param.grad
@@ -182,8 +190,9 @@ class FullyShardedGrads(ShardingStrategy):
     ``model``. main_grad: ``(sum of local numels, aligned)`` fp32 on the parameters' device. master_buffer: the
     fp32 master shards of the bf16/fp16 parameters the optimizer holds (``master_weights=True``), or None.
     Raises ``ValueError`` naming the option for ``reduce_dtype`` other than fp32, ``overlap_param_gather``,
-    ``measure_noise_scale`` (``measure_sources``), ``gaengine.optim.FusedAdamW``, and a process group whose size
-    is not FSDP2's shard group's.
+    ``gaengine.optim.FusedAdamW``, and a process group whose size is not FSDP2's shard group's.
+    ``measure_noise_scale`` (``measure_sources``): the hooks measure each micro-batch's local shard, and the small
+    batch is the global micro-batch (``gaengine.noise.WindowNoise.global_terms``).
     """
 
     name = "fsdp2 (fully_shard)"
@@ -224,10 +233,6 @@ class FullyShardedGrads(ShardingStrategy):
         if self.overlap_param_gather:
             raise ValueError("overlap_param_gather=True is a zero_stage option; FSDP2 all-gathers the parameters "
                              "itself (its forward prefetching): leave overlap_param_gather off")
-        if self.measure_sources:
-            raise ValueError("measure_noise_scale=True is not supported with an FSDP2 model yet (its small batch is "
-                             "the global micro-batch, whose norm the per-rank terms do not give): leave "
-                             "measure_noise_scale off")
         if optimizer is not None and writes_model_params(optimizer):
             raise ValueError("optimizer is a gaengine.optim.FusedAdamW, which updates flat parameter pieces, not "
                              "FSDP2's DTensor parameters: use torch.optim.AdamW(..., fused=True) (it takes "
@@ -256,7 +261,8 @@ class FullyShardedGrads(ShardingStrategy):
         offsets = list(layout.offsets) + [layout.total_numel]
         buckets = [Bucket(b, first, last, offsets[first], offsets[last]) for b, (first, last) in enumerate(bounds)]
         self.reducer = _NoReducer() if self.distributed else None
-        self.hooks = ShardHooks(order, self.main_grad, self.backend, buckets)
+        self.hooks = ShardHooks(order, self.main_grad, self.backend, buckets, self.measure_sources,
+                                divide_factor=self._divide_factor)
         self.store = None
         self._build_update(optimizer)
 

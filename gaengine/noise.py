@@ -22,7 +22,12 @@ Since ``E|g_k|^2 = |G|^2 + tr(Sigma) / n_k`` and ``E|G_big|^2 = |G|^2 + tr(Sigma
 micro-batch sizes; with equal sizes (``n_k = B_small``, ``N = B_big``) they are eqs. A.2-A.3 with the mean over the
 window's micro-batches as the small-batch estimate. With ``zero_stage`` 1 or 2 every norm is there as
 without sharding: each rank's micro-batch norms are taken as the hooks accumulate them, before any reduce-scatter,
-and the window's norm comes from the shards. A window of one micro-batch on one rank has no small batch
+and the window's norm comes from the shards. With an FSDP2 model (``gaengine.fsdp2``) the hooks see only this
+rank's shard of each micro-batch's gradient already summed over the ranks (FSDP2 reduce-scatters every
+micro-batch), so the small batch is the global micro-batch: its ``n_k`` is the sum over ranks (items in item mode;
+d micro-batches in mean mode, so that ``B_simple`` keeps the unit of the other modes, a rank's micro-batch) and its
+squared norm the sum over ranks of the shards' sums of squares, both summed in the window's stats all-reduce
+before they are combined (``WindowNoise.global_terms``). A window of one micro-batch on one rank has no small batch
 apart from the big one (the denominator is 0): it leaves the averages unchanged, as does a skipped window (a
 non-finite gradient) and one whose source norms are unknown (NaN rows, see ``Hooks.window_source_sumsq``).
 
@@ -160,6 +165,7 @@ class WindowNoise:
         self.device = self.scale.device
         self.sizes: list[int | float | torch.Tensor] = []  # items per micro-batch of the window (item mode)
         self.carry: torch.Tensor | None = None  # (j,) fp32: source norms of a window saved mid-window
+        self.per_micro_batch = False  # terms() gave per-micro-batch rows to sum over ranks (global micro-batches)
 
     @property
     def ema(self) -> float:
@@ -185,8 +191,16 @@ class WindowNoise:
         return rows
 
     def terms(self, hooks, num_micro_batches: int, item_mode: bool, loss_scale: torch.Tensor | None) -> torch.Tensor:
-        """This rank's small-batch terms of the window (``NoiseScale.small_batch_terms``): ``(3,)`` fp64 on the
-        device, from the hooks' source norms (one reduction, once per window) and the items of each micro-batch.
+        """This rank's small-batch terms of the window, from the hooks' source norms (one reduction, once per
+        window) and the items of each micro-batch; summed over ranks as they are (the window's stats all-reduce).
+
+        The small batch is this rank's micro-batch: ``(3,)`` fp64 on the device (``NoiseScale.small_batch_terms``).
+        When the hooks' sources are shards of the global micro-batch (hooks with ``sources_reduced_by`` = f, not
+        None: ``gaengine.fsdp2.ShardHooks``, whose sources are this rank's shard of the sum over ranks of the
+        micro-batch's gradients divided by FSDP2's divide factor f), the small batch is the global micro-batch k:
+        its squared norm and its size are sums over ranks, combined only after the sum (``global_terms``). Then
+        ``(2k,)`` fp64: ``[f^2 |shard_k|^2 / loss_scale^2 for k] + [n_k of this rank for k]`` (n_k: items in item
+        mode, 1 in mean mode), and ``update`` combines the summed rows.
         ``RuntimeError`` when the hooks measured another number of micro-batches than the window holds (a bug)."""
         rows = self.sources(hooks)
         if rows is None or rows.numel() != num_micro_batches:
@@ -202,11 +216,33 @@ class WindowNoise:
                 sizes = torch.stack([s if isinstance(s, torch.Tensor) else
                                      torch.full((), float(s), dtype=torch.float64, device=self.device)
                                      for s in self.sizes])
-        return NoiseScale.small_batch_terms(rows, sizes, loss_scale)
+        factor = getattr(hooks, "sources_reduced_by", None)
+        self.per_micro_batch = factor is not None
+        if factor is None:
+            return NoiseScale.small_batch_terms(rows, sizes, loss_scale)
+        sq = rows.to(torch.float64) * (float(factor) ** 2)
+        if loss_scale is not None:
+            sq = sq / loss_scale.to(torch.float64).square()
+        if sizes is None:
+            sizes = torch.ones(num_micro_batches, dtype=torch.float64, device=sq.device)
+        return torch.cat([sq, sizes.to(sq.device)])
+
+    @staticmethod
+    def global_terms(rows: torch.Tensor) -> torch.Tensor:
+        """The small-batch terms of global micro-batches: ``rows`` ``(2k,)`` fp64, ``terms()``'s per-micro-batch
+        rows summed over the ranks (``[|G_k|^2 x n_k^2 ...] + [n_k ...]``, ``G_k`` the global micro-batch's
+        normalized gradient: item mode ``sum_r g_rk / n_k`` with ``n_k = sum_r n_rk`` items, mean mode
+        ``sum_r g_rk / d`` with ``n_k = d`` micro-batches). Returns ``(3,)`` fp64 as
+        ``NoiseScale.small_batch_terms``: ``[sum_k |G_k|^2, sum_k 1 / n_k, M]`` over the ``n_k > 0``."""
+        k = rows.numel() // 2
+        return NoiseScale.small_batch_terms(rows[:k], rows[k:], None)
 
     def update(self, terms: torch.Tensor, big_sq: torch.Tensor, total: torch.Tensor,
                skipped: torch.Tensor) -> NoiseEstimate:
-        """``NoiseScale.update``: average in the window."""
+        """``NoiseScale.update``: average in the window. terms: ``terms()`` summed over ranks (per-micro-batch
+        rows are combined here, ``global_terms``)."""
+        if self.per_micro_batch:
+            terms = self.global_terms(terms)
         return self.scale.update(terms, big_sq, total, skipped)
 
     def state_dict(self, hooks, num_micro_batches: int) -> dict:

@@ -109,6 +109,7 @@ CASES = {
 }
 WORLD_CASES = {1: ["mean", "items-partial-noclip"], 2: list(CASES), 3: ["items-partial-noclip"],
                4: ["items"]}
+WORLD_NOISE = {1: ["noise-items"], 2: ["noise-mean", "noise-items"], 3: ["noise-mean"], 4: []}
 
 
 def _window_sizes(cfg) -> list[int]:
@@ -211,6 +212,38 @@ def _bf16_windows(rank: int, world: int) -> dict:
     return out
 
 
+NOISE_PLAN = [3, 3, 2, 3]  # micro-batches per window (K = 3): the third window partial (step(force=True))
+NOISE_POISONED = 3  # this window's second micro-batch has a NaN loss on rank 0: skipped, the averages stay
+NOISE_EMA = 0.8
+NOISE_RTOL = 1e-3  # issue 17's bound of the estimator against the fp64 oracle
+NOISE_CASES = {"noise-mean": "mean", "noise-items": "items"}
+
+
+def _noise_run(rank: int, world: int, mode: str) -> dict:
+    """``measure_noise_scale=True`` over ``NOISE_PLAN`` (SGD; a static loss scale of 128 in mean mode): the full
+    parameters before each window and each window's (B_simple, tr Sigma, |G|^2)."""
+    torch.manual_seed(0)
+    model = _shard(Net(), world)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=K,
+                                       max_grad_norm=None, measure_noise_scale=True, noise_scale_ema=NOISE_EMA,
+                                       loss_scale=128.0 if mode == "mean" else None)
+    xs, labels = _data(world, steps=len(NOISE_PLAN), seed=5)
+    out = {"before": [], "estimates": []}
+    for s, k in enumerate(NOISE_PLAN):
+        out["before"].append(_full(model))
+        for j in range(k):
+            loss = _loss(model, xs[s, rank, j], labels[s, rank, j], mode == "items", True)
+            if s == NOISE_POISONED and j == 1 and rank == 0:
+                loss = loss * float("nan")
+            acc.backward(loss, num_items=int((labels[s, rank, j] != -100).sum()) if mode == "items" else None)
+        res = acc.step(force=True)
+        assert res.num_micro_batches == k and bool(res.skipped) == (s == NOISE_POISONED)
+        out["estimates"].append(tuple(float(t) for t in (res.grad_noise_scale, res.noise_trace_sigma,
+                                                          res.noise_grad_sq)))
+    acc.close()
+    return out
+
+
 def _refusals(rank: int, world: int) -> dict:
     """Every model and option the accumulator refuses; each entry: (exception type, message) or None."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -266,10 +299,6 @@ def _refusals(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         return _shard(Net(), world), {"zero_stage": 1}
 
-    def noise():
-        torch.manual_seed(0)
-        return _shard(Net(), world), {"measure_noise_scale": True}
-
     def reduce_dtype():
         torch.manual_seed(0)
         return _shard(Net(), world), {"reduce_dtype": torch.bfloat16}
@@ -290,7 +319,7 @@ def _refusals(rank: int, world: int) -> dict:
 
     out = {name: attempt(build) for name, build in [
         ("fsdp1", fsdp1), ("foreign-dtensor", foreign_dtensor), ("root-not-fsdp", child_only), ("mixed", mixed),
-        ("cpu-offload", offload), ("zero-stage", zero), ("noise-scale", noise), ("reduce-dtype", reduce_dtype),
+        ("cpu-offload", offload), ("zero-stage", zero), ("reduce-dtype", reduce_dtype),
         ("fused-adamw", fused_adamw), ("sync-off", sync_off)]}
     return out
 
@@ -385,6 +414,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]
                 results[name] = _fsdp2_recipe(rank, world)
             elif name == "bf16":
                 results[name] = _bf16_windows(rank, world)
+            elif name in NOISE_CASES:
+                results[name] = _noise_run(rank, world, NOISE_CASES[name])
             elif name == "refusals":
                 results[name] = _refusals(rank, world)
             elif name == "checkpoint":
@@ -503,6 +534,74 @@ def _bf16_bound(world: int, results: list[dict]) -> None:
     assert max(ratios_fsdp2) > 1.0, "FSDP2's bf16 accumulation should break the one-rounding-per-micro-batch bound"
 
 
+def _noise_oracle(world: int, mode: str, before: list[list[torch.Tensor]], global_small: bool = True) -> list:
+    """Per window, the (B_simple, tr Sigma, |G|^2) the accumulator must report, in fp64 (McCandlish et al., arXiv
+    1812.06162, eqs. A.2-A.3, with the bias-corrected moving averages written as explicit weighted sums).
+
+    The small batch is the global micro-batch k: ``G_k = U_k / n_k``, ``U_k`` the sum over ranks of the gradients
+    of rank r's micro-batch k (of its summed loss, ``n_k`` its items summed over ranks, in item mode; of its mean
+    loss, ``n_k = d``, in mean mode: a rank's micro-batch is the unit, as without FSDP2); the big batch is the
+    window, ``sum_k U_k / N``. global_small=False: the wrong recipe, each rank's micro-batch as a small batch."""
+    xs, labels = _data(world, steps=len(NOISE_PLAN), seed=5)
+    model = Net().double()
+    traces, grads, out = [], [], []
+    for s, k in enumerate(NOISE_PLAN):
+        if s != NOISE_POISONED:
+            with torch.no_grad():
+                for p, v in zip(model.parameters(), before[s]):
+                    p.copy_(v.double())
+            units, sizes = [], []  # one (U, n) per small batch
+            for j in range(k):
+                for r in range(world):
+                    model.zero_grad(set_to_none=True)
+                    logits = model(xs[s, r, j].double()).reshape(-1, OUT)
+                    lab = labels[s, r, j].reshape(-1)
+                    if mode == "items":
+                        nn.functional.cross_entropy(logits, lab, ignore_index=-100, reduction="sum").backward()
+                        n = float((lab != -100).sum())
+                    else:
+                        nn.functional.cross_entropy(logits, lab.clamp_min(0)).backward()
+                        n = 1.0
+                    u = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                    if global_small and r > 0:
+                        units[-1], sizes[-1] = units[-1] + u, sizes[-1] + n
+                    else:
+                        units.append(u)
+                        sizes.append(n)
+            total = sum(sizes)
+            big = torch.stack(units).sum(0) / total
+            mean_small = sum(float((u / n) @ (u / n)) for u, n in zip(units, sizes)) / len(units)
+            trace = (mean_small - float(big @ big)) / (sum(1.0 / n for n in sizes) / len(sizes) - 1.0 / total)
+            traces.append(trace)
+            grads.append(float(big @ big) - trace / total)
+        t = len(traces)
+        avg = [sum((1 - NOISE_EMA) * NOISE_EMA ** (t - 1 - i) * v for i, v in enumerate(vals)) / (1 - NOISE_EMA**t)
+               for vals in (traces, grads)]
+        out.append((avg[0] / avg[1], avg[0], avg[1]))
+    return out
+
+
+def _check_noise(world: int, name: str, results: list[dict]) -> float:
+    """Every rank's estimates within NOISE_RTOL of the oracle; the per-rank small batch (the wrong recipe) not."""
+    mode = NOISE_CASES[name]
+    before = results[0][name]["before"]
+    want = _noise_oracle(world, mode, before)
+    worst = 0.0
+    for rank, res in enumerate(results):
+        assert res[name]["estimates"] == results[0][name]["estimates"], f"{name}: ranks disagree"
+        for w, (got, exp) in enumerate(zip(res[name]["estimates"], want)):
+            for what, g, e in zip(("B_simple", "tr(Sigma)", "|G|^2"), got, exp):
+                err = abs(g - e) / abs(e)
+                worst = max(worst, err)
+                assert err <= NOISE_RTOL, f"{name} rank {rank} window {w}: {what} {g} vs the fp64 oracle's {e}"
+    if world > 1:
+        wrong = _noise_oracle(world, mode, before, global_small=False)
+        got = results[0][name]["estimates"][0][0]
+        assert abs(got - wrong[0][0]) / abs(wrong[0][0]) > NOISE_RTOL, "the per-rank small batch passes too"
+    print(f"noise scale, FSDP2, {world} rank(s), {mode}: max relative error {worst:.2e} against the fp64 oracle")
+    return worst
+
+
 def _check_refusals(results: list[dict]) -> None:
     expect = {"fsdp1": ("TypeError", "FullyShardedDataParallel (FSDP1)"),
               "foreign-dtensor": ("TypeError", "fully_shard did not make"),
@@ -510,7 +609,6 @@ def _check_refusals(results: list[dict]) -> None:
               "mixed": ("TypeError", "mixes FSDP2-sharded and plain trainable parameters"),
               "cpu-offload": ("ValueError", "CPUOffloadPolicy"),
               "zero-stage": ("ValueError", "zero_stage=1"),
-              "noise-scale": ("ValueError", "measure_noise_scale"),
               "reduce-dtype": ("ValueError", "reduce_dtype"),
               "fused-adamw": ("ValueError", "FusedAdamW"),
               "sync-off": ("RuntimeError", "set_requires_gradient_sync(True)")}
@@ -524,7 +622,7 @@ def _check_refusals(results: list[dict]) -> None:
 # ---------------------------------------------------------------- tests
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fsdp2_against_plain_recipe(tmp_path, world):
-    plan = list(WORLD_CASES[world])
+    plan = list(WORLD_CASES[world]) + WORLD_NOISE[world]
     if world in (1, 2):
         plan += ["refusals", "bf16"]
     if world == 2:
@@ -532,6 +630,8 @@ def test_fsdp2_against_plain_recipe(tmp_path, world):
     results = _launch(tmp_path, world, plan)
     for name in WORLD_CASES[world]:
         _check_case(name, world, results)
+    for name in WORLD_NOISE[world]:
+        _check_noise(world, name, results)
     if "refusals" in plan:
         _check_refusals(results)
     if "bf16" in plan:
