@@ -1,21 +1,11 @@
 """``GradientAccumulator``: fp32 flat-buffer gradient accumulation, late normalization, clipping, update.
 
-Data flow of one accumulation window of K micro-batches (docs/design.md); this module orchestrates it, each
-stage lives in the module named after it:
-
-* ``acc.backward(loss)`` runs autograd; each parameter's post-accumulate hook takes ``p.grad`` at once and,
-  when its bucket (``gaengine.bucket``) is complete, the whole bucket is added into its views of one flat
-  fp32 ``main_grad`` buffer (``gaengine.buffer``; the first write of a window overwrites: no zeroing pass)
-  in one launch. The hooks are C++ (``gaengine.hot_path`` over ``csrc/hot_path.cpp``: no Python per
-  parameter) when ``gaengine._C`` is built, else Python (``gaengine.hooks``). In the last micro-batch on
-  several ranks, each bucket's all-reduce starts as soon as it is complete (``gaengine.reduce``).
-* Gradients stay raw sums. ``acc.step()`` applies the denominator once — the number of micro-batches
-  (mean mode) or the total item count (item mode, ``num_items=``) — folded into the clip coefficient,
-  so a partial window (``step(force=True)``) and token-count normalization are exact.
-* ``step()`` makes one pass over the buffer (or none) for the sum of squares and the non-finite flag,
-  computes the clip coefficient on the device (``gaengine.norm``), and runs the optimizer on fp32
-  gradients (fp32 master weights for bf16/fp16 parameters, ``gaengine.update``). A non-finite gradient
-  skips the update.
+This module runs one accumulation window of K micro-batches (docs/design.md has the data flow): ``backward()``
+runs autograd while the hooks add each bucket of gradients into the fp32 ``main_grad`` (``gaengine.hooks``,
+``gaengine.bucket``); ``step()`` applies the window's one denominator (micro-batches, or items with
+``num_items=``) folded into the clip coefficient (``gaengine.norm``), then updates (``gaengine.store``). What
+differs between modes (replicated, ZeRO-1/2, FSDP2) is the sharding strategy's (``gaengine.sharding``); the
+window's counters are ``gaengine.window``'s, the loss scale ``gaengine.scaler``'s, K ``gaengine.schedules``'.
 """
 
 from __future__ import annotations
@@ -35,13 +25,13 @@ from gaengine.config import AccumulatorConfig
 from gaengine.buffer import FlatBuffer
 from gaengine.hooks import Hooks
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.reduce import count_mismatch_message, wait_quietly
+from gaengine.reduce import wait_quietly
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
 from gaengine.update import fused_optimizer
-from gaengine.window import FAILED_WINDOW, LateCounts, StepResult, Window, check_num_items
+from gaengine.window import FAILED_WINDOW, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -114,7 +104,7 @@ class GradientAccumulator:
         # (gaengine.schedules), the counts a step() left unread (several ranks), the loss scale, the noise scale.
         self.window = Window(self.device)
         self.schedule = WindowSchedule(accumulation_steps)
-        self._late_counts = LateCounts(self.world_size, self.device)
+        self._counts = RankCounts(self.world_size, self.device, process_group)
         self._skips = ConsecutiveSkips(config.max_consecutive_skips)
         self.scaler: LossScaler | None = choose_loss_scaler(config.loss_scale, params, self.device, self.min_loss_scale)
         self._auto_loss_scale = config.loss_scale == "auto" and self.scaler is None  # till a backward sees autocast
@@ -186,7 +176,7 @@ class GradientAccumulator:
         window = self.window
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
-        if self._late_counts.pending:  # the last window's per-rank counts, unread by its step()
+        if self._counts.pending:  # the last window's per-rank counts, unread by its step()
             self._report_count_check()
         if window.num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
@@ -253,7 +243,7 @@ class GradientAccumulator:
         """
         window = self.window
         k = window.num_micro_batches
-        if self._late_counts.pending:  # the last window's per-rank counts, unread by its step()
+        if self._counts.pending:  # the last window's per-rank counts, unread by its step()
             self._report_count_check()
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
@@ -285,19 +275,14 @@ class GradientAccumulator:
         else:
             self.sharding.update(norm.coef, skipped, unwritten, self.lr_scheduler)
 
-        # The ranks' counts on the host: read now where step() reads the device anyway or ends an epoch (see the
-        # docstring), else copied behind the all-reduce and read by the next backward() / step().
-        counts = late_counts = None
-        if mismatch is not None:
-            if partial or window.stats.host_counts is not None or self._reads_skip_flag():
-                counts = window.stats.read_counts()  # host read: after the skip flag's, or the unused flags', or force
-            else:
-                late_counts = window.stats.counts()
+        # The ranks' counts: read now where step() reads the device anyway or ends an epoch, else read by the next
+        # backward() / step(), which then undoes what this step counted (the schedule, a dynamic loss scale).
+        counts = None if mismatch is None else self._counts.read(
+            window.stats, now=partial or window.stats.host_counts is not None or self._reads_skip_flag(),
+            saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
+                           self.scaler.dynamic else (self.scaler.scale.clone(), self.scaler.growth_tracker.clone())))
         differ = counts is not None and any(c != k for c in counts)
-        scaler_state = None  # what a mismatch found later restores
         if self.scaler is not None and not differ:
-            if late_counts is not None and self.scaler.dynamic:
-                scaler_state = (loss_scale, self.scaler.growth_tracker.clone())
             self.scaler.update(norm.skipped.to(torch.float32))
         if self.window_batchnorm is not None:
             self.window_batchnorm.end_window()
@@ -307,7 +292,6 @@ class GradientAccumulator:
                                                              noise_trace_sigma=noise.trace_sigma,
                                                              noise_grad_sq=noise.grad_sq)))
         self.schedule.observe(result)
-        counters = (self.schedule.update_index, self.schedule.items_seen)
         if not differ:
             self.schedule.advance(k, self.world_size, self.micro_batch_size)
             self._skips.observe(norm.skipped, loss_scale, self._finite_by_param)
@@ -316,8 +300,6 @@ class GradientAccumulator:
             self._grads_left |= self.sharding.relearn_layout()  # a collective: every rank gets here
         if differ:
             self._raise_count_mismatch(counts)
-        if late_counts is not None:  # no host wait: read by the next backward() / step()
-            self._late_counts.post(late_counts, (*counters, scaler_state))
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
         return result
@@ -329,10 +311,10 @@ class GradientAccumulator:
                 or self._skips.limit is not None)
 
     def _report_count_check(self) -> None:
-        """Read the last window's per-rank counts (``_late_counts``); when they differed, restore what its
-        ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise ``RuntimeError``.
-        Called first thing by ``backward()`` and ``step()``, so the window since is empty and stays so."""
-        counts, (update_index, items_seen, scaler_state) = self._late_counts.take()
+        """Read the last window's per-rank counts (``gaengine.window.RankCounts``); when they differed, restore what
+        its ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise
+        ``RuntimeError``. Called first thing by ``backward()`` and ``step()``: the window since is empty."""
+        counts, (update_index, items_seen, scaler_state) = self._counts.take()
         if all(c == counts[0] for c in counts):
             return
         self.schedule.update_index, self.schedule.items_seen = update_index, items_seen
@@ -343,11 +325,11 @@ class GradientAccumulator:
                                            "update on the device without reading the counts, this call read them)")
 
     def _raise_count_mismatch(self, counts: list[int], found: str = "") -> None:
-        """Raise the error of a window whose ranks held different micro-batch counts (``count_mismatch_message``);
-        without an optimizer, the gradients ``step()`` left in ``.grad`` are dropped first."""
+        """Raise the error of a window whose ranks held different micro-batch counts; without an optimizer, the
+        gradients ``step()`` left in ``.grad`` are dropped first."""
         if self.optimizer is None:
             self._clear_grads()
-        raise RuntimeError(count_mismatch_message(counts, dist.get_rank(self.process_group), found))
+        raise self._counts.error(counts, found)
 
     @property
     def accumulation_steps(self) -> int:

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from gaengine.reduce import HostMailbox, WindowStats
+from gaengine.reduce import HostMailbox, WindowStats, count_mismatch_message
 
-__all__ = ["FAILED_WINDOW", "LateCounts", "StepResult", "Window", "check_num_items"]
+__all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                  "micro-batches; call acc.zero_grad() to drop it, then go on")
@@ -213,28 +214,35 @@ class StepResult:
     noise_grad_sq: torch.Tensor | None = None
 
 
-class LateCounts:
-    """Several ranks, a ``step()`` that read nothing on the host (a fused optimizer): its window's per-rank
-    micro-batch counts, copied to host memory behind the stats all-reduce without a wait
-    (``gaengine.reduce.HostMailbox``), and what that step counted, for the next ``backward()`` or ``step()`` to
-    check (``gaengine.engine``). world_size: the counts; device: where they come from."""
+class RankCounts:
+    """Several ranks: every rank's window must hold the same number of micro-batches (docs/multi-rank.md). The stats
+    all-reduce carries each rank's count (``WindowStats.counts``); ``step()`` reads them on the host where it reads
+    the device anyway, else (a fused optimizer, no host read) they are copied to host memory behind the all-reduce
+    without a wait (``gaengine.reduce.HostMailbox``), with what that step is about to count, and the next
+    ``backward()`` or ``step()`` reads them (``pending``, ``take``). world_size, device, group: the ranks'."""
 
-    def __init__(self, world_size: int, device: torch.device) -> None:
-        self.world_size = world_size
-        self.device = device
+    def __init__(self, world_size: int, device: torch.device, group: Any) -> None:
+        self.world_size, self.device, self.group = world_size, device, group
         self._mailbox: HostMailbox | None = None
         self._saved: Any = None
         self.pending = False
 
-    def post(self, counts: torch.Tensor, saved: Any) -> None:
-        """``counts``: ``(world_size,)`` fp64 on the device (``WindowStats.counts()``); ``saved``: what ``take()``
-        gives back with them."""
+    def read(self, stats: WindowStats, now: bool, saved) -> list[int] | None:
+        """The window's counts as ints when ``now`` (a host read), else None: they are posted, with what ``saved()``
+        returns (what ``take()`` gives back to undo the step's counting if they differed; no host read)."""
+        if now:
+            return stats.read_counts()
         if self._mailbox is None:
             self._mailbox = HostMailbox(self.world_size, torch.float64, self.device)
-        self._mailbox.post(counts)
-        self._saved, self.pending = saved, True
+        self._mailbox.post(stats.counts())
+        self._saved, self.pending = saved(), True
+        return None
 
     def take(self) -> tuple[list[int], Any]:
-        """The counts as ints (host memory; on CUDA waits for their copy only) and what was posted with them."""
+        """The posted counts as ints (host memory; on CUDA waits for their copy only) and what was posted with them."""
         saved, self._saved, self.pending = self._saved, None, False
         return [int(c) for c in self._mailbox.read()], saved
+
+    def error(self, counts: list[int], found: str = "") -> RuntimeError:
+        """The error of a window whose ranks held different counts (``gaengine.reduce.count_mismatch_message``)."""
+        return RuntimeError(count_mismatch_message(counts, dist.get_rank(self.group), found))
