@@ -32,8 +32,7 @@ def check_arguments(model: Any, optimizer: Any, config) -> None:
         raise ValueError("overlap_param_gather=True needs model as an nn.Module (the all-gather is waited for in "
                          f"its modules' forward pre-hooks), got a model of type {type(model).__name__}: pass the "
                          "module, or leave overlap_param_gather off")
-    if config.zero_stage:  # ValueError naming zero_stage when the optimizer cannot run on its shards
-        check_zero_optimizer(optimizer, config.zero_stage)
+    check_zero_optimizer(optimizer, config.zero_stage)  # ValueError naming zero_stage: it cannot run on shards
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if optimizer is not None:

@@ -385,9 +385,11 @@ class ShardReducer(BucketReducer):
 def check_zero_optimizer(optimizer, zero_stage: int) -> None:
     """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` is one gaengine can run on flat ranges of
     parameters (an elementwise update: ``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``;
-    subclasses are refused, as gaengine cannot prove them elementwise), with no state yet."""
+    subclasses are refused, as gaengine cannot prove them elementwise), with no state yet. ``zero_stage=0``: any."""
     from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
 
+    if not zero_stage:
+        return
     if optimizer is None:
         raise ValueError(f"zero_stage={zero_stage} shards the optimizer state and needs an optimizer; with "
                          "optimizer=None (gradients left in .grad) use zero_stage=0")
