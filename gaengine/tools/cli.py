@@ -184,6 +184,10 @@ def _add_train_parser(subparsers) -> None:
     _add_config_option(g, "zero_stage", d.zero_stage,
                        more=", under torchrun: 1 costs the communication of 0 (a reduce-scatter in the last "
                        "micro-batch and an all-gather of the parameters), 2 a reduce-scatter every micro-batch")
+    g.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model with FSDP2 (fully_shard on each transformer block, then on "
+                        "the root); gaengine accumulates FSDP2's reduce-scattered gradient shards in fp32 "
+                        "(docs/fsdp2.md). Not with --zero-stage > 0")
     g.add_argument("--dist-timeout", type=_positive_float, default=600.0,
                    help="under torchrun: seconds a rank waits for the others before failing (process group timeout)")
     p.set_defaults(func=_cmd_train)
@@ -450,7 +454,8 @@ def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
     # Within gaengine.tools.WIDTH columns: the sentences wrap; the table (a label, two or three short figures) fits.
     out = [
         fill(f"model: {results[0].num_params:,} params, {config.n_layers} layers, d_model {config.d_model}, "
-             f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}"),
+             f"{config.n_heads} heads, context {config.seq_len}, {config.dtype} params on {config.device}"
+             + (", sharded with FSDP2 (fully_shard per block + root)" if config.fsdp else "")),
         fill(f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}"
              + (f" then {config.accumulation_schedule}" if config.accumulation_schedule else "") + ", "
              f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update"),
@@ -515,6 +520,7 @@ def _train(args: argparse.Namespace, threads: str) -> int:
             auto_micro_batch=args.auto_micro_batch,
             noise_scale=args.noise_scale,
             accumulation_schedule=args.accumulation_schedule,
+            fsdp=args.fsdp,
         )
         corpus = load_corpus(args.data, max_bytes=int(args.max_data_mb * 2**20), min_split_bytes=args.seq_len + 1)
     except (ValueError, FileNotFoundError) as e:
@@ -527,6 +533,9 @@ def _train(args: argparse.Namespace, threads: str) -> int:
         accumulation_schedule(config, world)  # the ramp must fit micro-batch size x ranks
     except ValueError as e:
         raise _UsageError(f"--accumulation-schedule: {e}") from None
+    if args.fsdp and world == 1:
+        raise _UsageError("--fsdp shards the model over the ranks of torchrun: run it as torchrun --nproc-per-node N "
+                          "-m gaengine train --fsdp (N >= 2)")
     if world > 1 and args.compare:
         raise _UsageError("--compare runs the single-process plain recipe; run it without torchrun")
     if world > 1 and args.auto_micro_batch:

@@ -3,7 +3,8 @@
 Two loops over the same micro-batches, the same initialization and the same optimizer configuration:
 
 * :func:`train_gaengine` — ``acc.backward(loss)`` per micro-batch and ``acc.step()`` at the end of each
-  accumulation window (fp32 main_grad accumulation, fp32 master weights, clip coefficient on device).
+  accumulation window (fp32 main_grad accumulation, fp32 master weights, clip coefficient on device); with
+  ``fsdp`` the model is sharded with FSDP2 first (:func:`shard_model`).
   With ``noise_scale`` the accumulator also measures the gradient noise scale (``gaengine.noise``); with
   ``accumulation_schedule`` K follows a ramp-up or the measured noise scale (``gaengine.schedules``).
 * :func:`train_reference` — the standard PyTorch recipe (``research/pytorch_native.md`` §3):
@@ -36,7 +37,8 @@ from gaengine.tools.model import GPT, GPTConfig
 from gaengine.utils import is_oom_error
 
 __all__ = ["DTYPES", "ENGINE_FIELDS", "TrainConfig", "TrainResult", "accumulation_schedule", "build_model",
-           "choose_threads", "evaluate", "parse_accumulation_schedule", "train_gaengine", "train_reference"]
+           "choose_threads", "evaluate", "parse_accumulation_schedule", "shard_model", "train_gaengine",
+           "train_reference"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Parameter dtypes accepted by ``TrainConfig.dtype``."""
@@ -189,6 +191,11 @@ class TrainConfig:
     double the accumulation steps (same effective batch) and go on. Single process only."""
     noise_scale: bool = _ENGINE.measure_noise_scale
     """The accumulator's ``measure_noise_scale`` (gaengine only; an ``adaptive`` schedule turns it on)."""
+    fsdp: bool = False
+    """Shard the model with FSDP2 (``torch.distributed.fsdp.fully_shard``, :func:`shard_model`): each transformer
+    block, then the root (embeddings, final LayerNorm, tied head), over the process group's ranks; the accumulator
+    takes the FSDP2 model as it is (``gaengine.fsdp2``). Needs an initialized process group (torchrun); not with
+    ``zero_stage`` > 0 (FSDP2 shards the parameters, gradients and optimizer state) or ``auto_micro_batch``."""
     accumulation_schedule: Optional[str] = None
     """K per window from a schedule, one of :data:`SCHEDULE_FORMS` (gaengine only; ``adaptive`` measures the
     noise scale); None: K = ``accumulation_steps`` throughout. With ``rampup`` the ramp ends at
@@ -212,6 +219,12 @@ class TrainConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        if self.fsdp and self.zero_stage:
+            raise ValueError(f"fsdp shards the model with FSDP2, which already shards the parameters, gradients and "
+                             f"optimizer state: leave zero_stage at 0 (got {self.zero_stage})")
+        if self.fsdp and self.auto_micro_batch:
+            raise ValueError("auto_micro_batch is single-process only and fsdp needs several ranks: use one or the "
+                             "other")
         if self.accumulation_schedule is not None:
             kind, numbers, _ = parse_accumulation_schedule(self.accumulation_schedule)
             if kind == "adaptive" and not numbers[0] <= self.accumulation_steps <= numbers[1]:
@@ -316,6 +329,22 @@ def build_model(config: TrainConfig) -> GPT:
     return model.to(device=config.device, dtype=DTYPES[config.dtype])
 
 
+def shard_model(model: GPT, device: str) -> GPT:
+    """Shard ``model`` in place with FSDP2 over every rank of the default process group, the usual way: one
+    ``fully_shard`` per transformer block, then one on the root, which takes the parameters left (the token and
+    position embeddings, the final LayerNorm and the head tied to the token embedding). Each parameter's dim 0 is
+    split over the ranks (``Shard(0)`` DTensors); FSDP2 all-gathers a block before its forward and backward and
+    reduce-scatters its gradient after. Returns ``model``. ``RuntimeError`` (torch's) without a process group."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - only for --fsdp
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True
@@ -382,6 +411,9 @@ def _run(
     if config.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     model = build_model(config)
+    num_params = model.num_params()
+    if config.fsdp:
+        shard_model(model, config.device)
     optimizer = _optimizer(model, config)
     scheduler = _scheduler(optimizer, config)
     update, finish = make_update(model, optimizer, scheduler)
@@ -389,7 +421,7 @@ def _run(
     val_batches = eval_batches(
         corpus.val, config.eval_batches, config.micro_batch_size, config.seq_len, config.seed + 1, config.device
     )
-    result = TrainResult(recipe=recipe, num_params=model.num_params())
+    result = TrainResult(recipe=recipe, num_params=num_params)
     log = log or (lambda record: None)
     # Multi-rank: each rank samples from its own contiguous shard of the training bytes.
     rank, world = rank_and_world()
