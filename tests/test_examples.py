@@ -121,15 +121,11 @@ def test_lightning_examples_run(kind, capsys, monkeypatch):
     assert sum(losses[-3:]) < sum(losses[:3])
 
 
-def _load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run_example(name: str, args: list[str], tmp_path) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    # One process, whatever launch variables an in-process run before left in os.environ (Lightning sets LOCAL_RANK).
+    launch = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+              "MASTER_PORT"}
+    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), *args], capture_output=True,
                           text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,7 +141,7 @@ def test_accelerate_loop_runs_as_a_script(tmp_path):
     assert [re.search(r"micro-batches (\d+)", line).group(1) for line in updates] == ["4", "1"]
     assert not any("skipped" in line for line in updates)
     losses = [float(re.search(r"loss (\S+)", line).group(1)) for line in updates]
-    ex = _load_example("accelerate_loop")
+    ex = _load_example("accelerate_loop", ROOT / "examples" / "accelerate_loop.py")
     torch.manual_seed(0)
     model = ex.TinyCausalLM().double()
     rows = ex.padded_sequences(40, 0)[:32]
@@ -168,7 +164,7 @@ def test_hf_trainer_runs_as_a_script(tmp_path):
     losses = [float(re.search(r"loss (\S+)", line).group(1)) for line in updates]
     norms = [float(re.search(r"grad norm (\S+)", line).group(1)) for line in updates]
     assert all(math.isfinite(v) and v > 0 for v in losses + norms)
-    ex = _load_example("hf_trainer")
+    ex = _load_example("hf_trainer", ROOT / "examples" / "hf_trainer.py")
     model = ex.tiny_llama(0)
     rows = ex.padded_sequences(72, 0)[:16]
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}

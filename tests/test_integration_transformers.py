@@ -37,7 +37,12 @@ VOCAB, SEQ = 100, 12
 
 
 @pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
+def _fresh_accelerate_state(monkeypatch):
+    """Accelerate keeps its state in process-wide singletons: each test starts from none, as one process (launch
+    variables another test left in os.environ, e.g. Lightning's LOCAL_RANK, would make Accelerate start a group)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     yield
