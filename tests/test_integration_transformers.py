@@ -152,23 +152,26 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path, dtype):
     assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_loss_alignment_with_model_loss(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32", "bf16", "fp32-autocast-bf16"])
+def test_loss_alignment_with_model_loss(tmp_path, dtype, autocast):
     """HF's test_gradient_accumulation_loss_alignment_with_model_loss, offline: a tiny LlamaForCausalLM, padded
     sequences of mixed lengths. gaengine at batch 4, K = 2 (item mode: the exact token mean) logs the losses and
     gradient norms of the Trainer's batch 8, K = 1 (no accumulation to get wrong) within 1e-5 relative over 5
     updates; the Trainer's own mean-of-means (model_accepts_loss_kwargs=False) does not. bf16 parameters (both runs):
     the large batch's gradient is rounded to bf16 once, gaengine's window is summed in fp32 from two bf16 micro-batch
-    gradients, so the runs agree within one bf16 rounding, 2^-8 relative."""
-    tol = 1e-5 if dtype == torch.float32 else 2.0**-8
+    gradients, so the runs agree within one bf16 rounding, 2^-8 relative. TrainingArguments(bf16=True) (Accelerate's
+    bf16 autocast over fp32 parameters, in both runs): the same bound."""
+    tol = 1e-5 if dtype == torch.float32 and not autocast else 2.0**-8
     data = PaddedTokens()
-    common = dict(max_steps=5, learning_rate=3e-3)
+    common = dict(max_steps=5, learning_rate=3e-3, bf16=autocast)
     ref = _train(Trainer, tiny_llama(dtype), _args(tmp_path, "ref", per_device_train_batch_size=8, **common), data)
     ga = _train(GaengineTrainer, tiny_llama(dtype), _args(tmp_path, "ga", gradient_accumulation_steps=2, **common),
                 data)
+    assert ga.accelerator.native_amp == autocast and ga.accelerator.mixed_precision == ("bf16" if autocast else "no")
     assert max(abs(g / r - 1) for g, r in zip(_logs(ga, "loss"), _logs(ref, "loss"))) <= tol
     assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 or autocast:
         return  # the Trainer's bf16 grad_norm is computed and returned in bf16: compared in fp32 only
     assert _logs(ga, "grad_norm") == pytest.approx(_logs(ref, "grad_norm"), rel=1e-5)
     AcceleratorState._reset_state(True)
