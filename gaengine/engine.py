@@ -64,8 +64,9 @@ class GradientAccumulator:
             ``batchnorm``, ``max_consecutive_skips``, ``micro_batch_size``, ``measure_noise_scale``,
             ``noise_scale_ema``, ``zero_stage``, ``overlap_param_gather``, ``overlap_grad_reduce``. They are checked
             once, before anything touches the model, and kept as ``acc.config`` (frozen: what was asked at
-            construction); ``acc.accumulation_steps`` (K of the current window) and ``acc.micro_batch_size`` start
-            from it and are the accumulator's own to change.
+            construction); ``acc.accumulation_steps`` (K of the current window), ``acc.max_grad_norm`` (the clip
+            threshold the next ``step()`` uses, None: no clipping; the trainer integrations set it) and
+            ``acc.micro_batch_size`` start from it and are the accumulator's own to change.
 
     Multi-rank: only the last micro-batch of a window communicates, each bucket's all-reduce overlapping the rest
     of backward; the denominator is global, so every rank gets the exact global mean (docs/multi-rank.md). Raises

@@ -186,6 +186,34 @@ def test_setting_k_changes_the_window_and_keeps_the_config():
         acc.close()
 
 
+def test_setting_max_grad_norm_clips_the_next_window_as_torch_does():
+    """``acc.max_grad_norm`` set between windows (as the trainer integrations do) is the next step's threshold:
+    the gradient equals torch.nn.utils.clip_grad_norm_ on the fp64 window mean; the config keeps what was asked."""
+    model = _model()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    try:
+        for threshold, seeds in ((None, [0, 1]), (0.05, [2, 3]), (None, [4, 5])):
+            acc.max_grad_norm = threshold
+            expected = _window_grads(model, seeds)
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected]))
+            if threshold is not None:
+                assert norm > threshold  # the check clips something
+                holders = [torch.zeros_like(g, requires_grad=True) for g in expected]
+                for h, g in zip(holders, expected):
+                    h.grad = g.clone()
+                torch.nn.utils.clip_grad_norm_(holders, threshold)  # torch's own clip, in fp64
+                expected = [h.grad for h in holders]
+            for s in seeds:
+                acc.backward(_loss(model, s))
+            result = acc.step()
+            torch.testing.assert_close(result.grad_norm.double(), norm, rtol=1e-5, atol=0)
+            for p, q in zip(model.parameters(), expected):
+                torch.testing.assert_close(p.grad.double(), q, rtol=1e-5, atol=1e-7)
+        assert acc.config.max_grad_norm is None
+    finally:
+        acc.close()
+
+
 def test_a_schedule_is_kept_as_given_and_refuses_the_setter():
     def schedule(update_index, items_seen):
         return 2 if update_index == 0 else 3
