@@ -25,13 +25,16 @@ def test_every_recipe_and_world_has_a_row(table):
     rows, info = table
     assert info["numel"] == 4 * (256 * 256 + 256)
     expected = {("plain", 1)} | {("torch DDP", d) for d in WORLDS[1:]} | {
-        (f"gaengine stage {s}", d) for s in memory.MEMORY_STAGES for d in WORLDS}
+        (f"gaengine stage {s}", d) for s in memory.MEMORY_STAGES for d in WORLDS} | {
+        (v[0], d) for v in memory.FSDP2_RECIPES.values() for d in WORLDS[1:]}
     assert set(rows) == expected
 
 
 def test_measured_bytes_match_the_formulas(table):
     rows, _ = table
     for (variant, d), row in rows.items():
+        if row.get("fsdp2"):
+            continue  # test_fsdp2_rows
         assert row["total"] == pytest.approx(sum(row[c] for c in memory.COLUMNS))
         assert abs(row["total"] - row["formula_value"]) <= PAD, (variant, d, row)
 
@@ -76,3 +79,24 @@ def test_bytes_on_the_wire_per_window(table):
         assert rows["gaengine stage 1", d]["wire"] == pytest.approx(share * (4 + 2), abs=small)
         assert rows["gaengine stage 2", d]["wire"] == pytest.approx(share * (4 * k + 2), abs=small)
         assert rows["gaengine stage 1", d]["wire_vs_stage0"] <= 1.0
+
+
+def test_fsdp2_rows(table):
+    """FSDP2's recipes and gaengine's FSDP2 mode, fp32 sharded parameters with bf16 compute, on 2 and 4 ranks:
+    the window's gradient is the fp32 shard (4/d) when every micro-batch is reduce-scattered, by FSDP2 alone or
+    accumulated by gaengine, and the whole unsharded model (2 B in bf16, 4 B in fp32) between the micro-batches of a
+    sync-last window; reduce-scatters send K r (d-1)/d (once r (d-1)/d when syncing last), r the reduce_dtype's
+    bytes: gaengine with a bf16 wire sends half of FSDP2's fp32 sync-every recipe and keeps the fp32 shard."""
+    rows, _ = table
+    k = memory.QUICK.accumulation_steps
+    for d in WORLDS[1:]:
+        share = (d - 1) / d
+        want = {"FSDP2 sync every": (4 / d, k * 4), "FSDP2 sync last, bf16 reduce": (2, 2),
+                "FSDP2 sync last, fp32 reduce": (4, 4), "gaengine fsdp2, fp32 reduce": (4 / d, k * 4),
+                "gaengine fsdp2, bf16 reduce": (4 / d, k * 2)}
+        for variant, (grad, reduce_bytes) in want.items():
+            row = rows[variant, d]
+            assert abs(row["grad"] - grad) <= PAD and abs(row["grad"] - row["grad_value"]) <= PAD, row
+            assert abs(row["total"] - (grad + 12 / d)) <= PAD and row["masters"] == 0, row
+            assert row["reduce_wire"] == pytest.approx(reduce_bytes * share) == pytest.approx(row["reduce_value"])
+            assert row["gather_wire"] == pytest.approx(2 * k * 2 * share), row  # bf16, forward and backward

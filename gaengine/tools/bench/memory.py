@@ -145,7 +145,9 @@ def _wire_log(log: list[tuple[str, int]]):
         originals[name] = fn
 
         def record(*args, _fn=fn, _kind=kind, _arg=arg, **kwargs):
-            t = args[_arg]
+            # FSDP2 passes its tensors by keyword (``reduce_scatter_single(output=..., input=...)``).
+            t = args[_arg] if len(args) > _arg else kwargs.get(("output", "input")[_arg],
+                                                                 kwargs.get(("output_tensor", "input_tensor")[_arg]))
             log.append((_kind, t.numel() * t.element_size()))
             return _fn(*args, **kwargs)
 
@@ -229,6 +231,124 @@ def _measure_plain(cfg: MemoryConfig, world: int, rank: int, ddp: bool) -> dict[
     return {**row, "wire": ring_bytes(log, world)}
 
 
+FSDP2_RECIPES = {
+    # key: (variant, gaengine accumulates, sync on the last micro-batch only, FSDP2's reduce_dtype)
+    "fsdp2-every": ("FSDP2 sync every", False, False, torch.float32),
+    "fsdp2-last-bf16": ("FSDP2 sync last, bf16 reduce", False, True, torch.bfloat16),
+    "fsdp2-last-fp32": ("FSDP2 sync last, fp32 reduce", False, True, torch.float32),
+    "gaengine-fsdp2-fp32": ("gaengine fsdp2, fp32 reduce", True, False, torch.float32),
+    "gaengine-fsdp2-bf16": ("gaengine fsdp2, bf16 reduce", True, False, torch.bfloat16),
+}
+"""The FSDP2 rows (d > 1): FSDP2's usual recipe (fp32 sharded parameters, ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=...)``, ``fully_shard`` on each ``Linear`` then the root, ``torch.optim.AdamW`` over the DTensors);
+FSDP2 alone syncing every micro-batch or only the last one (``set_requires_gradient_sync``), and gaengine's
+``FullyShardedGrads`` (``gaengine.fsdp2``) on the same model."""
+
+
+def fsdp2_formula(key: str, world: int, k: int) -> dict[str, Any]:
+    """What an FSDP2 row should measure (``FSDP2_RECIPES``), per parameter per rank: ``grad_formula``/``grad_value``
+    (the window's gradient at its largest: the fp32 shard 4/d when FSDP2 reduce-scatters every micro-batch, whether
+    FSDP2 adds into ``.grad`` or gaengine into ``main_grad``; the whole model's unsharded gradient between the
+    micro-batches of a sync-last window, 2 B in bf16 (``reduce_dtype`` equal to ``param_dtype``: autograd
+    accumulates ``.grad`` of the unsharded bf16 parameters) or 4 B in fp32 (FSDP2's ``unsharded_accumulated_grad``));
+    ``total_value`` (those plus the fp32 parameter shards 4/d and the AdamW moments 8/d); ``reduce_value`` (bytes
+    each rank sends per window in reduce-scatters, ring: K or 1 of them of r (d-1)/d, r the ``reduce_dtype``'s
+    bytes)."""
+    _, _, last, reduce_dtype = FSDP2_RECIPES[key]
+    r = torch.finfo(reduce_dtype).bits // 8
+    grad_formula, grad_value = (("2", 2.0) if reduce_dtype == torch.bfloat16 else ("4", 4.0)) if last else \
+        (f"4/{world}", 4.0 / world)
+    share = (world - 1) / world
+    reduce_formula = f"{r} x {world - 1}/{world}" if last else f"{k} x {r} x {world - 1}/{world}"
+    return {"grad_formula": grad_formula, "grad_value": grad_value, "total_value": grad_value + 12.0 / world,
+            "formula": f"4/{world} + {grad_formula} + 8/{world}", "reduce_formula": reduce_formula,
+            "reduce_value": (1 if last else k) * r * share}
+
+
+def _fsdp2_model(cfg: MemoryConfig, world: int, reduce_dtype: torch.dtype) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    model = _model(cfg).float()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _fsdp2_grads(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors that hold an FSDP2 model's gradient: each sharded parameter's ``.grad`` (its local shard), and,
+    between the micro-batches of a sync-last window, the unsharded parameter's ``.grad`` and FSDP2's fp32
+    ``unsharded_accumulated_grad`` (read from FSDP2's ``FSDPParam``, private attributes)."""
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    held = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                if fp.sharded_param.grad is not None:
+                    held.append(fp.sharded_param.grad.to_local())
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None and unsharded.grad is not None:
+                    held.append(unsharded.grad)
+                if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                    held.append(fp.unsharded_accumulated_grad)
+    return held
+
+
+def _local(tensors) -> list[torch.Tensor]:
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _measure_fsdp2(cfg: MemoryConfig, key: str, world: int, rank: int) -> dict[str, Any]:
+    """One ``FSDP2_RECIPES`` row on this rank: the columns at the high point of the second window (the gradient at
+    its largest over the window's micro-batches, measured after each backward), and the collectives' bytes."""
+    from gaengine import GradientAccumulator  # noqa: PLC0415
+
+    _, through_gaengine, last, reduce_dtype = FSDP2_RECIPES[key]
+    model = _fsdp2_model(cfg, world, reduce_dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    k = cfg.accumulation_steps
+    acc = GradientAccumulator(model, opt, accumulation_steps=k, max_grad_norm=1.0) if through_gaengine else None
+    g = torch.Generator().manual_seed(rank)
+    log: list[tuple[str, int]] = []
+    for window in range(2):
+        grad_bytes = 0
+        with _wire_log(log) if window == 1 else contextlib.nullcontext():
+            for m in range(k):
+                x = torch.randn(cfg.batch, cfg.width, generator=g)
+                if acc is not None:
+                    acc.backward(model(x).float().square().mean())
+                else:
+                    if last:
+                        model.set_requires_gradient_sync(m == k - 1)
+                    (model(x).float().square().mean() / k).backward()
+                held = [acc.main_grad.data] if acc is not None else _fsdp2_grads(model)
+                grad_bytes = max(grad_bytes, _nbytes(held, set()))
+            if window == 1:
+                seen: set[int] = set()
+                row = {"params": _nbytes(_local(model.parameters()), seen), "grad": grad_bytes, "staging": 0}
+                row["masters"] = _nbytes(_local(q for group in opt.param_groups for q in group["params"]), seen)
+                row["optim"] = _nbytes(_local(_state_tensors(opt)), seen)
+            if acc is not None:
+                acc.step()
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    if acc is not None:
+        acc.close()
+    share = (world - 1) / world
+    return {**row, "wire": ring_bytes(log, world),
+            "reduce_wire": sum(share * n for kind, n in log if kind == "reduce_scatter"),
+            "gather_wire": sum(share * n for kind, n in log if kind == "all_gather")}
+
+
 def _worker(rank: int, world: int, init_file: str, cfg: MemoryConfig, out_dir: str) -> None:
     torch.set_num_threads(1)
     if world > 1:
@@ -242,6 +362,9 @@ def _worker(rank: int, world: int, init_file: str, cfg: MemoryConfig, out_dir: s
             results["ddp"] = _measure_plain(cfg, world, rank, ddp=True)
         for stage in MEMORY_STAGES:
             results[f"stage{stage}"] = _measure_gaengine(cfg, stage, world, rank)
+        if world > 1:
+            for key in FSDP2_RECIPES:
+                results[key] = _measure_fsdp2(cfg, key, world, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         if world > 1:
             dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
@@ -280,6 +403,15 @@ def bench_memory(cfg: MemoryConfig, worlds: Sequence[int] = MEMORY_WORLD_SIZES,
         ranks = _run_world(cfg, world)
         stage0_wire = max(r["stage0"]["wire"] for r in ranks)
         for key in ranks[0]:
+            if key in FSDP2_RECIPES:
+                per = {c: max(r[key][c] for r in ranks) / numel for c in COLUMNS}
+                rows.append({
+                    "benchmark": "memory", "variant": FSDP2_RECIPES[key][0], "fsdp2": key,
+                    "recipe": "gaengine" if FSDP2_RECIPES[key][1] else "fsdp2", "stage": None, "world": world,
+                    **per, "total": sum(per.values()), **fsdp2_formula(key, world, cfg.accumulation_steps),
+                    **{w: max(r[key][w] for r in ranks) / numel for w in ("wire", "reduce_wire", "gather_wire")},
+                })
+                continue
             recipe, stage = (key, None) if key in ("plain", "ddp") else ("gaengine", int(key[-1]))
             per = {c: max(r[key][c] for r in ranks) / numel for c in COLUMNS}
             slots, each = staging_bytes(cfg, world) if stage == 2 and world > 1 else (0, 0)
@@ -296,7 +428,10 @@ def bench_memory(cfg: MemoryConfig, worlds: Sequence[int] = MEMORY_WORLD_SIZES,
 
 def print_tables(rows: Sequence[dict], info: dict) -> None:
     """Two tables of the same rows: the bytes per parameter per rank by what holds them, with their total and the
-    formula's value; then the formula and the bytes each rank sends per window."""
+    formula's value; then the formula and the bytes each rank sends per window. Then the FSDP2 rows in a table of
+    their own (``print_fsdp2_table``)."""
+    fsdp2_rows = [r for r in rows if r.get("fsdp2")]
+    rows = [r for r in rows if not r.get("fsdp2")]
     bytes_columns = [("variant", "recipe", "s"), ("world", "d", "d")] + [(c, c, ".3f") for c in COLUMNS] + [
         ("total", "total B/param", ".3f"), ("formula_value", "= formula", ".3f")]
     print_table(rows, bytes_columns, keep=2, title=(
@@ -309,3 +444,20 @@ def print_tables(rows: Sequence[dict], info: dict) -> None:
                       "(ring algorithm)")
     print_note("memory: = formula (first table) is the value of the formula (second table) in B/param, what total "
                "B/param should be, padding to whole buckets aside.")
+    if fsdp2_rows:
+        print_fsdp2_table(fsdp2_rows, info)
+
+
+def print_fsdp2_table(rows: Sequence[dict], info: dict) -> None:
+    """The FSDP2 rows (``FSDP2_RECIPES``): gradient memory and total, per parameter per rank, with their formulas;
+    the bytes each rank sends per window in reduce-scatters (with their formula) and in all-gathers."""
+    columns = [("variant", "recipe", "s"), ("world", "d", "d"), ("grad", "grad B/param", ".3f"),
+               ("grad_formula", "= formula", "s"), ("total", "total", ".3f"), ("total_value", "= formula", ".3f"),
+               ("reduce_wire", "reduce-scatter B", ".3f"), ("reduce_formula", "= formula", "s"),
+               ("gather_wire", "all-gather B", ".3f")]
+    print_table(rows, columns, keep=2, title=(
+        f"memory, FSDP2: bytes per parameter per rank ({info['numel']:,} fp32 parameters sharded, bf16 compute, "
+        f"AdamW; K = {info['config']['accumulation_steps']}); wire: bytes per parameter each rank sends per window"))
+    print_note("memory, FSDP2: grad = the window's gradient at its largest over the micro-batches; total = fp32 "
+               "parameter shards (4/d) + grad + AdamW moments (8/d); all-gathers: bf16 parameters, forward and "
+               "backward of every micro-batch (all recipes alike).")
