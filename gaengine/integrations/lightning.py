@@ -50,7 +50,7 @@ try:
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as exc:  # pragma: no cover - the extra is not installed
-    raise ImportError("gaengine.integrations.lightning needs Lightning (the `lightning` package, >= 2.5): "
+    raise ImportError("gaengine.integrations.lightning needs Lightning (the `lightning` package 2.6.x): "
                       "pip install 'gaengine[lightning]'") from exc
 
 from gaengine import AccumulatorConfig, GradientAccumulator, StepResult
