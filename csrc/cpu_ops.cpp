@@ -16,6 +16,7 @@
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "cpu_ops.h"
+#include "scratch.h"
 
 #define CHECK_CPU(x) TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got device ", (x).device())
 #define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
@@ -92,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_sq(const at::Tensor& x) {
   CHECK_GRAD_DTYPE(x);
   const int64_t n = x.numel();
   const int64_t n_chunks = (n + kNormChunkNumel - 1) / kNormChunkNumel;
-  std::vector<double> partials(n_chunks, 0.0);
+  std::vector<double> partials(n_chunks, scratch_init(0.0));  // each chunk writes its own
   [[maybe_unused]] const bool avx2 = use_avx2();
   GAENGINE_DISPATCH_GRAD_TYPES(x.scalar_type(), "gaengine.l2norm_sq", [&] {
     const scalar_t* p = x.data_ptr<scalar_t>();
@@ -177,7 +178,8 @@ void accumulate_bucket_cpu(const std::vector<BucketSource>& sources) {
     want_source = want_source || sources[j].source_partial != nullptr;
     for (int64_t begin = 0; begin < n; begin += kNormChunkNumel) chunks.emplace_back(static_cast<int64_t>(j), begin);
   }
-  std::vector<portable::Sums> chunk_sums(want_written || want_source ? chunks.size() : 0);
+  std::vector<portable::Sums> chunk_sums(want_written || want_source ? chunks.size() : 0,
+                                         portable::Sums{scratch_init(0.0), scratch_init(0.0)});  // run_chunk writes each
   const bool avx2 = use_avx2();
   auto run_chunk = [&](int64_t c) {
     const BucketSource& s = sources[chunks[c].first];

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "op_library.h"
+#include "scratch.h"
 
 namespace gaengine {
 namespace {
@@ -188,10 +189,10 @@ class HotPath {
     late_.clear();
     late_count_ = 0;
     armed_ = armed;
-    partials_ = want_norm ? at::empty(partials_shape_, partials_options_) : at::Tensor();
+    partials_ = want_norm ? scratch_empty(partials_shape_, partials_options_) : at::Tensor();
     source_table_ = at::Tensor();
     if (measure_sources_) {
-      source_table_ = at::empty(partials_shape_, partials_options_);
+      source_table_ = scratch_empty(partials_shape_, partials_options_);
       sources_.push_back(source_table_);
       sources_inexact_.push_back(false);
       std::fill(source_written_.begin(), source_written_.end(), 0);

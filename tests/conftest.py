@@ -48,6 +48,8 @@ def _seed():
 # Every test's floating torch.empty / torch.empty_like / Tensor.new_empty comes back NaN-filled (tests/poison.py), in
 # this process and in the gloo ranks it starts (they inherit GAENGINE_POISON): a missing write shows.
 os.environ[poison.ENV] = "1"
+# gaengine._C's own scratch tables too (csrc/scratch.h), read at its first allocation: set before any test runs.
+os.environ[poison.SCRATCH_ENV] = "1"
 
 
 @pytest.fixture(autouse=True)

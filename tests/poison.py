@@ -4,7 +4,7 @@ slice of a reused buffer, a partials entry never finished) shows up as NaN inste
 
 Applies to every caller that looks the function up at call time (``torch.empty(...)``: gaengine's partials tables,
 the staging ring of ``zero_stage=2``, the Triton norm partials, and the tests), not to allocations made in C++
-(``at::empty`` in ``csrc/``). ``tests/conftest.py`` installs it around every test (autouse) and sets
+(``at::empty`` in ``csrc/``: those tables are poisoned by ``gaengine._C`` itself under ``SCRATCH_ENV``). ``tests/conftest.py`` installs it around every test (autouse) and sets
 ``GAENGINE_POISON=1``, which the gloo rank processes inherit: ``tests/test_distributed.py``'s ``_worker`` installs
 it there too. Integer and bool tensors are left as allocated.
 """
@@ -17,6 +17,9 @@ import os
 import torch
 
 ENV = "GAENGINE_POISON"
+SCRATCH_ENV = "GAENGINE_POISON_SCRATCH"
+"""Read by ``gaengine._C`` (``csrc/scratch.h``): with ``1``, the tables it allocates and its kernels then fill (the hot
+path's per-micro-batch norm tables, the CPU and cuda ops' norm partials) start NaN, the C++ side of this module."""
 
 
 def _poisoning(allocate):

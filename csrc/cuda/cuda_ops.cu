@@ -23,6 +23,7 @@
 
 #include "../adamw.h"
 #include "../op_library.h"
+#include "../scratch.h"
 #include "kernels.cuh"
 
 #define CHECK_CUDA(x) TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(x), #x " must be a CUDA tensor, got device ", (x).device())
@@ -111,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor> l2norm_sq_cuda(const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto options = x.options().dtype(at::kFloat);
-  at::Tensor out = at::empty({2}, options);  // both written by the finalize
-  at::Tensor partials = at::empty({2, std::max<int64_t>(cuda::l2norm_sq_num_partials(x.numel()), 1)}, options);
+  at::Tensor out = scratch_empty({2}, options);  // both written by the finalize
+  at::Tensor partials = scratch_empty({2, std::max<int64_t>(cuda::l2norm_sq_num_partials(x.numel()), 1)}, options);
   GAENGINE_DISPATCH_CUDA_GRAD_TYPES(x.scalar_type(), [&] {
     CHECK_LAUNCH(cuda::launch_l2norm_sq<src_t>(static_cast<const src_t*>(x.data_ptr()), x.numel(),
                                                partials.data_ptr<float>(), out.data_ptr<float>(), stream));
@@ -230,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor> sum_partials_cuda(const at::Tensor& partials)
   TORCH_CHECK(partials.dim() == 2 && partials.size(0) == 2, "partials must have shape (2, n_chunks), got ",
               partials.sizes());
   const c10::cuda::CUDAGuard guard(partials.device());
-  at::Tensor out = at::empty({2}, partials.options());  // both written by the kernel
+  at::Tensor out = scratch_empty({2}, partials.options());  // both written by the kernel
   float* o = out.data_ptr<float>();
   CHECK_LAUNCH(cuda::launch_sum_partials(partials.data_ptr<float>(), partials.size(1), o, o + 1,
                                          c10::cuda::getCurrentCUDAStream()));
