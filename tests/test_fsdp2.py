@@ -437,7 +437,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]
 
 def _launch(tmp_path, world: int, plan: list[str], join_s: float = 240) -> list[dict]:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), str(tmp_path), plan))
+    store = str(tmp_path / f"store-{world}-{time.monotonic_ns()}")  # one file per group: a used one may remain
+    procs = [ctx.Process(target=_worker, args=(r, world, store, str(tmp_path), plan))
              for r in range(world)]
     for p in procs:
         p.start()
