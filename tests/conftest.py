@@ -12,7 +12,6 @@ except Exception:  # pragma: no cover
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import filelock  # noqa: E402 - torch's own dependency
 import pytest  # noqa: E402
 
 from tests import poison  # noqa: E402
@@ -138,11 +137,7 @@ def emulated_cuda_module():
     if emu_build.find_cxx() is None:
         pytest.skip("no C++ compiler ($CXX, g++, c++, clang++) to build the emulated cuda backend")
     try:
-        # One build at a time: the pytest-xdist workers of `make test` share build/cuda_emu_engine (the rewritten
-        # sources are written before torch's own build lock is taken); the second worker finds it built.
-        os.makedirs(os.path.dirname(emu_engine.BUILD_DIR), exist_ok=True)
-        with filelock.FileLock(emu_engine.BUILD_DIR + ".lock"):
-            module, _ = emu_engine.build()
+        module, _ = emu_engine.build()  # under a file lock: the pytest-xdist workers share build/cuda_emu_engine
     except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
         pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
     return emu_engine, module

@@ -74,10 +74,21 @@ def sources(build_dir: str = BUILD_DIR, kernels: str = KERNELS) -> list[str]:
 def build(build_dir: str = BUILD_DIR, kernels: str = KERNELS, verbose: bool = False):
     """The emulated ``gaengine._C``, built (or rebuilt where its sources changed) and imported; with the
     seconds the build took. ``kernels``: the umbrella ``kernels.cuh`` of the tree to compile (a mutant tree:
-    another ``build_dir``). Raises what ``torch.utils.cpp_extension.load`` raises on a compile error."""
+    another ``build_dir``). Raises what ``torch.utils.cpp_extension.load`` raises on a compile error.
+
+    One process at a time per ``build_dir`` (a file lock beside it): ``make test``'s pytest-xdist workers and the
+    gloo ranks they start share ``build/cuda_emu_engine``, and the rewritten sources are written before torch's own
+    build lock is taken; a process that waited finds the module built and loads it."""
+    import filelock  # noqa: PLC0415 - torch's own dependency
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     start = time.perf_counter()
+    os.makedirs(os.path.dirname(os.path.abspath(build_dir)), exist_ok=True)
+    with filelock.FileLock(os.path.abspath(build_dir) + ".lock"):
+        return _build_locked(build_dir, kernels, verbose, cpp_extension, start)
+
+
+def _build_locked(build_dir, kernels, verbose, cpp_extension, start):
     srcs = sources(build_dir, kernels)
     # "../adamw.h" and "../op_library.h" of cuda_ops.cpp resolve through csrc/cuda; the copy's own directory holds the
     # rewritten kernels.cuh, found first, and its "kernels/*.cuh" beside it (a quoted include looks beside its
