@@ -19,6 +19,9 @@ autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrad
   raw sum over ranks and micro-batches divided by ``f``; the engine's denominator (micro-batches x d in mean mode,
   the global item count in item mode) is divided by ``f`` once in ``norm`` (exact for partial windows and
   schedules, no look-ahead over the window).
+* **Noise scale** (``measure_noise_scale``): the hooks measure each micro-batch's local shard as they accumulate
+  it; the small batch is the global micro-batch, whose terms are summed over ranks before they are combined
+  (``gaengine.noise.WindowNoise.global_terms``).
 * **Step.** One pass over the local buffer for the sum of squares and the non-finite flag, one all-reduce of the
   two (fp64), the norm, clip coefficient and skip flag on the device; the user's optimizer runs over the DTensor
   parameters with ``.grad`` set to DTensor views of the buffer (a fused torch optimizer takes the coefficient and
