@@ -714,7 +714,7 @@ def test_gaengine_train_fsdp_under_torchrun(tmp_path):
                 x, y = sample_batch(shards[r], config.micro_batch_size, config.seq_len, gens[r])
                 loss = model(x, y) / (k * world)
                 loss.backward()
-                window_loss += float(loss)
+                window_loss += float(loss.detach())
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
