@@ -327,7 +327,10 @@ def _rank_main(rank, world, port, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     try:
-        result = {}
+        # Accelerate's own recipe on the same ranks (the wrong recipe): DDP, K-divided losses, and its scheduler
+        # stepped num_processes times per update.
+        plain, _, _ = _run(Accelerator(cpu=True, gradient_accumulation_steps=K), record_batches=True)
+        result = {"accelerate": plain}
         for dtype in (torch.float32, torch.bfloat16):
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
@@ -359,9 +362,10 @@ def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
     """Two ranks under Accelerate's launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): the model is not
     wrapped in DDP, gaengine all-reduces; each rank's parameters after every update (the end-of-dataloader partial
     window included) equal one fp64 process running each window over both ranks' micro-batches as one batch, with
-    fp32 parameters (1e-6) and bf16 parameters (their fp32 masters, within BF16_RTOL).
-    Accelerate's scheduler steps num_processes times per applied update (its convention: the schedule is written
-    for one process's batches), the reference likewise."""
+    fp32 parameters (1e-6) and bf16 parameters (their fp32 masters, within BF16_RTOL). The LambdaLR advances once
+    per applied update (one update of the global batch), as in the reference. Accelerate's own ``Accelerator`` on
+    the same two ranks (its scheduler steps num_processes times per update, its backward divides the partial
+    window by K) fails both checks."""
     world, port = 2, _free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
@@ -381,10 +385,17 @@ def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
         per_rank = [r[dtype]["updates"] for r in results]
         assert [u["micro"] for u in per_rank[0]] == [2, 1]  # 3 batches per rank (even_batches): a full, a partial
         windows = [[b for r in range(world) for b in per_rank[r][w]["batches"]] for w in range(len(per_rank[0]))]
-        ref = _reference(windows, lr_steps_per_update=world)
+        ref = _reference(windows)
+        assert [r["lr"] for r in ref] == pytest.approx([0.0, LR])  # LambdaLR(step ** 0.65): steps 0 and 1
         for updates in per_rank:
             assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
             assert _max_rel(updates, ref) <= tol
+    plain = results[0]["accelerate"]
+    windows = [[b for r in range(world) for b in results[r]["accelerate"][w]["batches"]] for w in range(len(plain))]
+    ref = _reference(windows)
+    assert [u["lr"] for u in plain] != pytest.approx([r["lr"] for r in ref], rel=1e-3)  # 2 LR steps per update
+    assert [u["lr"] for u in plain] == pytest.approx([r["lr"] for r in _reference(windows, lr_steps_per_update=world)])
+    assert _max_rel(plain, ref) > 1e-2
 
 
 def test_import_gaengine_imports_no_framework():

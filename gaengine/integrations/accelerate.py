@@ -35,6 +35,10 @@ What changes (docs/integrations/accelerate.md):
 * ``mixed_precision="fp16"`` keeps Accelerate's autocast but not its ``GradScaler``: gaengine's dynamic loss scaling
   (``loss_scale="dynamic"``) scales the loss, finds non-finite gradients and skips that update; the scheduler then
   does not step (``optimizer.step_was_skipped``).
+* The prepared scheduler (``GaengineScheduler``) steps once per applied update on any number of processes: gaengine
+  reduces the window over the ranks, so one update is one step of the global batch. Plain Accelerate steps it
+  ``num_processes`` times per update (unless ``split_batches``); a schedule written for that convention is
+  ``num_processes`` times too long here (docs/integrations/accelerate.md).
 * ``save_state`` / ``load_state`` carry gaengine's state (fp32 master weights, loss scale, the window so far) inside
   the optimizer's state dict, loaded after the model's and the optimizer's own.
 
@@ -52,12 +56,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
 import gaengine
 from gaengine.config import AccumulatorConfig
 
-__all__ = ["GaengineAccelerator", "GaengineOptimizer"]
+__all__ = ["GaengineAccelerator", "GaengineOptimizer", "GaengineScheduler"]
 
 _STATE_KEY = "gaengine"  # the accumulator's state inside the prepared optimizer's state dict
 _OPTIMIZER_KEY = "optimizer"
@@ -203,6 +208,32 @@ class GaengineOptimizer(AcceleratedOptimizer):
         self._window_applied = False
 
 
+class GaengineScheduler(AcceleratedScheduler):
+    """The prepared learning-rate scheduler: ``step()`` steps the wrapped scheduler once per applied update.
+
+    * At a synchronizing step (``sync_gradients``) whose update was applied: ``scheduler.step()`` once, whatever
+      ``num_processes`` and ``split_batches`` are. gaengine all-reduces the window over the ranks, so an update is one
+      optimizer step of the global batch (every rank's micro-batches), and a schedule counts optimizer steps.
+    * At a skipped update (a non-finite gradient, ``optimizer.step_was_skipped``): nothing, as Accelerate does.
+    * Off a synchronizing step: nothing (Accelerate's ``adjust_scheduler`` bookkeeping of ``_step_count`` included:
+      the wrapped scheduler's ``_step_count`` counts its own steps only).
+    * Built with ``step_scheduler_with_optimizer=False``: every call steps, as Accelerate does.
+
+    Accelerate's own ``AcceleratedScheduler`` steps ``num_processes`` times per update (its convention: the schedule
+    is written for one process's batches, Accelerate's ``scheduler.py``); that convention is dropped here.
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):  # one host read per update (GaengineOptimizer)
+            return
+        self.scheduler.step(*args, **kwargs)
+
+
 class GaengineAccelerator(Accelerator):
     """``accelerate.Accelerator`` whose gradient accumulation runs through ``gaengine.GradientAccumulator``.
 
@@ -295,6 +326,24 @@ class GaengineAccelerator(Accelerator):
         wrapped.accumulator = self.accumulator = gaengine.GradientAccumulator(
             model, optimizer, process_group=process_group, **options)
         self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> GaengineScheduler:
+        """Wrap ``scheduler`` in a ``GaengineScheduler``: it steps once per applied (not skipped) update on any number
+        of processes, where Accelerate's steps ``num_processes`` times. A scheduler prepared already is returned as
+        it is."""
+        if getattr(scheduler, "_is_accelerate_prepared", False) or isinstance(scheduler, AcceleratedScheduler):
+            if scheduler not in self._schedulers:
+                self._schedulers.append(scheduler)
+            return scheduler
+        optimizers = self._optimizers
+        for opt in self._optimizers:
+            if getattr(scheduler, "optimizer", None) is opt.optimizer:
+                optimizers = opt
+                break
+        wrapped = GaengineScheduler(scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                    split_batches=self.split_batches)
+        self._schedulers.append(wrapped)
         return wrapped
 
     def free_memory(self, *objects: Any):
