@@ -159,6 +159,8 @@ class ShardHooks(PythonHooks):
             return
         param.grad = None  # FSDP2 assigns a fresh .grad on the next synced micro-batch
         local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.is_cuda:  # the shard came from FSDP2's reduce-scatter stream; the bucket's accumulate reads it on
+            local.record_stream(torch.cuda.current_stream())  # this one (post_reduce_stream): no early reuse
         super()._accumulate(i, _LocalGrad(local, local.shape))
 
 

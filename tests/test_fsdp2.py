@@ -736,3 +736,49 @@ def test_gaengine_train_fsdp_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "--fsdp", "--steps", "1", "--quiet", "--out", str(tmp_path / "run"), "--device", "cpu"])
     assert exc.value.code == 2 and "run it as torchrun --nproc-per-node N" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_shard_hooks_wait_for_a_gradient_from_another_stream(tmp_path):
+    """One rank on a GPU (NCCL): every backward runs on a side stream that starts late (``torch.cuda._sleep``), and
+    FSDP2 reduce-scatters on its own stream and calls the shard hooks there; their accumulate into ``main_grad`` must
+    be ordered after both (as the native hooks order theirs, csrc/hot_path.cpp). Against the plain fp32 recipe on the
+    same GPU (backward on the current stream, ``.grad`` summed by autograd), within 1e-5 after two updates."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = Net().cuda()
+        model = copy.deepcopy(plain)
+        mesh = init_device_mesh("cuda", (1,))
+        for block in (model.l0, model.l1, model.head, model.side):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=None)
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=LR)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        side = torch.cuda.Stream()
+        for _ in range(2):
+            batches = [(torch.randn(B * T, IN, device="cuda", generator=g),
+                        torch.randn(B * T, OUT, device="cuda", generator=g)) for _ in range(K)]
+            for x, y in batches:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(2_000_000)  # the side stream's gradients come late
+                    acc.backward(nn.functional.mse_loss(model(x), y))
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.empty_cache()  # freed gradients go back to the allocator at once
+                (nn.functional.mse_loss(plain(x), y) / K).backward()
+            assert acc.step() is not None
+            plain_opt.step()
+            plain_opt.zero_grad(set_to_none=True)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert rel_diff(p.full_tensor(), q) <= 1e-5
+        acc.close()
+    finally:
+        dist.destroy_process_group()
