@@ -3,6 +3,7 @@ the example's code line for line."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import math
@@ -91,6 +92,30 @@ LIGHTNING_EXAMPLES = {"automatic": ROOT / "examples" / "lightning_example.py",
                       "manual": ROOT / "examples" / "lightning_manual_example.py"}
 
 
+@contextlib.contextmanager
+def _restored_environ():
+    """os.environ as it was on entry, restored on exit: variables set while inside are removed, changed ones reset.
+    Lightning's Trainer, run in this process, sets launch variables (LOCAL_RANK, NODE_RANK, MASTER_ADDR,
+    MASTER_PORT, ...) and OMP_NUM_THREADS that later tests in the same pytest worker would otherwise see (Accelerate
+    would start a process group from them)."""
+    saved = dict(os.environ)
+    try:
+        yield saved
+    finally:
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        for key, value in saved.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _fresh_environ():
+    """Every test here leaves os.environ as it found it (the in-process examples included)."""
+    with _restored_environ():
+        yield
+
+
 def _load_example(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -107,7 +132,12 @@ def test_lightning_examples_run(kind, capsys, monkeypatch):
     pytest.importorskip("lightning")
     monkeypatch.syspath_prepend(str(ROOT / "examples"))  # the manual example imports lightning_example, as a script
     example = _load_example("lightning_example", LIGHTNING_EXAMPLES["automatic"])
-    _load_example(f"lightning_{kind}_run", LIGHTNING_EXAMPLES[kind]).main([])
+    with _restored_environ() as before:
+        _load_example(f"lightning_{kind}_run", LIGHTNING_EXAMPLES[kind]).main([])
+        leaked = {k for k in os.environ if os.environ[k] != before.get(k)}
+    assert dict(os.environ) == before, "the example's launch variables stayed in os.environ"
+    if kind == "automatic":
+        assert "LOCAL_RANK" in leaked  # what the restore is for: Lightning's Trainer sets it in this process
     out = capsys.readouterr().out
     updates = re.findall(r"update (\d+): (\d+) micro-batches, loss (\S+), grad norm (\S+)", out)
     assert [int(u[1]) for u in updates] == [4, 4, 2] * 3

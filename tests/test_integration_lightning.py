@@ -34,6 +34,20 @@ RTOL = 1e-5
 warnings.filterwarnings("ignore", message=".*(does not have many workers|LeafSpec|litlogger|GPU available).*")
 
 
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Lightning's Trainer sets launch variables in this process (LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+    ...) and OMP_NUM_THREADS: each test leaves os.environ as it found it, so later tests in the same pytest worker
+    (Accelerate's, which would start a process group from them) never see them."""
+    saved = dict(os.environ)
+    yield
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def _data(n_samples: int, seed: int = 7):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_samples, N_FEATURES, generator=g)
