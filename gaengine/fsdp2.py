@@ -22,8 +22,9 @@ autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrad
 * **Noise scale** (``measure_noise_scale``): the hooks measure each micro-batch's local shard as they accumulate
   it; the small batch is the global micro-batch, whose terms are summed over ranks before they are combined
   (``gaengine.noise.WindowNoise.global_terms``).
-* **Step.** One pass over the local buffer for the sum of squares and the non-finite flag, one all-reduce of the
-  two (fp64), the norm, clip coefficient and skip flag on the device; the user's optimizer runs over the DTensor
+* **Step.** One pass over the local buffer for the sum of squares and the non-finite flag at the end of the last
+  backward, summed over the ranks in the window's one stats all-reduce (with the loss, the item count, the
+  per-rank micro-batch counts and the noise-scale terms), the norm, clip coefficient and skip flag on the device; the user's optimizer runs over the DTensor
   parameters with ``.grad`` set to DTensor views of the buffer (a fused torch optimizer takes the coefficient and
   the skip flag as ``grad_scale``/``found_inf``). fp32 sharded parameters are their own masters; bf16/fp16 ones
   get an fp32 master shard (a DTensor over a view of one flat ``master_buffer``) that the optimizer updates, its
@@ -50,7 +51,7 @@ from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.python_hooks import PythonHooks
-from gaengine.reduce import Collective, broadcast_from_first_rank, wait_for
+from gaengine.reduce import broadcast_from_first_rank, launch_window_stats
 from gaengine.sharding import ShardingStrategy, register_model_strategy
 from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
                              step_optimizer, step_scheduler, writes_model_params)
@@ -85,7 +86,6 @@ def check_fsdp2_model(model: nn.Module, params: list[torch.Tensor]) -> None:
     ``params``: the model's trainable parameters."""
     from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule  # noqa: PLC0415
-    from torch.distributed.fsdp._fully_shard._fsdp_api import OffloadPolicy  # noqa: PLC0415,F401
     from torch.distributed.fsdp._fully_shard._fsdp_param import HSDPMeshInfo  # noqa: PLC0415
 
     for name, module in model.named_modules():
@@ -336,6 +336,21 @@ class FullyShardedGrads(ShardingStrategy):
     def end_partial_window(self, missing: int) -> None:
         """Nothing to launch: FSDP2 reduced every micro-batch the window holds."""
 
+    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> None:
+        """The window's stats all-reduce (``ShardingStrategy.launch_window_stats``) also carries the local shards'
+        sum of squares and non-finite flag (its ``tail``, read by ``norm``): one all-reduce per window. When backward
+        returns FSDP2 has reduced the last micro-batch and the hooks have added it (on CUDA, FSDP2's
+        ``finalize_backward`` made the current stream wait for them), so ``main_grad`` holds the window; the
+        parameters this rank wrote nothing for are zeroed first (as the base does)."""
+        unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
+        for i in unused:
+            self.main_grad.flat_views[i].zero_()
+        sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
+        tail = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
+        window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
+                                           self.process_group, extra=extra, count=window.num_micro_batches, tail=tail)
+        self._window_stats = window.stats
+
     # ------------------------------------------------------------------ step
     def _divide_factor(self) -> float:
         """The factor FSDP2 divided every reduced gradient by (``set_gradient_divide_factor``, else its data-parallel
@@ -350,16 +365,16 @@ class FullyShardedGrads(ShardingStrategy):
         return factors.pop()
 
     def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
-        """One pass over the local shards (sum of squares, non-finite flag), one fp64 all-reduce of the two over
-        the group; the denominator divided by FSDP2's divide factor (``main_grad`` holds the sum over ranks
-        divided by it)."""
-        free = None if self.distributed else self.hooks.free_norm()
-        sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
-        if self.distributed:
-            both = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
-            wait_for(Collective(dist.all_reduce, both, group=self.process_group).work,
-                     "all-reduce of the window's gradient sum of squares")
+        """One pass over the local shards (sum of squares, non-finite flag), summed over the group in the window's
+        stats all-reduce (``launch_window_stats``; the free norm of the hooks on one rank); the denominator divided
+        by FSDP2's divide factor (``main_grad`` holds the sum over ranks divided by it)."""
+        if self.distributed:  # summed over the ranks in the window's stats all-reduce (launch_window_stats)
+            stats, self._window_stats = self._window_stats, None
+            both = stats.tail()
             sum_sq, found_inf = both[0].float(), both[1].float()
+        else:
+            free = self.hooks.free_norm()
+            sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
         return window_norm(self.main_grad.data, grad_denom / self._divide_factor(), max_grad_norm, self.backend,
                            free=(sum_sq, found_inf))
 

@@ -224,10 +224,11 @@ class WindowStats:
 
     data: (2 + P + W + E,) fp64 on the device: the loss sum, the item count, per parameter (layout order) 1.0 where
     this rank produced a gradient, per rank of the group (group rank order) its micro-batch count in the window
-    (this rank writes its own slot, the others 0), then the E extra values (all summed over ranks once ``wait()``
-    returned: every rank then holds every rank's count).
+    (this rank writes its own slot, the others 0), then the E extra values and the T tail values (all summed over
+    ranks once ``wait()`` returned: every rank then holds every rank's count).
     locally_unused: layout indices of the parameters this rank got no gradient for in the window.
-    num_extra: E, the extra values (the noise scale's small-batch terms, ``gaengine.noise``).
+    num_extra: E, the extra values (the noise scale's small-batch terms, ``gaengine.noise``). num_tail: T, the
+    sharding strategy's own values (``gaengine.fsdp2``: the local shards' sum of squares and non-finite flag).
     num_ranks: W, the group's size. rank: this rank's index in the group. count: this rank's micro-batches.
     host_counts: the W counts once a host read brought them over (``globally_unused``, ``read_counts``), else None.
     """
@@ -236,6 +237,7 @@ class WindowStats:
     work: object
     locally_unused: list[int]
     num_extra: int = 0
+    num_tail: int = 0
     num_ranks: int = 0
     rank: int = 0
     count: int = 0
@@ -248,7 +250,7 @@ class WindowStats:
 
     def counts(self) -> torch.Tensor:
         """Every rank's micro-batch count in the window (after ``wait()``): ``(W,)`` fp64 on the device."""
-        end = self.data.numel() - self.num_extra
+        end = self.data.numel() - self.num_extra - self.num_tail
         return self.data[end - self.num_ranks:end]
 
     def count_mismatch(self) -> torch.Tensor:
@@ -276,7 +278,12 @@ class WindowStats:
 
     def extra(self) -> torch.Tensor:
         """The extra values summed over ranks (after ``wait()``): ``(E,)`` fp64 on the device."""
-        return self.data[self.data.numel() - self.num_extra:]
+        end = self.data.numel() - self.num_tail
+        return self.data[end - self.num_extra:end]
+
+    def tail(self) -> torch.Tensor:
+        """The strategy's tail values summed over ranks (after ``wait()``): ``(T,)`` fp64 on the device."""
+        return self.data[self.data.numel() - self.num_tail:]
 
 
 class HostMailbox:
@@ -343,7 +350,7 @@ def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str
 def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_unused: list[int],
                         loss_sum: torch.Tensor, items: torch.Tensor,
                         group: dist.ProcessGroup | None, extra: torch.Tensor | None = None,
-                        count: int = 0) -> WindowStats:
+                        count: int = 0, tail: torch.Tensor | None = None) -> WindowStats:
     """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
 
     locally_unused: layout indices this rank wrote no gradient for in the window (their slices of
@@ -352,7 +359,8 @@ def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_u
     parameter, whether this rank produced a gradient for it, so a parameter no rank used gets no update; and, per
     rank, its micro-batch count (``count``: this rank's, written into its own slot; one slot per rank, so the sum
     gives every rank each rank's count exactly, in the same all-reduce: ``WindowStats.count_mismatch``).
-    extra: ``(E,)`` fp64 on the device, more per-rank values to sum in the same all-reduce, or None.
+    extra: ``(E,)`` fp64 on the device, more per-rank values to sum in the same all-reduce, or None; tail: ``(T,)``
+    likewise, the sharding strategy's (``WindowStats.tail``), or None.
     """
     for i in locally_unused:
         main_grad.flat_views[i].zero_()
@@ -364,12 +372,14 @@ def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_u
     host[locally_unused] = 0.0
     host[num_params + rank] = float(count)
     parts = [loss_sum.double().reshape(1), items.double().reshape(1), host.to(loss_sum.device, non_blocking=True)]
-    if extra is not None:
-        parts.append(extra.double().reshape(-1))
+    for more in (extra, tail):
+        if more is not None:
+            parts.append(more.double().reshape(-1))
     data = torch.cat(parts)
     work = Collective(dist.all_reduce, data, group=group)
     reducer.collectives_issued += 1
-    return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel(), num_ranks, rank, count)
+    return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel(),
+                       0 if tail is None else tail.numel(), num_ranks, rank, count)
 
 
 def _first_rank(group: dist.ProcessGroup | None) -> int:
