@@ -23,6 +23,7 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 import gaengine  # noqa: E402
 from gaengine.integrations.lightning import GaenginePrecision, GaengineStrategy  # noqa: E402
@@ -68,11 +69,13 @@ class Regression(pl.LightningModule):
     """Lightning's scenario model: mean-squared error, SGD with momentum, a step-interval LambdaLR. Records the
     parameters after every batch and the number of backward calls."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, returns_none_at: int | None = None):
+    def __init__(self, dtype: torch.dtype = torch.float32, returns_none_at: int | None = None,
+                 poison_at: int | None = None):
         super().__init__()
         self.net = _net()
         self.dtype_ = dtype
         self.returns_none_at = returns_none_at
+        self.poison_at = poison_at  # this batch's loss is multiplied by inf: a non-finite window
         self.after_batch: list[list[torch.Tensor]] = []
         self.backward_calls = 0
         self.lrs: list[float] = []
@@ -81,7 +84,8 @@ class Regression(pl.LightningModule):
         if batch_idx == self.returns_none_at:
             return None
         x, y = batch
-        return nn.functional.mse_loss(self.net(x.to(self.dtype_)), y.to(self.dtype_))
+        loss = nn.functional.mse_loss(self.net(x.to(self.dtype_)), y.to(self.dtype_))
+        return loss * float("inf") if batch_idx == self.poison_at else loss
 
     def on_before_backward(self, loss):
         self.backward_calls += 1
@@ -361,6 +365,107 @@ def test_checkpoint_resume(tmp_path, precision):
 
 def _masters_of(module: Regression) -> list[torch.Tensor]:
     return module.trainer.optimizers[0].param_groups[0]["params"]
+
+
+# ---------------------------------------------------------------- mixed precision, skipped windows
+
+
+def reference_amp(x, y, windows: list[list[int]], autocast_dtype: torch.dtype):
+    """torch's own AMP recipe, no gaengine, no Lightning: fp32 parameters, each micro-batch's forward under
+    ``torch.autocast("cpu", autocast_dtype)`` and the backward of its mean loss, the micro-batch gradients summed in
+    fp64 and divided by their count (the window's mean; dividing each loss by the count before its backward would
+    round the low-precision backward differently, by up to one rounding of the gradient: not the bound checked here);
+    fp16: ``torch.amp.GradScaler`` (init scale 2^16) scales each loss, unscales, skips a non-finite window's step and
+    its scheduler step (the scale went down). Returns the parameters after every update (None when skipped)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+    scaler = torch.amp.GradScaler("cpu", enabled=autocast_dtype == torch.float16)
+    after = []
+    for batches in windows:
+        grads = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+        for b in batches:
+            r = _rows_one_process(b)[0]
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=autocast_dtype):
+                loss = nn.functional.mse_loss(model(x[r]), y[r])
+            scaler.scale(loss).backward()
+            for g, p in zip(grads, model.parameters()):
+                g += p.grad.double()
+        for g, p in zip(grads, model.parameters()):
+            p.grad = (g / len(batches)).float()
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.is_enabled() and scaler.get_scale() < scale
+        if not skipped:
+            sched.step()
+        after.append(None if skipped else [p.detach().clone() for p in model.parameters()])
+    return after
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_through_gaengine_precision(precision):
+    """``bf16-mixed`` and ``16-mixed`` on CPU (Lightning's ``MixedPrecision``: autocast in the forward, fp32
+    parameters) through ``GaenginePrecision``: Lightning's ``GradScaler`` dropped, 16-mixed scaled by gaengine's
+    dynamic loss scale. K = 3 over 10 batches (a partial last window): after every update the parameters are torch's
+    own AMP recipe's within RTOL (the same autocast forward per micro-batch; fp32 summation order only), and the
+    updates fp16 skipped are the recipe's. Lightning's own accumulation under the same plugin fails the check on the
+    partial window (divided by K)."""
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    x, y = _data(20)
+    windows = _windows(10, [3])
+    ref = reference_amp(x, y, windows, dtype)
+    ends = [w[-1] for w in windows]
+
+    model = Regression()
+    trainer = _trainer(accumulate_grad_batches=3, plugins=[MixedPrecision(precision, "cpu")])
+    trainer.fit(model, _loader(x, y))
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, GaenginePrecision) and isinstance(plugin.inner, MixedPrecision)
+    assert plugin.precision == precision and plugin.inner.scaler is None  # no Lightning GradScaler
+    assert (trainer.strategy.accumulator.scaler is not None) == (dtype == torch.float16)  # gaengine's loss scale
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert trainer.global_step == len(windows)
+    assert plugin.num_skipped == sum(r is None for r in ref)
+    for update, (b, want) in enumerate(zip(ends, ref)):
+        if want is not None:
+            _assert_params_close(model.after_batch[b], want, f"{precision}, update {update}")
+
+    naive = Regression()
+    _trainer(strategy="auto", accumulate_grad_batches=3, plugins=[MixedPrecision(precision, "cpu")]).fit(
+        naive, _loader(x, y))
+    worst = max(rel_diff(a, e) for a, e in zip(naive.after_batch[ends[-1]], ref[-1]))
+    assert worst > 100 * RTOL, f"Lightning's own {precision} accumulation agrees with the recipe ({worst:.2e})"
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS), ids=["fp32", "bf16"])
+def test_non_finite_window_is_skipped_and_holds_the_scheduler(precision):
+    """A non-finite loss in batch 4 (window 1 of batches 3-5; K = 3, 10 batches): gaengine skips that update on the
+    device (parameters unchanged through batch 5), ``num_skipped`` reports it, ``global_step`` counts it (4, as the
+    Hugging Face Trainer's ``global_step`` and Accelerate's ``step`` count a skipped update), and the step-interval
+    LambdaLR does not step on it (as in Accelerate and the HF integration): the remaining updates are the recipe's
+    run without that window, learning rates included. Lightning's own accumulation turns the parameters NaN."""
+    dtype = PRECISIONS[precision]
+    x, y = _data(20)
+    windows = _windows(10, [3])
+    model = Regression(dtype, poison_at=4)
+    trainer = _trainer(accumulate_grad_batches=3, precision=precision)
+    trainer.fit(model, _loader(x, y))
+    plugin = trainer.strategy.precision_plugin
+    assert trainer.global_step == 4 and plugin.num_skipped == 1 and not plugin.update_was_skipped
+    assert all(torch.equal(a, b) for a, b in zip(model.after_batch[5], model.after_batch[2]))
+    assert model.lrs[5] == model.lrs[2] == pytest.approx(LR * GAMMA)  # held: the skipped update did not step it
+    kept = [w for i, w in enumerate(windows) if i != 1]
+    ref, ref_lrs = reference(x, y, kept, dtype=dtype)
+    for update, (w, want) in enumerate(zip(kept, ref)):
+        _assert_model_close(model.after_batch[w[-1]], want, f"update {update} of the recipe without window 1", dtype)
+    assert [model.lrs[w[-1]] for w in kept] == pytest.approx([LR * GAMMA ** (i + 1) for i in range(len(kept))])
+    assert ref_lrs == pytest.approx([LR * GAMMA ** i for i in range(len(kept))])
+
+    naive = Regression(poison_at=4)
+    _trainer(strategy="auto", accumulate_grad_batches=3).fit(naive, _loader(x, y))
+    assert not all(bool(p.isfinite().all()) for p in naive.after_batch[-1])
 
 
 # ---------------------------------------------------------------- refusals

@@ -88,7 +88,11 @@ class GaenginePrecision(Precision):
         itself, dynamically). Any other plugin raises ``ValueError`` naming it.
 
     After every applied window, ``last_result`` holds gaengine's ``StepResult`` (``grad_norm``, ``clip_coef``,
-    ``skipped``, ``loss``; 0-d tensors on the device).
+    ``skipped``, ``loss``; 0-d tensors on the device). A window with a non-finite gradient (or, under
+    ``"16-mixed"``, one that overflowed the loss scale) is skipped on the device: parameters, optimizer state and
+    the rest unchanged; ``update_was_skipped`` says so for the last update and ``num_skipped`` counts them (each
+    read from the device once per update, when first asked), and ``GaengineStrategy`` then holds the step-interval
+    schedulers.
     """
 
     def __init__(self, inner: Precision | None = None) -> None:
@@ -113,6 +117,26 @@ class GaenginePrecision(Precision):
         self.last_result: StepResult | None = None
         self._clip_val: float | None = None
         self._pending_state: dict | None = None
+        self._skipped: bool | None = None  # host copy of last_result.skipped, read on first access
+        self._num_skipped = 0
+
+    # ------------------------------------------------------------------ skipped updates
+    def _settle(self) -> None:
+        if self._skipped is None and self.last_result is not None:
+            self._skipped = bool(self.last_result.skipped)  # host read: once per update, after its step
+            self._num_skipped += self._skipped
+
+    @property
+    def update_was_skipped(self) -> bool:
+        """Whether the last update was skipped for a non-finite window gradient (False before the first)."""
+        self._settle()
+        return bool(self._skipped)
+
+    @property
+    def num_skipped(self) -> int:
+        """Updates skipped so far (non-finite window gradients), over every fit with this plugin."""
+        self._settle()
+        return self._num_skipped
 
     # ------------------------------------------------------------------ dtypes: the inner plugin's
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -202,7 +226,10 @@ class GaenginePrecision(Precision):
         self._clip_val = None
         self._after_closure(model, optimizer)  # on_before_optimizer_step; configure_gradient_clipping -> clip_gradients
         acc.max_grad_norm = self._clip_val
-        self.last_result = acc.step(force=final)
+        result = acc.step(force=final)
+        if result is not None:
+            self._settle()  # the previous update's flag into num_skipped (computed long ago: no wait)
+            self.last_result, self._skipped = result, None
         return closure_result
 
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
@@ -362,6 +389,35 @@ class GaengineStrategy(DDPStrategy):
         acc = GradientAccumulator(module, self.optimizers[0], accumulation_steps=trainer.accumulate_grad_batches,
                                   max_grad_norm=None, **options)
         precision.attach(acc)
+        self._hold_schedulers_on_skip(module, trainer)
+
+    def _hold_schedulers_on_skip(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        """Route ``module.lr_scheduler_step`` (Lightning's hook that steps each scheduler; the user's override or
+        Lightning's default) through a check: a step-interval scheduler does not step after a skipped update, as
+        Accelerate's and the Hugging Face Trainer's schedulers do not. Epoch-interval schedulers step as Lightning
+        steps them. The module's own method comes back in ``teardown``."""
+        self._restore_scheduler_hook()
+        stepping = module.lr_scheduler_step
+        precision = self.precision_plugin
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            per_step = any(c.scheduler is scheduler and c.interval == "step" for c in trainer.lr_scheduler_configs)
+            if per_step and precision.update_was_skipped:
+                return
+            stepping(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step
+        self._held_module = module
+
+    def _restore_scheduler_hook(self) -> None:
+        module = getattr(self, "_held_module", None)
+        if module is not None:
+            vars(module).pop("lr_scheduler_step", None)
+            self._held_module = None
+
+    def teardown(self) -> None:
+        self._restore_scheduler_hook()
+        super().teardown()
 
     def on_train_start(self) -> None:
         super().on_train_start()
