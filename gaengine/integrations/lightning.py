@@ -295,6 +295,10 @@ class GaengineStrategy(DDPStrategy):
     micro-batch and leaves the windows to gaengine) and False on the epoch's final batch, where Lightning's own rule
     (step on the final batch, counted in ``global_step``, step-interval schedulers stepped) is the one gaengine
     follows: so ``trainer.global_step`` counts every applied update, the partial last window's included.
+
+    A skipped update (non-finite window gradient, fp16 overflow) holds the step-interval schedulers (the module's
+    ``lr_scheduler_step`` hook is routed through ``GaenginePrecision.update_was_skipped`` while fitting), as the
+    Accelerate and Hugging Face integrations do; ``global_step`` still counts it.
     """
 
     strategy_name = "gaengine"
