@@ -307,16 +307,16 @@ def _rank_main(rank, world, port, out):
         from pathlib import Path
 
         results = {}
-        for zero_stage in (0, 1):
+        for zero_stage, dtype in ((0, torch.float32), (1, torch.float32), (0, torch.bfloat16)):
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
-            args = _args(Path(out), f"rank{rank}-z{zero_stage}", per_device_train_batch_size=2,
+            args = _args(Path(out), f"rank{rank}-z{zero_stage}-{dtype}", per_device_train_batch_size=2,
                          gradient_accumulation_steps=2, max_steps=3, **MULTI_RANK_OPT)
-            trainer = GaengineTrainer(model=tiny_llama(), args=args, train_dataset=PaddedTokens(),
+            trainer = GaengineTrainer(model=tiny_llama(dtype), args=args, train_dataset=PaddedTokens(),
                                       accumulator_options={"zero_stage": zero_stage})
             trainer.train()
             acc = trainer.accelerator.accumulator
-            results[zero_stage] = {
+            results[zero_stage if dtype == torch.float32 else "bf16"] = {
                 "loss": _logs(trainer, "loss"), "grad_norm": _logs(trainer, "grad_norm"),
                 "params": _params(trainer.model), "world": acc.world_size, "backend": dist.get_backend(),
                 "ddp": isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)}
@@ -336,7 +336,11 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     """Two ranks under the Trainer's torchrun environment, batch 2 and K = 2 each (8 sequences per update), with
     zero_stage 0 and 1: no DDP wrap, gaengine all-reduces; the logged losses (the exact token mean over both ranks)
     and gradient norms equal one process's Trainer at batch 8, K = 1 within 1e-5, and the parameters (SGD) within
-    1e-5."""
+    1e-5. bf16 parameters (zero_stage 0), against the one-process Trainer with bf16 parameters: the losses within
+    2^-8 (its batch-8 gradient is rounded to bf16 once, gaengine sums the ranks' bf16 micro-batch gradients in fp32:
+    one bf16 rounding of the final gradient, 2^-9, twice over); the bf16 parameters within 2^-6 of the largest
+    (``rel_diff``): the Trainer rounds its bf16 parameters after each of the 3 updates and gaengine its fp32 masters
+    once, half a bf16 ulp (at most 2^-8 of the largest) each, 4 roundings; measured 7.5e-3."""
     world, port = 2, _free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
@@ -352,7 +356,13 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ref = _train(Trainer, tiny_llama(), _args(tmp_path, "ref", per_device_train_batch_size=8, max_steps=3,
                                               **MULTI_RANK_OPT), PaddedTokens())
+    ref_bf16 = _train(Trainer, tiny_llama(torch.bfloat16), _args(tmp_path, "ref-bf16", per_device_train_batch_size=8,
+                                                                 max_steps=3, **MULTI_RANK_OPT), PaddedTokens())
     for res in results:
+        run = res.pop("bf16")
+        assert run["world"] == world and not run["ddp"]
+        assert max(abs(g / r - 1) for g, r in zip(run["loss"], _logs(ref_bf16, "loss"))) <= 2.0**-8
+        assert _max_rel(run["params"], _params(ref_bf16.model)) <= 2.0**-6
         for zero_stage, run in res.items():
             assert run["world"] == world and run["backend"] == "gloo" and not run["ddp"]
             assert max(abs(g / r - 1) for g, r in zip(run["loss"], _logs(ref, "loss"))) <= 1e-5
