@@ -27,11 +27,11 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gaengine
 from tests import poison
+from tests.ranks import spawn_ranks
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -436,19 +436,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]
 
 
 def _launch(tmp_path, world: int, plan: list[str], join_s: float = 240) -> list[dict]:
-    ctx = mp.get_context("spawn")
     store = str(tmp_path / f"store-{world}-{time.monotonic_ns()}")  # one file per group: a used one may remain
-    procs = [ctx.Process(target=_worker, args=(r, world, store, str(tmp_path), plan))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * world, f"ranks exited with {[p.exitcode for p in procs]}"
+    codes = spawn_ranks(_worker, world, (store, str(tmp_path), plan), join_s=join_s)
+    assert codes == [0] * world, f"ranks exited with {codes}"
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -11,10 +11,7 @@ recipe divides every loss by K, the partial window's too, and fails the same che
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
-import traceback
 
 import pytest
 
@@ -22,14 +19,13 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.test_utils.training import RegressionDataset, RegressionModel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer  # noqa: E402
-from tests import poison  # noqa: E402
+from tests.ranks import free_port, spawn_ranks, torchrun_rank  # noqa: E402
 from tests.tolerances import rel_diff  # noqa: E402
 
 N, BATCH, K, LR = 80, 16, 2, 1e-3
@@ -40,18 +36,7 @@ def _lam(step):
     return step**0.65  # Accelerate's test_sync.py schedule
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    """Accelerate keeps its state in process-wide singletons: each test starts from none, as one process (launch
-    variables another test left in os.environ, e.g. Lightning's LOCAL_RANK, would make Accelerate start a group)."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from tests.accelerate_state import fresh_accelerate_state  # noqa: E402,F401 - autouse: Accelerate's state reset
 
 
 def _mse(model, batch):
@@ -316,17 +301,9 @@ def test_bad_options_and_calls_are_refused_and_keep_the_window():
 
 
 # ---------------------------------------------------------------- two gloo ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank, world, port, out):
-    poison.install_if_asked()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    try:
+    with torchrun_rank(rank, world, port):
         # Accelerate's own recipe on the same ranks (the wrong recipe): DDP, K-divided losses, and its scheduler
         # stepped num_processes times per update.
         plain, _, _ = _run(Accelerator(cpu=True, gradient_accumulation_steps=K), record_batches=True)
@@ -348,13 +325,6 @@ def _rank_main(rank, world, port, out):
             result["mid_window_save"] = str(e)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.multiproc
@@ -366,18 +336,8 @@ def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
     per applied update (one update of the global batch), as in the reference. Accelerate's own ``Accelerator`` on
     the same two ranks (its scheduler steps num_processes times per update, its backward divides the partial
     window by K) fails both checks."""
-    world, port = 2, _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
+    world = 2
+    assert spawn_ranks(_rank_main, world, (free_port(), str(tmp_path)), join_s=120) == [0] * world
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert all("save between windows on several ranks" in r["mid_window_save"] for r in results)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, BF16_RTOL)):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 
 import pytest
@@ -27,6 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 import gaengine  # noqa: E402
 from gaengine.integrations.lightning import GaenginePrecision, GaengineStrategy  # noqa: E402
+from tests.ranks import free_port  # noqa: E402
 from tests.tolerances import rel_diff  # noqa: E402
 
 N_FEATURES, BATCH, LR, MOMENTUM, GAMMA = 5, 2, 0.2, 0.5, 0.9
@@ -639,11 +639,6 @@ def test_manual_optimization_misuse(call):
 # ---------------------------------------------------------------- two gloo processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
@@ -678,7 +673,7 @@ def test_two_gloo_processes(tmp_path):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "res")
-    mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     x, y = _data(40)
     for name, k, clip, dtype in (("K3", 3, None, torch.float32), ("K4-clip-bf16", 4, 0.05, torch.bfloat16)):

@@ -13,10 +13,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-import socket  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -24,30 +20,18 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from gaengine.integrations.transformers import GaengineTrainer  # noqa: E402
-from tests import poison  # noqa: E402
+from tests.ranks import free_port, spawn_ranks, torchrun_rank  # noqa: E402
 from tests.tolerances import rel_diff  # noqa: E402
 
 VOCAB, SEQ = 100, 12
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    """Accelerate keeps its state in process-wide singletons: each test starts from none, as one process (launch
-    variables another test left in os.environ, e.g. Lightning's LOCAL_RANK, would make Accelerate start a group)."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from tests.accelerate_state import fresh_accelerate_state  # noqa: E402,F401 - autouse: Accelerate's state reset
 
 
 # ---------------------------------------------------------------- models and data
@@ -293,17 +277,9 @@ def test_bad_options_are_refused(tmp_path):
 MULTI_RANK_OPT = dict(optim="sgd", learning_rate=0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank, world, port, out):
-    poison.install_if_asked()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    try:
+    with torchrun_rank(rank, world, port):
         from pathlib import Path
 
         results = {}
@@ -322,13 +298,6 @@ def _rank_main(rank, world, port, out):
                 "ddp": isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)}
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.multiproc
@@ -341,18 +310,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     one bf16 rounding of the final gradient, 2^-9, twice over); the bf16 parameters within 2^-6 of the largest
     (``rel_diff``): the Trainer rounds its bf16 parameters after each of the 3 updates and gaengine its fp32 masters
     once, half a bf16 ulp (at most 2^-8 of the largest) each, 4 roundings; measured 7.5e-3."""
-    world, port = 2, _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
+    world = 2
+    assert spawn_ranks(_rank_main, world, (free_port(), str(tmp_path)), join_s=240) == [0] * world
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ref = _train(Trainer, tiny_llama(), _args(tmp_path, "ref", per_device_train_batch_size=8, max_steps=3,
                                               **MULTI_RANK_OPT), PaddedTokens())
