@@ -78,14 +78,26 @@ def build(build_dir: str = BUILD_DIR, kernels: str = KERNELS, verbose: bool = Fa
 
     One process at a time per ``build_dir`` (a file lock beside it): ``make test``'s pytest-xdist workers and the
     gloo ranks they start share ``build/cuda_emu_engine``, and the rewritten sources are written before torch's own
-    build lock is taken; a process that waited finds the module built and loads it."""
+    build lock is taken; a process that waited finds the module built and loads it.
+    A process loads the module once per ``(build_dir, kernels)`` and returns that module to later calls: a second
+    ``cpp_extension.load`` of the same name in one process is versioned (``gaengine_emu_C_v1``), which rewrites
+    ``build.ninja`` and rebuilds every object, and the next process (version 0) rebuilds them back; gloo ranks
+    killed at their join deadline while waiting on such a rebuild left torch's build lock behind."""
     import filelock  # noqa: PLC0415 - torch's own dependency
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     start = time.perf_counter()
-    os.makedirs(os.path.dirname(os.path.abspath(build_dir)), exist_ok=True)
-    with filelock.FileLock(os.path.abspath(build_dir) + ".lock"):
-        return _build_locked(build_dir, kernels, verbose, cpp_extension, start)
+    key = (os.path.abspath(build_dir), os.path.abspath(kernels))
+    if key in _LOADED:
+        return _LOADED[key], time.perf_counter() - start
+    os.makedirs(os.path.dirname(key[0]), exist_ok=True)
+    with filelock.FileLock(key[0] + ".lock"):
+        module, seconds = _build_locked(build_dir, kernels, verbose, cpp_extension, start)
+    _LOADED[key] = module
+    return module, seconds
+
+
+_LOADED: dict = {}  # (build_dir, kernels) -> the module this process loaded from them (build())
 
 
 def _build_locked(build_dir, kernels, verbose, cpp_extension, start):
