@@ -67,9 +67,8 @@ class ShardingStrategy(ABC):
     accumulator's backend, device, process group and world size and the options of ``gaengine.AccumulatorConfig``
     it needs (``bucket_size_mb``, ``reduce_dtype``, ``master_weights``, ``overlap_param_gather``,
     ``broadcast_buffers``); ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise
-    scale); ``model``: the module, for its buffers and forward pre-hooks, or None; ``dcp_state_dict``: accepted and
-    unused (every strategy's state dict has one format, ``gaengine.checkpoint.STATE_FORMAT``). On several ranks the
-    parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
+    scale); ``model``: the module, for its buffers and forward pre-hooks, or None. Every strategy's state dict has
+    one format (``gaengine.checkpoint.STATE_FORMAT``). On several ranks the parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
     """
 
     name = "?"
@@ -91,14 +90,13 @@ class ShardingStrategy(ABC):
                  device: torch.device, process_group: dist.ProcessGroup | None, world_size: int,
                  bucket_size_mb: float, reduce_dtype: torch.dtype, master_weights: bool,
                  measure_sources: bool, model: nn.Module | None = None, overlap_param_gather: bool = False,
-                 dcp_state_dict: bool = False, broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True) -> None:
         if world_size > 1:  # every rank starts from the first rank's parameters (and buffers)
             tensors = list(params)
             if broadcast_buffers and model is not None:
                 tensors += list(model.buffers())
             broadcast_from_first_rank(tensors, process_group)
         self.optimizer = optimizer
-        self.dcp_state_dict = dcp_state_dict
         self.backend = backend
         self.device = device
         self.process_group = process_group
@@ -727,12 +725,12 @@ def make_sharding(zero_stage: int, world_size: int, params: list[torch.Tensor], 
                   **kwargs) -> ShardingStrategy:
     """The strategy for ``zero_stage`` on ``world_size`` ranks: a model that a registered strategy takes
     (``register_model_strategy``: an FSDP2 model gets ``gaengine.fsdp2.FullyShardedGrads``, which raises
-    ``ValueError`` with ``zero_stage > 0``) gets that one; a world of one shards nothing (``Replicated``), and keeps
-    the ``torch.distributed.checkpoint`` state dict of ``zero_stage >= 1`` (it loads a sharded run's)."""
+    ``ValueError`` with ``zero_stage > 0``) gets that one; a world of one shards nothing (``Replicated``, whose state
+    dict has the one format of every strategy, so it loads a sharded run's)."""
     strategy = _model_strategy(kwargs.get("model"))
     if strategy is not None:
         return strategy.for_model(zero_stage, world_size, params, optimizer, **kwargs)
     if zero_stage == 0 or world_size == 1:
-        return Replicated(params, optimizer, world_size=world_size, dcp_state_dict=zero_stage > 0, **kwargs)
+        return Replicated(params, optimizer, world_size=world_size, **kwargs)
     cls = ZeroStage1 if zero_stage == 1 else ZeroStage2
-    return cls(params, optimizer, world_size=world_size, dcp_state_dict=True, **kwargs)
+    return cls(params, optimizer, world_size=world_size, **kwargs)
