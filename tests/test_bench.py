@@ -115,7 +115,7 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     assert torch.get_num_threads() == _THREADS  # --threads holds for the run only
     tables = _tables(text)
     titles = [title for title, _, _ in tables]
-    assert len(tables) == 9, titles  # three kernels, host (2), e2e (2), memory (2)
+    assert len(tables) == 10, titles  # three kernels, host (2), e2e (2), memory (2), FSDP2 memory
     for (title, header, body), name in zip(tables[:3], ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32")):
         assert title.startswith(f"{name}: 1,048,576 elements, ") and title.endswith(" B/element")
         assert header == KERNEL_HEADER
@@ -149,6 +149,8 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     assert title.startswith("memory: the formula") and header == ["recipe", "d", "formula", "wire B/param/window",
                                                                   "wire vs stage 0"]
     assert [(row[0], row[1]) for row in body] == [(row[0], row[1]) for row in tables[7][2]]
+    title, header, body = tables[9]  # FSDP2's recipes and gaengine's FSDP2 mode (tests/test_bench_memory.py)
+    assert "FSDP2" in title and {row[1] for row in body} <= {"2", "4"} and body, (title, header)
 
 
 @multiproc
