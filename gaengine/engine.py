@@ -22,8 +22,6 @@ from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig
-from gaengine.buffer import FlatBuffer
-from gaengine.hooks import Hooks
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.reduce import wait_quietly
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss,
@@ -130,31 +128,16 @@ class GradientAccumulator:
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
-    @property
-    def params(self) -> list[torch.Tensor]:
-        """The trainable parameters in layout order (index i: ``main_grad``'s slice i)."""
-        return self.sharding.params
-
-    @property
-    def main_grad(self) -> FlatBuffer:
-        """The window's fp32 gradient sums, ``(n,)`` on the parameters' device (``meta`` where they live in each
-        rank's gradient shard: ``zero_stage=2`` on several ranks)."""
-        return self.sharding.main_grad
-
-    @property
-    def reducer(self):
-        """The bucket reducer (``gaengine.reduce``), or None on one rank."""
-        return self.sharding.reducer
-
-    @property
-    def hooks(self) -> Hooks:
-        """The per-parameter hooks (``gaengine.hooks``)."""
-        return self.sharding.hooks
-
-    @property
-    def master_buffer(self) -> FlatBuffer | None:
-        """This rank's flat fp32 master weights (``gaengine.store.ParameterStore.master_buffer``), or None."""
-        return self.sharding.master_buffer
+    params = property(lambda self: self.sharding.params,
+                      doc="The trainable parameters in layout order (index i: ``main_grad``'s slice i).")
+    main_grad = property(lambda self: self.sharding.main_grad, doc=(
+        "The window's fp32 gradient sums, ``(n,)`` on the parameters' device (``meta`` where they live in each "
+        "rank's gradient shard: ``zero_stage=2`` on several ranks), a ``gaengine.buffer.FlatBuffer``."))
+    reducer = property(lambda self: self.sharding.reducer,
+                       doc="The bucket reducer (``gaengine.reduce``), or None on one rank.")
+    hooks = property(lambda self: self.sharding.hooks, doc="The per-parameter hooks (``gaengine.hooks.Hooks``).")
+    master_buffer = property(lambda self: self.sharding.master_buffer, doc=(
+        "This rank's flat fp32 master weights (``gaengine.store.ParameterStore.master_buffer``), or None."))
 
     # ------------------------------------------------------------------ hot path
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
@@ -359,10 +342,8 @@ class GradientAccumulator:
             self._noise.reset()
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def num_micro_batches(self) -> int:
-        """Micro-batches accumulated in the current window."""
-        return self.window.num_micro_batches
+    num_micro_batches = property(lambda self: self.window.num_micro_batches,
+                                 doc="Micro-batches accumulated in the current window (an int).")
 
     def zero_grad(self) -> None:
         """Drop the current window (its gradients, counts and loss) and any ``.grad`` left on the params.
