@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gaengine.tools.cli import build_parser, main
+from tests.ranks import free_port
 
 TINY = [
     "--micro-batch-size", "2", "--accumulation-steps", "2", "--seq-len", "16", "--n-layers", "1",
@@ -194,7 +195,7 @@ def test_parser_defaults_and_clip_off():
 def test_torchrun_two_ranks(tmp_path):
     """`torchrun --nproc-per-node 2 -m gaengine train --steps 3` (gloo on CPU): rank 0 alone writes the outputs."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "gaengine", "train", "--steps", "3", *TINY, "--out", str(out), "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -31,7 +31,7 @@ from torch import nn
 
 import gaengine
 from tests import poison
-from tests.ranks import spawn_ranks
+from tests.ranks import free_port, spawn_ranks
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -678,7 +678,7 @@ def test_gaengine_train_fsdp_under_torchrun(tmp_path):
 
     shape = dict(micro_batch_size=2, accumulation_steps=2, seq_len=16, n_layers=2, d_model=32, n_heads=2)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29563",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "gaengine", "train", "--fsdp", "--steps", "3", "--dtype", "fp32", "--device", "cpu",
            "--eval-batches", "1", "--eval-interval", "2", "--max-data-mb", "0.1", "--quiet", "--out", str(out),
            *[a for k, v in shape.items() for a in ("--" + k.replace("_", "-"), str(v))]]

@@ -28,6 +28,7 @@ from tests.test_double_arrival import D as SharedCheckpointed_D
 from tests.test_double_arrival import SharedCheckpointed
 from tests.test_distributed import Net
 from tests.test_distributed import _launch as launch_ranks
+from tests.ranks import free_port
 from tests.test_update_path import _forbid_host_reads
 from tests.tolerances import RTOL, rel_diff
 
@@ -550,8 +551,8 @@ def test_gaengine_train_zero_stage_under_torchrun(tmp_path):
     losses = {}
     for stage in (0, 1):
         out = tmp_path / f"zero{stage}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29537",
-               "-m", "gaengine", "train", "--steps", "3", *TINY, "--dtype", "fp32", "--out", str(out),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "gaengine", "train", "--steps", "3", *TINY, "--dtype", "fp32", "--out", str(out),
                "--device", "cpu", "--zero-stage", str(stage)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
