@@ -164,28 +164,6 @@ class ShardHooks(PythonHooks):
         super()._accumulate(i, _LocalGrad(local, local.shape))
 
 
-class _NoReducer:
-    """FSDP2 reduces every micro-batch itself: gaengine launches no gradient collective, only the window's stats
-    all-reduce (``gaengine.reduce.launch_window_stats`` flushes this and counts it)."""
-
-    buckets: list = []
-
-    def __init__(self) -> None:
-        self.collectives_issued = 0
-
-    def begin(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def drain(self) -> None:
-        pass
-
-
 @register_model_strategy
 class FullyShardedGrads(ShardingStrategy):
     """FSDP2 models (module docstring): ``main_grad`` over the local shards, FSDP2's reduce-scatter output
@@ -265,7 +243,7 @@ class FullyShardedGrads(ShardingStrategy):
         layout = self.main_grad.layout
         offsets = list(layout.offsets) + [layout.total_numel]
         buckets = [Bucket(b, first, last, offsets[first], offsets[last]) for b, (first, last) in enumerate(bounds)]
-        self.reducer = _NoReducer() if self.distributed else None
+        self.reducer = None  # FSDP2 reduce-scatters every micro-batch itself
         self.hooks = ShardHooks(order, self.main_grad, self.backend, buckets, self.measure_sources,
                                 divide_factor=self._divide_factor)
         self.store = None
@@ -275,8 +253,8 @@ class FullyShardedGrads(ShardingStrategy):
     def _new_main_grad(self) -> FlatBuffer:
         return FlatBuffer(FlatLayout.build(self._locals), torch.float32, self.device)
 
-    def _new_reducer(self):
-        return _NoReducer()
+    def _new_reducer(self) -> None:
+        return None  # FSDP2 reduces; the window's stats all-reduce is launched without a reducer
 
     def _build_update(self, optimizer) -> None:
         """The optimizer's parameters: each fp32 parameter itself; for each bf16/fp16 one (``master_weights``) an
@@ -456,7 +434,12 @@ class FullyShardedGrads(ShardingStrategy):
         """Nothing to check: the parameters are never re-pointed."""
 
     def param_slots(self):
-        raise NotImplementedError("FSDP2 state dicts are FullyShardedGrads.state_dict")
+        """There is no flat layout of the parameters to export (``gaengine.full_optimizer_state_dict``): the
+        optimizer is the user's, over the DTensor parameters. ``TypeError`` naming torch's export instead."""
+        raise TypeError("an FSDP2 (fully_shard) model's optimizer state is its own optimizer's over the DTensor "
+                        "parameters: export it with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict("
+                        "model, optimizer, options=StateDictOptions(full_state_dict=True)), not "
+                        "gaengine.full_optimizer_state_dict")
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self, acc) -> dict:

@@ -347,11 +347,12 @@ def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str
     )
 
 
-def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_unused: list[int],
+def launch_window_stats(reducer: BucketReducer | None, main_grad: FlatBuffer, locally_unused: list[int],
                         loss_sum: torch.Tensor, items: torch.Tensor,
                         group: dist.ProcessGroup | None, extra: torch.Tensor | None = None,
                         count: int = 0, tail: torch.Tensor | None = None) -> WindowStats:
-    """End of the last backward: zero the never-written slices, launch the remaining buckets and the stats.
+    """End of the last backward: zero the never-written slices, launch the remaining buckets (``reducer``: None
+    when the gradients were reduced elsewhere, FSDP2's reduce-scatter) and the stats.
 
     locally_unused: layout indices this rank wrote no gradient for in the window (their slices of
     ``main_grad`` are zeroed here, so the all-reduce sums zeros for them). loss_sum, items: 0-d, this rank's
@@ -364,7 +365,8 @@ def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_u
     """
     for i in locally_unused:
         main_grad.flat_views[i].zero_()
-    reducer.flush()
+    if reducer is not None:  # None: the gradients were reduced by someone else (FSDP2's reduce-scatter)
+        reducer.flush()
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     num_params = len(main_grad.flat_views)
     host = torch.zeros(num_params + num_ranks, dtype=torch.float64)  # used flags, then the counts: one copy
@@ -377,7 +379,8 @@ def launch_window_stats(reducer: BucketReducer, main_grad: FlatBuffer, locally_u
             parts.append(more.double().reshape(-1))
     data = torch.cat(parts)
     work = Collective(dist.all_reduce, data, group=group)
-    reducer.collectives_issued += 1
+    if reducer is not None:
+        reducer.collectives_issued += 1
     return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel(),
                        0 if tail is None else tail.numel(), num_ranks, rank, count)
 

@@ -258,6 +258,8 @@ def _refusals(rank: int, world: int) -> dict:
             acc = gaengine.GradientAccumulator(model, opt, **kwargs)
             if getattr(model, "_sync_off", False):
                 acc.backward(model(torch.randn(2, IN)).sum())
+            if getattr(model, "_export", False):
+                gaengine.full_optimizer_state_dict(acc)
             acc.close()
             return None
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -315,12 +317,18 @@ def _refusals(rank: int, world: int) -> dict:
         m._sync_off = True
         return m, {}
 
+    def full_export():  # gaengine's flat export has no layout to read here: torch's own export is named
+        torch.manual_seed(0)
+        m = _shard(Net(), world)
+        m._export = True
+        return m, {}
+
     import gaengine.optim  # noqa: F401
 
     out = {name: attempt(build) for name, build in [
         ("fsdp1", fsdp1), ("foreign-dtensor", foreign_dtensor), ("root-not-fsdp", child_only), ("mixed", mixed),
         ("cpu-offload", offload), ("zero-stage", zero), ("reduce-dtype", reduce_dtype),
-        ("fused-adamw", fused_adamw), ("sync-off", sync_off)]}
+        ("fused-adamw", fused_adamw), ("sync-off", sync_off), ("full-export", full_export)]}
     return out
 
 
@@ -602,7 +610,8 @@ def _check_refusals(results: list[dict]) -> None:
               "zero-stage": ("ValueError", "zero_stage=1"),
               "reduce-dtype": ("ValueError", "reduce_dtype"),
               "fused-adamw": ("ValueError", "FusedAdamW"),
-              "sync-off": ("RuntimeError", "set_requires_gradient_sync(True)")}
+              "sync-off": ("RuntimeError", "set_requires_gradient_sync(True)"),
+              "full-export": ("TypeError", "get_optimizer_state_dict")}
     for rank, res in enumerate(results):
         for name, (kind, words) in expect.items():
             got = res["refusals"][name]

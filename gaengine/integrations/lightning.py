@@ -354,13 +354,13 @@ class GaengineStrategy(DDPStrategy):
         return model  # gaengine all-reduces the window's gradient itself; DDP's reducer would see freed .grad
 
     def configure_ddp(self) -> None:
-        pass
+        """No DDP wrap (DDPStrategy's would wrap the model; gaengine reduces the window itself)."""
 
     def pre_backward(self, closure_loss: Tensor) -> None:
-        pass
+        """Nothing: DDPStrategy's prepares DDP's reducer for the backward, which this strategy has none of."""
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        pass
+        """Nothing: DDPStrategy's checks DDP's unused parameters; gaengine's stats all-reduce finds them."""
 
     @property
     def handles_gradient_accumulation(self) -> bool:
