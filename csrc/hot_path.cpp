@@ -150,7 +150,7 @@ class HotPath {
     nodes_.reserve(n);
     keys_of_hooks_.reserve(n);
     for (size_t i = 0; i < n; ++i) {
-      c10::intrusive_ptr<Node> node = torch::autograd::impl::grad_accumulator(params_[i]);
+      NodePtr node = torch::autograd::impl::grad_accumulator(params_[i]);
       TORCH_CHECK(node, "params[", i, "] has no AccumulateGrad node");
       keys_of_hooks_.push_back(node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
           [this, i](const variable_list& outputs, const variable_list& /*inputs*/) {
@@ -612,7 +612,9 @@ class HotPath {
   c10::TypedOperatorHandle<AccumulateBucketKernel> op_;  // torch.ops.<namespace>.accumulate_bucket_
   c10::DispatchKeySet keys_;                            // its kernel for main_grad's device (kernel_keys)
 
-  std::vector<c10::intrusive_ptr<Node>> nodes_;
+  // The owning pointer to a node: c10::intrusive_ptr from torch 2.12 on, std::shared_ptr before.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> nodes_;
   std::vector<uintptr_t> keys_of_hooks_;
   std::vector<int64_t> bucket_size_;
   std::vector<int64_t> bucket_start_;    // per bucket: its first position in a partials table along partials_dim_
