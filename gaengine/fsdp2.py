@@ -77,7 +77,12 @@ def fsdp2_param_groups(model: nn.Module) -> list:
     groups = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            groups.extend(g for g in module._get_fsdp_state()._fsdp_param_groups if g.fsdp_params)
+            state = module._get_fsdp_state()
+            # torch 2.12 holds a list of groups per state; torch 2.11 one group or None.
+            held = getattr(state, "_fsdp_param_groups", None)
+            if held is None:
+                held = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
+            groups.extend(g for g in held if g.fsdp_params)
     return groups
 
 

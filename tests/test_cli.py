@@ -182,7 +182,7 @@ def test_bad_arguments(tmp_path, capsys, args, message):
 def test_parser_defaults_and_clip_off():
     parser = build_parser()
     args = parser.parse_args(["train"])
-    assert (args.max_grad_norm, args.dtype, args.backend, args.compare) == (1.0, "bf16", "auto", False)
+    assert (args.max_grad_norm, args.dtype, args.backend, args.compare) == (1.0, "auto", "auto", False)
     assert args.threads is None  # auto
     assert parser.parse_args(["train", "--threads", "3"]).threads == 3
     for off in ("0", "none", "None"):
@@ -309,7 +309,11 @@ def test_info_reports_what_was_built(capsys):
             continue
         item, _, finding = line.strip().partition("  ")
         rows[item] = finding.strip()
-    assert {"gaengine", "torch", "gaengine._C", "CPU ops", "CUDA kernels", "hooks on CPU", "triton"} <= set(rows)
+    assert {"gaengine", "torch", "CPU", "train dtype", "gaengine._C", "CPU ops", "CUDA kernels", "hooks on CPU",
+            "triton"} <= set(rows)
+    import torch
+
+    assert rows["CPU"].startswith(torch.backends.cpu.get_cpu_capability() + ",")  # ATen's own report
     built = importlib.util.find_spec("gaengine._C") is not None
     assert rows["gaengine._C"].startswith("yes" if built else "no")
     assert rows["CPU ops"].startswith("yes" if built else "no")

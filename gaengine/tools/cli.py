@@ -20,6 +20,7 @@ import gaengine
 from gaengine import backends
 from gaengine.config import AccumulatorConfig, field_help
 from gaengine.tools import bench, fill
+from gaengine.tools.capability import DtypeChoice, bf16_matmul_slowdown, choose_param_dtype, cpu_capability
 from gaengine.tools.data import load_corpus, sample_batch
 from gaengine.tools.train import (SCHEDULE_FORMS, TrainConfig, accumulation_schedule, build_model, choose_threads,
                                   parse_accumulation_schedule, train_gaengine, train_reference)
@@ -138,7 +139,9 @@ def _add_train_parser(subparsers) -> None:
     g.add_argument("--d-model", type=_positive_int, default=d.d_model, help="residual width")
     g.add_argument("--n-heads", type=_positive_int, default=d.n_heads, help="attention heads")
     g.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="bytes per sequence (context length)")
-    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=d.dtype, help="parameter dtype")
+    g.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="parameter dtype; auto: bf16 on a GPU that supports it and on a CPU whose bf16 matmul is not "
+                        "far slower than fp32's (measured at start; AVX2-only CPUs run it 20-30x slower), else fp32")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer updates")
     _add_config_option(g, "micro_batch_size", d.micro_batch_size, more="; here sequences")
@@ -303,6 +306,8 @@ def build_report() -> list[tuple[str, str]]:
     rows = [
         ("gaengine", f"{gaengine.__version__}, {os.path.dirname(gaengine.__file__)}"),
         ("torch", f"{torch.__version__} ({cuda}), {torch.get_num_threads()} threads"),
+        ("CPU", _probe(lambda: f"{cpu_capability()}; bf16 matmul {bf16_matmul_slowdown():.1f}x the time of fp32")),
+        ("train dtype", _probe(lambda: choose_param_dtype("cuda" if torch.cuda.is_available() else "cpu").reason)),
         ("gaengine._C", _probe(extension)),
         ("  CPU ops", _probe(lambda: backend("cpu", "cpu"))),
         ("  CUDA kernels", _probe(cuda_kernels)),
@@ -497,6 +502,8 @@ def _train(args: argparse.Namespace, threads: str) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise _UsageError("--device cuda but no CUDA device is available")
+    dtype = choose_param_dtype(device) if args.dtype == "auto" else DtypeChoice(args.dtype, f"{args.dtype} params "
+                                                                                          "(--dtype)")
     try:
         config = TrainConfig(
             steps=args.steps,
@@ -506,7 +513,7 @@ def _train(args: argparse.Namespace, threads: str) -> int:
             n_layers=args.n_layers,
             d_model=args.d_model,
             n_heads=args.n_heads,
-            dtype=args.dtype,
+            dtype=dtype.dtype,
             lr=args.lr,
             warmup_steps=args.warmup_steps,
             max_grad_norm=args.max_grad_norm,
@@ -543,6 +550,7 @@ def _train(args: argparse.Namespace, threads: str) -> int:
                           "would leave the others waiting in the all-reduce)")
     out_dir = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     reporter = _Reporter(out_dir, args.quiet, enabled=rank == 0)
+    reporter.print(fill(f"gaengine train: {dtype.reason}"))
     try:
         if reporter.enabled:
             record = {**dataclasses.asdict(config), "data": corpus.source, "torch_threads": torch.get_num_threads()}

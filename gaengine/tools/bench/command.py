@@ -27,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="kernel, host-overhead and end-to-end benchmarks on this device, a table per benchmark",
         description=("Time gaengine's kernels (accumulate, l2norm_sq, scale_) against the torch ops they replace, "
                      "the host time gaengine's backward adds per parameter per micro-batch over the plain recipe "
-                     "(and the launches per micro-batch of both), and an end-to-end bf16 GPT against the plain "
+                     "(and the launches per micro-batch of both), and an end-to-end GPT (bf16 where the device computes bf16 fast, else fp32) against the plain "
                      "recipe and torch's native fp32 accumulation, on one device; peak bandwidth is measured in "
                      "the same run. The memory table: bytes per parameter per rank of ZeRO stages 0/1/2, the plain "
                      "recipe and torch DDP on 1, 2 and 4 gloo processes on the CPU, and their bytes on the wire."),

@@ -1,6 +1,6 @@
-"""End-to-end benchmark (``e2e``): the byte-level GPT of :mod:`gaengine.tools.model` in bf16 through gaengine,
-the plain recipe and torch's native fp32 accumulation: throughput in interleaved rounds, peak memory and state
-bytes in a fresh process per variant; a table.
+"""End-to-end benchmark (``e2e``): the byte-level GPT of :mod:`gaengine.tools.model` (bf16 where the machine
+computes bf16 fast, else fp32) through gaengine, the plain recipe and torch's native fp32 accumulation: throughput
+in interleaved rounds, peak memory and state bytes in a fresh process per variant; a table.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from gaengine.engine import GradientAccumulator
 from gaengine.optim import FusedAdamW
 from gaengine.tools.bench.common import (MIN_ROUNDS, PACKAGE_ROOT, RATIO_NOTE, display_rows, median_ratio, print_note,
                                          print_table, ratio_stats, sync, time_rounds, without_kineto_log)
+from gaengine.tools.capability import choose_param_dtype
 from gaengine.tools.model import GPT, GPTConfig
+from gaengine.tools.train import DTYPES
 
 E2E_VARIANTS = {
     "gaengine-fused": "(a) gaengine: GradientAccumulator + gaengine.optim.FusedAdamW",
     "gaengine-torch": "(a') gaengine: GradientAccumulator + torch AdamW(fused=True)",
-    "gaengine-lean": "(a'') gaengine, master_weights=False: torch AdamW(fused) on bf16 (bf16 m, v)",
-    "plain": "(b) plain: bf16 .grad, (loss/K).backward(), clip, AdamW(fused) on bf16",
+    "gaengine-lean": "(a'') gaengine, master_weights=False: torch AdamW(fused) on the params (m, v in their dtype)",
+    "plain": "(b) plain: .grad in the params' dtype, (loss/K).backward(), clip, AdamW(fused) on the params",
     "native-fp32": "(c) native: grad_dtype=fp32, clip, AdamW(fused) on fp32 masters",
 }
 """End-to-end variants: key -> label. The plain recipe ``plain`` is the baseline of the ratio."""
@@ -60,10 +62,15 @@ class E2EConfig:
     """Timed rounds; each round times one update of every variant, one after the other."""
     seed: int = 0
     """Initialization and data seed (the same for every variant)."""
+    dtype: str = "bf16"
+    """Parameter dtype, ``bf16`` or ``fp32``; :func:`e2e_config` picks it for the machine
+    (:func:`gaengine.tools.capability.choose_param_dtype`)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
         for name in ("n_layers", "d_model", "n_heads", "seq_len", "micro_batch_size", "accumulation_steps",
                      "warmup_updates", "timed_updates"):
             if getattr(self, name) < 1:
@@ -79,14 +86,17 @@ class E2EConfig:
 
 def e2e_config(device: str, quick: bool = False) -> E2EConfig:
     """The end-to-end configuration for ``device``: GPT-2 small (124 M with the byte vocabulary: 85 M) on CUDA,
-    a 3.3 M-parameter GPT on CPU (about 30 s for the four variants on two cores), a tiny one with ``quick``."""
+    a 3.3 M-parameter GPT on CPU (about 30 s for the four variants on two cores), a tiny one with ``quick``; bf16
+    parameters where the machine computes bf16 fast, else fp32 (:func:`gaengine.tools.capability.choose_param_dtype`:
+    an AVX2-only CPU runs a bf16 matmul 20-30x slower than fp32)."""
+    dtype = choose_param_dtype(device).dtype
     if quick:
         return E2EConfig(device=device, n_layers=2, d_model=64, n_heads=2, seq_len=32, micro_batch_size=2,
-                         warmup_updates=1, timed_updates=MIN_ROUNDS)
+                         warmup_updates=1, timed_updates=MIN_ROUNDS, dtype=dtype)
     if device == "cuda":
         return E2EConfig(device=device, n_layers=12, d_model=768, n_heads=12, seq_len=1024, micro_batch_size=8,
-                         warmup_updates=2, timed_updates=10)
-    return E2EConfig(device=device)
+                         warmup_updates=2, timed_updates=10, dtype=dtype)
+    return E2EConfig(device=device, dtype=dtype)
 
 
 def _rss_bytes() -> int:
@@ -149,12 +159,13 @@ class _Variant:
 
 
 def _e2e_model(cfg: E2EConfig) -> torch.nn.Module:
-    """The bf16 GPT of ``cfg``, initialized from ``cfg.seed`` in fp32 (the same weights for every variant)."""
+    """The GPT of ``cfg`` in ``cfg.dtype``, initialized from ``cfg.seed`` in fp32 (the same weights for every
+    variant)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = GPT(GPTConfig(context_len=cfg.seq_len, n_layers=cfg.n_layers, d_model=cfg.d_model,
                               n_heads=cfg.n_heads))
-    return model.to(device=cfg.device, dtype=torch.bfloat16).train()
+    return model.to(device=cfg.device, dtype=DTYPES[cfg.dtype]).train()
 
 
 def _e2e_windows(cfg: E2EConfig, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -373,7 +384,7 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
         t, m = timing[v], memory[v]
         ms = statistics.median(t["update_ms"])
         rows.append({
-            "benchmark": f"e2e GPT bf16, K={cfg.accumulation_steps}",
+            "benchmark": f"e2e GPT {cfg.dtype}, K={cfg.accumulation_steps}",
             "variant": E2E_VARIANTS[v],
             "key": v,
             "device": cfg.device,
@@ -396,11 +407,11 @@ def bench_e2e(cfg: E2EConfig, variants: Sequence[str] = tuple(E2E_VARIANTS), *,
         })
     if cfg.device == "cuda":
         how = ("peak = torch.cuda.max_memory_allocated of the variant's own process; peak delta = that minus the "
-               "memory allocated once the bf16 model and the data were on the device (after a tiny warm-up model); "
+               "memory allocated once the model and the data were on the device (after a tiny warm-up model); "
                "peak live = peak delta (the caching allocator's count is already of live tensors)")
     else:
         how = ("peak = peak RSS (VmHWM) of the variant's own fresh process (one process per variant: RSS "
-               "is not shared); peak delta = that minus the RSS once the bf16 model and the data were built, after "
+               "is not shared); peak delta = that minus the RSS once the model and the data were built, after "
                "a tiny model of the same variant trained first (torch runtime and first-use allocations excluded): "
                "activations, gradients, optimizer state, master weights, temporaries, allocator slack; peak live = "
                "the peak of the CPU tensor bytes allocated after the model and the data, alive at once, from "
@@ -425,7 +436,7 @@ def print_tables(rows: Sequence[dict], info: dict) -> None:
     """The end-to-end throughput and memory tables, the variants' labels, and what each column means."""
     c = info["config"]
     print_table(display_rows(rows), E2E_COLUMNS,
-                f"e2e: {info['num_params']:,}-parameter GPT in bf16 ({c['n_layers']} layers, d_model {c['d_model']}), "
+                f"e2e: {info['num_params']:,}-parameter GPT in {c['dtype']} ({c['n_layers']} layers, d_model {c['d_model']}), "
                 f"{c['micro_batch_size']} x {c['seq_len']} tokens x K={c['accumulation_steps']} = "
                 f"{info['tokens_per_update']:,} tokens per update on {c['device']}")
     print_table(rows, E2E_MEMORY_COLUMNS, "e2e memory: the same variants, each in a fresh process")

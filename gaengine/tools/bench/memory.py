@@ -283,21 +283,18 @@ def _fsdp2_grads(model: nn.Module) -> list[torch.Tensor]:
     """The tensors that hold an FSDP2 model's gradient: each sharded parameter's ``.grad`` (its local shard), and,
     between the micro-batches of a sync-last window, the unsharded parameter's ``.grad`` and FSDP2's fp32
     ``unsharded_accumulated_grad`` (read from FSDP2's ``FSDPParam``, private attributes)."""
-    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+    from gaengine.fsdp2 import fsdp2_param_groups  # noqa: PLC0415
 
     held = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                if fp.sharded_param.grad is not None:
-                    held.append(fp.sharded_param.grad.to_local())
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None and unsharded.grad is not None:
-                    held.append(unsharded.grad)
-                if getattr(fp, "unsharded_accumulated_grad", None) is not None:
-                    held.append(fp.unsharded_accumulated_grad)
+    for group in fsdp2_param_groups(model):
+        for fp in group.fsdp_params:
+            if fp.sharded_param.grad is not None:
+                held.append(fp.sharded_param.grad.to_local())
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                held.append(unsharded.grad)
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                held.append(fp.unsharded_accumulated_grad)
     return held
 
 
