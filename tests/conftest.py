@@ -97,6 +97,12 @@ def backend_name(backend_id: str) -> str:
     return "cuda" if backend_id.startswith("cuda-") else backend_id
 
 
+def seeded_randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    """``torch.randn(*shape)`` drawn from the CPU ``generator`` (the same numbers on every machine), then placed on
+    torch's default device: a GPU while a ``cuda-gpu`` test runs (the ``backend`` fixture), else the CPU."""
+    return torch.randn(*shape, generator=generator, device="cpu").to(torch.get_default_device())
+
+
 def backend_device(backend_id: str) -> torch.device:
     """Where the backend's tensors live here: a GPU for ``cuda-gpu``, and for ``triton`` when there is one."""
     gpu = backend_id == "cuda-gpu" or (backend_id == "triton" and _has_cuda)
@@ -105,7 +111,8 @@ def backend_device(backend_id: str) -> torch.device:
 
 @pytest.fixture(params=backend_params())
 def backend(request) -> str:
-    """Each backend that exists here (``BACKENDS``) for a model on CPU tensors (``cuda-gpu``: CUDA ones), as the name
+    """Each backend that exists here (``BACKENDS``) for a model on CPU tensors (``cuda-gpu``: CUDA ones, torch's
+    default device while the test runs), as the name
     gaengine takes (``backend_name``), skipped where it cannot load; ``cuda-emu`` installs the emulated build for the
     test (``monkeypatch``). The id is ``request.node.callspec.params["backend"]``. Files whose tensors follow
     ``backend_device`` (``tests/ops``, ``tests/test_op_table.py``) parametrize their own fixture with
@@ -120,6 +127,11 @@ def backend(request) -> str:
         get_backend(backend_name(backend_id), "cuda" if backend_id == "cuda-gpu" else "cpu")
     except RuntimeError as exc:
         pytest.skip(f"backend {backend_id!r} unavailable here: {exc}")
+    if backend_id == "cuda-gpu":
+        # The test's models and tensors made without a device go to the GPU (torch.set_default_device); data drawn
+        # from a CPU generator is moved with .to(backend_device(...)) by the test.
+        torch.set_default_device("cuda")
+        request.addfinalizer(lambda: torch.set_default_device(None))
     return backend_name(backend_id)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gaengine
-from tests.conftest import backend_hook_params
+from tests.conftest import backend_hook_params, seeded_randn
 from tests.tolerances import assert_bitwise_equal, rel_diff
 
 D = 128  # a bucket past the CPU kernel's parallel grain: two sources on one slice would race
@@ -80,7 +80,7 @@ class NestedBackward(torch.autograd.Function):
 
 def _batches(k_total, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, D, generator=g).to(dtype) for _ in range(k_total)]
+    return [seeded_randn(3, D, generator=g).to(dtype) for _ in range(k_total)]
 
 
 def _per_arrival_reference(model):

@@ -11,6 +11,7 @@ from torch import nn
 
 import gaengine
 from gaengine.backends import get_backend
+from tests.conftest import seeded_randn
 from tests.tolerances import rel_diff
 
 
@@ -65,7 +66,7 @@ def test_k_micro_batches_equal_one_large_batch(backend, opt_name):
     ref_opt = make_opt(ref.parameters())
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x, y = torch.randn(K * B, 12, generator=gen), torch.randn(K * B, 5, generator=gen)
+        x, y = seeded_randn(K * B, 12, generator=gen), seeded_randn(K * B, 5, generator=gen)
         with torch.no_grad():  # fp64 oracle of the window's loss: the model's weights, the whole batch
             want_loss = _mse(copy.deepcopy(model).double(), x.double(), y.double())
         results = []
@@ -163,7 +164,7 @@ def test_fidelity_64_bf16_gradients(backend):
     """The same 64 bf16 gradients: engine (fp32 buffer) vs bf16 .grad accumulation, both against fp64."""
     n, K = 4096, 64
     gen = torch.Generator().manual_seed(7)
-    grads = [(torch.randn(n, generator=gen) * 1e-2 + 1e-3).to(torch.bfloat16) for _ in range(K)]
+    grads = [(seeded_randn(n, generator=gen) * 1e-2 + 1e-3).to(torch.bfloat16) for _ in range(K)]
     param = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
     acc = gaengine.GradientAccumulator([param], None, accumulation_steps=K, max_grad_norm=None, backend=backend)
     bf16_sum = torch.zeros(n, dtype=torch.bfloat16)

@@ -27,6 +27,7 @@ from torch import nn
 
 import gaengine
 from gaengine.schedules import Adaptive
+from tests.conftest import seeded_randn
 from tests.tolerances import rel_diff
 
 
@@ -45,9 +46,9 @@ def _micro_batch(window: int, rank: int, k: int, mode: str, noise: float = 1.0):
     """(x, y, n): deterministic from (window, rank, k); n = 4 in mean mode, 1..6 items in item mode."""
     n = 4 if mode == "mean" else 1 + (7 * window + 3 * rank + 5 * k) % 6
     g = torch.Generator().manual_seed(1000 * window + 100 * rank + k)
-    x = torch.randn(n, D, generator=g)
+    x = seeded_randn(n, D, generator=g)
     w_star = torch.linspace(-1.0, 1.0, D)
-    y = x @ w_star + 0.5 + noise * torch.randn(n, generator=g)
+    y = x @ w_star + 0.5 + noise * seeded_randn(n, generator=g)
     return x, y.unsqueeze(1), n
 
 

@@ -16,6 +16,7 @@ from gaengine.backends import ReferenceBackend
 from gaengine.engine import GradientAccumulator
 from gaengine.utils import split_batch
 from gaengine.verify import GRAD_RTOL, EquivalenceReport, verify_equivalence
+from tests.conftest import seeded_randn
 from tests.test_engine import MLP, TinyLM
 from tests.tolerances import RTOL
 
@@ -29,7 +30,7 @@ def _mse(model, batch):
 
 def _regression(n_rows=24, d_in=12, d_out=5, dtype=torch.float32, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n_rows, d_in, generator=gen).to(dtype), torch.randn(n_rows, d_out, generator=gen).to(dtype)
+    return seeded_randn(n_rows, d_in, generator=gen).to(dtype), seeded_randn(n_rows, d_out, generator=gen).to(dtype)
 
 
 class BNNet(nn.Module):
