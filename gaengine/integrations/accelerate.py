@@ -35,10 +35,9 @@ What changes (docs/integrations/accelerate.md):
 * ``mixed_precision="fp16"`` keeps Accelerate's autocast but not its ``GradScaler``: gaengine's dynamic loss scaling
   (``loss_scale="dynamic"``) scales the loss, finds non-finite gradients and skips that update; the scheduler then
   does not step (``optimizer.step_was_skipped``).
-* The prepared scheduler (``GaengineScheduler``) steps once per applied update on any number of processes: gaengine
-  reduces the window over the ranks, so one update is one step of the global batch. Plain Accelerate steps it
-  ``num_processes`` times per update (unless ``split_batches``); a schedule written for that convention is
-  ``num_processes`` times too long here (docs/integrations/accelerate.md).
+* The prepared scheduler (``GaengineScheduler``) steps as Accelerate's does: ``num_processes`` times per applied
+  update (once with ``split_batches``), not on a skipped update; the learning rate of every update is plain
+  Accelerate's.
 * ``save_state`` / ``load_state`` carry gaengine's state (fp32 master weights, loss scale, the window so far) inside
   the optimizer's state dict, loaded after the model's and the optimizer's own.
 
@@ -209,29 +208,18 @@ class GaengineOptimizer(AcceleratedOptimizer):
 
 
 class GaengineScheduler(AcceleratedScheduler):
-    """The prepared learning-rate scheduler: ``step()`` steps the wrapped scheduler once per applied update.
+    """The prepared learning-rate scheduler: ``step()`` steps the wrapped scheduler exactly as Accelerate's own
+    ``AcceleratedScheduler`` does, so the learning rate of every update is plain Accelerate's.
 
-    * At a synchronizing step (``sync_gradients``) whose update was applied: ``scheduler.step()`` once, whatever
-      ``num_processes`` and ``split_batches`` are. gaengine all-reduces the window over the ranks, so an update is one
-      optimizer step of the global batch (every rank's micro-batches), and a schedule counts optimizer steps.
-    * At a skipped update (a non-finite gradient, ``optimizer.step_was_skipped``): nothing, as Accelerate does.
-    * Off a synchronizing step: nothing (Accelerate's ``adjust_scheduler`` bookkeeping of ``_step_count`` included:
-      the wrapped scheduler's ``_step_count`` counts its own steps only).
-    * Built with ``step_scheduler_with_optimizer=False``: every call steps, as Accelerate does.
-
-    Accelerate's own ``AcceleratedScheduler`` steps ``num_processes`` times per update (its convention: the schedule
-    is written for one process's batches, Accelerate's ``scheduler.py``); that convention is dropped here.
+    * At a synchronizing step (``sync_gradients``) whose update was applied: ``num_processes`` times with
+      ``split_batches=False`` (Accelerate's convention: a schedule is counted in one process's batches, and one
+      update consumes ``num_processes`` of them; a ``OneCycleLR`` stops at its ``total_steps``), once with
+      ``split_batches=True``.
+    * At a skipped update (a non-finite gradient, the ``GaengineOptimizer``'s ``step_was_skipped``, one host read per
+      update): nothing.
+    * Off a synchronizing step: only Accelerate's ``adjust_scheduler`` bookkeeping (``_step_count`` advanced).
+    * Built with ``step_scheduler_with_optimizer=False``: every call steps once.
     """
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
-            return
-        if not self.gradient_state.sync_gradients:
-            return
-        if any(opt.step_was_skipped for opt in self.optimizers):  # one host read per update (GaengineOptimizer)
-            return
-        self.scheduler.step(*args, **kwargs)
 
 
 class GaengineAccelerator(Accelerator):
@@ -329,9 +317,9 @@ class GaengineAccelerator(Accelerator):
         return wrapped
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> GaengineScheduler:
-        """Wrap ``scheduler`` in a ``GaengineScheduler``: it steps once per applied (not skipped) update on any number
-        of processes, where Accelerate's steps ``num_processes`` times. A scheduler prepared already is returned as
-        it is."""
+        """Wrap ``scheduler`` in a ``GaengineScheduler``: it steps as Accelerate's ``AcceleratedScheduler`` does
+        (``num_processes`` times per applied update, once with ``split_batches``, not on a skipped update). A
+        scheduler prepared already is returned as it is."""
         if getattr(scheduler, "_is_accelerate_prepared", False) or isinstance(scheduler, AcceleratedScheduler):
             if scheduler not in self._schedulers:
                 self._schedulers.append(scheduler)
