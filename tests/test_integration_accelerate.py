@@ -218,6 +218,65 @@ def test_fp16_uses_gaengine_loss_scaling_and_a_skip_holds_the_scheduler():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_at_a_synchronizing_step_is_the_window_gradient(dtype):
+    """Inside ``accumulate()`` at a synchronizing step, after ``backward()``: ``.grad`` holds the window's gradient
+    (before ``clip_grad_norm_``) and the clipped one (after it, before ``optimizer.step()``), as in plain Accelerate's
+    run of the same loop (test_sync.py's model and data, K = 2, windows of 2, 2 and 1 micro-batches, clipped at
+    0.5): within 1e-6 of the largest (fp32: Accelerate sums g1/2 + g2/2, gaengine (g1 + g2) / 2, an ulp or two),
+    one bf16 rounding (BF16_RTOL) for bf16 parameters (both runs), and the norms clip_grad_norm_ returns within 1e-6.
+    The partial last window: Accelerate divides its one micro-batch by K (its documented difference), so its
+    gradient is compared times K. ``optimizer.zero_grad()`` leaves ``.grad`` None, as Accelerate's does."""
+    def run(accelerator_cls):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = accelerator_cls(cpu=True, gradient_accumulation_steps=K)
+        torch.manual_seed(42)
+        model = RegressionModel().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        loader = DataLoader(RegressionDataset(length=N, seed=42), batch_size=BATCH)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        seen, micro = [], 0
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(_mse(model, batch))
+                micro += 1
+                if accelerator.sync_gradients:
+                    before = [p.grad.float().clone() for p in model.parameters()]
+                    norm = float(accelerator.clip_grad_norm_(model.parameters(), 0.5))
+                    after = [p.grad.float().clone() for p in model.parameters()]
+                    seen.append((before, after, norm, micro))
+                    micro = 0
+                opt.step()
+                opt.zero_grad()
+                assert all(p.grad is None for p in model.parameters()) or not accelerator.sync_gradients
+        return seen
+
+    got, want = run(GaengineAccelerator), run(Accelerator)
+    assert [g[3] for g in got] == [w[3] for w in want] == [2, 2, 1]
+    tol = 1e-6 if dtype == torch.float32 else BF16_RTOL
+    for (before, after, norm, micro), (w_before, w_after, w_norm, _) in zip(got, want):
+        if micro < K:  # undo Accelerate's division of a partial window by K, then clip as torch does
+            w_before = [w * (K / micro) for w in w_before]
+            w_norm = float(torch.linalg.vector_norm(torch.stack([w.double() for w in w_before])))
+            w_after = [w * min(1.0, 0.5 / (w_norm + 1e-6)) for w in w_before]
+        for g, w in zip(before + after, w_before + w_after):
+            assert rel_diff(g, w) <= tol
+        assert norm == pytest.approx(w_norm, rel=tol)
+
+
+def test_window_grads_false_leaves_grad_none():
+    """``window_grads=False``: no copy, ``.grad`` None at a synchronizing step; the update is the same."""
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=1, window_grads=False)
+    model = torch.nn.Linear(3, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.gradient_state._set_sync_gradients(True)
+    accelerator.backward(model(torch.ones(2, 3)).sum())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="window_grads"):
+        GaengineAccelerator(cpu=True, window_grads="yes")
+
+
 # ---------------------------------------------------------------- Accelerate's scheduler and test_sync.py scenarios
 SCHEDULES = {
     "lambda": lambda opt, total: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=_lam),

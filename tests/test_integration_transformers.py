@@ -159,15 +159,16 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path, dtype):
     assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
 
 
-@pytest.mark.parametrize("model_cls", [KwargsRegressionModel, ItemsRegressionModel], ids=["kwargs-mean", "items-sum"])
+@pytest.mark.parametrize("model_cls", [KwargsRegressionModel, ItemsRegressionModel],
+                         ids=["kwargs-mean", "items-sum"])
 def test_item_mode_follows_what_the_loss_does_with_num_items(tmp_path, model_cls):
     """HF's test_gradient_accumulation with its own RegressionModel (``**kwargs``, a mean loss) and with a loss that
     divides by ``num_items_in_batch``: gaengine at batch 4, K = 2 (mean mode for the first, item mode for the
     second) logs the gradient norms of the Trainer's batch 8, K = 1 within 1e-5 and ends at its parameters within
     1e-5 after 24 AdamW updates clipped at 1.0 (fp32: the two runs sum 8 samples in different orders, a few fp32
-    roundings, which AdamW carries from update to update; measured: parameters equal, norms within 1.2e-7). The Trainer's own batch 4, K = 2 ends there
-    too (its gradient for the ``**kwargs`` model is K times the large batch's, which clipping and AdamW hide; its
-    logged norms are not compared)."""
+    roundings, which AdamW carries from update to update; measured: parameters equal, norms within 1.2e-7). The
+    Trainer's own batch 4, K = 2 ends there too (its gradient for the ``**kwargs`` model is K times the large
+    batch's, which clipping and AdamW hide; its logged norms are not compared)."""
     data = RegressionDataset(64)
     common = dict(learning_rate=0.1, num_train_epochs=3)
     ref = _train(Trainer, model_cls(), _args(tmp_path, "ref", per_device_train_batch_size=8, **common), data)
@@ -246,6 +247,31 @@ def test_num_batches_with_partial_windows(tmp_path, length, micro, dtype):
     assert ga.state.global_step == len(micro) and windows.micro == micro
     for got, want in zip(windows.masters, ref_windows.params, strict=True):
         assert _max_rel(got, want) <= (1e-5 if dtype == torch.float32 else 2.0**-8)
+
+
+class _PreStepGrads(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append([None if p.grad is None else p.grad.detach().float().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clipped", "no-clip"])
+def test_on_pre_optimizer_step_sees_the_window_gradient(tmp_path, max_grad_norm):
+    """A callback's ``on_pre_optimizer_step`` reads ``.grad``: under gaengine at batch 4, K = 2 it holds, at every
+    update, the gradient the plain Trainer's callback reads at batch 8, K = 1 (clipped at 1.0, or unclipped), within
+    1e-5 (fp32: the runs sum 8 samples in different orders, and AdamW carries it, as in
+    test_gradient_accumulation_equals_the_large_batch)."""
+    data = RegressionDataset(64)
+    got, want = _PreStepGrads(), _PreStepGrads()
+    _train(Trainer, RegressionModel(), _args(tmp_path, "ref", per_device_train_batch_size=8,
+                                             max_grad_norm=max_grad_norm), data, callbacks=[want])
+    _train(GaengineTrainer, RegressionModel(), _args(tmp_path, "ga", gradient_accumulation_steps=2,
+                                                     max_grad_norm=max_grad_norm), data, callbacks=[got])
+    assert len(got.grads) == len(want.grads) == 8
+    for g, w in zip(got.grads, want.grads):
+        assert None not in g and _max_rel(g, w) <= 1e-5
 
 
 def test_skipped_update_is_reported_and_holds_the_scheduler(tmp_path):

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer, check_accumulator_options
@@ -93,9 +93,11 @@ class GaengineTrainer(Trainer):
             ``TrainingArguments`` and are refused here (``TypeError``).
 
     The accumulator is ``trainer.accelerator.accumulator`` once training started; the last window's
-    ``gaengine.StepResult`` is ``trainer.optimizer.last_result``. ``.grad`` is None outside gaengine's update, so a
-    callback reading gradients sees none: read ``trainer.optimizer.last_result`` (``grad_norm``, ``clip_coef``,
-    ``skipped``) in ``on_step_end`` instead.
+    ``gaengine.StepResult`` is ``trainer.optimizer.last_result``. When a callback overrides ``on_pre_optimizer_step``
+    or ``on_optimizer_step``, ``.grad`` holds the window's gradient there as in the plain Trainer (normalized, clipped
+    when ``max_grad_norm`` > 0; a copy per update, ``GaengineAccelerator(window_grads=True)``), but gaengine has
+    already updated the parameters in ``on_pre_optimizer_step`` when it clips (the update comes with the norm).
+    Elsewhere, mid-window, ``.grad`` is None.
 
     Raises ``ValueError`` naming the ``TrainingArguments`` field for what cannot compose (see the module docstring),
     ``TypeError`` / ``ValueError`` for bad ``accumulator_options``.
@@ -152,7 +154,16 @@ class GaengineTrainer(Trainer):
         """The Trainer's ``train``; whether the loss is normalized by ``num_items_in_batch`` is looked at again on
         the first micro-batch (``model_init`` may build another model)."""
         self._loss_divides_by_items = None
+        if isinstance(self.accelerator, GaengineAccelerator):
+            self.accelerator.window_grads = self._callbacks_read_grads()
         return super().train(*args, **kwargs)
+
+    def _callbacks_read_grads(self) -> bool:
+        """Whether a callback overrides ``on_pre_optimizer_step`` or ``on_optimizer_step`` (where the plain Trainer's
+        ``.grad`` holds the window's gradient): only then is it put in ``.grad``, a copy per update."""
+        hooks = ("on_pre_optimizer_step", "on_optimizer_step")
+        return any(getattr(type(cb), name, None) is not getattr(TrainerCallback, name)
+                   for cb in self.callback_handler.callbacks for name in hooks)
 
     def _micro_batch_items(self, inputs: Mapping[str, Any], num_items_in_batch: Any) -> torch.Tensor | None:
         """The items this micro-batch's loss covers (labels that are not -100, counted as the Trainer counts them)
