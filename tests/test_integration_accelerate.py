@@ -20,6 +20,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.test_utils.training import RegressionDataset, RegressionModel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -217,6 +218,153 @@ def test_fp16_uses_gaengine_loss_scaling_and_a_skip_holds_the_scheduler():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_at_a_synchronizing_step_is_the_window_gradient(dtype):
+    """Inside ``accumulate()`` at a synchronizing step, after ``backward()``: ``.grad`` holds the window's gradient
+    (before ``clip_grad_norm_``) and the clipped one (after it, before ``optimizer.step()``), as in plain Accelerate's
+    run of the same loop (test_sync.py's model and data, K = 2, windows of 2, 2 and 1 micro-batches, clipped at
+    0.5): within 1e-6 of the largest (fp32: Accelerate sums g1/2 + g2/2, gaengine (g1 + g2) / 2, an ulp or two),
+    one bf16 rounding (BF16_RTOL) for bf16 parameters (both runs), and the norms clip_grad_norm_ returns within 1e-6.
+    The partial last window: Accelerate divides its one micro-batch by K (its documented difference), so its
+    gradient is compared times K. ``optimizer.zero_grad()`` leaves ``.grad`` None, as Accelerate's does."""
+    def run(accelerator_cls):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = accelerator_cls(cpu=True, gradient_accumulation_steps=K)
+        torch.manual_seed(42)
+        model = RegressionModel().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        loader = DataLoader(RegressionDataset(length=N, seed=42), batch_size=BATCH)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        seen, micro = [], 0
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(_mse(model, batch))
+                micro += 1
+                if accelerator.sync_gradients:
+                    before = [p.grad.float().clone() for p in model.parameters()]
+                    norm = float(accelerator.clip_grad_norm_(model.parameters(), 0.5))
+                    after = [p.grad.float().clone() for p in model.parameters()]
+                    seen.append((before, after, norm, micro))
+                    micro = 0
+                opt.step()
+                opt.zero_grad()
+                assert all(p.grad is None for p in model.parameters()) or not accelerator.sync_gradients
+        return seen
+
+    got, want = run(GaengineAccelerator), run(Accelerator)
+    assert [g[3] for g in got] == [w[3] for w in want] == [2, 2, 1]
+    tol = 1e-6 if dtype == torch.float32 else BF16_RTOL
+    for (before, after, norm, micro), (w_before, w_after, w_norm, _) in zip(got, want):
+        if micro < K:  # undo Accelerate's division of a partial window by K, then clip as torch does
+            w_before = [w * (K / micro) for w in w_before]
+            w_norm = float(torch.linalg.vector_norm(torch.stack([w.double() for w in w_before])))
+            w_after = [w * min(1.0, 0.5 / (w_norm + 1e-6)) for w in w_before]
+        for g, w in zip(before + after, w_before + w_after):
+            assert rel_diff(g, w) <= tol
+        assert norm == pytest.approx(w_norm, rel=tol)
+
+
+def test_window_grads_false_leaves_grad_none():
+    """``window_grads=False``: no copy, ``.grad`` None at a synchronizing step; the update is the same."""
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=1, window_grads=False)
+    model = torch.nn.Linear(3, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.gradient_state._set_sync_gradients(True)
+    accelerator.backward(model(torch.ones(2, 3)).sum())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="window_grads"):
+        GaengineAccelerator(cpu=True, window_grads="yes")
+
+
+# ---------------------------------------------------------------- Accelerate's scheduler and test_sync.py scenarios
+SCHEDULES = {
+    "lambda": lambda opt, total: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=_lam),
+    # total_steps = the windows the loop runs: Accelerate's num_processes steps per update (and its adjust_scheduler
+    # bookkeeping off a synchronizing step) reach it early, where it must stop stepping (AcceleratedScheduler.step)
+    "onecycle": lambda opt, total: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=10 * LR, total_steps=total),
+}
+
+
+def _sync_scenario(accelerator_cls, *, split_batches=False, dispatch_batches=False, sync_each_batch=False,
+                   schedule="lambda", step_with_optimizer=True):
+    """test_sync.py's test_gradient_accumulation_with_opt_and_scheduler loop (RegressionModel, 80 samples, batch 16,
+    K = 2, AdamW, a prepared scheduler), run by ``accelerator_cls``; returns per batch the learning rate after the
+    loop's ``scheduler.step()``, whether the update was applied, and the parameters after it. Its ``.grad`` checks
+    mid-window are left out (gaengine frees ``.grad``)."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerator_cls(
+        dataloader_config=DataLoaderConfiguration(split_batches=split_batches, dispatch_batches=dispatch_batches),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=K, sync_each_batch=sync_each_batch),
+        step_scheduler_with_optimizer=step_with_optimizer, cpu=True)
+    torch.manual_seed(42)
+    model = RegressionModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = SCHEDULES[schedule](opt, -(-N // BATCH // K))
+    loader = DataLoader(RegressionDataset(length=N, seed=42), batch_size=BATCH)
+    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    out = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            out_ = model(batch["x"])
+            accelerator.backward(torch.nn.functional.mse_loss(out_, batch["y"]))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            out.append({"lr": opt.param_groups[0]["lr"], "sync": accelerator.sync_gradients,
+                        "params": [p.detach().clone() for p in model.parameters()]})
+    return out
+
+
+def _same_run(got, want, rtol):
+    """gaengine's run against plain Accelerate's: the same learning rate after every batch (bitwise: the same
+    scheduler stepped the same number of times), the same synchronizing steps, and after every update the same
+    parameters within ``rtol``, up to the first window Accelerate divides by K with fewer than K micro-batches."""
+    assert [g["sync"] for g in got] == [w["sync"] for w in want]
+    assert [g["lr"] for g in got] == [w["lr"] for w in want]
+    micro = 0
+    for g, w in zip(got, want):
+        micro += 1
+        if g["sync"]:
+            if micro < K:
+                return
+            assert max(rel_diff(a, b) for a, b in zip(g["params"], w["params"])) <= rtol
+            micro = 0
+
+
+@pytest.mark.parametrize("schedule,split_batches,step_with_optimizer",
+                         [("lambda", False, True), ("onecycle", False, True), ("lambda", True, True),
+                          ("lambda", False, False)], ids=["lambda", "onecycle", "split-batches", "no-step-with-opt"])
+def test_scheduler_steps_as_accelerate_on_one_process(schedule, split_batches, step_with_optimizer):
+    """test_sync.py's scheduler loop on one process: gaengine's learning rate after every batch is plain
+    Accelerate's, and its parameters after every full window equal Accelerate's within 1e-6 (fp32: both sum the
+    same two micro-batch gradients, in fp32, gaengine without Accelerate's division by K before the sum)."""
+    kw = dict(schedule=schedule, split_batches=split_batches, step_with_optimizer=step_with_optimizer)
+    _same_run(_sync_scenario(GaengineAccelerator, **kw), _sync_scenario(Accelerator, **kw), 1e-6)
+
+
+def test_dataloader_break_sets_the_gradient_state_as_accelerate():
+    """test_sync.py's test_dataloader_break: iterating a second prepared dataloader inside the first, the gradient
+    state (the active dataloader, end_of_dataloader) is Accelerate's at every batch."""
+    def run(accelerator_cls):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = accelerator_cls(cpu=True)
+        first, second = accelerator.prepare(DataLoader(RegressionDataset(length=80), batch_size=16),
+                                            DataLoader(RegressionDataset(length=96), batch_size=16))
+        names, state = {id(first): "first", id(second): "second", id(None): None}, accelerator.gradient_state
+        seen = [names[id(state.active_dataloader)]]
+        for i, _ in enumerate(first):
+            seen.append((names[id(state.active_dataloader)], state.end_of_dataloader))
+            if i == 1:
+                for _ in second:
+                    seen.append((names[id(state.active_dataloader)], state.end_of_dataloader))
+        return seen + [names[id(state.active_dataloader)]]
+
+    assert run(GaengineAccelerator) == run(Accelerator)
+
+
 # ---------------------------------------------------------------- checkpoints
 def test_save_state_load_state_resume_mid_window_exactly(tmp_path):
     """bf16 parameters (their fp32 masters live in gaengine's state): save_state after the first micro-batch of the
@@ -304,7 +452,7 @@ def test_bad_options_and_calls_are_refused_and_keep_the_window():
 
 def _rank_main(rank, world, port, out):
     with torchrun_rank(rank, world, port):
-        # Accelerate's own recipe on the same ranks (the wrong recipe): DDP, K-divided losses, and its scheduler
+        # Accelerate's own recipe on the same ranks: DDP, K-divided losses (the partial window's too), its scheduler
         # stepped num_processes times per update.
         plain, _, _ = _run(Accelerator(cpu=True, gradient_accumulation_steps=K), record_batches=True)
         result = {"accelerate": plain}
@@ -327,15 +475,47 @@ def _rank_main(rank, world, port, out):
         dist.barrier()
 
 
+SYNC_SCENARIOS = ([dict(split_batches=sb, dispatch_batches=db, sync_each_batch=se)
+                   for sb in (False, True) for db in (False, True) for se in (False, True)]
+                  + [dict(schedule="onecycle"), dict(step_with_optimizer=False)])
+
+
+def _scenarios_rank_main(rank, world, port, out):
+    with torchrun_rank(rank, world, port):
+        results = [(_sync_scenario(GaengineAccelerator, **kw), _sync_scenario(Accelerator, **kw))
+                   for kw in SYNC_SCENARIOS]
+        assert AcceleratorState().num_processes == world
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_scheduler_and_sync_scenarios(tmp_path):
+    """test_sync.py's test_gradient_accumulation_with_opt_and_scheduler on 2 gloo ranks, every combination of
+    split_batches, dispatch_batches and sync_each_batch it runs, and the OneCycleLR and
+    step_scheduler_with_optimizer=False cases of Accelerate's test_scheduler.py: on each rank gaengine's learning
+    rate after every batch is plain Accelerate's (its scheduler stepped num_processes times per update, once with
+    split_batches), and after every full window its parameters equal Accelerate's (DDP, averaged over the ranks)
+    within 1e-6."""
+    world = 2
+    assert spawn_ranks(_scenarios_rank_main, world, (free_port(), str(tmp_path)), join_s=180) == [0] * world
+    for rank in range(world):
+        for kw, (got, want) in zip(SYNC_SCENARIOS, torch.load(tmp_path / f"rank{rank}.pt"), strict=True):
+            try:
+                _same_run(got, want, 1e-6)
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank}, {kw}: {e}") from e
+
+
 @pytest.mark.multiproc
 def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
     """Two ranks under Accelerate's launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): the model is not
     wrapped in DDP, gaengine all-reduces; each rank's parameters after every update (the end-of-dataloader partial
     window included) equal one fp64 process running each window over both ranks' micro-batches as one batch, with
-    fp32 parameters (1e-6) and bf16 parameters (their fp32 masters, within BF16_RTOL). The LambdaLR advances once
-    per applied update (one update of the global batch), as in the reference. Accelerate's own ``Accelerator`` on
-    the same two ranks (its scheduler steps num_processes times per update, its backward divides the partial
-    window by K) fails both checks."""
+    fp32 parameters (1e-6) and bf16 parameters (their fp32 masters, within BF16_RTOL). The LambdaLR steps as plain
+    Accelerate's does (num_processes times per update), so every update's learning rate is the one Accelerate's own
+    ``Accelerator`` uses on the same ranks, and the reference steps it so too. Accelerate's own run fails the
+    parameter check (its backward divides the partial window by K)."""
     world = 2
     assert spawn_ranks(_rank_main, world, (free_port(), str(tmp_path)), join_s=120) == [0] * world
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
@@ -345,17 +525,14 @@ def test_two_gloo_ranks_match_one_fp64_process(tmp_path):
         per_rank = [r[dtype]["updates"] for r in results]
         assert [u["micro"] for u in per_rank[0]] == [2, 1]  # 3 batches per rank (even_batches): a full, a partial
         windows = [[b for r in range(world) for b in per_rank[r][w]["batches"]] for w in range(len(per_rank[0]))]
-        ref = _reference(windows)
-        assert [r["lr"] for r in ref] == pytest.approx([0.0, LR])  # LambdaLR(step ** 0.65): steps 0 and 1
-        for updates in per_rank:
+        ref = _reference(windows, lr_steps_per_update=world)
+        for rank, updates in enumerate(per_rank):
+            assert [u["lr"] for u in updates] == [u["lr"] for u in results[rank]["accelerate"]]
             assert [u["lr"] for u in updates] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
             assert _max_rel(updates, ref) <= tol
     plain = results[0]["accelerate"]
     windows = [[b for r in range(world) for b in results[r]["accelerate"][w]["batches"]] for w in range(len(plain))]
-    ref = _reference(windows)
-    assert [u["lr"] for u in plain] != pytest.approx([r["lr"] for r in ref], rel=1e-3)  # 2 LR steps per update
-    assert [u["lr"] for u in plain] == pytest.approx([r["lr"] for r in _reference(windows, lr_steps_per_update=world)])
-    assert _max_rel(plain, ref) > 1e-2
+    assert _max_rel(plain, _reference(windows, lr_steps_per_update=world)) > 1e-2
 
 
 def test_import_gaengine_imports_no_framework():

@@ -52,6 +52,29 @@ class RegressionModel(nn.Module):
         return (loss * float("inf") if self.poison else loss, y)
 
 
+class KwargsRegressionModel(RegressionModel):
+    """HF's RegressionModel as its suite writes it (``forward(self, input_x, labels=None, **kwargs)``): the Trainer
+    sees ``**kwargs`` (``model_accepts_loss_kwargs``) and passes ``num_items_in_batch``, which the loss ignores: it
+    stays the micro-batch's mean."""
+
+    def forward(self, input_x, labels=None, **kwargs):
+        return super().forward(input_x, labels)
+
+
+class ItemsRegressionModel(RegressionModel):
+    """A loss normalized by ``num_items_in_batch`` when given, read from ``**kwargs`` as transformers' models do: the
+    squared errors summed and divided by it; without it, their mean."""
+
+    def forward(self, input_x, labels=None, **kwargs):
+        num_items_in_batch = kwargs.get("num_items_in_batch")
+        y = input_x * self.a + self.b
+        if labels is None:
+            return (y,)
+        if num_items_in_batch is None:
+            return nn.functional.mse_loss(y, labels), y
+        return (y - labels).square().sum() / num_items_in_batch, y
+
+
 class RegressionDataset(torch.utils.data.Dataset):
     def __init__(self, length, seed=42):
         g = torch.Generator().manual_seed(seed)
@@ -136,6 +159,28 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path, dtype):
     assert _logs(ga, "learning_rate") == pytest.approx(_logs(ref, "learning_rate"), rel=1e-12)
 
 
+@pytest.mark.parametrize("model_cls", [KwargsRegressionModel, ItemsRegressionModel],
+                         ids=["kwargs-mean", "items-sum"])
+def test_item_mode_follows_what_the_loss_does_with_num_items(tmp_path, model_cls):
+    """HF's test_gradient_accumulation with its own RegressionModel (``**kwargs``, a mean loss) and with a loss that
+    divides by ``num_items_in_batch``: gaengine at batch 4, K = 2 (mean mode for the first, item mode for the
+    second) logs the gradient norms of the Trainer's batch 8, K = 1 within 1e-5 and ends at its parameters within
+    1e-5 after 24 AdamW updates clipped at 1.0 (fp32: the two runs sum 8 samples in different orders, a few fp32
+    roundings, which AdamW carries from update to update; measured: parameters equal, norms within 1.2e-7). The
+    Trainer's own batch 4, K = 2 ends there too (its gradient for the ``**kwargs`` model is K times the large
+    batch's, which clipping and AdamW hide; its logged norms are not compared)."""
+    data = RegressionDataset(64)
+    common = dict(learning_rate=0.1, num_train_epochs=3)
+    ref = _train(Trainer, model_cls(), _args(tmp_path, "ref", per_device_train_batch_size=8, **common), data)
+    plain = _train(Trainer, model_cls(), _args(tmp_path, "plain", gradient_accumulation_steps=2, **common), data)
+    ga = _train(GaengineTrainer, model_cls(), _args(tmp_path, "ga", gradient_accumulation_steps=2, **common), data)
+    assert ga.state.global_step == ref.state.global_step == 24
+    assert _logs(ga, "grad_norm") == pytest.approx(_logs(ref, "grad_norm"), rel=1e-5)
+    assert _max_rel(_params(ga.model), _params(ref.model)) <= 1e-5
+    assert _max_rel(_params(plain.model), _params(ref.model)) <= 1e-5
+    assert (ga.optimizer.last_result.num_items is not None) == (model_cls is ItemsRegressionModel)
+
+
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
                          ids=["fp32", "bf16", "fp32-autocast-bf16"])
 def test_loss_alignment_with_model_loss(tmp_path, dtype, autocast):
@@ -204,6 +249,31 @@ def test_num_batches_with_partial_windows(tmp_path, length, micro, dtype):
         assert _max_rel(got, want) <= (1e-5 if dtype == torch.float32 else 2.0**-8)
 
 
+class _PreStepGrads(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append([None if p.grad is None else p.grad.detach().float().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clipped", "no-clip"])
+def test_on_pre_optimizer_step_sees_the_window_gradient(tmp_path, max_grad_norm):
+    """A callback's ``on_pre_optimizer_step`` reads ``.grad``: under gaengine at batch 4, K = 2 it holds, at every
+    update, the gradient the plain Trainer's callback reads at batch 8, K = 1 (clipped at 1.0, or unclipped), within
+    1e-5 (fp32: the runs sum 8 samples in different orders, and AdamW carries it, as in
+    test_gradient_accumulation_equals_the_large_batch)."""
+    data = RegressionDataset(64)
+    got, want = _PreStepGrads(), _PreStepGrads()
+    _train(Trainer, RegressionModel(), _args(tmp_path, "ref", per_device_train_batch_size=8,
+                                             max_grad_norm=max_grad_norm), data, callbacks=[want])
+    _train(GaengineTrainer, RegressionModel(), _args(tmp_path, "ga", gradient_accumulation_steps=2,
+                                                     max_grad_norm=max_grad_norm), data, callbacks=[got])
+    assert len(got.grads) == len(want.grads) == 8
+    for g, w in zip(got.grads, want.grads):
+        assert None not in g and _max_rel(g, w) <= 1e-5
+
+
 def test_skipped_update_is_reported_and_holds_the_scheduler(tmp_path):
     """A non-finite loss in update 3: gaengine skips it (parameters unchanged), the Trainer logs skipped_updates 1,
     and the scheduler does not step: update 4 uses update 3's learning rate."""
@@ -268,6 +338,9 @@ def test_bad_options_are_refused(tmp_path):
     args.parallelism_config = None
     with pytest.raises(ValueError, match="item_mode=True"):
         _train(GaengineTrainer, RegressionModel(), _args(tmp_path, "y", max_steps=1), RegressionDataset(8),
+               item_mode=True)
+    with pytest.raises(ValueError, match="item_mode=True, but the loss does not depend"):
+        _train(GaengineTrainer, KwargsRegressionModel(), _args(tmp_path, "z", max_steps=1), RegressionDataset(8),
                item_mode=True)
 
 

@@ -30,15 +30,17 @@ What changes (docs/integrations/accelerate.md):
   synchronizing step, ends the window there to return its norm (0-d fp32 tensor, after normalization, before
   clipping): the norm needs the reduced window, and gaengine computes it with the update. ``optimizer.step()``
   afterwards finds the window applied and does nothing.
+* At a synchronizing step, ``backward()`` leaves the window's gradient in ``.grad`` (normalized; clipped once
+  ``clip_grad_norm_`` ran) until ``optimizer.zero_grad()``, where a plain Accelerate loop reads it: a copy per update,
+  ``window_grads=False`` turns it off. Mid-window ``.grad`` is None.
 * ``no_sync`` is a null context: there is no DDP reducer to silence, and gaengine communicates only in a window's
   last micro-batch anyway.
 * ``mixed_precision="fp16"`` keeps Accelerate's autocast but not its ``GradScaler``: gaengine's dynamic loss scaling
   (``loss_scale="dynamic"``) scales the loss, finds non-finite gradients and skips that update; the scheduler then
   does not step (``optimizer.step_was_skipped``).
-* The prepared scheduler (``GaengineScheduler``) steps once per applied update on any number of processes: gaengine
-  reduces the window over the ranks, so one update is one step of the global batch. Plain Accelerate steps it
-  ``num_processes`` times per update (unless ``split_batches``); a schedule written for that convention is
-  ``num_processes`` times too long here (docs/integrations/accelerate.md).
+* The prepared scheduler (``GaengineScheduler``) steps as Accelerate's does: ``num_processes`` times per applied
+  update (once with ``split_batches``), not on a skipped update; the learning rate of every update is plain
+  Accelerate's.
 * ``save_state`` / ``load_state`` carry gaengine's state (fp32 master weights, loss scale, the window so far) inside
   the optimizer's state dict, loaded after the model's and the optimizer's own.
 
@@ -125,7 +127,11 @@ class GaengineOptimizer(AcceleratedOptimizer):
       first access after each update (one host sync), so Accelerate's scheduler and the Trainer do not step on it;
       ``num_skipped`` counts them.
     * ``zero_grad()``: at a synchronizing step, drops what the window holds (Accelerate's ``zero_grad`` drops the
-      ``.grad`` there); elsewhere nothing. ``set_to_none`` is accepted and ignored (gaengine keeps no ``.grad``).
+      ``.grad`` there) and the window's gradient from ``.grad``; elsewhere nothing. ``set_to_none`` is accepted and
+      ignored.
+    * ``window_grads``: the parameters whose ``.grad`` holds the window's gradient (``GaengineAccelerator``'s
+      ``window_grads``), scaled by the clip coefficient when the window is applied, released by ``zero_grad()`` or
+      the next ``backward()``.
     * ``state_dict()`` / ``load_state_dict()``: ``{"optimizer": <the wrapped optimizer's>, "gaengine":
       accumulator.state_dict()}``, loaded in that order (the model's state first, by Accelerate and the Trainer). A
       plain optimizer state dict (no ``"gaengine"`` key) loads into the wrapped optimizer alone.
@@ -139,10 +145,16 @@ class GaengineOptimizer(AcceleratedOptimizer):
         self._window_applied = False  # clip_grad_norm_ ran this window's step(); optimizer.step() is then a no-op
         self._skipped: bool | None = None  # host copy of last_result.skipped, read on first access
         self._num_skipped = 0
+        self.window_grads: list[torch.Tensor] = []  # parameters whose .grad holds the window's gradient now
 
     def apply_window(self) -> gaengine.StepResult | None:
         """End the accumulation window now: ``accumulator.step(force=True)``; None if it held no micro-batch."""
+        exposed = [p.grad for p in self.window_grads]  # the update hands fp32 parameters other .grad and drops it
         result = self.accumulator.step(force=True)
+        with torch.no_grad():
+            for p, grad in zip(self.window_grads, exposed):
+                # what the window's .grad is after clipping, as torch's clip_grad_norm_ leaves it
+                p.grad = grad if result is None else grad.mul_(result.clip_coef.to(grad.dtype))
         if result is not None:
             self._settle()  # the previous window's skip flag into num_skipped (computed long ago: no wait)
             self.last_result = result
@@ -173,7 +185,15 @@ class GaengineOptimizer(AcceleratedOptimizer):
         self.apply_window()
         self._window_applied = False
 
+    def release_grads(self) -> None:
+        """Drop the window's gradient from ``.grad`` (``GaengineAccelerator.backward`` put it there)."""
+        for p in self.window_grads:
+            p.grad = None
+        self.window_grads = []
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.gradient_state.sync_gradients:
+            self.release_grads()
         if self.gradient_state.sync_gradients and not self._window_applied and self.accumulator.num_micro_batches:
             self.accumulator.zero_grad()
 
@@ -209,29 +229,18 @@ class GaengineOptimizer(AcceleratedOptimizer):
 
 
 class GaengineScheduler(AcceleratedScheduler):
-    """The prepared learning-rate scheduler: ``step()`` steps the wrapped scheduler once per applied update.
+    """The prepared learning-rate scheduler: ``step()`` steps the wrapped scheduler exactly as Accelerate's own
+    ``AcceleratedScheduler`` does, so the learning rate of every update is plain Accelerate's.
 
-    * At a synchronizing step (``sync_gradients``) whose update was applied: ``scheduler.step()`` once, whatever
-      ``num_processes`` and ``split_batches`` are. gaengine all-reduces the window over the ranks, so an update is one
-      optimizer step of the global batch (every rank's micro-batches), and a schedule counts optimizer steps.
-    * At a skipped update (a non-finite gradient, ``optimizer.step_was_skipped``): nothing, as Accelerate does.
-    * Off a synchronizing step: nothing (Accelerate's ``adjust_scheduler`` bookkeeping of ``_step_count`` included:
-      the wrapped scheduler's ``_step_count`` counts its own steps only).
-    * Built with ``step_scheduler_with_optimizer=False``: every call steps, as Accelerate does.
-
-    Accelerate's own ``AcceleratedScheduler`` steps ``num_processes`` times per update (its convention: the schedule
-    is written for one process's batches, Accelerate's ``scheduler.py``); that convention is dropped here.
+    * At a synchronizing step (``sync_gradients``) whose update was applied: ``num_processes`` times with
+      ``split_batches=False`` (Accelerate's convention: a schedule is counted in one process's batches, and one
+      update consumes ``num_processes`` of them; a ``OneCycleLR`` stops at its ``total_steps``), once with
+      ``split_batches=True``.
+    * At a skipped update (a non-finite gradient, the ``GaengineOptimizer``'s ``step_was_skipped``, one host read per
+      update): nothing.
+    * Off a synchronizing step: only Accelerate's ``adjust_scheduler`` bookkeeping (``_step_count`` advanced).
+    * Built with ``step_scheduler_with_optimizer=False``: every call steps once.
     """
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
-            return
-        if not self.gradient_state.sync_gradients:
-            return
-        if any(opt.step_was_skipped for opt in self.optimizers):  # one host read per update (GaengineOptimizer)
-            return
-        self.scheduler.step(*args, **kwargs)
 
 
 class GaengineAccelerator(Accelerator):
@@ -246,6 +255,13 @@ class GaengineAccelerator(Accelerator):
             clipping, as a plain Accelerate loop that never calls ``clip_grad_norm_``).
         accumulator_options: further ``GradientAccumulator`` keywords (``zero_stage``, ``backend``,
             ``bucket_size_mb``, ``reduce_dtype``, ``loss_scale``, ``process_group``, ...), checked here.
+        window_grads: True (default): at a synchronizing step, ``backward()`` leaves the window's gradient in
+            ``.grad`` (normalized by the window's micro-batches or items, in the parameters' dtype; scaled by the clip
+            coefficient once ``clip_grad_norm_`` applied the window), where a plain Accelerate loop reads it, until
+            ``optimizer.zero_grad()`` or the next ``backward()``. It costs one pass over the window's fp32 gradient
+            and a ``.grad`` per parameter (the memory plain Accelerate's ``.grad`` takes) per update. Not at
+            ``zero_stage`` >= 1 (each rank holds a shard), nor for a partial window on several ranks (reduced only
+            when applied). False: ``.grad`` stays None.
 
     Raises ``ValueError`` naming the argument for DeepSpeed (``deepspeed_plugin``), FSDP (``fsdp_plugin``),
     Megatron-LM (``megatron_lm_plugin``), XLA and ``parallelism_config`` with tensor or context parallelism (each of
@@ -256,7 +272,11 @@ class GaengineAccelerator(Accelerator):
     """
 
     def __init__(self, *args: Any, accumulation_steps: int | None = None, max_grad_norm: float | None = None,
-                 accumulator_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 accumulator_options: Mapping[str, Any] | None = None, window_grads: bool = True,
+                 **kwargs: Any) -> None:
+        if not isinstance(window_grads, bool):
+            raise TypeError(f"window_grads must be True or False, got {window_grads!r}")
+        self.window_grads = window_grads
         for name in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"):
             if kwargs.get(name) is not None:
                 raise ValueError(_refusal(name))
@@ -329,9 +349,9 @@ class GaengineAccelerator(Accelerator):
         return wrapped
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> GaengineScheduler:
-        """Wrap ``scheduler`` in a ``GaengineScheduler``: it steps once per applied (not skipped) update on any number
-        of processes, where Accelerate's steps ``num_processes`` times. A scheduler prepared already is returned as
-        it is."""
+        """Wrap ``scheduler`` in a ``GaengineScheduler``: it steps as Accelerate's ``AcceleratedScheduler`` does
+        (``num_processes`` times per applied update, once with ``split_batches``, not on a skipped update). A
+        scheduler prepared already is returned as it is."""
         if getattr(scheduler, "_is_accelerate_prepared", False) or isinstance(scheduler, AcceleratedScheduler):
             if scheduler not in self._schedulers:
                 self._schedulers.append(scheduler)
@@ -350,6 +370,9 @@ class GaengineAccelerator(Accelerator):
         """Accelerate's ``free_memory`` (it forgets the prepared objects), the accumulator closed and forgotten too,
         so that a later ``prepare`` builds a new one (the Trainer calls this at the start of every ``train()``)."""
         if self.accumulator is not None:
+            for opt in self._optimizers:
+                if isinstance(opt, GaengineOptimizer):
+                    opt.release_grads()
             self.accumulator.close()
             self.accumulator = None
         return super().free_memory(*objects)
@@ -407,7 +430,32 @@ class GaengineAccelerator(Accelerator):
         """
         if "learning_rate" in kwargs:
             raise ValueError("learning_rate: LOMO's fused backward-update is not supported by gaengine")
-        self._gaengine_optimizer().accumulator.backward(loss, num_items=num_items, **kwargs)
+        opt = self._gaengine_optimizer()
+        opt.release_grads()  # autograd would add into a .grad left there
+        opt.accumulator.backward(loss, num_items=num_items, **kwargs)
+        if self.window_grads and self.sync_gradients:
+            self._expose_window_grads(opt)
+
+    def _expose_window_grads(self, opt: GaengineOptimizer) -> None:
+        """``.grad`` = the window's gradient, normalized (a copy of gaengine's fp32 sums times 1 / the window's
+        denominator, in each parameter's dtype), None for a parameter no micro-batch of the window reached."""
+        acc = opt.accumulator
+        if acc.config.zero_stage > 0 or acc.num_micro_batches == 0:
+            return
+        if acc.world_size > 1 and acc.window.stats is None:  # a partial window of several ranks: not reduced yet
+            return
+        sharding = acc.sharding
+        sharding.wait_reductions()
+        _, denom, _, _ = acc.window.totals(acc.world_size)
+        if acc.scaler is not None:  # the sums are loss-scaled
+            denom = denom * acc.scaler.scale
+        inv = denom.reciprocal().to(torch.float32)
+        unused = set(acc.window.unwritten(acc.hooks.accumulated, acc.world_size))
+        with torch.no_grad():
+            for i, (p, g) in enumerate(zip(sharding.params, sharding.main_grad.views)):
+                if i not in unused:
+                    p.grad = (g * inv).to(p.dtype)
+                    opt.window_grads.append(p)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2) -> torch.Tensor | None:

@@ -10,11 +10,15 @@ Everything comes from ``TrainingArguments`` as before: ``gradient_accumulation_s
 (``optim``, ``learning_rate``, ``lr_scheduler_type``, ...), ``bf16`` / ``fp16`` Accelerate's autocast (fp16 with
 gaengine's dynamic loss scaling instead of a ``GradScaler``). What changes:
 
-* **Item mode for causal LMs** (models whose forward takes ``num_items_in_batch``, with ``labels``): each
-  micro-batch's loss is the sum over its labels that are not -100 (``labels[..., 1:]`` for causal LMs, or
-  ``shift_labels``), and ``num_items`` their count, so the window's gradient is the exact token mean over its
-  micro-batches and all ranks. Other models: mean mode, the mean of the micro-batch means. ``item_mode=False``
-  forces mean mode.
+* **Item mode where the Trainer means a token mean.** The Trainer hands ``num_items_in_batch`` (the window's label
+  count) to the loss when the batch has ``labels`` and the model's forward takes ``**kwargs`` (or the model sets
+  ``accepts_loss_kwargs=True``), or a ``compute_loss_func`` is given. When the loss is then divided by it (every
+  causal LM of transformers, the label smoother, a ``compute_loss_func`` that uses it), each micro-batch's loss is
+  the sum over its labels that are not -100 (``labels[..., 1:]`` for causal LMs, or ``shift_labels``), and
+  ``num_items`` their count, so the window's gradient is the exact token mean over its micro-batches and all ranks.
+  Otherwise (the count not passed, or a loss that ignores it: a model's own mean behind ``**kwargs``): mean mode,
+  the mean of the micro-batch means. Whether the loss is divided by the count is seen on the first micro-batch of
+  ``train()``: the loss depends on the count or not. ``item_mode=False`` forces mean mode.
 * **Partial windows are exact**: the epoch's last window is normalized by the micro-batches (or tokens) it holds,
   not by ``gradient_accumulation_steps``.
 * **The Trainer's log is gaengine's**: ``grad_norm`` is the window's norm after normalization, before clipping;
@@ -39,7 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer, check_accumulator_options
@@ -78,18 +82,22 @@ class GaengineTrainer(Trainer):
 
     Args:
         *args, **kwargs: ``transformers.Trainer``'s own (``model``, ``args``, ``train_dataset``, ...).
-        item_mode: None (default): item mode when the model takes ``num_items_in_batch`` and the batch has
-            ``labels`` (every causal LM of transformers), else mean mode; False: always mean mode (the micro-batch
-            mean loss, normalized by the window's micro-batches); True: item mode, ``ValueError`` at the first
-            micro-batch where it cannot apply.
+        item_mode: None (default): item mode when the Trainer passes ``num_items_in_batch`` to the loss (a batch with
+            ``labels``, and a forward taking ``**kwargs`` or ``accepts_loss_kwargs=True``, or a ``compute_loss_func``)
+            and the loss is divided by it, seen on the first micro-batch of ``train()`` (the loss depends on the
+            count); else mean mode. False: always mean mode (the micro-batch mean loss, normalized by the window's
+            micro-batches); True: item mode, ``ValueError`` at the first micro-batch where the count is not passed or
+            the loss ignores it.
         accumulator_options: further ``GradientAccumulator`` keywords (``zero_stage``, ``backend``, ``bucket_size_mb``,
             ``reduce_dtype``, ``loss_scale``, ...); ``accumulation_steps`` and ``max_grad_norm`` come from
             ``TrainingArguments`` and are refused here (``TypeError``).
 
     The accumulator is ``trainer.accelerator.accumulator`` once training started; the last window's
-    ``gaengine.StepResult`` is ``trainer.optimizer.last_result``. ``.grad`` is None outside gaengine's update, so a
-    callback reading gradients sees none: read ``trainer.optimizer.last_result`` (``grad_norm``, ``clip_coef``,
-    ``skipped``) in ``on_step_end`` instead.
+    ``gaengine.StepResult`` is ``trainer.optimizer.last_result``. When a callback overrides ``on_pre_optimizer_step``
+    or ``on_optimizer_step``, ``.grad`` holds the window's gradient there as in the plain Trainer (normalized, clipped
+    when ``max_grad_norm`` > 0; a copy per update, ``GaengineAccelerator(window_grads=True)``), but gaengine has
+    already updated the parameters in ``on_pre_optimizer_step`` when it clips (the update comes with the norm).
+    Elsewhere, mid-window, ``.grad`` is None.
 
     Raises ``ValueError`` naming the ``TrainingArguments`` field for what cannot compose (see the module docstring),
     ``TypeError`` / ``ValueError`` for bad ``accumulator_options``.
@@ -107,6 +115,7 @@ class GaengineTrainer(Trainer):
             if name in options:
                 raise TypeError(f"accumulator_options must not hold {name!r}: set TrainingArguments.{field} instead")
         self._item_mode = item_mode
+        self._loss_divides_by_items: bool | None = None  # settled on the first micro-batch of each train()
         self._accumulator_options = options
         self._logged_skips = 0
         super().__init__(*args, **kwargs)
@@ -141,52 +150,98 @@ class GaengineTrainer(Trainer):
                                 else type(gather)(self.accelerator.gather_for_metrics, **gather.keywords))
 
     # ------------------------------------------------------------------ one micro-batch
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; whether the loss is normalized by ``num_items_in_batch`` is looked at again on
+        the first micro-batch (``model_init`` may build another model)."""
+        self._loss_divides_by_items = None
+        if isinstance(self.accelerator, GaengineAccelerator):
+            self.accelerator.window_grads = self._callbacks_read_grads()
+        return super().train(*args, **kwargs)
+
+    def _callbacks_read_grads(self) -> bool:
+        """Whether a callback overrides ``on_pre_optimizer_step`` or ``on_optimizer_step`` (where the plain Trainer's
+        ``.grad`` holds the window's gradient): only then is it put in ``.grad``, a copy per update."""
+        hooks = ("on_pre_optimizer_step", "on_optimizer_step")
+        return any(getattr(type(cb), name, None) is not getattr(TrainerCallback, name)
+                   for cb in self.callback_handler.callbacks for name in hooks)
+
     def _micro_batch_items(self, inputs: Mapping[str, Any], num_items_in_batch: Any) -> torch.Tensor | None:
-        """The items this micro-batch's summed loss covers (labels that are not -100), or None for mean mode."""
-        applies = (num_items_in_batch is not None and self.model_accepts_loss_kwargs
-                   and self.compute_loss_func is None and self.label_smoother is None
-                   and ("labels" in inputs or "shift_labels" in inputs))
-        if self._item_mode is False or (self._item_mode is None and not applies):
+        """The items this micro-batch's loss covers (labels that are not -100, counted as the Trainer counts them)
+        when the Trainer hands ``num_items_in_batch`` to the loss, else None (mean mode)."""
+        # The Trainer counts items, and passes them to the model's forward (model_accepts_loss_kwargs: **kwargs or
+        # accepts_loss_kwargs=True) or to compute_loss_func, only when the batch has labels.
+        passed = num_items_in_batch is not None and ("labels" in inputs or "shift_labels" in inputs)
+        if self._item_mode is False or (self._item_mode is None and not passed):
             return None
-        if not applies:
-            raise ValueError("item_mode=True needs a model whose forward takes num_items_in_batch "
-                             "(accepts_loss_kwargs), a batch with 'labels', and no compute_loss_func or label "
-                             "smoothing; use item_mode=None")
+        if not passed:
+            raise ValueError("item_mode=True needs the Trainer to pass num_items_in_batch to the loss: a model whose "
+                             "forward takes **kwargs (or sets accepts_loss_kwargs=True), or a compute_loss_func, and "
+                             "a batch with 'labels'; use item_mode=None")
         if "shift_labels" in inputs:
             labels = inputs["shift_labels"]
         else:
             labels = inputs["labels"][..., 1:] if self._shifts_labels else inputs["labels"]
         return labels.ne(_IGNORE_INDEX).sum()
 
+    def _first_loss(self, model: nn.Module, inputs: dict[str, Any], items: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The first micro-batch's loss, and whether it is divided by ``num_items_in_batch``.
+
+        The loss is computed with ``num_items_in_batch`` = this micro-batch's own item count, as a 0-d fp32 tensor
+        that requires grad: a loss normalized by it (transformers' ``fixed_cross_entropy``, the label smoother, a
+        ``compute_loss_func`` honouring it) is its sum over the items divided by that count and depends on the tensor;
+        a loss that ignores it (a mean computed by the model, ``**kwargs`` swallowing the count) does not. Either way
+        the value is the micro-batch's mean. Returned: the summed loss (the mean times the count) and True, or the
+        mean and False. One extra autograd pass from the loss to that tensor, once per ``train()``.
+        """
+        count = items.clamp_min(1).to(device=self.args.device, dtype=torch.float32).requires_grad_()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=count)
+        divides = loss.requires_grad and torch.autograd.grad(
+            loss, count, retain_graph=True, allow_unused=True)[0] is not None
+        return (loss * count.detach() if divides else loss), divides
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Forward and gaengine's backward of one micro-batch; returns its share of the window's loss (detached),
         what the Trainer adds up and logs.
 
-        Item mode: ``compute_loss`` with ``num_items_in_batch=1`` gives the micro-batch's summed token loss (the
-        model's ``reduction="sum"`` path), handed to ``accelerator.backward(loss_sum, num_items=n)``. Mean mode: the
-        model's micro-batch mean, ``accelerator.backward(loss)``. The window's end (``clip_grad_norm_`` at the
-        Trainer's synchronizing step) normalizes, clips and updates.
+        Item mode (the loss is the Trainer's token mean: normalized by the ``num_items_in_batch`` it passes):
+        ``compute_loss`` with ``num_items_in_batch=1`` gives the micro-batch's summed loss, handed to
+        ``accelerator.backward(loss_sum, num_items=n)``. Mean mode: the model's micro-batch mean,
+        ``accelerator.backward(loss)``. Which one is settled on the first micro-batch (``_first_loss``). The window's
+        end (``clip_grad_norm_`` at the Trainer's synchronizing step) normalizes, clips and updates.
         """
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         items = self._micro_batch_items(inputs, num_items_in_batch)
+        counted = items is not None and self._loss_divides_by_items is not False  # compute_loss gets a count
         with self.compute_loss_context_manager():
-            if items is None:
+            if not counted:
                 loss = self.compute_loss(model, inputs)
+            elif self._loss_divides_by_items is None:
+                loss, divides = self._first_loss(model, inputs, items)
+                if not divides and self._item_mode:
+                    raise ValueError("item_mode=True, but the loss does not depend on the num_items_in_batch the "
+                                     "Trainer passes (the model returns a mean of its own): use item_mode=None")
+                self._loss_divides_by_items = divides
             else:
                 one = torch.ones((), device=self.args.device)
                 loss = self.compute_loss(model, inputs, num_items_in_batch=one)
         if self.args.n_gpu > 1:  # refused at construction; kept for subclasses that relax it
             loss = loss.mean()
-        scaled_across = items is not None and self.args.average_tokens_across_devices and self.args.world_size > 1
-        factor = self.accelerator.num_processes if scaled_across else 1  # compute_loss's `loss *= num_processes`
+        # compute_loss multiplies a loss it passed a count to by num_processes (the Trainer's count is all-gathered
+        # over the ranks, and DDP averages them); gaengine sums over the ranks and counts the items itself.
+        factor = 1
+        if counted and self.args.average_tokens_across_devices and (
+                self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            factor = self.accelerator.num_processes
+        if not self._loss_divides_by_items:
+            items = None
         self.accelerator.backward(loss if factor == 1 else loss / factor, num_items=items)
         # What the Trainer sums over the window and averages over ranks: the window's loss, as its own recipe logs.
         if items is None:
-            return loss.detach() / self.current_gradient_accumulation_steps
+            return loss.detach() / factor / self.current_gradient_accumulation_steps
         return loss.detach() / num_items_in_batch
 
     # ------------------------------------------------------------------ logging
