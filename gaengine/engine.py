@@ -11,7 +11,7 @@ window's counters are ``gaengine.window``'s, the loss scale ``gaengine.scaler``'
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,13 @@ from gaengine import ownership
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig
 from gaengine.noise import NoiseEstimate, WindowNoise
+from gaengine.norm import WindowNorm, clip_coefficient
 from gaengine.reduce import wait_quietly
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
-from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
-from gaengine.update import fused_optimizer
+from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
+from gaengine.update import expose_grads, fused_optimizer
 from gaengine.window import FAILED_WINDOW, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
@@ -207,12 +208,24 @@ class GradientAccumulator:
                                  None if self.scaler is None else self.scaler.scale)
 
     # ------------------------------------------------------------------ update
-    def step(self, force: bool = False) -> StepResult | None:
+    def step(self, force: bool = False, *, before_update: Callable[[], None] | None = None) -> StepResult | None:
         """Finish the window: normalize, clip, update. Returns None while the window is incomplete.
 
         force: update on a partial window (end of an epoch); its gradient is normalized by the
             micro-batches (or items) it actually holds, so the result is exact. With no micro-batch in the
             window, returns None.
+        before_update: called once, with no arguments, after the window's gradient is complete (reduced over the
+            ranks) and before it is clipped and applied, with every parameter's ``.grad`` holding the window's
+            normalized gradient: for an fp32 parameter a view of ``main_grad``, normalized in place (one pass over
+            the buffer, 8 B/element, no extra memory); for a bf16/fp16 one its rounding to the parameter's dtype (a
+            copy, 2 B/element while the call runs); None for a parameter no micro-batch reached. The ``.grad`` are
+            released when it returns. It may set ``max_grad_norm`` (the clip then uses it) and must not change the
+            gradients. The update then differs from one without ``before_update`` by fp32 rounding only (the
+            normalization is a separate multiplication instead of being folded into the clip coefficient). If it
+            raises, ``main_grad`` is multiplied back (the window's sums within one fp32 rounding of what they were),
+            nothing is applied and the window stays open. Replicated accumulators only (``zero_stage=0``, not
+            FSDP2): other ones raise ``ValueError`` before touching the window. The trainer integrations use it to
+            run their frameworks' "before the optimizer step" hooks.
 
         Item mode whose tensor ``num_items`` add up to 0 over the window: nothing to normalize by, so the update is
         skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped).
@@ -225,6 +238,9 @@ class GradientAccumulator:
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
+        if before_update is not None and not isinstance(self.sharding, Replicated):
+            raise ValueError(f"step(before_update=...) needs the whole window gradient on every rank, which "
+                             f"{self.sharding.name} does not hold; use zero_stage=0, or read StepResult.grad_norm")
         window = self.window
         k = window.num_micro_batches
         if self._counts.pending:  # the last window's per-rank counts, unread by its step()
@@ -246,7 +262,10 @@ class GradientAccumulator:
 
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = denom if self.scaler is None else denom * self.scaler.scale
-        norm = self.sharding.norm(grad_denom, self.max_grad_norm)
+        if before_update is None:
+            norm = self.sharding.norm(grad_denom, self.max_grad_norm)
+        else:
+            norm = self._norm_around(before_update, grad_denom, unwritten)
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
         noise: NoiseEstimate | None = None
@@ -287,6 +306,29 @@ class GradientAccumulator:
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
         return result
+
+    def _norm_around(self, before_update: Callable[[], None], grad_denom: torch.Tensor,
+                     unwritten: list[int]) -> WindowNorm:
+        """``step(before_update=...)``: the window's norm and skip flag from the raw sums, then ``main_grad``
+        normalized in place, exposed in ``.grad`` while ``before_update`` runs, and the clip coefficient from the
+        ``max_grad_norm`` it leaves; ``coef`` is then the clip alone (the normalization is done)."""
+        norm = self.sharding.norm(grad_denom, None)
+        data = self.main_grad.data
+        divisor = torch.where(grad_denom > 0, grad_denom, torch.ones_like(grad_denom))  # 0 items: nothing to undo
+        self.backend.scale_(data, divisor.reciprocal())
+        try:
+            expose_grads(self.params, self.main_grad, unwritten)
+            before_update()
+        except BaseException:
+            self.backend.scale_(data, divisor)  # the window's raw sums again: it stays open, nothing applied
+            raise
+        finally:
+            for p in self.params:
+                p.grad = None
+        one = torch.ones((), dtype=torch.float32, device=data.device)
+        clip = one if self.max_grad_norm is None else clip_coefficient(norm.grad_norm, self.max_grad_norm)
+        return WindowNorm(grad_norm=norm.grad_norm, skipped=norm.skipped, clip_coef=clip,
+                          coef=torch.where(norm.skipped, one, clip))
 
     def _reads_skip_flag(self) -> bool:
         """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the

@@ -373,3 +373,72 @@ def test_cpu_free_norm_from_the_last_accumulate(monkeypatch, skip_in_last):
     assert rel_diff(r.grad_norm, ref_norm) <= 1e-6
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_diff(p.grad, q.grad) <= 1e-5
+
+
+# ---------------------------------------------------------------- step(before_update=...)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_before_update_sees_the_normalized_window_gradient(dtype):
+    """``step(force=True, before_update=fn)`` on a partial window of 3 micro-batches (K = 4), one parameter unused:
+    inside ``fn`` every used parameter's ``.grad`` is the window's mean gradient (fp64 oracle: plain backward per
+    micro-batch on the same parameters, summed in fp64, divided by 3; fp32 within 1e-6 relative, bf16 within one
+    bf16 rounding), the unused one's is None; ``fn`` sets the clip; afterwards ``.grad`` is None and the parameters
+    are those of a twin accumulator stepped without ``before_update`` with the same clip (fp32 rounding only). An
+    ``fn`` that raises leaves the window open (3 micro-batches) and the parameters unchanged."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 6) for _ in range(3)]
+
+    def build():
+        torch.manual_seed(1)
+        net = nn.ModuleDict({"a": nn.Linear(6, 5), "unused": nn.Linear(2, 2)}).to(dtype)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return net, gaengine.GradientAccumulator(net, opt, accumulation_steps=4, max_grad_norm=None)
+
+    oracle_net, oracle_acc = build()
+    oracle_acc.close()  # the same (converted) parameters, trained by plain backward
+    oracle = [torch.zeros(p.shape, dtype=torch.float64) for p in oracle_net["a"].parameters()]
+    for x in xs:
+        oracle_net.zero_grad()
+        oracle_net["a"](x.to(dtype)).float().square().mean().backward()
+        for o, p in zip(oracle, oracle_net["a"].parameters()):
+            o += p.grad.double()
+    oracle = [o / 3 for o in oracle]
+
+    runs = {}
+    for name in ("hooked", "plain", "raising"):
+        net, acc = build()
+        for x in xs:
+            acc.backward(net["a"](x.to(dtype)).float().square().mean())
+        seen = {}
+
+        def fn():
+            seen["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in net.parameters()]
+            acc.max_grad_norm = 0.01
+            if name == "raising":
+                raise KeyError("from the hook")
+
+        if name == "plain":
+            acc.max_grad_norm = 0.01
+            acc.step(force=True)
+        elif name == "raising":
+            before = [p.detach().clone() for p in net.parameters()]
+            with pytest.raises(KeyError):
+                acc.step(force=True, before_update=fn)
+            assert acc.num_micro_batches == 3
+            assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+        else:
+            result = acc.step(force=True, before_update=fn)
+            assert float(result.clip_coef) < 1.0
+            grads = dict(zip([n for n, _ in net.named_parameters()], seen["grads"]))
+            assert grads["unused.weight"] is None and grads["unused.bias"] is None
+            for g, o in zip([grads["a.weight"], grads["a.bias"]], oracle):
+                assert g.dtype == dtype
+                d = rel_diff(g.double(), o)
+                assert d <= (1e-6 if dtype == torch.float32 else 2.0**-8), d
+        assert all(p.grad is None for p in net.parameters())
+        runs[name] = [p.detach().float().clone() for p in net.parameters()]
+        acc.close()
+    for a, b in zip(runs["hooked"], runs["plain"]):
+        assert rel_diff(a, b) <= (1e-6 if dtype == torch.float32 else 2.0**-8)
+

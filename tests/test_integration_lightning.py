@@ -23,11 +23,12 @@ from torch import nn
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
 
 import gaengine  # noqa: E402
 from gaengine.integrations.lightning import GaenginePrecision, GaengineStrategy  # noqa: E402
 from tests.ranks import free_port  # noqa: E402
-from tests.tolerances import rel_diff  # noqa: E402
+from tests.tolerances import RTOL as DTYPE_RTOL, rel_diff  # noqa: E402
 
 N_FEATURES, BATCH, LR, MOMENTUM, GAMMA = 5, 2, 0.2, 0.5, 0.9
 RTOL = 1e-5
@@ -563,6 +564,264 @@ def test_non_finite_window_is_skipped_and_holds_the_scheduler(precision):
     assert not all(bool(p.isfinite().all()) for p in naive.after_batch[-1])
 
 
+# ---------------------------------------------------------------- the hook contract of plain Lightning
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD counting ``zero_grad`` calls (Lightning's ``test_trainer_accumulate_grad_batches_zero_grad`` patches
+    ``SGD.zero_grad`` to count them)."""
+
+    zero_grads = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        CountingSGD.zero_grads += 1
+        super().zero_grad(set_to_none)
+
+
+class Hooked(Regression):
+    """Records every optimization hook as ``(hook, epoch, batch_idx)``, whether ``optimizer_step`` changed the
+    weights and which learning rate it used; ``warmup``: a linear warm-up over 3 updates set in ``optimizer_step``
+    (Lightning's documented recipe)."""
+
+    def __init__(self, warmup: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__(dtype)
+        self.warmup = warmup
+        self.calls: list[tuple[str, int, int]] = []
+        self.step_changed: list[bool] = []
+        self.step_lrs: list[float] = []
+
+    def _record(self, hook: str, batch_idx: int | None = None) -> None:
+        loop = self.trainer.fit_loop.epoch_loop
+        self.calls.append((hook, self.current_epoch, loop.batch_idx if batch_idx is None else batch_idx))
+
+    def training_step(self, batch, batch_idx):
+        self._record("training_step", batch_idx)
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss):
+        super().on_before_backward(loss)
+        self._record("on_before_backward")
+
+    def on_after_backward(self):
+        self._record("on_after_backward")
+
+    def on_before_zero_grad(self, optimizer):
+        self._record("on_before_zero_grad")
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self._record("optimizer_zero_grad", batch_idx)
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def on_before_optimizer_step(self, optimizer):
+        self._record("on_before_optimizer_step")
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.warmup:
+            for group in optimizer.param_groups:
+                group["lr"] = LR * min(1.0, (self.trainer.global_step + 1) / 3)
+        before = [p.detach().clone() for p in self.net.parameters()]
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self._record("optimizer_step", batch_idx)
+        self.step_changed.append(any(not torch.equal(a, p) for a, p in zip(before, self.net.parameters())))
+        self.step_lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = CountingSGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda),
+                                                   "interval": "step"}}
+
+
+class HookCallback(pl.Callback):
+    """The ``Callback`` hooks of the same names, recorded as ``(hook, epoch, batch_idx)``."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []
+
+    def _record(self, trainer, hook):
+        self.calls.append((hook, trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._record(trainer, "on_before_backward")
+
+    def on_after_backward(self, trainer, pl_module):
+        self._record(trainer, "on_after_backward")
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        self._record(trainer, "on_before_zero_grad")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._record(trainer, "on_before_optimizer_step")
+
+
+def _hooked_run(strategy: str, **kw) -> tuple[Hooked, HookCallback, pl.Trainer, int]:
+    x, y = _data(20)
+    model, callback = Hooked(warmup=kw.pop("warmup", False)), HookCallback()
+    CountingSGD.zero_grads = 0
+    trainer = _trainer(strategy=strategy, callbacks=[callback] + kw.pop("callbacks", []), **kw)
+    trainer.fit(model, _loader(x, y))
+    return model, callback, trainer, CountingSGD.zero_grads
+
+
+@pytest.mark.parametrize("kw,n_updates", [
+    (dict(accumulate_grad_batches=2), 5),
+    (dict(accumulate_grad_batches=3), 4),
+    (dict(accumulate_grad_batches=4, limit_train_batches=0.7), 2),
+    (dict(max_epochs=4, callbacks=[GradientAccumulationScheduler({1: 2, 3: 4})]), 23),
+], ids=["K2", "K3-last-batch", "K4-0.7-last-batch", "scheduler-1:2-3:4"])
+def test_hooks_run_as_in_plain_lightning(kw, n_updates):
+    """Lightning's ``test_gradient_accumulation_scheduling_last_batch``, ``test_no_batch_idx_gradient_accumulation``
+    and ``test_trainer_accumulate_grad_batches_zero_grad`` / ``_with_callback``, against plain Lightning in the same
+    test: ``training_step``, ``on_before_backward`` and ``on_after_backward`` run once per micro-batch;
+    ``optimizer_step``, ``on_before_optimizer_step``, ``on_before_zero_grad`` and ``optimizer_zero_grad`` (and
+    ``SGD.zero_grad``, and the ``Callback`` hooks of those names) once per update, at the same (epoch, batch_idx),
+    the epoch's last partial window included; every ``optimizer_step`` changes the weights; ``global_step`` and the
+    learning rates (a warm-up set in ``optimizer_step`` and a step-interval LambdaLR) are plain Lightning's at every
+    update. Without a partial window (K = 2) the parameters after every update are plain Lightning's too."""
+    kw = dict(kw)
+    callbacks = kw.pop("callbacks", [])
+    plain, plain_cb, plain_trainer, plain_zero = _hooked_run("auto", warmup=True, callbacks=callbacks, **kw)
+    ours, ours_cb, trainer, zero = _hooked_run("gaengine", warmup=True,
+                                               callbacks=[GradientAccumulationScheduler({1: 2, 3: 4})]
+                                               if callbacks else [], **kw)
+    assert plain_trainer.global_step == n_updates
+    assert ours.calls == plain.calls
+    assert ours_cb.calls == plain_cb.calls
+    assert sum(c[0] == "optimizer_step" for c in ours.calls) == n_updates
+    assert (trainer.global_step, zero) == (plain_trainer.global_step, plain_zero) == (n_updates, n_updates)
+    assert ours.step_changed == [True] * n_updates
+    assert ours.step_lrs == plain.step_lrs
+    if kw.get("accumulate_grad_batches") == 2:
+        for update, (a, b) in enumerate(zip(ours.after_batch, plain.after_batch)):
+            _assert_params_close(a, b, f"batch {update}, against plain Lightning")
+
+
+class GradLogger(Regression):
+    """The standard recipe: ``grad_norm(self, norm_type=2)`` in ``on_before_optimizer_step``; also keeps each
+    parameter's ``.grad`` there and whether any ``.grad`` is left after the update."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__(dtype)
+        self.norms: list[dict[str, torch.Tensor]] = []
+        self.grads: list[list[torch.Tensor]] = []
+        self.grad_left_after: list[bool] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append(grad_norm(self, norm_type=2))
+        self.grads.append([p.grad.detach().float().clone() for p in self.net.parameters()])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.grad_left_after.append(any(p.grad is not None for p in self.parameters()))
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS), ids=["fp32", "bf16"])
+def test_grad_norm_in_on_before_optimizer_step(precision):
+    """``grad_norm(self)`` in ``on_before_optimizer_step`` returns plain Lightning's norms: the window's gradient,
+    normalized and before clipping (``gradient_clip_val`` active), K = 3 over 10 batches. fp32: every full window's
+    per-parameter gradients are plain Lightning's within RTOL, and the partial last window's are plain Lightning's
+    times 3 (Lightning divides that one-batch window by K = 3; gaengine by the 1 it holds). bf16
+    (``precision="bf16-true"``, ``.grad`` in the parameters' dtype): the first window's gradients within one bf16
+    rounding of plain Lightning's (later ones differ as the weights do: Lightning updates bf16 weights without
+    fp32 masters). gaengine releases ``.grad`` right after the update (plain Lightning keeps it until the next
+    window's ``zero_grad``: a documented difference)."""
+    dtype = PRECISIONS[precision]
+    x, y = _data(20)
+    runs = {}
+    for strategy in ("auto", "gaengine"):
+        model = GradLogger(dtype)
+        _trainer(strategy=strategy, accumulate_grad_batches=3, gradient_clip_val=0.05, precision=precision).fit(
+            model, _loader(x, y))
+        runs[strategy] = model
+    plain, ours = runs["auto"], runs["gaengine"]
+    assert len(ours.norms) == len(plain.norms) == 4
+    assert all(set(o) == set(p) and o for o, p in zip(ours.norms, plain.norms))
+    assert not any(ours.grad_left_after)
+    if dtype != torch.float32:
+        for i, (a, b) in enumerate(zip(ours.grads[0], plain.grads[0])):
+            d = rel_diff(a, b)
+            assert d <= DTYPE_RTOL[torch.bfloat16], f"bf16 window 0, parameter {i}: {d:.3e}"
+        return
+    for window in range(3):
+        _assert_params_close(ours.grads[window], plain.grads[window], f"window {window} gradient")
+        for name, value in ours.norms[window].items():
+            assert abs(value - plain.norms[window][name]) <= RTOL * plain.norms[window][name], name
+    _assert_params_close(ours.grads[3], [3 * g for g in plain.grads[3]], "the partial window's gradient x 3")
+    assert float(ours.norms[0]["grad_2.0_norm_total"]) > 0.05  # the clip was active: the norm logged is before it
+
+
+class Evaluated(Regression):
+    """``validation_step``, ``test_step`` (the mean-squared error, logged) and ``predict_step`` (the outputs)."""
+
+    def _mse(self, batch):
+        return nn.functional.mse_loss(self.net(batch[0].to(self.dtype_)), batch[1].to(self.dtype_)).float()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_mse", self._mse(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_mse", self._mse(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0].to(self.dtype_)).float()
+
+
+def _evaluate(model: Evaluated, strategy, x, y) -> tuple:
+    trainer = _trainer(strategy=strategy)
+    loader = _loader(x, y)
+    return (trainer.validate(model, loader, verbose=False), trainer.test(model, loader, verbose=False),
+            torch.cat(trainer.predict(model, loader)))
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS), ids=["fp32", "bf16"])
+def test_validate_test_predict_with_and_without_fit(precision):
+    """``trainer.validate()``, ``test()`` and ``predict()`` under ``GaengineStrategy`` on one process (they raised
+    ``ValueError: Default process group has not been initialized``): on a fresh model, after a ``fit``, and on the
+    fitting Trainer itself, each returns what plain Lightning (``strategy="auto"``) returns for the same model."""
+    x, y = _data(12)
+    fresh = Evaluated()
+    assert _evaluate(fresh, GaengineStrategy(), x, y)[:2] == _evaluate(fresh, "auto", x, y)[:2]
+    assert torch.equal(_evaluate(fresh, GaengineStrategy(), x, y)[2], _evaluate(fresh, "auto", x, y)[2])
+
+    dtype = PRECISIONS[precision]
+    model = Evaluated(dtype)
+    trainer = _trainer(accumulate_grad_batches=3, precision=precision)
+    trainer.fit(model, _loader(x, y))
+    same_trainer = (trainer.validate(model, _loader(x, y), verbose=False),
+                    trainer.test(model, _loader(x, y), verbose=False))
+    ours, plain = _evaluate(model, GaengineStrategy(), x, y), _evaluate(model, "auto", x, y)
+    assert ours[:2] == plain[:2] == same_trainer
+    assert torch.equal(ours[2], plain[2])
+
+
+def test_refit_by_another_trainer_then_plain_pytorch():
+    """A model fitted by one Trainer is fitted again by another (it raised ``a parameter ... already belongs to
+    another GradientAccumulator``): the accumulator is closed when ``fit`` ends. K = 2 over 10 batches (no partial
+    window, where plain Lightning is exact), two fits of one epoch each: the parameters after every update are
+    plain Lightning's doing the same two fits. Then the model trains with plain PyTorch: ``loss.backward()`` leaves
+    ``.grad`` (gaengine's hooks are gone), equal to the plain-fitted model's, and a new ``GradientAccumulator`` can
+    take its parameters."""
+    x, y = _data(20)
+    fitted = {}
+    for strategy in ("auto", "gaengine"):
+        model = Regression()
+        for _ in range(2):
+            _trainer(strategy=strategy, accumulate_grad_batches=2).fit(model, _loader(x, y))
+        fitted[strategy] = model
+    ours, plain = fitted["gaengine"], fitted["auto"]
+    assert len(ours.after_batch) == len(plain.after_batch) == 20
+    for b, (a, e) in enumerate(zip(ours.after_batch, plain.after_batch)):
+        _assert_params_close(a, e, f"batch {b} of the two fits, against plain Lightning")
+    grads = {}
+    for name, model in fitted.items():
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model.net(x), y).backward()
+        grads[name] = [p.grad for p in model.net.parameters()]
+    assert all(g is not None for g in grads["gaengine"])
+    _assert_params_close(grads["gaengine"], grads["auto"], "plain PyTorch gradient after the fits")
+    ours.zero_grad(set_to_none=True)
+    gaengine.GradientAccumulator(ours, torch.optim.SGD(ours.parameters(), lr=LR), accumulation_steps=2).close()
+
+
 # ---------------------------------------------------------------- refusals
 
 
@@ -599,13 +858,19 @@ def test_clip_by_value_refused_window_kept():
     assert all(torch.equal(a, b) for a, b in zip(model.net.parameters(), _net().parameters()))
 
 
-def test_training_step_returning_none_refused():
-    x, y = _data(12)
+def test_training_step_returning_none_skips_the_micro_batch():
+    """``training_step`` returning None (one process: Lightning's way to skip a micro-batch) runs no backward for it;
+    gaengine normalizes the window by the micro-batches that ran (batches 0 and 2 of window 0, K = 3), so every
+    update is the recipe's over the batches that ran. (Plain Lightning divides that window by K = 3 anyway.)"""
+    x, y = _data(20)
     model = Regression(returns_none_at=1)
     trainer = _trainer(accumulate_grad_batches=3)
-    with pytest.raises(ValueError, match="training_step returned None"):
-        trainer.fit(model, _loader(x, y))
-    assert trainer.strategy.accumulator.num_micro_batches == 1  # the first micro-batch is kept
+    trainer.fit(model, _loader(x, y))
+    windows = [[0, 2], [3, 4, 5], [6, 7, 8], [9]]
+    ref, _ = reference(x, y, windows)
+    assert trainer.global_step == 4 and model.backward_calls == 9
+    for update, w in enumerate(windows):
+        _assert_params_close(model.after_batch[w[-1]], ref[update], f"update {update}, batches {w}")
 
 
 class ManualMisuse(Regression):
@@ -651,13 +916,15 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
                      ("K4-clip-bf16", dict(accumulate_grad_batches=4, gradient_clip_val=0.05,
                                            precision="bf16-true"))):
         dtype = torch.bfloat16 if "bf16" in name else torch.float32
-        model = Regression(dtype)
+        model = Evaluated(dtype)
         trainer = _trainer(devices=world, strategy=GaengineStrategy(process_group_backend="gloo"),
                            use_distributed_sampler=False, **kw)
         dataset = torch.utils.data.TensorDataset(x, y)
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler))
-        results[name] = dict(global_step=trainer.global_step, world=trainer.world_size,
+        val = trainer.validate(model, torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler),
+                               verbose=False)[0]["val_mse"]
+        results[name] = dict(val_mse=val,global_step=trainer.global_step, world=trainer.world_size,
                              params=[p.detach().float().clone() for p in model.net.parameters()],
                              masters=[m.detach().clone() for m in trainer.optimizers[0].param_groups[0]["params"]],
                              wrapped=type(trainer.strategy.model).__name__)
@@ -669,7 +936,8 @@ def test_two_gloo_processes(tmp_path):
     """2 processes launched as torchrun does (``LOCAL_RANK``, ``MASTER_PORT``), ``Trainer(devices=2)``: a
     ``DistributedSampler`` without shuffling gives each rank 10 micro-batches of 2 (rank r: samples r, r + 2, ...), K = 3 and 4 (a
     partial last window), clipped and bf16 in the second case. The model is not wrapped in DDP; every rank ends
-    with the parameters of the single-process recipe over the global micro-batches of 4 samples."""
+    with the parameters of the single-process recipe over the global micro-batches of 4 samples; ``validate()``
+    on the fitting Trainer then gives each rank the mean-squared error of its samples under those parameters."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "res")
@@ -681,6 +949,15 @@ def test_two_gloo_processes(tmp_path):
         ref, _ = reference(x, y, windows, clip=clip, dtype=dtype, rows=_rows_two_ranks)
         for r, res in enumerate(ranks):
             got = res[name]
-            assert (got["global_step"], got["world"], got["wrapped"]) == (len(windows), 2, "Regression"), (name, r)
+            assert (got["global_step"], got["world"], got["wrapped"]) == (len(windows), 2, "Evaluated"), (name, r)
             _assert_params_close(got["masters"], ref[-1], f"{name}, rank {r}")
         assert all(torch.equal(a, b) for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"]))
+        net = _net().to(dtype)
+        with torch.no_grad():
+            for p, q in zip(net.parameters(), ranks[0][name]["params"]):
+                p.copy_(q)
+        for r, res in enumerate(ranks):  # validate() after fit, on each rank's half of the samples
+            rows = torch.arange(r, 40, 2).view(-1, BATCH)  # its batches; Lightning averages their logged mse
+            want = sum(float(nn.functional.mse_loss(net(x[b].to(dtype)), y[b].to(dtype)).float()) for b in rows)
+            want /= len(rows)  # each batch's mse in the model's dtype, as validation_step computes it: fp32 order only
+            assert abs(res[name]["val_mse"] - want) <= RTOL * want, (name, r, res[name]["val_mse"], want)

@@ -5,21 +5,25 @@ Switching is one argument::
     trainer = lightning.pytorch.Trainer(accumulate_grad_batches=8, gradient_clip_val=1.0,
                                         strategy=GaengineStrategy())
 
-The pattern is Lightning's own DeepSpeed integration (``lightning/pytorch/strategies/deepspeed.py`` and
-``plugins/precision/deepspeed.py``): the strategy says ``handles_gradient_accumulation``, so Lightning routes every
-micro-batch's closure through the precision plugin's ``optimizer_step``, and the plugin's ``backward``,
-``optimizer_step`` and ``clip_gradients`` go through one ``gaengine.GradientAccumulator`` that the strategy builds
-over the ``LightningModule`` and its one optimizer once both are on the device:
+Lightning's own loop decides the accumulation windows (``handles_gradient_accumulation`` is False, as for DDP):
+``training_step``, ``on_before_backward`` and ``on_after_backward`` run once per micro-batch; ``optimizer_step``,
+``optimizer_zero_grad``, ``on_before_optimizer_step`` and the ``Callback`` hooks of those names once per update, at
+the window's last micro-batch or the epoch's last batch (the partial last window's update included), as under plain
+Lightning. The precision plugin's ``backward``, ``optimizer_step`` and ``clip_gradients`` go through one
+``gaengine.GradientAccumulator`` that the strategy builds over the ``LightningModule`` and its one optimizer once
+both are on the device, and closes when ``fit`` ends:
 
 * ``backward``: ``acc.backward(loss * K)``. Lightning divides every closure loss by ``accumulate_grad_batches`` (K)
   before backward (``ClosureResult.from_training_step_output``), the partial last window included
   (Lightning-AI/pytorch-lightning#19987); multiplying by K undoes it exactly for the gradient (the gradient reaching
   the loss is ``1 * K / K = 1``, both products exact in fp32), so gaengine receives the micro-batch mean and
   normalizes each window by the micro-batches it really holds.
+* ``optimizer_step`` (once per update, inside ``LightningModule.optimizer_step``'s ``optimizer.step(closure)``): the
+  closure (the window's last ``training_step`` and backward), then ``acc.step(force=True)``, which runs
+  ``on_before_optimizer_step`` and ``configure_gradient_clipping`` with the window's normalized gradient in the
+  parameters' ``.grad`` (when a hook of that name is overridden), then clips and updates on fp32 gradients.
 * ``clip_gradients``: ``gradient_clip_val`` (through ``configure_gradient_clipping``, Lightning's hook) becomes the
   window's ``max_grad_norm``; gaengine clips the normalized fp32 window gradient by its L2 norm.
-* ``optimizer_step``: runs the closure (``training_step`` + backward) on every micro-batch and, at the window's last
-  micro-batch or the epoch's last batch, ``acc.step(force=...)``: normalize, clip, update on fp32 gradients.
 
 K is ``Trainer(accumulate_grad_batches=K)``, read at the start of every window, so Lightning's
 ``GradientAccumulationScheduler`` (and ``accumulate_grad_batches={epoch: K}``) changes it between epochs. The model
@@ -45,6 +49,7 @@ try:
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+    from lightning.pytorch.overrides.distributed import _sync_module_states
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -70,11 +75,9 @@ _TRAINER_OWNS = {
 _MANUAL_RECIPE = "examples/lightning_manual_example.py and docs/integrations/lightning.md show the recipe"
 
 
-def _final_batch(trainer: pl.Trainer) -> bool:
-    """Whether the batch being run is the epoch's last: the data ran out, or ``limit_train_batches`` is reached
-    (the condition of Lightning's ``_TrainingEpochLoop._num_ready_batches_reached``, on which Lightning steps)."""
-    loop = trainer.fit_loop.epoch_loop
-    return bool(trainer.is_last_batch) or loop.batch_idx + 1 >= trainer.num_training_batches
+def _hook_overridden(trainer: pl.Trainer, model: pl.LightningModule, name: str) -> bool:
+    """Whether ``model`` or one of the trainer's callbacks overrides the hook ``name``."""
+    return is_overridden(name, model) or any(is_overridden(name, cb, pl.Callback) for cb in trainer.callbacks)
 
 
 class GaenginePrecision(Precision):
@@ -86,6 +89,12 @@ class GaenginePrecision(Precision):
         ``"bf16-true"``/``"16-true"``); ``None`` is fp32 (``"32-true"``). Accepted: Lightning's ``Precision``,
         ``HalfPrecision`` and ``MixedPrecision`` (its ``GradScaler`` is dropped: gaengine scales fp16 losses
         itself, dynamically). Any other plugin raises ``ValueError`` naming it.
+
+    In ``on_before_optimizer_step`` (the module's and the callbacks'), the parameters' ``.grad`` hold the window's
+    gradient, normalized and before clipping, as under plain Lightning (``lightning.pytorch.utilities.grad_norm(self)``
+    works): for fp32 parameters views of gaengine's fp32 ``main_grad``, normalized in place (one pass over the buffer,
+    no memory); for bf16/fp16 ones a copy rounded to their dtype (2 B/parameter while the hook runs). Only when a hook
+    of that name is overridden; released when it returns (``GradientAccumulator.step(before_update=...)``).
 
     After every applied window, ``last_result`` holds gaengine's ``StepResult`` (``grad_norm``, ``clip_coef``,
     ``skipped``, ``loss``; 0-d tensors on the device). A window with a non-finite gradient (or, under
@@ -117,6 +126,7 @@ class GaenginePrecision(Precision):
         self.last_result: StepResult | None = None
         self._clip_val: float | None = None
         self._pending_state: dict | None = None
+        self._closed = True  # no open accumulator
         self._skipped: bool | None = None  # host copy of last_result.skipped, read on first access
         self._num_skipped = 0
 
@@ -167,6 +177,7 @@ class GaenginePrecision(Precision):
     def attach(self, accumulator: GradientAccumulator) -> None:
         """Route backward/step/clip through ``accumulator`` (called by ``GaengineStrategy.setup``)."""
         self.accumulator = accumulator
+        self._closed = False
 
     def _acc(self) -> GradientAccumulator:
         if self.accumulator is None:
@@ -177,6 +188,8 @@ class GaenginePrecision(Precision):
     def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """``acc.backward(tensor * K)``: Lightning's closure loss is the micro-batch loss divided by
         ``accumulate_grad_batches`` (K); gaengine takes the micro-batch mean and normalizes the window itself.
+        At a window's first micro-batch, K is read from the Trainer (``GradientAccumulationScheduler``), and a
+        window left open by an epoch cut short is dropped with a warning (plain Lightning zeroes it there too).
         Under manual optimization (``self.manual_backward``) it raises ``RuntimeError``: call your accumulator's
         ``backward`` instead."""
         if not model.automatic_optimization or optimizer is None:
@@ -187,16 +200,28 @@ class GaenginePrecision(Precision):
         if is_overridden("backward", model):
             warnings.warn("LightningModule.backward is overridden but GaengineStrategy ignores it: gaengine runs the "
                           "backward (acc.backward) to accumulate the gradients in fp32", UserWarning, stacklevel=2)
-        k = model.trainer.accumulate_grad_batches
-        self._acc().backward(tensor * k if k != 1 else tensor, *args, **kwargs)
+        acc = self._acc()
+        trainer = model.trainer
+        k = trainer.accumulate_grad_batches
+        if acc.num_micro_batches and trainer.fit_loop.epoch_loop.batch_idx % k == 0:
+            # A window left open by an epoch cut short (on_train_batch_start returned -1): plain Lightning zeroes
+            # those gradients at the next window's start; so does gaengine.
+            warnings.warn(f"dropping an unfinished accumulation window of {acc.num_micro_batches} micro-batch(es) "
+                          "left by the previous epoch (it ended without its last batch), as Lightning's zero_grad "
+                          "does", UserWarning, stacklevel=2)
+            acc.zero_grad()
+        if acc.num_micro_batches == 0 and acc.accumulation_steps != k:
+            acc.accumulation_steps = k  # GradientAccumulationScheduler: K per epoch
+        acc.backward(tensor * k if k != 1 else tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any],
                        **kwargs: Any) -> Any:
-        """One micro-batch: the closure (``training_step``, backward), then, at the window's last micro-batch or
-        the epoch's last batch, ``on_before_optimizer_step``, ``configure_gradient_clipping`` and ``acc.step``.
+        """One update, where Lightning steps (a window's last micro-batch, the epoch's last batch): the closure
+        (``training_step``, backward), then ``acc.step(force=True)`` with ``on_before_optimizer_step`` and
+        ``configure_gradient_clipping`` run on the window's gradient, then the clip and the update.
 
         Raises ``RuntimeError`` under manual optimization (``optimizer.step()``: call ``acc.step()``) and
-        ``ValueError`` when ``training_step`` returns ``None`` (a skipped micro-batch; as DeepSpeed's plugin)."""
+        ``ValueError`` for keyword arguments to ``optimizer.step`` (gaengine runs the optimizer itself)."""
         if not model.automatic_optimization:
             raise RuntimeError(
                 "optimizer.step() under GaengineStrategy with manual optimization: call self.acc.step(force=...) on "
@@ -205,28 +230,18 @@ class GaenginePrecision(Precision):
             raise ValueError(f"optimizer.step() got keyword arguments {sorted(kwargs)} that gaengine cannot pass on: "
                              "acc.step() runs the optimizer itself; remove them from LightningModule.optimizer_step")
         acc = self._acc()
-        trainer = model.trainer
-        if acc.num_micro_batches and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
-            # A window left open by an epoch cut short (on_train_batch_start returned -1): plain Lightning zeroes
-            # those gradients at the next window's start; so does gaengine.
-            warnings.warn(f"dropping an unfinished accumulation window of {acc.num_micro_batches} micro-batch(es) "
-                          "left by the previous epoch (it ended without its last batch), as Lightning's zero_grad "
-                          "does", UserWarning, stacklevel=2)
-            acc.zero_grad()
-        if acc.num_micro_batches == 0 and acc.accumulation_steps != trainer.accumulate_grad_batches:
-            acc.accumulation_steps = trainer.accumulate_grad_batches  # GradientAccumulationScheduler: K per epoch
         closure_result = closure()
-        if closure_result is None:
-            raise ValueError("training_step returned None (skip this micro-batch), which GaengineStrategy does not "
-                             "support: every micro-batch of a window must reach acc.backward() (on several ranks, "
-                             "the same number on every rank). Return the loss; mask its items instead")
-        final = _final_batch(trainer)
-        if acc.num_micro_batches < acc.accumulation_steps and not final:
-            return closure_result
-        self._clip_val = None
-        self._after_closure(model, optimizer)  # on_before_optimizer_step; configure_gradient_clipping -> clip_gradients
-        acc.max_grad_norm = self._clip_val
-        result = acc.step(force=final)
+
+        def before_update() -> None:  # Lightning's _after_closure: on_before_optimizer_step, then the clip's hook
+            self._clip_val = None
+            self._after_closure(model, optimizer)
+            acc.max_grad_norm = self._clip_val
+
+        if _hook_overridden(model.trainer, model, "on_before_optimizer_step"):
+            result = acc.step(force=True, before_update=before_update)  # .grad: the window's gradient, in the hook
+        else:
+            before_update()  # nobody reads .grad there: no pass over the buffer
+            result = acc.step(force=True)
         if result is not None:
             self._settle()  # the previous update's flag into num_skipped (computed long ago: no wait)
             self.last_result, self._skipped = result, None
@@ -264,7 +279,15 @@ class GaenginePrecision(Precision):
             state, self._pending_state = self._pending_state, None
             self._acc().load_state_dict(state)
 
+    def close(self) -> None:
+        """Close the accumulator (its hooks leave the parameters, which plain PyTorch or another accumulator may
+        then train); it stays readable as ``accumulator`` (``state_dict()``, counters) until the next fit."""
+        if self.accumulator is not None and not self._closed:
+            self.accumulator.close()
+        self._closed = True
+
     def teardown(self) -> None:
+        self.close()
         self.inner.teardown()
 
 
@@ -287,14 +310,16 @@ class GaengineStrategy(DDPStrategy):
             than 0 (its state dict needs ``torch.distributed.checkpoint``, which Lightning's checkpoint does not use).
 
     Automatic optimization: the strategy builds the accumulator over the ``LightningModule`` and its one optimizer
-    in ``setup`` (after the module is converted and moved, and the optimizer built), as ``.accumulator``; it
-    stays after ``fit`` (``trainer.save_checkpoint`` holds its state) and is closed by the next ``fit``'s set-up. Manual optimization (``automatic_optimization = False``): the strategy only launches the ranks
-    and leaves the model unwrapped; you build and drive the accumulator (examples/lightning_manual_example.py).
+    in ``setup`` (after the module is converted and moved, and the optimizer built), as ``.accumulator``, and closes
+    it when ``fit`` ends (``teardown``, errors included): the model then trains with plain PyTorch or under another
+    Trainer, and the closed accumulator stays readable (``state_dict()`` for ``trainer.save_checkpoint``, its
+    counters) until the next fit. ``test``, ``validate`` and ``predict`` need no accumulator. Manual optimization
+    (``automatic_optimization = False``): the strategy only launches the ranks and leaves the model unwrapped; you
+    build and drive the accumulator (examples/lightning_manual_example.py).
 
-    ``handles_gradient_accumulation`` is True inside an epoch (Lightning calls ``optimizer_step`` on every
-    micro-batch and leaves the windows to gaengine) and False on the epoch's final batch, where Lightning's own rule
-    (step on the final batch, counted in ``global_step``, step-interval schedulers stepped) is the one gaengine
-    follows: so ``trainer.global_step`` counts every applied update, the partial last window's included.
+    Lightning's loop decides the windows (``handles_gradient_accumulation`` is False, as for ``DDPStrategy``):
+    every hook runs as often as under plain Lightning, and ``trainer.global_step`` counts every applied update, the
+    partial last window's included.
 
     A skipped update (non-finite window gradient, fp16 overflow) holds the step-interval schedulers (the module's
     ``lr_scheduler_step`` hook is routed through ``GaenginePrecision.update_was_skipped`` while fitting), as the
@@ -335,7 +360,8 @@ class GaengineStrategy(DDPStrategy):
 
     @property
     def accumulator(self) -> GradientAccumulator | None:
-        """The ``GradientAccumulator`` of the current fit (automatic optimization), else None."""
+        """The ``GradientAccumulator`` of the current or last fit (automatic optimization; closed once the fit
+        ended), else None."""
         return self.precision_plugin.accumulator
 
     # ------------------------------------------------------------------ launch; no DDP wrap
@@ -362,17 +388,17 @@ class GaengineStrategy(DDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         """Nothing: DDPStrategy's checks DDP's unused parameters; gaengine's stats all-reduce finds them."""
 
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        module = self.lightning_module
-        trainer = None if module is None else getattr(module, "_trainer", None)
-        if trainer is None or not trainer.training or trainer.num_training_batches in (0, float("inf")):
-            return True
-        return not _final_batch(trainer)
-
     def setup(self, trainer: pl.Trainer) -> None:
-        """Lightning's set-up (module converted and moved, optimizer built), then the accumulator over them."""
-        super().setup(trainer)
+        """Lightning's set-up (module converted and moved, optimizer built), then, when fitting, the accumulator over
+        them (an earlier fit's, still open after an error, is closed first). ``test``/``validate``/``predict`` on one
+        process: the module converted and moved, nothing else (no process group, nothing to synchronize)."""
+        if trainer.state.fn != TrainerFn.FITTING and self.world_size == 1:
+            self.accelerator.setup(trainer)
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.setup_precision_plugin()
+        else:
+            super().setup(trainer)
         connector = getattr(trainer, "_accelerator_connector", None)
         if self.world_size == 1 and connector is not None:
             # One process: keep the user's sampler, as Lightning's single-device strategy does (a DDPStrategy would
@@ -387,8 +413,7 @@ class GaengineStrategy(DDPStrategy):
             raise ValueError(f"GaengineStrategy needs exactly one optimizer from configure_optimizers, got "
                              f"{len(self.optimizers)}")
         precision = self.precision_plugin
-        if precision.accumulator is not None:  # an earlier fit's: its hooks leave the parameters
-            precision.accumulator.close()
+        precision.close()  # an earlier fit's, if still open: its hooks leave the parameters
         options = {"loss_scale": precision.loss_scale, **self.accumulator_options}
         acc = GradientAccumulator(module, self.optimizers[0], accumulation_steps=trainer.accumulate_grad_batches,
                                   max_grad_norm=None, **options)
@@ -420,7 +445,10 @@ class GaengineStrategy(DDPStrategy):
             self._held_module = None
 
     def teardown(self) -> None:
+        """End of every ``fit``/``test``/``validate``/``predict`` (an error's included): the module's own
+        ``lr_scheduler_step`` back, the accumulator closed (``GaenginePrecision.close``), then Lightning's."""
         self._restore_scheduler_hook()
+        self.precision_plugin.close()  # before Lightning moves the module to the CPU
         super().teardown()
 
     def on_train_start(self) -> None:
