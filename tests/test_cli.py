@@ -282,7 +282,8 @@ def test_train_help_states_defaults_plainly(capsys):
     assert "(default: on)" in text and "(default: True)" not in text
     assert "(default: None)" not in text  # an option without a default says what happens instead
     assert "--threads N|auto" in text and "OMP_NUM_THREADS" in text and "(default: auto)" in text
-    assert "(default: bf16)" in text and "(default: 120)" in text
+    assert "(default: auto)" in text and "(default: 120)" in text
+    assert "bf16 on a GPU that supports it" in " ".join(text.split())  # --dtype auto says what it picks
 
 
 def test_verify_help_shows_defaults(capsys):
