@@ -45,7 +45,8 @@ class GradientAccumulator:
             on a parameter (a ``loss.backward()`` before construction) is dropped with one ``UserWarning`` naming
             how many: a window holds only its own micro-batches (Megatron-Core and torch DDP start from zeroed
             gradients too).
-        optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, or None
+        optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, frozen ones
+            included (``requires_grad=False``: never given a gradient, so the optimizer skips them), or None
             (then ``step()`` leaves the final, normalized and clipped gradients in ``.grad``). For bf16/fp16
             parameters it is re-pointed at fp32 master weights (param groups and hyper-parameters kept), and those
             parameters (the same ``Parameter`` objects, ``p.data`` re-pointed) become views of one flat buffer per
@@ -85,7 +86,7 @@ class GradientAccumulator:
         ownership.check_arguments(model, optimizer, config)
         module = model if isinstance(model, nn.Module) else None
         params = trainable_params(model)
-        ownership.take(params, optimizer)  # another accumulator's parameters raise; a stale .grad is dropped
+        ownership.take(params, optimizer, module)  # another accumulator's parameters raise; a stale .grad is dropped
         # The parameters' names (checkpoint keys) and registration order: the reference frame of state_dict().
         self.named_params = list(module.named_parameters()) if module is not None else []
         self.registered_params = params

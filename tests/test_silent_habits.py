@@ -219,3 +219,71 @@ def test_epoch_end_force_step_equals_the_plain_recipe_over_epochs():
         assert acc.step(force=True) is not None
     acc.close()
     _assert_plain(model, _plain_fp64(start, [range(K), range(K, K + 2)] * 2))
+
+
+# ---------------------------------------------------------------- an optimizer over model.parameters(), a layer frozen
+FROZEN = ("0.weight", "0.bias")
+
+
+def _frozen_run(opt_name, dtype, windows, zero_grad_between=False):
+    """The MLP with its first layer frozen, the optimizer over all of ``model.parameters()`` (as torch and
+    Lightning take it), K micro-batches per window through the accumulator."""
+    model = _mlp(dtype)
+    start = copy.deepcopy(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    params = list(model.parameters())
+    opt = (torch.optim.SGD(params, lr=LR, momentum=0.9) if opt_name == "sgd" else
+           torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=opt_name == "adamw-fused"))
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=None)
+    for window in windows:
+        for i in window:
+            acc.backward(_loss(model, i))
+        assert acc.step() is not None
+    return model, start, opt, acc
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adamw-fused"])
+def test_frozen_layer_in_the_optimizer_is_accepted_and_left_alone(opt_name):
+    windows = [range(w * K, (w + 1) * K) for w in range(3)]
+    model, start, opt, acc = _frozen_run(opt_name, torch.float32, windows)
+    # The plain fp64 recipe with the same frozen layer and the same optimizer over every parameter.
+    ref = copy.deepcopy(start).double()
+    for name, p in ref.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    ref_opt = (torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9) if opt_name == "sgd" else
+               torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))
+    for window in windows:
+        xs, ys = zip(*(_micro_batch(i, torch.float64) for i in window))
+        nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), start.parameters()):
+        if name in FROZEN:
+            assert torch.equal(p, p0) and p.grad is None and p not in opt.state, name  # untouched, as torch
+        else:
+            tol = PLAIN_RTOL if opt_name == "sgd" else 2.0**10 * RTOL[torch.float32]  # AdamW divides by sqrt(v)
+            assert rel_diff(p.detach().double(), q.detach()) <= tol, name
+    # It resumes too: the frozen parameters stay in the optimizer's param groups.
+    state = acc.state_dict()
+    acc.load_state_dict(state)
+    acc.close()
+
+
+def test_frozen_bf16_layer_in_the_optimizer_with_master_weights():
+    model, start, opt, acc = _frozen_run("adamw", torch.bfloat16, [range(K)])
+    for name, p in model.named_parameters():
+        if name in FROZEN:
+            assert torch.equal(p, dict(start.named_parameters())[name])
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4  # the frozen two kept, skipped
+    acc.close()
+
+
+def test_optimizer_over_another_models_parameters_is_still_refused():
+    model = _mlp()
+    other = _mlp()
+    for p in other.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=LR)
+    with pytest.raises(ValueError, match=r"optimizer holds 4 parameter\(s\) that are not parameters of model"):
+        gaengine.GradientAccumulator(model, opt, accumulation_steps=K)
