@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -433,3 +434,19 @@ def test_token_count_follows_the_models_shifted_labels(tmp_path, make_model):
     assert ga.optimizer.last_result.num_items == int(batch["labels"][:, 1:].ne(-100).sum())
     assert _logs(ga, "loss")[0] == pytest.approx(own.item(), rel=1e-5)
     assert _logs(ga, "grad_norm")[0] == pytest.approx(norm.item(), rel=1e-5)
+
+
+def test_docs_switching_diff_runs_on_cpu(tmp_path, monkeypatch):
+    """docs/integrations/transformers.md's one diff, as written (the new side), on this machine: its
+    ``TrainingArguments`` build (``bf16=True`` on a CPU needs ``use_cpu=True``) and ``GaengineTrainer`` takes them."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations" / "transformers.md").read_text()
+    diff = text[text.index("```diff\n") + 8:]
+    diff = diff[:diff.index("```")]
+    code = "\n".join(line[1:] for line in diff.splitlines() if not line.startswith("-"))
+    monkeypatch.chdir(tmp_path)
+    namespace = {"TrainingArguments": TrainingArguments, "torch": torch, "model": RegressionModel(),
+                 "train_ds": RegressionDataset(8), "collator": None}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    exec(compile(code.replace("trainer.train()", ""), "transformers.md", "exec"), namespace)
+    assert namespace["args"].bf16 and isinstance(namespace["trainer"], GaengineTrainer)
