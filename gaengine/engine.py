@@ -11,6 +11,7 @@ window's counters are ``gaengine.window``'s, the loss scale ``gaengine.scaler``'
 from __future__ import annotations
 
 from collections.abc import Iterable
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -44,7 +45,8 @@ class GradientAccumulator:
             on a parameter (a ``loss.backward()`` before construction) is dropped with one ``UserWarning`` naming
             how many: a window holds only its own micro-batches (Megatron-Core and torch DDP start from zeroed
             gradients too).
-        optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, or None
+        optimizer: a ``torch.optim.Optimizer`` built over (a subset of) the model's parameters, frozen ones
+            included (``requires_grad=False``: never given a gradient, so the optimizer skips them), or None
             (then ``step()`` leaves the final, normalized and clipped gradients in ``.grad``). For bf16/fp16
             parameters it is re-pointed at fp32 master weights (param groups and hyper-parameters kept), and those
             parameters (the same ``Parameter`` objects, ``p.data`` re-pointed) become views of one flat buffer per
@@ -84,7 +86,7 @@ class GradientAccumulator:
         ownership.check_arguments(model, optimizer, config)
         module = model if isinstance(model, nn.Module) else None
         params = trainable_params(model)
-        ownership.take(params, optimizer)  # another accumulator's parameters raise; a stale .grad is dropped
+        ownership.take(params, optimizer, module)  # another accumulator's parameters raise; a stale .grad is dropped
         # The parameters' names (checkpoint keys) and registration order: the reference frame of state_dict().
         self.named_params = list(module.named_parameters()) if module is not None else []
         self.registered_params = params
@@ -95,6 +97,7 @@ class GradientAccumulator:
             process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
         self.distributed = self.world_size > 1
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self._scheduler_epoch: int | None = None  # lr_scheduler.last_epoch after the last update (_check_scheduler)
         # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
         # micro-batch (gaengine train --auto-micro-batch halves it), the loss scale's floor.
         self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
@@ -158,6 +161,7 @@ class GradientAccumulator:
         """
         check_loss(loss)
         self._model.check()
+        self._check_scheduler()
         window = self.window
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
@@ -170,6 +174,7 @@ class GradientAccumulator:
         window.check_next(num_items is not None)
         if num_items is not None:
             num_items = check_num_items(num_items)
+        window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
         if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = window.num_micro_batches == self.accumulation_steps - 1
@@ -241,6 +246,7 @@ class GradientAccumulator:
         if before_update is not None and not isinstance(self.sharding, Replicated):
             raise ValueError(f"step(before_update=...) needs the whole window gradient on every rank, which "
                              f"{self.sharding.name} does not hold; use zero_stage=0, or read StepResult.grad_norm")
+        self._check_scheduler()
         window = self.window
         k = window.num_micro_batches
         if self._counts.pending:  # the last window's per-rank counts, unread by its step()
@@ -277,6 +283,7 @@ class GradientAccumulator:
             self._grads_left = True
         else:
             self.sharding.update(norm.coef, skipped, unwritten, self.lr_scheduler)
+            self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
 
         # The ranks' counts: read now where step() reads the device anyway or ends an epoch, else read by the next
         # backward() / step(), which then undoes what this step counted (the schedule, a dynamic loss scale).
@@ -335,6 +342,35 @@ class GradientAccumulator:
         device), an ``lr_scheduler`` (it runs on the host) or ``max_consecutive_skips``."""
         return ((self.optimizer is not None and not fused_optimizer(self.optimizer)) or self.lr_scheduler is not None
                 or self._skips.limit is not None)
+
+    def _check_scheduler(self) -> None:
+        """``RuntimeError`` when ``lr_scheduler`` was stepped outside ``step()`` since the accumulator's last update
+        (its ``last_epoch`` moved): stepped twice per update, its learning rate would decay twice as fast. Armed by
+        the first update (a scheduler resumed before it is fine) and by ``load_state_dict``."""
+        if self._scheduler_epoch is None:
+            return
+        epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        if epoch is not None and epoch != self._scheduler_epoch:
+            raise RuntimeError(
+                f"lr_scheduler ({type(self.lr_scheduler).__name__}) was stepped outside acc.step(): its last_epoch is "
+                f"{epoch}, but acc.step() left it at {self._scheduler_epoch}. The accumulator was given it as "
+                f"GradientAccumulator(..., lr_scheduler=...) and steps it once per applied update, so your own "
+                f"scheduler.step() would decay the learning rate {epoch - self._scheduler_epoch + 1} times as fast. "
+                f"Remove your scheduler.step() (or pass lr_scheduler=None and step it yourself when acc.step() "
+                f"returns a result whose skipped is False); to restore the scheduler's state, load it through "
+                f"acc.load_state_dict(). Nothing was accumulated or applied by this call")
+
+    def _warn_dropped_window(self, how: str) -> None:
+        """One ``UserWarning`` when the accumulator is closed (``how``) with micro-batches in its window."""
+        window = getattr(self, "window", None)  # None: the constructor raised before building it
+        k = 0 if window is None or window.failed else window.num_micro_batches
+        if k > 0 and not getattr(self, "_dropped_warned", False):
+            self._dropped_warned = True
+            warnings.warn(
+                f"{how} dropped the {k} micro-batch(es) of an unfinished accumulation window: they were never "
+                f"applied. Call acc.step(force=True) before acc.close() (and "
+                f"at the end of every epoch) to apply a partial window, exactly normalized by what it holds; "
+                f"acc.zero_grad() drops it without this warning", UserWarning, stacklevel=3)
 
     def _report_count_check(self) -> None:
         """Read the last window's per-rank counts (``gaengine.window.RankCounts``); when they differed, restore what
@@ -451,6 +487,7 @@ class GradientAccumulator:
         nothing it wrote) if it was made for other parameters, optimizer param groups, master weights or loss
         scaling, or saved mid-window on another world size or sharding strategy (naming both)."""
         self.sharding.load_state_dict(self, state)
+        self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)  # the scheduler as restored
 
     def check_scalars_state(self, state: dict) -> None:
         """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError``, nothing changed)."""
@@ -497,7 +534,11 @@ class GradientAccumulator:
         The parameters keep their values; re-pointed bf16/fp16 parameters stay views of the flat model buffer
         (kept alive by them), until another accumulator re-points them into its own. With ``optimizer=None``,
         read (or ``.clone()``) the gradients ``step()`` left in ``.grad`` before calling ``close()``.
+
+        A window still holding micro-batches is dropped with one ``UserWarning`` naming how many (garbage collection
+        of an open accumulator warns the same way): call ``step(force=True)`` first to apply them.
         """
+        self._warn_dropped_window("acc.close()")
         for p in self.params:
             p.grad = None
         self._release()
@@ -513,6 +554,7 @@ class GradientAccumulator:
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
+            self._warn_dropped_window("garbage collection of the GradientAccumulator")
             self._release()  # garbage collection leaves .grad alone: only an explicit close() drops it
         except Exception:
             pass

@@ -39,11 +39,15 @@ def check_arguments(model: Any, optimizer: Any, config) -> None:
         check_optimizer_step(optimizer)
 
 
-def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
+def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, module: nn.Module | None = None) -> None:
     """Check that ``params`` can be taken, then drop their stale ``.grad``.
 
     Raises ``RuntimeError`` when a parameter belongs to another live accumulator (two would each free the other's
-    gradients) and ``ValueError`` when ``optimizer`` holds a parameter outside ``params``. A ``.grad`` already on a
+    gradients) and ``ValueError`` when ``optimizer`` holds a parameter outside ``params`` that is not one of the
+    model's frozen ones (``requires_grad=False``: of ``module``, or any, for a model given as an iterable of
+    Parameters). Frozen parameters in the optimizer are accepted as torch accepts them (an optimizer over
+    ``model.parameters()`` with a frozen layer): they never get a gradient, so torch's optimizers (and
+    ``gaengine.optim.FusedAdamW``) skip them, as they skip any parameter whose ``.grad`` is None. A ``.grad`` already on a
     parameter (a ``loss.backward()`` before construction) is dropped with one ``UserWarning`` naming how many:
     Megatron-Core and torch DDP start from zeroed gradients too, a window is the sum of its own micro-batches only.
     """
@@ -54,11 +58,14 @@ def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) ->
                                "call close() on it first (two accumulators would each free the other's gradients)")
     if optimizer is not None:
         ids = {id(p) for p in params}
-        foreign = [q for g in optimizer.param_groups for q in g["params"] if id(q) not in ids]
+        frozen = None if module is None else {id(p) for p in module.parameters() if not p.requires_grad}
+        foreign = [q for g in optimizer.param_groups for q in g["params"] if id(q) not in ids
+                   and (q.requires_grad or (frozen is not None and id(q) not in frozen))]
         if foreign:
             raise ValueError(
-                f"optimizer holds {len(foreign)} parameter(s) that are not trainable parameters of model "
-                f"(first of shape {tuple(foreign[0].shape)}); build the optimizer over model.parameters()")
+                f"optimizer holds {len(foreign)} parameter(s) that are not parameters of model (first of shape "
+                f"{tuple(foreign[0].shape)}, requires_grad={foreign[0].requires_grad}): build the optimizer over "
+                f"this model's parameters (model.parameters(); its frozen ones may be in it, they are skipped)")
     stale = [p for p in params if p.grad is not None]
     if stale:
         warnings.warn(

@@ -33,7 +33,9 @@ class Window:
     the window's last micro-batch (several ranks), or None. used: per parameter (layout order), whether a gradient
     reached it in an earlier micro-batch of the window whose hooks' flags were since restarted (``mark_used``; the
     ``zero_stage=2`` staging restarts them every micro-batch), or None for none; ``used_with`` adds the hooks'
-    current flags.
+    current flags. graph_mark: None, or the mark (an ``object()``, new each window) left in the autograd graphs
+    that a backward of this window retained (``retain_graph=True``), to refuse a second backward through them
+    (``claim_graph``).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -50,6 +52,31 @@ class Window:
         self.failed = False
         self.stats: WindowStats | None = None
         self.used: list[bool] | None = None
+        self.graph_mark: object | None = None
+
+    def claim_graph(self, loss: torch.Tensor, retain: bool) -> None:
+        """Before a micro-batch's backward of ``loss``: ``RuntimeError`` if its autograd graph reaches a node that a
+        backward of this window retained (``retain_graph=True`` on the same loss, or on another loss sharing part of
+        its graph): each ``backward()`` counts one micro-batch, so the gradients through that part would be summed
+        twice and normalized as two micro-batches. ``retain``: this backward retains its graph, whose nodes are then
+        marked (``torch.autograd.graph.Node.metadata``). Walks the graph (host only, once per node) only in a window
+        where a backward retained one: the ordinary loop pays nothing."""
+        if self.graph_mark is None and not retain:
+            return
+        mark = self.graph_mark if self.graph_mark is not None else object()
+        nodes = _graph_nodes(loss.grad_fn)
+        if self.graph_mark is not None and any(node.metadata.get(GRAPH_MARK) is mark for node in nodes):
+            raise RuntimeError(
+                f"acc.backward(): this loss's autograd graph was already accumulated in this window by an earlier "
+                f"acc.backward(..., retain_graph=True) (the same loss, or one sharing part of its graph). Every "
+                f"acc.backward() counts one micro-batch, so a second backward through that graph would add its "
+                f"gradients twice and divide them as two micro-batches. For several losses of one micro-batch call "
+                f"acc.backward(loss_a + loss_b) once; for another micro-batch, run its forward again. Nothing was "
+                f"accumulated: the window holds its {self.num_micro_batches} micro-batch(es) as before")
+        if retain:
+            for node in nodes:
+                node.metadata[GRAPH_MARK] = mark
+            self.graph_mark = mark
 
     def check_next(self, item_mode: bool) -> None:
         """Before a micro-batch's backward: ``RuntimeError`` if a backward of this window failed, ``ValueError`` if
@@ -157,6 +184,23 @@ class Window:
         self.failed = bool(state["failed_backward"])
         used = state.get("window_used")  # absent from state dicts saved before it was the window's
         self.used = None if used is None else [bool(u) for u in used]
+
+
+GRAPH_MARK = "gaengine.window"  # the key of a window's mark in an autograd node's metadata
+
+
+def _graph_nodes(root: Any) -> list[Any]:
+    """The nodes of the autograd graph below ``root`` (a ``grad_fn``, or None), each once, without the parameters'
+    ``AccumulateGrad`` leaves (the same node in every micro-batch: reaching a parameter twice is the point)."""
+    nodes, seen, stack = [], set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(id(node))  # ``nodes`` keeps every visited node alive: no id is reused during the walk
+        nodes.append(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return nodes
 
 
 def check_num_items(num_items: Any) -> int | torch.Tensor:

@@ -407,3 +407,20 @@ def test_bad_accumulation_schedules(tmp_path, capsys, args, message):
         main(["train", "--steps", "1", *TINY, *args, "--out", str(tmp_path / "run")])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "bench", "verify"])
+def test_every_help_line_fits_in_100_columns(capsys, monkeypatch, command):
+    """argparse wraps help text to the terminal, but never inside one option's brackets in the usage line: at 100
+    columns (and at 80, pytest's default), every line of ``--help`` fits in 100; ``--noise-scale`` still parses."""
+    for columns in ("100", "80"):
+        monkeypatch.setenv("COLUMNS", columns)
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        lines = capsys.readouterr().out.splitlines()
+        assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    if command == "train":
+        parser = build_parser()
+        assert parser.parse_args(["train", "--noise-scale"]).noise_scale is True
+        assert parser.parse_args(["train", "--no-noise-scale"]).noise_scale is False
+        assert parser.parse_args(["train"]).noise_scale is False

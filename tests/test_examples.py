@@ -205,3 +205,15 @@ def test_hf_trainer_runs_as_a_script(tmp_path):
                                             ignore_index=-100)
     assert losses[0] == pytest.approx(float(ref), rel=1e-5)
     assert losses[0] == pytest.approx(math.log(ex.VOCAB), abs=0.5)
+
+
+def test_readme_quick_start_set_up_runs_from_the_repository_root():
+    """The README's snippet up to the optimizer (its imports, the model, the loader), pasted as written into a
+    Python started at the repository root (``python -c``: the root on ``sys.path``, as in a REPL or a script there):
+    the stand-ins import and build."""
+    readme = _readme_quick_start()
+    setup = "\n".join(readme[:next(i for i, line in enumerate(readme) if line.startswith("optimizer = "))])
+    done = subprocess.run([sys.executable, "-c", setup + "\nprint(len(loader))"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["63"]  # 2000 windows in micro-batches of 32

@@ -8,7 +8,9 @@ regression, on CPU, with ``HF_HUB_OFFLINE=1``: nothing is downloaded.
 
 from __future__ import annotations
 
+import copy
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -400,3 +402,51 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
             assert max(abs(g / r - 1) for g, r in zip(run["loss"], _logs(ref, "loss"))) <= 1e-5
             assert run["grad_norm"] == pytest.approx(_logs(ref, "grad_norm"), rel=1e-5)
             assert _max_rel(run["params"], _params(ref.model)) <= 1e-5
+
+
+# ---------------------------------------------------------------- the token count follows the model's own loss
+def tiny_gpt2(dtype=torch.float32):
+    """A 2-layer GPT-2 of width 32, no dropout: ``loss_type`` None (the class name maps to no loss), yet its loss is
+    transformers' default ``ForCausalLMLoss``, which shifts the labels."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).to(dtype)
+
+
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_token_count_follows_the_models_shifted_labels(tmp_path, make_model):
+    """One window of 8 padded sequences (batch 4, K = 2): the logged loss and gradient norm are those of the exact
+    token mean, the model's own loss over the 8 sequences at once (it shifts the labels and averages over those that
+    are not -100), computed here at the starting parameters; gaengine's item count is the shifted labels' count.
+    fp32, the same tokens summed in another order: within 1e-5. Counting the unshifted labels (GPT-2's loss_type is
+    None) logged 63/64-like values, off by the share of first labels: ~9% here."""
+    data = PaddedTokens(length=8)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    assert (getattr(model, "loss_type", None) is None) == (make_model is tiny_gpt2)
+    ga = _train(GaengineTrainer, model, _args(tmp_path, "ga", gradient_accumulation_steps=2, max_steps=1), data)
+    batch = {k: torch.stack([row[k] for row in data.rows]) for k in data.rows[0]}
+    own = ref(**batch).loss  # the model's own token mean over the whole window
+    own.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+    assert ga.optimizer.last_result.num_items == int(batch["labels"][:, 1:].ne(-100).sum())
+    assert _logs(ga, "loss")[0] == pytest.approx(own.item(), rel=1e-5)
+    assert _logs(ga, "grad_norm")[0] == pytest.approx(norm.item(), rel=1e-5)
+
+
+def test_docs_switching_diff_runs_on_cpu(tmp_path, monkeypatch):
+    """docs/integrations/transformers.md's one diff, as written (the new side), on this machine: its
+    ``TrainingArguments`` build (``bf16=True`` on a CPU needs ``use_cpu=True``) and ``GaengineTrainer`` takes them."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations" / "transformers.md").read_text()
+    diff = text[text.index("```diff\n") + 8:]
+    diff = diff[:diff.index("```")]
+    code = "\n".join(line[1:] for line in diff.splitlines() if not line.startswith("-"))
+    monkeypatch.chdir(tmp_path)
+    namespace = {"TrainingArguments": TrainingArguments, "torch": torch, "model": RegressionModel(),
+                 "train_ds": RegressionDataset(8), "collator": None}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    exec(compile(code.replace("trainer.train()", ""), "transformers.md", "exec"), namespace)
+    assert namespace["args"].bf16 and isinstance(namespace["trainer"], GaengineTrainer)

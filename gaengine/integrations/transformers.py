@@ -14,7 +14,8 @@ gaengine's dynamic loss scaling instead of a ``GradScaler``). What changes:
   count) to the loss when the batch has ``labels`` and the model's forward takes ``**kwargs`` (or the model sets
   ``accepts_loss_kwargs=True``), or a ``compute_loss_func`` is given. When the loss is then divided by it (every
   causal LM of transformers, the label smoother, a ``compute_loss_func`` that uses it), each micro-batch's loss is
-  the sum over its labels that are not -100 (``labels[..., 1:]`` for causal LMs, or ``shift_labels``), and
+  the sum over its labels that are not -100 (``labels[..., 1:]`` when the model's loss shifts them, as every causal
+  LM's does, seen on the first micro-batch whatever ``loss_type`` says; or ``shift_labels``), and
   ``num_items`` their count, so the window's gradient is the exact token mean over its micro-batches and all ranks.
   Otherwise (the count not passed, or a loss that ignores it: a model's own mean behind ``**kwargs``): mean mode,
   the mean of the micro-batch means. Whether the loss is divided by the count is seen on the first micro-batch of
@@ -38,6 +39,7 @@ backward, with no gradient to accumulate), and several GPUs in one process (``n_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,11 +118,13 @@ class GaengineTrainer(Trainer):
                 raise TypeError(f"accumulator_options must not hold {name!r}: set TrainingArguments.{field} instead")
         self._item_mode = item_mode
         self._loss_divides_by_items: bool | None = None  # settled on the first micro-batch of each train()
+        self._shift_settled = False  # whether the labels the loss uses are (_get_num_items_in_batch)
         self._accumulator_options = options
         self._logged_skips = 0
         super().__init__(*args, **kwargs)
         model = self.model
-        # Which labels the loss predicts (the rule of Trainer._get_num_items_in_batch): causal LMs shift them.
+        # Which labels the loss predicts (the rule of Trainer._get_num_items_in_batch): causal LMs shift them. A first
+        # guess from loss_type, settled on the first micro-batch of train() by the loss itself (_settle_shift).
         self._shifts_labels = (LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
                                and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
@@ -154,6 +158,7 @@ class GaengineTrainer(Trainer):
         """The Trainer's ``train``; whether the loss is normalized by ``num_items_in_batch`` is looked at again on
         the first micro-batch (``model_init`` may build another model)."""
         self._loss_divides_by_items = None
+        self._shift_settled = False
         if isinstance(self.accelerator, GaengineAccelerator):
             self.accelerator.window_grads = self._callbacks_read_grads()
         return super().train(*args, **kwargs)
@@ -182,6 +187,57 @@ class GaengineTrainer(Trainer):
         else:
             labels = inputs["labels"][..., 1:] if self._shifts_labels else inputs["labels"]
         return labels.ne(_IGNORE_INDEX).sum()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's count of the window's items, after the first window of ``train()`` settled which labels
+        the model's loss uses (``_settle_shift``): the Trainer then counts them as the loss does, so its
+        ``num_items_in_batch`` (and the loss it logs) and gaengine's ``num_items`` are the true token counts."""
+        if not self._shift_settled and batch_samples and self._item_mode is not False and (
+                self.model_accepts_loss_kwargs and "labels" in batch_samples[0]):
+            self._shift_settled = True
+            with self.compute_loss_context_manager():
+                self._settle_shift(self.model, self._prepare_inputs(batch_samples[0]))
+            self._loss_shifts_labels = self._shifts_labels
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _settle_shift(self, model: nn.Module, inputs: Mapping[str, Any]) -> None:
+        """Whether the model's own loss predicts ``labels[..., 1:]`` (a causal LM's shift) or every label, seen on
+        the first micro-batch of ``train()`` and kept in ``_shifts_labels`` (which ``_micro_batch_items`` counts).
+
+        ``loss_type`` does not always say it: ``GPT2LMHeadModel``'s is None, yet its loss is transformers' default,
+        ``ForCausalLMLoss``, which shifts. So the loss is asked: in eval mode (no dropout: the same function twice),
+        without gradients, once with ``num_items_in_batch=1`` (its sum over the labels it uses) and once without (its
+        mean over them); their ratio is the number of labels it used, compared with the two counts. Two extra
+        forwards and one host read, once per ``train()``; skipped (``loss_type``'s answer kept) where the two counts
+        agree, with ``shift_labels`` (counted as given), a label smoother or a ``compute_loss_func`` (their loss
+        without a count is not the model's mean), or when the ratio is not finite (no label used)."""
+        labels = inputs.get("labels")
+        if ("shift_labels" in inputs or not isinstance(labels, torch.Tensor) or labels.dim() < 2
+                or self.label_smoother is not None or self.compute_loss_func is not None):
+            return
+        every, shifted = int(labels.ne(_IGNORE_INDEX).sum()), int(labels[..., 1:].ne(_IGNORE_INDEX).sum())
+        if every == shifted or shifted == 0:
+            return
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                one = torch.ones((), device=self.args.device)
+                total = self.compute_loss(model, dict(inputs), num_items_in_batch=one) / self._loss_factor(True)
+                mean = self.compute_loss(model, dict(inputs))
+        finally:
+            model.train(training)
+        used = float(total) / float(mean)  # host read: once per train()
+        if math.isfinite(used):
+            self._shifts_labels = abs(used - shifted) < abs(used - every)
+
+    def _loss_factor(self, counted: bool) -> int:
+        """What ``compute_loss`` multiplies a loss by when it passed a count (``num_processes`` with
+        ``average_tokens_across_devices``: the Trainer's count is all-gathered over the ranks and DDP averages)."""
+        if counted and self.args.average_tokens_across_devices and (
+                self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            return self.accelerator.num_processes
+        return 1
 
     def _first_loss(self, model: nn.Module, inputs: dict[str, Any], items: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The first micro-batch's loss, and whether it is divided by ``num_items_in_batch``.
@@ -232,10 +288,7 @@ class GaengineTrainer(Trainer):
             loss = loss.mean()
         # compute_loss multiplies a loss it passed a count to by num_processes (the Trainer's count is all-gathered
         # over the ranks, and DDP averages them); gaengine sums over the ranks and counts the items itself.
-        factor = 1
-        if counted and self.args.average_tokens_across_devices and (
-                self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
-            factor = self.accelerator.num_processes
+        factor = self._loss_factor(counted)
         if not self._loss_divides_by_items:
             items = None
         self.accelerator.backward(loss if factor == 1 else loss / factor, num_items=items)

@@ -156,10 +156,13 @@ def _add_train_parser(subparsers) -> None:
                         f"{SCHEDULE_FORMS[1]} (K follows the measured gradient noise scale within [K_MIN, K_MAX], "
                         "changed at most every EVERY updates, starting from --accumulation-steps; K_MIN >= 2 on one "
                         "rank; linear|sqrt moves the learning rate with the effective batch); default: K fixed")
-    _add_config_option(g, "measure_noise_scale", d.noise_scale, "--measure-noise-scale", "--noise-scale",
-                       dest="noise_scale", more=": the batch above which more data per update stops paying, from the "
-                       "norms the accumulation computes anyway; logged to metrics.jsonl (grad_noise_scale, in "
-                       "sequences) and drawn in a second panel of loss.png")
+    _add_config_option(g, "measure_noise_scale", d.noise_scale, dest="noise_scale",
+                       more=": the batch above which more data per update stops paying, from the norms the "
+                       "accumulation computes anyway; logged to metrics.jsonl (grad_noise_scale, in sequences) and "
+                       "drawn in a second panel of loss.png (short form: --noise-scale)")
+    # The short form, out of the usage line: argparse cannot wrap inside one option's brackets (107 columns).
+    g.add_argument("--noise-scale", action=argparse.BooleanOptionalAction, dest="noise_scale",
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g = p.add_argument_group("engine and device")
     _add_config_option(g, "backend", d.backend)
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
