@@ -341,8 +341,13 @@ class GradientAccumulator:
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         """Set K from the current window on (e.g. twice the micro-batches after halving them for memory, as
-        ``gaengine train --auto-micro-batch`` does); ``ValueError`` for anything but an int >= 1 or while a
-        schedule sets K (change the schedule instead)."""
+        ``gaengine train --auto-micro-batch`` does); ``ValueError`` for anything but an int >= 1, while a
+        schedule sets K (change the schedule instead), or below the micro-batches the current window already holds
+        (call ``step(force=True)`` or ``zero_grad()`` first): the window's K is never less than its count."""
+        n = self.window.num_micro_batches
+        if not isinstance(value, bool) and isinstance(value, int) and 1 <= value < n:
+            raise ValueError(f"accumulation_steps={value} is less than the {n} micro-batches the current window "
+                             "already holds; call acc.step(force=True) (or acc.zero_grad()) first, then set it")
         self.schedule.set_k(value)
 
     # The accumulator's own settings, checked on assignment with the constructor's check and message
