@@ -39,12 +39,22 @@ from tests.tolerances import FP32_EPS
 LR, MOMENTUM = 0.05, 0.5
 GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's (and gaengine's "dynamic"): never reached by these programs
 PROFILES = {
-    "ci": dict(max_examples=30, stateful_step_count=25),
+    "ci": dict(max_examples=100, stateful_step_count=40),
     "long": dict(max_examples=1500, stateful_step_count=60),
 }
 PROFILE = os.environ.get("GAENGINE_HYPOTHESIS_PROFILE", "ci")
 if PROFILE not in PROFILES:
     raise ValueError(f"GAENGINE_HYPOTHESIS_PROFILE must be one of {sorted(PROFILES)}, got {PROFILE!r}")
+
+
+# A micro-batch: its rows, its num_items (in item mode: an int, an int64 or float32 tensor, now and then a negative,
+# NaN or inf tensor), and now and then a NaN loss.
+ROWS = st.integers(1, 4)
+COUNT = st.one_of(st.integers(1, 9).map(int), st.integers(0, 9).map(lambda n: ("tensor", n)),
+                  st.integers(1, 9).map(lambda n: ("float", n)),
+                  st.integers(0, 9).map(lambda i: [("bad", -6.0), ("bad", math.nan), ("bad", math.inf)][i] if i < 3
+                                        else ("tensor", i)))
+NAN_LOSS = st.integers(0, 49).map(lambda n: n == 0)
 
 
 class Tiny(torch.nn.Module):
@@ -70,13 +80,14 @@ def _loss(model: Tiny, x: torch.Tensor, y: torch.Tensor, item_mode: bool) -> tor
 class AccumulatorMachine(RuleBasedStateMachine):
     """One accumulator and the fp64 plain recipe beside it (see the module docstring)."""
 
-    examples = 0
+    # What the programs of this session did (printed by test_report_examples).
+    counts = dict(programs=0, calls=0, updates=0, skipped_nonfinite=0, skipped_count=0, round_trips=0, refused=0)
 
     @initialize(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
                 backend=st.sampled_from(["cpu", "torch"]), k=st.integers(1, 4),
                 max_norm=st.sampled_from([None, 0.05, 1.0]), seed=st.integers(0, 2**16))
     def build(self, dtype, backend, k, max_norm, seed):
-        AccumulatorMachine.examples += 1
+        AccumulatorMachine.counts["programs"] += 1
         self.dtype, self.backend, self.built_k, self.built_max_norm = dtype, backend, k, max_norm
         self.data = torch.Generator().manual_seed(seed)
         self.model, self.acc = self._new(seed, None)
@@ -110,11 +121,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the public API
     @precondition(lambda self: len(self.window) < self.k)
-    @rule(rows=st.integers(1, 4), item_mode=st.booleans(),
-          count=st.one_of(st.integers(1, 9).map(int), st.integers(0, 9).map(lambda n: ("tensor", n)),
-                          st.integers(1, 9).map(lambda n: ("float", n)),
-                          st.sampled_from([("bad", -6.0), ("bad", math.nan), ("bad", math.inf)])),
-          nan_loss=st.integers(0, 19).map(lambda n: n == 0))
+    @rule(rows=ROWS, item_mode=st.booleans(), count=COUNT, nan_loss=NAN_LOSS)
     def backward(self, rows, item_mode, count, nan_loss):
         if self.item_mode is not None:
             item_mode = self.item_mode
@@ -140,10 +147,18 @@ class AccumulatorMachine(RuleBasedStateMachine):
             assert float(self.acc.scaler.scale) == self.scale, "loss scale differs from the recipe's"
         self.acc.backward(_loss(self.model, x, y, item_mode) * poison, num_items=num_items)
 
+    @rule(item_mode=st.booleans(), micro_batches=st.lists(st.tuples(ROWS, COUNT, NAN_LOSS), min_size=4, max_size=4))
+    def complete_window(self, item_mode, micro_batches):
+        """The usual loop: the window's remaining micro-batches, then step()."""
+        for rows, count, nan_loss in micro_batches[:max(0, self.k - len(self.window))]:
+            self.backward(rows, item_mode, count, nan_loss)
+        self.step(force=False)
+
     @precondition(lambda self: len(self.window) >= self.k)
     @rule()
     def backward_on_a_full_window(self):
         x, y = torch.randn(1, 4, generator=self.data), torch.randn(1, 2, generator=self.data)
+        AccumulatorMachine.counts["refused"] += 1
         with pytest.raises(RuntimeError, match="call acc.step"):
             self.acc.backward(_loss(self.model, x, y, bool(self.item_mode)),
                               num_items=1 if self.item_mode else None)
@@ -166,6 +181,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
     @rule(k=st.integers(1, 4))
     def set_accumulation_steps(self, k):
         if k < len(self.window):  # never below the window's count
+            AccumulatorMachine.counts["refused"] += 1
             with pytest.raises(ValueError, match="already holds"):
                 self.acc.accumulation_steps = k
             return
@@ -182,6 +198,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         """Save (model and accumulator, through ``torch.save``), resume into a fresh model, optimizer and
         accumulator built as at the start: K set at run time comes back with the state, max_grad_norm is the
         caller's to set again."""
+        AccumulatorMachine.counts["round_trips"] += 1
         blob = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "acc": self.acc.state_dict()}, blob)
         self.acc.close()
@@ -190,6 +207,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def same_window(self):
+        AccumulatorMachine.counts["calls"] += 1
         if hasattr(self, "acc"):
             assert self.acc.num_micro_batches == len(self.window)
             assert self.acc.accumulation_steps == self.k
@@ -211,6 +229,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         if self.scale is not None and overflow:
             self.scale /= 2  # GradScaler's back-off; growth after GROWTH_INTERVAL clean windows is never reached
         if skip:
+            AccumulatorMachine.counts["skipped_count" if bad_count else "skipped_nonfinite"] += 1
             self._check_params()
             return
         g = [t / denom for t in total]
@@ -230,6 +249,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             self.ref[i] = p - LR * b
             self.err[i] = self.err[i] + LR * self.buf_err[i] + 2 * FP32_EPS * (self.ref[i].abs() + LR * b.abs())
         self.updates += 1
+        AccumulatorMachine.counts["updates"] += 1
         self._check_params()
 
     def _check_params(self):
@@ -250,6 +270,7 @@ TestAccumulatorMachine = AccumulatorMachine.TestCase
 
 
 def test_report_examples(capsys):
-    """How many programs the machine ran in this session (0 when run alone, before it)."""
+    """What the machine's programs did in this session (all zero when this test runs alone)."""
     with capsys.disabled():
-        print(f"\ntest_stateful: {AccumulatorMachine.examples} programs ({PROFILE} profile)")
+        print(f"\ntest_stateful ({PROFILE} profile): " + ", ".join(f"{k} {v}" for k, v in
+                                                                 AccumulatorMachine.counts.items()))
