@@ -23,7 +23,7 @@ from gaengine import ownership
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.reduce import wait_quietly
+from gaengine.reduce import check_ranks_agree, wait_quietly
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
@@ -32,6 +32,20 @@ from gaengine.update import fused_optimizer
 from gaengine.window import FAILED_WINDOW, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
+
+
+def _rank_settings(config: AccumulatorConfig, named_params: list[tuple[str, torch.Tensor]], backend) -> dict:
+    """What every rank's accumulator must agree on (``gaengine.reduce.check_ranks_agree``): the trainable
+    parameters' names, shapes and dtypes in order, and the options that shape the collectives or the update."""
+    steps = config.accumulation_steps
+    return {
+        "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params if p.requires_grad],
+        "accumulation_steps": steps if isinstance(steps, int) else type(steps).__qualname__,
+        "max_grad_norm": config.max_grad_norm, "bucket_size_mb": config.bucket_size_mb,
+        "zero_stage": config.zero_stage, "reduce_dtype": str(config.reduce_dtype), "loss_scale": config.loss_scale,
+        "min_loss_scale": config.min_loss_scale, "master_weights": config.master_weights,
+        "backend": getattr(backend, "name", type(backend).__name__),
+    }
 
 
 class GradientAccumulator:
@@ -93,6 +107,10 @@ class GradientAccumulator:
         self.world_size = dist.get_world_size(process_group) if (
             process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
         self.distributed = self.world_size > 1
+        if self.distributed:  # before the first collective (the parameters' broadcast): ValueError on every rank
+            check_ranks_agree(_rank_settings(config, self.named_params or
+                                             [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
+                              process_group)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
         # micro-batch (gaengine train --auto-micro-batch halves it), the loss scale's floor.
@@ -117,6 +135,7 @@ class GradientAccumulator:
         # masters and the update: one data-parallel sharding strategy (gaengine.sharding). A gradient that gaengine
         # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
         self._grads_left = False
+        self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
             process_group=process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
@@ -216,7 +235,9 @@ class GradientAccumulator:
             window, returns None.
 
         Item mode whose tensor ``num_items`` add up to 0 over the window: nothing to normalize by, so the update is
-        skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped).
+        skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped; the
+        loss scale kept: the gradient did not overflow). A negative, NaN or inf count likewise
+        (``result.invalid_num_items``; ``grad_norm``, ``loss`` and ``num_items`` NaN).
 
         Several ranks: every rank's window must hold the same number of micro-batches; when they differ, every
         rank skips the update (``result.skipped``; parameters, optimizer, ``lr_scheduler``, loss scale and schedule
@@ -246,24 +267,24 @@ class GradientAccumulator:
         self.sharding.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
 
         # A negative, NaN or inf num_items tensor made the window's item count NaN (gaengine.window.Window.add; on
-        # several ranks the all-reduced count, so every rank agrees): the update is skipped, on the device. The norm
-        # is taken over the raw sums then, so that its skip flag says whether the gradient itself overflowed (what
-        # the loss scale and max_consecutive_skips follow).
-        invalid_items = None
+        # several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
+        # update is skipped, on the device. The norm is taken over the raw sums then, so that its skip flag says
+        # whether the gradient itself overflowed (what the loss scale and max_consecutive_skips follow).
+        invalid_items = no_items = None
+        norm_denom = denom
         if window.item_mode and (self.distributed or window.items_dev is not None):
-            invalid_items = ~torch.isfinite(denom) | (denom < 0)
-            denom = torch.where(invalid_items, torch.ones_like(denom), denom)
+            invalid_items, no_items = ~torch.isfinite(denom) | (denom < 0), denom == 0
+            norm_denom = torch.where(invalid_items | no_items, torch.ones_like(denom), denom)
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
-        grad_denom = denom if self.scaler is None else denom * self.scaler.scale
+        grad_denom = norm_denom if self.scaler is None else norm_denom * self.scaler.scale
         norm = self.sharding.norm(grad_denom, self.max_grad_norm)
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
         grad_norm = norm.grad_norm
-        if invalid_items is not None:
-            skipped = skipped | invalid_items
-            nan = torch.full_like(grad_norm, float("nan"))
-            grad_norm = torch.where(invalid_items, nan, grad_norm)
-            denom = torch.where(invalid_items, nan.to(denom.dtype), denom)
+        if invalid_items is not None:  # grad_norm as the denominator makes it: NaN, or inf for no items
+            skipped = skipped | invalid_items | no_items
+            grad_norm = torch.where(invalid_items, torch.full_like(grad_norm, float("nan")),
+                                    torch.where(no_items, torch.full_like(grad_norm, float("inf")), grad_norm))
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
             terms = window.stats.extra() if self.distributed else self._noise_terms()
@@ -485,7 +506,7 @@ class GradientAccumulator:
 
     def _resumed_k(self, state: dict) -> int:
         """The K this accumulator goes on with after loading ``state`` (``WindowSchedule.resolve_load``)."""
-        return self.schedule.resolve_load(state, int(state["num_micro_batches"]), getattr(self, "_keep_k", None))
+        return self.schedule.resolve_load(state, int(state["num_micro_batches"]), self._keep_k)
 
     def check_scalars_state(self, state: dict) -> None:
         """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError`` naming the key,
