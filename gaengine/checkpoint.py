@@ -528,6 +528,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
         "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
         "param_groups": ([] if optimizer is None else
                          [{k: _cpu_copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
+        "optimizer_type": _optimizer_type(optimizer),
         "lr_scheduler": None if acc.lr_scheduler is None else acc.lr_scheduler.state_dict(),
         "optimizer_state": whole_state,
         "ranks": ranks,
@@ -598,6 +599,7 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     if len(meta["param_groups"]) != n_groups:
         raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this accumulator's "
                          f"optimizer {n_groups}: build the optimizer with the saved run's groups")
+    _check_optimizer(meta, optimizer)
     saved_world, world = int(meta["world_size"]), acc.world_size
     saved_scalars = meta["ranks"][0]["scalars"]
     mid_window = int(saved_scalars["num_micro_batches"]) > 0
@@ -705,6 +707,33 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
         # every rank's range now holds the reduced sum of what any rank wrote
         written = [any(r["scalars"]["written"][i] for r in ranks) for i in range(len(acc.params))]
         acc.hooks.set_all_accumulated(written)
+
+
+def _optimizer_type(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """The optimizer's class as ``module.qualname`` (what a state dict's optimizer part was made by), or None."""
+    return None if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _check_optimizer(meta: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
+    """``ValueError`` naming the key when the state's optimizer is of another type (``optimizer_type``; states saved
+    before it was recorded are not checked for it) or a param group has other hyper-parameter keys than this
+    optimizer's: torch's ``Optimizer.load_state_dict`` would take the saved groups as they are, and the next step
+    fail (``KeyError: 'betas'``) or run another optimizer's update. The number of groups is checked before."""
+    saved_type = meta.get("optimizer_type")
+    mine = _optimizer_type(optimizer)
+    if saved_type is not None and saved_type != mine:
+        raise ValueError(f"state['meta']['optimizer_type'] is {saved_type}, this accumulator's optimizer is {mine}: "
+                         "build the optimizer the saved run used, or load only the model's state dict and start the "
+                         "optimizer afresh")
+    for g, saved in enumerate(meta["param_groups"]):
+        keys = set(optimizer.param_groups[g]) - {"params"}
+        missing, extra = sorted(keys - set(saved)), sorted(set(saved) - keys)
+        if missing or extra:
+            key = (missing or extra)[0]
+            where = "missing from the state" if missing else "in the state, not in this optimizer's groups"
+            raise ValueError(f"state['meta']['param_groups'][{g}][{key!r}] is {where}: the state was saved with "
+                             f"another optimizer ({len(missing)} key(s) missing, {len(extra)} extra); build the "
+                             "optimizer the saved run used")
 
 
 def _layout_order(acc: Any) -> list[int]:

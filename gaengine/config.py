@@ -35,7 +35,7 @@ from gaengine.scaler import DEFAULT_MIN_LOSS_SCALE, check_min_loss_scale
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.zero import ZERO_STAGES
 
-__all__ = ["AccumulatorConfig", "field_help"]
+__all__ = ["AccumulatorConfig", "check_max_grad_norm", "check_optional_count", "field_help"]
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -194,7 +194,7 @@ class AccumulatorConfig:
         elif getattr(steps, "needs_noise_scale", False) and not self.measure_noise_scale:
             raise ValueError(f"accumulation_steps={steps!r} follows the gradient noise scale: build the "
                              "accumulator with measure_noise_scale=True")
-        self._set("max_grad_norm", _check_max_grad_norm(self.max_grad_norm))
+        self._set("max_grad_norm", check_max_grad_norm(self.max_grad_norm))
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
         size = self.bucket_size_mb
@@ -212,9 +212,7 @@ class AccumulatorConfig:
         if self.batchnorm not in (None, "window"):
             raise ValueError(f"batchnorm must be None or 'window', got {self.batchnorm!r}")
         for name in ("max_consecutive_skips", "micro_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+            check_optional_count(name, getattr(self, name))
         self._set("noise_scale_ema", check_noise_scale_ema(self.noise_scale_ema))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
@@ -244,9 +242,21 @@ class AccumulatorConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _check_max_grad_norm(value: Any) -> float | None:
+def check_optional_count(name: str, value: Any) -> int | None:
+    """``value`` of the field ``name`` (``max_consecutive_skips``, ``micro_batch_size``): None or an int >= 1;
+    ``ValueError`` naming ``name`` otherwise. Also checks ``acc.micro_batch_size = ...`` (the same message)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+    return value
+
+
+def check_max_grad_norm(value: Any) -> float | None:
+    """``max_grad_norm`` as a float, or None (no clipping); ``ValueError`` naming it for 0, a negative, NaN, inf, a
+    bool or a non-number. Also checks ``acc.max_grad_norm = ...`` (the same message)."""
     if value is None:
         return None
+    if isinstance(value, (str, bytes)):  # float("1") would take it: a number is expected, not its text
+        raise ValueError(f"max_grad_norm must be a positive finite float or None, got the string {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):

@@ -22,11 +22,11 @@ from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership
 from gaengine.clip import guard_torch_clip_grad_norm
-from gaengine.config import AccumulatorConfig
+from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.norm import WindowNorm, clip_coefficient
-from gaengine.reduce import wait_quietly
-from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss,
+from gaengine.reduce import check_ranks_agree, wait_quietly
+from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
@@ -34,6 +34,20 @@ from gaengine.update import expose_grads, fused_optimizer
 from gaengine.window import FAILED_WINDOW, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
+
+
+def _rank_settings(config: AccumulatorConfig, named_params: list[tuple[str, torch.Tensor]], backend) -> dict:
+    """What every rank's accumulator must agree on (``gaengine.reduce.check_ranks_agree``): the trainable
+    parameters' names, shapes and dtypes in order, and the options that shape the collectives or the update."""
+    steps = config.accumulation_steps
+    return {
+        "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params if p.requires_grad],
+        "accumulation_steps": steps if isinstance(steps, int) else type(steps).__qualname__,
+        "max_grad_norm": config.max_grad_norm, "bucket_size_mb": config.bucket_size_mb,
+        "zero_stage": config.zero_stage, "reduce_dtype": str(config.reduce_dtype), "loss_scale": config.loss_scale,
+        "min_loss_scale": config.min_loss_scale, "master_weights": config.master_weights,
+        "backend": getattr(backend, "name", type(backend).__name__),
+    }
 
 
 class GradientAccumulator:
@@ -96,6 +110,10 @@ class GradientAccumulator:
         self.world_size = dist.get_world_size(process_group) if (
             process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
         self.distributed = self.world_size > 1
+        if self.distributed:  # before the first collective (the parameters' broadcast): ValueError on every rank
+            check_ranks_agree(_rank_settings(config, self.named_params or
+                                             [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
+                              process_group)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self._scheduler_epoch: int | None = None  # lr_scheduler.last_epoch after the last update (_check_scheduler)
         # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
@@ -121,6 +139,7 @@ class GradientAccumulator:
         # masters and the update: one data-parallel sharding strategy (gaengine.sharding). A gradient that gaengine
         # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
         self._grads_left = False
+        self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
             process_group=process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
@@ -173,7 +192,7 @@ class GradientAccumulator:
                 "call acc.step() before the next acc.backward()")
         window.check_next(num_items is not None)
         if num_items is not None:
-            num_items = check_num_items(num_items)
+            num_items = check_num_items(num_items, self.device)
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
         if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
@@ -190,20 +209,21 @@ class GradientAccumulator:
         try:
             scaled.backward(**backward_kwargs)
             self.hooks.end()  # buckets left incomplete are launched
+            # From here the micro-batch's gradients are in main_grad: counting it must not fail silently either.
+            counted = window.add(loss, num_items)
+            if self._noise is not None:
+                self._noise.add_micro_batch(counted)
+            if self.sharding.end_backward(armed, last):
+                self.sharding.launch_window_stats(window, self._noise_terms())
         except BaseException:
-            # Some parameters of this micro-batch may be accumulated and others not: the window is no
-            # longer a sum of whole micro-batches. zero_grad() drops it and training goes on.
+            # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
+            # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
+            # drops it and training goes on.
             self.hooks.abort()
             window.fail()
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
             raise
-
-        counted = window.add(loss, num_items)
-        if self._noise is not None:
-            self._noise.add_micro_batch(counted)
-        if self.sharding.end_backward(armed, last):
-            self.sharding.launch_window_stats(window, self._noise_terms())
 
     def _noise_terms(self) -> torch.Tensor | None:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
@@ -233,7 +253,9 @@ class GradientAccumulator:
             run their frameworks' "before the optimizer step" hooks.
 
         Item mode whose tensor ``num_items`` add up to 0 over the window: nothing to normalize by, so the update is
-        skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped).
+        skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped; the
+        loss scale kept: the gradient did not overflow). A negative, NaN or inf count likewise
+        (``result.invalid_num_items``; ``grad_norm``, ``loss`` and ``num_items`` NaN).
 
         Several ranks: every rank's window must hold the same number of micro-batches; when they differ, every
         rank skips the update (``result.skipped``; parameters, optimizer, ``lr_scheduler``, loss scale and schedule
@@ -266,14 +288,28 @@ class GradientAccumulator:
         unwritten = window.unwritten(self.hooks.accumulated, self.world_size)
         self.sharding.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
 
+        # A negative, NaN or inf num_items tensor made the window's item count NaN (gaengine.window.Window.add; on
+        # several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
+        # update is skipped, on the device. The norm is taken over the raw sums then, so that its skip flag says
+        # whether the gradient itself overflowed (what the loss scale and max_consecutive_skips follow).
+        invalid_items = no_items = None
+        norm_denom = denom
+        if window.item_mode and (self.distributed or window.items_dev is not None):
+            invalid_items, no_items = ~torch.isfinite(denom) | (denom < 0), denom == 0
+            norm_denom = torch.where(invalid_items | no_items, torch.ones_like(denom), denom)
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
-        grad_denom = denom if self.scaler is None else denom * self.scaler.scale
+        grad_denom = norm_denom if self.scaler is None else norm_denom * self.scaler.scale
         if before_update is None:
             norm = self.sharding.norm(grad_denom, self.max_grad_norm)
         else:
             norm = self._norm_around(before_update, grad_denom, unwritten)
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
+        grad_norm = norm.grad_norm
+        if invalid_items is not None:  # grad_norm as the denominator makes it: NaN, or inf for no items
+            skipped = skipped | invalid_items | no_items
+            grad_norm = torch.where(invalid_items, torch.full_like(grad_norm, float("nan")),
+                                    torch.where(no_items, torch.full_like(grad_norm, float("inf")), grad_norm))
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
             terms = window.stats.extra() if self.distributed else self._noise_terms()
@@ -296,8 +332,9 @@ class GradientAccumulator:
             self.scaler.update(norm.skipped.to(torch.float32))
         if self.window_batchnorm is not None:
             self.window_batchnorm.end_window()
-        result = StepResult(grad_norm=norm.grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
+        result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
+                            invalid_num_items=invalid_items,
                             **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
                                                              noise_trace_sigma=noise.trace_sigma,
                                                              noise_grad_sq=noise.grad_sq)))
@@ -403,9 +440,50 @@ class GradientAccumulator:
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         """Set K from the current window on (e.g. twice the micro-batches after halving them for memory, as
-        ``gaengine train --auto-micro-batch`` does); ``ValueError`` for anything but an int >= 1 or while a
-        schedule sets K (change the schedule instead)."""
+        ``gaengine train --auto-micro-batch`` does); ``ValueError`` for anything but an int >= 1, while a
+        schedule sets K (change the schedule instead), or below the micro-batches the current window already holds
+        (call ``step(force=True)`` or ``zero_grad()`` first): the window's K is never less than its count."""
+        n = self.window.num_micro_batches
+        if not isinstance(value, bool) and isinstance(value, int) and 1 <= value < n:
+            raise ValueError(f"accumulation_steps={value} is less than the {n} micro-batches the current window "
+                             "already holds; call acc.step(force=True) (or acc.zero_grad()) first, then set it")
         self.schedule.set_k(value)
+
+    # The accumulator's own settings, checked on assignment with the constructor's check and message
+    # (gaengine.config): a bad value is refused where it is set, not at the next step().
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clip threshold the next ``step()`` uses (a positive finite float), or None: no clipping. Set it
+        between or during windows (the trainer integrations do); ``ValueError`` naming ``max_grad_norm`` for 0, a
+        negative, NaN, inf, a bool or a non-number, as ``GradientAccumulator(max_grad_norm=...)`` (the value kept)."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = check_max_grad_norm(value)
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch (an int >= 1), or None; ``gaengine train --auto-micro-batch`` halves it.
+        ``ValueError`` naming ``micro_batch_size`` for anything else, as the constructor (the value kept)."""
+        return self._micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int | None) -> None:
+        self._micro_batch_size = check_optional_count("micro_batch_size", value)
+
+    @property
+    def min_loss_scale(self) -> float:
+        """The dynamic loss scale's floor (a positive finite float), applied from the next update on.
+        ``ValueError`` naming ``min_loss_scale`` for anything else, as the constructor (the value kept)."""
+        return self._min_loss_scale
+
+    @min_loss_scale.setter
+    def min_loss_scale(self, value: float) -> None:
+        self._min_loss_scale = check_min_loss_scale(value)
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None:
+            scaler.min_scale = self._min_loss_scale
 
     def _clear_grads(self) -> None:
         for p in self.params:
@@ -479,18 +557,63 @@ class GradientAccumulator:
                             self._noise.state_dict(self.hooks, self.window.num_micro_batches)),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, accumulation_steps: str | None = None) -> None:
         """Restore a ``state_dict()`` of any ``zero_stage`` and world size (after ``dcp.load`` into this run's own
         ``state_dict()``, or ``torch.load`` of a replicated run's file), through
         ``gaengine.checkpoint.load_accumulator_state_dict``; also a ``zero_stage=0`` state saved by gaengine before
-        that format (``gaengine.checkpoint.PLAIN_FORMAT``, replicated runs only). Raises ``ValueError`` (changing
-        nothing it wrote) if it was made for other parameters, optimizer param groups, master weights or loss
-        scaling, or saved mid-window on another world size or sharding strategy (naming both)."""
-        self.sharding.load_state_dict(self, state)
+        that format (``gaengine.checkpoint.PLAIN_FORMAT``, replicated runs only).
+
+        K: a K the saved run set at run time (``acc.accumulation_steps = K``) is restored; else this accumulator
+        keeps its own (a schedule's window keeps the K it was saved under). A state saved mid-window under another K
+        than the one this accumulator would go on with is refused (``ValueError`` naming both) unless
+        ``accumulation_steps`` says how to go on: "saved" (the saved window's K, from now on) or "current" (this
+        accumulator's K: the window completes after that many micro-batches).
+
+        Raises ``ValueError`` naming the key, before anything is changed, if it was made for other parameters
+        (names, shapes, dtypes), another optimizer type or param-group keys, other master weights or loss scaling,
+        saved mid-window on another world size or sharding strategy (naming both), or holds counters out of range
+        (a corrupt state)."""
+        if accumulation_steps not in (None, "saved", "current"):
+            raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
+                             f"K goes on), got {accumulation_steps!r}")
+        self._keep_k = accumulation_steps
+        try:
+            self.sharding.load_state_dict(self, state)
+        finally:
+            self._keep_k = None
         self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)  # the scheduler as restored
 
+    def _resumed_k(self, state: dict) -> int:
+        """The K this accumulator goes on with after loading ``state`` (``WindowSchedule.resolve_load``)."""
+        return self.schedule.resolve_load(state, int(state["num_micro_batches"]), self._keep_k)
+
     def check_scalars_state(self, state: dict) -> None:
-        """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError``, nothing changed)."""
+        """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError`` naming the key,
+        nothing changed): the counters' ranges, the layout's, K (``_resumed_k``), the loss scaling."""
+        def bad(key: str, expected: str) -> ValueError:
+            return ValueError(f"state[{key!r}] must be {expected}, got {state.get(key)!r}: the state dict is corrupt "
+                              "or not an acc.state_dict(); load another checkpoint")
+
+        n_params = len(self.registered_params)
+        k = state.get("accumulation_steps")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise bad("accumulation_steps", "an int >= 1")
+        k_set = state.get("accumulation_steps_set")
+        if k_set is not None and (isinstance(k_set, bool) or not isinstance(k_set, int) or k_set < 1):
+            raise bad("accumulation_steps_set", "None or an int >= 1")
+        Window.check_state(state, k, n_params)
+        for key in ("update_index", "items_seen", "consecutive_skips"):
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(key, "an int >= 0")
+        if sorted(state.get("layout_order") or []) != list(range(n_params)):
+            raise bad("layout_order", f"a permutation of range({n_params}) (the parameters' registration indices)")
+        for key in ("written", "expected_arrivals"):
+            value = state.get(key)
+            if (value is not None or key == "written") and (
+                    not isinstance(value, (list, tuple)) or len(value) != n_params):
+                raise bad(key, f"a list of {n_params} entries, one per parameter")
+        self._resumed_k(state)  # ValueError naming both Ks
         if (state["scaler"] is None) != (self.scaler is None):
             raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
         if self._noise is not None:
@@ -506,7 +629,9 @@ class GradientAccumulator:
             self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
         self.window.load_state_dict(state)
         self._skips.count = int(state["consecutive_skips"])
-        self.schedule.load_state_dict(state, state["accumulation_steps"], self.window.num_micro_batches > 0)
+        k = self._resumed_k(state)
+        self.schedule.load_state_dict(state, k, self.window.num_micro_batches > 0,
+                                      set_at_run_time=k != self.config.accumulation_steps)
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         if self._noise is not None:

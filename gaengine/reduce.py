@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
-__all__ = ["BucketReducer", "Collective", "HostMailbox", "WindowStats", "broadcast_from_first_rank",
+__all__ = ["BucketReducer", "Collective", "HostMailbox", "WindowStats", "broadcast_from_first_rank", "check_ranks_agree",
            "count_mismatch_message", "launch_window_stats", "settle", "wait_for", "wait_quietly"]
 
 SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
@@ -396,3 +396,27 @@ def broadcast_from_first_rank(tensors: Iterable[torch.Tensor], group: dist.Proce
     with torch.no_grad():
         for t in tensors:
             Collective(dist.broadcast, t, src=src, group=group).wait()
+
+
+def check_ranks_agree(settings: dict, group: dist.ProcessGroup | None) -> None:
+    """Several ranks, at construction, before any other collective: every rank's ``settings`` (name -> a picklable
+    value: the parameters' names, shapes, dtypes and order, K, ``max_grad_norm``, ``bucket_size_mb``, ...) must be
+    equal, or the collectives that follow disagree on sizes (gloo aborts the process: ``EnforceNotMet``) or the
+    ranks train apart (another ``max_grad_norm``). One ``all_gather_object``; ``ValueError`` on every rank naming
+    the first setting that differs and each rank's value."""
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, settings, group=group)
+    for name in settings:
+        values = [g.get(name) for g in gathered]
+        if any(v != values[0] for v in values):
+            if name == "parameters":
+                at = next(i for i in range(max(len(v) for v in values))
+                          if len({repr(v[i]) if i < len(v) else "(none)" for v in values}) > 1)
+                shown = [f"rank {r}: {len(v)} parameters, #{at} {v[at] if at < len(v) else '(none)'}"
+                         for r, v in enumerate(values)]
+            else:
+                shown = [f"rank {r}: {v!r}" for r, v in enumerate(values)]
+            raise ValueError(f"the ranks built their accumulators with different {name} ({'; '.join(shown)}): every "
+                             "rank must build the same model, optimizer and options (a difference makes the "
+                             "collectives disagree or the ranks train apart)")

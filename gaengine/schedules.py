@@ -307,6 +307,7 @@ class WindowSchedule:
         self.update_index = 0
         self.items_seen = 0
         self._k_update = 0  # the update whose window self._k was set for
+        self.set_at_run_time = False  # a fixed K set by set_k (or restored from a state where it was)
         if callable(accumulation_steps):
             self.schedule, self._k_update = accumulation_steps, -1
         else:
@@ -328,6 +329,7 @@ class WindowSchedule:
         if self.schedule is not None:
             raise ValueError("accumulation_steps follows a schedule here; change the schedule instead of setting it")
         self._k = check_accumulation_steps(value)
+        self.set_at_run_time = True
 
     def advance(self, num_micro_batches: int, world_size: int, micro_batch_size: int | None) -> None:
         """A window of ``num_micro_batches`` per rank was stepped: one update more, and its samples
@@ -342,15 +344,47 @@ class WindowSchedule:
             observe(result)
 
     def state_dict(self) -> dict:
+        """The position, the schedule's own state, and ``accumulation_steps_set``: the fixed K as set at run time
+        (``set_k``), or None (K as built, or a schedule). The window's K is saved beside it by the accumulator."""
         return {"update_index": self.update_index, "items_seen": self.items_seen,
-                "schedule": getattr(self.schedule, "state_dict", lambda: None)()}
+                "schedule": getattr(self.schedule, "state_dict", lambda: None)(),
+                "accumulation_steps_set": self._k if self.set_at_run_time else None}
 
-    def load_state_dict(self, state: dict, k: int, mid_window: bool) -> None:
-        """Restore ``state_dict()``'s part of an accumulator state; ``k``: the saved window's K. Mid-window the
-        window keeps the K it started with; at a boundary the schedule says the next one."""
+    def resolve_load(self, state: dict, num_micro_batches: int, keep: str | None) -> int:
+        """The K this accumulator goes on with after loading ``state`` (whose window holds ``num_micro_batches``
+        under ``state["accumulation_steps"]``): the saved run's K as set at run time, else this accumulator's (a
+        schedule's window keeps its saved K). ``keep`` (``load_state_dict(..., accumulation_steps=)``): "saved"
+        takes the saved window's K, "current" this accumulator's. ``ValueError`` naming both values when the saved
+        window holds micro-batches under a K other than the one it would go on with and ``keep`` is None."""
+        saved_k, saved_set = int(state["accumulation_steps"]), state.get("accumulation_steps_set")
+        if keep == "saved":
+            return saved_k
+        if self.schedule is not None:
+            if keep == "current" and num_micro_batches:
+                return check_accumulation_steps(self.schedule(int(state.get("update_index", 0)),
+                                                              int(state.get("items_seen", 0))),
+                                                f"accumulation_steps schedule {self.schedule!r} (its value)")
+            return saved_k  # mid-window the window keeps the K it started with; at a boundary the schedule is asked
+        k = self._k if keep == "current" or saved_set is None else int(saved_set)
+        if num_micro_batches and k != saved_k and keep is None:
+            raise ValueError(
+                f"state was saved {num_micro_batches} micro-batch(es) into a window of accumulation_steps={saved_k}, "
+                f"this accumulator has accumulation_steps={k}: the resumed window would update after {k} "
+                f"micro-batches, the saved run after {saved_k}. Pass acc.load_state_dict(state, "
+                f"accumulation_steps='saved') to go on with {saved_k}, or accumulation_steps='current' to complete "
+                f"the window (and go on) with {k}")
+        return k
+
+    def load_state_dict(self, state: dict, k: int, mid_window: bool, set_at_run_time: bool = False) -> None:
+        """Restore ``state_dict()``'s part of an accumulator state; ``k``: the K to go on with (``resolve_load``).
+        Mid-window the window keeps it; at a boundary a schedule says the next one. ``set_at_run_time``: a fixed
+        ``k`` counts as set at run time (saved as such by the next ``state_dict()``)."""
         self.update_index = int(state.get("update_index", 0))
         self.items_seen = int(state.get("items_seen", 0))
-        if self.schedule is not None:
+        if self.schedule is None:
+            self._k = int(k)
+            self.set_at_run_time = self.set_at_run_time or set_at_run_time
+        else:
             self._k, self._k_update = int(k), (self.update_index if mid_window else -1)
         if state.get("schedule") is not None and hasattr(self.schedule, "load_state_dict"):
             self.schedule.load_state_dict(state["schedule"])

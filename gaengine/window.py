@@ -100,6 +100,11 @@ class Window:
             return None
         if isinstance(num_items, torch.Tensor):
             n = num_items.to(device=self.device, dtype=torch.float64, non_blocking=True)  # exact past 2**24
+            # A negative, NaN or inf count poisons the window's item count with NaN, on the device (no host read):
+            # the denominator, summed over the ranks by the stats all-reduce, is then NaN on every rank, and
+            # step() skips the update (StepResult.invalid_num_items). A negative count would otherwise reverse the
+            # update, an inf one zero it.
+            n = torch.where(torch.isfinite(n) & (n >= 0), n, torch.full_like(n, float("nan")))
             self.items_dev = n if self.items_dev is None else self.items_dev + n
             return n
         self.items_host += num_items
@@ -172,6 +177,37 @@ class Window:
             "window_used": None if self.used is None else list(self.used),
         }
 
+    @staticmethod
+    def check_state(state: dict[str, Any], accumulation_steps: int, num_params: int) -> None:
+        """``ValueError`` naming the key of ``state_dict()``'s part of ``state`` whose value is out of range: the
+        micro-batch count (an int in [0, ``accumulation_steps``], the K of the saved window), the item mode (None
+        for an empty window, else a bool), the items (an int >= 0, a one-element tensor or None), the loss sum
+        (a one-element tensor), the failed flag (a bool), the parameters reached (None or ``num_params`` bools)."""
+        def bad(key: str, expected: str) -> ValueError:
+            return ValueError(f"state[{key!r}] must be {expected}, got {state.get(key)!r}: the state dict is corrupt "
+                              "or not an acc.state_dict(); load another checkpoint")
+
+        n = state.get("num_micro_batches")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= accumulation_steps:
+            raise bad("num_micro_batches", f"an int in [0, {accumulation_steps}] (the window's accumulation_steps)")
+        mode = state.get("item_mode")
+        if (mode is not None or n) and not isinstance(mode, bool):
+            raise bad("item_mode", "True or False for a window holding micro-batches, None for an empty one")
+        items = state.get("items_host")
+        if isinstance(items, bool) or not isinstance(items, int) or items < 0:
+            raise bad("items_host", "an int >= 0")
+        items_dev = state.get("items_dev")
+        if items_dev is not None and (not isinstance(items_dev, torch.Tensor) or items_dev.numel() != 1):
+            raise bad("items_dev", "None or a one-element tensor")
+        loss = state.get("loss_sum")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise bad("loss_sum", "a one-element tensor")
+        if not isinstance(state.get("failed_backward"), bool):
+            raise bad("failed_backward", "True or False")
+        used = state.get("window_used")
+        if used is not None and (not isinstance(used, (list, tuple)) or len(used) != num_params):
+            raise bad("window_used", f"None or a list of {num_params} bools")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` (``stats`` is None: a state is never saved between the last backward and
         ``step()``)."""
@@ -203,13 +239,25 @@ def _graph_nodes(root: Any) -> list[Any]:
     return nodes
 
 
-def check_num_items(num_items: Any) -> int | torch.Tensor:
-    """``num_items`` as ``Window.add`` takes it: an int >= 1, or a one-element real tensor (any device, reshaped to
-    0-d, never read on the host). ``ValueError`` naming ``num_items`` otherwise."""
+# The dtypes of a tensor num_items: integers, and floats that count exactly up to 2**24 items or more (fp16 and
+# bf16 round counts above 2048 and 256).
+NUM_ITEMS_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+def check_num_items(num_items: Any, device: torch.device | None = None) -> int | torch.Tensor:
+    """``num_items`` as ``Window.add`` takes it: an int >= 1, or a one-element tensor of a ``NUM_ITEMS_DTYPES``
+    dtype on the CPU or on ``device`` (the parameters'), reshaped to 0-d and never read on the host. What the host
+    can check is checked here, before autograd runs: ``ValueError`` naming ``num_items`` otherwise (a tensor on
+    another device, e.g. ``meta``, or of another dtype). Its value stays on the device: a negative, NaN or inf count
+    makes ``step()`` skip the window (``Window.add``)."""
     if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
-            raise ValueError(f"num_items must be an int or a one-element real tensor, got shape {tuple(num_items.shape)} "
-                             f"{num_items.dtype}")
+        if num_items.numel() != 1 or num_items.dtype not in NUM_ITEMS_DTYPES:
+            raise ValueError(f"num_items must be an int or a one-element tensor of an integer dtype, float32 or "
+                             f"float64, got shape {tuple(num_items.shape)} {num_items.dtype}")
+        if device is not None and num_items.device.type != "cpu" and num_items.device != device:
+            raise ValueError(f"num_items must be a tensor on the cpu or on the parameters' device {device}, got one on "
+                             f"{num_items.device}: count the items where the batch is (e.g. "
+                             "(labels != -100).sum() on the labels' device)")
         return num_items.reshape(())
     if isinstance(num_items, bool) or not isinstance(num_items, int):
         raise ValueError(f"num_items must be an int >= 1 or a one-element tensor, got {num_items!r}")
@@ -229,7 +277,8 @@ class StepResult:
     grad_norm: fp32, L2 norm of the normalized gradient (after dividing by the window's denominator,
         before clipping).
     clip_coef: fp32, the clip coefficient ``min(1, max_norm / (grad_norm + 1e-6))`` (1.0 without clipping).
-    skipped: bool, True when a gradient was inf/NaN and the update was not applied.
+    skipped: bool, True when the update was not applied: a gradient was inf/NaN, a tensor ``num_items`` was
+        negative, NaN or inf (``invalid_num_items``), or (several ranks) the ranks' micro-batch counts differed.
     num_micro_batches: micro-batches in the window (K, or fewer for ``step(force=True)``).
     num_items: total items of the window in item mode (an int, or a 0-d tensor when items were given as
         tensors); None in mean mode.
@@ -244,6 +293,9 @@ class StepResult:
         covariance's trace (eq. A.3), or None.
     noise_grad_sq: fp32, the bias-corrected moving average of |G|^2, the true gradient's squared norm (eq.
         A.2), or None.
+    invalid_num_items: bool, a ``num_items`` tensor of the window (on any rank) was negative, NaN or inf, so the
+        update was skipped (``skipped`` is True, ``num_items``, ``grad_norm`` and ``loss`` are NaN); None unless the
+        window passed ``num_items`` as tensors (or ran on several ranks in item mode).
     """
 
     grad_norm: torch.Tensor
@@ -256,6 +308,7 @@ class StepResult:
     grad_noise_scale: torch.Tensor | None = None
     noise_trace_sigma: torch.Tensor | None = None
     noise_grad_sq: torch.Tensor | None = None
+    invalid_num_items: torch.Tensor | None = None
 
 
 class RankCounts:
