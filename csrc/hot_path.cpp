@@ -51,11 +51,13 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "op_library.h"
 #include "scratch.h"
+#include "wgrad.h"
 
 namespace gaengine {
 namespace {
@@ -72,6 +74,24 @@ c10::DispatchKeySet kernel_keys(const at::Tensor& main_grad) {
   if (GAENGINE_IS_CUDA_TENSOR(main_grad)) return c10::DispatchKeySet(c10::DispatchKey::GAENGINE_CUDA_DISPATCH_KEY);
   TORCH_CHECK_VALUE(main_grad.device().is_cpu(), "main_grad must be a CPU or CUDA tensor, got ", main_grad.device());
   return c10::DispatchKeySet(c10::DispatchKey::CPU);
+}
+
+class HotPath;
+
+// Gradient accumulation fusion: the parameters whose fused Linear gradients a HotPath takes (set_fusion), by their
+// TensorImpl (a parameter belongs to one live accumulator; its HotPath keeps it alive while registered). The lock
+// is taken before a HotPath's own mutex, never after.
+struct FusedOwner {
+  HotPath* hot = nullptr;
+  int64_t index = -1;
+};
+std::mutex& fusion_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<const c10::TensorImpl*, FusedOwner>& fusion_owners() {
+  static std::unordered_map<const c10::TensorImpl*, FusedOwner> owners;
+  return owners;
 }
 
 class HotPath {
@@ -97,7 +117,10 @@ class HotPath {
         on_bucket_ready_(std::move(on_bucket_ready)),
         op_(c10::Dispatcher::singleton()
                 .findSchemaOrThrow(GAENGINE_OP_NAMESPACE_NAME "::accumulate_bucket_", "")
-                .typed<AccumulateBucketKernel>()) {
+                .typed<AccumulateBucketKernel>()),
+        wgrad_op_(c10::Dispatcher::singleton()
+                      .findSchemaOrThrow(GAENGINE_OP_NAMESPACE_NAME "::wgrad_accumulate_", "")
+                      .typed<WgradAccumulateKernel>()) {
     const size_t n = params_.size();
     TORCH_CHECK_VALUE(n > 0, "params must not be empty");
     like_ = main_grad_.is_meta() ? at::empty({0}, params_[0].options().dtype(at::kFloat)) : main_grad_;
@@ -139,6 +162,7 @@ class HotPath {
     bucket_size_.assign(n_buckets, 0);
     for (int64_t b : bucket_of_) ++bucket_size_[b];
     written_.assign(n, 0);
+    fused_.assign(n, 0);
     arrivals_.assign(n, 0);
     expected_.assign(n, 1);
     held_at_.assign(n, -1);
@@ -168,6 +192,7 @@ class HotPath {
 
   // Remove the hooks (idempotent). Gradients held for an incomplete bucket are dropped.
   void close() {
+    set_fusion(false);
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_of_hooks_[i]);
     nodes_.clear();
@@ -182,6 +207,7 @@ class HotPath {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_held();
     std::fill(arrivals_.begin(), arrivals_.end(), 0);
+    std::fill(fused_.begin(), fused_.end(), 0);
     std::fill(pending_.begin(), pending_.end(), 0);
     for (size_t i = 0; i < params_.size(); ++i) pending_[bucket_of_[i]] += expected_[i];
     arrived_ = 0;
@@ -235,7 +261,49 @@ class HotPath {
     source_table_ = at::Tensor();
     in_backward_ = false;
     drop_held();
+    std::fill(fused_.begin(), fused_.end(), 0);
     partials_ = at::Tensor();
+  }
+
+  // Gradient accumulation fusion on (register the parameters: fused_linear's backward hands their gradients to
+  // fuse()) or off (unregister them). Off is idempotent; close() turns it off.
+  void set_fusion(bool on) {
+    std::lock_guard<std::mutex> registry(fusion_mutex());
+    auto& owners = fusion_owners();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const c10::TensorImpl* key = params_[i].unsafeGetTensorImpl();
+      if (on) {
+        owners[key] = {this, static_cast<int64_t>(i)};
+      } else {
+        auto it = owners.find(key);
+        if (it != owners.end() && it->second.hot == this) owners.erase(it);
+      }
+    }
+  }
+
+  // fused_linear's backward (take_fused_gradients, with the registry lock held): write or add the gradient of
+  // parameter weight_index (a Linear weight, (out, in)) and/or bias_index (its bias, (out,)), -1 for none, into
+  // their main_grad slices with one wgrad_accumulate_ call. grad_output: (N, out), input: (N, in). Each parameter
+  // counts as arrived at its AccumulateGrad hook, which autograd still runs (with no p.grad, or with the gradient
+  // of the parameter's other, unfused uses, which is then added).
+  void fuse(int64_t weight_index, int64_t bias_index, const at::Tensor& grad_output, const at::Tensor& input) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(in_backward_, "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); ",
+                "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)");
+    TORCH_CHECK(acquire_.is_none(), "gaengine: gradient accumulation fusion needs main_grad, not per-bucket staging ",
+                "(a bug: the accumulator refuses zero_stage=2 with gradient_accumulation_fusion)");
+    std::optional<at::Tensor> dw, db;
+    bool write_w = false, write_b = false;
+    if (weight_index >= 0) {
+      dw = slice(weight_index);
+      write_w = claim(weight_index);
+    }
+    if (bias_index >= 0) {
+      db = slice(bias_index);
+      write_b = claim(bias_index);
+    }
+    wgrad_op_.redispatch(keys_, dw, db, grad_output, input, write_w, write_b);
+    ++launches_;
   }
 
   // The free-norm partials of the last micro-batch when they cover every parameter, else None: the backend's
@@ -377,6 +445,28 @@ class HotPath {
     c10::impl::getDeviceGuardImpl(stream.device_type())->recordDataPtrOnStream(t.storage().data_ptr(), stream);
   }
 
+  // Parameter i's main_grad view, shaped like the parameter.
+  at::Tensor slice(int64_t i) const {
+    return main_grad_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes());
+  }
+
+  // Parameter i's slice is about to receive a fused gradient: whether the kernel writes it (the window's first
+  // contribution) or adds to it. Its next hook call counts an arrival even without p.grad; the free-norm and
+  // source partials of this micro-batch no longer cover every value written (step() reads the buffer once).
+  bool claim(int64_t i) {
+    fused_[i] = 1;
+    norm_missed_ = true;
+    if (source_table_.defined()) sources_inexact_.back() = true;
+    if (held_at_[i] >= 0) {  // an earlier arrival of this micro-batch is held: it adds to what the kernel writes
+      Held& h = held_[bucket_of_[i]][held_at_[i]];
+      return std::exchange(h.overwrite, false);
+    }
+    if (written_[i]) return false;
+    written_[i] = 1;
+    if (learning_) arrival_.push_back(i);
+    return true;
+  }
+
   void drop_held() {
     for (auto& held : held_) held.clear();
     for (auto& dest : dest_) dest.reset();
@@ -396,14 +486,15 @@ class HotPath {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       at::Tensor& slot = params_[i].mutable_grad();
-      if (!slot.defined()) return;
+      const bool fused = std::exchange(fused_[i], 0) != 0;  // fuse() wrote this pass's fused uses into main_grad
+      if (!slot.defined() && !fused) return;
       if (!in_backward_) {
         slot.reset();  // nothing is accumulated; the window stays intact
         stale_ = true;
         TORCH_CHECK(false, "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); ",
                     "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)");
       }
-      if (slot.layout() != c10::kStrided) {
+      if (slot.defined() && slot.layout() != c10::kStrided) {
         const auto layout = slot.layout();
         slot.reset();
         TORCH_CHECK_VALUE(false, "parameter ", i, " (shape ", params_[i].sizes(), ") received a ", layout,
@@ -411,7 +502,7 @@ class HotPath {
       }
       at::Tensor grad = std::move(slot);  // the parameter lets go of its low-precision gradient at once
       slot.reset();
-      if (!grad.is_contiguous()) grad = grad.contiguous();
+      if (grad.defined() && !grad.is_contiguous()) grad = grad.contiguous();
       const int64_t b = bucket_of_[i];
       const int32_t count = ++arrivals_[i];
       const bool counts = count <= expected_[i];  // toward its bucket's readiness
@@ -436,7 +527,9 @@ class HotPath {
           if (learning_) arrival_.push_back(static_cast<int64_t>(i));
         }
       }
-      if (held_at_[i] >= 0) {
+      if (!grad.defined()) {
+        // fused only: main_grad already holds this arrival's gradient (fuse()); nothing to hold
+      } else if (held_at_[i] >= 0) {
         combine(held_[b][held_at_[i]], grad);  // a later arrival while the earlier one is held: one source
       } else {
         held_at_[i] = static_cast<int64_t>(held_[b].size());
@@ -610,6 +703,7 @@ class HotPath {
   std::vector<int64_t> bucket_span_;     // acquire: per bucket, the elements its destination must hold
   std::vector<at::Tensor> dest_;         // acquire: per bucket, this micro-batch's destination, or undefined
   c10::TypedOperatorHandle<AccumulateBucketKernel> op_;  // torch.ops.<namespace>.accumulate_bucket_
+  c10::TypedOperatorHandle<WgradAccumulateKernel> wgrad_op_;  // torch.ops.<namespace>.wgrad_accumulate_
   c10::DispatchKeySet keys_;                            // its kernel for main_grad's device (kernel_keys)
 
   // The owning pointer to a node: c10::intrusive_ptr from torch 2.12 on, std::shared_ptr before.
@@ -624,6 +718,7 @@ class HotPath {
 
   std::mutex mutex_;
   std::vector<uint8_t> written_;        // per parameter: written in this window (later micro-batches add)
+  std::vector<uint8_t> fused_;          // per parameter: fuse() wrote it since its last hook call
   std::vector<int64_t> arrival_;        // first arrivals of the window being learned
   bool learning_ = false;
   std::vector<std::vector<Held>> held_;  // per bucket: gradients waiting for the rest of their bucket
@@ -649,6 +744,25 @@ class HotPath {
 };
 
 }  // namespace
+
+FusedTaken take_fused_gradients(int64_t weight_key, int64_t bias_key, const at::Tensor& grad_output,
+                                const at::Tensor& input, bool want_weight, bool want_bias) {
+  std::lock_guard<std::mutex> registry(fusion_mutex());
+  const auto& owners = fusion_owners();
+  auto owner = [&](int64_t key, bool want) {
+    if (!want || key == 0) return FusedOwner{};
+    const auto it = owners.find(reinterpret_cast<const c10::TensorImpl*>(static_cast<intptr_t>(key)));
+    return it == owners.end() ? FusedOwner{} : it->second;
+  };
+  const FusedOwner w = owner(weight_key, want_weight), b = owner(bias_key, want_bias);
+  if (w.hot != nullptr && w.hot == b.hot) {
+    w.hot->fuse(w.index, b.index, grad_output, input);  // one kernel for both
+  } else {
+    if (w.hot != nullptr) w.hot->fuse(w.index, -1, grad_output, input);
+    if (b.hot != nullptr) b.hot->fuse(-1, b.index, grad_output, input);
+  }
+  return {w.hot != nullptr, b.hot != nullptr};
+}
 
 void register_hot_path(py::module_& m) {
   py::class_<HotPath>(m, "HotPath",
@@ -682,6 +796,9 @@ void register_hot_path(py::module_& m) {
       .def("take_stale", &HotPath::take_stale, "a gradient was dropped outside acc.backward() (clears the flag)")
       .def("launches", &HotPath::launches, "accumulate launches since construction")
       .def("num_buckets", &HotPath::num_buckets)
+      .def("set_fusion", &HotPath::set_fusion,
+           "gradient accumulation fusion: fused_linear's backward writes these parameters' gradients into main_grad",
+           py::arg("on"), py::call_guard<py::gil_scoped_release>())
       .def("set_acquire", &HotPath::set_acquire, "write each bucket into acquire(b) (None: into main_grad)",
            py::arg("acquire"), py::arg("bucket_base"));
 }

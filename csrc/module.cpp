@@ -10,6 +10,7 @@
 #include "adamw.h"
 #include "cpu_ops.h"
 #include "op_library.h"
+#include "wgrad.h"
 
 namespace gaengine {
 void register_hot_path(pybind11::module_& m);  // csrc/hot_path.cpp
@@ -33,6 +34,17 @@ GAENGINE_TORCH_LIBRARY(m) {
   m.def(gaengine::kScaleSchema);
   m.def(gaengine::kAccumulateBucketSchema);
   m.def(gaengine::kAdamWStepSchema);
+  m.def(gaengine::kFusedLinearSchema);
+  m.def(gaengine::kWgradAccumulateSchema);
+}
+
+// fused_linear (wgrad.h): at::linear forward on every device, and its autograd formula in C++ (wgrad.cpp), which
+// hands the weight and bias gradients to the HotPath that fuses them.
+GAENGINE_TORCH_LIBRARY_IMPL(CompositeExplicitAutograd, m) {
+  m.impl("fused_linear", &gaengine::fused_linear_forward);
+}
+GAENGINE_TORCH_LIBRARY_IMPL(Autograd, m) {
+  m.impl("fused_linear", &gaengine::fused_linear_autograd);
 }
 
 // The CPU kernels. The emulated build of tests/cuda_emu has the CUDA kernels under its CPU key (op_library.h).
@@ -43,6 +55,7 @@ GAENGINE_TORCH_LIBRARY_IMPL(CPU, m) {
   m.impl("scale_", &gaengine::scale_);
   m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_op);
   m.impl("adamw_step_", &gaengine::adamw_step_op<gaengine::adamw_step_cpu>);
+  m.impl("wgrad_accumulate_", &gaengine::wgrad_accumulate_cpu);
 }
 #endif
 

@@ -183,9 +183,24 @@ class AccumulatorConfig:
     after backward, one after another (what the benchmarks time as the serial baseline; the numbers are the same).
     Several ranks only. ``ValueError`` naming ``overlap_grad_reduce`` unless a bool."""
 
+    gradient_accumulation_fusion: bool = False
+    """Compute each ``torch.nn.Linear``'s weight and bias gradients straight into the fp32 main_grad (Megatron's name).
+
+    Default False. True: the forward of every ``torch.nn.Linear`` of the model (the same module objects;
+    ``acc.close()`` restores their forwards) runs the op ``torch.ops.gaengine.fused_linear``, whose backward (C++, no
+    Python per layer) computes dX as usual and writes (first contribution of the window) or adds dW = dY^T X and the
+    bias gradient into the parameter's main_grad slice with one fp32 GEMM: no bf16/fp16 weight gradient is
+    materialized (saves its memory and 4 of 12 B per weight element and micro-batch), and each micro-batch's dW is
+    exact to fp32 rounding instead of rounded to the parameter's dtype (``gaengine.fusion``, docs/fusion.md). Needs
+    ``model`` as an ``nn.Module`` with its parameters on the CPU (the kernel of the ``cpu`` backend; CUDA and Triton
+    kernels are not built yet) and the native hooks; under ``torch.autocast`` a layer runs unfused. ``ValueError``
+    naming ``gradient_accumulation_fusion`` unless a bool, with ``zero_stage`` > 0 (the sharded gradient cannot take
+    a full-size GEMM output), with ``measure_noise_scale`` (the fused gradients bypass the per-micro-batch norms),
+    and where the accumulator cannot fuse (an FSDP2 model, CUDA parameters, the ``torch`` or ``triton`` backend)."""
+
     def __post_init__(self) -> None:
         for name in ("master_weights", "broadcast_buffers", "measure_noise_scale", "overlap_param_gather",
-                     "overlap_grad_reduce"):
+                     "overlap_grad_reduce", "gradient_accumulation_fusion"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         steps = self.accumulation_steps
@@ -220,6 +235,14 @@ class AccumulatorConfig:
             raise ValueError("overlap_param_gather=True needs zero_stage=1 or 2 (it overlaps the all-gather of the "
                              "sharded update with the next forward); got zero_stage=0: drop overlap_param_gather or "
                              "set zero_stage")
+        if self.gradient_accumulation_fusion and self.zero_stage != 0:
+            raise ValueError(f"gradient_accumulation_fusion=True is not supported with zero_stage={self.zero_stage}: "
+                             "the fused GEMM writes a full-size fp32 weight gradient into main_grad, which a sharded "
+                             "gradient does not hold; use zero_stage=0 or gradient_accumulation_fusion=False")
+        if self.gradient_accumulation_fusion and self.measure_noise_scale:
+            raise ValueError("gradient_accumulation_fusion=True is not supported with measure_noise_scale=True: the "
+                             "fused weight gradients bypass the per-micro-batch norms the noise scale needs; turn one "
+                             "of them off")
 
     @classmethod
     def from_options(cls, owner: str = "GradientAccumulator", **options: Any) -> AccumulatorConfig:

@@ -23,6 +23,7 @@ from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
+from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.norm import WindowNorm, clip_coefficient
 from gaengine.reduce import check_ranks_agree, wait_quietly
@@ -77,7 +78,8 @@ class GradientAccumulator:
             (K micro-batches per update, an int or a schedule), ``max_grad_norm``, ``backend``, ``master_weights``,
             ``bucket_size_mb``, ``reduce_dtype``, ``broadcast_buffers``, ``loss_scale``, ``min_loss_scale``,
             ``batchnorm``, ``max_consecutive_skips``, ``micro_batch_size``, ``measure_noise_scale``,
-            ``noise_scale_ema``, ``zero_stage``, ``overlap_param_gather``, ``overlap_grad_reduce``. They are checked
+            ``noise_scale_ema``, ``zero_stage``, ``overlap_param_gather``, ``overlap_grad_reduce``,
+            ``gradient_accumulation_fusion``. They are checked
             once, before anything touches the model, and kept as ``acc.config`` (frozen: what was asked at
             construction); ``acc.accumulation_steps`` (K of the current window), ``acc.max_grad_norm`` (the clip
             threshold the next ``step()`` uses, None: no clipping; the trainer integrations set it) and
@@ -106,6 +108,8 @@ class GradientAccumulator:
         self.registered_params = params
         self.device = params[0].device
         self.backend = get_backend(backend, self.device)
+        if config.gradient_accumulation_fusion:
+            check_fusion(model, self.backend, self.device)  # ValueError naming the option
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group) if (
             process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
@@ -144,7 +148,11 @@ class GradientAccumulator:
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
             process_group=process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
             master_weights=config.master_weights, measure_sources=self._noise is not None, model=module,
-            overlap_param_gather=config.overlap_param_gather, broadcast_buffers=config.broadcast_buffers)
+            overlap_param_gather=config.overlap_param_gather, broadcast_buffers=config.broadcast_buffers,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+        # gradient_accumulation_fusion: the model's Linear forwards run the fused op until close() (gaengine.fusion).
+        self._fusion = LinearFusion(module, self.backend.extension()[0].OP_NAMESPACE) if (
+            config.gradient_accumulation_fusion) else None
         self._model = ownership.ModelWatch(self.params, self.device, self.sharding.check_model)
         ownership.claim(self.params, self)
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
@@ -673,6 +681,8 @@ class GradientAccumulator:
         if sharding is None:
             return
         sharding.close()  # the hooks, the collectives in flight, the forward pre-hooks of overlap_param_gather
+        if getattr(self, "_fusion", None) is not None:
+            self._fusion.close()  # the Linear layers' own forwards again
         if self.window_batchnorm is not None:
             self.window_batchnorm.close()
         ownership.release(self.params, self)

@@ -39,7 +39,7 @@ from gaengine.hot_path import NativeHooks, load_native
 from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import BucketReducer
 
-__all__ = ["HOT_PATH_SETTINGS", "Hooks", "NativeHooks", "PythonHooks", "make_hooks"]
+__all__ = ["HOT_PATH_SETTINGS", "Hooks", "NativeHooks", "PythonHooks", "make_hooks", "native_hooks_problem"]
 
 logger = logging.getLogger("gaengine")
 
@@ -129,33 +129,45 @@ class Hooks(Protocol):
         """Remove the hooks (idempotent)."""
 
 
+def native_hooks_problem(backend) -> str | None:
+    """Why ``make_hooks`` would build ``PythonHooks`` for ``backend`` (``GAENGINE_HOT_PATH`` and the backend allow
+    no native hooks), or None when it builds ``NativeHooks``. ``ValueError`` for an unknown ``GAENGINE_HOT_PATH``."""
+    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
+    if setting not in HOT_PATH_SETTINGS:
+        raise ValueError(f"GAENGINE_HOT_PATH must be one of {HOT_PATH_SETTINGS}, got {setting!r}")
+    if setting == "python":
+        return "GAENGINE_HOT_PATH=python"
+    if not backend.hot_path_kernels:
+        return f"backend {backend.name!r} launches its kernels from Python"
+    _, why = load_native(backend)
+    return why or backend.kernels_problem()
+
+
 def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-               reducer: BucketReducer | None, measure_sources: bool = False, acquire=None) -> Hooks:
+               reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,
+               fusion: bool = False) -> Hooks:
     """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` or ``PythonHooks``, as
     ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
 
     acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch (ZeRO stage 2's staging ring,
     ``gaengine.bucket.BucketAccumulation``); the native hooks take it (``HotPath.set_acquire``).
+    fusion: gradient accumulation fusion (``gaengine.fusion``): the native hooks take the fused Linears' gradients
+    (``HotPath.set_fusion``); ``RuntimeError`` when only the Python hooks can run (the accumulator checks first).
 
     Raises ``ValueError`` for an unknown ``GAENGINE_HOT_PATH`` and ``RuntimeError`` when it says ``native``
     and the native hooks cannot run.
     """
     global _announced_fallback
-    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
-    if setting not in HOT_PATH_SETTINGS:
-        raise ValueError(f"GAENGINE_HOT_PATH must be one of {HOT_PATH_SETTINGS}, got {setting!r}")
-    why = None
-    if setting == "python":
-        why = "GAENGINE_HOT_PATH=python"
-    elif not backend.hot_path_kernels:
-        why = f"backend {backend.name!r} launches its kernels from Python"
-    else:
-        _, why = load_native(backend)
-        why = why or backend.kernels_problem()
+    why = native_hooks_problem(backend)
     if why is None:
         if acquire is not None:
             return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire)
+        if fusion:
+            return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, fusion=True)
         return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources)
+    if fusion:
+        raise RuntimeError(f"gradient_accumulation_fusion needs the native hooks, which cannot run: {why}")
+    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
     if setting == "native":
         raise RuntimeError(f"GAENGINE_HOT_PATH=native, but the native hot path cannot run: {why}")
     if not _announced_fallback:

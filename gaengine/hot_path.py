@@ -50,14 +50,17 @@ class NativeHooks:
     layout's buckets (contiguous runs of parameters). reducer: a multi-rank run's ``BucketReducer`` (called once per
     complete bucket of an armed micro-batch), or None. measure_sources: write the per-micro-batch source partials
     (``window_source_sumsq``). acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch
-    (``HotPath.set_acquire``; main_grad may then be on ``meta``). Raises ``RuntimeError`` with the reason when
+    (``HotPath.set_acquire``; main_grad may then be on ``meta``). fusion: the backward of
+    ``torch.ops.gaengine.fused_linear`` writes these parameters' gradients into main_grad (``gaengine.fusion``;
+    ``HotPath.set_fusion``, undone by ``close()``). Raises ``RuntimeError`` with the reason when
     ``gaengine._C`` cannot run the hooks.
     """
 
     native = True
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 reducer: BucketReducer | None, measure_sources: bool = False, acquire=None) -> None:
+                 reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,
+                 fusion: bool = False) -> None:
         if not backend.hot_path_kernels:
             raise RuntimeError(f"backend {type(backend).__name__} has no bucket kernels in gaengine._C for the native "
                                "hooks to call: its hooks run in Python (gaengine.python_hooks)")
@@ -82,6 +85,8 @@ class NativeHooks:
         if acquire is not None:
             self._hot.set_acquire(acquire, [b.start for b in buckets])
         self._hot.set_measure_sources(bool(measure_sources))
+        if fusion:
+            self._hot.set_fusion(True)
         self.measure_sources = bool(measure_sources)
         self.num_buckets = len(buckets)
 

@@ -66,7 +66,8 @@ class ShardingStrategy(ABC):
     Built from the trainable ``params`` (registration order) and the ``optimizer`` (or None), with the
     accumulator's backend, device, process group and world size and the options of ``gaengine.AccumulatorConfig``
     it needs (``bucket_size_mb``, ``reduce_dtype``, ``master_weights``, ``overlap_param_gather``,
-    ``broadcast_buffers``); ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise
+    ``broadcast_buffers``, ``gradient_accumulation_fusion``: the hooks take the fused Linears' gradients);
+    ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise
     scale); ``model``: the module, for its buffers and forward pre-hooks, or None. Every strategy's state dict has
     one format (``gaengine.checkpoint.STATE_FORMAT``). On several ranks the parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
     """
@@ -90,7 +91,7 @@ class ShardingStrategy(ABC):
                  device: torch.device, process_group: dist.ProcessGroup | None, world_size: int,
                  bucket_size_mb: float, reduce_dtype: torch.dtype, master_weights: bool,
                  measure_sources: bool, model: nn.Module | None = None, overlap_param_gather: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, gradient_accumulation_fusion: bool = False) -> None:
         if world_size > 1:  # every rank starts from the first rank's parameters (and buffers)
             tensors = list(params)
             if broadcast_buffers and model is not None:
@@ -108,6 +109,7 @@ class ShardingStrategy(ABC):
         self.measure_sources = measure_sources
         self.model = model
         self.overlap_param_gather = overlap_param_gather
+        self.fusion = gradient_accumulation_fusion
         self.hooks = None
         self.reducer = None
 
@@ -130,6 +132,8 @@ class ShardingStrategy(ABC):
         acquire = self._acquire()
         if acquire is not None:
             options["acquire"] = acquire
+        if self.fusion:
+            options["fusion"] = True
         self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **options)
         if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
             self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])

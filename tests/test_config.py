@@ -52,7 +52,7 @@ def test_every_field_reaches_the_accumulators_config(field):
              "bucket_size_mb": 1.0, "reduce_dtype": torch.bfloat16, "broadcast_buffers": False, "loss_scale": 8.0,
              "min_loss_scale": 0.5, "batchnorm": "window", "max_consecutive_skips": 2, "micro_batch_size": 4,
              "measure_noise_scale": True, "noise_scale_ema": 0.5, "zero_stage": 1, "overlap_param_gather": None,
-             "overlap_grad_reduce": False}[field.name]
+             "overlap_grad_reduce": False, "gradient_accumulation_fusion": True}[field.name]
     if other is None:  # needs zero_stage >= 1 too
         kwargs = {"zero_stage": 1, field.name: True}
     else:
@@ -107,6 +107,7 @@ BAD = [
     ("zero_stage", 3), ("zero_stage", True),
     ("overlap_param_gather", "yes"),
     ("overlap_grad_reduce", None), ("overlap_grad_reduce", "no"),
+    ("gradient_accumulation_fusion", 1), ("gradient_accumulation_fusion", "yes"),
 ]
 
 

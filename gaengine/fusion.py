@@ -1,0 +1,88 @@
+"""Gradient accumulation fusion: each ``torch.nn.Linear``'s weight gradient computed straight into fp32 ``main_grad``.
+
+``GradientAccumulator(..., gradient_accumulation_fusion=True)`` routes the forward of every ``torch.nn.Linear`` of
+the model (the same module objects: an instance ``forward`` is set, and ``acc.close()`` removes it) through the op
+``torch.ops.gaengine.fused_linear`` (``csrc/wgrad.h``). Its forward is ``torch.nn.functional.linear``; its backward
+is C++ (a ``torch::autograd::Function``, ``csrc/wgrad.cpp``): ``dX = dY @ W`` as usual, and for a weight (and bias)
+that the accumulator holds, one call of ``torch.ops.gaengine.wgrad_accumulate_`` writes (first contribution of the
+window: micro-batch 0's "write, don't zero") or adds ``fp32(dY)^T @ fp32(X)`` (and the row sum of ``fp32(dY)``)
+into the parameter's ``main_grad`` slice. No low-precision weight gradient is materialized and no Python runs per
+layer in backward. Autograd still runs the parameter's AccumulateGrad node (with no gradient, or with the gradient of
+the parameter's other, unfused uses: a tied embedding, which is then added), and the native hooks count the
+parameter as arrived there: bucket completion and the last micro-batch's all-reduce are unchanged. The loss-scale
+factor is in ``dY`` already (``acc.backward`` scales the loss), as it is in the unfused gradient.
+
+Megatron-Core's ``gradient_accumulation_fusion`` (apex ``wgrad_gemm_accum_fp32``) and TransformerEngine's
+``fuse_wgrad_accumulation`` do the same for their own layer classes (``/work/shared/research/wgrad_fusion.md``).
+
+What it needs (``check_fusion``, ``ValueError`` naming ``gradient_accumulation_fusion``): ``model`` as an
+``nn.Module``, CPU parameters (the kernel behind the op table exists for the ``cpu`` backend so far), the native
+hooks (``backend`` "cpu" or "auto" with ``gaengine._C`` built, ``GAENGINE_HOT_PATH`` not ``python``), no FSDP2
+model; ``AccumulatorConfig`` refuses it with ``zero_stage`` > 0 and ``measure_noise_scale``. Under
+``torch.autocast`` a layer runs its ordinary forward (its gradient then goes through the hooks, unfused).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from gaengine.hooks import native_hooks_problem
+
+__all__ = ["LinearFusion", "check_fusion"]
+
+OPTION = "gradient_accumulation_fusion"
+
+
+def check_fusion(model: Any, backend, device: torch.device) -> None:
+    """``ValueError`` naming ``gradient_accumulation_fusion`` when the accumulator of ``model`` (its parameters on
+    ``device``, kernels from ``backend``) cannot fuse: see the module docstring."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{OPTION}=True needs model as an nn.Module (its torch.nn.Linear layers are routed through "
+                         f"the fused op), got {type(model).__name__}: pass the module, or set {OPTION}=False")
+    fsdp_module = getattr(torch.distributed.fsdp, "FSDPModule", None) if torch.distributed.is_available() else None
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
+        raise ValueError(f"{OPTION}=True is not supported with an FSDP2 (fully_shard) model: FSDP2 reduce-scatters "
+                         f"the unsharded .grad, which the fused op does not produce; set {OPTION}=False")
+    if device.type != "cpu":
+        raise ValueError(f"{OPTION}=True has a kernel for CPU parameters only so far, got parameters on {device}; "
+                         f"set {OPTION}=False")
+    why = native_hooks_problem(backend)
+    if why is not None:
+        raise ValueError(f"{OPTION}=True needs the native hooks of gaengine._C (backend 'cpu' or 'auto' with the "
+                         f"extension built), but they cannot run: {why}; set {OPTION}=False, or use backend='cpu'")
+
+
+def _fused_forward(module: nn.Linear, input: torch.Tensor, *, op) -> torch.Tensor:
+    """``module``'s forward through ``op`` (``fused_linear``); under autocast the ordinary forward (the op has no
+    autocast rule: its operands would not be the autocast dtype's)."""
+    if torch.is_autocast_enabled(input.device.type):
+        return nn.Linear.forward(module, input)
+    return op(input, module.weight, module.bias)
+
+
+class LinearFusion:
+    """The ``torch.nn.Linear`` modules of ``model`` routed through ``torch.ops.<namespace>.fused_linear``.
+
+    Only modules whose class keeps ``nn.Linear.forward`` (a subclass with its own forward, or a module that already
+    has an instance ``forward``, keeps its own) are routed. ``close()`` restores their forwards (idempotent).
+    """
+
+    def __init__(self, model: nn.Module, namespace: str) -> None:
+        op = getattr(torch.ops, namespace).fused_linear
+        self.modules: list[nn.Linear] = []
+        for module in model.modules():
+            if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+                    and "forward" not in module.__dict__):
+                module.forward = types.MethodType(lambda m, x: _fused_forward(m, x, op=op), module)
+                self.modules.append(module)
+        self._forwards = [m.__dict__["forward"] for m in self.modules]
+
+    def close(self) -> None:
+        for module, forward in zip(self.modules, self._forwards):
+            if module.__dict__.get("forward") is forward:
+                del module.forward
+        self.modules, self._forwards = [], []

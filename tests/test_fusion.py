@@ -1,0 +1,324 @@
+"""Gradient accumulation fusion (``gradient_accumulation_fusion=True``, ``gaengine.fusion``, ``csrc/wgrad.cpp``).
+
+Every reference is independent of gaengine: the fp64 sum of the micro-batches' ``dY^T X`` (or the gradients of an
+fp64 copy of the model), the plain recipe's ``.grad``, and the unfused accumulator for the bf16 GPT (the engine's
+own long-tested path). Small shapes throughout.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
+
+import gaengine
+from tests.tolerances import FP32_EPS, low_precision_ulp, rel_diff
+
+_C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
+OPS = getattr(torch.ops, _C.OP_NAMESPACE)
+
+
+def accumulator(model, **options):
+    options.setdefault("max_grad_norm", None)
+    return gaengine.GradientAccumulator(model, None, backend="cpu", **options)
+
+
+def window_sum(acc, param) -> torch.Tensor:
+    """The window's raw fp32 sum for ``param`` (its main_grad view), read before ``step()``."""
+    index = next(i for i, p in enumerate(acc.params) if p is param)
+    return acc.main_grad.views[index]
+
+
+def gemm_bound(terms_abs: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 error bound of a sum of ``n`` products (gamma_n times the sum of their magnitudes), fp64."""
+    return (n + 1) * FP32_EPS * terms_abs
+
+
+class CountLowPrecision(TorchDispatchMode):
+    """Counts the new tensors (not views, not in-place results) of ``dtype`` whose shape is one of ``shapes``."""
+
+    def __init__(self, shapes, dtype):
+        super().__init__()
+        self.shapes, self.dtype, self.count = {tuple(s) for s in shapes}, dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if (isinstance(t, torch.Tensor) and t.dtype == self.dtype and tuple(t.shape) in self.shapes
+                        and t.untyped_storage().data_ptr() not in inputs):  # a new tensor, not an in-place result
+                    self.count += 1
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ the kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("rows", [0, 1, 300], ids=["rows0", "rows1", "rows300"])
+def test_wgrad_accumulate_kernel_against_fp64(dtype, rows):
+    """dw = (0 if overwrite else dw) + fp32(g)^T fp32(x), db likewise with the row sum: within the fp32 error bound of
+    the sums, against fp64. 300 rows of out + in = 4097 cross the kernel's 255-row widening block."""
+    out_features, in_features = 4000, 97
+    g = torch.randn(rows, out_features).to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    start_w, start_b = torch.randn(out_features, in_features), torch.randn(out_features)
+    products = g.double().t() @ x.double()
+    magnitude = g.double().abs().t() @ x.double().abs()
+    for overwrite in (True, False):
+        dw, db = start_w.clone(), start_b.clone()
+        if overwrite:
+            dw.fill_(float("nan")), db.fill_(float("nan"))  # a write must not read them
+        OPS.wgrad_accumulate_(dw, db, g, x, overwrite, overwrite)
+        base_w = 0 if overwrite else start_w.double()
+        base_b = 0 if overwrite else start_b.double()
+        err_w = (dw.double() - (base_w + products)).abs()
+        err_b = (db.double() - (base_b + g.double().sum(0))).abs()
+        assert bool((err_w <= gemm_bound(magnitude + (0 if overwrite else start_w.double().abs()), rows)).all())
+        assert bool((err_b <= gemm_bound(g.double().abs().sum(0) + (0 if overwrite else start_b.double().abs()),
+                                         rows)).all())
+
+
+def test_wgrad_accumulate_refuses_bad_arguments():
+    g, x = torch.randn(4, 3), torch.randn(4, 5)
+    with pytest.raises(ValueError, match="dw must be a contiguous float32"):
+        OPS.wgrad_accumulate_(torch.zeros(3, 5, dtype=torch.bfloat16), None, g, x, True, True)
+    with pytest.raises(ValueError, match="same rows"):
+        OPS.wgrad_accumulate_(torch.zeros(3, 5), None, g, torch.randn(3, 5), True, True)
+
+
+def test_fused_linear_without_an_accumulator_is_linear():
+    """No accumulator takes the parameters: the op is F.linear, forward and backward (fp64 reference)."""
+    x = torch.randn(2, 5, 7, requires_grad=True)
+    lin = nn.Linear(7, 3)
+    y = OPS.fused_linear(x, lin.weight, lin.bias)
+    assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+    y.square().sum().backward()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, lin.weight, lin.bias))
+    F.linear(x64, w64, b64).square().sum().backward()
+    for ours, ref in ((x.grad, x64.grad), (lin.weight.grad, w64.grad), (lin.bias.grad, b64.grad)):
+        assert rel_diff(ours, ref) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ precision
+def _bf16_linear_window(fusion: bool, k: int = 8):
+    torch.manual_seed(1)
+    lin = nn.Linear(96, 64).bfloat16()
+    xs = [torch.randn(16, 96).bfloat16() for _ in range(k)]
+    gs = [torch.randn(16, 64).bfloat16() for _ in range(k)]
+    acc = accumulator(lin, accumulation_steps=k, gradient_accumulation_fusion=fusion)
+    for x, g in zip(xs, gs):
+        acc.backward((lin(x).float() * g.float()).sum())  # dY = g exactly
+    sums = window_sum(acc, lin.weight).clone(), window_sum(acc, lin.bias).clone()
+    acc.close()
+    ref_w = sum(g.double().t() @ x.double() for x, g in zip(xs, gs))
+    ref_b = sum(g.double().sum(0) for g in gs)
+    return sums, (ref_w, ref_b)
+
+
+def test_fused_window_gradient_is_fp32_exact_and_50x_closer_than_unfused():
+    """K = 8 on a bf16 Linear(96, 64): the fused window sum is within 1e-5 (relative) of the fp64 sum of the
+    micro-batches' dY^T X, and at least 50x closer than the unfused path, which rounds each dW to bf16."""
+    (fused_w, fused_b), (ref_w, ref_b) = _bf16_linear_window(True)
+    (plain_w, plain_b), _ = _bf16_linear_window(False)
+    fused_err, plain_err = rel_diff(fused_w, ref_w), rel_diff(plain_w, ref_w)
+    assert fused_err <= 1e-5, fused_err
+    assert plain_err >= 50 * fused_err, (plain_err, fused_err)
+    assert rel_diff(fused_b, ref_b) <= 1e-5
+
+
+def test_no_low_precision_weight_gradient_is_allocated_in_backward():
+    """No bf16 tensor of a weight's shape is made during a fused backward (the unfused one makes one per weight)."""
+    def count(fusion):
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 12)).bfloat16()
+        acc = accumulator(model, accumulation_steps=2, gradient_accumulation_fusion=fusion)
+        shapes = [m.weight.shape for m in (model[0], model[2])]
+        counts = []
+        for _ in range(2):  # micro-batch 0 writes, 1 adds
+            loss = model(torch.randn(5, 24).bfloat16()).float().square().sum()
+            with CountLowPrecision(shapes, torch.bfloat16) as mode:
+                acc.backward(loss)
+            counts.append(mode.count)
+        acc.close()
+        return counts
+
+    assert count(True) == [0, 0]
+    assert min(count(False)) >= 2  # the test sees the unfused path's bf16 dW
+
+
+# ------------------------------------------------------------------------------------------------ composition
+def _fp64_grads(model, batches, loss_fn):
+    """The plain recipe in fp64: the mean over the micro-batches of each parameter's gradient."""
+    ref = copy.deepcopy(model).double()
+    for batch in batches:
+        (loss_fn(ref, batch.double()) / len(batches)).backward()
+    return {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
+
+
+def _check_window(model, batches, loss_fn, fused_weights, **options):
+    """Two windows of ``batches`` through a fusing accumulator (fp32 parameters): every parameter's step() gradient
+    within fp32 rounding of the fp64 plain recipe; no fp32 tensor of a fused weight's shape made during backward."""
+    acc = accumulator(model, accumulation_steps=len(batches), gradient_accumulation_fusion=True, **options)
+    assert {id(m) for m in acc._fusion.modules} >= {id(m) for m in fused_weights}
+    shapes = [m.weight.shape for m in fused_weights]
+    for _ in range(2):  # the first window learns the layout and the arrivals; the second runs the learned ones
+        for batch in batches:
+            loss = loss_fn(model, batch)
+            with CountLowPrecision(shapes, torch.float32) as mode:
+                acc.backward(loss)
+            assert mode.count == 0, "a weight-shaped gradient was made for a fused weight"
+        acc.step()
+        ref = _fp64_grads(model, batches, loss_fn)
+        named = dict(model.named_parameters())
+        assert set(ref) == {n for n, p in named.items() if p.grad is not None}
+        for name, grad in ref.items():
+            assert rel_diff(named[name].grad, grad) <= 1e-5, name
+        for p in model.parameters():
+            p.grad = None
+    acc.close()
+    return acc
+
+
+class _Tied(nn.Module):
+    """A tied embedding / LM head (one contribution fused, one through AccumulateGrad) and a Linear used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return self.head(h)
+
+
+def _tied_loss(model, batch):
+    idx = (batch.abs() * 7).long().clamp_max(10)[:, 0]
+    return F.cross_entropy(model(idx).to(batch.dtype), idx.flip(0))
+
+
+def test_tied_weight_and_a_weight_used_twice():
+    model = _Tied()
+    _check_window(model, [torch.randn(6, 1) for _ in range(3)], _tied_loss, [model.shared])
+
+
+def test_frozen_weight_with_trainable_bias_and_inputs_without_grad():
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4))
+    model[2].weight.requires_grad_(False)  # frozen weight, trainable bias: only the bias is fused
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731 - x does not require grad
+    _check_window(model, [torch.randn(5, 6) for _ in range(2)], loss_fn, [model[0]])
+    assert model[2].weight.grad is None
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)  # used by two checkpointed segments: two arrivals per backward when reentrant
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing(reentrant):
+    model = _Checkpointed(reentrant)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    _check_window(model, [torch.randn(4, 6) for _ in range(3)], loss_fn, [model.inp, model.shared, model.out])
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _gpt_updates(fusion: bool):
+    """The parameters of a tiny bf16 GPT before and after three SGD updates (K = 2), and the three window norms."""
+    from gaengine.tools.model import GPT, GPTConfig
+
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=32, context_len=8, n_layers=2, d_model=16, n_heads=2)).bfloat16()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=2, max_grad_norm=1.0, backend="cpu",
+                                       gradient_accumulation_fusion=fusion)
+    data = torch.Generator().manual_seed(4)
+    norms = []
+    for _ in range(3):
+        for _ in range(2):
+            idx = torch.randint(0, 32, (2, 8), generator=data)
+            acc.backward(model(idx, idx.roll(1, dims=1)))
+        norms.append(float(acc.step().grad_norm))
+    acc.close()
+    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def test_three_gpt_updates_agree_with_the_unfused_path_within_bf16_rounding():
+    """Three SGD updates of a bf16 GPT (tied head, K = 2), fused and unfused. Each unfused micro-batch dW is rounded
+    to bf16 (2^-9 relative), so each update's fp32 master step differs by at most ~2^-8 of it, and over three updates
+    (the trajectories drifting by as much) by at most 2^-6 of the total update; the bf16 parameters are the masters
+    rounded, one more ulp apart. Per tensor: ||fused - plain|| <= ||ulp(plain)|| + 2^-6 ||plain - initial||. The
+    window norms differ by the gradients' rounding: 2^-8 relative."""
+    before, fused, fused_norms = _gpt_updates(True)
+    _, plain, plain_norms = _gpt_updates(False)
+    for name, p in plain.items():
+        bound = low_precision_ulp(p).norm() + 2.0**-6 * (p.double() - before[name].double()).norm()
+        assert (fused[name].double() - p.double()).norm() <= bound, name
+    for a, b in zip(fused_norms, plain_norms):
+        assert abs(a - b) <= 2.0**-8 * b
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+def test_close_restores_the_modules_forwards():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    layers = list(model)
+    acc = accumulator(model, accumulation_steps=1, gradient_accumulation_fusion=True)
+    assert all("forward" in m.__dict__ for m in layers)
+    acc.close()
+    assert list(model) == layers and all("forward" not in m.__dict__ for m in layers)
+    model(torch.randn(3, 4)).sum().backward()  # plain autograd again: .grad as usual
+    assert all(m.weight.grad is not None for m in layers)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(gradient_accumulation_fusion=1), "gradient_accumulation_fusion must be True or False"),
+    (dict(gradient_accumulation_fusion=True, zero_stage=1), "gradient_accumulation_fusion=True is not supported with "
+                                                            "zero_stage=1"),
+    (dict(gradient_accumulation_fusion=True, measure_noise_scale=True), "measure_noise_scale"),
+    (dict(gradient_accumulation_fusion=True, backend="torch"), "gradient_accumulation_fusion=True needs the native"),
+], ids=["not-bool", "zero1", "noise", "torch-backend"])
+def test_refusals_name_the_option(options, match):
+    model = nn.Linear(3, 2)
+    options.setdefault("backend", "cpu")
+    with pytest.raises(ValueError, match=match):
+        gaengine.GradientAccumulator(model, None, **options)
+    assert "forward" not in model.__dict__
+    gaengine.GradientAccumulator(model, None, backend="cpu").close()  # the parameters were not kept
+
+
+def test_refuses_an_iterable_of_parameters():
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion=True needs model as an nn.Module"):
+        gaengine.GradientAccumulator(model.parameters(), None, backend="cpu", gradient_accumulation_fusion=True)
+
+
+def test_a_fused_backward_outside_acc_backward_raises_and_writes_nothing():
+    model = nn.Linear(3, 2)
+    acc = accumulator(model, accumulation_steps=2, gradient_accumulation_fusion=True)
+    acc.backward(model(torch.randn(4, 3)).sum())
+    before = acc.main_grad.data.clone()
+    with pytest.raises(RuntimeError, match="outside acc.backward"):
+        model(torch.randn(4, 3)).sum().backward()
+    assert torch.equal(acc.main_grad.data, before)
+    acc.close()
