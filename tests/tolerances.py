@@ -238,6 +238,30 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if num == 0 else num / max(denom, 1e-300)
 
 
+def recipe_grad_rtol(n_samples: int, depth: int, width: int, n_params: int = 0) -> float:
+    """A window's fp32 gradient computed two ways from one global batch of ``n_samples``: split into micro-batches
+    (and ranks) whose backward passes are seeded by their own loss factors, against the plain recipe's: the samples
+    reduced in another order (``split_batch_rtol``), two backward passes of a ``depth``-layer, ``width``-wide model
+    that round differently (``network_rtol``, 2 products per layer, per side), and, with ``n_params`` > 0, each
+    side's own clip coefficient from its own n-element norm (``clip_coef_rtol``, per side)."""
+    rtol = split_batch_rtol(n_samples) + 2 * network_rtol(depth, width, products_per_layer=2)
+    return rtol + (2 * clip_coef_rtol(n_params) if n_params else 0.0)
+
+
+def recipe_param_rtol(param: torch.Tensor, optimizer: str, lr: float, steps: int, grad_rtol: float,
+                      grad_norm_max: float | None = None, momentum: float = 0.9) -> float:
+    """``update_rtol`` of ``steps`` updates by ``optimizer`` ("adamw"/"adam": ``adamw_step_over_param``; "sgd":
+    ``sgd_step_over_param`` with ``grad_norm_max``, the clipping threshold) from gradients ``grad_rtol`` apart;
+    ``param`` is the reference side's fp32 parameter."""
+    if optimizer in ("adamw", "adam"):
+        return update_rtol(steps, adamw_step_over_param(lr, param), grad_rtol)
+    if optimizer == "sgd":
+        if grad_norm_max is None:
+            raise ValueError("recipe_param_rtol: sgd needs grad_norm_max (the clipping threshold)")
+        return update_rtol(steps, sgd_step_over_param(lr, momentum, grad_norm_max, param), grad_rtol, grad_gain=1.0,
+                           step_roundings=3)
+    raise ValueError(f"recipe_param_rtol: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
+
 def triton_device() -> torch.device:
     """The device the Triton kernel tests run on; call it at the top of a test module, before importing a kernel.
 
