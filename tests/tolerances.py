@@ -229,15 +229,6 @@ def adamw_param_rtol(param: torch.Tensor, lr: float, steps: int, grad_rtol: floa
     """``update_rtol`` of AdamW (fp32 master ``param``, the reference side): ``steps`` updates at ``lr``."""
     return update_rtol(steps, adamw_step_over_param(lr, param, betas), grad_rtol)
 
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in fp64 (0 when both are zero)."""
-    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
-    denom = b64.abs().max().item() if b64.numel() else 0.0
-    num = (a64 - b64).abs().max().item() if b64.numel() else 0.0
-    return 0.0 if num == 0 else num / max(denom, 1e-300)
-
-
 def recipe_grad_rtol(n_samples: int, depth: int, width: int, n_params: int = 0) -> float:
     """A window's fp32 gradient computed two ways from one global batch of ``n_samples``: split into micro-batches
     (and ranks) whose backward passes are seeded by their own loss factors, against the plain recipe's: the samples
@@ -261,6 +252,15 @@ def recipe_param_rtol(param: torch.Tensor, optimizer: str, lr: float, steps: int
         return update_rtol(steps, sgd_step_over_param(lr, momentum, grad_norm_max, param), grad_rtol, grad_gain=1.0,
                            step_roundings=3)
     raise ValueError(f"recipe_param_rtol: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in fp64 (0 when both are zero)."""
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    denom = b64.abs().max().item() if b64.numel() else 0.0
+    num = (a64 - b64).abs().max().item() if b64.numel() else 0.0
+    return 0.0 if num == 0 else num / max(denom, 1e-300)
+
 
 def triton_device() -> torch.device:
     """The device the Triton kernel tests run on; call it at the top of a test module, before importing a kernel.
