@@ -14,6 +14,7 @@ import pytest
 
 from gaengine.tools.cli import build_parser, main
 from tests.ranks import free_port
+from tests.tolerances import mean_rtol
 
 TINY = [
     "--micro-batch-size", "2", "--accumulation-steps", "2", "--seq-len", "16", "--n-layers", "1",
@@ -113,8 +114,9 @@ def test_compare(tmp_path, capsys):
     assert main(["train", "--steps", "2", *TINY, "--dtype", "fp32", "--compare", "--out", str(out)]) == 0
     records = _check_run(out, 2, recipes=("gaengine", "torch"))
     first = {r["recipe"]: r["loss"] for r in records if r["kind"] == "train" and r["step"] == 1}
-    # Same initialization and the same micro-batches: the first window's loss is the same forward pass.
-    assert first["gaengine"] == pytest.approx(first["torch"], rel=1e-6)
+    # Same initialization and the same micro-batches: the first window's loss is the same forward pass, the same K = 2
+    # fp32 losses averaged by each recipe (the engine in fp32, the plain loop in a Python float).
+    assert first["gaengine"] == pytest.approx(first["torch"], rel=2 * mean_rtol(2))
     stdout = capsys.readouterr().out
     assert "gap (gaengine - torch)" in stdout and "torch" in stdout
 
@@ -124,7 +126,7 @@ def test_no_master_weights(tmp_path):
     assert main(["train", "--steps", "2", *TINY, "--no-master-weights", "--compare", "--out", str(out)]) == 0
     records = _check_run(out, 2, recipes=("gaengine", "torch"))
     first = {r["recipe"]: r["loss"] for r in records if r["kind"] == "train" and r["step"] == 1}
-    assert first["gaengine"] == pytest.approx(first["torch"], rel=1e-6)
+    assert first["gaengine"] == pytest.approx(first["torch"], rel=2 * mean_rtol(2))  # as in test_compare
     assert json.loads((out / "config.json").read_text())["master_weights"] is False
     assert build_parser().parse_args(["train"]).master_weights is True
     assert build_parser().parse_args(["train", "--master-weights"]).master_weights is True

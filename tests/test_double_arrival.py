@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gaengine
 from tests.conftest import backend_hook_params, seeded_randn
-from tests.tolerances import assert_bitwise_equal, rel_diff
+from tests.tolerances import assert_bitwise_equal, norm_rtol, rel_diff
 
 D = 128  # a bucket past the CPU kernel's parallel grain: two sources on one slice would race
 
@@ -142,10 +142,12 @@ def test_double_arrival_equals_one_op_per_arrival(backend, hot_path, dtype, buck
         assert written == ref_written == {n for n, _ in model.named_parameters()}
         for name in written:
             assert_bitwise_equal(got[name], sums[name], f"window {window}: {name}")
-        # The free norm must cover every parameter: `shared` arriving twice cannot stand in for `extra`, `nested`.
+        # The free norm must cover every parameter: `shared` arriving twice cannot stand in for `extra`, `nested`
+        # (without them it is over 80% smaller). An fp32 norm of n elements, in whatever order the backend sums.
         result = acc.step()
         expected_norm = torch.sqrt(sum((s.double() / 3).pow(2).sum() for s in sums.values()))
-        assert rel_diff(result.grad_norm.double(), expected_norm) <= 1e-6, f"window {window}"
+        n = sum(p.numel() for p in model.parameters())
+        assert rel_diff(result.grad_norm.double(), expected_norm) <= norm_rtol(n), f"window {window}"
         acc.zero_grad()
 
 
@@ -166,7 +168,8 @@ def test_double_arrival_equals_the_plain_recipe(backend, hot_path, bucket_size_m
             ref(batches[window * 4 + k]).backward()
         acc.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert rel_diff(p.grad, q.grad / 4) <= 1e-6, f"window {window}: {name}"
+            # The same fp32 adds in the same order on both sides, then an exact 1/4: bitwise.
+            assert_bitwise_equal(p.grad, q.grad / 4, f"window {window}: {name}")
         ref.zero_grad(set_to_none=True)
         acc.zero_grad()
 
@@ -189,8 +192,8 @@ def test_double_arrival_through_the_optimizer_and_a_new_layout(monkeypatch):
             q.grad /= 2
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert rel_diff(p, q) <= 1e-6, name
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):  # bitwise gradients, the same fused AdamW
+        assert_bitwise_equal(p.detach(), q.detach(), name)
 
 
 @pytest.mark.parametrize("hot_path", ["native", "python"])

@@ -11,7 +11,7 @@ from torch import nn
 
 import gaengine
 from gaengine.backends import get_backend
-from tests.tolerances import rel_diff
+from tests.tolerances import clip_coef_rtol, mean_rtol, network_rtol, norm_rtol, rel_diff
 
 pytestmark = pytest.mark.interpreter
 
@@ -55,6 +55,14 @@ def _plain_recipe_fp64(model, K=3, windows=2, max_norm=0.1, skip_last_layer_last
     return norms, grads
 
 
+def _rtols(model, K=3):
+    """(norm, clip coefficient, clipped gradient) bounds against ``_plain_recipe_fp64``: the fp32 model (7 layers of
+    width 24) against its fp64 copy, an fp32 mean of K micro-batches, then the fp32 norm and coefficient."""
+    n = sum(p.numel() for p in model.parameters())
+    grads = network_rtol(7, 24) + mean_rtol(K)
+    return grads + norm_rtol(n), grads + clip_coef_rtol(n), 2 * grads + clip_coef_rtol(n)
+
+
 def _run(model, backend, K=3, windows=2, bucket_size_mb=0.004, skip_last_layer_last_micro=False):
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=0.1, backend=backend,
                                        bucket_size_mb=bucket_size_mb)
@@ -80,16 +88,17 @@ def test_one_launch_per_bucket_and_free_norm(monkeypatch):
     backend = get_backend("triton", DEVICE)
     original = backend.l2norm_sq
     monkeypatch.setattr(backend, "l2norm_sq", lambda x: calls.append(x.numel()) or original(x))
+    norm_tol, coef_tol, grad_tol = _rtols(model)
     results, grads, launches, n_buckets = _run(model, "triton")
     assert n_buckets >= 3
     assert all(n <= n_buckets + 1 for n in launches), (launches, n_buckets)  # not one per parameter (14)
     assert calls == []  # every window's norm came from the last micro-batch's partials: no extra pass
     assert len(results) == len(ref_norms) == 2
     for r, (norm, coef) in zip(results, ref_norms):
-        assert rel_diff(r.grad_norm, norm) <= 1e-5 and bool(r.clip_coef < 1)
-        assert rel_diff(r.clip_coef, coef) <= 1e-5
+        assert rel_diff(r.grad_norm, norm) <= norm_tol and bool(r.clip_coef < 1)
+        assert rel_diff(r.clip_coef, coef) <= coef_tol
     for g, q in zip(grads, ref_grads):
-        assert rel_diff(g, q) <= 1e-5
+        assert rel_diff(g, q) <= grad_tol
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -109,10 +118,11 @@ def test_missing_gradient_falls_back_to_a_full_norm(monkeypatch):
     backend = get_backend("triton", DEVICE)
     original = backend.l2norm_sq
     monkeypatch.setattr(backend, "l2norm_sq", lambda x: calls.append(x.numel()) or original(x))
+    norm_tol, coef_tol, grad_tol = _rtols(model)
     results, grads, _, _ = _run(model, "triton", skip_last_layer_last_micro=True)
     assert len(calls) == 2  # one full pass per window: the partials missed a parameter
     assert len(results) == len(ref_norms) == 2
     for r, (norm, coef) in zip(results, ref_norms):
-        assert rel_diff(r.grad_norm, norm) <= 1e-5 and rel_diff(r.clip_coef, coef) <= 1e-5
+        assert rel_diff(r.grad_norm, norm) <= norm_tol and rel_diff(r.clip_coef, coef) <= coef_tol
     for g, q in zip(grads, ref_grads):
-        assert rel_diff(g, q) <= 1e-5
+        assert rel_diff(g, q) <= grad_tol

@@ -28,7 +28,7 @@ from torch import nn
 import gaengine
 from gaengine.schedules import Adaptive
 from tests.conftest import seeded_randn
-from tests.tolerances import rel_diff
+from tests.tolerances import gamma, network_rtol, rel_diff, split_batch_rtol
 
 
 D = 6  # features
@@ -370,8 +370,10 @@ def _adaptive_run(noise: float, offset: float, windows: int = 12, every: int = 2
             for q in ref.parameters():
                 q.grad = None
             _loss(ref, torch.cat(xs), torch.cat(ys), "mean").backward()
+            # k * MBS samples reduced in another order; two backward passes of one linear layer (seeds 1/MBS, 1/(k MBS)).
+            rtol = split_batch_rtol(k * MBS) + 2 * network_rtol(1, D, products_per_layer=2)
             for p, q in zip(model.parameters(), ref.parameters()):
-                assert rel_diff(p.grad, q.grad) <= 1e-5, f"window {w} (K={k})"
+                assert rel_diff(p.grad, q.grad) <= rtol, f"window {w} (K={k})"
     return ks, lrs
 
 
@@ -383,7 +385,8 @@ def test_adaptive_moves_k_down_on_a_low_noise_problem():
 
 def test_adaptive_moves_k_up_on_a_high_noise_problem_and_every_window_is_exact():
     """Label noise 10 near the optimum: B_simple is thousands of samples, K climbs to k_max, and every window's
-    gradient is the large batch of that window's size (<= 1e-5 against one backward over the whole window)."""
+    gradient is the large batch of that window's size (within ``split_batch_rtol`` of one backward over the whole
+    window)."""
     ks, _ = _adaptive_run(noise=10.0, offset=0.05, check_exact=True)
     assert ks[0] == 4 and ks[-1] == 16 and ks == sorted(ks), ks
     changes = [w for w in range(1, len(ks)) if ks[w] != ks[w - 1]]
@@ -397,7 +400,8 @@ def test_adaptive_moves_the_learning_rate_with_the_effective_batch(rule):
     for k, lr in zip(ks, lrs):
         ratio = k / 4
         want = 1e-3 * (ratio if rule == "linear" else math.sqrt(ratio))
-        assert abs(lr - want) <= 1e-12 * want, (ks, lrs)
+        # Python floats: at most a division, a square root and a product per change of K, two roundings for want.
+        assert abs(lr - want) <= gamma(3 * len(ks) + 2, torch.float64) * want, (ks, lrs)
 
 
 def test_adaptive_target_counts_samples_per_micro_batch_and_ranks():

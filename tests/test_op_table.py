@@ -20,7 +20,7 @@ from gaengine import backends
 from gaengine.backends import OPS, Backend, ReferenceBackend, adamw_step_reference, get_backend
 from tests.conftest import backend_name, backend_params
 from tests.reference import sum_sq_fp64
-from tests.tolerances import assert_bitwise_equal, rel_diff, sum_sq_rtol
+from tests.tolerances import adamw_param_rtol, assert_bitwise_equal, rel_diff, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -134,8 +134,8 @@ def test_ops_dispatch_on_cpu_tensors():
                        1e-2, 0.9, 0.999, 1e-8, 0.1, False, None, None)
     ops.adamw_step_(*args(ours))
     adamw_step_reference(*args(params))
-    for a, b in zip(ours, params):
-        assert rel_diff(a, b) <= 1e-6
+    for a, b in zip(ours, params):  # one AdamW update from the same gradients, each rounding in its own way
+        assert rel_diff(a, b) <= adamw_param_rtol(b, 1e-2, 1, 0.0)
 
 
 TORCH_OPS = ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "adamw_step_")

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gaengine
-from tests.tolerances import rel_diff
+from tests.tolerances import (adamw_param_rtol, assert_bitwise_equal, clipped_grad_rtol, network_rtol, rel_diff,
+                              split_batch_rtol)
 
 
 class ConvBN(nn.Module):
@@ -49,8 +50,11 @@ def test_batchnorm_window_statistics_equal_the_effective_batch(momentum):
         acc.step()
         ref(torch.cat(list(x + window)))  # one BatchNorm forward on the concatenated batch
     assert int(model.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 2
-    assert rel_diff(model.bn.running_mean, ref.bn.running_mean) <= 1e-6
-    assert rel_diff(model.bn.running_var, ref.bn.running_var) <= 1e-6
+    # Per channel, 3 x 3 x 36 = 324 conv outputs (27-term dot products, perhaps another algorithm for another batch
+    # size) reduced to a mean and a variance, over micro-batches or in one go.
+    stats_rtol = split_batch_rtol(324) + 2 * network_rtol(1, 27, products_per_layer=1)
+    assert rel_diff(model.bn.running_mean, ref.bn.running_mean) <= stats_rtol
+    assert rel_diff(model.bn.running_var, ref.bn.running_var) <= stats_rtol
     # Without the window mode the running statistics follow the micro-batches and differ.
     plain = copy.deepcopy(ConvBN(momentum))
     plain.load_state_dict(ref.state_dict() | {"bn.running_mean": torch.zeros(6), "bn.running_var": torch.ones(6),
@@ -128,8 +132,10 @@ def test_interrupted_backward_then_zero_grad_recovers():
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
         ref_opt.zero_grad()
+    # The same micro-batch gradients (the 1/2 is exact), each side's own norm and clip coefficient, two AdamW steps.
+    n = sum(p.numel() for p in model.parameters())
     for p, q in zip(model.parameters(), ref.parameters()):
-        assert rel_diff(p, q) <= 1e-5
+        assert rel_diff(p, q) <= adamw_param_rtol(q, 1e-2, 2, clipped_grad_rtol(n))
 
 
 # ---------------------------------------------------------------- composability
@@ -167,7 +173,8 @@ def test_activation_checkpointing_gives_eager_gradients(how):
     ckpt.load_state_dict(eager.state_dict())
     xs = [torch.randn(3, 8, requires_grad=how == "reentrant") for _ in range(3)]
     for a, b in zip(_accumulated_grads(eager, xs), _accumulated_grads(ckpt, xs)):
-        assert rel_diff(b, a) <= 1e-6
+        # The recomputed forward and its backward are the same kernels on the same inputs: the same bits.
+        assert_bitwise_equal(b, a)
 
 
 def test_torch_compile_gives_eager_gradients():
@@ -183,7 +190,8 @@ def test_torch_compile_gives_eager_gradients():
         acc.backward(compiled(x).pow(2).mean())
     acc.step()
     for a, p in zip(ref, twin.parameters()):
-        assert rel_diff(p.grad, a) <= 1e-6
+        # aot_eager's graph (decomposed GELU, fused views) may round the forward and the backward differently.
+        assert rel_diff(p.grad, a) <= 2 * network_rtol(4, 8)
 
 
 def test_effective_batch_size():

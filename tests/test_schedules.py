@@ -10,7 +10,7 @@ from torch import nn
 
 import gaengine
 from gaengine.schedules import Milestones, RampUp
-from tests.tolerances import rel_diff
+from tests.tolerances import network_rtol, rel_diff, split_batch_rtol
 
 MBS = 2  # samples per micro-batch
 
@@ -95,8 +95,10 @@ def test_every_window_is_the_large_batch_of_its_own_size(hot_path, monkeypatch):
         x = torch.cat([b[0] for b in window_batches])
         y = torch.cat([b[1] for b in window_batches])
         (ref(x) - y).pow(2).mean().backward()
+        # k * MBS samples reduced in another order, two backward passes (seeds 1/MBS and 1/(k MBS)) of a 2-layer model.
+        rtol = split_batch_rtol(k * MBS) + 2 * network_rtol(2, 8, products_per_layer=2)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert rel_diff(p.grad, q.grad) <= 1e-5, f"window {window} (K={k}): {name}"
+            assert rel_diff(p.grad, q.grad) <= rtol, f"window {window} (K={k}): {name}"
     assert sizes == [(1, 2), (3, 6), (2, 4), (2, 4), (4, 8), (4, 8)]
 
 

@@ -30,7 +30,8 @@ from tests.test_distributed import Net
 from tests.test_distributed import _launch as launch_ranks
 from tests.ranks import free_port
 from tests.test_update_path import _forbid_host_reads
-from tests.tolerances import RTOL, rel_diff
+from tests.tolerances import (clip_coef_rtol, mean_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
+                              unit_roundoff, update_rtol)
 
 pytestmark = pytest.mark.multiproc
 
@@ -322,6 +323,24 @@ def _reference(world, cfg):
         [g["lr"] for g in opt.param_groups]
 
 
+def _masters_rtol(cfg, world, expected, n):
+    """The masters of ``cfg`` on ``world`` ranks against ``_reference``: the same micro-batch gradients summed over
+    the ranks in another order, each side's clip coefficient (n elements), a bf16/fp16 wire's rounding of each
+    rank's sum and its sum over the ranks; the updates (fp32 SGD at lr 0.1, or AdamW/Adam at LR); without masters
+    a bf16/fp16 parameter and its moments are rounded after every update, where a last-bit difference may flip a
+    rounding: one ulp (2 u) per update."""
+    windows = _windows(cfg)
+    grad_rtol = split_batch_rtol(world * max(windows)) + (2 * clip_coef_rtol(n) if cfg["clip"] else 0.0)
+    if cfg["reduce_dtype"] != torch.float32:
+        grad_rtol += unit_roundoff(cfg["reduce_dtype"]) + sum_rtol(world, cfg["reduce_dtype"])
+    sgd = cfg["opt"] == "sgd"
+    rtol = recipe_param_rtol(expected, "sgd" if sgd else "adamw", 0.1 if sgd else LR, len(windows), grad_rtol,
+                             grad_norm_max=cfg["clip"])
+    if not cfg["masters"] and cfg["dtype"] != torch.float32:
+        rtol += len(windows) * 2 * unit_roundoff(cfg["dtype"])
+    return rtol
+
+
 def _check_config(results, world, name):
     cfg = _cfg(name)
     ref, ref_skipped, ref_lr = _reference(world, cfg)
@@ -342,8 +361,7 @@ def _check_config(results, world, name):
                 assert bool(flat[lo:hi].isnan().all()), f"{name} {pname}: two ranks own [{lo}, {hi})"
                 flat[lo:hi] = values
         assert not bool(flat.isnan().any()), f"{name} {pname}: a range no rank owns"
-        # 1e-5 (issue 16); a bf16/fp16 wire rounds each reduced gradient once more: half an ulp of that format.
-        tol = 1e-5 if cfg["reduce_dtype"] == torch.float32 else RTOL[cfg["reduce_dtype"]]
+        tol = _masters_rtol(cfg, world, expected, sum(t.numel() for t in ref.values()))
         assert rel_diff(flat, expected.reshape(-1)) <= tol, f"{name} {pname}: masters vs one process"
         model_param = runs[0]["params"][pname]
         assert torch.equal(model_param.reshape(-1), flat.to(model_param.dtype)), \
@@ -422,21 +440,28 @@ def test_stage2_double_arrival_and_unused_match_one_process(tmp_path):
     torch.manual_seed(0)
     ref = SharedCheckpointed()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step_over_param = {name: 0.0 for name, _ in ref.named_parameters()}  # the largest max |lr g| / max |p|
     for step in range(STEPS):
         for r in range(world):
             for k in range(K):
                 x, extra = _double_arrival_micro(world, step, r, k)
                 ref(x, extra=extra).backward()  # the nested pass's term is not scaled by the loss: sum, then divide
-        for p in ref.parameters():
+        for name, p in ref.named_parameters():
             if p.grad is not None:
                 p.grad /= world * K
+                ratio = 0.1 * float(p.grad.abs().max() / p.abs().max())
+                step_over_param[name] = max(step_over_param[name], ratio)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    # The same unscaled micro-batch gradients summed over k and the ranks in another order (the norm stays under the
+    # engine's max_grad_norm=1: no clipping), STEPS plain SGD steps.
+    rtol = {name: update_rtol(STEPS, ratio, split_batch_rtol(world * K), grad_gain=1.0, step_roundings=1)
+            for name, ratio in step_over_param.items()}
     for res in results:
         assert res["buckets"] > STAGING_SLOTS, res  # the ring is reused within a micro-batch
         assert res["staging"] == [res["bucket_numel"]] * STAGING_SLOTS, res  # bounded: S buffers of a bucket
         for name, p in ref.named_parameters():
-            assert rel_diff(res["params"][name], p.detach()) <= 1e-5, (name, res["hooks"])
+            assert rel_diff(res["params"][name], p.detach()) <= rtol[name], (name, res["hooks"])
 
 
 def _scenario_rank_fails(rank, world, out):
@@ -560,6 +585,8 @@ def test_gaengine_train_zero_stage_under_torchrun(tmp_path):
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[stage] = [r["loss"] for r in records if r["kind"] == "train"]
         assert len(losses[stage]) == 3
+    # Not from tests/tolerances.py: the demo GPT's losses after updates whose parameters already differ (a drift the
+    # error model neglects); 1e-5 relative is a documented choice for this end-to-end check.
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses[1], losses[0])), losses
 
 
