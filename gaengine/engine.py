@@ -222,6 +222,7 @@ class GradientAccumulator:
             if self._noise is not None:
                 self._noise.add_micro_batch(counted)
             if self.sharding.end_backward(armed, last):
+                window.settings = self._window_settings()
                 self.sharding.launch_window_stats(window, self._noise_terms())
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
@@ -232,6 +233,11 @@ class GradientAccumulator:
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
             raise
+
+    def _window_settings(self) -> tuple[tuple[str, object], ...]:
+        """What every rank must have set alike for this window, compared in its stats all-reduce
+        (``gaengine.reduce.WindowStats.settings_mismatch``): the settings the user may change at run time."""
+        return (("accumulation_steps", self.accumulation_steps), ("max_grad_norm", self.max_grad_norm))
 
     def _noise_terms(self) -> torch.Tensor | None:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
@@ -289,6 +295,7 @@ class GradientAccumulator:
         partial = self.distributed and window.stats is None
         if partial:  # force=True on a partial window of several ranks: nothing launched yet
             self.sharding.end_partial_window(self.accumulation_steps - k)
+            window.settings = self._window_settings()
             self.sharding.launch_window_stats(window, self._noise_terms())
         if self.distributed:
             self.sharding.wait_reductions()
@@ -335,7 +342,8 @@ class GradientAccumulator:
             window.stats, now=partial or window.stats.host_counts is not None or self._reads_skip_flag(),
             saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
                            self.scaler.dynamic else (self.scaler.scale.clone(), self.scaler.growth_tracker.clone())))
-        differ = counts is not None and any(c != k for c in counts)
+        counts, settings_differ = counts if counts is not None else (None, [])
+        differ = counts is not None and (any(c != k for c in counts) or bool(settings_differ))
         if self.scaler is not None and not differ:
             self.scaler.update(norm.skipped.to(torch.float32))
         if self.window_batchnorm is not None:
@@ -354,7 +362,7 @@ class GradientAccumulator:
         if self.hooks.arrival is not None:  # the first window: the layout follows its arrival order
             self._grads_left |= self.sharding.relearn_layout()  # a collective: every rank gets here
         if differ:
-            self._raise_count_mismatch(counts)
+            self._raise_count_mismatch(counts, differ=settings_differ)
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
         return result
@@ -421,22 +429,24 @@ class GradientAccumulator:
         """Read the last window's per-rank counts (``gaengine.window.RankCounts``); when they differed, restore what
         its ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise
         ``RuntimeError``. Called first thing by ``backward()`` and ``step()``: the window since is empty."""
-        counts, (update_index, items_seen, scaler_state) = self._counts.take()
-        if all(c == counts[0] for c in counts):
+        (counts, settings_differ), (update_index, items_seen, scaler_state) = self._counts.take()
+        if all(c == counts[0] for c in counts) and not settings_differ:
             return
         self.schedule.update_index, self.schedule.items_seen = update_index, items_seen
         if scaler_state is not None:
             self.scaler.scale.copy_(scaler_state[0])
             self.scaler.growth_tracker.copy_(scaler_state[1])
         self._raise_count_mismatch(counts, f" in the last window (after {update_index} updates: its step() skipped the "
-                                           "update on the device without reading the counts, this call read them)")
+                                           "update on the device without reading the counts, this call read them)",
+                                   differ=settings_differ)
 
-    def _raise_count_mismatch(self, counts: list[int], found: str = "") -> None:
-        """Raise the error of a window whose ranks held different micro-batch counts; without an optimizer, the
-        gradients ``step()`` left in ``.grad`` are dropped first."""
+    def _raise_count_mismatch(self, counts: list[int], found: str = "", differ: list[str] = ()) -> None:
+        """Raise the error of a window whose ranks held different micro-batch counts (``RuntimeError``) or settings
+        (``ValueError`` naming them: ``differ``); without an optimizer, the gradients ``step()`` left in ``.grad``
+        are dropped first."""
         if self.optimizer is None:
             self._clear_grads()
-        raise self._counts.error(counts, found)
+        raise self._counts.error(counts, found, differ)
 
     @property
     def accumulation_steps(self) -> int:

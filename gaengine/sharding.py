@@ -200,7 +200,8 @@ class ShardingStrategy(ABC):
         ``window.stats``. The slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
         unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
         window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
-                                           self.process_group, extra=extra, count=window.num_micro_batches)
+                                           self.process_group, extra=extra, count=window.num_micro_batches,
+                                           settings=window.settings)
 
     def end_partial_window(self, missing: int) -> None:
         """``step(force=True)`` on several ranks, a window ``missing`` micro-batches short of K: arm the reducer for
