@@ -143,6 +143,9 @@ class GradientAccumulator:
         # masters and the update: one data-parallel sharding strategy (gaengine.sharding). A gradient that gaengine
         # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
         self._grads_left = False
+        # Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
+        # window boundaries, adopted by the strategy (gaengine.ownership.Membership, docs/accumulator.md).
+        self._members = ownership.Membership(module, params, optimizer)
         self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
@@ -199,6 +202,8 @@ class GradientAccumulator:
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
                 "call acc.step() before the next acc.backward()")
         window.check_next(num_items is not None)
+        if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
+            self._adopt_changes()
         if num_items is not None:
             num_items = check_num_items(num_items, self.device)
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
@@ -222,6 +227,7 @@ class GradientAccumulator:
             if self._noise is not None:
                 self._noise.add_micro_batch(counted)
             if self.sharding.end_backward(armed, last):
+                window.settings = self._window_settings()
                 self.sharding.launch_window_stats(window, self._noise_terms())
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
@@ -232,6 +238,68 @@ class GradientAccumulator:
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
             raise
+
+    def _window_settings(self) -> tuple[tuple[str, object], ...]:
+        """What every rank must have set alike for this window, compared in its stats all-reduce
+        (``gaengine.reduce.WindowStats.settings_mismatch``): the settings the user may change at run time."""
+        return (("accumulation_steps", self.accumulation_steps), ("max_grad_norm", self.max_grad_norm))
+
+    # ------------------------------------------------------------------ parameters joining or leaving
+    def _adopt_changes(self) -> None:
+        """At a window boundary (its first ``backward()``): the parameters unfrozen or added with
+        ``optimizer.add_param_group`` since the last window join, the frozen ones leave; the strategy lays everything
+        out again (``ShardingStrategy.adopt``), so a joined parameter is accumulated, normalized, clipped and updated
+        like the others from this window on, never on autograd's raw ``.grad``. ``ValueError`` naming the parameter,
+        nothing changed, where the strategy lays out its parameters once (``zero_stage`` 1 and 2, FSDP2)."""
+        joined, left = self._members.changes(self.params)
+        if not joined and not left:
+            return
+        if not self.sharding.adopts_params:
+            if joined:
+                raise ValueError(self._join_refused(joined[0][0], f"{self.sharding.name} lays its parameters out once, "
+                                                    "at construction"))
+            return  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
+        if self.sharding.optimizer_writes_model:
+            raise ValueError(self._join_refused(
+                (joined or left)[0][0], "an optimizer that writes the model itself (gaengine.optim.FusedAdamW with "
+                "master weights) keeps its pieces for good"))
+        if self.scaler is None and self.config.loss_scale == "auto" and any(p.dtype == torch.float16 for _, p in joined):
+            raise ValueError(self._join_refused(joined[0][0], "an fp16 parameter needs the loss scale that "
+                                                "loss_scale='auto' chose against at construction"))
+        ownership.take([p for _, p in joined], None)  # another accumulator's: RuntimeError; a stale .grad dropped
+        if self.hooks.take_stale() | self._grads_left:
+            self._clear_grads()
+        for _, p in left:
+            p.grad = None
+        ownership.release([p for _, p in left], self)
+        self.sharding.adopt(self._members.trainable())
+        self.registered_params = self._members.trainable()
+        self.named_params = self._members.named()
+        self._model = ownership.ModelWatch(self.params, self.device, self.sharding.check_model)
+        ownership.claim(self.params, self)
+
+    def _join_refused(self, name: str, why: str) -> str:
+        return (f"parameter {name!r} became trainable (requires_grad=True, or in a param group added with "
+                f"optimizer.add_param_group) after the GradientAccumulator was built, but {why}, so gaengine cannot "
+                f"adopt it and will not let it train on autograd's raw .grad. Nothing was accumulated or applied. "
+                f"To go on: acc.step(force=True) (or acc.zero_grad()), acc.close(), then build the optimizer and a new "
+                f"GradientAccumulator with the parameters trainable as you want them (or use zero_stage=0, which adopts "
+                f"them at the next window)")
+
+    def _refuse_unmanaged_grads(self) -> None:
+        """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle
+        of this window (it holds autograd's raw ``.grad`` of part of the window, outside ``main_grad``, the norm and
+        the clip): its window is not the sum of the window's micro-batches, and the optimizer would apply it raw."""
+        joined, _ = self._members.changes(self.params)
+        raw = [name for name, p in joined if p.grad is not None]
+        if raw:
+            raise ValueError(
+                f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation window: "
+                f"its .grad is autograd's raw sum over part of the window, not gaengine's normalized, clipped window "
+                f"gradient, so nothing was applied (the window stays open). Unfreeze parameters between windows "
+                f"(after acc.step()): they join at the next window. To go on now, either freeze it again "
+                f"(requires_grad_(False) and .grad = None) and call acc.step() again, or drop the window with "
+                f"acc.zero_grad() (which drops that .grad too)")
 
     def _noise_terms(self) -> torch.Tensor | None:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
@@ -286,9 +354,11 @@ class GradientAccumulator:
         self._model.check()
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
+        self._refuse_unmanaged_grads()
         partial = self.distributed and window.stats is None
         if partial:  # force=True on a partial window of several ranks: nothing launched yet
             self.sharding.end_partial_window(self.accumulation_steps - k)
+            window.settings = self._window_settings()
             self.sharding.launch_window_stats(window, self._noise_terms())
         if self.distributed:
             self.sharding.wait_reductions()
@@ -335,7 +405,8 @@ class GradientAccumulator:
             window.stats, now=partial or window.stats.host_counts is not None or self._reads_skip_flag(),
             saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
                            self.scaler.dynamic else (self.scaler.scale.clone(), self.scaler.growth_tracker.clone())))
-        differ = counts is not None and any(c != k for c in counts)
+        counts, settings_differ = counts if counts is not None else (None, [])
+        differ = counts is not None and (any(c != k for c in counts) or bool(settings_differ))
         if self.scaler is not None and not differ:
             self.scaler.update(norm.skipped.to(torch.float32))
         if self.window_batchnorm is not None:
@@ -354,7 +425,7 @@ class GradientAccumulator:
         if self.hooks.arrival is not None:  # the first window: the layout follows its arrival order
             self._grads_left |= self.sharding.relearn_layout()  # a collective: every rank gets here
         if differ:
-            self._raise_count_mismatch(counts)
+            self._raise_count_mismatch(counts, differ=settings_differ)
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
         return result
@@ -421,22 +492,24 @@ class GradientAccumulator:
         """Read the last window's per-rank counts (``gaengine.window.RankCounts``); when they differed, restore what
         its ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise
         ``RuntimeError``. Called first thing by ``backward()`` and ``step()``: the window since is empty."""
-        counts, (update_index, items_seen, scaler_state) = self._counts.take()
-        if all(c == counts[0] for c in counts):
+        (counts, settings_differ), (update_index, items_seen, scaler_state) = self._counts.take()
+        if all(c == counts[0] for c in counts) and not settings_differ:
             return
         self.schedule.update_index, self.schedule.items_seen = update_index, items_seen
         if scaler_state is not None:
             self.scaler.scale.copy_(scaler_state[0])
             self.scaler.growth_tracker.copy_(scaler_state[1])
         self._raise_count_mismatch(counts, f" in the last window (after {update_index} updates: its step() skipped the "
-                                           "update on the device without reading the counts, this call read them)")
+                                           "update on the device without reading the counts, this call read them)",
+                                   differ=settings_differ)
 
-    def _raise_count_mismatch(self, counts: list[int], found: str = "") -> None:
-        """Raise the error of a window whose ranks held different micro-batch counts; without an optimizer, the
-        gradients ``step()`` left in ``.grad`` are dropped first."""
+    def _raise_count_mismatch(self, counts: list[int], found: str = "", differ: list[str] = ()) -> None:
+        """Raise the error of a window whose ranks held different micro-batch counts (``RuntimeError``) or settings
+        (``ValueError`` naming them: ``differ``); without an optimizer, the gradients ``step()`` left in ``.grad``
+        are dropped first."""
         if self.optimizer is None:
             self._clear_grads()
-        raise self._counts.error(counts, found)
+        raise self._counts.error(counts, found, differ)
 
     @property
     def accumulation_steps(self) -> int:
@@ -521,6 +594,8 @@ class GradientAccumulator:
             wait_quietly(self.window.stats.work)
         self.hooks.drop()
         self._clear_grads()
+        for _, p in self._members.changes(self.params)[0]:  # unfrozen mid-window: autograd's raw .grad
+            p.grad = None
         self._reset_window()
         if self.hooks.arrival is not None:
             self.hooks.restart_learning()  # learn the order from a complete window

@@ -331,7 +331,8 @@ class FullyShardedGrads(ShardingStrategy):
         sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
         tail = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
         window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
-                                           self.process_group, extra=extra, count=window.num_micro_batches, tail=tail)
+                                           self.process_group, extra=extra, count=window.num_micro_batches,
+                                           settings=window.settings, tail=tail)
         self._window_stats = window.stats
 
     # ------------------------------------------------------------------ step

@@ -7,6 +7,8 @@
 * ``claim`` / ``release``: mark each parameter with its accumulator (a weak reference, read by
   ``gaengine.clip`` and ``gaengine.verify``), and unmark it at ``close()``.
 * ``ModelWatch``: a model moved or converted after construction raises, for good.
+* ``Membership``: parameters that join (unfrozen, or added with ``optimizer.add_param_group``) or leave (frozen)
+  after construction, found at the window boundaries (gradual unfreezing; docs/accumulator.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from gaengine.clip import OWNER_ATTR
 from gaengine.update import check_optimizer_step
 from gaengine.zero import check_zero_optimizer
 
-__all__ = ["ModelWatch", "check_arguments", "claim", "release", "take"]
+__all__ = ["Membership", "ModelWatch", "check_arguments", "claim", "release", "take"]
 
 
 def check_arguments(model: Any, optimizer: Any, config) -> None:
@@ -124,3 +126,63 @@ class ModelWatch:
                     "model as it is now (move and convert the model first)")
         if self.error is not None:
             raise RuntimeError(self.error)
+
+
+class Membership:
+    """The parameters that may join or leave the accumulator after construction (gradual unfreezing).
+
+    module: the model (an ``nn.Module``), or None for a model given as an iterable of Parameters (``params``).
+    optimizer: the optimizer, or None; read at construction, before it is re-pointed at master weights, and again
+    for every param group added since (``optimizer.add_param_group``), never for the pieces it holds after.
+
+    ``candidates``: ``(name, parameter)`` of every parameter that can be trained: the module's (frozen ones
+    included; names as ``named_parameters()``), or the iterable's and the optimizer's, then the parameters of the
+    groups added later that the module does not hold (named ``param_groups[g][j]``). ``changes`` compares their
+    ``requires_grad`` with the accumulator's parameters: one attribute read per parameter, once per window.
+    """
+
+    def __init__(self, module: nn.Module | None, params: list[torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.module, self.optimizer = module, optimizer
+        self._initial = list(params)
+        self._num_groups = 0
+        self.candidates: list[tuple[str, torch.Tensor]] = []
+        self._scan(0)
+
+    def _scan(self, first_group: int) -> None:
+        """Rebuild ``candidates`` with the optimizer's param groups from ``first_group`` on."""
+        if self.module is not None:
+            named = list(self.module.named_parameters())
+        else:
+            named = [(f"param[{i}]", p) for i, p in enumerate(self._initial)]
+        seen = {id(p) for _, p in named}
+        extra = [(n, p) for n, p in self.candidates if id(p) not in seen and n.startswith("param_groups")]
+        seen |= {id(p) for _, p in extra}
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        for g in range(first_group, len(groups)):
+            for j, q in enumerate(groups[g]["params"]):
+                if id(q) not in seen:
+                    extra.append((f"param_groups[{g}][{j}]", q))
+                    seen.add(id(q))
+        self.candidates = named + extra
+        self._num_groups = len(groups)
+
+    def changes(self, managed: list[torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]],
+                                                             list[tuple[str, torch.Tensor]]]:
+        """``(joined, left)``: the candidates that require grad and are not in ``managed`` (the accumulator's
+        parameters), and those in ``managed`` that no longer require grad, each as ``(name, parameter)``."""
+        if self.optimizer is not None and len(self.optimizer.param_groups) != self._num_groups:
+            self._scan(self._num_groups)
+        ids = {id(p) for p in managed}
+        joined = [(n, p) for n, p in self.candidates if p.requires_grad and id(p) not in ids]
+        left = [(n, p) for n, p in self.candidates if not p.requires_grad and id(p) in ids]
+        return joined, left
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The candidates that require grad, in ``candidates``' order (the module's registration order first)."""
+        return [p for _, p in self.candidates if p.requires_grad]
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """What ``GradientAccumulator.named_params`` holds: the module's named parameters and the later groups'
+        (empty for a model given as an iterable, as at construction)."""
+        return list(self.candidates) if self.module is not None else []

@@ -7,10 +7,12 @@ Buckets are launched strictly in index order, as torch DDP's reducer does (``red
 ``next_bucket_``), because collectives must be issued in the same order on every rank.
 
 At the end of the last backward, ``launch_window_stats`` zeroes the slices this rank never wrote, launches
-the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P), counts[0..W), extra)`` in
+the buckets still pending and one more all-reduce of ``(loss_sum, items, used[0..P), counts[0..W), settings,
+extra)`` in
 fp64 on the device: ``step()`` gets the global loss and item count from it, the parameters no rank produced a
 gradient for (``WindowStats.globally_unused``), which get no update, as with torch DDP, every rank's micro-batch
-count (``WindowStats.count_mismatch``: the ranks' windows must hold equal counts) and the sums of any extra
+count (``WindowStats.count_mismatch``: the ranks' windows must hold equal counts), whether the ranks still agree on
+the settings they may change at run time (``WindowStats.settings_mismatch``) and the sums of any extra
 per-rank values (the noise scale's small-batch terms, ``gaengine.noise``).
 
 All of this is torch.distributed underneath (NCCL on GPU, gloo on CPU); gaengine owns only the bucketing
@@ -19,6 +21,7 @@ and the schedule.
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 
 __all__ = ["BucketReducer", "Collective", "HostMailbox", "WindowStats", "broadcast_from_first_rank", "check_ranks_agree",
-           "count_mismatch_message", "launch_window_stats", "settle", "wait_for", "wait_quietly"]
+           "count_mismatch_message", "launch_window_stats", "setting_terms", "settle", "wait_for", "wait_quietly"]
 
 SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
 _SETTLE_POLL_S = 5e-5
@@ -222,14 +225,17 @@ def wait_for(work, what: str) -> None:
 class WindowStats:
     """The window's stats all-reduce, launched at the end of the last backward.
 
-    data: (2 + P + W + E,) fp64 on the device: the loss sum, the item count, per parameter (layout order) 1.0 where
-    this rank produced a gradient, per rank of the group (group rank order) its micro-batch count in the window
-    (this rank writes its own slot, the others 0), then the E extra values and the T tail values (all summed over
-    ranks once ``wait()`` returned: every rank then holds every rank's count).
+    data: (2 + P + W + 8S + E + T,) fp64 on the device: the loss sum, the item count, per parameter (layout order)
+    1.0 where this rank produced a gradient, per rank of the group (group rank order) its micro-batch count in the
+    window (this rank writes its own slot, the others 0), per setting the ranks must agree on its 8 agreement terms
+    (``setting_terms``), then the E extra values and the T tail values (all summed over ranks once ``wait()``
+    returned: every rank then holds every rank's count).
     locally_unused: layout indices of the parameters this rank got no gradient for in the window.
     num_extra: E, the extra values (the noise scale's small-batch terms, ``gaengine.noise``). num_tail: T, the
     sharding strategy's own values (``gaengine.fsdp2``: the local shards' sum of squares and non-finite flag).
     num_ranks: W, the group's size. rank: this rank's index in the group. count: this rank's micro-batches.
+    settings: the S settings' names and this rank's values (``launch_window_stats``); own_terms: ``(8S,)`` fp64 on
+    the device, W times this rank's agreement terms (what every rank's sum equals when all ranks agree).
     host_counts: the W counts once a host read brought them over (``globally_unused``, ``read_counts``), else None.
     """
 
@@ -241,6 +247,8 @@ class WindowStats:
     num_ranks: int = 0
     rank: int = 0
     count: int = 0
+    settings: tuple[tuple[str, object], ...] = ()
+    own_terms: torch.Tensor | None = None
     host_counts: list[int] | None = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +258,7 @@ class WindowStats:
 
     def counts(self) -> torch.Tensor:
         """Every rank's micro-batch count in the window (after ``wait()``): ``(W,)`` fp64 on the device."""
-        end = self.data.numel() - self.num_extra - self.num_tail
+        end = self.data.numel() - self.num_extra - self.num_tail - SETTING_TERMS * len(self.settings)
         return self.data[end - self.num_ranks:end]
 
     def count_mismatch(self) -> torch.Tensor:
@@ -258,6 +266,28 @@ class WindowStats:
         than this rank's (every rank computes the same flag: if the counts are not all equal, each rank sees one
         that differs from its own)."""
         return self.counts().ne(float(self.count)).any()
+
+    def settings_mismatch(self) -> torch.Tensor:
+        """``(S,)`` bool on the device, no host read (after ``wait()``): per setting, whether the ranks' values differ.
+        Each rank compares the summed agreement terms with W times its own: for chunks c_r (``setting_terms``),
+        sum_r c_r = W c and sum_r c_r^2 = W c^2 together mean the chunks' variance over ranks is 0, i.e. every rank
+        holds c (exact: integers below 2^53). So every rank computes the same flags."""
+        if not self.settings:
+            return torch.zeros(0, dtype=torch.bool, device=self.data.device)
+        end = self.data.numel() - self.num_extra - self.num_tail
+        summed = self.data[end - SETTING_TERMS * len(self.settings):end]
+        return summed.ne(self.own_terms).view(len(self.settings), SETTING_TERMS).any(dim=1)
+
+    def mismatch(self) -> torch.Tensor:
+        """0-d bool on the device, no host read: the ranks' micro-batch counts or settings differ (no rank may
+        apply this window)."""
+        flag = self.count_mismatch()
+        return flag | self.settings_mismatch().any() if self.settings else flag
+
+    def disagreement(self) -> torch.Tensor:
+        """``(W + S,)`` fp64 on the device: every rank's count, then 1.0 per setting the ranks disagree on (what
+        ``gaengine.window.RankCounts`` reads on the host)."""
+        return torch.cat([self.counts(), self.settings_mismatch().double()])
 
     def read_counts(self) -> list[int]:
         """The W counts on the host (after ``wait()``): the ones ``globally_unused`` read, else one host read."""
@@ -347,10 +377,25 @@ def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str
     )
 
 
+SETTING_TERMS = 8  # per setting: 4 chunks of its 64 bits, then their squares (setting_terms)
+NONE_SETTING = -1.0  # how None is encoded (no setting the ranks compare takes a negative value)
+
+
+def setting_terms(value: int | float | None) -> list[float]:
+    """The 8 agreement terms of one setting's value (an int, a float, or None: encoded as ``NONE_SETTING``): the 4
+    16-bit chunks c of its float64 bits, then c^2. Summed over W ranks they stay exact integers in fp64 (W c^2 <
+    2^53 for W < 2^21), so ``WindowStats.settings_mismatch`` compares bit patterns exactly, in the stats all-reduce
+    that runs anyway (no collective of its own)."""
+    bits = struct.unpack("<Q", struct.pack("<d", NONE_SETTING if value is None else float(value)))[0]
+    chunks = [float((bits >> (16 * i)) & 0xFFFF) for i in range(4)]
+    return chunks + [c * c for c in chunks]
+
+
 def launch_window_stats(reducer: BucketReducer | None, main_grad: FlatBuffer, locally_unused: list[int],
                         loss_sum: torch.Tensor, items: torch.Tensor,
                         group: dist.ProcessGroup | None, extra: torch.Tensor | None = None,
-                        count: int = 0, tail: torch.Tensor | None = None) -> WindowStats:
+                        count: int = 0, tail: torch.Tensor | None = None,
+                        settings: tuple[tuple[str, object], ...] = ()) -> WindowStats:
     """End of the last backward: zero the never-written slices, launch the remaining buckets (``reducer``: None
     when the gradients were reduced elsewhere, FSDP2's reduce-scatter) and the stats.
 
@@ -361,7 +406,9 @@ def launch_window_stats(reducer: BucketReducer | None, main_grad: FlatBuffer, lo
     rank, its micro-batch count (``count``: this rank's, written into its own slot; one slot per rank, so the sum
     gives every rank each rank's count exactly, in the same all-reduce: ``WindowStats.count_mismatch``).
     extra: ``(E,)`` fp64 on the device, more per-rank values to sum in the same all-reduce, or None; tail: ``(T,)``
-    likewise, the sharding strategy's (``WindowStats.tail``), or None.
+    likewise, the sharding strategy's (``WindowStats.tail``), or None. settings: ``(name, value)`` pairs of what
+    every rank must have set alike (the window's K, ``max_grad_norm``: changed at run time on one rank only they
+    would train the ranks apart), compared in the same all-reduce (``WindowStats.settings_mismatch``).
     """
     for i in locally_unused:
         main_grad.flat_views[i].zero_()
@@ -369,11 +416,17 @@ def launch_window_stats(reducer: BucketReducer | None, main_grad: FlatBuffer, lo
         reducer.flush()
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     num_params = len(main_grad.flat_views)
-    host = torch.zeros(num_params + num_ranks, dtype=torch.float64)  # used flags, then the counts: one copy
+    terms = [t for _, value in settings for t in setting_terms(value)]
+    # used flags, the counts, the settings' terms, then W times those terms (the sums they must equal): one copy
+    host = torch.zeros(num_params + num_ranks + 2 * len(terms), dtype=torch.float64)
     host[:num_params] = 1.0
     host[locally_unused] = 0.0
     host[num_params + rank] = float(count)
-    parts = [loss_sum.double().reshape(1), items.double().reshape(1), host.to(loss_sum.device, non_blocking=True)]
+    at = num_params + num_ranks
+    host[at:at + len(terms)] = torch.tensor(terms, dtype=torch.float64)
+    host[at + len(terms):] = host[at:at + len(terms)] * num_ranks
+    host = host.to(loss_sum.device, non_blocking=True)
+    parts = [loss_sum.double().reshape(1), items.double().reshape(1), host[:at + len(terms)]]
     for more in (extra, tail):
         if more is not None:
             parts.append(more.double().reshape(-1))
@@ -382,7 +435,8 @@ def launch_window_stats(reducer: BucketReducer | None, main_grad: FlatBuffer, lo
     if reducer is not None:
         reducer.collectives_issued += 1
     return WindowStats(data, work, locally_unused, 0 if extra is None else extra.numel(),
-                       0 if tail is None else tail.numel(), num_ranks, rank, count)
+                       0 if tail is None else tail.numel(), num_ranks, rank, count, tuple(settings),
+                       host[at + len(terms):])
 
 
 def _first_rank(group: dist.ProcessGroup | None) -> int:

@@ -75,6 +75,7 @@ class ShardingStrategy(ABC):
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     relearns_layout = False  # the layout follows the first window's gradient arrival order
+    adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
     sharded = False
     holds_local_sums = False
 
@@ -136,7 +137,7 @@ class ShardingStrategy(ABC):
             options["fusion"] = True
         self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **options)
         if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
-            self.hooks.set_expected_arrivals([expected[id(p)] for p in self.params])
+            self.hooks.set_expected_arrivals([expected.get(id(p), 1) for p in self.params])  # 1: a joined one
         if not learning:
             self.hooks.stop_learning()
         self._map_store()
@@ -166,6 +167,11 @@ class ShardingStrategy(ABC):
         if [id(p) for p in order] == [id(p) for p in self.params]:
             return False
         raise ValueError(f"{self.name}: the parameter layout is fixed at construction and cannot be changed")
+
+    def adopt(self, params: list[torch.Tensor]) -> None:
+        """Between windows, lay out ``params`` (the trainable parameters now, registration order) where the set of
+        trainable parameters changed after construction (``adopts_params`` strategies only)."""
+        raise NotImplementedError(f"{self.name} lays its parameters out once, at construction")
 
     def relearn_layout(self) -> bool:
         """End of the first window: stop learning the gradient arrival order and, where the layout follows it, lay
@@ -200,7 +206,8 @@ class ShardingStrategy(ABC):
         ``window.stats``. The slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
         unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
         window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
-                                           self.process_group, extra=extra, count=window.num_micro_batches)
+                                           self.process_group, extra=extra, count=window.num_micro_batches,
+                                           settings=window.settings)
 
     def end_partial_window(self, missing: int) -> None:
         """``step(force=True)`` on several ranks, a window ``missing`` micro-batches short of K: arm the reducer for
@@ -348,6 +355,7 @@ class Replicated(ShardingStrategy):
 
     name = "replicated (zero_stage=0)"
     relearns_layout = True
+    adopts_params = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -368,6 +376,30 @@ class Replicated(ShardingStrategy):
         if [id(p) for p in order] == [id(p) for p in self.params]:
             return False
         return self._lay_out(order)
+
+    def adopt(self, params: list[torch.Tensor]) -> None:
+        """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)
+        between windows: everything built over the trainable parameters is built again over ``params``, as at
+        construction: the layout, a zeroed ``main_grad``, the reducer and buckets, the hooks (the joined ones get
+        theirs), the store (the optimizer given its model parameters back and re-pointed at new pieces; the fp32
+        masters and the optimizer state of the parameters both layouts hold are kept). The next window learns the
+        arrival order again and its end lays the buffer out in it (``relearn_layout``), as the first window's.
+        Several ranks: every rank must adopt alike (the joined parameters are broadcast from the first rank, as
+        every trainable parameter is at construction)."""
+        if self.distributed:
+            old = {id(p) for p in self.params}
+            broadcast_from_first_rank([p for p in params if id(p) not in old], self.process_group)
+        optimized = self.store is not None
+        masters = self.store.release() if optimized else {}
+        self.store, self.master_buffer = None, None
+        self._lay_out(initial_order(params))
+        if optimized:
+            self.store = ParameterStore(self.optimizer, self.params, device=self.device,
+                                        master_weights=self.master_weights)
+            self.store.keep_masters(masters)
+            self.master_buffer = self.store.master_buffer
+            self._map_store()
+        self.hooks.restart_learning()
 
     def relearn_layout(self) -> bool:
         arrival = self.hooks.arrival

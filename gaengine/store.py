@@ -200,6 +200,28 @@ class ParameterStore:
             optimizer.attach_model_params([(piece, view) for _, piece, view in self._mastered])
         self._versions = param_versions(self._low_params)
 
+    # ------------------------------------------------------------------ a new layout (parameters joined or left)
+    def release(self) -> dict[int, torch.Tensor]:
+        """Undo the constructor's re-pointing of the optimizer, for a new store over other parameters (one rank's
+        store, ``shaped``): each piece in its param group is its model parameter again, the state kept on a master
+        piece is keyed by the parameter again (fp32, as it is: the new store's ``convert_state`` to fp32 is then
+        exact). Returns the fp32 masters, copies keyed by ``id`` of their parameter (``keep_masters``)."""
+        param_of = {id(piece): p for p, piece in zip(self.params, self.pieces) if piece is not None}
+        for group in self.optimizer.param_groups:
+            group["params"] = [param_of.get(id(q), q) for q in group["params"]]
+        for p, piece in zip(self.params, self.pieces):
+            if piece is not None and piece is not p and piece in self.optimizer.state:
+                self.optimizer.state[p] = self.optimizer.state.pop(piece)
+        return {id(p): piece.detach().clone() for p, piece, _ in self._mastered}
+
+    def keep_masters(self, masters: dict[int, torch.Tensor]) -> None:
+        """The fp32 masters of ``release`` (of the store this one replaces) for the parameters both stores hold: the
+        new store started from their bf16/fp16 rounding, which the model holds."""
+        with torch.no_grad():
+            for p, piece, _ in self._mastered:
+                if id(p) in masters:
+                    piece.copy_(masters[id(p)])
+
     # ------------------------------------------------------------------ the model
     def check_model(self) -> None:
         """Raise ``RuntimeError`` when the re-pointed parameters no longer live in the flat parameter buffers (the

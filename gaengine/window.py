@@ -35,7 +35,8 @@ class Window:
     ``zero_stage=2`` staging restarts them every micro-batch), or None for none; ``used_with`` adds the hooks'
     current flags. graph_mark: None, or the mark (an ``object()``, new each window) left in the autograd graphs
     that a backward of this window retained (``retain_graph=True``), to refuse a second backward through them
-    (``claim_graph``).
+    (``claim_graph``). settings: ``(name, value)`` pairs of the settings every rank must share (the window's K,
+    ``max_grad_norm``), set by the accumulator before the stats all-reduce carries them (several ranks).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -53,6 +54,7 @@ class Window:
         self.stats: WindowStats | None = None
         self.used: list[bool] | None = None
         self.graph_mark: object | None = None
+        self.settings: tuple[tuple[str, object], ...] = ()
 
     def claim_graph(self, loss: torch.Tensor, retain: bool) -> None:
         """Before a micro-batch's backward of ``loss``: ``RuntimeError`` if its autograd graph reaches a node that a
@@ -157,7 +159,7 @@ class Window:
         loss_sum = self.loss_sum
         if world_size > 1:
             loss_sum, items = self.stats.wait()
-            mismatch = self.stats.count_mismatch()
+            mismatch = self.stats.mismatch()
         if self.item_mode:
             if world_size > 1:
                 return loss_sum, items, items, mismatch
@@ -321,25 +323,50 @@ class RankCounts:
     def __init__(self, world_size: int, device: torch.device, group: Any) -> None:
         self.world_size, self.device, self.group = world_size, device, group
         self._mailbox: HostMailbox | None = None
+        self._mailbox_numel = 0
+        self._names: list[str] = []
+        self._settings: tuple[tuple[str, object], ...] = ()
         self._saved: Any = None
         self.pending = False
 
-    def read(self, stats: WindowStats, now: bool, saved) -> list[int] | None:
-        """The window's counts as ints when ``now`` (a host read), else None: they are posted, with what ``saved()``
-        returns (what ``take()`` gives back to undo the step's counting if they differed; no host read)."""
+    def read(self, stats: WindowStats, now: bool, saved) -> tuple[list[int], list[str]] | None:
+        """The window's counts as ints and the names of the settings the ranks disagree on
+        (``WindowStats.settings_mismatch``) when ``now`` (a host read), else None: they are posted, with what
+        ``saved()`` returns (what ``take()`` gives back to undo the step's counting if they differed; no host
+        read)."""
+        self._settings = stats.settings
+        self._names = [name for name, _ in stats.settings]
         if now:
-            return stats.read_counts()
-        if self._mailbox is None:
-            self._mailbox = HostMailbox(self.world_size, torch.float64, self.device)
-        self._mailbox.post(stats.counts())
+            flags = stats.settings_mismatch().tolist() if stats.settings else []  # host read: step() reads anyway
+            return stats.read_counts(), [n for n, f in zip(self._names, flags) if f]
+        numel = self.world_size + len(self._names)
+        if self._mailbox is None or self._mailbox_numel != numel:
+            self._mailbox, self._mailbox_numel = HostMailbox(numel, torch.float64, self.device), numel
+        self._mailbox.post(stats.disagreement())
         self._saved, self.pending = saved(), True
         return None
 
-    def take(self) -> tuple[list[int], Any]:
-        """The posted counts as ints (host memory; on CUDA waits for their copy only) and what was posted with them."""
+    def take(self) -> tuple[tuple[list[int], list[str]], Any]:
+        """What ``read`` posted, as ``read`` returns it (host memory; on CUDA waits for their copy only), and what
+        was posted with them."""
         saved, self._saved, self.pending = self._saved, None, False
-        return [int(c) for c in self._mailbox.read()], saved
+        values = self._mailbox.read()
+        flags = values[self.world_size:]
+        return ([int(c) for c in values[:self.world_size]], [n for n, f in zip(self._names, flags) if f]), saved
 
-    def error(self, counts: list[int], found: str = "") -> RuntimeError:
-        """The error of a window whose ranks held different counts (``gaengine.reduce.count_mismatch_message``)."""
-        return RuntimeError(count_mismatch_message(counts, dist.get_rank(self.group), found))
+    def error(self, counts: list[int], found: str = "", differ: list[str] = ()) -> Exception:
+        """The error of a window whose ranks held different counts (``RuntimeError``,
+        ``gaengine.reduce.count_mismatch_message``) or, first, different settings: ``ValueError`` naming each
+        setting in ``differ`` and this rank's value of it in the window last read."""
+        rank = dist.get_rank(self.group)
+        if differ:
+            values = dict(self._settings)
+            named = ", ".join(f"{n} (this rank's: {values.get(n)!r})" for n in differ)
+            return ValueError(
+                f"gaengine: the ranks hold different {named}{found}: rank {rank} of {self.world_size} disagrees with "
+                f"another rank (set at run time, e.g. acc.{differ[0]} = ..., on some ranks only). Different settings "
+                "would train the ranks apart silently, so no rank applied this window: the parameters, the optimizer "
+                "state, the lr_scheduler and the loss scale are as before it. Set the same value on every rank (the "
+                "counts per rank were " + ", ".join(f"{r}: {c}" for r, c in enumerate(counts[:16])) + "), call "
+                "acc.zero_grad() and go on")
+        return RuntimeError(count_mismatch_message(counts, rank, found))
