@@ -64,6 +64,9 @@ def assert_within_ulp(actual: torch.Tensor, exact: torch.Tensor, magnitude: torc
 _UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 # The probability, under the model of ``prob_gamma``, that one reduction's rounding error exceeds its bound.
+FP32_EPS = _UNIT_ROUNDOFF[torch.float32]
+"""u of fp32, 2^-24 (``unit_roundoff(torch.float32)``), for the bounds written out term by term in a test."""
+
 FAIL_PROB = 1e-9
 
 
