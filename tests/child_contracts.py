@@ -71,13 +71,17 @@ _CHILD_MAIN = textwrap.dedent(
 _CONTROL = textwrap.dedent(
     """
     import sys
+    import tempfile
     import torch
     from torch.utils.cpp_extension import load_inline
+    # A build directory of its own: torch's shared cache (~/.cache/torch_extensions) keeps a lock file that a build
+    # killed midway leaves behind, and every later control would wait on it forever.
     module = load_inline(
         "gaengine_torch_check_control",
         cpp_sources='void fail() { TORCH_CHECK(false, "control: a failed TORCH_CHECK"); }',
         functions=["fail"],
         verbose=False,
+        build_directory=tempfile.mkdtemp(prefix="gaengine-control-"),
     )
     try:
         module.fail()
@@ -105,7 +109,7 @@ def died_of_signal(proc: subprocess.CompletedProcess) -> signal.Signals | None:
 def control_crashes() -> tuple[bool, str]:
     """Does a plain ``load_inline`` extension crash on a failed ``TORCH_CHECK`` on this image? (and what it said)
 
-    Built once per session (``~/.cache/torch_extensions``, reused across runs); about 30 s the first time.
+    Built once per session, in a temporary directory of its own; about 30 s.
     """
     proc = subprocess.run([sys.executable, "-c", _CONTROL], env=_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
