@@ -29,8 +29,8 @@ from gaengine.tools.train import DTYPES
 E2E_VARIANTS = {
     "gaengine-fused": "(a) gaengine: GradientAccumulator + gaengine.optim.FusedAdamW",
     "gaengine-torch": "(a') gaengine: GradientAccumulator + torch AdamW(fused=True)",
-    "gaengine-lean": "(a'') gaengine, master_weights=False: torch AdamW(fused) on the params (m, v in their dtype)",
-    "plain": "(b) plain: .grad in the params' dtype, (loss/K).backward(), clip, AdamW(fused) on the params",
+    "gaengine-lean": "(a'') gaengine, master_weights=False: torch AdamW(fused) in the params' dtype",
+    "plain": "(b) plain: .grad in the params' dtype, (loss/K).backward(), clip, AdamW(fused)",
     "native-fp32": "(c) native: grad_dtype=fp32, clip, AdamW(fused) on fp32 masters",
 }
 """End-to-end variants: key -> label. The plain recipe ``plain`` is the baseline of the ratio."""
