@@ -337,8 +337,11 @@ class RankCounts:
         self._settings = stats.settings
         self._names = [name for name, _ in stats.settings]
         if now:
-            flags = stats.settings_mismatch().tolist() if stats.settings else []  # host read: step() reads anyway
-            return stats.read_counts(), [n for n, f in zip(self._names, flags) if f]
+            if not self._names:
+                return stats.read_counts(), []
+            values = stats.disagreement().tolist()  # one host read, the counts and the flags: step() reads anyway
+            stats.host_counts = [int(c) for c in values[:self.world_size]]
+            return stats.host_counts, [n for n, f in zip(self._names, values[self.world_size:]) if f]
         numel = self.world_size + len(self._names)
         if self._mailbox is None or self._mailbox_numel != numel:
             self._mailbox, self._mailbox_numel = HostMailbox(numel, torch.float64, self.device), numel
