@@ -2,7 +2,8 @@
 // adamw.cpp; registered in module.cpp, the CUDA kernel in csrc/cuda/cuda_ops.cu).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <vector>

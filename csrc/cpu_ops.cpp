@@ -4,7 +4,8 @@
 // Contracts at the top, one dtype dispatch per op, at::parallel_for over fixed-size blocks, the GIL
 // released, and the vector ISA chosen at run time (cpu_kernels.h). GAENGINE_CPU_ISA=auto|avx2|portable
 // (read once, at the first call) forces a path, for testing the fallback on an AVX2 machine.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 

@@ -1,5 +1,7 @@
 // Gradient accumulation fusion: fused_linear's autograd formula and wgrad_accumulate_'s CPU kernel (wgrad.h).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 

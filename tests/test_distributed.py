@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import signal
 import sys
 import time
 import traceback
@@ -12,12 +13,12 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gaengine
 from gaengine.reduce import BucketReducer
 from tests import poison
+from tests.ranks import spawn_ranks
 from tests.tolerances import (mean_rtol, recipe_grad_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
                               unit_roundoff, update_rtol)
 
@@ -229,20 +230,12 @@ def _worker(rank, world, init_file, scenario, out, timeout_s):
 
 
 def _launch(tmp_path, world, scenario, timeout_s=60, join_s=120):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), scenario, str(tmp_path), timeout_s))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{scenario}: {len(alive)} rank(s) hung"
-    return [p.exitcode for p in procs], [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists()
-                                         else None for r in range(world)]
+    """``scenario`` on ``world`` gloo ranks (``_worker``, started by ``tests.ranks.spawn_ranks``): their exit codes
+    and the results they saved, in rank order (None for a rank that saved none)."""
+    codes = spawn_ranks(_worker, world, (str(tmp_path / "store"), scenario, str(tmp_path), timeout_s), join_s=join_s)
+    assert -signal.SIGKILL not in codes, f"{scenario}: rank(s) hung (killed after {join_s} s): exit codes {codes}"
+    return codes, [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists()
+                   else None for r in range(world)]
 
 
 # ---------------------------------------------------------------- tests

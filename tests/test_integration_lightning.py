@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import grad_norm  # noqa: E402
 
 import gaengine  # noqa: E402
 from gaengine.integrations.lightning import GaenginePrecision, GaengineStrategy  # noqa: E402
-from tests.ranks import free_port  # noqa: E402
+from tests.ranks import free_port, spawn_ranks  # noqa: E402
 from tests.tolerances import RTOL as DTYPE_RTOL, rel_diff  # noqa: E402
 
 N_FEATURES, BATCH, LR, MOMENTUM, GAMMA = 5, 2, 0.2, 0.5, 0.9
@@ -938,10 +938,8 @@ def test_two_gloo_processes(tmp_path):
     partial last window), clipped and bf16 in the second case. The model is not wrapped in DDP; every rank ends
     with the parameters of the single-process recipe over the global micro-batches of 4 samples; ``validate()``
     on the fitting Trainer then gives each rank the mean-squared error of its samples under those parameters."""
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / "res")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    assert spawn_ranks(_rank_main, 2, (free_port(), out), join_s=240) == [0, 0]
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     x, y = _data(40)
     for name, k, clip, dtype in (("K3", 3, None, torch.float32), ("K4-clip-bf16", 4, 0.05, torch.bfloat16)):

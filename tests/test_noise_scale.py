@@ -16,18 +16,17 @@ import io
 import math
 import os
 import sys
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gaengine
 from gaengine.schedules import Adaptive
 from tests.conftest import seeded_randn
+from tests.ranks import spawn_ranks
 from tests.tolerances import gamma, network_rtol, rel_diff, split_batch_rtol
 
 
@@ -244,19 +243,8 @@ def test_matches_fp64_oracle_two_ranks(tmp_path, mode, zero_stage):
     across ranks. With zero_stage 1 and 2 the same: each rank measures its micro-batches as they are accumulated
     (before any reduce-scatter), the window's norm comes from the shards."""
     world = 2
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_worker, args=(r, world, str(tmp_path / "store"), mode, str(tmp_path),
-                                                    zero_stage))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 180
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    codes = spawn_ranks(_rank_worker, world, (str(tmp_path / "store"), mode, str(tmp_path), zero_stage), join_s=180)
+    assert codes == [0, 0]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     worst = _check_against_oracle(results, mode)
     print(f"oracle, 2 ranks, zero_stage {zero_stage}, {mode}: max relative error {worst:.2e}")

@@ -12,9 +12,11 @@ under gdb: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> ``TensorI
 and hold their tensors until the backend has let go of them (``gaengine.reduce.Collective``), and
 ``overlap_param_gather``'s gathers are waited at interpreter exit (``weakref.finalize``).
 
-The scripts run as fresh pairs of processes (``tests/zero_exit_child.py``) beside a process spinning on one core.
-Before the fix, the ``step`` pattern aborted in 4 of 15 runs and ``overlap`` in 2 of 15 on a 2-core machine
-(the reported ``dcp`` pattern in none of about 250); after it, none of 75 runs each.
+The scripts run as fresh pairs of processes (``tests/zero_exit_child.py``) that share one core: both ranks, and
+their gloo threads, pinned to it, as when another process keeps the machine's other core busy. Before the fix, the
+``step`` pattern aborted in 4 of 15 runs and ``overlap`` in 2 of 15 on a 2-core machine beside a process spinning
+on the other core (the reported ``dcp`` pattern in none of about 250); after it, none of 75 runs each. Pinning
+gives the ranks the same one core without spending the other on spinning, which the rest of the suite runs on.
 """
 
 from __future__ import annotations
@@ -32,38 +34,40 @@ from tests.test_distributed import _launch as launch_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-PROGRESS_NOTE = "25 two-rank training scripts started fresh beside a busy core (each must exit 0), 3 to 4 minutes"
+PROGRESS_NOTE = "25 two-rank training scripts started fresh on one shared core (each must exit 0), 3 to 4 minutes"
 
 CHILD = os.path.join(os.path.dirname(__file__), "zero_exit_child.py")
 K = 2
 
 
 # ---------------------------------------------------------------- scripts ending without acc.close()
+def _one_core() -> int:
+    """The core the ranks share: the last one this process may run on."""
+    return max(os.sched_getaffinity(0))
+
+
 def _run_scripts(tmp_path, pattern: str, runs: int) -> list[str]:
-    """``runs`` fresh 2-rank runs of ``tests/zero_exit_child.py PATTERN``, one after the other, with one core kept
-    busy; returns what went wrong (a non-zero exit, or ``terminate called`` in a rank's stderr)."""
+    """``runs`` fresh 2-rank runs of ``tests/zero_exit_child.py PATTERN``, one after the other, both ranks pinned to
+    one core; returns what went wrong (a non-zero exit, or ``terminate called`` in a rank's stderr)."""
     root = os.path.dirname(os.path.dirname(gaengine.__file__))  # the children import the gaengine tested here
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the reporter's busy core
+    core = _one_core()
     failures = []
-    try:
-        for run in range(runs):
-            d = tmp_path / f"{pattern}{run}"
-            d.mkdir()
-            procs = [subprocess.Popen([sys.executable, CHILD, str(rank), str(d / "store"), str(d), pattern],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-                     for rank in range(2)]
-            for rank, proc in enumerate(procs):
-                try:
-                    _, err = proc.communicate(timeout=300)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    _, err = proc.communicate()
-                if proc.returncode != 0 or "terminate called" in err:
-                    failures.append(f"{pattern} run {run} rank {rank}: exit code {proc.returncode}\n{err[-2000:]}")
-    finally:
-        busy.kill()
-        busy.wait()
+    for run in range(runs):
+        d = tmp_path / f"{pattern}{run}"
+        d.mkdir()
+        procs = [subprocess.Popen([sys.executable, CHILD, str(rank), str(d / "store"), str(d), pattern],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                  preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+                 for rank in range(2)]
+        for rank, proc in enumerate(procs):
+            try:
+                _, err = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode != 0 or "terminate called" in err:
+                failures.append(f"{pattern} run {run} rank {rank}: exit code {proc.returncode}\n{err[-2000:]}")
     return failures
 
 

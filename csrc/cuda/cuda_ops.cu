@@ -4,7 +4,8 @@
 // The kernels are in kernels.cuh; this file holds the contracts (all checked before any launch), the dtype dispatch
 // and the launches on the current stream, and registers them (the end of the file). No op syncs the host or
 // allocates beyond its outputs (adamw_step_: one 4-byte counter per device and stream, allocated at its first use).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
