@@ -254,8 +254,8 @@ def _add_verify_parser(subparsers) -> None:
                     "(gaengine.verify_equivalence): the engine's gradient against the micro-batch gradients summed "
                     "in fp64, within a bound derived from the dtype's rounding (u = 2^-8 bf16, 2^-11 fp16, 2^-24 "
                     "fp32); and that sum against the whole batch's gradient, within rtol 1e-5 (fp32), 2^-3 (bf16) "
-                    "or 2^-6 (fp16). Prints the verdict with its reason, the bounds and a per-parameter table; "
-                    "exit status 1 when a check fails.",
+                    "or 2^-6 (fp16). Prints the verdict with its reason, the bounds, a per-parameter table (each "
+                    "difference as a ratio to its bound: ok up to 1) and a legend; exit status 1 when a check fails.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences in the whole batch")
