@@ -207,9 +207,11 @@ def optional_build_ext(base, cpu_fallback, strict, log=print, heartbeat_s=HEARTB
                 self.compiler, self.inplace = compiler, inplace
                 sources = [src for ext in self.extensions for src in ext.sources]
                 since = time.time()
-                progress = lambda elapsed_s: compile_progress(  # noqa: E731
-                    sources, getattr(self, "build_temp", None), since, elapsed_s,
-                    getattr(self.compiler, "obj_extension", None) or ".o")
+
+                def progress(elapsed_s):  # on the heartbeat's thread, while base.run compiles
+                    return compile_progress(sources, getattr(self, "build_temp", None), since, elapsed_s,
+                                            getattr(self.compiler, "obj_extension", None) or ".o")
+
                 with BuildHeartbeat(progress, heartbeat_s, heartbeat_log):
                     base.run(self)
 

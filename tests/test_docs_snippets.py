@@ -173,7 +173,7 @@ def test_the_documented_defaults_are_the_constructors(page):
     defaults = {f.name: f.default for f in dataclasses.fields(AccumulatorConfig)}
     defaults.update({name: p.default for name, p in inspect.signature(GradientAccumulator).parameters.items()
                      if p.default is not inspect.Parameter.empty})
-    documented = {kw.arg: eval(compile(ast.Expression(kw.value), page, "eval"), {"torch": torch})  # noqa: S307
+    documented = {kw.arg: eval(compile(ast.Expression(kw.value), page, "eval"), {"torch": torch})
                   for kw in call.keywords}
     assert len(documented) >= 15
     assert {name: defaults.get(name, "<no such argument>") for name in documented} == documented

@@ -491,7 +491,7 @@ def _mode(config, world: int) -> str:
     if world == 1:
         return ("mode: one process (1 rank), nothing sharded or all-reduced" if not config.zero_stage else
                 f"mode: one process (1 rank), nothing sharded (--zero-stage {config.zero_stage} shards under torchrun)")
-    name = "FSDP2" if config.fsdp else ("ZeRO-%d" % config.zero_stage if config.zero_stage else "replicated")
+    name = "FSDP2" if config.fsdp else (f"ZeRO-{config.zero_stage}" if config.zero_stage else "replicated")
     return f"mode: {name} over {world} ranks ({_MODES[name]})"
 
 
