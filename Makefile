@@ -5,7 +5,8 @@
 #   1. $(VENV)              the virtualenv
 #   2. $(DEPS_STAMP)        torch ($(TORCH_SPEC)) and the build tools; redone when TORCH_SPEC changes
 #   3. $(BUILD_STAMP)       `pip install -e ".[dev]"`: compiles gaengine._C from csrc/ (1-3 minutes, its
-#                           progress shown, the whole log in $(BUILD_LOG)); redone when csrc/, setup.py,
+#                           progress shown: a line per file compiled and, while one still compiles, one every
+#                           30 s; the whole log in $(BUILD_LOG)); redone when csrc/, setup.py,
 #                           pyproject.toml or torch changed, or when the compiled module is missing
 #   4. `gaengine info`      what was built and what loads: gaengine._C, CPU ops, CUDA kernels, hooks, triton
 # TORCH_SPEC pins the torch build; override it for a CUDA machine, e.g.
@@ -69,10 +70,11 @@ $(DEPS_STAMP): $(SPEC_FILE)
 	@touch $@
 
 # The build's progress, as it happens (sed -u): ninja's [k/n] line per source file, setup.py's own
-# "gaengine: ..." lines (each once: setup.py runs twice), compiler errors; everything in $(BUILD_LOG).
+# "gaengine: ..." lines (each once: setup.py runs twice; among them its "still compiling <files> (1 min 30 s;
+# ...)" line every 30 s while the compiler is silent), compiler errors; everything in $(BUILD_LOG).
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
 	@echo "== building gaengine._C from csrc/ and installing gaengine (editable) into $(VENV): 1-3 minutes"
-	@echo "   compiler progress below; the whole log: $(BUILD_LOG)"
+	@echo "   compiler progress below (a line every 30 s at least); the whole log: $(BUILD_LOG)"
 	@rm -f gaengine/_C*.so  # so that a failed build cannot leave an older module looking current
 	@$(PIP) --no-build-isolation -v -e ".[dev]" 2>&1 | tee $(BUILD_LOG) \
 	  | sed -nuE -e 's#$(CURDIR)/##g' \

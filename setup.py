@@ -12,6 +12,10 @@ leaves them out). An older toolkit or torch gets the CPU ops alone, and a line t
 kernels pass up to 27.7 KB of kernel parameters by value (``csrc/cuda/README.md``). Architectures come from
 ``TORCH_CUDA_ARCH_LIST`` (torch's default: the visible GPUs, or its list).
 
+Progress: ninja prints a ``[k/n]`` line as each source file is compiled, and while one is still compiling (a
+file can take minutes on a busy 2-core machine), a line every ``HEARTBEAT_S`` seconds names the files not yet
+compiled and the time so far (``BuildHeartbeat``); ``make install`` shows both.
+
 setuptools runs this file as ``__main__``; importing it under another name (the tests) defines the helpers
 and builds nothing.
 """
@@ -22,6 +26,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 from setuptools import setup
 
@@ -31,6 +37,9 @@ MIN_CUDA = (12, 1)
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-lineinfo"]  # no fast math: the numerics are the contract
 LINK_FLAGS = ["-fopenmp"]
+# Seconds between two progress lines while the build is silent (a file compiling, the link): 30 at most, so
+# that a build that takes minutes per file never looks hung.
+HEARTBEAT_S = 30.0
 
 
 def parse_cuda_version(text):
@@ -103,13 +112,86 @@ def build_with_fallback(attempts, strict, log=print):
     return None
 
 
+def format_elapsed(seconds):
+    """``45 s``, ``1 min 30 s``: a duration in whole seconds, as the build's progress lines give it."""
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def compile_progress(sources, build_temp, since, elapsed_s, obj_extension=".o", most=2):
+    """The build's progress line: which of ``sources`` are not compiled yet, ``elapsed_s`` into the build.
+
+    sources: the extension's source paths as setuptools holds them (``csrc/hot_path.cpp``). build_temp: the folder
+    the objects go to, ``<build_temp>/<source without its extension><obj_extension>``, as setuptools' compiler names
+    them. since: the build's start (``time.time()``); an object written more than a second before it (slack for a
+    file system's coarse timestamps) is from an earlier build. A source counts as compiled once its object is
+    written (the compiler writes it when done); those left are compiling or queued (ninja runs several at once).
+    elapsed_s: seconds since the build started. most: how many of those left are named. When none is left, the
+    line says the module is being linked.
+    """
+    left = []
+    for src in sources:
+        obj = os.path.join(build_temp or "", os.path.splitext(src)[0] + obj_extension)
+        try:
+            done = os.path.getmtime(obj) >= since - 1.0
+        except OSError:
+            done = False
+        if not done:
+            left.append(src)
+    took = format_elapsed(elapsed_s)
+    if not left:
+        return f"gaengine: still linking gaengine._C ({took})"
+    named = ", ".join(left[:most]) + (f" and {len(left) - most} more" if len(left) > most else "")
+    return f"gaengine: still compiling {named} ({took}; {len(sources) - len(left)} of {len(sources)} done)"
+
+
+class BuildHeartbeat:
+    """A progress line every ``interval_s`` seconds while the ``with`` body runs (a build step that prints
+    nothing for minutes), from a daemon thread.
+
+    describe: ``describe(elapsed_s) -> str``, the line (e.g. ``compile_progress``), called on the thread.
+    log: where each line goes; the default prints and flushes (pip pipes the build's stdout, and a line left in
+    Python's buffer would show only when the build ends). clock: seconds, ``time.monotonic``.
+    """
+
+    def __init__(self, describe, interval_s=HEARTBEAT_S, log=None, clock=time.monotonic):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0 seconds, got {interval_s!r}")
+        self.describe, self.interval_s, self.clock = describe, interval_s, clock
+        self.log = log or (lambda line: print(line, flush=True))
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _beat(self, start):
+        while not self._stop.wait(self.interval_s):
+            try:
+                line = self.describe(self.clock() - start)
+            except Exception as exc:  # noqa: BLE001 - a progress line must never stop the build
+                line = f"gaengine: still building gaengine._C (progress unknown: {exc})"
+            self.log(line)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._beat, args=(self.clock(),), name="gaengine-build-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
 # The configuration an Extension carries (what CppExtension / CUDAExtension fill in), copied for the retry.
 _EXTENSION_CONFIG = ("sources", "include_dirs", "define_macros", "undef_macros", "library_dirs", "libraries",
                      "runtime_library_dirs", "extra_objects", "extra_compile_args", "extra_link_args", "language")
 
 
-def optional_build_ext(base, cpu_fallback, strict, log=print):
+def optional_build_ext(base, cpu_fallback, strict, log=print, heartbeat_s=HEARTBEAT_S, heartbeat_log=None):
     """A ``build_ext`` over ``base`` (torch's ``BuildExtension``) for the one extension ``gaengine._C``.
+
+    Each build attempt runs under a ``BuildHeartbeat``: every ``heartbeat_s`` seconds a ``compile_progress``
+    line (files not compiled yet, time so far) goes to ``heartbeat_log`` (default: printed and flushed).
 
     cpu_fallback: the CPU-only configuration (a ``CppExtension``) to rebuild as when the build with CUDA kernels
     fails, or ``None`` when the extension is already CPU-only. Not strict: a last failure leaves a pure-Python
@@ -123,7 +205,15 @@ def optional_build_ext(base, cpu_fallback, strict, log=print):
 
             def build():
                 self.compiler, self.inplace = compiler, inplace
-                base.run(self)
+                sources = [src for ext in self.extensions for src in ext.sources]
+                since = time.time()
+
+                def progress(elapsed_s):  # on the heartbeat's thread, while base.run compiles
+                    return compile_progress(sources, getattr(self, "build_temp", None), since, elapsed_s,
+                                            getattr(self.compiler, "obj_extension", None) or ".o")
+
+                with BuildHeartbeat(progress, heartbeat_s, heartbeat_log):
+                    base.run(self)
 
             def build_cpu_only():
                 for ext in self.extensions:

@@ -55,6 +55,7 @@ def test_train_in_process(tmp_path, capsys):
     for label in ("updates", "tokens/s (train)", "final train loss", "validation loss", "grad norm min/max", "peak memory"):
         assert label in stdout
     assert "torch threads 1 (--threads)" in stdout
+    assert "\nmode: one process (1 rank), nothing sharded or all-reduced\n" in stdout
     config = json.loads((out / "config.json").read_text())
     assert config["accumulation_steps"] == 2 and config["torch_threads"] == 1
 
@@ -206,6 +207,66 @@ def test_torchrun_two_ranks(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3]
     assert train[-1]["tokens"] == 3 * 2 * 2 * 16 * 2  # both ranks' tokens
     assert proc.stdout.count("2 rank(s)") == 1  # one summary, from rank 0
+    assert proc.stdout.count("\nmode: replicated over 2 ranks (") == 1
+
+
+@pytest.mark.parametrize("zero_stage, fsdp, world, mode", [
+    (0, False, 1, "one process (1 rank), nothing sharded or all-reduced"),
+    (2, False, 1, "one process (1 rank), nothing sharded (--zero-stage 2 shards under torchrun)"),
+    (0, False, 4, "replicated over 4 ranks"), (1, False, 2, "ZeRO-1 over 2 ranks"),
+    (2, False, 8, "ZeRO-2 over 8 ranks"), (0, True, 2, "FSDP2 over 2 ranks"),
+], ids=["one", "one-zero2", "replicated", "zero1", "zero2", "fsdp2"])
+def test_summary_names_the_mode_and_the_world_size(zero_stage, fsdp, world, mode):
+    """The run summary's ``mode:`` line (issue 34): the strategy the run used and over how many ranks, within 100
+    columns. (The runs under torchrun check it in place: test_torchrun_two_ranks, test_zero's and test_fsdp2's.)"""
+    from gaengine.tools.cli import _mode
+    from gaengine.tools.train import TrainConfig
+
+    line = _mode(TrainConfig(zero_stage=zero_stage, fsdp=fsdp), world)
+    assert line.startswith(f"mode: {mode}") and len(line) <= 100
+
+
+@pytest.mark.multiproc
+def test_torchrun_refusal_is_one_line_per_rank(tmp_path):
+    """`torchrun --nproc-per-node 2 -m gaengine train --compare` (gloo on CPU) is refused: each rank prints one
+    line naming itself and the reason, no usage text and no Python traceback of its own, and exits with status 2;
+    torchrun's own report (its ChildFailedError) names that line as the root cause, not a link to its docs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "gaengine", "train", "--compare", "--steps", "1", *TINY, "--out", str(tmp_path / "run"),
+           "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    reason = "--compare runs the single-process plain recipe; run it without torchrun"
+    lines = proc.stderr.splitlines()
+    for rank in (0, 1):
+        assert lines.count(f"gaengine train: rank {rank}: {reason}") == 1, proc.stderr[-3000:]
+    assert not [line for line in lines if line.startswith("gaengine train: ") and ": rank " not in line]
+    assert "usage:" not in proc.stderr and "_UsageError" not in proc.stderr and "SystemExit" not in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") <= 1  # torchrun's ChildFailedError, if any
+    assert "exitcode  : 2 " in proc.stderr  # the first rank to exit: status 2 (torchrun may stop the other)
+    assert f"traceback : gaengine train: rank 1: {reason}" in proc.stderr or \
+        f"traceback : gaengine train: rank 0: {reason}" in proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before any output
+
+
+def test_refusal_under_torchrun_names_the_rank(tmp_path, capsys, monkeypatch):
+    """In one process with torchrun's environment (RANK=1 of WORLD_SIZE=2): an argument error and an engine's
+    refusal are each one line naming the rank, no usage text; the line also goes to torchrun's error file."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.splitlines() == [
+        "gaengine train: rank 1: argument --dtype: invalid choice: 'fp8' (choose from 'auto', 'bf16', 'fp16', 'fp32')"]
+    record = json.loads(error_file.read_text())
+    assert record["message"]["extraInfo"]["py_callstack"] == err.strip()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "1", *TINY, "--n-heads", "3", "--out", str(tmp_path / "run")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "gaengine train: rank 1: n_heads (3) must divide d_model (32)\n"
 
 
 def test_auto_micro_batch_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys):

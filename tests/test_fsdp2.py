@@ -712,6 +712,7 @@ def test_gaengine_train_fsdp_under_torchrun(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("sharded with") == 1 and proc.stdout.count("2 rank(s)") == 1  # one summary, rank 0's
+    assert proc.stdout.count("\nmode: FSDP2 over 2 ranks (") == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3] and not any(r["skipped"] for r in train)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -361,14 +362,43 @@ def test_report_table_and_str():
     assert lines[4].endswith("K = 3, u = 2^-24 (fp32)")
     assert lines[5].startswith("  whole batch vs the micro-batches: FAIL in ")
     assert lines[6].startswith(f"    worst {report.worst!r} at ") and lines[7].endswith("rtol = 1.0e-05 (fp32)")
-    assert lines[8].split() == ["parameter", "shape", "dtype", "max", "abs", "diff", "max", "rel", "diff", "abs",
-                                "bound", "engine/bound"]
-    assert len(lines) == 10 + len(report.parameters)
+    assert re.split(r"\s{2,}", lines[8]) == list(TABLE_COLUMNS)
+    assert lines[10 + len(report.parameters)].startswith("max |diff|: ")  # the legend follows the rows
     row = next(line for line in lines if line.startswith("fc.weight"))
     assert "16x12" in row and "fp32" in row and row.endswith("FAIL")
     assert report.table() in text and report.summary() in text
     ok = verify_equivalence(MLP(), _mse, _regression(8), 2, backend="torch")
     assert str(ok).startswith("gradient equivalence PASSED\n  2 micro-batches of 4 rows")
+
+
+TABLE_COLUMNS = ("parameter", "shape", "dtype", "max |diff|", "abs bound", "setup/bound", "engine/bound", "result")
+
+
+def test_table_names_every_column_and_says_what_ok_is_held_to():
+    """Issue 34: every column of the table has a name (the verdict's too), each measured one is explained in a
+    legend below the table, with what "ok" is held to, and the ratio to the bound is a column of its own, so a bf16
+    row at 0.996 of its bound reads as the rounding it is. The ratios are checked against the report's raw
+    numbers (max |diff| / abs bound; the engine's badness)."""
+    torch.manual_seed(0)
+    report = verify_equivalence(BNNet(), _mse, _regression(10), 3, backend="torch")
+    lines = report.table().splitlines()
+    header, rule = lines[0], lines[1]
+    assert re.split(r"\s{2,}", header) == list(TABLE_COLUMNS)
+    assert len(rule.split()) == len(TABLE_COLUMNS)  # one rule per column: none without a name
+    rows, legend = lines[2:2 + len(report.parameters)], lines[2 + len(report.parameters):]
+    for d, row in zip(report.parameters, rows):
+        cells = re.split(r"\s{2,}", row)
+        assert len(cells) == len(TABLE_COLUMNS) and cells[0] == d.name
+        assert float(cells[5]) == pytest.approx(d.max_abs / d.bound, rel=5e-3)
+        assert float(cells[6]) == pytest.approx(d.engine_badness, rel=5e-3)
+        assert cells[7] == ("ok" if d.max_abs <= d.bound and d.engine_badness <= 1 else "FAIL")
+    assert [line.split(" ")[0] for line in legend if not line.startswith("  ")] == \
+        ["max", "engine/bound:", "result:"]
+    text = "\n".join(legend)
+    for column in TABLE_COLUMNS[3:]:
+        assert f"{column}:" in text, column  # each measured column and the verdict explained
+    assert "result: ok when both ratios are <= 1, the most that rounding explains" in text
+    assert all(len(line) <= 100 for line in legend)
 
 
 # ---------------------------------------------------------------- bad input

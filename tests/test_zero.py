@@ -582,6 +582,8 @@ def test_gaengine_train_zero_stage_under_torchrun(tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
+        mode = "ZeRO-1" if stage else "replicated"
+        assert proc.stdout.count(f"\nmode: {mode} over 2 ranks (") == 1  # the summary names the mode (issue 34)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[stage] = [r["loss"] for r in records if r["kind"] == "train"]
         assert len(losses[stage]) == 3

@@ -43,6 +43,53 @@ class _UsageError(Exception):
     """A bad combination of arguments found after parsing; reported like an argparse error (status 2)."""
 
 
+def _torchrun_rank() -> Optional[int]:
+    """This process's rank when a launcher started several (torchrun sets ``RANK`` and ``WORLD_SIZE`` > 1), else
+    ``None``: read from the environment, so it is known before argument parsing and any process group."""
+    import os
+
+    try:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
+    return rank if world > 1 else None
+
+
+def _refuse(command: str, message: str, status: int) -> int:
+    """Report a refusal (a usage error, a configuration the engine rejects) on stderr, one line, no traceback, and
+    return ``status``. Under torchrun the line names the rank, ``gaengine train: rank 1: <message>``, and goes to
+    torchrun's error file too (``TORCHELASTIC_ERROR_FILE``, which the launcher sets for each rank), so that the
+    ``ChildFailedError`` report torchrun prints after the ranks exit names it as the root cause instead of a link
+    to its documentation. Alone: ``gaengine train: error: <message>``."""
+    import os
+
+    rank = _torchrun_rank()
+    line = f"{command}: {'error' if rank is None else f'rank {rank}'}: {message}"
+    sys.stderr.write(line + "\n")  # one write: the ranks' lines do not interleave (torchrun runs python -u)
+    sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if rank is not None else None
+    if error_file:
+        # The layout torch.distributed.elastic's @record writes (ErrorHandler.record_exception), with the line in
+        # place of the traceback: the launcher's report prints "traceback : <the line>" for the rank.
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                             "timestamp": str(int(time.time()))}}}
+        try:
+            Path(error_file).write_text(json.dumps(record))
+        except OSError:
+            pass  # the line above is the report; torchrun's is only the better for the file
+    return status
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors under torchrun are one line naming the rank (:func:`_refuse`) instead of
+    the usage text and the error from every rank; alone, argparse's usage and error as usual (status 2)."""
+
+    def error(self, message: str):
+        if _torchrun_rank() is None:
+            super().error(message)
+        sys.exit(_refuse(self.prog, message, 2))
+
+
 def _number(kind: type, accept: Callable[[float], bool], requirement: str) -> Callable[[str], float]:
     """An argparse ``type``: ``kind(text)`` (``int`` or ``float``), finite and accepted by ``accept``; else an
     ``ArgumentTypeError`` that says what was expected (``requirement``, e.g. ``"must be >= 1"``)."""
@@ -207,8 +254,8 @@ def _add_verify_parser(subparsers) -> None:
                     "(gaengine.verify_equivalence): the engine's gradient against the micro-batch gradients summed "
                     "in fp64, within a bound derived from the dtype's rounding (u = 2^-8 bf16, 2^-11 fp16, 2^-24 "
                     "fp32); and that sum against the whole batch's gradient, within rtol 1e-5 (fp32), 2^-3 (bf16) "
-                    "or 2^-6 (fp16). Prints the verdict with its reason, the bounds and a per-parameter table; "
-                    "exit status 1 when a check fails.",
+                    "or 2^-6 (fp16). Prints the verdict with its reason, the bounds, a per-parameter table (each "
+                    "difference as a ratio to its bound: ok up to 1) and a legend; exit status 1 when a check fails.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences in the whole batch")
@@ -246,7 +293,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gaengine`` argument parser, one subparser per command."""
-    parser = argparse.ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
+    parser = _ArgumentParser(prog="gaengine", description="gaengine: gradient accumulation engine for PyTorch")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(subparsers)
     bench.add_parser(subparsers)
@@ -430,6 +477,24 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+_MODES = {
+    "replicated": "the whole model state on every rank; gradients all-reduced",
+    "ZeRO-1": "masters and optimizer state sharded over the ranks",
+    "ZeRO-2": "gradient sum, masters and optimizer state sharded over the ranks",
+    "FSDP2": "parameters, gradients and optimizer state sharded over the ranks",
+}
+
+
+def _mode(config, world: int) -> str:
+    """The summary's ``mode:`` line: how the run was spread over ``world`` processes (replicated, ZeRO-1, ZeRO-2
+    or FSDP2: docs/sharding.md, docs/fsdp2.md) and what each rank holds."""
+    if world == 1:
+        return ("mode: one process (1 rank), nothing sharded or all-reduced" if not config.zero_stage else
+                f"mode: one process (1 rank), nothing sharded (--zero-stage {config.zero_stage} shards under torchrun)")
+    name = "FSDP2" if config.fsdp else (f"ZeRO-{config.zero_stage}" if config.zero_stage else "replicated")
+    return f"mode: {name} over {world} ranks ({_MODES[name]})"
+
+
 def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
     """The end-of-run table: one column per recipe, plus the gap when there are two."""
     rows = [
@@ -467,6 +532,7 @@ def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
         fill(f"batch: {config.micro_batch_size} x {config.seq_len} bytes per micro-batch, K={config.accumulation_steps}"
              + (f" then {config.accumulation_schedule}" if config.accumulation_schedule else "") + ", "
              f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update"),
+        fill(_mode(config, world)),
         fill(f"optimizer: AdamW, lr {config.lr:g}, max_grad_norm {config.max_grad_norm}"
              + (f"; torch threads {threads}" if threads else "")),
         fill(f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
@@ -537,6 +603,31 @@ def _train(args: argparse.Namespace, threads: str) -> int:
         raise _UsageError(str(e)) from None
 
     rank, world = _init_distributed(device, args.dist_timeout)
+    try:
+        try:
+            _check_ranks(args, config, world)
+        except _UsageError as e:
+            if world == 1:
+                raise
+            # These refusals read only the arguments and the world size, so every rank makes the same one: each
+            # prints its line, then waits for the others to have printed theirs before it exits (torchrun stops
+            # the ranks still running as soon as one exits).
+            import torch.distributed as dist
+
+            _refuse("gaengine train", str(e), 2)
+            dist.barrier()
+            sys.exit(2)
+        _run(args, config, corpus, dtype, rank, world, threads)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+def _check_ranks(args: argparse.Namespace, config: TrainConfig, world: int) -> None:
+    """The refusals that depend on the number of ranks (``world``), made once the process group is up."""
     if args.compare and config.accumulation_schedule is not None:
         raise _UsageError("--compare trains the plain recipe at a fixed K; run it without --accumulation-schedule")
     try:
@@ -551,6 +642,13 @@ def _train(args: argparse.Namespace, threads: str) -> int:
     if world > 1 and args.auto_micro_batch:
         raise _UsageError("--auto-micro-batch is single-process only (an out-of-memory error on one rank "
                           "would leave the others waiting in the all-reduce)")
+
+
+def _run(args: argparse.Namespace, config: TrainConfig, corpus, dtype: DtypeChoice, rank: int, world: int,
+         threads: str) -> None:
+    """Train (the engine, then with --compare the plain recipe), print the summary and write the outputs."""
+    import torch
+
     out_dir = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     reporter = _Reporter(out_dir, args.quiet, enabled=rank == 0)
     reporter.print(fill(f"gaengine train: {dtype.reason}"))
@@ -570,11 +668,6 @@ def _train(args: argparse.Namespace, threads: str) -> int:
             reporter.print(fill(f"wrote {out_dir / 'metrics.jsonl'}, {plot}"))
     finally:
         reporter.close()
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-    return 0
 
 
 def _init_distributed(device: str, timeout_s: float) -> tuple[int, int]:
@@ -597,18 +690,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``gaengine`` console script; returns the exit status.
 
     Usage errors exit with status 2 (argparse's convention, raised as ``SystemExit``); a configuration the
-    engine rejects returns 1 after printing its ``ValueError`` message.
+    engine rejects returns 1 after printing its ``ValueError`` message. Either is one line on stderr, no
+    traceback: ``gaengine train: error: <message>``, or under torchrun, from each rank that refuses,
+    ``gaengine train: rank N: <message>`` (:func:`_refuse`).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = f"gaengine {args.command}"
     try:
         return args.func(args)
     except _UsageError as e:
-        parser.exit(2, f"gaengine {args.command}: error: {e}\n")
+        sys.exit(_refuse(command, str(e), 2))
     except ValueError as e:
         # A configuration error raised by the engine (e.g. accumulation_steps=0): the message, no traceback.
-        print(f"gaengine {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return _refuse(command, str(e), 1)
 
 
 if __name__ == "__main__":  # pragma: no cover
