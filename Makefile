@@ -47,10 +47,12 @@ demo: install
 
 # The suite on $(TEST_WORKERS) pytest-xdist workers (auto: one per core), a file's tests on one worker (--dist
 # loadfile: a module's fixtures are built once), the files with multi-process or slow tests handed out first
-# (tests/conftest.py). TEST_WORKERS=0 runs it in this process.
+# (tests/conftest.py; --no-loadscope-reorder keeps that order, where xdist would hand out the files with the most
+# tests first and leave a few-test, minutes-long file to run alone at the end). TEST_WORKERS=0 runs it in this
+# process.
 TEST_WORKERS ?= auto
 test: install
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(VPY) benchmarks/bench_accumulate.py
