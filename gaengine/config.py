@@ -192,11 +192,13 @@ class AccumulatorConfig:
     bias gradient into the parameter's main_grad slice with one fp32 GEMM: no bf16/fp16 weight gradient is
     materialized (saves its memory and 4 of 12 B per weight element and micro-batch), and each micro-batch's dW is
     exact to fp32 rounding instead of rounded to the parameter's dtype (``gaengine.fusion``, docs/fusion.md). Needs
-    ``model`` as an ``nn.Module`` with its parameters on the CPU (the kernel of the ``cpu`` backend; CUDA and Triton
-    kernels are not built yet) and the native hooks; under ``torch.autocast`` a layer runs unfused. ``ValueError``
+    ``model`` as an ``nn.Module`` with its parameters on the CPU (the C++ kernel) or on CUDA (the Triton kernel
+    ``gaengine.kernels.wgrad``, launched from Python once per Linear in backward; needs triton) and the native hooks;
+    under ``torch.autocast`` a layer runs unfused. ``ValueError``
     naming ``gradient_accumulation_fusion`` unless a bool, with ``zero_stage`` > 0 (the sharded gradient cannot take
     a full-size GEMM output), with ``measure_noise_scale`` (the fused gradients bypass the per-micro-batch norms),
-    and where the accumulator cannot fuse (an FSDP2 model, CUDA parameters, the ``torch`` or ``triton`` backend)."""
+    and where the accumulator cannot fuse (an FSDP2 model, CUDA parameters without triton, the ``torch`` or
+    ``triton`` backend)."""
 
     def __post_init__(self) -> None:
         for name in ("master_weights", "broadcast_buffers", "measure_noise_scale", "overlap_param_gather",

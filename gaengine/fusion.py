@@ -15,9 +15,16 @@ factor is in ``dY`` already (``acc.backward`` scales the loss), as it is in the 
 Megatron-Core's ``gradient_accumulation_fusion`` (apex ``wgrad_gemm_accum_fp32``) and TransformerEngine's
 ``fuse_wgrad_accumulation`` do the same for their own layer classes (``/work/shared/research/wgrad_fusion.md``).
 
+Kernels of ``wgrad_accumulate_``: on CPU tensors the C++ one (``csrc/wgrad.cpp``); on CUDA tensors the Triton one
+(``gaengine/kernels/wgrad.py``: an fp32-accumulator GEMM whose epilogue loads and adds C), which
+``register_triton_wgrad`` registers under the op's CUDA dispatch key when gaengine._C has no CUDA kernel for it (it
+has none so far), so ``HotPath``'s dispatch in ``fused_linear``'s backward reaches it. That kernel launches from
+Python: one launch per fused Linear in backward, with the host time of a Python call (the cuBLAS kernel of
+``csrc/cuda`` that would avoid it is not written yet).
+
 What it needs (``check_fusion``, ``ValueError`` naming ``gradient_accumulation_fusion``): ``model`` as an
-``nn.Module``, CPU parameters (the kernel behind the op table exists for the ``cpu`` backend so far), the native
-hooks (``backend`` "cpu" or "auto" with ``gaengine._C`` built, ``GAENGINE_HOT_PATH`` not ``python``), no FSDP2
+``nn.Module``; CPU parameters, or CUDA ones with triton installed; the native hooks (``backend`` "cpu", "cuda" or
+"auto" with ``gaengine._C`` built (for CUDA, with its CUDA kernels), ``GAENGINE_HOT_PATH`` not ``python``); no FSDP2
 model; ``AccumulatorConfig`` refuses it with ``zero_stage`` > 0 and ``measure_noise_scale``. Under
 ``torch.autocast`` a layer runs its ordinary forward (its gradient then goes through the hooks, unfused).
 """
@@ -32,9 +39,39 @@ from torch import nn
 
 from gaengine.hooks import native_hooks_problem
 
-__all__ = ["LinearFusion", "check_fusion"]
+__all__ = ["LinearFusion", "check_fusion", "register_triton_wgrad"]
 
 OPTION = "gradient_accumulation_fusion"
+
+# The torch.library registrations of the Triton kernel, by (namespace, dispatch key): kept alive for the process
+# (a Library object that is collected takes its registrations with it).
+_TRITON_LIBRARIES: dict[tuple[str, str], torch.library.Library] = {}
+
+
+def _triton_wgrad_accumulate_(dw, db, grad_output, input, overwrite_w, overwrite_b) -> None:
+    from gaengine.kernels import wgrad  # noqa: PLC0415 - imports triton, once
+
+    wgrad.wgrad_accumulate_(dw, db, grad_output, input, overwrite_w, overwrite_b)
+
+
+def register_triton_wgrad(namespace: str = "gaengine", dispatch_key: str = "CUDA") -> bool:
+    """Make the Triton kernel (``gaengine.kernels.wgrad.wgrad_accumulate_``) the kernel of
+    ``torch.ops.<namespace>.wgrad_accumulate_`` for ``dispatch_key`` ("CUDA": what ``HotPath`` dispatches to for a
+    CUDA main_grad), unless that key has a kernel already (a compiled one wins; a second call does nothing).
+
+    Returns True when the op has a kernel for ``dispatch_key`` afterwards. Raises ``ImportError`` when triton is not
+    installed (nothing is registered then).
+    """
+    op = f"{namespace}::wgrad_accumulate_"
+    if (namespace, dispatch_key) in _TRITON_LIBRARIES or torch._C._dispatch_has_kernel_for_dispatch_key(
+            op, dispatch_key):
+        return True
+    import triton  # noqa: F401, PLC0415 - the kernel needs it: fail here, before anything is registered
+
+    library = torch.library.Library(namespace, "IMPL")
+    library.impl("wgrad_accumulate_", _triton_wgrad_accumulate_, dispatch_key)
+    _TRITON_LIBRARIES[(namespace, dispatch_key)] = library
+    return True
 
 
 def check_fusion(model: Any, backend, device: torch.device) -> None:
@@ -47,13 +84,20 @@ def check_fusion(model: Any, backend, device: torch.device) -> None:
     if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         raise ValueError(f"{OPTION}=True is not supported with an FSDP2 (fully_shard) model: FSDP2 reduce-scatters "
                          f"the unsharded .grad, which the fused op does not produce; set {OPTION}=False")
-    if device.type != "cpu":
-        raise ValueError(f"{OPTION}=True has a kernel for CPU parameters only so far, got parameters on {device}; "
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{OPTION}=True has kernels for CPU and CUDA parameters, got parameters on {device}; "
                          f"set {OPTION}=False")
     why = native_hooks_problem(backend)
     if why is not None:
-        raise ValueError(f"{OPTION}=True needs the native hooks of gaengine._C (backend 'cpu' or 'auto' with the "
-                         f"extension built), but they cannot run: {why}; set {OPTION}=False, or use backend='cpu'")
+        raise ValueError(f"{OPTION}=True needs the native hooks of gaengine._C (backend 'cpu', 'cuda' or 'auto' with "
+                         f"the extension built), but they cannot run: {why}; set {OPTION}=False, or use "
+                         f"backend={'cpu' if device.type == 'cpu' else 'cuda'!r}")
+    if device.type == "cuda":
+        try:
+            register_triton_wgrad(backend.extension()[0].OP_NAMESPACE, "CUDA")
+        except ImportError as exc:
+            raise ValueError(f"{OPTION}=True on CUDA parameters runs the Triton kernel gaengine.kernels.wgrad, but "
+                             f"triton cannot be imported ({exc}): pip install triton, or set {OPTION}=False") from exc
 
 
 def _fused_forward(module: nn.Linear, input: torch.Tensor, *, op) -> torch.Tensor:

@@ -6,7 +6,11 @@ the host (ptxas ships in the triton wheel). For each kernel variant that runs in
 * the PTX: on 16-byte aligned buffers, every global load and store of the gradient data is a 128-bit vector
   access (``ld.global.v4.b32`` / ``st.global.v4.b32``: four fp32, or eight bf16 | fp16);
 * the cubin (``cuobjdump --dump-resource-usage``): no spills (a 0-byte stack frame, where ptxas puts them,
-  no local memory, no ``.local`` in the PTX) and a register count that allows full occupancy for the ``num_warps`` used.
+  no local memory, no ``.local`` in the PTX) and a register count that allows full occupancy for the ``num_warps`` used;
+* for the weight-gradient GEMM (``gaengine/kernels/wgrad.py``, every autotuned config): tensor-core instructions
+  (``mma.sync`` on sm_80, ``mma.sync`` or ``wgmma.mma_async`` on sm_90) on bf16 | fp16 operands, the fp32 C tile's
+  epilogue load and store in 128-bit vectors, no spills; a GEMM tile holds its accumulator in registers by design, so
+  full occupancy is not asked of it.
 
 The alignment the kernels are compiled for is the one the flat buffer guarantees: ``gaengine/buffer.py``
 starts every parameter at a multiple of ``ALIGN_NUMEL`` = 64 elements (256 bytes in fp32, 128 in bf16), so
@@ -82,6 +86,9 @@ class Case:
     v4_stores: int | None = None
     other_loads: int | None = None
     single_program: bool = False  # launched with one program: occupancy does not apply
+    num_stages: int | None = None  # software pipeline stages (the GEMM's config); None: Triton's default
+    mma: bool = False  # the PTX must hold tensor-core instructions
+    occupancy: bool = True  # checked against the full-occupancy register bound (not for a GEMM tile)
 
 
 def _accesses(n_elements: int, num_warps: int, nbytes: int) -> int:
@@ -159,10 +166,57 @@ def _cases() -> list[Case]:
                           + _accesses(bucket_block, bucket_warps, 4)),
                 v4_stores=_accesses(bucket_block, bucket_warps, 4),
             ))
+    cases += _wgrad_cases()
     return cases
 
 
-CASES = _cases()
+def _wgrad_cases() -> list[Case]:
+    """The weight-gradient GEMM (every autotuned config on bf16; the first on fp16, fp32 and the scaled overwrite of
+    micro-batch 0) and its bias kernel. Aligned: the pointers, the sizes a transformer's Linears have (multiples of
+    16) and the row strides; the token count any. C's epilogue: one 128-bit load (adding) and store per 4 values."""
+    from gaengine.kernels import wgrad  # noqa: PLC0415 - imports triton (a test that reads CASES has it)
+
+    sig = {"dw_ptr": "*fp32", "dy_ptr": None, "x_ptr": None, "scale_ptr": "*fp32", "scale": "fp32", "M": "i32",
+           "N": "i32", "K": "i32", "stride_dy": "i32", "stride_x": "i32",
+           **{name: "constexpr" for name in ("DOT_DTYPE", "HAS_SCALE", "SCALE_IS_PTR", "OVERWRITE", "BLOCK_M",
+                                             "BLOCK_N", "BLOCK_K", "GROUP_M")}}
+    aligned = ("dw_ptr", "dy_ptr", "x_ptr", "M", "N", "stride_dy", "stride_x")
+    variants = [(dt, i, "add") for i in range(len(wgrad.CONFIGS)) for dt in ("bf16",)]
+    variants += [("fp16", 0, "add"), ("fp32", 0, "add"), ("bf16", 0, "overwrite-scaled-ptr")]
+    cases = []
+    for dt, i, mode in variants:
+        config = wgrad.CONFIGS[i]
+        overwrite = mode != "add"
+        c_values = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] // (32 * config.num_warps)
+        cases.append(Case(
+            f"wgrad-{dt}-config{i}-{mode}", "wgrad", "_wgrad_kernel",
+            {**sig, "dy_ptr": TL_TYPES[dt], "x_ptr": TL_TYPES[dt]},
+            {"DOT_DTYPE": {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}[dt],
+             "HAS_SCALE": overwrite, "SCALE_IS_PTR": overwrite, "OVERWRITE": overwrite, **config.kwargs},
+            aligned, config.num_warps, v4_loads=0 if overwrite else c_values // 4, v4_stores=c_values // 4,
+            num_stages=config.num_stages, mma=dt != "fp32", occupancy=False,
+        ))
+    bias_sig = {"db_ptr": "*fp32", "dy_ptr": "*bf16", "scale_ptr": "*fp32", "scale": "fp32", "M": "i32", "K": "i32",
+                "stride_dy": "i32", **{name: "constexpr" for name in ("HAS_SCALE", "SCALE_IS_PTR", "OVERWRITE",
+                                                                      "BLOCK_OUT", "BLOCK_TOKENS")}}
+    for mode, flags in (("add", (False, False, False)), ("overwrite-scaled-ptr", (True, True, True))):
+        cases.append(Case(
+            f"wgrad-bias-bf16-{mode}", "wgrad", "_bias_grad_kernel", bias_sig,
+            {"HAS_SCALE": flags[0], "SCALE_IS_PTR": flags[1], "OVERWRITE": flags[2],
+             "BLOCK_OUT": wgrad.BIAS_BLOCK_OUT, "BLOCK_TOKENS": wgrad.BIAS_BLOCK_TOKENS},
+            ("db_ptr", "dy_ptr", "M", "stride_dy"), wgrad.BIAS_NUM_WARPS,
+        ))
+    return cases
+
+
+def _all_cases() -> list[Case]:
+    try:
+        return _cases()
+    except ImportError:  # no triton: the compiled fixture skips every test
+        return []
+
+
+CASES = _all_cases()
 
 # --- the compiler side: runs in a subprocess without TRITON_INTERPRET ---------------------------------------------
 
@@ -196,6 +250,7 @@ def _summarize(kernel, num_warps: int) -> dict:
         "stack_bytes": int(res["STACK"]),
         "local_bytes": int(res["LOCAL"]),
         "shared_bytes": int(kernel.metadata.shared),
+        "mma": len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\b", ptx)),
         "num_warps": num_warps,
     }
 
@@ -214,7 +269,10 @@ def _compile(case: Case, arch: int) -> dict:
                   for k, v in case.constexprs.items()}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in case.aligned}
     src = ASTSource(fn=fn, signature=case.signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": case.num_warps})
+    options = {"num_warps": case.num_warps}
+    if case.num_stages is not None:
+        options["num_stages"] = case.num_stages
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     return _summarize(kernel, case.num_warps)
 
 
@@ -286,7 +344,14 @@ def test_nothing_spills(compiled, case, arch_id):
     assert not r["ptx_local"], f"{case.id} {arch_id}: the PTX declares .local memory"
 
 
-@pytest.mark.parametrize("case, arch_id", _params(lambda c: not c.single_program))
+@pytest.mark.parametrize("case, arch_id", _params(lambda c: c.mma))
+def test_gemm_runs_on_tensor_cores(compiled, case, arch_id):
+    r = _get(compiled, case, arch_id)
+    assert r["mma"] > 0, (
+        f"{case.id} {arch_id}: no mma.sync / wgmma.mma_async in the PTX (the GEMM is not on tensor cores)")
+
+
+@pytest.mark.parametrize("case, arch_id", _params(lambda c: c.occupancy and not c.single_program))
 def test_registers_allow_full_occupancy(compiled, case, arch_id):
     r = _get(compiled, case, arch_id)
     bound = full_occupancy_registers(r["num_warps"])
@@ -302,14 +367,16 @@ def test_full_occupancy_register_bound():
 
 def test_cases_match_the_launchers():
     pytest.importorskip("triton")
-    from gaengine.kernels import accumulate, bucket, norm, scale  # noqa: PLC0415
+    from gaengine.kernels import accumulate, bucket, norm, scale, wgrad  # noqa: PLC0415
 
     for case in CASES:
-        module = {"accumulate": accumulate, "norm": norm, "scale": scale, "bucket": bucket}[case.module]
+        module = {"accumulate": accumulate, "norm": norm, "scale": scale, "bucket": bucket, "wgrad": wgrad}[case.module]
         assert hasattr(module, case.kernel), f"{case.module}.{case.kernel} is gone"
         fn = getattr(module, case.kernel)
         arg_names = getattr(fn, "arg_names", None) or list(fn.fn.__code__.co_varnames[:fn.fn.__code__.co_argcount])
         assert list(case.signature) == list(arg_names), f"{case.id}: signature out of date: {arg_names}"
+        if case.module == "wgrad":
+            continue  # built from wgrad.CONFIGS and its BIAS_* constants directly
         if "BLOCK_SIZE" in case.constexprs and case.kernel != "_l2norm_sq_finalize_kernel":
             assert case.constexprs["BLOCK_SIZE"] == module.BLOCK_SIZE, f"{case.id}: BLOCK_SIZE out of date"
             assert case.num_warps == module.NUM_WARPS, f"{case.id}: num_warps out of date"
