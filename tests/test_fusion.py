@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import gaengine
-from tests.tolerances import FP32_EPS, low_precision_ulp, rel_diff
+from tests.ranks import free_port, spawn_ranks, torchrun_rank
+from tests.tolerances import FP32_EPS, low_precision_ulp, recipe_grad_rtol, recipe_param_rtol, rel_diff
 
 _C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
 OPS = getattr(torch.ops, _C.OP_NAMESPACE)
@@ -151,6 +152,50 @@ def test_no_low_precision_weight_gradient_is_allocated_in_backward():
 
     assert count(True) == [0, 0]
     assert min(count(False)) >= 2  # the test sees the unfused path's bf16 dW
+
+
+def _backward_allocations(acc, loss) -> list[int]:
+    """The CPU allocator's allocations (+bytes) and frees (-bytes) during ``acc.backward(loss)``, in time order, as
+    c10's memory reporting gives them to torch.profiler (every allocation and free of the CPU allocator)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        acc.backward(loss)
+    events = prof.profiler.kineto_results.events()
+    return [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")]
+
+
+def test_backward_peak_memory_drops_by_the_bf16_weight_gradients():
+    """Four bf16 Linear(256, 256) without bias (128 KiB of bf16 gradient each), batch 8, two windows of K = 2: the
+    peak of the bytes the CPU allocator holds during a fused backward (allocations minus frees, from the start of
+    backward) is lower than the unfused one's by at least the four bf16 weight gradients (512 KiB: the unfused
+    path keeps each until its bucket completes), and no allocation of the fused backward is as large as one of them
+    (its fp32 temporaries are the widened rows of dY and X, 8 x 512 x 4 B)."""
+    def run(fusion):
+        torch.manual_seed(2)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256, bias=False), nn.Tanh())])
+        model = model.bfloat16()
+        acc = accumulator(model, accumulation_steps=2, gradient_accumulation_fusion=fusion)
+        peaks, largest = [], []
+        for k in range(4):
+            loss = model(torch.randn(8, 256).bfloat16()).float().square().sum()
+            sizes = _backward_allocations(acc, loss)
+            del loss
+            live = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+            peaks.append(int(live.max()) if sizes else 0)
+            largest.append(max([n for n in sizes if n > 0], default=0))
+            if k % 2 == 1:
+                acc.zero_grad()  # the window's sums are not applied (no optimizer): dropped
+        acc.close()
+        return peaks, largest
+
+    weight_grad_bytes = 256 * 256 * 2
+    fused_peaks, fused_largest = run(True)
+    plain_peaks, plain_largest = run(False)
+    assert max(plain_largest) >= weight_grad_bytes  # the measurement sees the unfused path's bf16 dW
+    assert max(fused_largest) < weight_grad_bytes, fused_largest
+    for fused, plain in zip(fused_peaks, plain_peaks):
+        assert plain - fused >= 4 * weight_grad_bytes, (fused_peaks, plain_peaks)
 
 
 # ------------------------------------------------------------------------------------------------ composition
@@ -322,3 +367,130 @@ def test_a_fused_backward_outside_acc_backward_raises_and_writes_nothing():
         model(torch.randn(4, 3)).sum().backward()
     assert torch.equal(acc.main_grad.data, before)
     acc.close()
+
+
+# ------------------------------------------------------------------------------------------------ fp16 loss scaling
+def _fp16_windows(fusion: bool | None):
+    """Three SGD windows (K = 2) of a small fp16 MLP with dynamic loss scaling, the second with an inf loss in its
+    second micro-batch. ``fusion`` None: torch's GradScaler recipe on an fp32 copy of the model (the reference).
+    Returns the initial parameters, (skipped, loss scale the window ran with) per window, the parameters after each
+    window."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    data = torch.Generator().manual_seed(6)
+    batches = [[torch.randn(4, 6, generator=data) for _ in range(2)] for _ in range(3)]
+    poisoned = (1, 1)  # (window, micro-batch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if fusion is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        scaler = torch.amp.GradScaler("cpu")  # init scale 2^16, x0.5 on an overflow
+    else:
+        model = model.half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2, max_grad_norm=None, backend="cpu",
+                                           loss_scale="dynamic", gradient_accumulation_fusion=fusion)
+    windows, params = [], []
+    for w, micro in enumerate(batches):
+        for k, x in enumerate(micro):
+            out = model(x if fusion is None else x.half()).float()
+            loss = out.square().mean() / 2  # the window's mean over its K = 2 micro-batches
+            if (w, k) == poisoned:
+                loss = loss * torch.tensor(float("inf"))
+            if fusion is None:
+                scaler.scale(loss).backward()
+            else:
+                acc.backward(loss * 2)  # gaengine divides by K itself
+        if fusion is None:
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            windows.append((scaler.get_scale() < scale, scale))
+            opt.zero_grad()
+        else:
+            r = acc.step()
+            windows.append((bool(r.skipped), float(r.loss_scale)))
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    if fusion is not None:
+        acc.close()
+    return before, windows, params
+
+
+def test_fp16_loss_scale_skips_a_non_finite_window_as_the_unfused_path_and_grad_scaler():
+    """fp16 parameters, dynamic loss scale: an inf loss in one micro-batch reaches found_inf through the fused GEMM
+    (its dY is inf/NaN) and skips that window exactly as the unfused path and torch's GradScaler recipe do: the same
+    skip decisions and loss scales (2^16, 2^16, 2^15), the skipped window leaves the parameters bitwise unchanged,
+    and the windows around it update as GradScaler's fp32 recipe does within fp16 rounding: per tensor
+    ||fused - ref|| <= ||ulp_fp16(ref)|| + 2^-6 ||ref - initial|| (the fp16 forward's roundings, 2^-11 relative per
+    operation, move each update by well under 2^-6 of it). Fused and unfused agree within the same bound."""
+    before, fused_windows, fused = _fp16_windows(True)
+    _, plain_windows, plain = _fp16_windows(False)
+    _, ref_windows, ref = _fp16_windows(None)
+    assert fused_windows == plain_windows == ref_windows == [(False, 2.0**16), (True, 2.0**16), (False, 2.0**15)]
+    for params in (fused, plain):
+        assert all(torch.equal(params[1][n], params[0][n]) for n in params[0])  # the skipped window
+    for w in (0, 2):
+        for name, r in ref[w].items():
+            moved = (r.double() - before[name].double()).norm()
+            bound = low_precision_ulp(r.half()).norm() + 2.0**-6 * moved
+            assert (fused[w][name].double() - r.double()).norm() <= bound, (w, name)
+            assert (fused[w][name].double() - plain[w][name].double()).norm() <= bound, (w, name)
+
+
+# ------------------------------------------------------------------------------------------------ two gloo ranks
+RANK_K, RANK_B, RANK_STEPS, RANK_LR = 2, 3, 2, 1e-2
+
+
+def _rank_model():
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _rank_batch(step, rank, k):
+    """Micro-batch k of ``rank`` in update ``step``, the same on every process."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+    return torch.randn(RANK_B, 8, generator=gen), torch.randn(RANK_B, 4, generator=gen)
+
+
+def _fusion_rank(rank, world, port, out_dir):
+    import torch.distributed as dist  # noqa: PLC0415
+
+    with torchrun_rank(rank, world, port):
+        dist.init_process_group("gloo")
+        model = _rank_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=RANK_LR)
+        acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=RANK_K, max_grad_norm=None, backend="cpu",
+                                           bucket_size_mb=0.0005, gradient_accumulation_fusion=True)
+        for step in range(RANK_STEPS):
+            for k in range(RANK_K):
+                x, y = _rank_batch(step, rank, k)
+                acc.backward(F.mse_loss(model(x), y))
+            acc.step()
+        buckets = len(acc.reducer.buckets)
+        acc.close()
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "buckets": buckets},
+                   f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_equal_the_plain_recipe_in_one_process(tmp_path):
+    """Fused on 2 gloo ranks (several buckets: a fused parameter must count as arrived for its bucket's all-reduce in
+    the last micro-batch) against one process running the plain recipe over both ranks' micro-batches: within
+    ``recipe_param_rtol`` of AdamW's 2 updates from gradients ``recipe_grad_rtol`` apart; the ranks bitwise equal."""
+    world = 2
+    codes = spawn_ranks(_fusion_rank, world, (free_port(), str(tmp_path)), join_s=60)
+    assert codes == [0] * world, codes
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert results[0]["buckets"] >= 3
+    ref = _rank_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=RANK_LR)
+    for step in range(RANK_STEPS):
+        for rank in range(world):
+            for k in range(RANK_K):
+                x, y = _rank_batch(step, rank, k)
+                (F.mse_loss(ref(x), y) / (world * RANK_K)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    grad_rtol = recipe_grad_rtol(world * RANK_K * RANK_B, 3, 16)
+    for p, q, other in zip(results[0]["params"], ref.parameters(), results[1]["params"]):
+        assert torch.equal(p, other), "the ranks disagree"
+        assert rel_diff(p, q) <= recipe_param_rtol(q, "adamw", RANK_LR, RANK_STEPS, grad_rtol)
