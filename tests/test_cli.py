@@ -487,3 +487,23 @@ def test_every_help_line_fits_in_100_columns(capsys, monkeypatch, command):
         assert parser.parse_args(["train", "--noise-scale"]).noise_scale is True
         assert parser.parse_args(["train", "--no-noise-scale"]).noise_scale is False
         assert parser.parse_args(["train"]).noise_scale is False
+
+
+def test_gradient_accumulation_fusion(tmp_path, capsys):
+    """--gradient-accumulation-fusion trains (every GPT Linear fused), says so in the summary and config.json, and its
+    first window's loss is the plain recipe's (as in test_compare); its refusals are usage errors naming it."""
+    pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", *TINY, "--dtype", "fp32", "--gradient-accumulation-fusion", "--compare",
+                 "--out", str(out)]) == 0
+    records = _check_run(out, 2, recipes=("gaengine", "torch"))
+    first = {r["recipe"]: r["loss"] for r in records if r["kind"] == "train" and r["step"] == 1}
+    assert first["gaengine"] == pytest.approx(first["torch"], rel=2 * mean_rtol(2))
+    assert "\ngradient accumulation fusion: on (each Linear's weight gradient" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["gradient_accumulation_fusion"] is True
+    assert build_parser().parse_args(["train"]).gradient_accumulation_fusion is False
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "1", *TINY, "--gradient-accumulation-fusion", "--noise-scale",
+              "--out", str(tmp_path / "run2")])
+    assert exc.value.code == 2
+    assert "gradient_accumulation_fusion" in capsys.readouterr().err

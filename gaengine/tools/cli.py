@@ -216,6 +216,9 @@ def _add_train_parser(subparsers) -> None:
     _add_config_option(g, "master_weights", d.master_weights,
                        more="; --no-master-weights: AdamW updates the bf16/fp16 params in place, state in their "
                        "dtype (8 instead of 16 B/param)")
+    _add_config_option(g, "gradient_accumulation_fusion", d.gradient_accumulation_fusion,
+                       more=": no bf16/fp16 weight gradient, each micro-batch's dW exact to fp32 rounding; not with "
+                       "--zero-stage > 0, --fsdp or --noise-scale (docs/fusion.md)")
     g.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
                    help="torch CPU threads (torch.set_num_threads), set before any work. auto: half of the CPUs "
                         "this process may use, at least 1, which holds up when other processes take some of them: "
@@ -533,6 +536,8 @@ def _summary(results, config, corpus, world: int = 1, threads: str = "") -> str:
              + (f" then {config.accumulation_schedule}" if config.accumulation_schedule else "") + ", "
              f"{world} rank(s), {config.tokens_per_update * world:,} tokens per update"),
         fill(_mode(config, world)),
+        *([fill("gradient accumulation fusion: on (each Linear's weight gradient computed straight into fp32 "
+                "main_grad, no bf16/fp16 weight gradient)")] if config.gradient_accumulation_fusion else []),
         fill(f"optimizer: AdamW, lr {config.lr:g}, max_grad_norm {config.max_grad_norm}"
              + (f"; torch threads {threads}" if threads else "")),
         fill(f"data: {corpus.source}: {corpus.num_files} files, {corpus.train.numel():,} train / "
@@ -589,6 +594,7 @@ def _train(args: argparse.Namespace, threads: str) -> int:
             device=device,
             backend=args.backend,
             master_weights=args.master_weights,
+            gradient_accumulation_fusion=args.gradient_accumulation_fusion,
             zero_stage=args.zero_stage,
             seed=args.seed,
             eval_interval=args.eval_interval,

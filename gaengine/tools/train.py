@@ -180,6 +180,9 @@ class TrainConfig:
     """The accumulator's ``zero_stage`` (under torchrun; one process shards nothing)."""
     master_weights: bool = _ENGINE.master_weights
     """The accumulator's ``master_weights`` (False: AdamW's state in the parameters' dtype, 8 instead of 16 B/param)."""
+    gradient_accumulation_fusion: bool = _ENGINE.gradient_accumulation_fusion
+    """The accumulator's ``gradient_accumulation_fusion``: each ``nn.Linear``'s weight gradient computed straight into
+    fp32 main_grad (``gaengine.fusion``; the GPT's attention and MLP projections)."""
     seed: int = 0
     """Seeds the initialization and the micro-batch sampler (the same for both recipes)."""
     eval_interval: int = 50
