@@ -71,6 +71,13 @@ fi
 step bench "$PYTHON" -m gaengine bench --device cuda --json "$out/$slug.json" --plot "$out/$slug.png"
 step bench_accumulate "$PYTHON" benchmarks/bench_accumulate.py --device cuda --json "$out/$slug-accumulate.json"
 step bench_step "$PYTHON" benchmarks/bench_step.py --device cuda --json "$out/$slug-step.json"
+# Gradient accumulation fusion (docs/fusion.md): the same short bf16 GPT run with and without it, each against the
+# plain recipe (--compare); the summaries give tokens/s and peak memory, so the first GPU run says whether it
+# becomes the default.
+for fusion in no-gradient-accumulation-fusion gradient-accumulation-fusion; do
+    step "train-$fusion" "$PYTHON" -m gaengine train --device cuda --steps 50 --compare --quiet "--$fusion" \
+        --out "$logs/train-$fusion"
+done
 if [[ -f .gpu/profile_e2e.py ]]; then
     # A copy of ../shared/tools/profile_e2e.py (../shared is not on a GPU machine): host vs GPU time per update.
     step profile_e2e "$PYTHON" .gpu/profile_e2e.py
