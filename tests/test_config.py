@@ -236,7 +236,7 @@ def test_train_options_are_built_from_the_fields():
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     actions = {a.dest: a for a in train._actions}
     assert set(ENGINE_FIELDS) == {"accumulation_steps", "max_grad_norm", "backend", "master_weights",
-                                  "micro_batch_size", "zero_stage"}
+                                  "micro_batch_size", "zero_stage", "gradient_accumulation_fusion"}
     for name in ENGINE_FIELDS:
         action = actions[name]
         assert "--" + name.replace("_", "-") in action.option_strings
