@@ -296,7 +296,8 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     param groups in order, with their current hyper-parameters), so ``torch.optim.AdamW(<the same groups>)
     .load_state_dict(...)`` loads it (torch then casts the moments to each parameter's dtype). With master
     weights the moments are those of the fp32 masters. A parameter that has had no update yet has no entry,
-    as in torch. The tensors are copies. Raises ``ValueError`` when ``acc`` has no optimizer.
+    as in torch; a frozen one, the state the optimizer kept for it (frozen after training), whole. The tensors are
+    copies. Raises ``ValueError`` when ``acc`` has no optimizer.
     """
     optimizer = getattr(acc, "optimizer", None)
     if optimizer is None:
@@ -349,8 +350,11 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
         ids = []
         keys = _moment_keys(optimizer, optimizer.param_groups[g])
         for p in members:
-            i = layout_index[id(p)]
-            if i in ready:
+            i = layout_index.get(id(p))
+            if i is None:  # frozen: the whole state the optimizer kept for it (frozen after training), if any
+                if optimizer.state.get(p):
+                    state_out[n] = {k: copy(v) for k, v in optimizer.state[p].items()}
+            elif i in ready:
                 state_out[n] = {"step": torch.tensor(ready[i], dtype=torch.float32),
                                 **{k: full[k][i].to(dtype_of[i]) for k in keys if k in full}}
             ids.append(n)

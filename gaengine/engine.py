@@ -146,6 +146,10 @@ class GradientAccumulator:
         # Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
         # window boundaries, adopted by the strategy (gaengine.ownership.Membership, docs/accumulator.md).
         self._members = ownership.Membership(module, params, optimizer)
+        # Several ranks: every rank must change them alike (one small all-reduce per window boundary).
+        self._ranks_members = ownership.RankMembership(
+            self._members, self.world_size, dist.get_rank(process_group), self.device, process_group) if (
+            self.distributed) else None
         self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
@@ -202,10 +206,10 @@ class GradientAccumulator:
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
                 "call acc.step() before the next acc.backward()")
         window.check_next(num_items is not None)
-        if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
-            self._adopt_changes()
         if num_items is not None:
             num_items = check_num_items(num_items, self.device)
+        if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
+            self._adopt_changes()
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
         if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
@@ -248,16 +252,21 @@ class GradientAccumulator:
     def _adopt_changes(self) -> None:
         """At a window boundary (its first ``backward()``): the parameters unfrozen or added with
         ``optimizer.add_param_group`` since the last window join, the frozen ones leave; the strategy lays everything
-        out again (``ShardingStrategy.adopt``), so a joined parameter is accumulated, normalized, clipped and updated
-        like the others from this window on, never on autograd's raw ``.grad``. ``ValueError`` naming the parameter,
-        nothing changed, where the strategy lays out its parameters once (``zero_stage`` 1 and 2, FSDP2)."""
+        out again (``ShardingStrategy.adopt``, at every ``zero_stage``), so a joined parameter is accumulated,
+        normalized, clipped and updated like the others from this window on, never on autograd's raw ``.grad``.
+        Several ranks: every rank must change alike, checked first by one small all-reduce every window
+        (``gaengine.ownership.RankMembership``); where they differ no rank adopts and ``step()`` raises on every rank.
+        ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once
+        (FSDP2), for an optimizer that writes the model itself, or an fp16 parameter without a loss scale."""
         joined, left = self._members.changes(self.params)
+        if self._ranks_members is not None and not self._ranks_members.check(joined, left):
+            return  # the ranks differ: this window runs in the layout every rank has; step() raises on every rank
         if not joined and not left:
             return
         if not self.sharding.adopts_params:
             if joined:
                 raise ValueError(self._join_refused(joined[0][0], f"{self.sharding.name} lays its parameters out once, "
-                                                    "at construction"))
+                                                    "at construction (a plain model adopts it at every zero_stage)"))
             return  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
         if self.sharding.optimizer_writes_model:
             raise ValueError(self._join_refused(
@@ -277,14 +286,15 @@ class GradientAccumulator:
         self.named_params = self._members.named()
         self._model = ownership.ModelWatch(self.params, self.device, self.sharding.check_model)
         ownership.claim(self.params, self)
+        if self._ranks_members is not None:
+            self._ranks_members.adopted()
 
     def _join_refused(self, name: str, why: str) -> str:
         return (f"parameter {name!r} became trainable (requires_grad=True, or in a param group added with "
                 f"optimizer.add_param_group) after the GradientAccumulator was built, but {why}, so gaengine cannot "
                 f"adopt it and will not let it train on autograd's raw .grad. Nothing was accumulated or applied. "
                 f"To go on: acc.step(force=True) (or acc.zero_grad()), acc.close(), then build the optimizer and a new "
-                f"GradientAccumulator with the parameters trainable as you want them (or use zero_stage=0, which adopts "
-                f"them at the next window)")
+                f"GradientAccumulator with the parameters trainable as you want them")
 
     def _refuse_unmanaged_grads(self) -> None:
         """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle
@@ -354,6 +364,10 @@ class GradientAccumulator:
         self._model.check()
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
+        if self._ranks_members is not None:  # the ranks changed their parameters differently at this window's start
+            error = self._ranks_members.take()
+            if error is not None:
+                raise error
         self._refuse_unmanaged_grads()
         partial = self.distributed and window.stats is None
         if partial:  # force=True on a partial window of several ranks: nothing launched yet
@@ -597,6 +611,8 @@ class GradientAccumulator:
         for _, p in self._members.changes(self.params)[0]:  # unfrozen mid-window: autograd's raw .grad
             p.grad = None
         self._reset_window()
+        if self._ranks_members is not None:
+            self._ranks_members.drop()
         if self.hooks.arrival is not None:
             self.hooks.restart_learning()  # learn the order from a complete window
         if self.window_batchnorm is not None:

@@ -9,22 +9,26 @@
 * ``ModelWatch``: a model moved or converted after construction raises, for good.
 * ``Membership``: parameters that join (unfrozen, or added with ``optimizer.add_param_group``) or leave (frozen)
   after construction, found at the window boundaries (gradual unfreezing; docs/accumulator.md).
+* ``RankMembership``: several ranks must change their trainable parameters alike, at the same window boundary.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gaengine.clip import OWNER_ATTR
+from gaengine.reduce import Collective, HostMailbox, setting_terms
 from gaengine.update import check_optimizer_step
 from gaengine.zero import check_zero_optimizer
 
-__all__ = ["Membership", "ModelWatch", "check_arguments", "claim", "release", "take"]
+__all__ = ["Membership", "ModelWatch", "RankMembership", "check_arguments", "claim", "release", "take"]
 
 
 def check_arguments(model: Any, optimizer: Any, config) -> None:
@@ -186,3 +190,120 @@ class Membership:
         """What ``GradientAccumulator.named_params`` holds: the module's named parameters and the later groups'
         (empty for a model given as an iterable, as at construction)."""
         return list(self.candidates) if self.module is not None else []
+
+    def fingerprint(self) -> int:
+        """A 52-bit digest of the trainable candidates (name, shape, dtype, in ``candidates``' order): equal on two
+        ranks exactly when they train the same parameters (barring a digest collision, about 2^-52), and exact as
+        an fp64 value (``gaengine.reduce.setting_terms``). Host only."""
+        trainable = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.candidates if p.requires_grad]
+        return int.from_bytes(hashlib.blake2b(repr(trainable).encode(), digest_size=8).digest(), "little") >> 12
+
+
+_TERMS = len(setting_terms(0))  # agreement terms of the fingerprint (the chunks of its fp64 bits and their squares)
+_SLOT = 4  # per rank: parameters joining, leaving, and the candidate index + 1 of the first of each (0: none)
+
+
+class RankMembership:
+    """Several ranks: at every window boundary each rank's trainable parameters must change alike (gradual
+    unfreezing done the same way on every rank, at the same window), or the ranks' layouts, collectives and updates
+    would disagree: a joined parameter's adoption is a collective the other ranks would not join (a hang, or gloo
+    aborting the process on mismatched sizes), or the ranks would train different parameters apart.
+
+    A rank that changed nothing cannot know that another one did without a message, so every window's first
+    ``backward()`` runs one small all-reduce (``check``), before anything of the window is collective: each
+    rank's ``Membership.fingerprint`` of the parameters it would train from this window (the agreement terms of
+    ``gaengine.reduce.setting_terms``: summed over the ranks they equal W times a rank's own exactly when every rank
+    has the same fingerprint), and per rank a slot saying what it changed (how many parameters join and leave, and
+    which first). ``8 + 4 W`` fp64 values, waited as a stream wait on CUDA; their result is copied to host memory
+    behind the device's queue (``gaengine.reduce.HostMailbox``). A rank that changed something reads it at once (a
+    host read, only at a window where it changes its parameters) and adopts only when every rank asked for the
+    same parameters. Otherwise no rank adopts: every rank runs the window in the layout it had (the collectives stay
+    matched), and ``step()`` reads the result (copied long before: no wait for the device) and raises ``ValueError``
+    on every rank, naming each rank's change (``take``), before anything is applied; the error stays until
+    ``acc.zero_grad()`` drops the window (``drop``).
+
+    members: the accumulator's ``Membership``. world_size, rank, device, group: the ranks'.
+    """
+
+    def __init__(self, members: Membership, world_size: int, rank: int, device: torch.device, group) -> None:
+        self.members, self.world_size, self.rank, self.device, self.group = members, world_size, rank, device, group
+        self.fingerprint = members.fingerprint()  # of the parameters the accumulator trains now
+        self._mailbox = HostMailbox(1 + _SLOT * world_size, torch.float64, device)
+        self._posted = False
+        self._values: list[float] | None = None
+        self._error: ValueError | None = None
+        self._unchanged: torch.Tensor | None = None  # this rank's values when nothing changed
+
+    def check(self, joined: list[tuple[str, torch.Tensor]], left: list[tuple[str, torch.Tensor]]) -> bool:
+        """At a window boundary, on every rank, before anything of the window is collective: launch the all-reduce
+        of what this rank would train from now (``joined``, ``left``: ``Membership.changes``). Returns whether this
+        rank may adopt its change: True with no change (no host read); with one, whether every rank asked for the
+        same parameters (a host read)."""
+        changed = bool(joined or left)
+        if changed:
+            position = {id(p): i for i, (_, p) in enumerate(self.members.candidates)}
+            host = self._vector(self.members.fingerprint(), [
+                len(joined), len(left), position[id(joined[0][1])] + 1 if joined else 0,
+                position[id(left[0][1])] + 1 if left else 0])
+        else:  # the usual window: the same values as the last one
+            if self._unchanged is None:
+                self._unchanged = self._vector(self.fingerprint, [0] * _SLOT)
+            host = self._unchanged.clone()  # the all-reduce writes into it (on CPU, .to() below is the same tensor)
+        data = host.to(self.device, non_blocking=True)
+        own = data[:_TERMS] * self.world_size
+        Collective(dist.all_reduce, data, group=self.group).wait()
+        differ = data[:_TERMS].ne(own).any().to(torch.float64).reshape(1)
+        self._mailbox.post(torch.cat([differ, data[_TERMS:]]))
+        self._posted, self._values, self._error = True, None, None
+        return not changed or not self._read()[0]
+
+    def _vector(self, fingerprint: int, slot: list[int]) -> torch.Tensor:
+        """This rank's values: the fingerprint's agreement terms, then its slot among the ranks' (zeros elsewhere)."""
+        host = torch.zeros(_TERMS + _SLOT * self.world_size, dtype=torch.float64)
+        host[:_TERMS] = torch.tensor(setting_terms(fingerprint), dtype=torch.float64)
+        at = _TERMS + _SLOT * self.rank
+        host[at:at + _SLOT] = torch.tensor(slot, dtype=torch.float64)
+        return host
+
+    def _read(self) -> list[float]:
+        if self._values is None:
+            self._values = self._mailbox.read()  # host memory; on CUDA a wait for that copy only
+            self._posted = False
+        return self._values
+
+    def adopted(self) -> None:
+        """The accumulator adopted the change: its fingerprint is the trainable parameters' now."""
+        self.fingerprint = self.members.fingerprint()
+        self._unchanged = None
+
+    def take(self) -> ValueError | None:
+        """``step()``, before anything is applied: the error to raise when the ranks asked for different parameters
+        at this window's boundary (every rank gets it at the same call), else None."""
+        if self._error is None and (self._posted or self._values is not None) and self._read()[0]:
+            self._error = ValueError(self._message())
+        return self._error
+
+    def drop(self) -> None:
+        """``acc.zero_grad()``: the window is dropped, and its check with it; the next boundary checks again."""
+        self._posted, self._values, self._error = False, None, None
+
+    def _message(self) -> str:
+        names = [n for n, _ in self.members.candidates]
+
+        def name(index: float) -> str:
+            i = int(index) - 1
+            return repr(names[i]) if i < len(names) else f"a parameter this rank does not have (candidate #{i})"
+
+        choices = []
+        for r in range(self.world_size):
+            n_join, n_leave, first_join, first_leave = self._values[1 + _SLOT * r:1 + _SLOT * (r + 1)]
+            parts = ([f"{int(n_join)} joining (first {name(first_join)})"] if n_join else []) + (
+                [f"{int(n_leave)} leaving (first {name(first_leave)})"] if n_leave else [])
+            choices.append(f"rank {r}: {', '.join(parts) if parts else 'no change'}")
+        return (f"gaengine: the ranks changed their trainable parameters differently before this window (requires_grad "
+                f"set, or optimizer.add_param_group, on some ranks only or differently); {'; '.join(choices[:16])}"
+                f"{'; ...' if len(choices) > 16 else ''} (this is rank {self.rank}). Every rank must train the same "
+                "parameters, or the ranks' collectives and updates would disagree, so no rank adopted its change and "
+                "nothing of this window is applied (the parameters, the optimizer state, the lr_scheduler and the loss "
+                "scale are as before it). Make the same change on every rank (e.g. unfreeze at the same update index), "
+                "call acc.zero_grad() to drop this window, and go on: the change is adopted at the next window")

@@ -39,7 +39,7 @@ from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import BucketReducer, Collective, broadcast_from_first_rank, launch_window_stats
-from gaengine.store import ParameterStore, ParamSlot
+from gaengine.store import ParameterStore, ParamSlot, reshard_state
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.window import Window
 from gaengine.zero import (STAGING_SLOTS, ParamGather, ShardLayout, ShardReducer, shard_norm,
@@ -113,6 +113,7 @@ class ShardingStrategy(ABC):
         self.fusion = gradient_accumulation_fusion
         self.hooks = None
         self.reducer = None
+        self._frozen_masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # _keep_frozen_masters
 
     # ------------------------------------------------------------------ layout
     def _lay_out(self, order: list[torch.Tensor]) -> bool:
@@ -172,6 +173,27 @@ class ShardingStrategy(ABC):
         """Between windows, lay out ``params`` (the trainable parameters now, registration order) where the set of
         trainable parameters changed after construction (``adopts_params`` strategies only)."""
         raise NotImplementedError(f"{self.name} lays its parameters out once, at construction")
+
+    def _keep_frozen_masters(self, params: list[torch.Tensor],
+                             masters: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After a new store over ``params``: the whole fp32 masters of the parameters that left (frozen), from
+        ``masters`` (``id`` -> (parameter, master)), are kept (a plain recipe's fp32 master copy keeps a frozen
+        parameter's bits too); those of the parameters that join again go into the store (``keep_masters``)."""
+        now = {id(p) for p in params}
+        kept = {**self._frozen_masters, **{i: pm for i, pm in masters.items() if i not in now}}
+        if self.store is not None:
+            self.store.keep_masters({i: m for i, (_, m) in kept.items() if i in now})
+        self._frozen_masters = {i: pm for i, pm in kept.items() if i not in now}
+
+    @staticmethod
+    def _own_storage(before: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        """The parameters of ``before`` that left (not in ``params``) get their own storage (a copy of their values):
+        a view of the old store's flat parameter buffer would keep that whole buffer alive while they are frozen."""
+        now = {id(p) for p in params}
+        with torch.no_grad():
+            for p in before:
+                if id(p) not in now and p.data._base is not None:
+                    p.data = p.detach().clone()
 
     def relearn_layout(self) -> bool:
         """End of the first window: stop learning the gradient arrival order and, where the layout follows it, lay
@@ -390,7 +412,10 @@ class Replicated(ShardingStrategy):
             old = {id(p) for p in self.params}
             broadcast_from_first_rank([p for p in params if id(p) not in old], self.process_group)
         optimized = self.store is not None
+        if optimized:
+            self.store.pull_model_writes()  # model writes since the last update reach the masters kept
         masters = self.store.release() if optimized else {}
+        before = {id(p): p for p in self.params}
         self.store, self.master_buffer = None, None
         self._lay_out(initial_order(params))
         if optimized:
@@ -399,6 +424,8 @@ class Replicated(ShardingStrategy):
             self.store.keep_masters(masters)
             self.master_buffer = self.store.master_buffer
             self._map_store()
+        self._keep_frozen_masters(params, {i: (before[i], m) for i, m in masters.items()})
+        self._own_storage(list(before.values()), params)
         self.hooks.restart_learning()
 
     def relearn_layout(self) -> bool:
@@ -488,18 +515,25 @@ class Replicated(ShardingStrategy):
 
 
 class _Zero(ShardingStrategy):
-    """ZeRO stages 1 and 2 on several ranks (``gaengine.zero``): one ``ShardLayout`` fixed at construction for
-    ``main_grad``, the reducer, the parameter buffers, the master shards and the optimizer pieces (the store over
-    the rank's shard), and the parameters' all-gathers after each update (``gaengine.zero.ParamGather``)."""
+    """ZeRO stages 1 and 2 on several ranks (``gaengine.zero``): one ``ShardLayout`` for ``main_grad``, the reducer,
+    the parameter buffers, the master shards and the optimizer pieces (the store over the rank's shard), and the
+    parameters' all-gathers after each update (``gaengine.zero.ParamGather``). Built at construction, and again
+    when parameters join or leave (``adopt``); never re-learned from the arrival order."""
 
     relearns_layout = False
+    adopts_params = True
     sharded = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
-        order = zero_order(initial_order(params))
-        self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self.rank = dist.get_rank(self.process_group)
+        self._build(zero_order(initial_order(params)))
+
+    def _build(self, order: list[torch.Tensor]) -> None:
+        """Everything over ``order`` (layout order, grouped by dtype): the layout, ``main_grad`` (and the gradient
+        shard), the reducer, the hooks, the gradient views, the store (parameter buffers, masters, pieces) and the
+        gathers. The store is built from the parameters' values: ``adopt`` moves the masters and the state after."""
+        self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
         shards = self.layout.param_shards(self.rank)
         grad_shard = self.reducer.grad_shard
@@ -510,13 +544,45 @@ class _Zero(ShardingStrategy):
             offsets = self.layout.layout.offsets
             self._grad_views = [self.main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards]
             self._chunks = [self.main_grad.data[slice(*b.rank_range(self.rank))] for b in self.layout.buckets]
-        self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
-                                    layout=self.layout, rank=self.rank)
+        self.store = ParameterStore(self.optimizer, self.params, device=self.device,
+                                    master_weights=self.master_weights, layout=self.layout, rank=self.rank)
         self.master_buffer = self.store.master_buffer
         self._map_store()
         buckets = [b for b in self.layout.buckets if any(self.store.optimized[b.first:b.last])]
         self.gather = ParamGather(self.store.param_buffers, self.layout, buckets, self.params, self.rank,
                                   self.process_group, self.reducer, self.overlap_param_gather, self.model)
+
+    def adopt(self, params: list[torch.Tensor]) -> None:
+        """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)
+        between windows: everything is built again over ``params`` (the trainable parameters now, registration
+        order) as at construction (``_build``: a new ``ShardLayout``, so every parameter's ranges may move to other
+        ranks), then what the old layout held moves into the new one (``gaengine.store.reshard_state``: per old
+        bucket, one all-gather per value): the fp32 masters and the optimizer state of the parameters both layouts
+        hold, each rank taking its new ranges; a joined parameter starts with no state (torch creates it at its
+        first update) unless the optimizer kept its state while it was frozen; a parameter that left keeps its
+        state whole in ``optimizer.state[p]`` on every rank, as torch keeps a frozen parameter's, and its own copy
+        of its values (it was a view of the old parameter buffer). The next window learns the arrivals per backward
+        again, reducing after backward as the first one does. Every rank must adopt alike (the engine checks that
+        first, ``gaengine.ownership.RankMembership``): joined parameters are broadcast from the first rank, as
+        every trainable parameter is at construction. Collectives: the broadcast, one small all-reduce and the
+        all-gathers, once per adoption."""
+        self.wait_gathers()
+        old = {id(p) for p in self.params}
+        broadcast_from_first_rank([p for p in params if id(p) not in old], self.process_group)
+        store = self.store
+        store.pull_model_writes()  # model writes since the last update reach the masters that move
+        states = store.release_shards()
+        kept = {id(p): self.optimizer.state.pop(p) for p in params if id(p) not in old and p in self.optimizer.state}
+        self.gather.close()  # its forward pre-hooks (overlap_param_gather), after anything in flight
+        self.store = self.master_buffer = self.gather = None
+        self._build(zero_order(initial_order(params)))
+        left, masters = reshard_state(store, self.store, states, kept, self.process_group)
+        self._own_storage(store.params, params)
+        for p in store.params:
+            if id(p) in left:
+                self.optimizer.state[p] = left[id(p)]
+        self._keep_frozen_masters(params, {id(p): (p, masters[id(p)]) for p in store.params if id(p) in masters})
+        self.hooks.restart_learning()
 
     def _new_reducer(self) -> BucketReducer:
         grad_shard = (torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)

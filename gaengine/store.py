@@ -37,15 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import increment_version
 
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
+from gaengine.reduce import Collective
 from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
                              step_optimizer, writes_model_params)
 from gaengine.zero import ShardLayout, zero_order
 
-__all__ = ["ParamSlot", "ParameterStore"]
+__all__ = ["ParamSlot", "ParameterStore", "reshard_state"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class ParameterStore:
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, device: torch.device,
                  master_weights: bool, layout: ShardLayout | None = None, rank: int = 0) -> None:
         self.optimizer = optimizer
+        self.device = device
         self.params = list(params)
         self.index = {id(p): j for j, p in enumerate(self.params)}
         held = {id(q) for g in optimizer.param_groups for q in g["params"]}
@@ -214,13 +217,32 @@ class ParameterStore:
                 self.optimizer.state[p] = self.optimizer.state.pop(piece)
         return {id(p): piece.detach().clone() for p, piece, _ in self._mastered}
 
+    def release_shards(self) -> dict[int, dict]:
+        """Undo the constructor's re-pointing of the optimizer on several ranks (a store over other parameters
+        follows, ``reshard_state``): the param groups the optimizer had when this store was built hold their model
+        parameters again (groups added since hold theirs already), and the state of this rank's pieces leaves the
+        optimizer, returned keyed by ``id`` of the piece's model parameter."""
+        for group, params in zip(self.optimizer.param_groups, self.group_params):
+            group["params"] = list(params)
+        states = {}
+        for p, piece in zip(self.params, self.pieces):
+            state = self.optimizer.state.pop(piece, None) if piece is not None else None
+            if state:
+                states[id(p)] = state
+        return states
+
     def keep_masters(self, masters: dict[int, torch.Tensor]) -> None:
-        """The fp32 masters of ``release`` (of the store this one replaces) for the parameters both stores hold: the
-        new store started from their bf16/fp16 rounding, which the model holds."""
+        """fp32 masters kept from before this store (``release`` of the store it replaces, or of a parameter frozen
+        since and now joining again), whole and keyed by ``id`` of their parameter: each of this rank's master pieces
+        takes its range of its parameter's (the store started from the bf16/fp16 rounding the model holds), except
+        where the model no longer holds the master's rounding (written while it was frozen: ``merge_model_write``)."""
         with torch.no_grad():
-            for p, piece, _ in self._mastered:
-                if id(p) in masters:
-                    piece.copy_(masters[id(p)])
+            for s in self.slots:
+                master = masters.get(id(s.param))
+                if master is not None and s.master and s.piece is not None:
+                    piece = s.piece.view(-1)
+                    piece.copy_(master.reshape(-1)[s.lo:s.hi])
+                    merge_model_write(piece, s.param.detach().reshape(-1)[s.lo:s.hi])
 
     # ------------------------------------------------------------------ the model
     def check_model(self) -> None:
@@ -325,3 +347,118 @@ def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
                 dst.copy_(src)
         else:
             torch._foreach_copy_(dsts, srcs)
+
+
+def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, dict], kept: dict[int, dict],
+                  group) -> tuple[dict[int, dict], dict[int, torch.Tensor]]:
+    """Several ranks, a new layout (parameters joined or left: ``gaengine.sharding`` ``_Zero.adopt``): move the fp32
+    masters and the optimizer state ``old`` held into ``new``. A collective: every rank calls it alike.
+
+    old: the store of the old layout, released (``release_shards``), whose return value is ``states``: its pieces'
+    optimizer state (this rank's 1-D ranges), keyed by ``id`` of the model parameter. new: the store of the new
+    layout, over the same optimizer, built from the model's values (its masters the bf16/fp16 rounding). kept: the
+    whole, parameter-shaped state the optimizer kept for a parameter of ``new`` while it was frozen (what this
+    function returned then), keyed by ``id``; sliced locally.
+
+    Which old parameters have state, and their ``step``, come from one all-reduce (only the ranks owning a range of
+    a parameter know). Then, per bucket of the old layout and per value (the masters, each moment of
+    ``gaengine.checkpoint``'s list for the optimizer), every rank's range is all-gathered in fp32 (one bucket at a
+    time: ``d`` x its shard on the device) and each rank copies out the ranges the new layout gives it: into its new
+    master pieces, and into the new state of its pieces (in the piece's dtype), with ``step`` as the optimizer makes
+    it (``_step_tensor``). A parameter with no state on any rank (never updated, or just added) gets none, as torch
+    gives a parameter before its first update.
+
+    Returns, for the parameters ``old`` optimized that ``new`` does not hold (frozen since), keyed by ``id``, the same
+    on every rank, parameter-shaped: their whole optimizer state, in the dtype of their pieces (fp32 with masters;
+    torch keeps a frozen parameter's state), and their whole fp32 masters (``keep_masters`` when they join again)."""
+    from gaengine.checkpoint import _moment_keys  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+    optimizer, device = new.optimizer, new.device
+    world = old.layout.world_size
+    group_of = {id(q): g for g, members in enumerate(new.group_params) for q in members}
+    new_slots = {id(s.param): s for s in new.slots}
+    n = len(old.params)
+    known = torch.zeros(2 * n, dtype=torch.float64)  # per old parameter: has state, its step
+    for j, p in enumerate(old.params):
+        state = states.get(id(p))
+        if state:
+            known[j] = 1.0
+            if torch.is_tensor(state.get("step")) or isinstance(state.get("step"), (int, float)):
+                known[n + j] = float(state["step"])  # a host read, once per adoption
+    known = known.to(device)
+    Collective(dist.all_reduce, known, op=dist.ReduceOp.MAX, group=group).wait()
+    known_host = known.tolist()  # a host read, once per adoption
+    has_state, steps = known_host[:n], known_host[n:]
+    uses_step = not isinstance(optimizer, torch.optim.SGD)
+
+    fresh: dict[int, dict] = {}  # id(new piece) -> its state
+    left: dict[int, dict] = {}  # id(parameter) -> its whole state
+    left_masters: dict[int, torch.Tensor] = {}  # id(parameter) -> its whole master
+    offsets = old.layout.layout.offsets
+    for b in old.layout.buckets:
+        members = range(b.first, b.last)
+        keys = sorted({k for j in members if has_state[j]
+                       for k in _moment_keys(optimizer, optimizer.param_groups[group_of[id(old.params[j])]])})
+        if any(old.slots[j].master for j in members):
+            keys.insert(0, "")  # "": the masters
+        for key in keys:
+            mine = torch.zeros(b.shard_numel, dtype=torch.float32, device=device)
+            for j in members:
+                s = old.slots[j]
+                src = (s.piece if s.master else None) if key == "" else states.get(id(s.param), {}).get(key)
+                if s.piece is not None and s.hi > s.lo and src is not None:
+                    at = s.shard_offset - b.shard_offset
+                    mine[at:at + s.hi - s.lo] = src.detach().reshape(-1)
+            whole = torch.empty(world * b.shard_numel, dtype=torch.float32, device=device)  # the bucket [start, end)
+            Collective(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # torch < 2.10
+                       whole, mine, group=group).wait()
+            for j in members:
+                p, s = old.params[j], old.slots[j]
+                values = whole[offsets[j] - b.start:offsets[j] - b.start + p.numel()]
+                target = new_slots.get(id(p))
+                if key == "":
+                    if s.master and target is None:
+                        left_masters[id(p)] = values.view(p.shape).clone()
+                    elif s.master and target.master and target.piece is not None:
+                        with torch.no_grad():
+                            target.piece.view(-1).copy_(values[target.lo:target.hi])
+                elif not has_state[j] or not old.optimized[j]:
+                    continue
+                elif target is None:  # frozen since: its whole state stays with the optimizer
+                    dtype = torch.float32 if s.master else p.dtype
+                    left.setdefault(id(p), {})[key] = values.to(dtype).view(p.shape).clone()
+                elif target.piece is not None:
+                    fresh.setdefault(id(target.piece), {})[key] = values[target.lo:target.hi].to(
+                        target.piece.dtype).clone()
+    pieces = {id(s.piece): s for s in new.slots if s.piece is not None}
+    for j, p in enumerate(old.params):
+        if not (has_state[j] and old.optimized[j]):
+            continue
+        target = new_slots.get(id(p))
+        g = optimizer.param_groups[group_of[id(p)]]
+        if target is None:
+            left.setdefault(id(p), {})
+            if uses_step:
+                left[id(p)]["step"] = _step_tensor(optimizer, g, p.device, steps[j])
+        elif target.piece is not None and uses_step:
+            fresh.setdefault(id(target.piece), {})["step"] = _step_tensor(optimizer, g, target.piece.device, steps[j])
+    for s in new.slots:  # a parameter that joins again: the state kept while it was frozen, sliced
+        state = kept.get(id(s.param))
+        if state and s.piece is not None:
+            fresh[id(s.piece)] = {k: v if not torch.is_tensor(v) else v.clone() if k == "step" else
+                                  v.detach().reshape(-1)[s.lo:s.hi].to(s.piece.dtype).clone()
+                                  for k, v in state.items()}
+    for piece_id, state in fresh.items():
+        optimizer.state[pieces[piece_id].piece] = state
+    return left, left_masters
+
+
+def _step_tensor(optimizer: torch.optim.Optimizer, group: dict, device: torch.device, value: float) -> torch.Tensor:
+    """A ``step`` as the optimizer creates it at a parameter's first update: on the parameter's device in fp32 for a
+    fused or capturable torch Adam/AdamW and for ``gaengine.optim.FusedAdamW``; else a CPU scalar of torch's scalar
+    dtype (fp64 where the default dtype is fp64, else fp32: ``torch.optim.optimizer._get_scalar_dtype``)."""
+    fused = bool(group.get("fused")) or writes_model_params(optimizer)
+    if fused or group.get("capturable"):
+        dtype = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
+        return torch.tensor(value, dtype=dtype, device=device)
+    return torch.tensor(value, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)

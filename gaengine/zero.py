@@ -5,8 +5,9 @@ Stages after Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Tri
 in the last micro-batch, overlapped with backward; ``overlap_param_gather``), keeping gaengine's fp32 accumulation.
 
 ``GradientAccumulator(..., zero_stage=1 | 2)`` on a process group of d > 1 ranks. Everything is laid out by one
-``ShardLayout``, built once at construction and never re-learned (the shards, the masters and the optimizer
-state live on it):
+``ShardLayout``, built at construction and never re-learned from the arrival order (the shards, the masters and the
+optimizer state live on it); built again when parameters join or leave between windows (gradual unfreezing:
+``gaengine.sharding`` ``_Zero.adopt`` moves the masters and the optimizer state to their new ranges):
 
 * **Layout.** The trainable parameters in reverse registration order (the order backward usually produces their
   gradients), grouped by dtype (bf16, then fp16, then fp32: an all-gather moves one dtype). Within a dtype, cut

@@ -2,11 +2,13 @@
 
 Before, a parameter frozen at construction and later unfrozen (``requires_grad_(True)``, already in the optimizer or
 added with ``optimizer.add_param_group``), or a new head added the same way, was trained on autograd's raw ``.grad``:
-the sum over the micro-batches, never cleared, never clipped, not in ``grad_norm``. Now ``zero_stage=0`` adopts it at
-the next window boundary (layout, ``main_grad``, masters and hooks built again) and a frozen one is dropped; each
-test runs the plain fp64 recipe (``loss / K`` backward, ``clip_grad_norm_`` over the trainable parameters,
-``optimizer.step()``, ``zero_grad()``) beside it. A parameter unfrozen in the middle of a window is refused by
-``step()``, naming it, before anything is applied.
+the sum over the micro-batches, never cleared, never clipped, not in ``grad_norm``. Now every ``zero_stage`` adopts it
+at the next window boundary (layout, ``main_grad``, masters, optimizer state and hooks built again) and a frozen one
+is dropped, keeping its optimizer state and fp32 master for when it joins again; each test runs the plain fp64
+recipe (``loss / K`` backward, ``clip_grad_norm_`` over the trainable parameters, ``optimizer.step()``,
+``zero_grad()``) beside it: ``zero_stage=0`` on one rank here, 1 and 2 on two gloo ranks below, where ranks that
+change differently raise on every rank. A parameter unfrozen in the middle of a window is refused by ``step()``,
+naming it, before anything is applied.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import copy
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import gaengine
+from tests.ranks import free_port, spawn_ranks, torchrun_rank
 from tests.tolerances import FP32_EPS
 
 K, MAX_NORM = 3, 0.5
@@ -123,6 +127,38 @@ def test_bf16_masters_survive_adoption():
     acc.close()
 
 
+def test_bf16_master_of_a_parameter_frozen_then_unfrozen_is_kept():
+    """A bf16 parameter frozen, then unfrozen: it goes on from its fp32 master (a plain recipe's master copy keeps it),
+    not from its bf16 rounding; an element written into the model while it was frozen goes on from the value
+    written."""
+    model = _model().to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    for window in range(2):
+        for x, y in _batches(window):
+            acc.backward(_loss(model, x, y).float())
+        acc.step()
+    master = next(s.piece for s in acc.sharding.store.slots if s.param is model[0].weight).detach().clone()
+    assert not torch.equal(master, model[0].weight.float()), "the master holds nothing the bf16 value does not"
+    model[0].requires_grad_(False)
+    for window in range(2, 4):
+        if window == 3:
+            with torch.no_grad():
+                model[0].weight[0, 0] = 2.0  # written while frozen
+        for x, y in _batches(window):
+            acc.backward(_loss(model, x, y).float())
+        acc.step()
+    model[0].requires_grad_(True)
+    x, y = _batches(4)[0]
+    acc.backward(_loss(model, x, y).float())  # the boundary: model[0] joins again
+    kept = next(s.piece for s in acc.sharding.store.slots if s.param is model[0].weight).detach()
+    expected = master.clone()
+    expected[0, 0] = 2.0
+    assert torch.equal(kept, expected), "the master of a parameter frozen then unfrozen was not kept"
+    acc.zero_grad()
+    acc.close()
+
+
 def test_parameter_unfrozen_mid_window_is_refused_by_name_before_anything_is_applied():
     model = _model()
     model[0].requires_grad_(False)
@@ -144,3 +180,271 @@ def test_parameter_unfrozen_mid_window_is_refused_by_name_before_anything_is_app
     acc.step()
     assert not torch.equal(model[0].weight, before[0]), "the joined layer was not trained"
     acc.close()
+
+
+# ---------------------------------------------------------------- several ranks: every zero_stage adopts
+# Two gloo ranks, one launch for every case below. Each rank runs K micro-batches of its own per window, and the plain
+# recipe beside it over every rank's micro-batches (loss / (K W), clip over the trainable parameters).
+WORLD = 2
+ZERO_STAGES = (1, 2)
+BUCKET_MB = 4e-4  # 104 elements of fp32 gradient: several buckets, each padded to 128 and split between the ranks
+
+
+def _rank_batches(window: int, rank: int):
+    return _batches(1000 + WORLD * window + rank)
+
+
+def _wide_model():
+    """Wide enough that both ranks own ranges of the parameters, which a new layout moves between them."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 3))
+
+
+def _full_masters(acc) -> dict[int, torch.Tensor]:
+    """Every rank's fp32 masters, whole (each rank's ranges summed over the ranks), keyed by id of the parameter."""
+    out = {}
+    for s in acc.sharding.param_slots():  # layout order: the same on every rank
+        whole = torch.zeros(s.param.numel(), dtype=torch.float32)
+        if s.master and s.piece is not None:
+            whole[s.lo:s.hi] = s.piece.detach().reshape(-1)
+        torch.distributed.all_reduce(whole)
+        if s.master:
+            out[id(s.param)] = whole.view(s.param.shape)
+    return out
+
+
+def _close_errors(actual, expected) -> list[float]:
+    """Per parameter: max |actual - expected| over the bound of ``_assert_close`` (<= 1 passes)."""
+    return [float((a.detach().double() - e.detach()).abs().max())
+            / (64 * FP32_EPS * (1.0 + float(e.detach().abs().max()))) for a, e in zip(actual, expected)]
+
+
+def _changes(window: int, again: int, *models) -> None:
+    """The membership program of both cases: model[0] joins at window 2; model[again] leaves at 4 and joins again
+    at 5 (its optimizer state, and master, kept meanwhile)."""
+    for m in models:
+        if window == 2:
+            m[0].requires_grad_(True)  # gradual unfreezing
+        if window == 4:
+            m[again].requires_grad_(False)  # frozen again
+        if window == 5:
+            m[again].requires_grad_(True)  # and joining again
+
+
+def _sgd_fp32_case(rank: int, stage: int) -> list[float]:
+    """fp32, SGD with momentum: model[0] frozen at construction, joins at window 2; model[2] leaves at 4, joins
+    again at 5 (its momentum kept, as torch keeps it). Returns the worst error per window, no re-sync: the run
+    accumulates its rounding over the windows as the recipe does."""
+    model = _wide_model()
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=MAX_NORM,
+                                       backend="torch", zero_stage=stage, bucket_size_mb=BUCKET_MB)
+    worst = []
+    for window in range(7):
+        _changes(window, 2, model, ref)
+        for x, y in _rank_batches(window, rank):
+            acc.backward(_loss(model, x, y))
+        assert not bool(acc.step().skipped)
+        ref_opt.zero_grad(set_to_none=True)
+        for r in range(WORLD):
+            for x, y in _rank_batches(window, r):
+                (_loss(ref, x, y) / (K * WORLD)).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], MAX_NORM)
+        ref_opt.step()
+        worst.append(max(_close_errors(model.parameters(), ref.parameters())))
+        assert all(p.grad is None for p in model.parameters()), "a .grad was left behind"
+    acc.close()
+    return worst
+
+
+def _adamw_bf16_case(rank: int, stage: int, out: str) -> dict:
+    """bf16 parameters with fp32 masters, AdamW: model[0] frozen at construction; a bf16 head added in its own param
+    group at window 1; model[0] joins at 2, leaves at 4 (its fp32 master and its moments kept), joins again at 5.
+    The reference is the plain recipe on fp64 masters, its bf16 twin (the masters rounded) computing each
+    micro-batch's gradient: fp64 sums, clip, fp64 AdamW. Every window starts both from the engine's masters (the
+    reference's moments are its own), so the bf16 forward is the same; the masters are then compared. After the
+    last window, a state_dict() round trip into a fresh accumulator, then two more windows on both: bitwise equal."""
+    model = _wide_model().to(torch.bfloat16)
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model).double()
+    twin = copy.deepcopy(model)
+    make = lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)  # noqa: E731
+    optimizer, ref_opt = make(model.parameters()), make(ref.parameters())
+    options = dict(accumulation_steps=K, max_grad_norm=MAX_NORM, backend="torch", zero_stage=stage,
+                   bucket_size_mb=BUCKET_MB)
+    acc = gaengine.GradientAccumulator(model, optimizer, **options)
+    worst = []
+    for window in range(7):
+        if window == 1:  # a new head, its own param group (another learning rate)
+            torch.manual_seed(1)
+            head = nn.Linear(3, 3).to(torch.bfloat16)
+            for m, h in ((model, head), (ref, copy.deepcopy(head).double()), (twin, copy.deepcopy(head))):
+                m.add_module("head", h)
+            optimizer.add_param_group({"params": list(model.head.parameters()), "lr": 0.1})
+            ref_opt.add_param_group({"params": list(ref.head.parameters()), "lr": 0.1})
+        _changes(window, 0, model, ref, twin)
+        for x, y in _rank_batches(window, rank):
+            acc.backward(_loss(model, x, y).float())
+        assert not bool(acc.step().skipped)
+        with torch.no_grad():
+            for q, m in zip(twin.parameters(), ref.parameters()):
+                q.copy_(m)  # the masters' rounding, as the engine's model holds it
+        sums = [torch.zeros_like(m) for m in ref.parameters()]
+        for r in range(WORLD):
+            for x, y in _rank_batches(window, r):
+                twin.zero_grad(set_to_none=True)
+                _loss(twin, x, y).float().backward()
+                for s, q in zip(sums, twin.parameters()):
+                    if q.grad is not None:
+                        s += q.grad.double()
+        for m, s in zip(ref.parameters(), sums):
+            m.grad = s / (K * WORLD) if m.requires_grad else None
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], MAX_NORM)
+        ref_opt.step()
+        masters = _full_masters(acc)
+        trained = [(masters[id(p)], m) for p, m in zip(model.parameters(), ref.parameters()) if p.requires_grad]
+        worst.append(max(_close_errors(*zip(*trained))))
+        if window == 4:  # model[0] frozen: the optimizer state exported whole, its own kept as torch keeps it
+            exported = gaengine.full_optimizer_state_dict(acc)["state"]
+            ours = [exported.get(i, {}) for i in range(len(list(ref.parameters())))]
+            theirs = [ref_opt.state.get(m, {}) for g in ref_opt.param_groups for m in g["params"]]
+            assert [sorted(a) for a in ours] == [sorted(b) for b in theirs], "another set of states"
+            for a, b in zip(ours, theirs):
+                if a:
+                    worst.append(max(_close_errors([a["exp_avg"], a["exp_avg_sq"]], [b["exp_avg"], b["exp_avg_sq"]])))
+                    assert float(a["step"]) == float(b["step"])
+        with torch.no_grad():  # the next window starts from the engine's masters (the reference's moments kept)
+            for p, m in zip(model.parameters(), ref.parameters()):
+                if p.requires_grad:
+                    m.copy_(masters[id(p)])
+    # A state_dict() round trip after the adoptions, through torch.distributed.checkpoint as docs/checkpoints.md
+    # does: into a fresh model (the values), optimizer (the same groups) and accumulator.
+    path = f"{out}/checkpoint-{stage}"
+    dcp.save({"acc": acc.state_dict()}, checkpoint_id=path)
+    fresh = _wide_model().to(torch.bfloat16)
+    fresh.add_module("head", nn.Linear(3, 3).to(torch.bfloat16))
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    fresh_opt = make([{"params": [p for n, p in fresh.named_parameters() if not n.startswith("head")]},
+                      {"params": list(fresh.head.parameters()), "lr": 0.1}])
+    fresh_acc = gaengine.GradientAccumulator(fresh, fresh_opt, **options)
+    state = {"acc": fresh_acc.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    fresh_acc.load_state_dict(state["acc"])
+    for window in range(7, 9):
+        for run_model, run_acc in ((model, acc), (fresh, fresh_acc)):
+            for x, y in _rank_batches(window, rank):
+                run_acc.backward(_loss(run_model, x, y).float())
+            run_acc.step()
+    masters, fresh_masters = _full_masters(acc), _full_masters(fresh_acc)
+    resumed = (all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+               and all(torch.equal(masters[id(p)], fresh_masters[id(q)])
+                       for p, q in zip(model.parameters(), fresh.parameters())))
+    acc.close()
+    fresh_acc.close()
+    return {"worst": worst, "resumed": resumed}
+
+
+def _disagreement_case(rank: int, stage: int) -> dict:
+    """Rank 0 unfreezes model[0] before window 1, rank 1 does not: every rank's step() raises ValueError naming it
+    and each rank's change, nothing applied; then rank 1 unfreezes it too, zero_grad(), and both train it alike."""
+    model = _model()
+    model[0].requires_grad_(False)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=K,
+                                       max_grad_norm=MAX_NORM, backend="torch", zero_stage=stage)
+    for x, y in _rank_batches(0, rank):
+        acc.backward(_loss(model, x, y))
+    acc.step()
+    if rank == 0:
+        model[0].requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    message = "none"
+    try:
+        for x, y in _rank_batches(1, rank):
+            acc.backward(_loss(model, x, y))
+        acc.step()
+    except ValueError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    model[0].requires_grad_(True)  # the same change on every rank
+    acc.zero_grad()
+    for x, y in _rank_batches(2, rank):
+        acc.backward(_loss(model, x, y))
+    went_on = not bool(acc.step().skipped) and not torch.equal(model[0].weight, before[0])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    torch.distributed.all_gather(gathered, flat)
+    acc.close()
+    return {"message": message, "unchanged": unchanged, "went_on": went_on,
+            "equal": torch.equal(gathered[0], gathered[1])}
+
+
+def _fsdp2_case(rank: int) -> str:
+    """FSDP2 shards the parameters itself, once: a parameter unfrozen later is refused by name on every rank at the
+    next window's first backward, nothing accumulated (never trained on autograd's raw .grad)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    model = _wide_model()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model[0].requires_grad_(False)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=K,
+                                       max_grad_norm=MAX_NORM, backend="torch")
+    for x, y in _rank_batches(0, rank):
+        acc.backward(_loss(model, x, y))
+    acc.step()
+    model[0].requires_grad_(True)
+    x, y = _rank_batches(1, rank)[0]
+    try:
+        acc.backward(_loss(model, x, y))
+        outcome = "none"
+    except ValueError as exc:
+        outcome = str(exc)
+    outcome += f"|{acc.num_micro_batches}|{model[0].weight.grad is None}"
+    acc.close()
+    return outcome
+
+
+def _ranks(rank: int, world: int, port: int, out: str) -> None:
+    with torchrun_rank(rank, world, port):
+        torch.distributed.init_process_group("gloo")
+        results = {}
+        for stage in ZERO_STAGES:
+            results["sgd-fp32", stage] = _sgd_fp32_case(rank, stage)
+            results["adamw-bf16", stage] = _adamw_bf16_case(rank, stage, out)
+        for stage in (0, *ZERO_STAGES):
+            results["disagree", stage] = _disagreement_case(rank, stage)
+        results["fsdp2"] = _fsdp2_case(rank)
+        torch.save(results, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.multiproc
+def test_every_zero_stage_adopts_on_several_ranks(tmp_path):
+    """zero_stage 1 and 2 on 2 gloo ranks: joining (unfrozen, a head added with add_param_group), leaving and joining
+    again match the plain recipe within fp32 rounding, fp32 with SGD and bf16 with fp32 masters and AdamW (their
+    masters and moments carried over every new layout, the ranges of each parameter moved between the ranks); a
+    state_dict() after the adoptions resumes bit for bit. Ranks that change their parameters differently raise
+    ValueError on every rank, at every zero_stage, naming the parameter and each rank's change (before: a hang at
+    zero_stage 0, a refusal on one rank at 1 and 2)."""
+    codes = spawn_ranks(_ranks, WORLD, (free_port(), str(tmp_path)), join_s=240)
+    assert codes == [0] * WORLD, f"exit codes {codes} (a negative one: killed, e.g. hung past the deadline)"
+    for rank in range(WORLD):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        for stage in ZERO_STAGES:
+            worst = res["sgd-fp32", stage]
+            assert max(worst) <= 1.0, f"rank {rank}, zero_stage={stage}, fp32 SGD: error / bound per window {worst}"
+            bf16 = res["adamw-bf16", stage]
+            assert max(bf16["worst"]) <= 1.0, f"rank {rank}, zero_stage={stage}, bf16 AdamW: {bf16['worst']}"
+            assert bf16["resumed"], f"rank {rank}, zero_stage={stage}: the state_dict() round trip differs"
+        for stage in (0, *ZERO_STAGES):
+            case = res["disagree", stage]
+            message = case["message"]
+            assert "'0.weight'" in message and "rank 0: 2 joining" in message and "rank 1: no change" in message, (
+                f"rank {rank}, zero_stage={stage}: {message}")
+            assert case["unchanged"], f"rank {rank}, zero_stage={stage}: the disagreeing window was applied"
+            assert case["went_on"] and case["equal"], f"rank {rank}, zero_stage={stage}: {case}"
+        assert "'0.weight' became trainable" in res["fsdp2"] and res["fsdp2"].endswith("|0|True"), res["fsdp2"]
