@@ -104,17 +104,23 @@ def test_new_head_added_with_add_param_group_matches_the_plain_recipe():
     acc.close()
 
 
-def test_bf16_masters_survive_adoption():
-    """bf16 parameters with fp32 masters: the masters of the parameters trained before are kept through the new
-    layout (rebuilt from the bf16 model they would lose up to half a bf16 ulp per element each time)."""
-    model = _model().to(torch.bfloat16)
-    model[0].requires_grad_(False)
+def _bf16_sgd_trained_two_windows(model):
+    """An accumulator over ``model`` (bf16, SGD: fp32 masters) after two windows of ``_batches``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
     for window in range(2):
         for x, y in _batches(window):
             acc.backward(_loss(model, x, y).float())
         acc.step()
+    return acc
+
+
+def test_bf16_masters_survive_adoption():
+    """bf16 parameters with fp32 masters: the masters of the parameters trained before are kept through the new
+    layout (rebuilt from the bf16 model they would lose up to half a bf16 ulp per element each time)."""
+    model = _model().to(torch.bfloat16)
+    model[0].requires_grad_(False)
+    acc = _bf16_sgd_trained_two_windows(model)
     masters = {id(s.param): s.piece.detach().clone() for s in acc.sharding.store.slots if s.master}
     model[0].requires_grad_(True)
     x, y = _batches(2)[0]
@@ -132,12 +138,7 @@ def test_bf16_master_of_a_parameter_frozen_then_unfrozen_is_kept():
     not from its bf16 rounding; an element written into the model while it was frozen goes on from the value
     written."""
     model = _model().to(torch.bfloat16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
-    for window in range(2):
-        for x, y in _batches(window):
-            acc.backward(_loss(model, x, y).float())
-        acc.step()
+    acc = _bf16_sgd_trained_two_windows(model)
     master = next(s.piece for s in acc.sharding.store.slots if s.param is model[0].weight).detach().clone()
     assert not torch.equal(master, model[0].weight.float()), "the master holds nothing the bf16 value does not"
     model[0].requires_grad_(False)
