@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from gaengine.compat import all_gather_single
 from gaengine.reduce import Collective
 
 __all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
@@ -264,8 +265,8 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     world = len(all_pieces)
     if world > 1:
         gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
-        Collective(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # torch < 2.10: old name
-                   gathered, shard.contiguous(), group=group).wait()  # returns with no backend thread holding them
+        # returns with no backend thread holding them
+        Collective(all_gather_single(), gathered, shard.contiguous(), group=group).wait()
         rows = gathered.view(world, shard.numel())
     else:
         rows = shard.reshape(1, -1)

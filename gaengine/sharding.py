@@ -36,6 +36,7 @@ from torch import nn
 
 from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
+from gaengine.compat import composable_apis, reduce_scatter_single
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import BucketReducer, Collective, broadcast_from_first_rank, launch_window_stats
@@ -571,8 +572,8 @@ class ZeroStage1(_Zero):
                 if not written[i]:
                     o = layout.layout.offsets[i] - b.start
                     tmp[o:o + layout.layout.numels[i]].zero_()
-            Collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # torch < 2.10
-                       out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=self.process_group).wait()
+            Collective(reduce_scatter_single(), out[b.shard_offset:b.shard_offset + b.shard_numel], tmp,
+                       group=self.process_group).wait()
         return [out[s.shard_offset:s.shard_offset + s.numel] for s in layout.param_shards(self.rank)]
 
     def prepare_window_load(self) -> None:
@@ -686,8 +687,7 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
     trainable parameters, ``CPUOffloadPolicy``, HSDP). A supported FSDP2 model passes (``gaengine.fsdp2``)."""
     if not dist.is_available():
         return
-    from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415 - only when distributed exists
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415 - only when distributed exists
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     fsdp2 = False
@@ -698,11 +698,12 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
                             "gradients in its own hooks on the AccumulateGrad nodes gaengine hooks, so gradients would "
                             "be lost or never reduced. Use fully_shard (FSDP2), or pass the bare module with "
                             "zero_stage=2")
-        if isinstance(module, FSDPModule) and set(_get_registry(module) or {}) <= {"fully_shard"}:
+        apis = composable_apis(module)
+        if isinstance(module, FSDPModule) and apis <= {"fully_shard"}:
             fsdp2 = True
-        elif isinstance(module, FSDPModule) or _get_registry(module):
-            raise TypeError(f"{where} is managed by torch.distributed composable API(s) "
-                            f"{sorted(_get_registry(module) or {})}. {_SHARDED_ADVICE}")
+        elif isinstance(module, FSDPModule) or apis:
+            raise TypeError(f"{where} is managed by torch.distributed composable API(s) {sorted(apis)}. "
+                            f"{_SHARDED_ADVICE}")
     if fsdp2:
         strategy = _model_strategy(model)
         if strategy is None:
