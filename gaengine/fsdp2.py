@@ -50,6 +50,7 @@ from torch import nn
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import composable_apis, fsdp_param_groups
+from gaengine.formats import FSDP2_FORMAT
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import broadcast_from_first_rank, launch_window_stats
@@ -179,7 +180,7 @@ class FullyShardedGrads(ShardingStrategy):
 
     name = "fsdp2 (fully_shard)"
     sharded = True
-    FORMAT = "gaengine.GradientAccumulator/fsdp2/1"
+    FORMAT = FSDP2_FORMAT
 
     @classmethod
     def takes_model(cls, model: nn.Module | None) -> bool:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import gaengine
 from gaengine.checkpoint import (PLAIN_FORMAT, FlatShard, Piece, gather_full, load_shard_state_dict, pieces_in_ranges,
-                                 shard_state_dict)
+                                 shard_state_dict, upgrade)
 from tests.test_distributed import _launch as launch
 from tests.tolerances import clip_coef_rtol, gamma, recipe_param_rtol, rel_diff, split_batch_rtol, unit_roundoff
 
@@ -488,8 +488,8 @@ def _cross_modes(rank: int, world: int, cfg: dict) -> dict:
     except CheckpointException as exc:  # dcp.load's own check, on every rank: the rows' size differs
         out["refused"] = str(exc)
     _, _, acc = _build(1, world)
-    try:  # a replicated state of gaengine's earlier plain format loads only into a replicated run
-        acc.load_state_dict({"format": PLAIN_FORMAT})
+    try:  # a replicated state of gaengine's earlier plain format is upgraded only by a replicated run
+        upgrade({"format": PLAIN_FORMAT}, acc)
         out["plain refused"] = None
     except ValueError as exc:
         out["plain refused"] = str(exc)
