@@ -22,7 +22,7 @@ _SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__", "n
 @contextlib.contextmanager
 def forbid_host_reads():
     """Within it, a host read of a tensor (``.item()``, ``bool()``, ``.cpu()``, ``.tolist()`` ...) raises
-    ``AssertionError``: the hot path's no-host-sync rule (STYLE 7)."""
+    ``AssertionError``: the hot path's no-host-sync rule."""
     saved = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
 
     def make(name):

@@ -1,4 +1,4 @@
-"""NaN-poisoned allocations in tests (STYLE.md §3): ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty``
+"""NaN-poisoned allocations in tests: ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty``
 return floating tensors filled with NaN, so a slot a kernel or the library forgets to write (a missing zero, a stale
 slice of a reused buffer, a partials entry never finished) shows up as NaN instead of passing on whatever memory held.
 
