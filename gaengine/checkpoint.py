@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from gaengine import optimizers
 from gaengine.buffer import FlatLayout
 from gaengine.compat import all_gather_single
 from gaengine.formats import OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
@@ -329,7 +330,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
         piece = slot.piece
         state = optimizer.state.get(piece) if piece is not None else None
         if state:
-            keys = _moment_keys(optimizer, optimizer.param_groups[group_of[id(piece)]])
+            keys = optimizers.moment_keys(optimizer, optimizer.param_groups[group_of[id(piece)]])
             moment_keys.update(keys)
             steps[i] = float(state["step"]) if "step" in state else 0.0  # host read: an export
     gathered = [(steps, sorted(moment_keys))]
@@ -351,7 +352,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     state_out, groups_out, n = {}, [], 0
     for g, members in enumerate(sharding.store.group_params):  # the model's parameters of each group, as built
         ids = []
-        keys = _moment_keys(optimizer, optimizer.param_groups[g])
+        keys = optimizers.moment_keys(optimizer, optimizer.param_groups[g])
         for p in members:
             i = layout_index[id(p)]
             if i in ready:
@@ -425,21 +426,6 @@ def _entries(acc: Any) -> list[_Entry]:
     return sorted(out, key=lambda e: order[id(acc.params[e.layout_index])])
 
 
-def _moment_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
-    """The elementwise state tensors ``optimizer`` keeps per parameter of ``group`` (besides ``step``)."""
-    if isinstance(optimizer, torch.optim.SGD):
-        return ["momentum_buffer"] if group.get("momentum", 0) else []
-    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])  # Adam, AdamW, FusedAdamW
-
-
-def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
-    """``optimizer`` is one whose state ``_moment_keys`` names (``gaengine.zero.check_zero_optimizer``'s list: the
-    only ones a sharded strategy runs); any other one's state is saved whole, in the meta blob (one shard only)."""
-    from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
-
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdamW)
-
-
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous; gaengine checkpoints read and write it in place")
@@ -487,7 +473,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
     sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
     optimizer = acc.optimizer
-    elementwise = optimizer is not None and _elementwise(optimizer)
+    elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
 
     per_rank: dict[str, Any] = {"scalars": acc.scalars_state_dict()}  # with the window's (gaengine.window)
     ranks = [per_rank]
@@ -508,7 +494,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
                 if state:
                     whole_state[e.key] = {k: _cpu_copy(v) for k, v in state.items()}
             else:
-                moment_keys = _moment_keys(optimizer, optimizer.param_groups[e.group])
+                moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
                 ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
                 entry: dict[str, Any] = {
                     "initialized": torch.tensor(float(ready)),
@@ -645,7 +631,7 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     loaded: dict[int, dict[str, Any]] = {}
     rows = sharding.window_rows
     whole_state = meta["optimizer_state"]
-    elementwise = optimizer is not None and _elementwise(optimizer)
+    elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
     for e in entries:
         owned = e.piece is not None
         if e.master and owned:
@@ -662,7 +648,7 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
             if float(saved["initialized"]):
                 group = optimizer.param_groups[e.group]
                 moments = {}
-                for k in _moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
+                for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
                     value = saved.get(k)
                     t = _take(value, e, f"state['optimizer'][{e.key!r}]")
                     moments[k] = (t if isinstance(value, FlatShard) else t.clone()).view(e.piece.shape)

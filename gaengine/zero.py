@@ -83,6 +83,7 @@ from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.compat import all_gather_single, reduce_scatter_single
 from gaengine.norm import WindowNorm, window_norm
+from gaengine.optimizers import elementwise_names, is_elementwise
 from gaengine.reduce import BucketReducer, Collective, wait_for, wait_quietly
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout", "ShardReducer",
@@ -383,20 +384,17 @@ class ShardReducer(BucketReducer):
 
 def check_zero_optimizer(optimizer, zero_stage: int) -> None:
     """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` is one gaengine can run on flat ranges of
-    parameters (an elementwise update: ``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``;
-    subclasses are refused, as gaengine cannot prove them elementwise), with no state yet. ``zero_stage=0``: any."""
-    from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
-
+    parameters (an elementwise update: ``gaengine.optimizers.is_elementwise``, ``torch.optim.Adam``, ``AdamW``,
+    ``SGD``, ``gaengine.optim.FusedAdamW``; subclasses are refused, as gaengine cannot prove them elementwise), with no state yet. ``zero_stage=0``: any."""
     if not zero_stage:
         return
     if optimizer is None:
         raise ValueError(f"zero_stage={zero_stage} shards the optimizer state and needs an optimizer; with "
                          "optimizer=None (gradients left in .grad) use zero_stage=0")
-    elementwise = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdamW)
-    if type(optimizer) not in elementwise:
+    if not is_elementwise(optimizer):
         raise ValueError(
             f"zero_stage={zero_stage} updates each rank's flat range of the parameters, which only an elementwise "
-            f"optimizer can do: torch.optim.Adam, AdamW, SGD (fused or not) or gaengine.optim.FusedAdamW; got "
+            f"optimizer can do: {', '.join(elementwise_names())} (fused or not); got "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use zero_stage=0 with this optimizer")
     if any(optimizer.state.values()):
         raise ValueError(f"zero_stage={zero_stage} needs an optimizer with no state yet (its state is sharded over "
