@@ -561,8 +561,8 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     value come back as plain tensors).
 
     Checks everything before writing: raises ``ValueError`` (changing nothing) for a state of another format (one
-    of an earlier gaengine: naming it and ``upgrade``), model, optimizer layout, ``master_weights`` or number of param groups, or saved mid-window on another world
-    size or strategy (naming both)."""
+    of an earlier gaengine: naming it and ``upgrade``), model, optimizer layout, ``master_weights`` or number of
+    param groups, or saved mid-window on another world size or strategy (naming both)."""
     if isinstance(state, dict) and state.get("format") in OLD_FORMATS:
         raise ValueError(f"state is a {state['format']} state dict, saved by an earlier gaengine; this one loads "
                          f"{STATE_FORMAT}: convert it with gaengine.checkpoint.upgrade(state, acc), then load or "

@@ -625,7 +625,7 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
     trainable parameters, ``CPUOffloadPolicy``, HSDP). A supported FSDP2 model passes (``gaengine.fsdp2``)."""
     if not dist.is_available():
         return
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415 - only when distributed exists
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415 - distributed exists
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     fsdp2 = False

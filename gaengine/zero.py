@@ -385,7 +385,8 @@ class ShardReducer(BucketReducer):
 def check_zero_optimizer(optimizer, zero_stage: int) -> None:
     """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` is one gaengine can run on flat ranges of
     parameters (an elementwise update: ``gaengine.optimizers.is_elementwise``, ``torch.optim.Adam``, ``AdamW``,
-    ``SGD``, ``gaengine.optim.FusedAdamW``; subclasses are refused, as gaengine cannot prove them elementwise), with no state yet. ``zero_stage=0``: any."""
+    ``SGD``, ``gaengine.optim.FusedAdamW``; subclasses are refused, as gaengine cannot prove them elementwise),
+    with no state yet. ``zero_stage=0``: any."""
     if not zero_stage:
         return
     if optimizer is None:
