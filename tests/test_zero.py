@@ -252,7 +252,7 @@ def _scenario_bytes_and_syncs(rank, world, names):
 
 
 def _launch(tmp_path, world, scenario, arg=None):
-    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (tests.test_distributed's harness): every result."""
+    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``): every result."""
     codes, results = launch_ranks(tmp_path, world, functools.partial(_with_arg, scenario, arg), join_s=240)
     assert codes == [0] * world, f"{scenario.__name__}: a rank failed (see the captured stderr)"
     return results

@@ -205,7 +205,7 @@ def _scenario(name, cfg, rank, world, out):
 
 
 def _launch(tmp_path, world, name, cfg):
-    """Run scenario ``name`` on ``world`` gloo ranks (tests/test_distributed.py's launcher); the ranks' results."""
+    """Run scenario ``name`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``); the ranks' results."""
     out = tmp_path / f"{name}{world}_{len(list(tmp_path.iterdir()))}"
     out.mkdir()
     codes, results = launch(out, world, functools.partial(_scenario, name, cfg), join_s=240)
