@@ -22,7 +22,8 @@ views out (``shard_state_dict``), back (``load_shard_state_dict``), or gathered 
 accumulator through its documented names (``sharding``, ``params``, ``registered_params``, ``named_params``,
 ``optimizer``, ``lr_scheduler``, ``window``, ``hooks``, ``scalars_state_dict`` ...) and the strategy through
 ``param_slots``, ``finish_collectives``, ``window_sums_to_save``, ``prepare_window_load``, ``set_layout`` and its
-flags. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+flags. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export. ``upgrade``
+brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from gaengine import optimizers
+from gaengine.buffer import FlatLayout
+from gaengine.compat import all_gather_single
+from gaengine.formats import OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
 from gaengine.reduce import Collective
 
 __all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
            "full_optimizer_state_dict", "gather_full", "load_accumulator_state_dict", "load_shard_state_dict",
-           "pieces_in_ranges", "shard_state_dict"]
+           "pieces_in_ranges", "shard_state_dict", "upgrade"]
 
 
 class FlatShard(torch.Tensor):
@@ -264,8 +269,8 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     world = len(all_pieces)
     if world > 1:
         gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
-        Collective(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # torch < 2.10: old name
-                   gathered, shard.contiguous(), group=group).wait()  # returns with no backend thread holding them
+        # returns with no backend thread holding them
+        Collective(all_gather_single(), gathered, shard.contiguous(), group=group).wait()
         rows = gathered.view(world, shard.numel())
     else:
         rows = shard.reshape(1, -1)
@@ -326,7 +331,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
         piece = slot.piece
         state = optimizer.state.get(piece) if piece is not None else None
         if state:
-            keys = _moment_keys(optimizer, optimizer.param_groups[group_of[id(piece)]])
+            keys = optimizers.moment_keys(optimizer, optimizer.param_groups[group_of[id(piece)]])
             moment_keys.update(keys)
             steps[i] = float(state["step"]) if "step" in state else 0.0  # host read: an export
     gathered = [(steps, sorted(moment_keys))]
@@ -348,7 +353,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     state_out, groups_out, n = {}, [], 0
     for g, members in enumerate(sharding.store.group_params):  # the model's parameters of each group, as built
         ids = []
-        keys = _moment_keys(optimizer, optimizer.param_groups[g])
+        keys = optimizers.moment_keys(optimizer, optimizer.param_groups[g])
         for p in members:
             i = layout_index.get(id(p))
             if i is None:  # frozen: the whole state the optimizer kept for it (frozen after training), if any
@@ -364,12 +369,15 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     return {"state": state_out, "param_groups": groups_out}
 
 
+# The moment keys of an elementwise optimizer, under the name gaengine.store's ZeRO adoption imports it by (the table
+# is gaengine.optimizers).
+_moment_keys = optimizers.moment_keys
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GradientAccumulator.state_dict(): one format for every sharding strategy, in DCP's form
 
-STATE_FORMAT = "gaengine.GradientAccumulator/2"
-ZERO_FORMAT = "gaengine.GradientAccumulator.zero/1"  # zero_stage >= 1 before STATE_FORMAT (loaded as STATE_FORMAT)
-PLAIN_FORMAT = "gaengine.GradientAccumulator/1"  # zero_stage=0 before STATE_FORMAT (torch.save; Replicated loads it)
+# (STATE_FORMAT, its tag, and the earlier formats' are in gaengine.formats.)
 
 
 @dataclass
@@ -427,21 +435,6 @@ def _entries(acc: Any) -> list[_Entry]:
     return sorted(out, key=lambda e: order[id(acc.params[e.layout_index])])
 
 
-def _moment_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
-    """The elementwise state tensors ``optimizer`` keeps per parameter of ``group`` (besides ``step``)."""
-    if isinstance(optimizer, torch.optim.SGD):
-        return ["momentum_buffer"] if group.get("momentum", 0) else []
-    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])  # Adam, AdamW, FusedAdamW
-
-
-def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
-    """``optimizer`` is one whose state ``_moment_keys`` names (``gaengine.zero.check_zero_optimizer``'s list: the
-    only ones a sharded strategy runs); any other one's state is saved whole, in the meta blob (one shard only)."""
-    from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
-
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdamW)
-
-
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous; gaengine checkpoints read and write it in place")
@@ -489,7 +482,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
     sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
     optimizer = acc.optimizer
-    elementwise = optimizer is not None and _elementwise(optimizer)
+    elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
 
     per_rank: dict[str, Any] = {"scalars": acc.scalars_state_dict()}  # with the window's (gaengine.window)
     ranks = [per_rank]
@@ -510,7 +503,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
                 if state:
                     whole_state[e.key] = {k: _cpu_copy(v) for k, v in state.items()}
             else:
-                moment_keys = _moment_keys(optimizer, optimizer.param_groups[e.group])
+                moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
                 ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
                 entry: dict[str, Any] = {
                     "initialized": torch.tensor(float(ready)),
@@ -566,25 +559,24 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _read_meta(state: dict[str, Any]) -> dict[str, Any]:
-    """The meta blob of a ``STATE_FORMAT`` or ``ZERO_FORMAT`` state, the fields of the latter filled in."""
-    meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)  # plain containers, numbers, CPU tensors
-    if "mode" not in meta:  # ZERO_FORMAT: a sharded run's ranges were reduced sums, one rank a replicated run
-        meta["mode"] = f"zero_stage={meta['zero_stage']}" if meta["sharded"] else None
-        meta["window_rows"] = False
-        meta["optimizer_state"] = {}
-    return meta
+    """The meta blob of a ``STATE_FORMAT`` state."""
+    return torch.load(io.BytesIO(state["meta"]), weights_only=True)  # plain containers, numbers, CPU tensors
 
 
 def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     """``acc.load_state_dict(state)`` of what ``accumulator_state_dict`` returned, on any sharding strategy (see
     ``GradientAccumulator.load_state_dict``): after ``dcp.load`` into this run's own ``acc.state_dict()`` (any world
     size and strategy), or ``torch.load`` of one rank's ``torch.save`` (FlatShards whose chunk is this rank's whole
-    value come back as plain tensors). Also loads ``ZERO_FORMAT`` states.
+    value come back as plain tensors).
 
-    Checks everything before writing: raises ``ValueError`` (changing nothing) for a state of another format,
-    model, optimizer layout, ``master_weights`` or number of param groups, or saved mid-window on another world
-    size or strategy (naming both)."""
-    if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, ZERO_FORMAT):
+    Checks everything before writing: raises ``ValueError`` (changing nothing) for a state of another format (one
+    of an earlier gaengine: naming it and ``upgrade``), model, optimizer layout, ``master_weights`` or number of
+    param groups, or saved mid-window on another world size or strategy (naming both)."""
+    if isinstance(state, dict) and state.get("format") in OLD_FORMATS:
+        raise ValueError(f"state is a {state['format']} state dict, saved by an earlier gaengine; this one loads "
+                         f"{STATE_FORMAT}: convert it with gaengine.checkpoint.upgrade(state, acc), then load or "
+                         "save the result (docs/checkpoints.md)")
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state is not a {STATE_FORMAT} state dict (got format {got!r}): load what "
                          "acc.state_dict() returns (after dcp.load or torch.load)")
@@ -648,7 +640,7 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     loaded: dict[int, dict[str, Any]] = {}
     rows = sharding.window_rows
     whole_state = meta["optimizer_state"]
-    elementwise = optimizer is not None and _elementwise(optimizer)
+    elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
     for e in entries:
         owned = e.piece is not None
         if e.master and owned:
@@ -665,7 +657,7 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
             if float(saved["initialized"]):
                 group = optimizer.param_groups[e.group]
                 moments = {}
-                for k in _moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
+                for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
                     value = saved.get(k)
                     t = _take(value, e, f"state['optimizer'][{e.key!r}]")
                     moments[k] = (t if isinstance(value, FlatShard) else t.clone()).view(e.piece.shape)
@@ -743,3 +735,101 @@ def _check_optimizer(meta: dict[str, Any], optimizer: torch.optim.Optimizer | No
 def _layout_order(acc: Any) -> list[int]:
     reg = {id(p): i for i, p in enumerate(acc.registered_params)}
     return [reg[id(p)] for p in acc.params]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# State dicts of earlier gaengine versions
+
+
+def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
+    """``state``, a state dict saved by an earlier gaengine, in today's format (``gaengine.formats.STATE_FORMAT``,
+    what ``acc.state_dict()`` returns and ``acc.load_state_dict`` loads); a ``STATE_FORMAT`` state as it is.
+
+    * ``ZERO_FORMAT`` (``zero_stage >= 1`` before ``STATE_FORMAT``, DCP): after ``dcp.load`` into this run's
+      ``acc.state_dict()`` as always, ``acc.load_state_dict(upgrade(state))``; ``acc`` is not needed. The same
+      tensors, a new meta blob (its ranges were the reduced sums: the mode, no per-rank window rows).
+    * ``PLAIN_FORMAT`` (``zero_stage=0`` before ``STATE_FORMAT``: ``torch.save``d whole CPU tensors in the saved
+      run's flat layout, the optimizer's state dict saved beside it): its values are laid out by ``acc``, a
+      replicated accumulator (``zero_stage=0`` or one rank) over the saved run's model. Load the model's and the
+      optimizer's state dicts first, then ``upgrade(state, acc)`` loads ``state`` into ``acc`` (the masters of the
+      flat layout before ``gaengine.store`` moved into the store's) and returns ``acc.state_dict()``: views of
+      ``acc``'s buffers, to ``torch.save`` (or ``dcp.save``) at once; loading it into ``acc`` again changes nothing.
+
+    Raises ``ValueError`` (``acc`` unchanged) for a format gaengine never wrote, a ``PLAIN_FORMAT`` state without
+    ``acc`` or with a sharded one (load it replicated, save, then load that anywhere), or of another model or
+    world size."""
+    fmt = state.get("format") if isinstance(state, dict) else None
+    if fmt == STATE_FORMAT:
+        return state
+    if fmt == ZERO_FORMAT:
+        meta = _read_meta(state)
+        meta["mode"] = f"zero_stage={meta['zero_stage']}" if meta["sharded"] else None  # one rank: replicated
+        meta["window_rows"] = False
+        meta["optimizer_state"] = {}
+        blob = io.BytesIO()
+        torch.save(meta, blob)
+        return {**state, "format": STATE_FORMAT, "meta": blob.getvalue()}
+    if fmt == PLAIN_FORMAT:
+        _load_plain_state(acc, state)
+        return acc.state_dict()
+    got = fmt if isinstance(state, dict) else type(state).__name__
+    raise ValueError(f"state has format {got!r}, none that gaengine wrote ({', '.join((STATE_FORMAT, *OLD_FORMATS))}):"
+                     " pass a state dict gaengine saved")
+
+
+def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
+    """Load a ``PLAIN_FORMAT`` state into ``acc`` (``upgrade``): ``main_grad`` and ``master`` whole CPU tensors in
+    the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
+    or an ``acc`` that is not replicated."""
+    # The replicated strategy (the one that re-learns its layout) takes the saved layout and whole buffers.
+    if acc is None or not acc.sharding.relearns_layout:
+        where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
+        raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
+                         f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "
+                         f"{where}. Upgrade it there, then save acc.state_dict() (it loads at any zero_stage)")
+    sharding = acc.sharding
+    registration = acc.registered_params
+    shapes = [list(p.shape) for p in registration]
+    dtypes = [str(p.dtype) for p in registration]
+    if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
+        raise ValueError(
+            f"state was saved for {len(state['param_shapes'])} parameters of shapes/dtypes "
+            f"{list(zip(state['param_shapes'], state['param_dtypes']))[:4]}..., but this accumulator has "
+            f"{len(shapes)} of {list(zip(shapes, dtypes))[:4]}...: it belongs to another model"
+        )
+    if state["world_size"] != sharding.world_size:
+        raise ValueError(f"state was saved with world_size={state['world_size']}, this run has {sharding.world_size}")
+    master, buffer = state["master"], sharding.master_buffer
+    if master is not None and buffer is not None and master.numel() != buffer.data.numel():
+        master = _masters_of_flat_layout(sharding.store, buffer.data, master)
+    if (master is None) != (buffer is None) or (buffer is not None and master.numel() != buffer.data.numel()):
+        raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
+    acc.check_scalars_state(state)
+    sharding.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_scalars_state
+    if state["main_grad"].numel() != sharding.main_grad.data.numel():
+        raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
+    with torch.no_grad():
+        sharding.main_grad.data.copy_(state["main_grad"])
+        if buffer is not None:
+            buffer.data.copy_(master)
+            sharding.store.copy_to_model()
+    acc.load_scalars_state(state)
+
+
+def _masters_of_flat_layout(store: Any, buffer: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """The fp32 masters of a state dict saved before ``gaengine.store`` (one ``FlatLayout`` over the bf16, then
+    the fp16 masters, in layout order at construction, each ``ALIGN_NUMEL``-aligned, where the store pads each
+    dtype's span to a whole bucket), moved into the layout of ``store`` (``gaengine.store.ParameterStore``, its
+    masters in ``buffer``); ``saved`` as it is when it is not that layout either (then the caller's size check
+    refuses it)."""
+    slots = [s for s in store.slots if s.master]
+    slots = [s for dtype in (torch.bfloat16, torch.float16) for s in slots if s.param.dtype == dtype]
+    old = FlatLayout.build([s.param for s in slots])
+    if old.total_numel != saved.numel():
+        return saved
+    out = torch.zeros_like(buffer, device="cpu")
+    base = buffer.storage_offset()
+    for s, offset, numel in zip(slots, old.offsets, old.numels):
+        at = s.piece.storage_offset() - base
+        out[at:at + numel] = saved[offset:offset + numel]
+    return out

@@ -659,8 +659,8 @@ class GradientAccumulator:
     def load_state_dict(self, state: dict, *, accumulation_steps: str | None = None) -> None:
         """Restore a ``state_dict()`` of any ``zero_stage`` and world size (after ``dcp.load`` into this run's own
         ``state_dict()``, or ``torch.load`` of a replicated run's file), through
-        ``gaengine.checkpoint.load_accumulator_state_dict``; also a ``zero_stage=0`` state saved by gaengine before
-        that format (``gaengine.checkpoint.PLAIN_FORMAT``, replicated runs only).
+        ``gaengine.checkpoint.load_accumulator_state_dict``. A state of an earlier gaengine's format is refused
+        (``ValueError`` naming it): ``gaengine.checkpoint.upgrade`` converts it.
 
         K: a K the saved run set at run time (``acc.accumulation_steps = K``) is restored; else this accumulator
         keeps its own (a schedule's window keeps the K it was saved under). A state saved mid-window under another K
@@ -668,10 +668,10 @@ class GradientAccumulator:
         ``accumulation_steps`` says how to go on: "saved" (the saved window's K, from now on) or "current" (this
         accumulator's K: the window completes after that many micro-batches).
 
-        Raises ``ValueError`` naming the key, before anything is changed, if it was made for other parameters
-        (names, shapes, dtypes), another optimizer type or param-group keys, other master weights or loss scaling,
-        saved mid-window on another world size or sharding strategy (naming both), or holds counters out of range
-        (a corrupt state)."""
+        Raises ``ValueError`` naming the key, before anything is changed, if it is of another format, was made for
+        other parameters (names, shapes, dtypes), another optimizer type or param-group keys, other master weights
+        or loss scaling, saved mid-window on another world size or sharding strategy (naming both), or holds
+        counters out of range (a corrupt state)."""
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")

@@ -49,6 +49,8 @@ from torch import nn
 
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer, FlatLayout
+from gaengine.compat import composable_apis, fsdp_param_groups
+from gaengine.formats import FSDP2_FORMAT
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import broadcast_from_first_rank, launch_window_stats
@@ -77,25 +79,18 @@ def fsdp2_param_groups(model: nn.Module) -> list:
     groups = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            # torch 2.12 holds a list of groups per state; torch 2.11 one group or None.
-            held = getattr(state, "_fsdp_param_groups", None)
-            if held is None:
-                held = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
-            groups.extend(g for g in held if g.fsdp_params)
+            groups.extend(g for g in fsdp_param_groups(module._get_fsdp_state()) if g.fsdp_params)
     return groups
 
 
 def check_fsdp2_model(model: nn.Module, params: list[torch.Tensor]) -> None:
     """``TypeError``/``ValueError`` for an FSDP2 model gaengine cannot accumulate exactly (module docstring);
     ``params``: the model's trainable parameters."""
-    from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule  # noqa: PLC0415
     from torch.distributed.fsdp._fully_shard._fsdp_param import HSDPMeshInfo  # noqa: PLC0415
 
     for name, module in model.named_modules():
-        registry = _get_registry(module) or {}
-        others = sorted(set(registry) - {"fully_shard"})
+        others = sorted(composable_apis(module) - {"fully_shard"})
         if others:
             raise TypeError(f"model.{name or 'self'} is managed by torch.distributed composable API(s) {others} "
                             "besides fully_shard; gaengine accumulates only FSDP2 (fully_shard) data-parallel "
@@ -185,7 +180,7 @@ class FullyShardedGrads(ShardingStrategy):
 
     name = "fsdp2 (fully_shard)"
     sharded = True
-    FORMAT = "gaengine.GradientAccumulator/fsdp2/1"
+    FORMAT = FSDP2_FORMAT
 
     @classmethod
     def takes_model(cls, model: nn.Module | None) -> bool:

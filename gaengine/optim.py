@@ -47,6 +47,7 @@ from torch.autograd.graph import increment_version
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.buffer import FlatLayout
 from gaengine.contract import AdamWStep
+from gaengine.optimizers import OptimizerSpec, register_optimizer
 
 __all__ = ["FusedAdamW", "flat_moments"]
 
@@ -369,6 +370,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 bool(group["maximize"]), _on(grad_scale, device), _on(found_inf, device),
             ))
             increment_version(params + [m for m in models if m is not None])  # they were written in place
+
+
+# gaengine.optimizers' row: elementwise, Adam's moments (amsgrad is refused), writes the model, always fused.
+register_optimizer(FusedAdamW, OptimizerSpec(name="gaengine.optim.FusedAdamW", elementwise=True,
+                                             moments=("exp_avg", "exp_avg_sq"), writes_model=True))
 
 
 def flat_moments(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,18 +31,13 @@ import torch.distributed as dist
 
 from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
+from gaengine.compat import BACKWARD_TLS, BACKWARD_TLS_KEY, tensor_use_count
 
 __all__ = ["BucketReducer", "Collective", "HostMailbox", "WindowStats", "broadcast_from_first_rank", "check_ranks_agree",
            "count_mismatch_message", "launch_window_stats", "setting_terms", "settle", "wait_for", "wait_quietly"]
 
 SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
 _SETTLE_POLL_S = 5e-5
-_use_count = getattr(torch.Tensor, "_use_count", None)  # C++ references to a tensor (one: its Python object's)
-# The Python object torch.autograd.graph._engine_run_backward stashes in the thread-local state for a backward
-# (a contextvars.Context), and torch's functions to take it out and put it back (torch >= 2.6 as far as they exist).
-_BACKWARD_TLS_KEY = "context"
-_tls = tuple(getattr(torch._C, name, None) for name in
-             ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls"))
 
 
 class Collective:
@@ -72,16 +67,16 @@ class Collective:
 
     def __init__(self, fn: Callable, *tensors: torch.Tensor, **kwargs) -> None:
         self.tensors = tuple(t.detach() for t in tensors)
-        is_key, get, remove, stash = _tls
+        is_key, get, remove, stash = BACKWARD_TLS
         stashed = None
-        if all(_tls) and is_key(_BACKWARD_TLS_KEY):
-            stashed = get(_BACKWARD_TLS_KEY)
-            remove(_BACKWARD_TLS_KEY)
+        if all(BACKWARD_TLS) and is_key(BACKWARD_TLS_KEY):
+            stashed = get(BACKWARD_TLS_KEY)
+            remove(BACKWARD_TLS_KEY)
         try:
             self.work = fn(*self.tensors, async_op=True, **kwargs)
         finally:
             if stashed is not None:
-                stash(_BACKWARD_TLS_KEY, stashed)
+                stash(BACKWARD_TLS_KEY, stashed)
 
     def wait(self) -> None:
         """Wait for the collective (raising what torch's ``work.wait()`` raises), then ``settle`` its tensors."""
@@ -97,12 +92,12 @@ def settle(tensors: Iterable[torch.Tensor], timeout_s: float = SETTLE_TIMEOUT_S)
     object's holds any CPU tensor of ``tensors`` (aliases only ``Collective`` holds), for at most ``timeout_s``.
     Returns whether they all settled. CUDA tensors are not waited for (that would be a host sync); nor is anything
     where torch does not count references (``Tensor._use_count``)."""
-    if _use_count is None:
+    if tensor_use_count is None:
         return True
     pending = [t for t in tensors if t.device.type == "cpu"]
     deadline = None
     while True:
-        pending = [t for t in pending if _use_count(t) > 1]
+        pending = [t for t in pending if tensor_use_count(t) > 1]
         if not pending:
             return True
         now = time.monotonic()

@@ -36,6 +36,8 @@ from torch import nn
 
 from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
+from gaengine.compat import composable_apis, reduce_scatter_single
+from gaengine.formats import STATE_FORMAT
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import BucketReducer, Collective, broadcast_from_first_rank, launch_window_stats
@@ -69,7 +71,7 @@ class ShardingStrategy(ABC):
     ``broadcast_buffers``, ``gradient_accumulation_fusion``: the hooks take the fused Linears' gradients);
     ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise
     scale); ``model``: the module, for its buffers and forward pre-hooks, or None. Every strategy's state dict has
-    one format (``gaengine.checkpoint.STATE_FORMAT``). On several ranks the parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
+    one format (``gaengine.formats.STATE_FORMAT``). On several ranks the parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
     """
 
     name = "?"
@@ -326,7 +328,7 @@ class ShardingStrategy(ABC):
     # ------------------------------------------------------------------ state dict
     # One format for every strategy (gaengine.checkpoint.accumulator_state_dict): what differs per strategy is what
     # its ranges of the parameters are (param_slots) and where the window's sums live mid-window (below).
-    FORMAT = "gaengine.GradientAccumulator/2"  # gaengine.checkpoint.STATE_FORMAT (the tag of scalars_state_dict())
+    FORMAT = STATE_FORMAT  # the tag of scalars_state_dict()
     window_rows = False  # mid-window each rank saves its own unreduced sums of whole parameters, one row per rank
 
     def state_dict(self, acc) -> dict:
@@ -339,14 +341,10 @@ class ShardingStrategy(ABC):
     def load_state_dict(self, acc, state: dict) -> None:
         """``acc.load_state_dict(state)`` of what ``state_dict`` returned on any strategy and world size
         (``gaengine.checkpoint.load_accumulator_state_dict``: ``ValueError``, nothing changed, for another format or
-        model, or a window saved on another world size or strategy)."""
-        from gaengine.checkpoint import PLAIN_FORMAT, load_accumulator_state_dict  # noqa: PLC0415
+        model, or a window saved on another world size or strategy; an earlier gaengine's format names
+        ``gaengine.checkpoint.upgrade``)."""
+        from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415
 
-        if isinstance(state, dict) and state.get("format") == PLAIN_FORMAT:
-            raise ValueError(
-                f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): it loads only "
-                f"into a replicated run (zero_stage=0, or one rank), this one is {self.name} on {self.world_size} "
-                "rank(s). Load it there, then save acc.state_dict() again (it loads at any zero_stage)")
         load_accumulator_state_dict(acc, state)
 
     def window_sums_to_save(self) -> list[torch.Tensor]:
@@ -453,65 +451,6 @@ class Replicated(ShardingStrategy):
     @property
     def window_rows(self) -> bool:  # several ranks: mid-window each rank holds its own unreduced sums
         return self.distributed
-
-    def load_state_dict(self, acc, state: dict) -> None:
-        """Also a ``gaengine.checkpoint.PLAIN_FORMAT`` state (saved by gaengine before ``STATE_FORMAT``, with
-        ``torch.save``; the optimizer's state dict was saved beside it): ``_load_plain_state``."""
-        from gaengine.checkpoint import PLAIN_FORMAT  # noqa: PLC0415
-
-        if isinstance(state, dict) and state.get("format") == PLAIN_FORMAT:
-            self._load_plain_state(acc, state)
-        else:
-            super().load_state_dict(acc, state)
-
-    def _load_plain_state(self, acc, state: dict) -> None:
-        """A ``PLAIN_FORMAT`` state: ``main_grad`` and ``master`` whole CPU tensors in the saved layout, the scalars
-        beside them; masters of the layout before ``gaengine.store`` are moved into the store's
-        (``_masters_of_flat_layout``). ``ValueError``, nothing changed, for another model or world size."""
-        registration = acc.registered_params
-        shapes = [list(p.shape) for p in registration]
-        dtypes = [str(p.dtype) for p in registration]
-        if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
-            raise ValueError(
-                f"state was saved for {len(state['param_shapes'])} parameters of shapes/dtypes "
-                f"{list(zip(state['param_shapes'], state['param_dtypes']))[:4]}..., but this accumulator has "
-                f"{len(shapes)} of {list(zip(shapes, dtypes))[:4]}...: it belongs to another model"
-            )
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"state was saved with world_size={state['world_size']}, this run has {self.world_size}")
-        master = state["master"]
-        if master is not None and self.master_buffer is not None and master.numel() != self.master_buffer.data.numel():
-            master = self._masters_of_flat_layout(master)
-        if (master is None) != (self.master_buffer is None) or (
-                self.master_buffer is not None and master.numel() != self.master_buffer.data.numel()):
-            raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
-        acc.check_scalars_state(state)
-        self.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_scalars_state
-        if state["main_grad"].numel() != self.main_grad.data.numel():
-            raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
-        with torch.no_grad():
-            self.main_grad.data.copy_(state["main_grad"])
-            if self.master_buffer is not None:
-                self.master_buffer.data.copy_(master)
-                self.store.copy_to_model()
-        acc.load_scalars_state(state)
-
-    def _masters_of_flat_layout(self, saved: torch.Tensor) -> torch.Tensor:
-        """The fp32 masters of a state dict saved before ``gaengine.store`` (one ``FlatLayout`` over the bf16, then
-        the fp16 masters, in layout order at construction, each ``ALIGN_NUMEL``-aligned, where the store pads each
-        dtype's span to a whole bucket), moved into this store's layout; ``saved`` as it is when it is not that
-        layout either (then the caller's size check refuses it)."""
-        slots = [s for s in self.store.slots if s.master]
-        slots = [s for dtype in (torch.bfloat16, torch.float16) for s in slots if s.param.dtype == dtype]
-        old = FlatLayout.build([s.param for s in slots])
-        if old.total_numel != saved.numel():
-            return saved
-        out = torch.zeros_like(self.master_buffer.data, device="cpu")
-        base = self.master_buffer.data.storage_offset()
-        for s, offset, numel in zip(slots, old.offsets, old.numels):
-            at = s.piece.storage_offset() - base
-            out[at:at + numel] = saved[offset:offset + numel]
-        return out
 
 
 class _Zero(ShardingStrategy):
@@ -637,8 +576,8 @@ class ZeroStage1(_Zero):
                 if not written[i]:
                     o = layout.layout.offsets[i] - b.start
                     tmp[o:o + layout.layout.numels[i]].zero_()
-            Collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # torch < 2.10
-                       out[b.shard_offset:b.shard_offset + b.shard_numel], tmp, group=self.process_group).wait()
+            Collective(reduce_scatter_single(), out[b.shard_offset:b.shard_offset + b.shard_numel], tmp,
+                       group=self.process_group).wait()
         return [out[s.shard_offset:s.shard_offset + s.numel] for s in layout.param_shards(self.rank)]
 
     def prepare_window_load(self) -> None:
@@ -752,8 +691,7 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
     trainable parameters, ``CPUOffloadPolicy``, HSDP). A supported FSDP2 model passes (``gaengine.fsdp2``)."""
     if not dist.is_available():
         return
-    from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415 - only when distributed exists
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415 - distributed exists
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     fsdp2 = False
@@ -764,11 +702,12 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
                             "gradients in its own hooks on the AccumulateGrad nodes gaengine hooks, so gradients would "
                             "be lost or never reduced. Use fully_shard (FSDP2), or pass the bare module with "
                             "zero_stage=2")
-        if isinstance(module, FSDPModule) and set(_get_registry(module) or {}) <= {"fully_shard"}:
+        apis = composable_apis(module)
+        if isinstance(module, FSDPModule) and apis <= {"fully_shard"}:
             fsdp2 = True
-        elif isinstance(module, FSDPModule) or _get_registry(module):
-            raise TypeError(f"{where} is managed by torch.distributed composable API(s) "
-                            f"{sorted(_get_registry(module) or {})}. {_SHARDED_ADVICE}")
+        elif isinstance(module, FSDPModule) or apis:
+            raise TypeError(f"{where} is managed by torch.distributed composable API(s) {sorted(apis)}. "
+                            f"{_SHARDED_ADVICE}")
     if fsdp2:
         strategy = _model_strategy(model)
         if strategy is None:

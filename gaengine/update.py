@@ -23,6 +23,7 @@ import inspect
 
 import torch
 
+from gaengine import optimizers
 from gaengine.buffer import FlatBuffer
 
 __all__ = ["LOW_PRECISION", "check_optimizer_step", "convert_state", "expose_grads", "fused_optimizer",
@@ -80,14 +81,15 @@ def param_versions(params: list[torch.Tensor]) -> list[int]:
 
 def writes_model_params(optimizer: torch.optim.Optimizer) -> bool:
     """An optimizer that takes the fp32 gradient of a bf16/fp16 parameter as ``p.main_grad`` and writes the rounded
-    master into the model parameter in its own pass (``gaengine.optim.FusedAdamW``: its ``attach_model_params``).
-    The one test of it (``gaengine.store.ParameterStore``)."""
-    return callable(getattr(optimizer, "attach_model_params", None))
+    master into the model parameter in its own pass (``gaengine.optim.FusedAdamW``: its ``attach_model_params``):
+    the ``writes_model`` column of ``gaengine.optimizers.OPTIMIZERS``."""
+    return optimizers.writes_model_params(optimizer)
 
 
 def fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """A torch optimizer with ``fused=True`` that takes ``grad_scale``/``found_inf`` (Adam, AdamW, SGD)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
+    """An optimizer built with ``fused=True`` that takes ``grad_scale``/``found_inf`` (Adam, AdamW, SGD,
+    ``FusedAdamW``): ``gaengine.optimizers.takes_grad_scale``."""
+    return optimizers.takes_grad_scale(optimizer)
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer, coef: torch.Tensor, skipped: torch.Tensor,

@@ -82,7 +82,9 @@ from torch.autograd.graph import increment_version
 
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
+from gaengine.compat import all_gather_single, reduce_scatter_single
 from gaengine.norm import WindowNorm, window_norm
+from gaengine.optimizers import elementwise_names, is_elementwise
 from gaengine.reduce import BucketReducer, Collective, wait_for, wait_quietly
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout", "ShardReducer",
@@ -238,13 +240,11 @@ class ShardLayout:
 
 
 def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.10: the old name
-    return Collective(fn, output, inp, op=dist.ReduceOp.SUM, group=group)
+    return Collective(reduce_scatter_single(), output, inp, op=dist.ReduceOp.SUM, group=group)
 
 
 def _all_gather(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return Collective(fn, output, inp, group=group)
+    return Collective(all_gather_single(), output, inp, group=group)
 
 
 def _finish_in_flight(pending: dict[int, Collective], reducer: BucketReducer) -> None:
@@ -385,20 +385,18 @@ class ShardReducer(BucketReducer):
 
 def check_zero_optimizer(optimizer, zero_stage: int) -> None:
     """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` is one gaengine can run on flat ranges of
-    parameters (an elementwise update: ``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``;
-    subclasses are refused, as gaengine cannot prove them elementwise), with no state yet. ``zero_stage=0``: any."""
-    from gaengine.optim import FusedAdamW  # noqa: PLC0415 - gaengine.optim imports the backends
-
+    parameters (an elementwise update: ``gaengine.optimizers.is_elementwise``, ``torch.optim.Adam``, ``AdamW``,
+    ``SGD``, ``gaengine.optim.FusedAdamW``; subclasses are refused, as gaengine cannot prove them elementwise),
+    with no state yet. ``zero_stage=0``: any."""
     if not zero_stage:
         return
     if optimizer is None:
         raise ValueError(f"zero_stage={zero_stage} shards the optimizer state and needs an optimizer; with "
                          "optimizer=None (gradients left in .grad) use zero_stage=0")
-    elementwise = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdamW)
-    if type(optimizer) not in elementwise:
+    if not is_elementwise(optimizer):
         raise ValueError(
             f"zero_stage={zero_stage} updates each rank's flat range of the parameters, which only an elementwise "
-            f"optimizer can do: torch.optim.Adam, AdamW, SGD (fused or not) or gaengine.optim.FusedAdamW; got "
+            f"optimizer can do: {', '.join(elementwise_names())} (fused or not); got "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use zero_stage=0 with this optimizer")
     if any(optimizer.state.values()):
         raise ValueError(f"zero_stage={zero_stage} needs an optimizer with no state yet (its state is sharded over "
@@ -436,8 +434,8 @@ class ParamGather:
     overlap: leave the gathers in flight after ``launch`` (``overlap_param_gather``): a forward pre-hook on every
     module of ``model`` that owns a parameter of a bucket waits for that bucket.
 
-    pending: bucket index -> its gather in flight. gather_bytes, gathers_issued: output bytes and count of the
-    all-gathers issued (tests and the bench). exit_wait: the ``weakref.finalize`` that waits for everything in
+    pending: bucket index -> its gather in flight. gathers_issued: the count of the all-gathers issued (read by
+    benchmarks/bench_ddp.py). exit_wait: the ``weakref.finalize`` that waits for everything in
     flight when the object is collected or the interpreter exits with it alive.
     """
 
@@ -452,7 +450,6 @@ class ParamGather:
         self.group = group
         self.reducer = reducer
         self.overlap = overlap
-        self.gather_bytes = 0
         self.gathers_issued = 0
         self.pending: dict[int, Collective] = {}
         self._handles = []
@@ -482,7 +479,6 @@ class ParamGather:
             out = self.param_buffers[b.dtype][b.start - span_lo:b.end - span_lo]
             lo = self.rank * b.shard_numel
             self.pending[b.index] = _all_gather(out, out[lo:lo + b.shard_numel], self.group)
-            self.gather_bytes += out.numel() * out.element_size()
             self.gathers_issued += 1
         increment_version(self.params)
         if not self.overlap:

@@ -1,11 +1,11 @@
-"""NaN-poisoned allocations in tests (STYLE.md §3): ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty``
+"""NaN-poisoned allocations in tests: ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty``
 return floating tensors filled with NaN, so a slot a kernel or the library forgets to write (a missing zero, a stale
 slice of a reused buffer, a partials entry never finished) shows up as NaN instead of passing on whatever memory held.
 
 Applies to every caller that looks the function up at call time (``torch.empty(...)``: gaengine's partials tables,
 the staging ring of ``zero_stage=2``, the Triton norm partials, and the tests), not to allocations made in C++
 (``at::empty`` in ``csrc/``: those tables are poisoned by ``gaengine._C`` itself under ``SCRATCH_ENV``). ``tests/conftest.py`` installs it around every test (autouse) and sets
-``GAENGINE_POISON=1``, which the gloo rank processes inherit: ``tests/test_distributed.py``'s ``_worker`` installs
+``GAENGINE_POISON=1``, which the gloo rank processes inherit: ``tests/ranks.py``'s ranks install
 it there too. Integer and bool tensors are left as allocated.
 """
 

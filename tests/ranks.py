@@ -4,15 +4,18 @@ free TCP port, and the environment torchrun gives each rank."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -106,3 +109,41 @@ def torchrun_rank(rank: int, world: int, port: int):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _scenario_rank(rank, world, init_file, scenario, out, timeout_s, abandons_group):
+    """One rank of ``launch_scenario``: ``scenario(rank, world, out)`` in a gloo group; its result saved for the
+    test to load."""
+    poison.install_if_asked()  # NaN-filled torch.empty, as in the parent test (tests/poison.py)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = scenario(rank, world, out)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        if abandons_group:
+            # A gloo group whose peer is gone cannot be torn down cleanly (its threads abort at exit).
+            sys.stdout.flush()
+            os._exit(0)
+        dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if not abandons_group:
+            dist.destroy_process_group()
+
+
+def launch_scenario(tmp_path, world: int, scenario, timeout_s: float = 60, join_s: float = 120,
+                    abandons_group: bool = False) -> tuple[list[int | None], list]:
+    """``scenario`` (a picklable callable ``(rank, world, out) -> result``, ``out`` the directory ``tmp_path``) on
+    ``world`` gloo ranks started by ``spawn_ranks``, its collectives timing out after ``timeout_s``: their exit
+    codes and the results they saved, in rank order (None for a rank that saved none). Fails the test when a rank
+    hung (killed after ``join_s``). ``abandons_group``: a rank of the scenario exits on purpose mid-run, so the
+    others leave the group without the closing barrier and teardown."""
+    codes = spawn_ranks(_scenario_rank, world, (str(tmp_path / "store"), scenario, str(tmp_path), timeout_s,
+                                                abandons_group), join_s=join_s)
+    assert -signal.SIGKILL not in codes, f"{scenario}: rank(s) hung (killed after {join_s} s): exit codes {codes}"
+    return codes, [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists()
+                   else None for r in range(world)]

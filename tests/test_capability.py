@@ -15,7 +15,7 @@ import torch
 from gaengine.tools import capability
 from gaengine.tools.bench import e2e_config
 from gaengine.tools.cli import main
-from tests.test_cli import TINY
+from tests.models import TINY
 
 
 def _best_of(fn, repeats: int = 5) -> float:

@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 
 from gaengine.tools.cli import build_parser, main
+from tests.helpers import ENGINE_BUGS, plant_engine_bug
+from tests.models import TINY
 from tests.ranks import free_port
 from tests.tolerances import mean_rtol
 
-TINY = [
-    "--micro-batch-size", "2", "--accumulation-steps", "2", "--seq-len", "16", "--n-layers", "1",
-    "--d-model", "32", "--n-heads", "2", "--eval-batches", "1", "--eval-interval", "2",
-    "--max-data-mb", "0.1", "--quiet",
-]  # fmt: skip
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -318,12 +315,10 @@ def test_verify_defaults_pass_in_every_dtype_and_state_the_bounds(capsys, dtype)
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
 
 
-@pytest.mark.parametrize("bug", ["divided-twice", "not-divided", "dropped-micro-batch", "bf16-sum"])
+@pytest.mark.parametrize("bug", ENGINE_BUGS)
 def test_verify_fails_on_an_engine_bug_with_the_reason(capsys, monkeypatch, bug):
     """A bug planted in the engine (tests/test_verify.py) fails the bf16 demo with exit status 1 and says why."""
-    from tests.test_verify import _plant
-
-    _plant(monkeypatch, bug)
+    plant_engine_bug(monkeypatch, bug)
     assert main(["verify", "--dtype", "bf16", "--backend", "torch", "--batch-size", "4", "--seq-len", "16"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "gradient equivalence FAILED: the engine's accumulation is wrong (beyond rounding)"

@@ -20,7 +20,7 @@ from torch import nn
 import gaengine
 from gaengine import AccumulatorConfig
 from gaengine.config import field_help
-from tests.test_distributed import _launch
+from tests.ranks import launch_scenario as _launch
 
 OBJECTS = ("model", "optimizer", "lr_scheduler", "process_group")  # what the accumulator works on, not options
 

@@ -47,7 +47,7 @@ import time
 import pytest
 from torch.utils import cpp_extension
 
-from tests.test_nvcc import _find_nvcc  # the same nvcc the PTX tests use
+from tests.helpers import NVCC  # the same nvcc the PTX tests use
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,6 @@ def _find_cxx() -> str | None:
     return next((p for p in map(shutil.which, names + ["c++", "g++"]) if p), None)
 
 
-NVCC = _find_nvcc()
 CXX = _find_cxx()
 if NVCC is None or CXX is None:
     pytest.skip(f"needs nvcc and a host C++ compiler (nvcc: {NVCC}, c++: {CXX})", allow_module_level=True)

@@ -39,7 +39,7 @@ from torch import nn
 import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
-from tests import test_distributed, test_hot_path, test_stale_gradients
+from tests import ranks, test_distributed, test_hot_path, test_stale_gradients
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -462,13 +462,14 @@ def test_stale_gradients_on_the_emulated_backend(emu, monkeypatch, name, kwargs)
 
 
 def _emulated_worker(*args):
-    """tests/test_distributed.py's rank process, on the emulated cuda backend: the module loaded from the session's
-    build (a no-op ninja run), the hook set in this process; GAENGINE_BACKEND=cuda comes from the parent."""
+    """A gloo rank of tests/test_distributed.py (``tests.ranks.launch_scenario``'s), on the emulated cuda backend:
+    the module loaded from the session's build (a no-op ninja run), the hook set in this process;
+    GAENGINE_BACKEND=cuda comes from the parent."""
     module, _ = emu_engine.build()
     backends._EMULATED_CUDA_MODULE = module  # this process is the test's alone
     chosen = backends.get_backend("auto", "cpu")  # what the scenarios' accumulators get
     assert chosen.name == "cuda" and chosen._C is module, chosen.name
-    test_distributed._worker(*args)
+    ranks._scenario_rank(*args)
 
 
 @pytest.mark.multiproc
@@ -477,7 +478,7 @@ def test_distributed_on_the_emulated_backend(emu, monkeypatch, tmp_path, scenari
     """tests/test_distributed.py's gloo scenarios (2 ranks) on backend "cuda": armed last micro-batches call
     on_bucket_ready from HotPath on the CUDA kernels, a late second arrival raises on every rank."""
     monkeypatch.setenv("GAENGINE_BACKEND", "cuda")  # the spawned ranks inherit it and GAENGINE_HOT_PATH=native
-    monkeypatch.setattr(test_distributed, "_worker", _emulated_worker)
+    monkeypatch.setattr(ranks, "_scenario_rank", _emulated_worker)
     if scenario == "equivalence":
         test_distributed.test_ranks_equal_one_process_and_ddp(tmp_path, 2)
     elif scenario == "items-unused":

@@ -25,7 +25,7 @@ from gaengine import backends
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.hooks import PythonHooks, make_hooks
 from gaengine.optim import FusedAdamW
-from tests.test_nvcc import NVCC
+from tests.helpers import NVCC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import signal
 import sys
 import time
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gaengine
 from gaengine.reduce import BucketReducer
-from tests import poison
-from tests.ranks import spawn_ranks
+from tests.models import D, Net, SharedCheckpointed
+from tests.ranks import launch_scenario
 from tests.tolerances import (mean_rtol, recipe_grad_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
                               unit_roundoff, update_rtol)
 
@@ -32,26 +28,6 @@ def _net_grad_rtol(world, n_params=0):
     """Net's window gradient on ``world`` ranks against one process: ``recipe_grad_rtol`` over the global batch's
     tokens, each side's clip coefficient when ``n_params`` is given."""
     return recipe_grad_rtol(world * K * B * 5, NET_DEPTH, NET_WIDTH, n_params)
-DOUBLE_D = 128  # tests.test_double_arrival.D
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 16)
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.unused = nn.Linear(4, 4)  # never used: must not hang any rank
-        self.side = nn.Linear(16, 16)  # used by some ranks only
-        self.out = nn.Linear(16, 11, bias=False)
-        self.out.weight = self.emb.weight  # tied, as in GPT-2
-
-    def forward(self, tokens, use_side=False):
-        h = self.emb(tokens)
-        for blk in self.blocks:
-            h = h + torch.tanh(blk(h))
-        if use_side:
-            h = h + self.side(h)
-        return self.out(h)
 
 
 def _data(world):
@@ -167,7 +143,7 @@ def _scenario_rank_fails(rank, world, out):
 
 def _shared_batch(window, rank, k, world, k_steps):
     g = torch.Generator().manual_seed(1000 * window + k_steps * rank + k)
-    return torch.randn(3, DOUBLE_D, generator=g)
+    return torch.randn(3, D, generator=g)
 
 
 def _scenario_double_arrival(rank, world, out):
@@ -175,8 +151,6 @@ def _scenario_double_arrival(rank, world, out):
     parameter. Phase 1, K=1: every micro-batch is armed, the first window learns the arrivals. Phase 2, K=2: the
     graph changes so that `shared` arrives twice for the first time in an armed micro-batch, after its bucket's
     all-reduce started: every rank raises, zero_grad(), and the retried window is exact."""
-    from tests.test_double_arrival import SharedCheckpointed  # noqa: PLC0415
-
     results = {}
     for phase, k_steps in (("k1", 1), ("graph-change", 2)):
         torch.manual_seed(0)
@@ -204,38 +178,9 @@ SCENARIOS = {"equivalence": _scenario_equivalence, "items_unused": _scenario_ite
              "rank_fails": _scenario_rank_fails, "double_arrival": _scenario_double_arrival}
 
 
-def _worker(rank, world, init_file, scenario, out, timeout_s):
-    """One rank: ``scenario`` (a name in ``SCENARIOS``, or a picklable callable ``(rank, world, out) -> result``, as
-    other test files pass theirs) runs in a gloo group; its result is saved for the test to load."""
-    poison.install_if_asked()  # NaN-filled torch.empty, as in the parent test (tests/poison.py)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        result = (SCENARIOS[scenario] if isinstance(scenario, str) else scenario)(rank, world, out)
-        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-        if scenario != "rank_fails":
-            dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
-        if scenario == "rank_fails":
-            # A gloo group whose peer is gone cannot be torn down cleanly (its threads abort at exit).
-            sys.stdout.flush()
-            os._exit(0)
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if scenario != "rank_fails":
-            dist.destroy_process_group()
-
-
-def _launch(tmp_path, world, scenario, timeout_s=60, join_s=120):
-    """``scenario`` on ``world`` gloo ranks (``_worker``, started by ``tests.ranks.spawn_ranks``): their exit codes
-    and the results they saved, in rank order (None for a rank that saved none)."""
-    codes = spawn_ranks(_worker, world, (str(tmp_path / "store"), scenario, str(tmp_path), timeout_s), join_s=join_s)
-    assert -signal.SIGKILL not in codes, f"{scenario}: rank(s) hung (killed after {join_s} s): exit codes {codes}"
-    return codes, [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists()
-                   else None for r in range(world)]
+def _launch(tmp_path, world, name, **kw):
+    """The scenario ``SCENARIOS[name]`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``)."""
+    return launch_scenario(tmp_path, world, SCENARIOS[name], abandons_group=name == "rank_fails", **kw)
 
 
 # ---------------------------------------------------------------- tests
@@ -328,11 +273,8 @@ def test_rank_failing_mid_window_raises_on_the_others(tmp_path):
 
 @pytest.mark.parametrize("world,hot_path", [(2, "native"), (3, "native"), (2, "python")])
 def test_double_arrival_on_several_ranks_equals_one_process(tmp_path, world, hot_path, monkeypatch):
-    from tests.test_double_arrival import D, SharedCheckpointed  # noqa: PLC0415
-
     monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)  # the spawned ranks inherit it
 
-    assert D == DOUBLE_D
     codes, results = _launch(tmp_path, world, "double_arrival")
     assert codes == [0] * world
     for phase, k_steps in (("k1", 1), ("graph-change", 2)):

@@ -17,71 +17,11 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import gaengine
-from tests.conftest import backend_hook_params, seeded_randn
+from tests.conftest import backend_hook_params
+from tests.models import SharedCheckpointed, shared_batches
 from tests.tolerances import assert_bitwise_equal, norm_rtol, rel_diff
-
-D = 128  # a bucket past the CPU kernel's parallel grain: two sources on one slice would race
-
-
-class SharedCheckpointed(nn.Module):
-    """``shared`` (weight and bias) is used by two reentrant-checkpointed segments; ``nested`` inside a Function
-    whose backward runs a nested backward; ``extra`` (one weight) and ``nested`` only when asked. Without them, two
-    parameters miss the micro-batch and two arrive twice: as many arrivals as parameters, not all of them."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.shared = nn.Linear(D, D)
-        self.mid = nn.Linear(D, D)
-        self.extra = nn.Linear(D, D, bias=False)
-        self.nested = nn.Parameter(torch.randn(D) * 0.1)
-        self.out = nn.Linear(D, 1)
-
-    def _seg1(self, h):
-        return torch.tanh(self.shared(h))
-
-    def _seg2(self, h):
-        return torch.tanh(self.mid(self.shared(h)))
-
-    def _seg2_alone(self, h):
-        return torch.tanh(self.mid(h))
-
-    def forward(self, x, extra=True, twice=True):
-        h = self.inp(x)
-        h = checkpoint(self._seg1, h, use_reentrant=True)
-        h = checkpoint(self._seg2 if twice else self._seg2_alone, h, use_reentrant=True)
-        if extra:
-            h = h + self.extra(h)
-            h = NestedBackward.apply(h, self.nested)
-        return self.out(h).float().pow(2).mean()
-
-
-class NestedBackward(torch.autograd.Function):
-    """y = x * w; backward also runs ``torch.autograd.backward`` on a term of ``w``: w's hook fires in that nested
-    pass and again when the outer pass reaches w's AccumulateGrad."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        with torch.enable_grad():
-            wd = w.detach().requires_grad_(False)
-            torch.autograd.backward((w * wd).sum())  # the nested pass: d/dw = w, accumulated into w.grad
-        return grad * w, (grad * x).reshape(-1, D).sum(0)
-
-
-def _batches(k_total, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [seeded_randn(3, D, generator=g).to(dtype) for _ in range(k_total)]
-
 
 def _per_arrival_reference(model):
     """Hooks on ``model``'s params doing one ATen op per arrival into fp32 sums: the bits gaengine must produce."""
@@ -129,7 +69,7 @@ def test_double_arrival_equals_one_op_per_arrival(backend, hot_path, dtype, buck
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=3, max_grad_norm=None, backend=backend,
                                        bucket_size_mb=bucket_size_mb)
     assert acc.hooks.native == (hot_path == "native")
-    batches = _batches(9, dtype)
+    batches = shared_batches(9, dtype)
     for window in range(3):  # the first window learns the layout and the arrivals; later ones use both
         sums.clear()
         ref_written.clear()
@@ -161,7 +101,7 @@ def test_double_arrival_equals_the_plain_recipe(backend, hot_path, bucket_size_m
     ref = copy.deepcopy(model)
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=4, max_grad_norm=None, backend=backend,
                                        bucket_size_mb=bucket_size_mb)
-    batches = _batches(8, torch.float32, seed=1)
+    batches = shared_batches(8, torch.float32, seed=1)
     for window in range(2):
         for k in range(4):
             acc.backward(model(batches[window * 4 + k]))
@@ -182,7 +122,7 @@ def test_double_arrival_through_the_optimizer_and_a_new_layout(monkeypatch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2, max_grad_norm=None, bucket_size_mb=1e-4)
-    batches = _batches(6, torch.float32, seed=2)
+    batches = shared_batches(6, torch.float32, seed=2)
     for window in range(3):
         for k in range(2):
             acc.backward(model(batches[window * 2 + k]))
@@ -202,7 +142,7 @@ def test_arrivals_per_backward_are_learned_and_survive_a_state_dict(hot_path, mo
     torch.manual_seed(0)
     model = SharedCheckpointed()
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None)
-    acc.backward(model(_batches(1, torch.float32)[0]))
+    acc.backward(model(shared_batches(1, torch.float32)[0]))
     learned = {i for i, n in enumerate(acc.hooks.expected_arrivals) if n == 2}
     assert learned == {_index(acc, model.shared.weight), _index(acc, model.shared.bias), _index(acc, model.nested)}
     state = acc.state_dict()

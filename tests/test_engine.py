@@ -12,33 +12,9 @@ from torch import nn
 import gaengine
 from gaengine.backends import get_backend
 from tests.conftest import seeded_randn
+from tests.models import MLP, TinyLM
 from tests.tolerances import (adamw_param_rtol, clip_coef_rtol, clipped_grad_rtol, mean_rtol, network_rtol, norm_rtol,
                               rel_diff, sgd_step_over_param, split_batch_rtol, sum_sq_rtol, unit_roundoff, update_rtol)
-
-
-class MLP(nn.Module):
-    def __init__(self, d_in=12, d_hidden=24, d_out=5):
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, d_hidden)
-        self.fc2 = nn.Linear(d_hidden, d_hidden)
-        self.head = nn.Linear(d_hidden, d_out)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
-class TinyLM(nn.Module):
-    """Embedding tied with the output layer, as in GPT-2."""
-
-    def __init__(self, vocab=17, d=8):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.mix = nn.Linear(d, d)
-        self.out = nn.Linear(d, vocab, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, tokens):
-        return self.out(torch.tanh(self.mix(self.emb(tokens))))
 
 
 def _mse(model, x, y):

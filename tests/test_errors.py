@@ -99,9 +99,24 @@ def test_second_accumulator_on_same_params(started):
 
 
 def test_second_accumulator_allowed_after_close():
+    """After ``close()`` the parameters are free: a second accumulator takes them and its window's gradients are
+    the plain recipe's (K = 2: ``(loss / 2).backward()`` halves exactly, so bit for bit)."""
     model = _model()
-    gaengine.GradientAccumulator(model, None).close()
-    gaengine.GradientAccumulator(model, None).close()
+    ref = copy.deepcopy(model)
+    first = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    first.backward(_loss(model, 7))  # a window the first one never finishes
+    first.zero_grad()
+    first.close()
+    assert all(p.grad is None for p in model.parameters())
+    second = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None, backend="torch")
+    for k in range(2):
+        second.backward(_loss(model, k))
+    assert second.step() is not None
+    for k in range(2):
+        (_loss(ref, k) / 2).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_bitwise_equal(p.grad, q.grad)
+    second.close()
 
 
 def test_optimizer_with_foreign_params():

@@ -19,7 +19,7 @@ from torch import nn
 import gaengine
 import gaengine.clip
 from gaengine.optim import FusedAdamW
-from tests.test_distributed import _launch as launch_ranks
+from tests.ranks import launch_scenario as launch_ranks
 from tests.tolerances import recipe_grad_rtol, update_rtol
 
 K = 2

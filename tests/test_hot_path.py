@@ -234,12 +234,12 @@ def check_source_rows_without_gradient(backend, monkeypatch) -> None:
     of each micro-batch's table is zeroed, so every row equals the fp64 plain recipe's (tests/test_source_norms.py
     for the reference). backend: a ``gaengine.backends.Backend`` with native hooks; also run on the emulated cuda
     backend (tests/test_cuda_emulation_engine.py)."""
-    from tests.test_double_arrival import SharedCheckpointed, _batches  # noqa: PLC0415
-    from tests.test_source_norms import _backward, _hooks  # noqa: PLC0415
+    from tests.helpers import hooks_backward, source_norm_hooks  # noqa: PLC0415
+    from tests.models import SharedCheckpointed, shared_batches  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = SharedCheckpointed()
-    batches = _batches(3, torch.float32)
+    batches = shared_batches(3, torch.float32)
     want = []
     for x in batches:
         expected = copy.deepcopy(model)
@@ -247,12 +247,12 @@ def check_source_rows_without_gradient(backend, monkeypatch) -> None:
         want.append(sum(float(p.grad.double().square().sum()) for p in expected.parameters() if p.grad is not None))
     n_params = sum(p.numel() for p in model.parameters())
     for bucket_size_mb in (1e-6, 25.0):
-        hooks = _hooks(model, backend, "native", bucket_size_mb, True, monkeypatch)
+        hooks = source_norm_hooks(model, backend, "native", bucket_size_mb, True, monkeypatch)
         try:
-            _backward(hooks, model(batches[0]), False)  # every parameter: the tables' memory holds gradients
+            hooks_backward(hooks, model(batches[0]), False)  # every parameter: the tables' memory holds gradients
             hooks.reset_window()
             for j, x in enumerate(batches):
-                _backward(hooks, model(x, extra=False, twice=False), j == len(batches) - 1)
+                hooks_backward(hooks, model(x, extra=False, twice=False), j == len(batches) - 1)
             rows = hooks.window_source_sumsq().tolist()
             assert len(rows) == len(batches)
             for got, exact in zip(rows, want):

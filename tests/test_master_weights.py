@@ -16,7 +16,7 @@ from torch import nn
 
 import gaengine
 from gaengine.optim import FusedAdamW
-from tests.test_pitfalls import Deep
+from tests.models import Deep
 from tests.tolerances import clip_coef_rtol, low_precision_ulp, mean_rtol, unit_roundoff
 
 K = 4

@@ -302,7 +302,7 @@ def test_measuring_adds_no_python_per_parameter_and_no_launch(hot_path, monkeypa
 
 
 def test_no_host_sync_with_the_noise_scale_and_the_adaptive_schedule():
-    from tests.test_update_path import _forbid_host_reads  # noqa: PLC0415
+    from tests.helpers import forbid_host_reads  # noqa: PLC0415
 
     for mode in ("mean", "items-tensor", "items-int"):
         model = _model()
@@ -314,7 +314,7 @@ def test_no_host_sync_with_the_noise_scale_and_the_adaptive_schedule():
                 x, y, n = _micro_batch(w, 0, k, "items")
                 num_items = None if mode == "mean" else (torch.tensor(n) if mode == "items-tensor" else n)
                 loss = _loss(model, x, y, "mean" if mode == "mean" else "items")
-                with _forbid_host_reads():
+                with forbid_host_reads():
                     acc.backward(loss, num_items=num_items)
                     r = acc.step()
         assert math.isfinite(float(r.grad_noise_scale)), mode

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 import torch
 
 from tests.child_contracts import check_raw_contracts
+from tests.helpers import NVCC
 from tests.reference import adamw_step_fp64, sum_sq_fp64
 from tests.tolerances import ADAMW_RTOL, assert_bitwise_equal, rel_diff, sum_sq_rtol
 
@@ -70,17 +70,6 @@ LaunchAdamW const keep_launch_adamw_multi = g::launch_adamw_multi<float>;  // fp
 LaunchAdamW const keep_launch_adamw_multi_bf16 = g::launch_adamw_multi<__nv_bfloat16>;  // bf16 params in place
 LaunchAdamW const keep_launch_adamw_multi_fp16 = g::launch_adamw_multi<__half>;  // fp16 params in place
 """
-
-
-def _find_nvcc() -> str | None:
-    candidates = [shutil.which("nvcc")]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            candidates.append(os.path.join(home, "bin", "nvcc"))
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-
-
-NVCC = _find_nvcc()
 
 
 def _kernel_id(mangled: str) -> str | None:

@@ -1,4 +1,5 @@
-"""State dicts saved by earlier gaengine versions load into today's accumulator exactly.
+"""State dicts saved by earlier gaengine versions load into today's accumulator exactly, through
+``gaengine.checkpoint.upgrade``; ``load_state_dict`` refuses them, naming the format and ``upgrade``.
 
 ``tests/data/plain_state_5fe3dd9_parent.pt`` was written by gaengine at the parent of commit 5fe3dd9 (the last
 version whose ``zero_stage=0`` masters were one ``FlatLayout`` over the bf16, then the fp16 masters; the parameter
@@ -11,13 +12,24 @@ the optimizer's and the accumulator's state dicts it holds the optimizer's param
 
 from __future__ import annotations
 
+import io
 import os
 
+import pytest
 import torch
 
 import gaengine
+from gaengine.checkpoint import PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT, upgrade
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "plain_state_5fe3dd9_parent.pt")
+
+
+def _build_fp32():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2, backend="torch", loss_scale=None)
+    return model, opt, acc
 
 
 def _build():
@@ -35,7 +47,9 @@ def test_plain_state_from_before_the_store_loads_its_masters_and_window_exactly(
     assert acc.master_buffer.data.numel() != saved["acc"]["master"].numel()  # the layouts do differ
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])
-    acc.load_state_dict(saved["acc"])
+    upgraded = upgrade(saved["acc"], acc)
+    assert upgraded["format"] == STATE_FORMAT
+    acc.load_state_dict(upgraded)  # its own values again: nothing changes
     held = [q.detach() for g in opt.param_groups for q in g["params"]]
     assert len(held) == len(saved["masters"])
     for got, ref in zip(held, saved["masters"]):
@@ -53,9 +67,63 @@ def test_a_plain_state_of_another_model_is_still_refused():
                                 torch.nn.Linear(5, 3))
     acc = gaengine.GradientAccumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2), accumulation_steps=2,
                                        backend="torch", loss_scale=None)
-    try:
+    before = acc.main_grad.data.clone()
+    with pytest.raises(ValueError, match="another model"):
+        upgrade(saved["acc"], acc)
+    assert torch.equal(acc.main_grad.data, before)
+
+
+def test_load_state_dict_refuses_an_old_format_naming_it_and_upgrade():
+    saved = torch.load(DATA, weights_only=True)
+    _, _, acc = _build()
+    before = acc.main_grad.data.clone()
+    with pytest.raises(ValueError, match=f"{PLAIN_FORMAT}.*gaengine.checkpoint.upgrade"):
         acc.load_state_dict(saved["acc"])
-    except ValueError as exc:
-        assert "another model" in str(exc)
-    else:
-        raise AssertionError("a state of another model loaded")
+    with pytest.raises(ValueError, match=f"{ZERO_FORMAT}.*gaengine.checkpoint.upgrade"):
+        acc.load_state_dict({"format": ZERO_FORMAT})
+    with pytest.raises(ValueError, match="acc"):  # the plain format is laid out by an accumulator
+        upgrade(saved["acc"])
+    with pytest.raises(ValueError, match="none that gaengine wrote"):
+        upgrade({"format": "something else"}, acc)
+    assert torch.equal(acc.main_grad.data, before) and acc.num_micro_batches == 0
+
+
+def _as_zero_format(state: dict) -> dict:
+    """``state`` (``STATE_FORMAT``) as gaengine wrote it in ``ZERO_FORMAT``: the meta blob without the fields that
+    format did not have (mode, window_rows, optimizer_state), with ``zero_stage`` and ``sharded``."""
+    meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)
+    assert meta["optimizer_state"] == {}  # AdamW: every state tensor is in the elementwise part
+    zero_stage = int(meta["mode"].split("=")[1]) if meta["mode"].startswith("zero_stage=") else 0
+    meta = {k: v for k, v in meta.items() if k not in ("mode", "window_rows", "optimizer_state")}
+    meta["zero_stage"] = zero_stage
+    blob = io.BytesIO()
+    torch.save(meta, blob)
+    return {**state, "format": ZERO_FORMAT, "meta": blob.getvalue()}
+
+
+def test_a_zero_format_state_upgraded_resumes_as_the_uninterrupted_run():
+    """A one-rank run saved between windows in the earlier DCP format (``ZERO_FORMAT``), upgraded and loaded into
+    a fresh accumulator, trains on exactly as the run that was never interrupted (the reference)."""
+    def batches(n):
+        g = torch.Generator().manual_seed(3)
+        return [torch.randn(4, 8, generator=g) for _ in range(n)]
+
+    def run(model, acc, xs):
+        for x in xs:
+            acc.backward(model(x).square().mean())
+            acc.step()
+
+    xs = batches(8)
+    model, _, acc = _build_fp32()
+    run(model, acc, xs[:4])
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "acc": _as_zero_format(acc.state_dict())}, blob)
+    saved = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+    run(model, acc, xs[4:])
+
+    model2, _, acc2 = _build_fp32()
+    model2.load_state_dict(saved["model"])
+    acc2.load_state_dict(upgrade(saved["acc"]))
+    run(model2, acc2, xs[4:])
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import gaengine
+from tests.models import Deep
 from tests.tolerances import (adamw_param_rtol, assert_bitwise_equal, clipped_grad_rtol, network_rtol, rel_diff,
                               split_batch_rtol)
 
@@ -139,22 +139,6 @@ def test_interrupted_backward_then_zero_grad_recovers():
 
 
 # ---------------------------------------------------------------- composability
-class Deep(nn.Module):
-    def __init__(self, how=None):
-        super().__init__()
-        self.how = how
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for blk in self.blocks:
-            if self.how is None:
-                x = blk(x)
-            else:
-                x = checkpoint(blk, x, use_reentrant=self.how == "reentrant")
-        return self.head(x)
-
-
 def _accumulated_grads(model, xs):
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=len(xs), max_grad_norm=None)
     for x in xs:

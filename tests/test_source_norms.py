@@ -35,11 +35,9 @@ except ImportError:  # the Triton configurations skip
     triton = None
 
 from gaengine.backends import get_backend
-from gaengine.bucket import build_buckets
-from gaengine.buffer import FlatBuffer, FlatLayout
-from gaengine.hooks import make_hooks
 from tests.conftest import backend_hook_params
-from tests.test_double_arrival import SharedCheckpointed, _batches
+from tests.helpers import hooks_backward, source_norm_hooks
+from tests.models import SharedCheckpointed, shared_batches
 from tests.tolerances import sum_sq_rtol
 
 CONFIGS = backend_hook_params()  # every backend here with each of its hooks (tests/conftest.py)
@@ -55,29 +53,6 @@ def backend_of():
         except RuntimeError as exc:
             pytest.skip(f"backend {name!r} unavailable: {exc}")
     return get
-
-
-def _hooks(model, backend, hot_path, bucket_size_mb, measure, monkeypatch):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
-    params = [p for p in model.parameters() if p.requires_grad]
-    layout = FlatLayout.build(params)
-    main_grad = FlatBuffer(layout, torch.float32, torch.device("cpu"))
-    hooks = make_hooks(params, main_grad, backend, build_buckets(layout, bucket_size_mb), None,
-                       measure_sources=measure)
-    if hooks.native != (hot_path == "native"):
-        hooks.close()
-        pytest.skip("the native hooks of this gaengine._C do not measure source norms yet")
-    return hooks
-
-
-def _backward(hooks, loss, last):
-    hooks.begin(last, want_norm=last, armed=False)
-    try:
-        loss.backward()
-    except BaseException:
-        hooks.abort()
-        raise
-    hooks.end()
 
 
 def _reference_rows(model, batches):
@@ -98,14 +73,14 @@ def test_rows_match_the_fp64_reference_double_arrival_included(backend, hot_path
     torch.manual_seed(0)
     model = SharedCheckpointed()
     n_params = sum(p.numel() for p in model.parameters())
-    hooks = _hooks(model, backend_of(backend), hot_path, bucket_size_mb, True, monkeypatch)
-    batches = _batches(5, torch.float32)
+    hooks = source_norm_hooks(model, backend_of(backend), hot_path, bucket_size_mb, True, monkeypatch)
+    batches = shared_batches(5, torch.float32)
     windows = [batches[:3], batches[3:]]  # 3 micro-batches (arrivals learned in the first), then 2
     try:
         for w, window in enumerate(windows):
             expected = _reference_rows(model, window)
             for j, x in enumerate(window):
-                _backward(hooks, model(x), j == len(window) - 1)
+                hooks_backward(hooks, model(x), j == len(window) - 1)
             rows = hooks.window_source_sumsq()
             assert rows.shape == (len(window),) and rows.dtype == torch.float32 and rows.device.type == "cpu"
             for j, (got, want) in enumerate(zip(rows.tolist(), expected)):
@@ -125,16 +100,16 @@ def test_off_gives_none_and_drop_clears(backend, hot_path, monkeypatch, backend_
     torch.manual_seed(0)
     model = SharedCheckpointed()
     backend = backend_of(backend)
-    off = _hooks(model, backend, hot_path, 25.0, False, monkeypatch)
+    off = source_norm_hooks(model, backend, hot_path, 25.0, False, monkeypatch)
     try:
-        _backward(off, model(_batches(1, torch.float32)[0]), True)
+        hooks_backward(off, model(shared_batches(1, torch.float32)[0]), True)
         assert off.window_source_sumsq() is None
     finally:
         off.close()
-    on = _hooks(model, backend, hot_path, 25.0, True, monkeypatch)
+    on = source_norm_hooks(model, backend, hot_path, 25.0, True, monkeypatch)
     try:
-        for x in _batches(2, torch.float32):
-            _backward(on, model(x), False)
+        for x in shared_batches(2, torch.float32):
+            hooks_backward(on, model(x), False)
         assert on.window_source_sumsq().numel() == 2
         on.drop()  # zero_grad(): the window's micro-batches are forgotten
         assert on.window_source_sumsq().numel() == 0
@@ -148,13 +123,13 @@ def test_a_parameter_without_gradient_counts_zero(monkeypatch, backend_of):
     torch.manual_seed(0)
     model = SharedCheckpointed()
     for bucket_size_mb in (1e-6, 25.0):
-        hooks = _hooks(model, backend_of("cpu"), "python", bucket_size_mb, True, monkeypatch)
+        hooks = source_norm_hooks(model, backend_of("cpu"), "python", bucket_size_mb, True, monkeypatch)
         try:
-            x = _batches(1, torch.float32)[0]
+            x = shared_batches(1, torch.float32)[0]
             expected = copy.deepcopy(model)
             expected(x, extra=False, twice=False).backward()
             want = sum(float(p.grad.double().square().sum()) for p in expected.parameters() if p.grad is not None)
-            _backward(hooks, model(x, extra=False, twice=False), True)
+            hooks_backward(hooks, model(x, extra=False, twice=False), True)
             got = hooks.window_source_sumsq().item()
             assert abs(got - want) <= sum_sq_rtol(10**6) * want, (bucket_size_mb, got, want)
         finally:
@@ -206,15 +181,15 @@ def _count_calls(fn) -> collections.Counter:
 def _cost(layers, backend, hot_path, measure, monkeypatch):
     """(Python calls, accumulate launches) of one micro-batch's backward, after a warm-up window."""
     model = _mlp(layers)
-    hooks = _hooks(model, backend, hot_path, 25.0, measure, monkeypatch)
+    hooks = source_norm_hooks(model, backend, hot_path, 25.0, measure, monkeypatch)
     x = torch.randn(4, 32)
     try:
         for _ in range(2):  # warm-up: caches, lazy imports, arrivals learned
-            _backward(hooks, model(x).square().mean(), False)
+            hooks_backward(hooks, model(x).square().mean(), False)
         hooks.reset_window()
         loss = model(x).square().mean()  # the forward outside the count
         before = hooks.launches
-        calls = _count_calls(lambda: _backward(hooks, loss, False))
+        calls = _count_calls(lambda: hooks_backward(hooks, loss, False))
         return calls, hooks.launches - before
     finally:
         hooks.close()

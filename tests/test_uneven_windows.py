@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import gaengine
-from tests.test_distributed import Net
-from tests.test_distributed import _launch as launch_ranks
+from tests.models import Net
+from tests.ranks import launch_scenario as launch_ranks
 from tests.tolerances import recipe_grad_rtol, recipe_param_rtol, rel_diff
 
 pytestmark = pytest.mark.multiproc

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import subprocess
@@ -15,6 +14,7 @@ from torch import nn
 
 import gaengine
 from tests.conftest import backend_name, backend_params
+from tests.helpers import forbid_host_reads
 from tests.tolerances import (adamw_param_rtol, assert_bitwise_equal, clip_coef_rtol, norm_rtol, rel_diff,
                               unit_roundoff)
 
@@ -99,27 +99,6 @@ def test_static_loss_scale_and_none():
 
 
 # ---------------------------------------------------------------- no host sync
-_SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__", "numpy")
-
-
-@contextlib.contextmanager
-def _forbid_host_reads():
-    saved = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
-
-    def make(name):
-        def forbidden(self, *args, **kwargs):
-            raise AssertionError(f"host read Tensor.{name}() on the hot path")
-        return forbidden
-
-    for name in _SYNC_METHODS:
-        setattr(torch.Tensor, name, make(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["mean", "items-tensor"])
 def test_no_host_sync_in_hooks_and_step(dtype, mode):
@@ -134,7 +113,7 @@ def test_no_host_sync_in_hooks_and_step(dtype, mode):
             n = torch.tensor(4) if mode == "items-tensor" else None
             if n is not None:
                 loss = loss * 4
-            with _forbid_host_reads():
+            with forbid_host_reads():
                 acc.backward(loss, num_items=n)
                 r = acc.step()
         applied.append(not bool(r.skipped) and bool(torch.isfinite(r.grad_norm)))
@@ -153,7 +132,7 @@ def test_no_host_sync_fused_adamw_without_masters(dtype):
     for w in range(4):  # fp16 starts at a 2**16 loss scale and backs off on overflow: some windows skip
         for k in range(3):
             x, y = _batch(k + 3 * w, dtype=dtype)
-            with _forbid_host_reads():
+            with forbid_host_reads():
                 acc.backward(_mse(model, x, y))
                 r = acc.step()
         applied.append(not bool(r.skipped))
@@ -166,7 +145,7 @@ def test_patched_reads_are_caught():
     model = _mlp()
     acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=1)
     acc.backward(_mse(model, *_batch(0)))
-    with pytest.raises(AssertionError, match="host read"), _forbid_host_reads():
+    with pytest.raises(AssertionError, match="host read"), forbid_host_reads():
         acc.step()
 
 

@@ -13,12 +13,11 @@ import torch
 from torch import nn
 
 import gaengine
-from gaengine.backends import ReferenceBackend
-from gaengine.engine import GradientAccumulator
 from gaengine.utils import split_batch
 from gaengine.verify import GRAD_RTOL, EquivalenceReport, verify_equivalence
 from tests.conftest import seeded_randn
-from tests.test_engine import MLP, TinyLM
+from tests.helpers import ENGINE_BUGS, plant_engine_bug
+from tests.models import MLP, TinyLM
 from tests.tolerances import RTOL, mean_rtol, network_rtol
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -200,33 +199,7 @@ def test_nan_gradient_fails():
 
 # ---------------------------------------------------------------- engine bugs are told from rounding, in every dtype
 K = 4
-BUGS = ["divided-twice", "not-divided", "dropped-micro-batch", "bf16-sum"]
-
-
-def _plant(monkeypatch, bug):
-    """Plant one engine bug in the torch backend (the backend these checks run)."""
-    if bug == "divided-twice":  # the window's coefficient 1/K applied twice
-        monkeypatch.setattr(ReferenceBackend, "scale_", lambda self, x, coef: x.mul_(coef).mul_(coef))
-    elif bug == "not-divided":
-        monkeypatch.setattr(ReferenceBackend, "scale_", lambda self, x, coef: x)
-    elif bug in ("dropped-micro-batch", "bf16-sum"):
-        calls = []
-        backward, accumulate = GradientAccumulator.backward, ReferenceBackend.accumulate_bucket_
-
-        def counting_backward(self, *args, **kwargs):
-            calls.append(None)
-            return backward(self, *args, **kwargs)
-
-        def broken_accumulate(self, dst, *args, **kwargs):
-            if bug == "dropped-micro-batch":  # the second micro-batch's backward runs, its sum never lands
-                return dst if len(calls) == 2 else accumulate(self, dst, *args, **kwargs)
-            accumulate(self, dst, *args, **kwargs)
-            return dst.copy_(dst.to(torch.bfloat16))  # the running sum kept in bf16
-
-        monkeypatch.setattr(GradientAccumulator, "backward", counting_backward)
-        monkeypatch.setattr(ReferenceBackend, "accumulate_bucket_", broken_accumulate)
-    else:
-        raise AssertionError(bug)
+BUGS = ENGINE_BUGS
 
 
 def _plain_micro_grads(model, batch, k):
@@ -267,7 +240,7 @@ def test_engine_bugs_fail_and_rounding_passes(monkeypatch, dtype, bug):
     batch = _regression(64, dtype=dtype)
     micro_grads = _plain_micro_grads(model, batch, K)
     if bug is not None:
-        _plant(monkeypatch, bug)
+        plant_engine_bug(monkeypatch, bug)
     report = verify_equivalence(model, _mse, batch, K, backend="torch")
 
     assert report.setup_passed, str(report)  # the setup is fine: a planted bug is the engine's alone

@@ -24,12 +24,11 @@ from torch import nn
 import gaengine
 import gaengine.optim
 from gaengine.zero import STAGING_SLOTS, ShardLayout, pad_unit, zero_order
-from tests.test_double_arrival import D as SharedCheckpointed_D
-from tests.test_double_arrival import SharedCheckpointed
-from tests.test_distributed import Net
-from tests.test_distributed import _launch as launch_ranks
+from tests.helpers import forbid_host_reads
+from tests.models import TINY, Net, SharedCheckpointed
+from tests.models import D as SharedCheckpointed_D
+from tests.ranks import launch_scenario as launch_ranks
 from tests.ranks import free_port
-from tests.test_update_path import _forbid_host_reads
 from tests.tolerances import (clip_coef_rtol, mean_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
                               unit_roundoff, update_rtol)
 
@@ -244,7 +243,7 @@ def _scenario_bytes_and_syncs(rank, world, names):
                     for w in range(2):
                         for k in range(K):
                             loss = model(xs[k]).square().sum() if items else model(xs[k]).square().mean()
-                            with _forbid_host_reads():
+                            with forbid_host_reads():
                                 acc.backward(loss, num_items=torch.tensor(16) if items else None)
                                 r = acc.step()
                 out[("syncs", stage)] = bool(r.skipped)
@@ -253,7 +252,7 @@ def _scenario_bytes_and_syncs(rank, world, names):
 
 
 def _launch(tmp_path, world, scenario, arg=None):
-    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (tests.test_distributed's harness): every result."""
+    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``): every result."""
     codes, results = launch_ranks(tmp_path, world, functools.partial(_with_arg, scenario, arg), join_s=240)
     assert codes == [0] * world, f"{scenario.__name__}: a rank failed (see the captured stderr)"
     return results
@@ -571,8 +570,6 @@ def test_gaengine_train_zero_stage_under_torchrun(tmp_path):
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from tests.test_cli import TINY  # noqa: PLC0415
-
     losses = {}
     for stage in (0, 1):
         out = tmp_path / f"zero{stage}"
@@ -596,8 +593,6 @@ def test_gaengine_train_passes_zero_stage(tmp_path, monkeypatch):
     """`--zero-stage` reaches the accumulator (in one process, where it shards nothing); a bad value is refused."""
     from gaengine.tools import train as train_module  # noqa: PLC0415
     from gaengine.tools.cli import build_parser, main  # noqa: PLC0415
-    from tests.test_cli import TINY  # noqa: PLC0415
-
     seen = []
     real = train_module.GradientAccumulator
 

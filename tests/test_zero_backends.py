@@ -18,7 +18,7 @@ import torch
 import gaengine
 from tests import test_zero as tz
 from tests.conftest import backend_name, backend_params
-from tests.test_distributed import Net
+from tests.models import Net
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import gaengine
 from gaengine.checkpoint import (PLAIN_FORMAT, FlatShard, Piece, gather_full, load_shard_state_dict, pieces_in_ranges,
-                                 shard_state_dict)
-from tests.test_distributed import _launch as launch
+                                 shard_state_dict, upgrade)
+from tests.ranks import launch_scenario as launch
 from tests.tolerances import clip_coef_rtol, gamma, recipe_param_rtol, rel_diff, split_batch_rtol, unit_roundoff
 
 pytestmark = pytest.mark.multiproc
@@ -102,7 +102,7 @@ def _groups(model):
 
 
 def _build(stage, world):
-    from tests.test_distributed import Net  # noqa: PLC0415
+    from tests.models import Net  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = Net()
@@ -171,7 +171,7 @@ def _snapshot(model, acc) -> dict:
 def _bf16_resume(rank: int, world: int, cfg: dict) -> dict:
     """bf16 parameters with fp32 master weights: save after the first update (cfg["save"]) or load (cfg["load"]);
     the state just saved or just loaded, and the parameters after the last update."""
-    from tests.test_distributed import Net  # noqa: PLC0415
+    from tests.models import Net  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = Net().to(torch.bfloat16)
@@ -205,7 +205,7 @@ def _scenario(name, cfg, rank, world, out):
 
 
 def _launch(tmp_path, world, name, cfg):
-    """Run scenario ``name`` on ``world`` gloo ranks (tests/test_distributed.py's launcher); the ranks' results."""
+    """Run scenario ``name`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``); the ranks' results."""
     out = tmp_path / f"{name}{world}_{len(list(tmp_path.iterdir()))}"
     out.mkdir()
     codes, results = launch(out, world, functools.partial(_scenario, name, cfg), join_s=240)
@@ -216,7 +216,7 @@ def _launch(tmp_path, world, name, cfg):
 def _reference() -> tuple[dict, dict, float]:
     """The plain recipe in one process: each global micro-batch's fp32 gradient summed, divided by G, clipped by
     clip_grad_norm_, torch.optim.AdamW, StepLR; the final parameters, optimizer state dict and lr."""
-    from tests.test_distributed import Net  # noqa: PLC0415
+    from tests.models import Net  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = Net()
@@ -239,7 +239,7 @@ def _reference() -> tuple[dict, dict, float]:
 
 
 def _check_against_reference(result: dict, reference: tuple, what: str) -> None:
-    from tests.test_distributed import Net  # noqa: PLC0415
+    from tests.models import Net  # noqa: PLC0415
 
     ref_params, ref_opt, ref_lr = reference
     # StepLR's lr: at most STEPS + 1 fp64 roundings on each side.
@@ -488,8 +488,8 @@ def _cross_modes(rank: int, world: int, cfg: dict) -> dict:
     except CheckpointException as exc:  # dcp.load's own check, on every rank: the rows' size differs
         out["refused"] = str(exc)
     _, _, acc = _build(1, world)
-    try:  # a replicated state of gaengine's earlier plain format loads only into a replicated run
-        acc.load_state_dict({"format": PLAIN_FORMAT})
+    try:  # a replicated state of gaengine's earlier plain format is upgraded only by a replicated run
+        upgrade({"format": PLAIN_FORMAT}, acc)
         out["plain refused"] = None
     except ValueError as exc:
         out["plain refused"] = str(exc)

@@ -30,7 +30,7 @@ import torch
 
 import gaengine
 from gaengine.reduce import Collective
-from tests.test_distributed import _launch as launch_ranks
+from tests.ranks import launch_scenario as launch_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

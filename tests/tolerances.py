@@ -1,6 +1,6 @@
 """The error model every bound in the tests comes from, and the assertion helpers every kernel test uses.
 
-Budgets (STYLE.md §2): an unscaled accumulate is bitwise equal to torch; a scaled one is within 1 fp32
+Budgets (docs/tolerances.md): an unscaled accumulate is bitwise equal to torch; a scaled one is within 1 fp32
 ulp of the fp64 oracle (ulp taken at the larger of the product and the result, since a fused
 multiply-add and a separate multiply + add round differently); a sum of squares, a norm, a mean of micro-batches,
 a model's gradients and an optimizer's updates are within the bounds of "the error model" below (unit roundoff

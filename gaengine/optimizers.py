@@ -1,0 +1,102 @@
+"""What gaengine knows about each optimizer it supports, in one table (``OPTIMIZERS``).
+
+Per optimizer class (``OptimizerSpec``):
+
+* **elementwise**: its update of an element reads only that element's gradient, parameter and state, so it can
+  run on any flat range of the parameters: ZeRO (``zero_stage >= 1``) runs only these, and a checkpoint saves
+  their state per element (``gaengine.checkpoint``). Only the exact class is: a subclass may not be elementwise.
+* **moments**: the state tensors it keeps per parameter besides ``step`` (shaped like the parameter), and those it
+  keeps only when a param-group flag is set (``if_group``: key -> flag).
+* **writes_model**: it takes the fp32 gradient of a bf16/fp16 parameter as ``p.main_grad`` and writes the rounded
+  fp32 master into the model parameter in its own pass (``attach_model_params``; ``gaengine.store``). Subclasses
+  inherit it.
+* **grad_scale**: when its ``step()`` takes ``grad_scale``/``found_inf`` (torch.amp.GradScaler's protocol, which
+  gaengine uses to fold normalization, clipping and the skip into the update): ``"fused"`` with ``fused=True``.
+
+torch's Adam, AdamW and SGD are listed here; ``gaengine.optim`` adds ``FusedAdamW`` when it is imported
+(``register_optimizer``). Adding an optimizer is one ``register_optimizer`` call beside its class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "elementwise_names", "is_elementwise", "moment_keys", "register_optimizer",
+           "takes_grad_scale", "writes_model_params"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """One row of ``OPTIMIZERS`` (module docstring)."""
+
+    name: str
+    """How messages name it: ``torch.optim.AdamW``."""
+    elementwise: bool
+    moments: tuple[str, ...] = ()
+    """State tensors kept per parameter in every param group."""
+    if_group: dict[str, str] = field(default_factory=dict)
+    """State tensor -> the param-group flag under which it is kept (``{"max_exp_avg_sq": "amsgrad"}``)."""
+    writes_model: bool = False
+    grad_scale: str = "fused"
+    """``"fused"``: ``step()`` takes ``grad_scale``/``found_inf`` when built with ``fused=True``."""
+
+
+OPTIMIZERS: dict[type, OptimizerSpec] = {
+    torch.optim.Adam: OptimizerSpec(name="torch.optim.Adam", elementwise=True, moments=("exp_avg", "exp_avg_sq"),
+                                    if_group={"max_exp_avg_sq": "amsgrad"}),
+    torch.optim.AdamW: OptimizerSpec(name="torch.optim.AdamW", elementwise=True, moments=("exp_avg", "exp_avg_sq"),
+                                     if_group={"max_exp_avg_sq": "amsgrad"}),
+    torch.optim.SGD: OptimizerSpec(name="torch.optim.SGD", elementwise=True,
+                                   if_group={"momentum_buffer": "momentum"}),
+}
+
+
+def register_optimizer(cls: type, spec: OptimizerSpec) -> None:
+    """Add (or replace) ``cls``'s row of ``OPTIMIZERS``."""
+    OPTIMIZERS[cls] = spec
+
+
+def _spec(optimizer: Any, exact: bool) -> OptimizerSpec | None:
+    if exact:
+        return OPTIMIZERS.get(type(optimizer))
+    return next((OPTIMIZERS[c] for c in type(optimizer).__mro__ if c in OPTIMIZERS), None)
+
+
+def is_elementwise(optimizer: Any) -> bool:
+    """``optimizer``'s exact class is an elementwise one of ``OPTIMIZERS``."""
+    spec = _spec(optimizer, exact=True)
+    return spec is not None and spec.elementwise
+
+
+def elementwise_names() -> list[str]:
+    """The names of the elementwise optimizers, for messages."""
+    return [s.name for s in OPTIMIZERS.values() if s.elementwise]
+
+
+def moment_keys(optimizer: Any, group: dict[str, Any]) -> list[str]:
+    """The state tensors an elementwise ``optimizer`` keeps per parameter of param group ``group`` (besides
+    ``step``). ``KeyError`` for an optimizer that is not elementwise."""
+    spec = _spec(optimizer, exact=True)
+    if spec is None or not spec.elementwise:
+        raise KeyError(f"{type(optimizer).__name__} is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS")
+    return list(spec.moments) + [k for k, flag in spec.if_group.items() if group.get(flag)]
+
+
+def writes_model_params(optimizer: Any) -> bool:
+    """``optimizer`` writes the rounded masters into the model itself (``writes_model``: ``gaengine.optim.FusedAdamW``
+    and its subclasses)."""
+    spec = _spec(optimizer, exact=False)
+    return spec is not None and spec.writes_model
+
+
+def takes_grad_scale(optimizer: Any) -> bool:
+    """``optimizer.step()`` takes ``grad_scale``/``found_inf``: a ``"fused"`` row of ``OPTIMIZERS`` (or an optimizer
+    outside the table, such as torch's other fused ones) built with ``fused=True`` that follows torch.amp.GradScaler's
+    protocol (``_step_supports_amp_scaling``)."""
+    spec = _spec(optimizer, exact=False)
+    if spec is not None and spec.grad_scale != "fused":
+        return False
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
