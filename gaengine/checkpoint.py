@@ -369,10 +369,6 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     return {"state": state_out, "param_groups": groups_out}
 
 
-# The moment keys of an elementwise optimizer, under the name gaengine.store's ZeRO adoption imports it by (the table
-# is gaengine.optimizers).
-_moment_keys = optimizers.moment_keys
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # GradientAccumulator.state_dict(): one format for every sharding strategy, in DCP's form

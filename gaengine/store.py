@@ -42,6 +42,8 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
+from gaengine.compat import all_gather_single
+from gaengine.optimizers import moment_keys
 from gaengine.reduce import Collective
 from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
                              step_optimizer, writes_model_params)
@@ -371,8 +373,6 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     Returns, for the parameters ``old`` optimized that ``new`` does not hold (frozen since), keyed by ``id``, the same
     on every rank, parameter-shaped: their whole optimizer state, in the dtype of their pieces (fp32 with masters;
     torch keeps a frozen parameter's state), and their whole fp32 masters (``keep_masters`` when they join again)."""
-    from gaengine.checkpoint import _moment_keys  # noqa: PLC0415 - imports torch.distributed.checkpoint
-
     optimizer, device = new.optimizer, new.device
     world = old.layout.world_size
     group_of = {id(q): g for g, members in enumerate(new.group_params) for q in members}
@@ -398,7 +398,7 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     for b in old.layout.buckets:
         members = range(b.first, b.last)
         keys = sorted({k for j in members if has_state[j]
-                       for k in _moment_keys(optimizer, optimizer.param_groups[group_of[id(old.params[j])]])})
+                       for k in moment_keys(optimizer, optimizer.param_groups[group_of[id(old.params[j])]])})
         if any(old.slots[j].master for j in members):
             keys.insert(0, "")  # "": the masters
         for key in keys:
@@ -410,8 +410,7 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
                     at = s.shard_offset - b.shard_offset
                     mine[at:at + s.hi - s.lo] = src.detach().reshape(-1)
             whole = torch.empty(world * b.shard_numel, dtype=torch.float32, device=device)  # the bucket [start, end)
-            Collective(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # torch < 2.10
-                       whole, mine, group=group).wait()
+            Collective(all_gather_single(), whole, mine, group=group).wait()
             for j in members:
                 p, s = old.params[j], old.slots[j]
                 values = whole[offsets[j] - b.start:offsets[j] - b.start + p.numel()]

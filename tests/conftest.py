@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -36,6 +37,16 @@ def _heavy_files_first(items) -> None:
              if item.get_closest_marker("multiproc") is not None or item.get_closest_marker("slow") is not None}
     position = {item.nodeid: i for i, item in enumerate(items)}
     items.sort(key=lambda item: (item.nodeid.split("::")[0] not in heavy, position[item.nodeid]))
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    """``setup.py`` imported under another name than ``__main__``: its helpers, no ``setup()`` call."""
+    spec = importlib.util.spec_from_file_location("gaengine_setup_under_test",
+                                                  os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True)

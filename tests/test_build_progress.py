@@ -5,7 +5,6 @@ stays silent stands for a slow compile, and the heartbeat runs at a 10 ms interv
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import time
@@ -14,15 +13,6 @@ import pytest
 from setuptools import Extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def setup_py():
-    """``setup.py`` imported under another name than ``__main__``: its helpers, no ``setup()`` call."""
-    spec = importlib.util.spec_from_file_location("gaengine_setup_progress", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_build_speaks_at_least_every_30_seconds(setup_py):

@@ -10,7 +10,6 @@ needed: the versions, ``torch.cuda.is_available`` and the extension's ops are mo
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -28,15 +27,6 @@ from gaengine.optim import FusedAdamW
 from tests.helpers import NVCC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def setup_py():
-    """``setup.py`` imported under another name than ``__main__``: its helpers, no ``setup()`` call."""
-    spec = importlib.util.spec_from_file_location("gaengine_setup_under_test", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def nvcc_says(version: str) -> str:
