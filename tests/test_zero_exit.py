@@ -34,7 +34,7 @@ from tests.ranks import launch_scenario as launch_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-PROGRESS_NOTE = "25 two-rank training scripts started fresh on one shared core (each must exit 0), 3 to 4 minutes"
+PROGRESS_NOTE = "21 two-rank training scripts started fresh on one shared core (each must exit 0), about 3 minutes"
 
 CHILD = os.path.join(os.path.dirname(__file__), "zero_exit_child.py")
 K = 2
@@ -72,12 +72,12 @@ def _run_scripts(tmp_path, pattern: str, runs: int) -> list[str]:
 
 
 def test_dcp_checkpoint_then_destroy_without_close_exits_cleanly(tmp_path):
-    """The reported pattern, 5 times (it never aborted here, before the fix or after, in about 275 runs; the
-    ``step`` and ``overlap`` scripts below are the ones that caught the cause): zero_stage=1, a DCP checkpoint
-    after each window, dist.barrier(),
-    dist.destroy_process_group(), no acc.close()."""
-    failures = _run_scripts(tmp_path, "dcp", 5)
-    assert not failures, f"{len(failures)} rank(s) of 5 runs failed:\n" + "\n".join(failures)
+    """The reported pattern, once: zero_stage=1, a DCP checkpoint after each window, dist.barrier(),
+    dist.destroy_process_group(), no acc.close(). It never aborted here, before the fix or after, in about 275
+    runs, so repeating it adds no power against the race (the ``step`` and ``overlap`` scripts below, which caught
+    the cause, are repeated); one run checks that the reported script still exits 0."""
+    failures = _run_scripts(tmp_path, "dcp", 1)
+    assert not failures, "the reported script failed:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("pattern", ["step", "overlap"])
