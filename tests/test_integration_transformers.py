@@ -436,6 +436,42 @@ def test_token_count_follows_the_models_shifted_labels(tmp_path, make_model):
     assert _logs(ga, "grad_norm")[0] == pytest.approx(norm.item(), rel=1e-5)
 
 
+class ShiftLabelledTokens(PaddedTokens):
+    """``PaddedTokens`` whose rows also carry ``shift_labels`` (already shifted, as a sequence-parallel collator or a
+    prompt-masking one gives them): ``labels[1:]`` with every third target masked and -100 last, so that their
+    count differs from both ``labels``' and ``labels[..., 1:]``'. transformers' ``ForCausalLMLoss`` then uses
+    ``shift_labels`` as given, and the Trainer counts them (``_get_num_items_in_batch``)."""
+
+    def __init__(self, length=8, seed=0):
+        super().__init__(length=length, seed=seed)
+        for row in self.rows:
+            shifted = torch.cat([row["labels"][1:], torch.tensor([-100])])
+            shifted[::3] = -100
+            row["shift_labels"] = shifted
+
+
+def test_token_count_follows_shift_labels(tmp_path):
+    """A Llama whose batches carry ``shift_labels``: one window of 8 sequences (batch 4, K = 2); gaengine's item
+    count is the ``shift_labels``' count, and the logged loss and gradient norm are those of the model's own loss
+    over the 8 sequences at once (which uses ``shift_labels``), at the starting parameters, within 1e-5 (fp32)."""
+    data = ShiftLabelledTokens()
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    ga = _train(GaengineTrainer, model, _args(tmp_path, "ga", gradient_accumulation_steps=2, max_steps=1,
+                                               remove_unused_columns=False), data)
+    batch = {k: torch.stack([row[k] for row in data.rows]) for k in data.rows[0]}
+    counts = {"shift_labels": int(batch["shift_labels"].ne(-100).sum()),
+              "labels[..., 1:]": int(batch["labels"][:, 1:].ne(-100).sum()),
+              "labels": int(batch["labels"].ne(-100).sum())}
+    assert len(set(counts.values())) == 3, counts  # the test tells the three counts apart
+    own = ref(**batch).loss  # the model's own token mean over the whole window, over shift_labels
+    own.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+    assert ga.optimizer.last_result.num_items == counts["shift_labels"]
+    assert _logs(ga, "loss")[0] == pytest.approx(own.item(), rel=1e-5)
+    assert _logs(ga, "grad_norm")[0] == pytest.approx(norm.item(), rel=1e-5)
+
+
 def test_docs_switching_diff_runs_on_cpu(tmp_path, monkeypatch):
     """docs/integrations/transformers.md's one diff, as written (the new side), on this machine: its
     ``TrainingArguments`` build (``bf16=True`` on a CPU needs ``use_cpu=True``) and ``GaengineTrainer`` takes them."""
