@@ -469,6 +469,51 @@ def test_gpt2_conv1d_layers_fuse_through_the_transposed_op():
         assert torch.equal(fused[name], plain[name]), name
 
 
+# ------------------------------------------------------------------------------------------------ torch.compile
+COMPILE_K, COMPILE_B, COMPILE_STEPS, COMPILE_LR = 2, 4, 2, 1e-2
+
+
+def _compiled_run(compile_backend: str | None):
+    """Two AdamW updates (K = 2) of an fp32 MLP with fusion, its forward compiled with ``compile_backend`` (None: not
+    compiled). Returns the parameters after them and the fp32 weight-shaped tensors made in the backward passes."""
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=COMPILE_LR)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=COMPILE_K, max_grad_norm=None, backend="cpu",
+                                       gradient_accumulation_fusion=True)
+    forward = model if compile_backend is None else torch.compile(model, backend=compile_backend)
+    data = torch.Generator().manual_seed(11)
+    made = 0
+    for _ in range(COMPILE_STEPS):
+        for _ in range(COMPILE_K):
+            loss = forward(torch.randn(COMPILE_B, 6, generator=data)).square().mean()
+            with CountLowPrecision([model[0].weight.shape, model[2].weight.shape], torch.float32) as mode:
+                acc.backward(loss)
+            made += mode.count
+        acc.step()
+    acc.close()
+    return [p.detach().clone() for p in model.parameters()], made
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_torch_compile_trains_as_the_uncompiled_fused_run(compile_backend):
+    """A model whose forward is ``torch.compile``d (the fused op traced by dynamo) trains as the uncompiled fused run
+    within ``recipe_param_rtol`` of AdamW's 2 updates from gradients ``recipe_grad_rtol`` apart. With the "eager"
+    backend the compiled graph calls the op itself and the backward stays fused (no fp32 weight-shaped gradient made);
+    AOTAutograd backends ("aot_eager", inductor) trace the op's backward with fake tensors, which no accumulator
+    holds, so their compiled backward returns ordinary weight gradients to the hooks: unfused, still correct."""
+    torch._dynamo.reset()
+    ref, ref_made = _compiled_run(None)
+    ours, made = _compiled_run(compile_backend)
+    torch._dynamo.reset()
+    assert ref_made == 0
+    if compile_backend == "eager":
+        assert made == 0
+    grad_rtol = recipe_grad_rtol(COMPILE_K * COMPILE_B, 2, 16)
+    for p, q in zip(ours, ref):
+        assert rel_diff(p, q) <= recipe_param_rtol(q, "adamw", COMPILE_LR, COMPILE_STEPS, grad_rtol)
+
+
 # ------------------------------------------------------------------------------------------------ lifecycle
 def test_close_restores_the_modules_forwards():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
