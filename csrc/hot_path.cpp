@@ -283,10 +283,13 @@ class HotPath {
 
   // fused_linear's backward (take_fused_gradients, with the registry lock held): write or add the gradient of
   // parameter weight_index (a Linear weight, (out, in)) and/or bias_index (its bias, (out,)), -1 for none, into
-  // their main_grad slices with one wgrad_accumulate_ call. grad_output: (N, out), input: (N, in). Each parameter
+  // their main_grad slices with one wgrad_accumulate_ call (transposed: a weight (in, out), whose gradient
+  // input^T @ grad_output is a call with the operands swapped, and the bias a second call). grad_output: (N, out),
+  // input: (N, in). Each parameter
   // counts as arrived at its AccumulateGrad hook, which autograd still runs (with no p.grad, or with the gradient
   // of the parameter's other, unfused uses, which is then added).
-  void fuse(int64_t weight_index, int64_t bias_index, const at::Tensor& grad_output, const at::Tensor& input) {
+  void fuse(int64_t weight_index, int64_t bias_index, const at::Tensor& grad_output, const at::Tensor& input,
+            bool transposed) {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(in_backward_, "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); ",
                 "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)");
@@ -301,6 +304,13 @@ class HotPath {
     if (bias_index >= 0) {
       db = slice(bias_index);
       write_b = claim(bias_index);
+    }
+    if (transposed && dw.has_value()) {  // dW (in, out) = input^T @ grad_output: the op with its operands swapped
+      wgrad_op_.redispatch(keys_, dw, std::nullopt, input, grad_output, write_w, false);
+      ++launches_;
+      if (!db.has_value()) return;
+      dw.reset();
+      write_w = false;
     }
     wgrad_op_.redispatch(keys_, dw, db, grad_output, input, write_w, write_b);
     ++launches_;
@@ -746,7 +756,7 @@ class HotPath {
 }  // namespace
 
 FusedTaken take_fused_gradients(int64_t weight_key, int64_t bias_key, const at::Tensor& grad_output,
-                                const at::Tensor& input, bool want_weight, bool want_bias) {
+                                const at::Tensor& input, bool want_weight, bool want_bias, bool transposed) {
   std::lock_guard<std::mutex> registry(fusion_mutex());
   const auto& owners = fusion_owners();
   auto owner = [&](int64_t key, bool want) {
@@ -756,10 +766,10 @@ FusedTaken take_fused_gradients(int64_t weight_key, int64_t bias_key, const at::
   };
   const FusedOwner w = owner(weight_key, want_weight), b = owner(bias_key, want_bias);
   if (w.hot != nullptr && w.hot == b.hot) {
-    w.hot->fuse(w.index, b.index, grad_output, input);  // one kernel for both
+    w.hot->fuse(w.index, b.index, grad_output, input, transposed);  // one kernel call for both
   } else {
-    if (w.hot != nullptr) w.hot->fuse(w.index, -1, grad_output, input);
-    if (b.hot != nullptr) b.hot->fuse(-1, b.index, grad_output, input);
+    if (w.hot != nullptr) w.hot->fuse(w.index, -1, grad_output, input, transposed);
+    if (b.hot != nullptr) b.hot->fuse(-1, b.index, grad_output, input, transposed);
   }
   return {w.hot != nullptr, b.hot != nullptr};
 }

@@ -38,13 +38,20 @@ GAENGINE_TORCH_LIBRARY(m) {
   m.def(gaengine::kWgradAccumulateSchema);
 }
 
-// fused_linear (wgrad.h): at::linear forward on every device, and its autograd formula in C++ (wgrad.cpp), which
+// fused_linear (wgrad.h): at::linear (transposed: addmm) forward on every device, and its autograd formula in C++ (wgrad.cpp), which
 // hands the weight and bias gradients to the HotPath that fuses them.
 GAENGINE_TORCH_LIBRARY_IMPL(CompositeExplicitAutograd, m) {
   m.impl("fused_linear", &gaengine::fused_linear_forward);
 }
 GAENGINE_TORCH_LIBRARY_IMPL(Autograd, m) {
   m.impl("fused_linear", &gaengine::fused_linear_autograd);
+}
+// Under torch.autocast: the operands cast to autocast's dtype inside the autograd Function (wgrad.h).
+GAENGINE_TORCH_LIBRARY_IMPL(AutocastCPU, m) {
+  m.impl("fused_linear", &gaengine::fused_linear_autocast_cpu);
+}
+GAENGINE_TORCH_LIBRARY_IMPL(AutocastCUDA, m) {
+  m.impl("fused_linear", &gaengine::fused_linear_autocast_cuda);
 }
 
 // The CPU kernels. The emulated build of tests/cuda_emu has the CUDA kernels under its CPU key (op_library.h).

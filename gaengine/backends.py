@@ -46,7 +46,7 @@ logger = logging.getLogger("gaengine")
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 # What this gaengine expects of gaengine._C: csrc/op_library.h's GAENGINE_ABI_VERSION, raised with it.
-EXTENSION_ABI_VERSION = 3
+EXTENSION_ABI_VERSION = 4
 
 
 def load_extension():

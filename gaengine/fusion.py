@@ -1,8 +1,10 @@
 """Gradient accumulation fusion: each ``torch.nn.Linear``'s weight gradient computed straight into fp32 ``main_grad``.
 
 ``GradientAccumulator(..., gradient_accumulation_fusion=True)`` routes the forward of every ``torch.nn.Linear`` of
-the model (the same module objects: an instance ``forward`` is set, and ``acc.close()`` removes it) through the op
-``torch.ops.gaengine.fused_linear`` (``csrc/wgrad.h``). Its forward is ``torch.nn.functional.linear``; its backward
+the model, and of every ``transformers.pytorch_utils.Conv1D`` when transformers is imported (the same module
+objects: an instance ``forward`` is set, and ``acc.close()`` removes it) through the op
+``torch.ops.gaengine.fused_linear`` (``csrc/wgrad.h``; Conv1D with ``transposed=True``: its weight is (in, out)).
+Its forward is ``torch.nn.functional.linear`` (Conv1D: its ``addmm``); its backward
 is C++ (a ``torch::autograd::Function``, ``csrc/wgrad.cpp``): ``dX = dY @ W`` as usual, and for a weight (and bias)
 that the accumulator holds, one call of ``torch.ops.gaengine.wgrad_accumulate_`` writes (first contribution of the
 window: micro-batch 0's "write, don't zero") or adds ``fp32(dY)^T @ fp32(X)`` (and the row sum of ``fp32(dY)``)
@@ -26,11 +28,14 @@ What it needs (``check_fusion``, ``ValueError`` naming ``gradient_accumulation_f
 ``nn.Module``; CPU parameters, or CUDA ones with triton installed; the native hooks (``backend`` "cpu", "cuda" or
 "auto" with ``gaengine._C`` built (for CUDA, with its CUDA kernels), ``GAENGINE_HOT_PATH`` not ``python``); no FSDP2
 model; ``AccumulatorConfig`` refuses it with ``zero_stage`` > 0 and ``measure_noise_scale``. Under
-``torch.autocast`` a layer runs its ordinary forward (its gradient then goes through the hooks, unfused).
+``torch.autocast`` the op's Autocast kernel casts input, weight and bias to the autocast dtype inside the autograd
+Function (as autocast casts ``F.linear``'s operands): the GEMM operands are the casts, the fp32 ``main_grad`` is
+written from their products accumulated in fp32.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -100,29 +105,48 @@ def check_fusion(model: Any, backend, device: torch.device) -> None:
                              f"triton cannot be imported ({exc}): pip install triton, or set {OPTION}=False") from exc
 
 
-def _fused_forward(module: nn.Linear, input: torch.Tensor, *, op) -> torch.Tensor:
-    """``module``'s forward through ``op`` (``fused_linear``); under autocast the ordinary forward (the op has no
-    autocast rule: its operands would not be the autocast dtype's)."""
-    if torch.is_autocast_enabled(input.device.type):
-        return nn.Linear.forward(module, input)
+def _conv1d_class() -> type | None:
+    """``transformers.pytorch_utils.Conv1D`` when transformers has loaded it (no import here), else None."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def _linear_forward(module: nn.Linear, input: torch.Tensor, *, op) -> torch.Tensor:
+    """``nn.Linear.forward`` through ``op`` (``fused_linear``): input (..., in) -> (..., out). Under
+    ``torch.autocast`` the op's Autocast kernel casts the operands as ``F.linear``'s would be cast."""
     return op(input, module.weight, module.bias)
 
 
-class LinearFusion:
-    """The ``torch.nn.Linear`` modules of ``model`` routed through ``torch.ops.<namespace>.fused_linear``.
+def _conv1d_forward(module: nn.Module, input: torch.Tensor, *, op) -> torch.Tensor:
+    """transformers' ``Conv1D.forward`` (weight (in, out), ``addmm(bias, x_2d, weight)``) through ``op`` with
+    ``transposed=True``: input (..., in) -> (..., out)."""
+    return op(input, module.weight, module.bias, True)
 
-    Only modules whose class keeps ``nn.Linear.forward`` (a subclass with its own forward, or a module that already
-    has an instance ``forward``, keeps its own) are routed. ``close()`` restores their forwards (idempotent).
+
+class LinearFusion:
+    """The ``torch.nn.Linear`` modules of ``model``, and its ``transformers.pytorch_utils.Conv1D`` modules (GPT-2's
+    layer, when transformers is imported), routed through ``torch.ops.<namespace>.fused_linear``.
+
+    Only modules whose class keeps ``nn.Linear.forward`` (``Conv1D.forward``) are routed: a subclass with its own
+    forward, or a module that already has an instance ``forward``, keeps its own. ``close()`` restores their
+    forwards (idempotent).
     """
 
     def __init__(self, model: nn.Module, namespace: str) -> None:
         op = getattr(torch.ops, namespace).fused_linear
-        self.modules: list[nn.Linear] = []
+        conv1d = _conv1d_class()
+        self.modules: list[nn.Module] = []
         for module in model.modules():
-            if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-                    and "forward" not in module.__dict__):
-                module.forward = types.MethodType(lambda m, x: _fused_forward(m, x, op=op), module)
-                self.modules.append(module)
+            if "forward" in module.__dict__:
+                continue
+            if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+                forward = _linear_forward
+            elif conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward:
+                forward = _conv1d_forward
+            else:
+                continue
+            module.forward = types.MethodType(lambda m, x, f=forward: f(m, x, op=op), module)
+            self.modules.append(module)
         self._forwards = [m.__dict__["forward"] for m in self.modules]
 
     def close(self) -> None:

@@ -325,6 +325,7 @@ def verify_equivalence(
     num_items_fn: Callable[[Any], int | torch.Tensor] | None = None,
     backend: str = "auto",
     rtol: float | None = None,
+    gradient_accumulation_fusion: bool = False,
 ) -> EquivalenceReport:
     """Compare the gradient of ``batch`` with the gradient accumulated over ``accumulation_steps`` micro-batches.
 
@@ -341,6 +342,13 @@ def verify_equivalence(
     backend: the engine backend (``"auto" | "torch" | "cpu" | "triton"``).
     rtol: one relative tolerance of the setup comparison for every parameter instead of the dtype-keyed
         ``GRAD_RTOL``. The engine comparison's bound is derived, not chosen (``engine_bound``).
+    gradient_accumulation_fusion: build the engine with it (``gaengine.fusion``: the model's ``nn.Linear`` and
+        transformers ``Conv1D`` layers write their weight and bias gradients straight into the fp32 buffer; needs
+        the native hooks, ``ValueError`` from the accumulator otherwise). A fused layer's gradient reaches no
+        tensor hook, so its micro-batch terms are taken from the layer itself: a forward hook keeps its input X
+        (cast as autocast casts it) and a hook on its output its gradient dY, and the micro-batch sum gains
+        ``dY^T X`` (Conv1D: ``X^T dY``) and the row sum of ``dY``, in fp64; their fp32 GEMM sums N rows, so such a
+        parameter's bound counts N + K terms (N: the rows of all micro-batches) over ``sum |dY|^T |X|``.
 
     Whole batch: ``loss_fn(model, batch).backward()`` in plain PyTorch (in item mode the summed loss's
     gradient divided by ``num_items_fn(batch)``). Engine: ``GradientAccumulator(params, None,
@@ -423,16 +431,45 @@ def verify_equivalence(
     abs_total: dict[int, torch.Tensor] = {}  # id(p) -> sum_k |g_k|
     num_terms: dict[int, int] = {}  # id(p) -> how many g_k
 
+    def add_term(key: int, g: torch.Tensor, g_abs: torch.Tensor, terms: int) -> None:
+        if key in total:
+            total[key] += g
+            abs_total[key] += g_abs
+        else:
+            total[key], abs_total[key] = g, g_abs
+        num_terms[key] = num_terms.get(key, 0) + terms
+
     def capture(key: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:  # runs before AccumulateGrad, so before the engine's hooks
+        def hook(grad: torch.Tensor | None) -> None:  # runs before AccumulateGrad, so before the engine's hooks
+            if grad is None:
+                return
             g = grad.detach().to(torch.float64, copy=True)  # never alias the tensor autograd goes on with
-            if key in total:
-                total[key] += g
-                abs_total[key] += g.abs()
-            else:
-                total[key], abs_total[key] = g, g.abs()
-            num_terms[key] = num_terms.get(key, 0) + 1
+            add_term(key, g, g.abs(), 1)
         return hook
+
+    def capture_fused(module: nn.Module) -> Callable[..., None]:
+        """The micro-batch terms of a fused layer's weight and bias (module forward hook, then an output hook)."""
+        transposed = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight (in, out)
+
+        def forward_hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            x = inputs[0].detach()
+            device_type = x.device.type
+            if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
+                x = x.to(torch.get_autocast_dtype(device_type))  # the operand the fused op multiplies
+            x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+
+            def output_hook(grad: torch.Tensor) -> None:
+                dy = grad.detach().reshape(-1, grad.shape[-1]).to(torch.float64)
+                weight, bias = mod.weight, mod.bias
+                if weight.requires_grad:
+                    pair = (x, dy) if transposed else (dy, x)
+                    add_term(id(weight), pair[0].t() @ pair[1], pair[0].abs().t() @ pair[1].abs(), dy.shape[0] + 1)
+                if bias is not None and bias.requires_grad:
+                    add_term(id(bias), dy.sum(0), dy.abs().sum(0), dy.shape[0] + 1)
+
+            if output.requires_grad:
+                output.register_hook(output_hook)
+        return forward_hook
 
     with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
         cpu_rng = torch.get_rng_state()
@@ -461,9 +498,12 @@ def verify_equivalence(
             # gradients underflow alike, and a dynamic scale's first windows would overflow and skip.
             from gaengine.engine import GradientAccumulator  # noqa: PLC0415 - verify sits above the engine it checks
 
-            acc = GradientAccumulator([p for _, p in named], None, accumulation_steps=len(micro), max_grad_norm=None,
-                                      backend=backend, loss_scale=None)
+            acc = GradientAccumulator(model if gradient_accumulation_fusion else [p for _, p in named], None,
+                                      accumulation_steps=len(micro), max_grad_norm=None, backend=backend,
+                                      loss_scale=None, gradient_accumulation_fusion=gradient_accumulation_fusion)
             handles = [p.register_hook(capture(id(p))) for _, p in named]
+            if gradient_accumulation_fusion:
+                handles += [m.register_forward_hook(capture_fused(m)) for m in acc._fusion.modules]
             engine_denom = 0.0  # the engine's normalization: K, the rows, or the items of the micro-batches
             for mb, rows in zip(micro, micro.sizes):
                 if mode == "items":

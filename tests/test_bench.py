@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gaengine.tools import bench
+from gaengine.tools.bench import fusion as bench_fusion
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -106,6 +107,20 @@ def _tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 KERNEL_HEADER = ["variant", "ms", "GB/s", "% of copy", "vs torch [p25-p75]"]
+FUSION_HEADER = ["variant", "ms/backward", "rel. error vs fp64", "vs plain [p25-p75]"]
+
+
+def test_fusion_rows_time_the_three_backwards_and_their_errors():
+    """The fusion benchmark on a small bf16 Linear: a row per variant (the plain recipe the baseline), and the errors
+    it reports against fp64 tell the paths apart as tests/test_fusion.py measures them: the fused sum within fp32
+    rounding (1e-5), the hooks' at least 50x further (bf16 dW), the plain recipe's bf16 .grad further still."""
+    rows, info = bench_fusion.bench_fusion(torch.device("cpu"), bench_fusion.FusionConfig(48, 16), warmup=1,
+                                           repeats=3)
+    assert [r["variant"] for r in rows] == list(bench_fusion.VARIANTS) and info["skipped"] is None
+    assert rows[0]["ratio_baseline"] and all(r["backward_passes"] == 4 and r["ms"] > 0 for r in rows)
+    error = {r["variant"]: r["rel_error"] for r in rows}
+    assert error["fused"] <= 1e-5 and error["hooks"] >= 50 * error["fused"], error
+    assert error["plain"] >= error["hooks"], error
 
 
 @multiproc
@@ -115,7 +130,7 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     assert torch.get_num_threads() == _THREADS  # --threads holds for the run only
     tables = _tables(text)
     titles = [title for title, _, _ in tables]
-    assert len(tables) == 10, titles  # three kernels, host (2), e2e (2), memory (2), FSDP2 memory
+    assert len(tables) == 11, titles  # three kernels, host (2), fusion, e2e (2), memory (2), FSDP2 memory
     for (title, header, body), name in zip(tables[:3], ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32")):
         assert title.startswith(f"{name}: 1,048,576 elements, ") and title.endswith(" B/element")
         assert header == KERNEL_HEADER
@@ -129,27 +144,30 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     assert title.startswith("host per parameter: ") and header == ["dtype", "P", "variant", "us/param/mb",
                                                                     "added us/param/mb"]
     title, header, body = tables[5]
+    assert title.startswith("fusion: one bf16 Linear(128, 128), 64 tokens") and header == FUSION_HEADER
+    assert " ".join(row[0].strip() for row in body if row[0].strip()) == " ".join(bench_fusion.VARIANTS.values())
+    title, header, body = tables[6]
     assert title.startswith("e2e: ") and header == ["variant", "ms/update", "tokens/s", "vs plain [p25-p75]"]
     assert [row[0] for row in body] == list(bench.E2E_VARIANTS)
     # The copy the kernels are measured against.
     assert "% of copy = GB/s / the GB/s of fp32 dst.copy_(src) timed in the same rounds" in _note(text, "kernels: ms")
     for label in bench.E2E_VARIANTS.values():  # the legend under the e2e tables
         assert label in text
-    title, header, body = tables[6]
+    title, header, body = tables[7]
     assert title.startswith("e2e memory: ") and [row[0] for row in body] == list(bench.E2E_VARIANTS)
     # Every memory column of the e2e tables is explained under them, and nothing they lack is.
     note = _note(text, "e2e memory: peak = ")
     for column in ("peak = ", "peak delta = ", "peak live = ", "state = ", "state B/param = "):
         assert column in note, column
     assert header == ["variant", "peak MiB", "peak delta MiB", "peak live MiB", "state MiB", "state B/param"]
-    title, header, body = tables[7]  # the memory table (tests/test_bench_memory.py checks its numbers)
+    title, header, body = tables[8]  # the memory table (tests/test_bench_memory.py checks its numbers)
     assert title.startswith("memory: bytes per parameter per rank") and header[:2] == ["recipe", "d"]
     assert [(row[0], row[1]) for row in body][:2] == [("plain", "1"), ("gaengine stage 0", "1")]
-    title, header, body = tables[8]
+    title, header, body = tables[9]
     assert title.startswith("memory: the formula") and header == ["recipe", "d", "formula", "wire B/param/window",
                                                                   "wire vs stage 0"]
-    assert [(row[0], row[1]) for row in body] == [(row[0], row[1]) for row in tables[7][2]]
-    title, header, body = tables[9]  # FSDP2's recipes and gaengine's FSDP2 mode (tests/test_bench_memory.py)
+    assert [(row[0], row[1]) for row in body] == [(row[0], row[1]) for row in tables[8][2]]
+    title, header, body = tables[10]  # FSDP2's recipes and gaengine's FSDP2 mode (tests/test_bench_memory.py)
     assert "FSDP2" in title and {row[1] for row in body} <= {"2", "4"} and body, (title, header)
 
 
@@ -224,7 +242,7 @@ def test_quick_writes_json(quick_run):
     assert peak["bytes_per_element"] == 8 and peak["gb_s"] > 0
 
     rows = payload["results"]
-    kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host", "memory"))]
+    kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host", "memory", "fusion"))]
     assert {r["benchmark"] for r in kernels} == {"accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32"}
     assert any(r["variant"] == "gaengine torch: accumulate_" for r in kernels)
     repeats = payload["params"]["repeats"]
@@ -245,6 +263,9 @@ def test_quick_writes_json(quick_run):
     assert all(r["ratio_rounds"] == payload["params"]["e2e"]["config"]["timed_updates"] for r in e2e.values())
     for r in e2e.values():
         assert r["tokens_per_s"] > 0 and r["peak_mib"] > 0 and r["state_mib"] > 0
+    fusion_rows = {r["variant"]: r for r in rows if r["benchmark"] == "fusion"}
+    assert set(fusion_rows) == set(bench_fusion.VARIANTS) and payload["params"]["fusion"]["skipped"] is None
+    assert fusion_rows["fused"]["rel_error"] <= 1e-5 and fusion_rows["plain"]["ratio_baseline"] is True
     memory_rows = [r for r in rows if r["benchmark"] == "memory"]  # --quick: d = 1, 2
     assert {(r["variant"], r["world"]) for r in memory_rows} >= {("plain", 1), ("torch DDP", 2), ("gaengine stage 1", 2)}
     assert payload["params"]["memory"]["numel"] > 0

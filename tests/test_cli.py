@@ -299,6 +299,19 @@ def test_verify_prints_a_passing_report(capsys):
     assert "PASS" in out.upper() and "blocks.0.attn.qkv.weight" in out
 
 
+def test_verify_with_gradient_accumulation_fusion_passes_and_says_so(capsys):
+    """--gradient-accumulation-fusion: the bf16 GPT's engine, its Linear layers fused, passes both checks; the header
+    names the option; --backend torch with it is a usage error naming the option."""
+    args = ["verify", "--dtype", "bf16", "--backend", "cpu", "--batch-size", "4", "--seq-len", "16"]
+    assert main([*args, "--gradient-accumulation-fusion"]) == 0
+    out = capsys.readouterr().out
+    assert "(bf16, gradient accumulation fusion)" in out and "gradient equivalence PASSED" in out
+    assert "blocks.0.mlp.0.weight" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", "--backend", "torch", "--gradient-accumulation-fusion"])
+    assert exc.value.code == 2 and "gradient_accumulation_fusion" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_verify_defaults_pass_in_every_dtype_and_state_the_bounds(capsys, dtype):
     """With the defaults (16 x 64 bytes, 4 micro-batches, seed 0) a correct engine passes in each dtype, bf16 and

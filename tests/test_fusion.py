@@ -86,6 +86,16 @@ def test_wgrad_accumulate_kernel_against_fp64(dtype, rows):
                                          rows)).all())
 
 
+def test_wgrad_accumulate_with_one_destination_writes_only_it():
+    """dw None with overwrite_w True (a bias-only call; fused_linear(transposed=True) makes one) writes db alone, as
+    the fp64 row sum, even with no rows."""
+    for rows in (0, 3):
+        g, x = torch.randn(rows, 4), torch.randn(rows, 5)
+        db = torch.full((4,), float("nan"))
+        OPS.wgrad_accumulate_(None, db, g, x, True, True)
+        assert rel_diff(db, g.double().sum(0)) <= 1e-6 if rows else torch.equal(db, torch.zeros(4))
+
+
 def test_wgrad_accumulate_refuses_bad_arguments():
     g, x = torch.randn(4, 3), torch.randn(4, 5)
     with pytest.raises(ValueError, match="dw must be a contiguous float32"):
@@ -196,6 +206,71 @@ def test_backward_peak_memory_drops_by_the_bf16_weight_gradients():
     assert max(fused_largest) < weight_grad_bytes, fused_largest
     for fused, plain in zip(fused_peaks, plain_peaks):
         assert plain - fused >= 4 * weight_grad_bytes, (fused_peaks, plain_peaks)
+
+
+# ------------------------------------------------------------------------------------------------ autocast
+def test_fused_linear_under_autocast_without_an_accumulator_is_autocast_linear():
+    """No accumulator: under CPU autocast bf16 the op is F.linear under autocast, forward bitwise (the same bf16
+    casts and GEMM) and the gradients in the fp32 operands' dtype, equal to autocast's (cast back through the same
+    bf16 products), for both layouts (transposed: Conv1D's addmm with the weight (in, out))."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 7)
+    w, b = torch.randn(3, 7), torch.randn(3)
+    g = torch.randn(2, 5, 3).bfloat16().float()
+    for transposed in (False, True):
+        operands = (x, w.t().contiguous() if transposed else w, b)
+        ours_args = [t.clone().requires_grad_() for t in operands]
+        ref_args = [t.clone().requires_grad_() for t in operands]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = OPS.fused_linear(*ours_args, transposed)
+            if transposed:  # transformers' Conv1D.forward
+                ref = torch.addmm(ref_args[2], ref_args[0].view(-1, 7), ref_args[1]).view(2, 5, 3)
+            else:
+                ref = F.linear(*ref_args)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
+        (y.float() * g).sum().backward()
+        (ref.float() * g).sum().backward()
+        for ours, theirs in zip(ours_args, ref_args):
+            assert ours.grad.dtype == torch.float32
+            assert rel_diff(ours.grad, theirs.grad) <= RTOL_BF16_SUM, transposed  # the same bf16 sums
+
+
+RTOL_BF16_SUM = 2.0**-8  # one bf16 rounding of the same fp32-accumulated sum (tests/tolerances.RTOL)
+
+
+def _autocast_window(fusion: bool, k: int = 8):
+    """fp32 Linear(96, 64) under CPU autocast bf16, K = 8: the window's fp32 sums, the forward outputs, and the fp64
+    sums of the same bf16-cast operands' products (dY = bf16(g) exactly; X cast to bf16 as autocast casts it)."""
+    torch.manual_seed(1)
+    lin = nn.Linear(96, 64)
+    xs = [torch.randn(16, 96) for _ in range(k)]
+    gs = [torch.randn(16, 64).bfloat16().float() for _ in range(k)]
+    acc = accumulator(lin, accumulation_steps=k, gradient_accumulation_fusion=fusion)
+    outputs = []
+    for x, g in zip(xs, gs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        outputs.append(y.detach())
+        acc.backward((y.float() * g).sum())
+    sums = window_sum(acc, lin.weight).clone(), window_sum(acc, lin.bias).clone()
+    acc.close()
+    ref_w = sum(g.double().t() @ x.bfloat16().double() for x, g in zip(xs, gs))
+    ref_b = sum(g.double().sum(0) for g in gs)
+    return sums, outputs, (ref_w, ref_b)
+
+
+def test_autocast_over_fp32_parameters_fuses_the_bf16_casts():
+    """fp32 parameters under CPU autocast bf16: the fused layer's GEMM operands are autocast's bf16 casts, its
+    products accumulated in fp32 into main_grad: within 1e-5 of the fp64 sum of the same bf16 operands' products and
+    at least 50x closer than the unfused path (autocast's bf16 dW, cast to fp32 per micro-batch); the forward
+    outputs equal the unfused autocast layer's bitwise."""
+    (fused_w, fused_b), fused_out, (ref_w, ref_b) = _autocast_window(True)
+    (plain_w, plain_b), plain_out, _ = _autocast_window(False)
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(fused_out, plain_out))
+    fused_err, plain_err = rel_diff(fused_w, ref_w), rel_diff(plain_w, ref_w)
+    assert fused_err <= 1e-5, fused_err
+    assert plain_err >= 50 * fused_err, (plain_err, fused_err)
+    assert rel_diff(fused_b, ref_b) <= 1e-5 and rel_diff(fused_b, ref_b) <= rel_diff(plain_b, ref_b)
 
 
 # ------------------------------------------------------------------------------------------------ composition
@@ -322,6 +397,121 @@ def test_three_gpt_updates_agree_with_the_unfused_path_within_bf16_rounding():
         assert (fused[name].double() - p.double()).norm() <= bound, name
     for a, b in zip(fused_norms, plain_norms):
         assert abs(a - b) <= 2.0**-8 * b
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+def _gpt2_window(fusion: bool, k: int = 2):
+    """One window (K = 2) of a tiny bf16 ``GPT2LMHeadModel`` (one block: its attention and MLP are transformers'
+    ``Conv1D``, weight (in, out); the LM head an ``nn.Linear`` tied to the token embedding). Returns the window's
+    fp32 sums by parameter name, the fp64 sums of each Conv1D's own bf16 operands (``X^T dY`` and the row sum of
+    ``dY``, captured per micro-batch), the Conv1D weight shapes, and the bf16 weight-shaped tensors made in backward."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D  # noqa: PLC0415
+
+    torch.manual_seed(8)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+    convs = {name: m for name, m in model.named_modules() if isinstance(m, Conv1D)}
+    assert len(convs) == 4
+    acc = accumulator(model, accumulation_steps=k, gradient_accumulation_fusion=fusion)
+    assert fusion == all("forward" in m.__dict__ for m in convs.values())
+    operands = {name: [] for name in convs}
+
+    def capture(name):
+        def hook(module, inputs, output):
+            pair = [inputs[0].detach(), None]
+            operands[name].append(pair)
+            output.register_hook(lambda g: pair.__setitem__(1, g.detach()))
+        return hook
+
+    handles = [m.register_forward_hook(capture(name)) for name, m in convs.items()]
+    shapes = [m.weight.shape for m in convs.values()] + [m.weight.t().shape for m in convs.values()]
+    data = torch.Generator().manual_seed(9)
+    made = 0
+    for _ in range(k):
+        idx = torch.randint(0, 64, (2, 8), generator=data)
+        loss = model(input_ids=idx, labels=idx).loss
+        with CountLowPrecision(shapes, torch.bfloat16) as mode:
+            acc.backward(loss)
+        made += mode.count
+    for h in handles:
+        h.remove()
+    names = {id(p): n for n, p in model.named_parameters()}
+    sums = {names[id(p)]: view.clone() for p, view in zip(acc.params, acc.main_grad.views)}
+    acc.close()
+    refs = {}
+    for name, pairs in operands.items():
+        refs[f"{name}.weight"] = sum(x.reshape(-1, x.shape[-1]).double().t() @ g.reshape(-1, g.shape[-1]).double()
+                                     for x, g in pairs)
+        refs[f"{name}.bias"] = sum(g.reshape(-1, g.shape[-1]).double().sum(0) for _, g in pairs)
+    return sums, refs, made
+
+
+def test_gpt2_conv1d_layers_fuse_through_the_transposed_op():
+    """transformers' Conv1D (y = x @ W + b, W (in, out)) routed through fused_linear(transposed=True): each Conv1D
+    weight's and bias's window sum is within 1e-5 of the fp64 sum of its own bf16 operands' products and the
+    weights' at least 50x closer than the unfused path's (bf16 dW per micro-batch); no bf16 tensor of a Conv1D
+    weight's shape is made in a fused backward (the unfused one makes them); the layer norms and the positions equal
+    the unfused path's bitwise (dX is the same GEMM), and the tied embedding, whose LM-head contribution is fused,
+    agrees with it within the bf16 roundings of the unfused micro-batch gradients (per micro-batch the LM head's dW
+    and its sum with the embedding's, 2^-9 relative each: 4 roundings over the window, 2^-7)."""
+    fused, fused_refs, fused_made = _gpt2_window(True)
+    plain, plain_refs, plain_made = _gpt2_window(False)
+    assert fused_made == 0 and plain_made >= 4
+    for name, ref in fused_refs.items():
+        fused_err, plain_err = rel_diff(fused[name], ref), rel_diff(plain[name], plain_refs[name])
+        assert fused_err <= 1e-5, (name, fused_err)
+        if name.endswith("weight"):
+            assert plain_err >= 50 * fused_err, (name, plain_err, fused_err)
+    assert rel_diff(fused["transformer.wte.weight"], plain["transformer.wte.weight"]) <= 2.0**-7
+    for name in set(fused) - set(fused_refs) - {"transformer.wte.weight"}:
+        assert torch.equal(fused[name], plain[name]), name
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+COMPILE_K, COMPILE_B, COMPILE_STEPS, COMPILE_LR = 2, 4, 2, 1e-2
+
+
+def _compiled_run(compile_backend: str | None):
+    """Two AdamW updates (K = 2) of an fp32 MLP with fusion, its forward compiled with ``compile_backend`` (None: not
+    compiled). Returns the parameters after them and the fp32 weight-shaped tensors made in the backward passes."""
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=COMPILE_LR)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=COMPILE_K, max_grad_norm=None, backend="cpu",
+                                       gradient_accumulation_fusion=True)
+    forward = model if compile_backend is None else torch.compile(model, backend=compile_backend)
+    data = torch.Generator().manual_seed(11)
+    made = 0
+    for _ in range(COMPILE_STEPS):
+        for _ in range(COMPILE_K):
+            loss = forward(torch.randn(COMPILE_B, 6, generator=data)).square().mean()
+            with CountLowPrecision([model[0].weight.shape, model[2].weight.shape], torch.float32) as mode:
+                acc.backward(loss)
+            made += mode.count
+        acc.step()
+    acc.close()
+    return [p.detach().clone() for p in model.parameters()], made
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_torch_compile_trains_as_the_uncompiled_fused_run(compile_backend):
+    """A model whose forward is ``torch.compile``d (the fused op traced by dynamo) trains as the uncompiled fused run
+    within ``recipe_param_rtol`` of AdamW's 2 updates from gradients ``recipe_grad_rtol`` apart. With the "eager"
+    backend the compiled graph calls the op itself and the backward stays fused (no fp32 weight-shaped gradient made);
+    AOTAutograd backends ("aot_eager", inductor) trace the op's backward with fake tensors, which no accumulator
+    holds, so their compiled backward returns ordinary weight gradients to the hooks: unfused, still correct."""
+    torch._dynamo.reset()
+    ref, ref_made = _compiled_run(None)
+    ours, made = _compiled_run(compile_backend)
+    torch._dynamo.reset()
+    assert ref_made == 0
+    if compile_backend == "eager":
+        assert made == 0
+    grad_rtol = recipe_grad_rtol(COMPILE_K * COMPILE_B, 2, 16)
+    for p, q in zip(ours, ref):
+        assert rel_diff(p, q) <= recipe_param_rtol(q, "adamw", COMPILE_LR, COMPILE_STEPS, grad_rtol)
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle

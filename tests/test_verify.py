@@ -266,6 +266,60 @@ def test_engine_bugs_fail_and_rounding_passes(monkeypatch, dtype, bug):
         assert report.worst in report.failed
 
 
+# ---------------------------------------------------------------- gradient accumulation fusion
+class _TiedLinears(nn.Module):
+    """Two Linears and a head tied to an embedding (its gradient part fused, part through AccumulateGrad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 12)
+        self.fc = nn.Linear(12, 16)
+        self.out = nn.Linear(16, 12)
+        self.head = nn.Linear(12, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.out(torch.tanh(self.fc(self.emb(idx))))))
+
+
+def _tied_loss(model, batch):
+    idx, target = batch
+    return nn.functional.cross_entropy(model(idx).float(), target)
+
+
+@pytest.mark.parametrize("bug", [None, "not-divided"], ids=["correct", "not-divided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fusion_engine_passes_with_the_layers_terms_and_fails_a_planted_bug(monkeypatch, dtype, bug):
+    """With gradient_accumulation_fusion the fused layers' terms (taken from their inputs and output gradients) make
+    the micro-batch sum: a correct engine passes in fp32 and bf16, also for the tied embedding (one term fused, one
+    through AccumulateGrad), and its measured difference is within the independent rounding budget of
+    test_engine_bugs_fail_and_rounding_passes (the plain recipe's micro-batch gradients from autograd, an oracle
+    independent of both hooks); a window coefficient never applied fails."""
+    gen = torch.Generator().manual_seed(3)
+    model = _TiedLinears().to(dtype)
+    batch = (torch.randint(0, 10, (16,), generator=gen), torch.randint(0, 10, (16,), generator=gen))
+    micro = split_batch(batch, K)
+    plain = []
+    for mb in micro:  # the plain recipe's micro-batch gradients, in the parameters' dtype
+        model.zero_grad(set_to_none=True)
+        _tied_loss(model, mb).backward()
+        plain.append({n: p.grad.double() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    if bug is not None:
+        monkeypatch.setattr(type(gaengine.backends.get_backend("cpu", torch.device("cpu"))), "scale_",
+                            lambda self, x, coef: x)
+    report = verify_equivalence(model, _tied_loss, batch, K, backend="cpu", gradient_accumulation_fusion=True)
+    assert report.setup_passed, str(report)
+    assert report.engine_passed == (bug is None), str(report)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # the accumulator closed
+    if bug is None:
+        for d in report.parameters:  # as test_engine_bugs_fail_and_rounding_passes: one rounding to dtype plus
+            exact = sum(g[d.name] for g in plain) / K  # 2K fp32 ulps of the terms (here 4 rows per fused GEMM)
+            budget = RTOL[dtype] * exact.abs().max().item() + 2 * K * RTOL[torch.float32] * max(
+                g[d.name].abs().max().item() for g in plain)
+            assert d.engine_max_abs <= budget, d.name
+
+
 # ---------------------------------------------------------------- the model is left exactly as it was
 def test_grads_buffers_modes_and_rng_restored():
     torch.manual_seed(0)

@@ -270,6 +270,9 @@ def _add_verify_parser(subparsers) -> None:
                         "activation and gradient on their own (the embedding's gradients land up to 14 unit "
                         "roundoffs apart on this GPT)")
     _add_config_option(p, "backend", AccumulatorConfig.backend)
+    _add_config_option(p, "gradient_accumulation_fusion", AccumulatorConfig.gradient_accumulation_fusion,
+                       more=": the engine's Linear layers write each micro-batch's dW into fp32 (docs/fusion.md); "
+                       "their terms are then taken from each layer's input and output gradient, summed in fp64")
     p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
     p.add_argument("--data", type=Path, default=None, help="text file or folder; default: the standard library")
     p.set_defaults(func=_cmd_verify)
@@ -287,8 +290,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise _UsageError(f"--accumulation-steps ({args.accumulation_steps}) exceeds --batch-size ({args.batch_size})")
     model = build_model(config)
     batch = sample_batch(corpus.train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
-    report = verify_equivalence(model, lambda m, b: m(*b), batch, args.accumulation_steps, backend=args.backend)
-    print(fill(f"gaengine verify: {model.num_params():,}-parameter byte-level GPT ({args.dtype}), batch of "
+    try:
+        report = verify_equivalence(model, lambda m, b: m(*b), batch, args.accumulation_steps, backend=args.backend,
+                                    gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+    except ValueError as e:  # the accumulator's refusal of an option combination (e.g. fusion without gaengine._C)
+        raise _UsageError(str(e)) from None
+    fused = ", gradient accumulation fusion" if args.gradient_accumulation_fusion else ""
+    print(fill(f"gaengine verify: {model.num_params():,}-parameter byte-level GPT ({args.dtype}{fused}), batch of "
                f"{args.batch_size} x {args.seq_len} bytes vs {args.accumulation_steps} micro-batches"))
     print(report)  # the verdict and its reason, both comparisons' bounds, the per-parameter table
     return 0 if report.passed else 1

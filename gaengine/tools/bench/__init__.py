@@ -1,7 +1,7 @@
 """``gaengine bench``: the kernel, host-overhead and end-to-end benchmarks on one device, a table per benchmark.
 
-    gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale host e2e memory] [--quick] [--threads N]
-                   [--host-params P ...] [--json PATH] [--plot PNG]
+    gaengine bench [--device cpu|cuda] [--only accumulate l2norm scale host fusion e2e memory] [--quick]
+                   [--threads N] [--host-params P ...] [--json PATH] [--plot PNG]
 
 Each benchmark prints its own tables with the columns it has: a kernel ``variant | ms | GB/s | % of copy | vs
 torch``; the host benchmark ``dtype | P | variant | ms/window | vs (b) | launches/mb | buckets`` and, per parameter
@@ -56,6 +56,14 @@ when more), the model's own fill and mul included, for both variants; on CPU the
 ATen ops inside AccumulateGrad (one ``aten::add_`` per parameter) and gaengine's own count,
 ``acc.hooks.launches``. ``buckets``: gaengine's buckets;
 a bucketed accumulate needs buckets + the model's own launches per micro-batch.
+
+Fusion (``fusion``, :mod:`gaengine.tools.bench.fusion`): one bf16 ``Linear(d, d)``'s backward per micro-batch
+(d = 512, 512 tokens on CPU; 4096, 8192 tokens on CUDA; 128, 64 with ``--quick``) in three variants timed in
+interleaved rounds, the forward untimed: the plain recipe (``loss.backward()``, ``.grad += dW`` in bf16, the
+baseline), gaengine's hooks (a bf16 ``dW`` added into the fp32 ``main_grad``) and ``gradient_accumulation_fusion``
+(``dW`` written or added straight into fp32, docs/fusion.md); beside each its accumulated gradient's relative
+error against the fp64 sum after all its backward passes. A variant that cannot run here (the fused one without
+``gaengine._C``, or on CUDA without triton) is left out with a note.
 
 End-to-end (``e2e``): the byte-level GPT of :mod:`gaengine.tools.model` in bf16, K = 8 micro-batches per update,
 AdamW (lr 1e-3, betas (0.9, 0.95), weight decay 0.1), clipping at 1.0, the same initialization and micro-batches

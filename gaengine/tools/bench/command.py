@@ -13,10 +13,10 @@ from typing import Sequence
 
 import torch
 
-from gaengine.tools.bench import e2e, host, kernels, memory
+from gaengine.tools.bench import e2e, fusion, host, kernels, memory
 from gaengine.tools.bench.common import device_name, git_sha, print_note, write_json
 
-BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "e2e", "memory")
+BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "fusion", "e2e", "memory")
 """Names accepted by ``--only``, in the order they run."""
 
 
@@ -27,7 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="kernel, host-overhead and end-to-end benchmarks on this device, a table per benchmark",
         description=("Time gaengine's kernels (accumulate, l2norm_sq, scale_) against the torch ops they replace, "
                      "the host time gaengine's backward adds per parameter per micro-batch over the plain recipe "
-                     "(and the launches per micro-batch of both), and an end-to-end GPT (bf16 where the device computes bf16 fast, else fp32) against the plain "
+                     "(and the launches per micro-batch of both), one bf16 Linear's backward with gradient "
+                     "accumulation fusion against the unfused hooks and the plain recipe (time and error against "
+                     "fp64), and an end-to-end GPT (bf16 where the device computes bf16 fast, else fp32) against the plain "
                      "recipe and torch's native fp32 accumulation, on one device; peak bandwidth is measured in "
                      "the same run. The memory table: bytes per parameter per rank of ZeRO stages 0/1/2, the plain "
                      "recipe and torch DDP on 1, 2 and 4 gloo processes on the CPU, and their bytes on the wire."),
@@ -115,7 +117,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     rows: list[dict] = []
     params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
                                  "torch_threads": torch.get_num_threads()}
-    kernel_names = [w for w in which if w not in ("host", "e2e", "memory")]
+    kernel_names = [w for w in which if w not in ("host", "fusion", "e2e", "memory")]
     peak = None
     if kernel_names:
         print_note(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
@@ -135,6 +137,14 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         host_rows, host_info = host.bench_host(device, counts, warmup=warmup, repeats=repeats)
         rows += host_rows
         params["host"] = host_info
+    fusion_info = None
+    if "fusion" in which:
+        fusion_cfg = fusion.fusion_config(device.type, quick)
+        print_note(f"fusion: bf16 Linear({fusion_cfg.features}, {fusion_cfg.features}), {fusion_cfg.tokens} tokens, "
+                   f"{warmup} + {repeats} interleaved rounds ...", flush=True)
+        fusion_rows, fusion_info = fusion.bench_fusion(device, fusion_cfg, warmup=warmup, repeats=repeats)
+        rows += [{"benchmark": "fusion", **r} for r in fusion_rows]
+        params["fusion"] = fusion_info
     e2e_info = None
     if "e2e" in which:
         cfg = e2e.e2e_config(device.type, quick)
@@ -157,6 +167,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         kernels.print_tables(kernel_rows, peak, repeats)
     if host_info is not None:
         host.print_tables(host_rows, host_info, device)
+    if fusion_info is not None:
+        fusion.print_tables(fusion_rows, fusion_info)
     if e2e_info is not None:
         e2e.print_tables(e2e_rows, e2e_info)
     if memory_info is not None:
