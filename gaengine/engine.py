@@ -32,7 +32,7 @@ from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler,
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.update import expose_grads, fused_optimizer
-from gaengine.window import FAILED_WINDOW, RankCounts, StepResult, Window, check_num_items
+from gaengine.window import FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -245,8 +245,15 @@ class GradientAccumulator:
 
     def _window_settings(self) -> tuple[tuple[str, object], ...]:
         """What every rank must have set alike for this window, compared in its stats all-reduce
-        (``gaengine.reduce.WindowStats.settings_mismatch``): the settings the user may change at run time."""
-        return (("accumulation_steps", self.accumulation_steps), ("max_grad_norm", self.max_grad_norm))
+        (``gaengine.reduce.WindowStats.settings_mismatch``): the settings the user may change at run time, and the
+        parameters made trainable or frozen since the window began (``MEMBERSHIP_SETTING``: 0 where none changed,
+        else the digest of the trainable set, ``Membership.fingerprint``). A rank that unfreezes a parameter in the
+        middle of a window refuses that window's ``step()`` itself (``_refuse_unmanaged_grads``); with this term
+        the other ranks refuse it too, instead of applying a window that rank did not."""
+        joined, left = self._members.changes(self.params)
+        changed = self._members.fingerprint() if joined or left else 0
+        return (("accumulation_steps", self.accumulation_steps), ("max_grad_norm", self.max_grad_norm),
+                (MEMBERSHIP_SETTING, changed))
 
     # ------------------------------------------------------------------ parameters joining or leaving
     def _adopt_changes(self) -> None:
@@ -300,16 +307,24 @@ class GradientAccumulator:
         """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle
         of this window (it holds autograd's raw ``.grad`` of part of the window, outside ``main_grad``, the norm and
         the clip): its window is not the sum of the window's micro-batches, and the optimizer would apply it raw."""
-        joined, _ = self._members.changes(self.params)
-        raw = [name for name, p in joined if p.grad is not None]
+        raw = [name for name, _ in self._unmanaged_grads()]
         if raw:
             raise ValueError(
-                f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation window: "
+                f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation window "
+                f"(and holds a .grad, whether frozen again since or not; the optimizer would apply it): "
                 f"its .grad is autograd's raw sum over part of the window, not gaengine's normalized, clipped window "
                 f"gradient, so nothing was applied (the window stays open). Unfreeze parameters between windows "
                 f"(after acc.step()): they join at the next window. To go on now, either freeze it again "
                 f"(requires_grad_(False) and .grad = None) and call acc.step() again, or drop the window with "
                 f"acc.zero_grad() (which drops that .grad too)")
+
+    def _unmanaged_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters of the model or the optimizer that the accumulator does not manage in this window (frozen
+        at its start) and that hold a ``.grad``: autograd's, from a micro-batch of this window after they were
+        unfrozen. The optimizer would apply such a ``.grad`` raw, frozen again or not (torch's optimizers skip only a
+        ``.grad`` that is None)."""
+        managed = {id(p) for p in self.params}
+        return [(n, p) for n, p in self._members.candidates if p.grad is not None and id(p) not in managed]
 
     def _noise_terms(self) -> torch.Tensor | None:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
@@ -608,8 +623,8 @@ class GradientAccumulator:
             wait_quietly(self.window.stats.work)
         self.hooks.drop()
         self._clear_grads()
-        for _, p in self._members.changes(self.params)[0]:  # unfrozen mid-window: autograd's raw .grad
-            p.grad = None
+        for _, p in self._unmanaged_grads():  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
+            p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
         self._reset_window()
         if self._ranks_members is not None:
             self._ranks_members.drop()

@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 from gaengine.reduce import HostMailbox, WindowStats, count_mismatch_message
 
+MEMBERSHIP_SETTING = "trainable parameters changed in the window"
+"""The window setting (``GradientAccumulator._window_settings``) that tells ranks which changed their trainable
+parameters in the middle of a window from those which did not."""
+
 __all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
@@ -362,6 +366,15 @@ class RankCounts:
         ``gaengine.reduce.count_mismatch_message``) or, first, different settings: ``ValueError`` naming each
         setting in ``differ`` and this rank's value of it in the window last read."""
         rank = dist.get_rank(self.group)
+        if differ == [MEMBERSHIP_SETTING]:
+            changed = dict(self._settings).get(MEMBERSHIP_SETTING)
+            return ValueError(
+                f"gaengine: the ranks changed their trainable parameters differently in this window{found}: rank "
+                f"{rank} of {self.world_size} {'made parameters trainable or froze them' if changed else 'changed none'}"
+                ", another rank did otherwise (requires_grad_() or optimizer.add_param_group(...) on some ranks only, "
+                "in the middle of a window). No rank applied this window: the parameters, the optimizer state, the "
+                "lr_scheduler and the loss scale are as before it. Change parameters alike on every rank, between "
+                "windows, then call acc.zero_grad() and go on")
         if differ:
             values = dict(self._settings)
             named = ", ".join(f"{n} (this rank's: {values.get(n)!r})" for n in differ)

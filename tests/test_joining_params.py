@@ -183,6 +183,36 @@ def test_parameter_unfrozen_mid_window_is_refused_by_name_before_anything_is_app
     acc.close()
 
 
+def test_parameter_unfrozen_then_frozen_again_mid_window_never_has_its_raw_grad_applied():
+    """Unfrozen for one micro-batch of the window, then frozen again: its .grad (autograd's, of that micro-batch)
+    would be applied raw by torch's SGD, which skips only a None .grad. step() refuses it by name, nothing applied;
+    zero_grad() drops it (as optimizer.zero_grad() would), and the next window trains as the plain recipe does with
+    the layer frozen: the layer unchanged."""
+    model = _model()
+    model[0].requires_grad_(False)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=K,
+                                       max_grad_norm=MAX_NORM, backend="torch")
+    batches = _batches(0)
+    acc.backward(_loss(model, *batches[0]))
+    model[0].requires_grad_(True)
+    acc.backward(_loss(model, *batches[1]))
+    model[0].requires_grad_(False)  # frozen again, its .grad left
+    for x, y in batches[2:]:
+        acc.backward(_loss(model, x, y))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"'0\.weight' became trainable .* frozen again since or not"):
+        acc.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "something was applied"
+    acc.zero_grad()
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    for x, y in _batches(1):
+        acc.backward(_loss(model, x, y))
+    acc.step()
+    assert torch.equal(model[0].weight, before[0]) and torch.equal(model[0].bias, before[1]), "the frozen layer moved"
+    assert not torch.equal(model[2].weight, before[2])
+    acc.close()
+
+
 # ---------------------------------------------------------------- several ranks: every zero_stage adopts
 # Two gloo ranks, one launch for every case below. Each rank runs K micro-batches of its own per window, and the plain
 # recipe beside it over every rank's micro-batches (loss / (K W), clip over the trainable parameters).
@@ -382,6 +412,42 @@ def _disagreement_case(rank: int, stage: int) -> dict:
             "equal": torch.equal(gathered[0], gathered[1])}
 
 
+def _mid_window_case(rank: int, stage: int) -> dict:
+    """Rank 0 unfreezes model[0] between the two micro-batches of window 1, rank 1 does not: every rank's step()
+    raises ValueError, nothing applied on either rank (before: rank 0 refused, rank 1 applied the window, and the
+    ranks trained apart); then rank 0 freezes it again, zero_grad(), and the ranks train on alike. zero_stage=0
+    only: at 1 and 2 rank 0's refusal comes before the norm's all-reduce that rank 1 enters (docs/accumulator.md)."""
+    model = _model()
+    model[0].requires_grad_(False)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=K,
+                                       max_grad_norm=MAX_NORM, backend="torch", zero_stage=stage)
+    for x, y in _rank_batches(0, rank):
+        acc.backward(_loss(model, x, y))
+    acc.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    message = "none"
+    try:
+        for i, (x, y) in enumerate(_rank_batches(1, rank)):
+            if i == 1 and rank == 0:
+                model[0].requires_grad_(True)
+            acc.backward(_loss(model, x, y))
+        acc.step()
+    except ValueError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    model[0].requires_grad_(False)
+    acc.zero_grad()
+    for x, y in _rank_batches(2, rank):
+        acc.backward(_loss(model, x, y))
+    went_on = not bool(acc.step().skipped) and not torch.equal(model[2].weight, before[2])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    torch.distributed.all_gather(gathered, flat)
+    acc.close()
+    return {"message": message, "unchanged": unchanged, "went_on": went_on,
+            "equal": torch.equal(gathered[0], gathered[1])}
+
+
 def _fsdp2_case(rank: int) -> str:
     """FSDP2 shards the parameters itself, once: a parameter unfrozen later is refused by name on every rank at the
     next window's first backward, nothing accumulated (never trained on autograd's raw .grad)."""
@@ -419,6 +485,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
             results["adamw-bf16", stage] = _adamw_bf16_case(rank, stage, out)
         for stage in (0, *ZERO_STAGES):
             results["disagree", stage] = _disagreement_case(rank, stage)
+        results["mid-window", 0] = _mid_window_case(rank, 0)
         results["fsdp2"] = _fsdp2_case(rank)
         torch.save(results, f"{out}/rank{rank}.pt")
 
@@ -448,4 +515,9 @@ def test_every_zero_stage_adopts_on_several_ranks(tmp_path):
                 f"rank {rank}, zero_stage={stage}: {message}")
             assert case["unchanged"], f"rank {rank}, zero_stage={stage}: the disagreeing window was applied"
             assert case["went_on"] and case["equal"], f"rank {rank}, zero_stage={stage}: {case}"
+        case = res["mid-window", 0]
+        assert ("'0.weight'" if rank == 0 else "changed their trainable parameters differently") in case["message"], (
+            f"rank {rank}, mid-window: {case['message']}")
+        assert case["unchanged"], f"rank {rank}: the window of the mid-window change was applied"
+        assert case["went_on"] and case["equal"], f"rank {rank}, mid-window: {case}"
         assert "'0.weight' became trainable" in res["fsdp2"] and res["fsdp2"].endswith("|0|True"), res["fsdp2"]
