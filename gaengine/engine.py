@@ -51,6 +51,11 @@ def _rank_settings(config: AccumulatorConfig, named_params: list[tuple[str, torc
     }
 
 
+WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
+"""The names of what every rank must hold alike in a window, compared in its stats all-reduce
+(``GradientAccumulator._window_settings``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
+
+
 class GradientAccumulator:
     """Accumulate gradients of ``model`` over ``accumulation_steps`` micro-batches in fp32, then update.
 
@@ -252,8 +257,7 @@ class GradientAccumulator:
         the other ranks refuse it too, instead of applying a window that rank did not."""
         joined, left = self._members.changes(self.params)
         changed = self._members.fingerprint() if joined or left else 0
-        return (("accumulation_steps", self.accumulation_steps), ("max_grad_norm", self.max_grad_norm),
-                (MEMBERSHIP_SETTING, changed))
+        return tuple(zip(WINDOW_SETTINGS, (self.accumulation_steps, self.max_grad_norm, changed), strict=True))
 
     # ------------------------------------------------------------------ parameters joining or leaving
     def _adopt_changes(self) -> None:
