@@ -123,7 +123,8 @@ def _fused_error_bound(tokens: int, calls: int) -> float:
 def test_fusion_rows_time_the_three_backwards_and_their_errors():
     """The fusion benchmark on a small bf16 Linear: a row per variant (the plain recipe the baseline), and the errors
     it reports against fp64 tell the paths apart as tests/test_fusion.py measures them: the fused sum within fp32
-    rounding (``_fused_error_bound``), the hooks' at least 50x further (bf16 dW), the plain recipe's bf16 .grad further still."""
+    rounding (``_fused_error_bound``), the hooks' at least 50x further (bf16 dW), the plain recipe's bf16 .grad
+    further still."""
     rows, info = bench_fusion.bench_fusion(torch.device("cpu"), bench_fusion.FusionConfig(48, 16), warmup=1,
                                            repeats=3)
     assert [r["variant"] for r in rows] == list(bench_fusion.VARIANTS) and info["skipped"] is None

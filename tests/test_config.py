@@ -21,7 +21,13 @@ import gaengine
 from gaengine import AccumulatorConfig
 from gaengine.config import field_help
 from tests.ranks import launch_scenario as _launch
-from tests.tolerances import clip_coef_rtol, network_rtol, norm_rtol, rel_diff, split_batch_rtol
+from tests.tolerances import (
+    clip_coef_rtol,
+    network_rtol,
+    norm_rtol,
+    rel_diff,
+    split_batch_rtol,
+)
 
 OBJECTS = ("model", "optimizer", "lr_scheduler", "process_group")  # what the accumulator works on, not options
 

@@ -146,7 +146,8 @@ def _bf16_linear_window(fusion: bool, k: int = 8):
 
 def test_fused_window_gradient_is_fp32_exact_and_50x_closer_than_unfused():
     """K = 8 on a bf16 Linear(96, 64): the fused window sum is within 1e-5 (relative) of the fp64 sum of the
-    micro-batches' dY^T X (``_fp32_sum_rtol`` of its 128 rows), and at least 50x closer than the unfused path, which rounds each dW to bf16."""
+    micro-batches' dY^T X (``_fp32_sum_rtol`` of its 128 rows), and at least 50x closer than the unfused path,
+    which rounds each dW to bf16."""
     (fused_w, fused_b), (ref_w, ref_b) = _bf16_linear_window(True)
     (plain_w, plain_b), _ = _bf16_linear_window(False)
     fused_err, plain_err = rel_diff(fused_w, ref_w), rel_diff(plain_w, ref_w)
@@ -272,7 +273,8 @@ def _autocast_window(fusion: bool, k: int = 8):
 
 def test_autocast_over_fp32_parameters_fuses_the_bf16_casts():
     """fp32 parameters under CPU autocast bf16: the fused layer's GEMM operands are autocast's bf16 casts, its
-    products accumulated in fp32 into main_grad: within ``_fp32_sum_rtol`` of the fp64 sum of the same bf16 operands' products and
+    products accumulated in fp32 into main_grad: within ``_fp32_sum_rtol`` of the fp64 sum of the same bf16
+    operands' products and
     at least 50x closer than the unfused path (autocast's bf16 dW, cast to fp32 per micro-batch); the forward
     outputs equal the unfused autocast layer's bitwise."""
     (fused_w, fused_b), fused_out, (ref_w, ref_b) = _autocast_window(True)
@@ -468,7 +470,8 @@ def _gpt2_window(fusion: bool, k: int = 2):
 
 def test_gpt2_conv1d_layers_fuse_through_the_transposed_op():
     """transformers' Conv1D (y = x @ W + b, W (in, out)) routed through fused_linear(transposed=True): each Conv1D
-    weight's and bias's window sum is within ``_fp32_sum_rtol`` of the fp64 sum of its own bf16 operands' products and the
+    weight's and bias's window sum is within ``_fp32_sum_rtol`` of the fp64 sum of its own bf16 operands' products
+    and the
     weights' at least 50x closer than the unfused path's (bf16 dW per micro-batch); no bf16 tensor of a Conv1D
     weight's shape is made in a fused backward (the unfused one makes them); the layer norms and the positions equal
     the unfused path's bitwise (dX is the same GEMM), and the tied embedding, whose LM-head contribution is fused,

@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer  # noqa: E402
 from tests.ranks import free_port, spawn_ranks, torchrun_rank  # noqa: E402
-from tests.tolerances import (RTOL, adamw_step_over_param, clip_coef_rtol, clipped_grad_rtol, mean_rtol, network_rtol, norm_rtol,  # noqa: E402
-                              rel_diff, sgd_step_over_param, split_batch_rtol, update_rtol)
+from tests.tolerances import (  # noqa: E402
+    RTOL, adamw_step_over_param, clip_coef_rtol, clipped_grad_rtol, mean_rtol, network_rtol, norm_rtol, rel_diff,
+    sgd_step_over_param, split_batch_rtol, update_rtol)
 
 N, BATCH, K, LR = 80, 16, 2, 1e-3
 # bf16: each micro-batch's gradient rounded to bf16 once (at most RTOL[bf16] = 2^-8 relative), their fp32 mean no

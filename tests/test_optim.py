@@ -22,7 +22,12 @@ import gaengine
 from gaengine.backends import get_backend
 from gaengine.optim import FusedAdamW
 from tests.conftest import backend_device, backend_params
-from tests.tolerances import assert_bitwise_equal, low_precision_ulp, rel_diff, unit_roundoff
+from tests.tolerances import (
+    assert_bitwise_equal,
+    low_precision_ulp,
+    rel_diff,
+    unit_roundoff,
+)
 
 RTOL = 1e-6
 SIZES = [1, 127, 4097]  # one element, a partial vector, one past a CPU block / two Triton blocks

@@ -202,7 +202,8 @@ def _engine_child() -> None:
 def test_the_fused_engine_on_the_triton_kernel():
     """The whole fused path (fused_linear's C++ backward -> HotPath -> the dispatcher) reaching the Triton kernel, as
     it does for CUDA parameters: here, in a child process, the CPU key's kernel is swapped for it under the
-    interpreter. A bf16 Linear(96, 64) over a window of K = 8: within fp32 rounding (``dot_rtol``) of the fp64 sum of dY^T X and 50x closer
+    interpreter. A bf16 Linear(96, 64) over a window of K = 8: within fp32 rounding (``dot_rtol``) of the fp64 sum
+    of dY^T X and 50x closer
     than the unfused path (which rounds each micro-batch's dW to bf16); every micro-batch ran the Triton kernel once,
     the first writing."""
     pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
