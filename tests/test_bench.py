@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 
@@ -17,6 +18,7 @@ import torch
 
 from gaengine.tools import bench
 from gaengine.tools.bench import fusion as bench_fusion
+from tests.tolerances import dot_rtol, gamma
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -110,16 +112,26 @@ KERNEL_HEADER = ["variant", "ms", "GB/s", "% of copy", "vs torch [p25-p75]"]
 FUSION_HEADER = ["variant", "ms/backward", "rel. error vs fp64", "vs plain [p25-p75]"]
 
 
+def _fused_error_bound(tokens: int, calls: int) -> float:
+    """The fused window sum of ``calls`` backward passes of the same ``tokens``-row dY^T X (exact bf16 products in
+    fp32) against fp64, relative to its largest element: one GEMM's ``dot_rtol(tokens)`` with the random-sign
+    condition ``sqrt(tokens)``, and the ``calls`` additions of that same value, correlated roundings, so the worst
+    case ``gamma(calls)`` (the probabilistic model does not hold for a constant added repeatedly)."""
+    return dot_rtol(tokens) * math.sqrt(tokens) + gamma(calls)
+
+
 def test_fusion_rows_time_the_three_backwards_and_their_errors():
     """The fusion benchmark on a small bf16 Linear: a row per variant (the plain recipe the baseline), and the errors
     it reports against fp64 tell the paths apart as tests/test_fusion.py measures them: the fused sum within fp32
-    rounding (1e-5), the hooks' at least 50x further (bf16 dW), the plain recipe's bf16 .grad further still."""
+    rounding (``_fused_error_bound``), the hooks' at least 50x further (bf16 dW), the plain recipe's bf16 .grad
+    further still."""
     rows, info = bench_fusion.bench_fusion(torch.device("cpu"), bench_fusion.FusionConfig(48, 16), warmup=1,
                                            repeats=3)
     assert [r["variant"] for r in rows] == list(bench_fusion.VARIANTS) and info["skipped"] is None
     assert rows[0]["ratio_baseline"] and all(r["backward_passes"] == 4 and r["ms"] > 0 for r in rows)
     error = {r["variant"]: r["rel_error"] for r in rows}
-    assert error["fused"] <= 1e-5 and error["hooks"] >= 50 * error["fused"], error
+    bound = _fused_error_bound(16, rows[0]["backward_passes"])
+    assert error["fused"] <= bound and error["hooks"] >= 50 * error["fused"], (error, bound)
     assert error["plain"] >= error["hooks"], error
 
 
@@ -265,7 +277,8 @@ def test_quick_writes_json(quick_run):
         assert r["tokens_per_s"] > 0 and r["peak_mib"] > 0 and r["state_mib"] > 0
     fusion_rows = {r["variant"]: r for r in rows if r["benchmark"] == "fusion"}
     assert set(fusion_rows) == set(bench_fusion.VARIANTS) and payload["params"]["fusion"]["skipped"] is None
-    assert fusion_rows["fused"]["rel_error"] <= 1e-5 and fusion_rows["plain"]["ratio_baseline"] is True
+    fused_bound = _fused_error_bound(payload["params"]["fusion"]["tokens"], fusion_rows["fused"]["backward_passes"])
+    assert fusion_rows["fused"]["rel_error"] <= fused_bound and fusion_rows["plain"]["ratio_baseline"] is True
     memory_rows = [r for r in rows if r["benchmark"] == "memory"]  # --quick: d = 1, 2
     assert {(r["variant"], r["world"]) for r in memory_rows} >= {("plain", 1), ("torch DDP", 2), ("gaengine stage 1", 2)}
     assert payload["params"]["memory"]["numel"] > 0

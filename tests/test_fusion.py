@@ -8,6 +8,7 @@ own long-tested path). Small shapes throughout.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 import gaengine
 from tests.ranks import free_port, spawn_ranks, torchrun_rank
-from tests.tolerances import FP32_EPS, low_precision_ulp, recipe_grad_rtol, recipe_param_rtol, rel_diff
+from tests.tolerances import (RTOL, FP32_EPS, dot_rtol, low_precision_ulp, network_rtol, recipe_grad_rtol,
+                              recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol)
 
 _C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
 OPS = getattr(torch.ops, _C.OP_NAMESPACE)
@@ -93,7 +95,10 @@ def test_wgrad_accumulate_with_one_destination_writes_only_it():
         g, x = torch.randn(rows, 4), torch.randn(rows, 5)
         db = torch.full((4,), float("nan"))
         OPS.wgrad_accumulate_(None, db, g, x, True, True)
-        assert rel_diff(db, g.double().sum(0)) <= 1e-6 if rows else torch.equal(db, torch.zeros(4))
+        if rows:  # an fp32 row sum: within sum_rtol(rows) of the sum of the absolute values, elementwise
+            assert bool(((db.double() - g.double().sum(0)).abs() <= sum_rtol(rows) * g.double().abs().sum(0)).all())
+        else:
+            assert torch.equal(db, torch.zeros(4))
 
 
 def test_wgrad_accumulate_refuses_bad_arguments():
@@ -114,10 +119,16 @@ def test_fused_linear_without_an_accumulator_is_linear():
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, lin.weight, lin.bias))
     F.linear(x64, w64, b64).square().sum().backward()
     for ours, ref in ((x.grad, x64.grad), (lin.weight.grad, w64.grad), (lin.bias.grad, b64.grad)):
-        assert rel_diff(ours, ref) <= 1e-6
+        assert rel_diff(ours, ref) <= network_rtol(1, 10)  # one layer, reductions over at most the 10 rows
 
 
 # ------------------------------------------------------------------------------------------------ precision
+def _fp32_sum_rtol(rows: int) -> float:
+    """A window's fp32 sum of ``rows`` exact products (bf16 x bf16 fits fp32) against fp64, relative to its largest
+    element: ``dot_rtol(rows)`` of the sum of absolute values, times the random-sign condition ``sqrt(rows)``."""
+    return dot_rtol(rows) * math.sqrt(rows)
+
+
 def _bf16_linear_window(fusion: bool, k: int = 8):
     torch.manual_seed(1)
     lin = nn.Linear(96, 64).bfloat16()
@@ -135,13 +146,14 @@ def _bf16_linear_window(fusion: bool, k: int = 8):
 
 def test_fused_window_gradient_is_fp32_exact_and_50x_closer_than_unfused():
     """K = 8 on a bf16 Linear(96, 64): the fused window sum is within 1e-5 (relative) of the fp64 sum of the
-    micro-batches' dY^T X, and at least 50x closer than the unfused path, which rounds each dW to bf16."""
+    micro-batches' dY^T X (``_fp32_sum_rtol`` of its 128 rows), and at least 50x closer than the unfused path,
+    which rounds each dW to bf16."""
     (fused_w, fused_b), (ref_w, ref_b) = _bf16_linear_window(True)
     (plain_w, plain_b), _ = _bf16_linear_window(False)
     fused_err, plain_err = rel_diff(fused_w, ref_w), rel_diff(plain_w, ref_w)
-    assert fused_err <= 1e-5, fused_err
+    assert fused_err <= _fp32_sum_rtol(8 * 16), fused_err  # K = 8 micro-batches of 16 rows
     assert plain_err >= 50 * fused_err, (plain_err, fused_err)
-    assert rel_diff(fused_b, ref_b) <= 1e-5
+    assert rel_diff(fused_b, ref_b) <= _fp32_sum_rtol(8 * 16)
 
 
 def test_no_low_precision_weight_gradient_is_allocated_in_backward():
@@ -235,7 +247,7 @@ def test_fused_linear_under_autocast_without_an_accumulator_is_autocast_linear()
             assert rel_diff(ours.grad, theirs.grad) <= RTOL_BF16_SUM, transposed  # the same bf16 sums
 
 
-RTOL_BF16_SUM = 2.0**-8  # one bf16 rounding of the same fp32-accumulated sum (tests/tolerances.RTOL)
+RTOL_BF16_SUM = RTOL[torch.bfloat16]  # one bf16 rounding of the same fp32-accumulated sum
 
 
 def _autocast_window(fusion: bool, k: int = 8):
@@ -261,16 +273,18 @@ def _autocast_window(fusion: bool, k: int = 8):
 
 def test_autocast_over_fp32_parameters_fuses_the_bf16_casts():
     """fp32 parameters under CPU autocast bf16: the fused layer's GEMM operands are autocast's bf16 casts, its
-    products accumulated in fp32 into main_grad: within 1e-5 of the fp64 sum of the same bf16 operands' products and
+    products accumulated in fp32 into main_grad: within ``_fp32_sum_rtol`` of the fp64 sum of the same bf16
+    operands' products and
     at least 50x closer than the unfused path (autocast's bf16 dW, cast to fp32 per micro-batch); the forward
     outputs equal the unfused autocast layer's bitwise."""
     (fused_w, fused_b), fused_out, (ref_w, ref_b) = _autocast_window(True)
     (plain_w, plain_b), plain_out, _ = _autocast_window(False)
     assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(fused_out, plain_out))
     fused_err, plain_err = rel_diff(fused_w, ref_w), rel_diff(plain_w, ref_w)
-    assert fused_err <= 1e-5, fused_err
+    assert fused_err <= _fp32_sum_rtol(8 * 16), fused_err  # K = 8 micro-batches of 16 rows
     assert plain_err >= 50 * fused_err, (plain_err, fused_err)
-    assert rel_diff(fused_b, ref_b) <= 1e-5 and rel_diff(fused_b, ref_b) <= rel_diff(plain_b, ref_b)
+    assert rel_diff(fused_b, ref_b) <= _fp32_sum_rtol(8 * 16)
+    assert rel_diff(fused_b, ref_b) <= rel_diff(plain_b, ref_b)
 
 
 # ------------------------------------------------------------------------------------------------ composition
@@ -282,9 +296,12 @@ def _fp64_grads(model, batches, loss_fn):
     return {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
 
 
-def _check_window(model, batches, loss_fn, fused_weights, **options):
+def _check_window(model, batches, loss_fn, fused_weights, depth, width, **options):
     """Two windows of ``batches`` through a fusing accumulator (fp32 parameters): every parameter's step() gradient
-    within fp32 rounding of the fp64 plain recipe; no fp32 tensor of a fused weight's shape made during backward."""
+    within fp32 rounding of the fp64 plain recipe (a ``depth``-layer model reducing over at most ``width`` terms:
+    ``network_rtol``, and its samples reduced in fp32: half ``split_batch_rtol``); no fp32 tensor of a fused
+    weight's shape made during backward."""
+    rtol = network_rtol(depth, width) + split_batch_rtol(sum(b.shape[0] for b in batches)) / 2
     acc = accumulator(model, accumulation_steps=len(batches), gradient_accumulation_fusion=True, **options)
     assert {id(m) for m in acc._fusion.modules} >= {id(m) for m in fused_weights}
     shapes = [m.weight.shape for m in fused_weights]
@@ -299,7 +316,7 @@ def _check_window(model, batches, loss_fn, fused_weights, **options):
         named = dict(model.named_parameters())
         assert set(ref) == {n for n, p in named.items() if p.grad is not None}
         for name, grad in ref.items():
-            assert rel_diff(named[name].grad, grad) <= 1e-5, name
+            assert rel_diff(named[name].grad, grad) <= rtol, (name, rel_diff(named[name].grad, grad), rtol)
         for p in model.parameters():
             p.grad = None
     acc.close()
@@ -329,14 +346,14 @@ def _tied_loss(model, batch):
 
 def test_tied_weight_and_a_weight_used_twice():
     model = _Tied()
-    _check_window(model, [torch.randn(6, 1) for _ in range(3)], _tied_loss, [model.shared])
+    _check_window(model, [torch.randn(6, 1) for _ in range(3)], _tied_loss, [model.shared], depth=3, width=11)
 
 
 def test_frozen_weight_with_trainable_bias_and_inputs_without_grad():
     model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4))
     model[2].weight.requires_grad_(False)  # frozen weight, trainable bias: only the bias is fused
     loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731 - x does not require grad
-    _check_window(model, [torch.randn(5, 6) for _ in range(2)], loss_fn, [model[0]])
+    _check_window(model, [torch.randn(5, 6) for _ in range(2)], loss_fn, [model[0]], depth=2, width=9)
     assert model[2].weight.grad is None
 
 
@@ -359,7 +376,8 @@ class _Checkpointed(nn.Module):
 def test_activation_checkpointing(reentrant):
     model = _Checkpointed(reentrant)
     loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
-    _check_window(model, [torch.randn(4, 6) for _ in range(3)], loss_fn, [model.inp, model.shared, model.out])
+    _check_window(model, [torch.randn(4, 6) for _ in range(3)], loss_fn, [model.inp, model.shared, model.out], depth=4,
+                  width=8)
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -393,10 +411,12 @@ def test_three_gpt_updates_agree_with_the_unfused_path_within_bf16_rounding():
     before, fused, fused_norms = _gpt_updates(True)
     _, plain, plain_norms = _gpt_updates(False)
     for name, p in plain.items():
+        # a bf16 GPT after updates whose trajectories already differ: the error model does not cover the drift
+        # (docs/tolerances.md); 2^-6 of the total update is the deliberate choice the docstring derives by hand
         bound = low_precision_ulp(p).norm() + 2.0**-6 * (p.double() - before[name].double()).norm()
         assert (fused[name].double() - p.double()).norm() <= bound, name
     for a, b in zip(fused_norms, plain_norms):
-        assert abs(a - b) <= 2.0**-8 * b
+        assert abs(a - b) <= RTOL[torch.bfloat16] * b  # the bf16-rounded micro-batch gradients' norm
 
 
 # ------------------------------------------------------------------------------------------------ transformers
@@ -450,21 +470,23 @@ def _gpt2_window(fusion: bool, k: int = 2):
 
 def test_gpt2_conv1d_layers_fuse_through_the_transposed_op():
     """transformers' Conv1D (y = x @ W + b, W (in, out)) routed through fused_linear(transposed=True): each Conv1D
-    weight's and bias's window sum is within 1e-5 of the fp64 sum of its own bf16 operands' products and the
+    weight's and bias's window sum is within ``_fp32_sum_rtol`` of the fp64 sum of its own bf16 operands' products
+    and the
     weights' at least 50x closer than the unfused path's (bf16 dW per micro-batch); no bf16 tensor of a Conv1D
     weight's shape is made in a fused backward (the unfused one makes them); the layer norms and the positions equal
     the unfused path's bitwise (dX is the same GEMM), and the tied embedding, whose LM-head contribution is fused,
     agrees with it within the bf16 roundings of the unfused micro-batch gradients (per micro-batch the LM head's dW
-    and its sum with the embedding's, 2^-9 relative each: 4 roundings over the window, 2^-7)."""
+    and its sum with the embedding's, RTOL[bf16] = 2^-8 relative each: 4 roundings over the window, 2^-6)."""
     fused, fused_refs, fused_made = _gpt2_window(True)
     plain, plain_refs, plain_made = _gpt2_window(False)
     assert fused_made == 0 and plain_made >= 4
     for name, ref in fused_refs.items():
         fused_err, plain_err = rel_diff(fused[name], ref), rel_diff(plain[name], plain_refs[name])
-        assert fused_err <= 1e-5, (name, fused_err)
+        assert fused_err <= _fp32_sum_rtol(2 * 2 * 8), (name, fused_err)  # K = 2 micro-batches of 2 x 8 tokens
         if name.endswith("weight"):
             assert plain_err >= 50 * fused_err, (name, plain_err, fused_err)
-    assert rel_diff(fused["transformer.wte.weight"], plain["transformer.wte.weight"]) <= 2.0**-7
+    # the unfused side's 4 bf16 roundings over the window, each at most RTOL[bf16] of the largest element
+    assert rel_diff(fused["transformer.wte.weight"], plain["transformer.wte.weight"]) <= 4 * RTOL[torch.bfloat16]
     for name in set(fused) - set(fused_refs) - {"transformer.wte.weight"}:
         assert torch.equal(fused[name], plain[name]), name
 
@@ -621,6 +643,8 @@ def test_fp16_loss_scale_skips_a_non_finite_window_as_the_unfused_path_and_grad_
     for w in (0, 2):
         for name, r in ref[w].items():
             moved = (r.double() - before[name].double()).norm()
+            # an fp16 network after updates: the drift is not the error model's (docs/tolerances.md); 2^-6 of the
+            # update is the deliberate choice the docstring argues
             bound = low_precision_ulp(r.half()).norm() + 2.0**-6 * moved
             assert (fused[w][name].double() - r.double()).norm() <= bound, (w, name)
             assert (fused[w][name].double() - plain[w][name].double()).norm() <= bound, (w, name)
