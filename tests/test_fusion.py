@@ -190,9 +190,10 @@ def _backward_allocations(acc, loss) -> list[int]:
 def test_backward_peak_memory_drops_by_the_bf16_weight_gradients():
     """Four bf16 Linear(256, 256) without bias (128 KiB of bf16 gradient each), batch 8, two windows of K = 2: the
     peak of the bytes the CPU allocator holds during a fused backward (allocations minus frees, from the start of
-    backward) is lower than the unfused one's by at least the four bf16 weight gradients (512 KiB: the unfused
-    path keeps each until its bucket completes), and no allocation of the fused backward is as large as one of them
-    (its fp32 temporaries are the widened rows of dY and X, 8 x 512 x 4 B)."""
+    backward) is lower than the unfused one's by the four bf16 weight gradients (512 KiB: the unfused path keeps
+    each until its bucket completes) less the fused path's extra fp32 temporaries (at most 32 KiB here), and no
+    allocation of the fused backward is as large as one of them. Measured: 503,808 B lower with oneDNN capped at
+    AVX2 (bf16 GEMMs through fp32), more natively."""
     def run(fusion):
         torch.manual_seed(2)
         model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256, bias=False), nn.Tanh())])
@@ -216,8 +217,13 @@ def test_backward_peak_memory_drops_by_the_bf16_weight_gradients():
     plain_peaks, plain_largest = run(False)
     assert max(plain_largest) >= weight_grad_bytes  # the measurement sees the unfused path's bf16 dW
     assert max(fused_largest) < weight_grad_bytes, fused_largest
+    # What the fused backward holds beyond the unfused one's temporaries: fp32 tensors of rows x features, at most
+    # four at once (the widened rows of dY and X, dX where oneDNN computes the bf16 GEMM through fp32 on a CPU
+    # without native bf16, the incoming gradient of the layer below): 4 x 8 x 256 x 4 B. The unfused peak holds the
+    # four bf16 dW, so the drop is at least their bytes less that (the temporaries of both depend on the CPU's GEMM).
+    fused_own = 4 * 8 * 256 * 4
     for fused, plain in zip(fused_peaks, plain_peaks):
-        assert plain - fused >= 4 * weight_grad_bytes, (fused_peaks, plain_peaks)
+        assert plain - fused >= 4 * weight_grad_bytes - fused_own, (fused_peaks, plain_peaks, fused_largest)
 
 
 # ------------------------------------------------------------------------------------------------ autocast
