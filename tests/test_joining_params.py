@@ -378,32 +378,14 @@ def _adamw_bf16_case(rank: int, stage: int, out: str) -> dict:
     return {"worst": worst, "resumed": resumed}
 
 
-def _disagreement_case(rank: int, stage: int) -> dict:
-    """Rank 0 unfreezes model[0] before window 1, rank 1 does not: every rank's step() raises ValueError naming it
-    and each rank's change, nothing applied; then rank 1 unfreezes it too, zero_grad(), and both train it alike."""
-    model = _model()
-    model[0].requires_grad_(False)
-    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=K,
-                                       max_grad_norm=MAX_NORM, backend="torch", zero_stage=stage)
-    for x, y in _rank_batches(0, rank):
-        acc.backward(_loss(model, x, y))
-    acc.step()
-    if rank == 0:
-        model[0].requires_grad_(True)
-    before = [p.detach().clone() for p in model.parameters()]
-    message = "none"
-    try:
-        for x, y in _rank_batches(1, rank):
-            acc.backward(_loss(model, x, y))
-        acc.step()
-    except ValueError as exc:
-        message = str(exc)
+def _recover(rank: int, model, acc, before: list[torch.Tensor], message: str, moved: int) -> dict:
+    """After a refused window: whether it changed nothing, then zero_grad() and one more window (window 2), which must
+    move ``model[moved]``'s weight and leave the ranks' parameters equal."""
     unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    model[0].requires_grad_(True)  # the same change on every rank
     acc.zero_grad()
     for x, y in _rank_batches(2, rank):
         acc.backward(_loss(model, x, y))
-    went_on = not bool(acc.step().skipped) and not torch.equal(model[0].weight, before[0])
+    went_on = not bool(acc.step().skipped) and not torch.equal(model[moved].weight, before[moved])  # 0.weight, 2.weight
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(WORLD)]
     torch.distributed.all_gather(gathered, flat)
@@ -412,11 +394,14 @@ def _disagreement_case(rank: int, stage: int) -> dict:
             "equal": torch.equal(gathered[0], gathered[1])}
 
 
-def _mid_window_case(rank: int, stage: int) -> dict:
-    """Rank 0 unfreezes model[0] between the two micro-batches of window 1, rank 1 does not: every rank's step()
-    raises ValueError, nothing applied on either rank (before: rank 0 refused, rank 1 applied the window, and the
-    ranks trained apart); then rank 0 freezes it again, zero_grad(), and the ranks train on alike. zero_stage=0
-    only: at 1 and 2 rank 0's refusal comes before the norm's all-reduce that rank 1 enters (docs/accumulator.md)."""
+def _refused_window_case(rank: int, stage: int, mid_window: bool) -> dict:
+    """Rank 0 unfreezes model[0] before window 1 (``mid_window`` False) or between its two micro-batches (True), rank 1
+    does not: every rank's step() raises ValueError (naming the parameter and each rank's change; mid-window, on
+    rank 1, that the ranks changed their trainable parameters differently), nothing applied on either rank. Before:
+    a hang at zero_stage 0 and a refusal on one rank at 1 and 2; mid-window, rank 0 refused and rank 1 applied the
+    window, and the ranks trained apart. Then every rank makes the same choice (unfrozen; mid-window: frozen again),
+    zero_grad(), and they train on alike. Mid-window at zero_stage=0 only: at 1 and 2 rank 0's refusal comes before
+    the norm's all-reduce that rank 1 enters (docs/accumulator.md)."""
     model = _model()
     model[0].requires_grad_(False)
     acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=K,
@@ -424,28 +409,20 @@ def _mid_window_case(rank: int, stage: int) -> dict:
     for x, y in _rank_batches(0, rank):
         acc.backward(_loss(model, x, y))
     acc.step()
+    if rank == 0 and not mid_window:
+        model[0].requires_grad_(True)
     before = [p.detach().clone() for p in model.parameters()]
     message = "none"
     try:
         for i, (x, y) in enumerate(_rank_batches(1, rank)):
-            if i == 1 and rank == 0:
+            if mid_window and i == 1 and rank == 0:
                 model[0].requires_grad_(True)
             acc.backward(_loss(model, x, y))
         acc.step()
     except ValueError as exc:
         message = str(exc)
-    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    model[0].requires_grad_(False)
-    acc.zero_grad()
-    for x, y in _rank_batches(2, rank):
-        acc.backward(_loss(model, x, y))
-    went_on = not bool(acc.step().skipped) and not torch.equal(model[2].weight, before[2])
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
-    torch.distributed.all_gather(gathered, flat)
-    acc.close()
-    return {"message": message, "unchanged": unchanged, "went_on": went_on,
-            "equal": torch.equal(gathered[0], gathered[1])}
+    model[0].requires_grad_(not mid_window)  # the same on every rank
+    return _recover(rank, model, acc, before, message, moved=2 if mid_window else 0)
 
 
 def _fsdp2_case(rank: int) -> str:
@@ -484,8 +461,8 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
             results["sgd-fp32", stage] = _sgd_fp32_case(rank, stage)
             results["adamw-bf16", stage] = _adamw_bf16_case(rank, stage, out)
         for stage in (0, *ZERO_STAGES):
-            results["disagree", stage] = _disagreement_case(rank, stage)
-        results["mid-window", 0] = _mid_window_case(rank, 0)
+            results["disagree", stage] = _refused_window_case(rank, stage, mid_window=False)
+        results["mid-window", 0] = _refused_window_case(rank, 0, mid_window=True)
         results["fsdp2"] = _fsdp2_case(rank)
         torch.save(results, f"{out}/rank{rank}.pt")
 
