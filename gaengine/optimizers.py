@@ -7,6 +7,7 @@ Per optimizer class (``OptimizerSpec``):
   their state per element (``gaengine.checkpoint``). Only the exact class is: a subclass may not be elementwise.
 * **moments**: the state tensors it keeps per parameter besides ``step`` (shaped like the parameter), and those it
   keeps only when a param-group flag is set (``if_group``: key -> flag).
+* **keeps_step**: its state holds a ``step`` counter beside the moments (Adam, AdamW; not SGD).
 * **writes_model**: it takes the fp32 gradient of a bf16/fp16 parameter as ``p.main_grad`` and writes the rounded
   fp32 master into the model parameter in its own pass (``attach_model_params``; ``gaengine.store``). Subclasses
   inherit it.
@@ -24,8 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "elementwise_names", "is_elementwise", "moment_keys", "register_optimizer",
-           "takes_grad_scale", "writes_model_params"]
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "elementwise_names", "is_elementwise", "keeps_step", "moment_keys",
+           "register_optimizer", "takes_grad_scale", "writes_model_params"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,7 @@ class OptimizerSpec:
     """State tensors kept per parameter in every param group."""
     if_group: dict[str, str] = field(default_factory=dict)
     """State tensor -> the param-group flag under which it is kept (``{"max_exp_avg_sq": "amsgrad"}``)."""
+    keeps_step: bool = True
     writes_model: bool = False
     grad_scale: str = "fused"
     """``"fused"``: ``step()`` takes ``grad_scale``/``found_inf`` when built with ``fused=True``."""
@@ -49,7 +51,7 @@ OPTIMIZERS: dict[type, OptimizerSpec] = {
                                     if_group={"max_exp_avg_sq": "amsgrad"}),
     torch.optim.AdamW: OptimizerSpec(name="torch.optim.AdamW", elementwise=True, moments=("exp_avg", "exp_avg_sq"),
                                      if_group={"max_exp_avg_sq": "amsgrad"}),
-    torch.optim.SGD: OptimizerSpec(name="torch.optim.SGD", elementwise=True,
+    torch.optim.SGD: OptimizerSpec(name="torch.optim.SGD", elementwise=True, keeps_step=False,
                                    if_group={"momentum_buffer": "momentum"}),
 }
 
@@ -83,6 +85,15 @@ def moment_keys(optimizer: Any, group: dict[str, Any]) -> list[str]:
     if spec is None or not spec.elementwise:
         raise KeyError(f"{type(optimizer).__name__} is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS")
     return list(spec.moments) + [k for k, flag in spec.if_group.items() if group.get(flag)]
+
+
+def keeps_step(optimizer: Any) -> bool:
+    """An elementwise ``optimizer``'s state holds a ``step`` beside its moments (``keeps_step``). ``KeyError`` for an
+    optimizer that is not elementwise."""
+    spec = _spec(optimizer, exact=True)
+    if spec is None or not spec.elementwise:
+        raise KeyError(f"{type(optimizer).__name__} is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS")
+    return spec.keeps_step
 
 
 def writes_model_params(optimizer: Any) -> bool:

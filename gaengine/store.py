@@ -43,7 +43,7 @@ from torch.autograd.graph import increment_version
 
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single
-from gaengine.optimizers import moment_keys
+from gaengine.optimizers import keeps_step, moment_keys
 from gaengine.reduce import Collective
 from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
                              step_optimizer, writes_model_params)
@@ -363,8 +363,8 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     function returned then), keyed by ``id``; sliced locally.
 
     Which old parameters have state, and their ``step``, come from one all-reduce (only the ranks owning a range of
-    a parameter know). Then, per bucket of the old layout and per value (the masters, each moment of
-    ``gaengine.checkpoint``'s list for the optimizer), every rank's range is all-gathered in fp32 (one bucket at a
+    a parameter know). Then, per bucket of the old layout and per value (the masters, each moment
+    ``gaengine.optimizers`` lists for the optimizer), every rank's range is all-gathered in fp32 (one bucket at a
     time: ``d`` x its shard on the device) and each rank copies out the ranges the new layout gives it: into its new
     master pieces, and into the new state of its pieces (in the piece's dtype), with ``step`` as the optimizer makes
     it (``_step_tensor``). A parameter with no state on any rank (never updated, or just added) gets none, as torch
@@ -389,7 +389,7 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     Collective(dist.all_reduce, known, op=dist.ReduceOp.MAX, group=group).wait()
     known_host = known.tolist()  # a host read, once per adoption
     has_state, steps = known_host[:n], known_host[n:]
-    uses_step = not isinstance(optimizer, torch.optim.SGD)
+    uses_step = keeps_step(optimizer)
 
     fresh: dict[int, dict] = {}  # id(new piece) -> its state
     left: dict[int, dict] = {}  # id(parameter) -> its whole state

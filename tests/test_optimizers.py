@@ -30,6 +30,7 @@ def test_each_row_names_the_state_its_optimizer_keeps(case):
     keys = optimizers.moment_keys(opt, opt.param_groups[0])
     created = {k for k, v in opt.state[p].items() if k != "step" and torch.is_tensor(v) and v.shape == p.shape}
     assert set(keys) == created
+    assert optimizers.keeps_step(opt) == ("step" in opt.state[p])
     assert optimizers.writes_model_params(opt) == callable(getattr(opt, "attach_model_params", None))
     assert optimizers.takes_grad_scale(opt) == bool(getattr(opt, "_step_supports_amp_scaling", False)
                                                     and opt.defaults.get("fused"))
