@@ -369,7 +369,6 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     return {"state": state_out, "param_groups": groups_out}
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # GradientAccumulator.state_dict(): one format for every sharding strategy, in DCP's form
 
@@ -777,8 +776,7 @@ def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
     """Load a ``PLAIN_FORMAT`` state into ``acc`` (``upgrade``): ``main_grad`` and ``master`` whole CPU tensors in
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
-    # The replicated strategy (the one that re-learns its layout) takes the saved layout and whole buffers.
-    if acc is None or not acc.sharding.relearns_layout:
+    if acc is None or acc.sharding.sharded:  # only a replicated strategy holds whole buffers in one flat layout
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "
