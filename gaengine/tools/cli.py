@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,6 @@ class _UsageError(Exception):
 def _torchrun_rank() -> Optional[int]:
     """This process's rank when a launcher started several (torchrun sets ``RANK`` and ``WORLD_SIZE`` > 1), else
     ``None``: read from the environment, so it is known before argument parsing and any process group."""
-    import os
-
     try:
         world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ["RANK"])
     except (KeyError, ValueError):
@@ -61,8 +60,6 @@ def _refuse(command: str, message: str, status: int) -> int:
     torchrun's error file too (``TORCHELASTIC_ERROR_FILE``, which the launcher sets for each rank), so that the
     ``ChildFailedError`` report torchrun prints after the ranks exit names it as the root cause instead of a link
     to its documentation. Alone: ``gaengine train: error: <message>``."""
-    import os
-
     rank = _torchrun_rank()
     line = f"{command}: {'error' if rank is None else f'rank {rank}'}: {message}"
     sys.stderr.write(line + "\n")  # one write: the ranks' lines do not interleave (torchrun runs python -u)
@@ -330,7 +327,6 @@ def _probe(fn: Callable[[], str]) -> str:
 def build_report() -> list[tuple[str, str]]:
     """``(item, finding)`` rows of ``gaengine info``: what this install built and what loads in this process."""
     import importlib
-    import os
 
     import torch
 
@@ -687,7 +683,6 @@ def _run(args: argparse.Namespace, config: TrainConfig, corpus, dtype: DtypeChoi
 def _init_distributed(device: str, timeout_s: float) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, gloo on CPU); returns (rank, world)."""
     import datetime
-    import os
 
     import torch
     import torch.distributed as dist
