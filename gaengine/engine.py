@@ -31,7 +31,8 @@ from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
-from gaengine.update import expose_grads, fused_optimizer
+from gaengine.optimizers import takes_grad_scale
+from gaengine.update import expose_grads
 from gaengine.window import FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
@@ -489,7 +490,7 @@ class GradientAccumulator:
     def _reads_skip_flag(self) -> bool:
         """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
         device), an ``lr_scheduler`` (it runs on the host) or ``max_consecutive_skips``."""
-        return ((self.optimizer is not None and not fused_optimizer(self.optimizer)) or self.lr_scheduler is not None
+        return ((self.optimizer is not None and not takes_grad_scale(self.optimizer)) or self.lr_scheduler is not None
                 or self._skips.limit is not None)
 
     def _check_scheduler(self) -> None:

@@ -55,8 +55,9 @@ from gaengine.norm import WindowNorm, window_norm
 from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import broadcast_from_first_rank, launch_window_stats
 from gaengine.sharding import ShardingStrategy, register_model_strategy
-from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
-                             step_optimizer, step_scheduler, writes_model_params)
+from gaengine.optimizers import takes_grad_scale, writes_model_params
+from gaengine.update import (LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer,
+                             step_scheduler)
 from gaengine.window import Window
 
 __all__ = ["FullyShardedGrads", "ShardHooks", "check_fsdp2_model", "fsdp2_param_groups", "is_fsdp2_model"]
@@ -376,7 +377,7 @@ class FullyShardedGrads(ShardingStrategy):
         The masters' rounding is then copied into the bf16/fp16 local shards in place."""
         optimizer = self.optimizer
         self.pull_model_writes()
-        scaled = not fused_optimizer(optimizer) or self.normalize_before_rounding
+        scaled = not takes_grad_scale(optimizer) or self.normalize_before_rounding
         if scaled:
             self.backend.scale_(self.main_grad.data, coef)
         unused = set(unwritten)

@@ -43,10 +43,9 @@ from torch.autograd.graph import increment_version
 
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single
-from gaengine.optimizers import keeps_step, moment_keys
+from gaengine.optimizers import keeps_step, moment_keys, takes_grad_scale, writes_model_params
 from gaengine.reduce import Collective
-from gaengine.update import (LOW_PRECISION, convert_state, fused_optimizer, merge_model_write, param_versions,
-                             step_optimizer, writes_model_params)
+from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 from gaengine.zero import ShardLayout, zero_order
 
 __all__ = ["ParamSlot", "ParameterStore", "reshard_state"]
@@ -306,7 +305,7 @@ class ParameterStore:
         optimizer = self.optimizer
         self.check_model()
         self.pull_model_writes()  # model.load_state_dict() since the last update reaches the masters
-        scaled = not fused_optimizer(optimizer) or self.normalize_before_rounding
+        scaled = not takes_grad_scale(optimizer) or self.normalize_before_rounding
         if scaled:
             chunks = [c for c in chunks if c.numel()]
             if len(chunks) == 1:

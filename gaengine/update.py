@@ -7,9 +7,8 @@ pieces and the update; this module holds what it runs and decides with:
   the skip flag. A fused torch optimizer takes both through ``grad_scale``/``found_inf`` (no pass, no host sync);
   any other gets its gradients scaled first (one pass, by the store) and one host read of the skip flag.
   ``step_scheduler`` steps the lr scheduler only when the update was applied.
-* ``writes_model_params``: the one test for ``gaengine.optim.FusedAdamW`` (it takes the fp32 gradient of a
-  bf16/fp16 parameter as ``p.main_grad`` and writes the rounded master into the model parameter in its pass);
-  ``fused_optimizer``: a torch optimizer with ``fused=True``.
+* which optimizer writes the model itself or takes ``grad_scale``/``found_inf`` is ``gaengine.optimizers``' table
+  (``writes_model_params``, ``takes_grad_scale``).
 * ``merge_model_write``/``param_versions``: a model write since the last update (``model.load_state_dict()``)
   reaches the masters; ``convert_state``: optimizer state built before the accumulator follows its parameter's
   dtype.
@@ -26,8 +25,8 @@ import torch
 from gaengine import optimizers
 from gaengine.buffer import FlatBuffer
 
-__all__ = ["LOW_PRECISION", "check_optimizer_step", "convert_state", "expose_grads", "fused_optimizer",
-           "merge_model_write", "param_versions", "step_optimizer", "step_scheduler", "writes_model_params"]
+__all__ = ["LOW_PRECISION", "check_optimizer_step", "convert_state", "expose_grads", "merge_model_write",
+           "param_versions", "step_optimizer", "step_scheduler"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes that get fp32 master weights
 
@@ -79,29 +78,16 @@ def param_versions(params: list[torch.Tensor]) -> list[int]:
     return [p._version for p in params]
 
 
-def writes_model_params(optimizer: torch.optim.Optimizer) -> bool:
-    """An optimizer that takes the fp32 gradient of a bf16/fp16 parameter as ``p.main_grad`` and writes the rounded
-    master into the model parameter in its own pass (``gaengine.optim.FusedAdamW``: its ``attach_model_params``):
-    the ``writes_model`` column of ``gaengine.optimizers.OPTIMIZERS``."""
-    return optimizers.writes_model_params(optimizer)
-
-
-def fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """An optimizer built with ``fused=True`` that takes ``grad_scale``/``found_inf`` (Adam, AdamW, SGD,
-    ``FusedAdamW``): ``gaengine.optimizers.takes_grad_scale``."""
-    return optimizers.takes_grad_scale(optimizer)
-
-
 def step_optimizer(optimizer: torch.optim.Optimizer, coef: torch.Tensor, skipped: torch.Tensor,
                    scaled: bool) -> bool | None:
     """``optimizer.step()`` on the gradients in place, with normalization x clipping ``coef`` and the skip flag.
 
     coef: 0-d fp32, skipped: 0-d bool, on the device. scaled: the gradients were already multiplied by ``coef``.
-    A fused optimizer (``fused_optimizer``) takes ``1 / coef`` as ``grad_scale`` (unless ``scaled``) and the skip as
+    A fused optimizer (``gaengine.optimizers.takes_grad_scale``) takes ``1 / coef`` as ``grad_scale`` (unless ``scaled``) and the skip as
     ``found_inf``: no pass, no host sync, and None is returned (decided on the device). Any other optimizer reads
     the skip flag on the host and steps only when it is False; returns whether it stepped.
     """
-    if not fused_optimizer(optimizer):
+    if not optimizers.takes_grad_scale(optimizer):
         applied = not bool(skipped)  # host read: a non-fused optimizer cannot skip on the device
         if applied:
             optimizer.step()
