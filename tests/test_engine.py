@@ -15,7 +15,7 @@ from tests.conftest import seeded_randn
 from tests.models import MLP, TinyLM
 from tests.tolerances import (RTOL, adamw_param_rtol, clip_coef_rtol, clipped_grad_rtol, mean_rtol, network_rtol,
                               norm_rtol, recipe_param_rtol, rel_diff, sgd_step_over_param, split_batch_rtol,
-                              sum_sq_rtol, unit_roundoff, update_rtol)
+                              unit_roundoff, update_rtol)
 
 
 def _mse(model, x, y):

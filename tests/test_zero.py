@@ -29,7 +29,7 @@ from tests.models import TINY, Net, SharedCheckpointed
 from tests.models import D as SharedCheckpointed_D
 from tests.ranks import launch_scenario as launch_ranks
 from tests.ranks import free_port
-from tests.tolerances import (clip_coef_rtol, mean_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
+from tests.tolerances import (clip_coef_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
                               unit_roundoff, update_rtol)
 
 pytestmark = pytest.mark.multiproc
