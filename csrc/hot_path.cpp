@@ -163,6 +163,7 @@ class HotPath {
     for (int64_t b : bucket_of_) ++bucket_size_[b];
     written_.assign(n, 0);
     fused_.assign(n, 0);
+    fused_sources_.resize(n);
     arrivals_.assign(n, 0);
     expected_.assign(n, 1);
     held_at_.assign(n, -1);
@@ -297,14 +298,8 @@ class HotPath {
                 "(a bug: the accumulator refuses zero_stage=2 with gradient_accumulation_fusion)");
     std::optional<at::Tensor> dw, db;
     bool write_w = false, write_b = false;
-    if (weight_index >= 0) {
-      dw = slice(weight_index);
-      write_w = claim(weight_index);
-    }
-    if (bias_index >= 0) {
-      db = slice(bias_index);
-      write_b = claim(bias_index);
-    }
+    if (weight_index >= 0) dw = fused_destination(weight_index, write_w);
+    if (bias_index >= 0) db = fused_destination(bias_index, write_b);
     if (transposed && dw.has_value()) {  // dW (in, out) = input^T @ grad_output: the op with its operands swapped
       wgrad_op_.redispatch(keys_, dw, std::nullopt, input, grad_output, write_w, false);
       ++launches_;
@@ -460,6 +455,23 @@ class HotPath {
     return main_grad_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes());
   }
 
+  // Where parameter i's fused gradient goes, and whether the kernel writes it (write) or adds to it. Measuring the
+  // sources (the noise scale needs each micro-batch's own gradient norm, which a GEMM adding into main_grad cannot
+  // give): an fp32 tensor of the parameter's shape, this pass's fused uses summed in it, which its hook then holds
+  // like an arrived gradient (the bucket launch adds it to main_grad exactly and measures it). Otherwise its
+  // main_grad slice (claim()).
+  at::Tensor fused_destination(int64_t i, bool& write) {
+    fused_[i] = 1;
+    if (!source_table_.defined()) {
+      write = claim(i);
+      return slice(i);
+    }
+    at::Tensor& source = fused_sources_[i];
+    write = !source.defined();
+    if (write) source = at::empty(params_[i].sizes(), like_.options());
+    return source;
+  }
+
   // Parameter i's slice is about to receive a fused gradient: whether the kernel writes it (the window's first
   // contribution) or adds to it. Its next hook call counts an arrival even without p.grad; the free-norm and
   // source partials of this micro-batch no longer cover every value written (step() reads the buffer once).
@@ -478,6 +490,7 @@ class HotPath {
   }
 
   void drop_held() {
+    for (auto& source : fused_sources_) source.reset();
     for (auto& held : held_) held.clear();
     for (auto& dest : dest_) dest.reset();
     std::fill(held_at_.begin(), held_at_.end(), -1);
@@ -512,6 +525,12 @@ class HotPath {
       }
       at::Tensor grad = std::move(slot);  // the parameter lets go of its low-precision gradient at once
       slot.reset();
+      if (fused_sources_[i].defined()) {  // measuring: this pass's fused uses, in fp32, plus its other uses
+        at::Tensor source = std::move(fused_sources_[i]);
+        fused_sources_[i].reset();
+        if (grad.defined()) source.add_(grad.reshape(source.sizes()));
+        grad = std::move(source);
+      }
       if (grad.defined() && !grad.is_contiguous()) grad = grad.contiguous();
       const int64_t b = bucket_of_[i];
       const int32_t count = ++arrivals_[i];
@@ -729,6 +748,7 @@ class HotPath {
   std::mutex mutex_;
   std::vector<uint8_t> written_;        // per parameter: written in this window (later micro-batches add)
   std::vector<uint8_t> fused_;          // per parameter: fuse() wrote it since its last hook call
+  std::vector<at::Tensor> fused_sources_;  // measuring sources: per parameter, its fused uses since its last hook
   std::vector<int64_t> arrival_;        // first arrivals of the window being learned
   bool learning_ = false;
   std::vector<std::vector<Held>> held_;  // per bucket: gradients waiting for the rest of their bucket

@@ -192,12 +192,15 @@ class AccumulatorConfig:
     bias gradient into the parameter's main_grad slice with one fp32 GEMM: no bf16/fp16 weight gradient is
     materialized (saves its memory and 4 of 12 B per weight element and micro-batch), and each micro-batch's dW is
     exact to fp32 rounding instead of rounded to the parameter's dtype (``gaengine.fusion``, docs/fusion.md). Needs
-    ``model`` as an ``nn.Module`` with its parameters on the CPU (the C++ kernel) or on CUDA (the Triton kernel
-    ``gaengine.kernels.wgrad``, launched from Python once per Linear in backward; needs triton) and the native hooks;
-    under ``torch.autocast`` a layer runs unfused. ``ValueError``
-    naming ``gradient_accumulation_fusion`` unless a bool, with ``zero_stage`` > 0 (the sharded gradient cannot take
-    a full-size GEMM output), with ``measure_noise_scale`` (the fused gradients bypass the per-micro-batch norms),
-    and where the accumulator cannot fuse (an FSDP2 model, CUDA parameters without triton, the ``torch`` or
+    ``model`` as an ``nn.Module`` with its parameters on the CPU (the C++ kernel) or on CUDA (one ``cublasGemmEx``;
+    a build without cuBLAS's headers launches the Triton kernel ``gaengine.kernels.wgrad`` from Python once per
+    Linear in backward, and needs triton) and the native hooks. Under ``torch.autocast`` the GEMM operands are
+    autocast's casts. With ``measure_noise_scale`` each micro-batch's fused gradient is first written into an fp32
+    tensor of the weight's shape, held like an arriving gradient until its bucket adds it (the noise scale needs its
+    norm, which a GEMM adding into main_grad does not give): exact as the fused path, but it materializes an fp32
+    weight gradient per micro-batch. ``ValueError`` naming ``gradient_accumulation_fusion`` unless a bool, with
+    ``zero_stage`` > 0 (the sharded gradient cannot take a full-size GEMM output), and where the accumulator cannot
+    fuse (an FSDP2 model, CUDA parameters without a CUDA kernel and without triton, the ``torch`` or
     ``triton`` backend)."""
 
     def __post_init__(self) -> None:
@@ -241,10 +244,6 @@ class AccumulatorConfig:
             raise ValueError(f"gradient_accumulation_fusion=True is not supported with zero_stage={self.zero_stage}: "
                              "the fused GEMM writes a full-size fp32 weight gradient into main_grad, which a sharded "
                              "gradient does not hold; use zero_stage=0 or gradient_accumulation_fusion=False")
-        if self.gradient_accumulation_fusion and self.measure_noise_scale:
-            raise ValueError("gradient_accumulation_fusion=True is not supported with measure_noise_scale=True: the "
-                             "fused weight gradients bypass the per-micro-batch norms the noise scale needs; turn one "
-                             "of them off")
 
     @classmethod
     def from_options(cls, owner: str = "GradientAccumulator", **options: Any) -> AccumulatorConfig:

@@ -17,17 +17,18 @@ factor is in ``dY`` already (``acc.backward`` scales the loss), as it is in the 
 Megatron-Core's ``gradient_accumulation_fusion`` (apex ``wgrad_gemm_accum_fp32``) and TransformerEngine's
 ``fuse_wgrad_accumulation`` do the same for their own layer classes (``/work/shared/research/wgrad_fusion.md``).
 
-Kernels of ``wgrad_accumulate_``: on CPU tensors the C++ one (``csrc/wgrad.cpp``); on CUDA tensors the Triton one
-(``gaengine/kernels/wgrad.py``: an fp32-accumulator GEMM whose epilogue loads and adds C), which
-``register_triton_wgrad`` registers under the op's CUDA dispatch key when gaengine._C has no CUDA kernel for it (it
-has none so far), so ``HotPath``'s dispatch in ``fused_linear``'s backward reaches it. That kernel launches from
-Python: one launch per fused Linear in backward, with the host time of a Python call (the cuBLAS kernel of
-``csrc/cuda`` that would avoid it is not written yet).
+Kernels of ``wgrad_accumulate_``: on CPU tensors the C++ one (``csrc/wgrad.cpp``); on CUDA tensors the CUDA one of
+``gaengine._C`` (``csrc/cuda/cuda_ops.cu``: one ``cublasGemmEx`` with fp32 C, as apex's ``wgrad_gemm_accum_fp32``),
+built where the CUDA toolkit has cuBLAS's headers. A CUDA build without them has no CUDA kernel for the op, and
+``register_triton_wgrad`` then registers the Triton one (``gaengine/kernels/wgrad.py``: an fp32-accumulator GEMM whose
+epilogue loads and adds C) under the op's CUDA key, so ``HotPath``'s dispatch in ``fused_linear``'s backward reaches
+it: one Python launch per fused Linear in backward, with the host time of a Python call.
 
 What it needs (``check_fusion``, ``ValueError`` naming ``gradient_accumulation_fusion``): ``model`` as an
-``nn.Module``; CPU parameters, or CUDA ones with triton installed; the native hooks (``backend`` "cpu", "cuda" or
+``nn.Module``; CPU parameters, or CUDA ones (the cuBLAS kernel built, or triton installed); the native hooks (``backend`` "cpu", "cuda" or
 "auto" with ``gaengine._C`` built (for CUDA, with its CUDA kernels), ``GAENGINE_HOT_PATH`` not ``python``); no FSDP2
-model; ``AccumulatorConfig`` refuses it with ``zero_stage`` > 0 and ``measure_noise_scale``. Under
+model; ``AccumulatorConfig`` refuses it with ``zero_stage`` > 0. With ``measure_noise_scale`` the fused gradient of a
+micro-batch goes into an fp32 tensor that the hook holds and its bucket adds and measures (docs/fusion.md). Under
 ``torch.autocast`` the op's Autocast kernel casts input, weight and bias to the autocast dtype inside the autograd
 Function (as autocast casts ``F.linear``'s operands): the GEMM operands are the casts, the fp32 ``main_grad`` is
 written from their products accumulated in fp32.

@@ -111,15 +111,16 @@ PLAN = [3, 3, 2, 3, 3, 3]  # micro-batches per window (K = 3; the third window i
 POISONED = 3  # this window's second micro-batch has a NaN loss: the update is skipped, the averages stay
 
 
-def _run(mode, rank=0, backend="torch", resume_at=None, loss_scale=None, plan=PLAN, poisoned=POISONED, zero_stage=0):
+def _run(mode, rank=0, backend="torch", resume_at=None, loss_scale=None, plan=PLAN, poisoned=POISONED, zero_stage=0,
+         fusion=False):
     """Train ``plan`` windows with SGD; returns the parameters before each window, each window's estimates and
     the batches this rank used. resume_at: (window, micro-batch): save the state there, then go on in a new model,
-    optimizer and accumulator loaded from it."""
+    optimizer and accumulator loaded from it. fusion: gradient_accumulation_fusion."""
     def build(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.02)
         acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=3, max_grad_norm=None, backend=backend,
                                            measure_noise_scale=True, noise_scale_ema=EMA, loss_scale=loss_scale,
-                                           zero_stage=zero_stage)
+                                           zero_stage=zero_stage, gradient_accumulation_fusion=fusion)
         return opt, acc
 
     model = _model()
@@ -182,6 +183,16 @@ def test_mid_window_resume_is_exact(mode, at, backend):
     oracle (and so as the run that was not interrupted)."""
     worst = _check_against_oracle([_run(mode, backend=backend, resume_at=at)], mode)
     print(f"oracle, resumed at {at}, {mode}, {backend}: max relative error {worst:.2e}")
+
+
+@pytest.mark.parametrize("mode", ["mean", "items"])
+@pytest.mark.parametrize("at", [None, (2, 1)], ids=["uninterrupted", "resumed-mid-window"])
+def test_matches_fp64_oracle_with_gradient_accumulation_fusion(mode, at):
+    """The model's one Linear fused (its weight and bias gradients from the fused op, each micro-batch's measured
+    in the fp32 tensor its bucket then adds): the estimates of the fp64 oracle, uninterrupted and resumed."""
+    worst = _check_against_oracle([_run(mode, backend="cpu", resume_at=at, fusion=True,
+                                        loss_scale=128.0 if mode == "mean" else None)], mode)
+    print(f"oracle, fused, resumed at {at}, {mode}: max relative error {worst:.2e}")
 
 
 def test_one_window_of_single_samples_is_the_sample_covariance():

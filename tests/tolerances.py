@@ -128,6 +128,13 @@ def dot_rtol(n: int, dtype: torch.dtype = torch.float32) -> float:
     return min(worst, prob_gamma(n, dtype))
 
 
+def gemm_bound(terms_abs: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 error bound of a sum of ``n`` products formed in fp32 (gamma_(n+1) times the sum of their
+    magnitudes, ``terms_abs``), elementwise, as fp64 (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    eq. 3.5)."""
+    return (n + 1) * FP32_EPS * terms_abs
+
+
 def sum_sq_rtol(n: int, dtype: torch.dtype = torch.float32) -> float:
     """Error of a ``dtype`` sum of n squares (the dot product x.x), any order, relative to the exact sum (all its
     terms are positive: ``sum |x_i x_i|`` is the sum): ``dot_rtol(n)``."""

@@ -13,7 +13,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// wgrad_accumulate_'s CUDA kernel is one cuBLAS call (cublasGemmEx on torch's handle), compiled where the toolkit
+// has cuBLAS's headers (every full CUDA toolkit; tests/cuda_emu has a reference cublasGemmEx): without them the op
+// has no compiled CUDA kernel and gaengine.fusion registers the Triton one.
+#if __has_include(<cublas_v2.h>)
+#define GAENGINE_HAS_CUBLAS 1
+#include <ATen/cuda/CUDAContext.h>  // at::cuda::getCurrentCUDABlasHandle: on the current stream, torch's workspace
+#include <cublas_v2.h>
+#else
+#define GAENGINE_HAS_CUBLAS 0
+#endif
+
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -25,6 +37,7 @@
 #include "../adamw.h"
 #include "../op_library.h"
 #include "../scratch.h"
+#include "../wgrad.h"
 #include "kernels.cuh"
 
 #define CHECK_CUDA(x) TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(x), #x " must be a CUDA tensor, got device ", (x).device())
@@ -336,6 +349,100 @@ void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const s
   }
 }
 
+#if GAENGINE_HAS_CUBLAS
+// ---------------------------------------------------------------------------------------------------------
+// gradient accumulation fusion (wgrad.h): a Linear's weight and bias gradients straight into fp32 main_grad
+
+cudaDataType_t cublas_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? CUDA_R_16BF : t == at::kHalf ? CUDA_R_16F : CUDA_R_32F;
+}
+
+int cublas_int(int64_t v, const char* what) {
+  TORCH_CHECK(v <= std::numeric_limits<int>::max(), "wgrad_accumulate_: ", what, " = ", v,
+              " exceeds cuBLAS's int range");
+  return static_cast<int>(v);
+}
+
+// C (column-major, m x n, ldc) = alpha * op(A) @ op(B) + beta * C, fp32 C, A and B of one dtype, fp32 compute
+// (CUBLAS_COMPUTE_32F: bf16/fp16 products accumulated in fp32, as torch's own bf16 GEMMs; fp32 operands follow the
+// handle's math mode, i.e. torch.backends.cuda.matmul.allow_tf32, as the unfused gradient's GEMM does).
+void gemm_into_fp32(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
+                    const at::Tensor& a, int64_t lda, const at::Tensor& b, int64_t ldb, float beta, float* c,
+                    int64_t ldc, const char* what) {
+  const float alpha = 1.0f;
+  const cublasStatus_t status =
+      cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), op_a, op_b, cublas_int(m, "m"), cublas_int(n, "n"),
+                   cublas_int(k, "k"), &alpha, a.data_ptr(), cublas_dtype(a.scalar_type()), cublas_int(lda, "lda"),
+                   b.data_ptr(), cublas_dtype(b.scalar_type()), cublas_int(ldb, "ldb"), &beta, c, CUDA_R_32F,
+                   cublas_int(ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "gaengine wgrad_accumulate_: cublasGemmEx (", what, ") failed: ",
+              cublasGetStatusString(status), " (status ", static_cast<int>(status), ")");
+}
+
+// A row-major (rows, cols) operand with unit column stride, as cuBLAS reads it: column-major (cols, rows) with
+// leading dimension stride(0) (a contiguous copy otherwise); `dtype` when it differs (the operands of one GEMM
+// share a dtype: the narrower is widened, exactly).
+at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType dtype) {
+  at::Tensor out = t.scalar_type() == dtype ? t : t.to(dtype);
+  const bool row_major = out.size(1) <= 1 || out.stride(1) == 1;
+  const bool lead_ok = out.size(0) <= 1 || out.stride(0) >= std::max<int64_t>(1, out.size(1));
+  return row_major && lead_ok ? out : out.contiguous();
+}
+
+int64_t leading_dim(const at::Tensor& t) {  // of gemm_operand's result
+  return t.size(0) <= 1 ? std::max<int64_t>(1, t.size(1)) : t.stride(0);
+}
+
+// wgrad.h: dw (out, in) = (0 | dw) + fp32(grad_output)^T @ fp32(input); db (out) = (0 | db) + row sum of
+// grad_output. Row-major dw is column-major dw^T (in x out, ld in) = input^T @ grad_output: input read as stored
+// (column-major in x N), grad_output transposed (stored column-major out x N). db = grad_output^T @ ones(N). beta 0
+// on the window's first contribution: main_grad's old values (NaN, in tests) are not read.
+void wgrad_accumulate_cuda(const std::optional<at::Tensor>& dw, const std::optional<at::Tensor>& db,
+                           const at::Tensor& grad_output, const at::Tensor& input, bool overwrite_w,
+                           bool overwrite_b) {
+  for (const at::Tensor* t : {&grad_output, &input}) {
+    const char* name = t == &grad_output ? "grad_output" : "input";
+    TORCH_CHECK_VALUE(GAENGINE_IS_CUDA_TENSOR(*t) && t->dim() == 2 &&
+                          (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                           t->scalar_type() == at::kHalf),
+                      name, " must be a 2-d float32, bfloat16 or float16 CUDA tensor, got ", t->scalar_type(),
+                      " of shape ", t->sizes(), " on ", t->device());
+  }
+  CHECK_SAME_DEVICE(input, grad_output);
+  const int64_t rows = grad_output.size(0), out = grad_output.size(1), in = input.size(1);
+  TORCH_CHECK_VALUE(input.size(0) == rows, "grad_output and input must have the same rows, got ", rows, " and ",
+                    input.size(0));
+  auto check_main_grad = [&](const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+    TORCH_CHECK_VALUE(GAENGINE_IS_CUDA_TENSOR(t) && t.device() == grad_output.device() &&
+                          t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape,
+                      name, " must be a contiguous float32 tensor of shape ", shape, " on ", grad_output.device(),
+                      ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
+  };
+  if (dw.has_value()) check_main_grad(*dw, "dw", {out, in});
+  if (db.has_value()) check_main_grad(*db, "db", {out});
+  if (!dw.has_value() && !db.has_value()) return;
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  if (rows == 0) {  // an empty micro-batch: its gradient is zero (k = 0 is not asked of cuBLAS)
+    if (dw.has_value() && overwrite_w) dw->zero_();
+    if (db.has_value() && overwrite_b) db->zero_();
+    return;
+  }
+  // One dtype for both operands: bf16 or fp16 when they agree, fp32 otherwise.
+  const at::ScalarType dtype = grad_output.scalar_type() == input.scalar_type() ? input.scalar_type() : at::kFloat;
+  const at::Tensor g = gemm_operand(grad_output, dtype);
+  if (dw.has_value()) {
+    const at::Tensor x = gemm_operand(input, dtype);
+    gemm_into_fp32(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, leading_dim(x), g, leading_dim(g),
+                   overwrite_w ? 0.0f : 1.0f, dw->data_ptr<float>(), in, "dw");
+  }
+  if (db.has_value()) {
+    const at::Tensor ones = at::ones({rows, 1}, g.options());
+    gemm_into_fp32(CUBLAS_OP_N, CUBLAS_OP_N, out, 1, rows, g, leading_dim(g), ones, rows,
+                   overwrite_b ? 0.0f : 1.0f, db->data_ptr<float>(), out, "db");
+  }
+}
+#endif  // GAENGINE_HAS_CUBLAS
+
 // Chunks of a bucket of sources with these numels: the columns of its (2, n) fp32 partials tables (kernels/bucket.cuh
 // kBucketChunkNumel = 4096 elements per chunk, numbered source by source; an empty source has none).
 int64_t bucket_num_chunks(const std::vector<int64_t>& numels) {
@@ -355,6 +462,9 @@ GAENGINE_TORCH_LIBRARY_IMPL(GAENGINE_CUDA_DISPATCH_KEY, m) {
   m.impl("scale_", &gaengine::scale_cuda);
   m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_cuda);
   m.impl("adamw_step_", &gaengine::adamw_step_op<gaengine::adamw_step_cuda>);
+#if GAENGINE_HAS_CUBLAS
+  m.impl("wgrad_accumulate_", &gaengine::wgrad_accumulate_cuda);
+#endif
 }
 
 // The ops of the CUDA partials layout ((2, n_chunks) fp32 columns per bucket): sum_partials has this CUDA kernel
