@@ -17,8 +17,13 @@ use, in parallel:
   ``--compiler-options '-fPIC'`` + setup.py's ``nvcc`` flags (``-O3`` replaced by ``-O0``: host side only) + the
   same appended defines + ``-gencode=arch=compute_90,code=sm_90`` + the ``-std`` BuildExtension appends when
   there is none (setup.py gives nvcc none): read from ``cpp_extension.py``, ``c++20`` in torch 2.13.
-* includes: ``include_paths("cuda")`` (a CPU torch has no ``CUDA_HOME``: then ``include_paths("cpu")`` + the
-  toolkit's ``include``), Python's include dir, and last a stub dir for the generated headers a CPU wheel lacks.
+* includes: ``GAENGINE_EXTRA_CUDA_INCLUDE`` (``os.pathsep``-separated dirs, first: e.g. cuBLAS's, cuSPARSE's and
+  cuSOLVER's ``include`` dirs of pip's ``nvidia-cublas``, ``nvidia-cusparse``, ``nvidia-cusolver``, where the
+  toolkit has only the compiler), ``include_paths("cuda")`` (a CPU torch has no ``CUDA_HOME``: then
+  ``include_paths("cpu")`` + the toolkit's ``include``), Python's include dir, and last a stub dir for the generated
+  headers a CPU wheel lacks. ``cuda_ops.cu`` compiles ``wgrad_accumulate_``'s cuBLAS kernel only where
+  ``cublas_v2.h`` is found (``__has_include``); ``test_cublas_kernel_compiled_where_the_headers_are`` checks that
+  the object calls ``cublasGemmEx`` exactly then (a CI machine with nvcc alone compiles it without).
 
 A compile error fails that source's test with the command and the compiler's stderr. ``test_cross_object_symbols``
 then checks with ``nm`` that every ``gaengine::`` function one object calls is defined by another (a declaration
@@ -188,6 +193,10 @@ def _python_includes() -> list[str]:
     return list(dict.fromkeys(p for p in (paths.get("include"), paths.get("platinclude")) if p))
 
 
+def _extra_includes() -> list[str]:
+    return [d for d in os.environ.get("GAENGINE_EXTRA_CUDA_INCLUDE", "").split(os.pathsep) if d]
+
+
 def _write_stubs(stub_dir: str, include_dirs: list[str]) -> list[str]:
     written = []
     for rel, text in GENERATED_HEADER_STUBS.items():
@@ -204,7 +213,7 @@ def _write_stubs(stub_dir: str, include_dirs: list[str]) -> list[str]:
 def _commands(out_dir: str) -> dict[str, list[str]]:
     """One compile command per translation unit of the CUDAExtension, keyed by its path under the repo."""
     stub_dir = os.path.join(out_dir, "generated_header_stubs")
-    includes = _torch_include_paths() + _python_includes()
+    includes = _extra_includes() + _torch_include_paths() + _python_includes()
     _write_stubs(stub_dir, includes)
     inc_flags = [f"-I{d}" for d in includes + [stub_dir]]
     appended = ["-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C"] + _abi_flags()
@@ -315,3 +324,21 @@ def test_cross_object_symbols(compiled):
             missing[src] = sorted(undefined - defined)
     assert not missing, f"gaengine:: symbols used but defined in no object of the CUDA build: {missing}"
     assert any(s.startswith("gaengine::register_hot_path(") for s in defined), "register_hot_path not defined"
+
+
+def test_cublas_kernel_compiled_where_the_headers_are(compiled):
+    """``cuda_ops.cu`` calls ``cublasGemmEx`` (``wgrad_accumulate_``'s CUDA kernel, registered under the CUDA key)
+    exactly when ``cublas_v2.h`` is on the include path; otherwise the op has no compiled CUDA kernel and
+    ``gaengine.fusion.register_triton_wgrad`` registers the Triton one."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs nm")
+    source = os.path.join("csrc", "cuda", "cuda_ops.cu")
+    rc, _, _, cmd, obj = compiled[source]
+    if rc != 0:
+        pytest.skip("cuda_ops.cu does not compile (see test_compiles_with_cuda)")
+    include_dirs = [a[2:] for a in cmd if a.startswith("-I")]
+    has_headers = any(os.path.isfile(os.path.join(d, "cublas_v2.h")) for d in include_dirs)
+    calls = "cublasGemmEx" in _symbols(nm, obj, "--undefined-only")
+    assert calls == has_headers, (f"cublas_v2.h {'found' if has_headers else 'not found'} on the include path, but "
+                                  f"the object {'calls' if calls else 'does not call'} cublasGemmEx")
