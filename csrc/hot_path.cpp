@@ -70,6 +70,15 @@ using torch::autograd::variable_list;
 // tests/cuda_emu, whose CPU tensors stand in for CUDA ones, every tensor, under its CPU key), else CPU. Only the
 // backend key is dispatched on (HotPath's tensors never need autograd, and its host time is per bucket, not per op
 // layer).
+// The operator `name` of namespace `ns`, defined (ValueError naming the namespace otherwise).
+c10::OperatorHandle find_op(const std::string& ns, const char* name) {
+  const auto op = c10::Dispatcher::singleton().findOp({ns + "::" + name, ""});
+  TORCH_CHECK_VALUE(op.has_value() && op->hasSchema(), "op_namespace ", ns, " defines no ", name,
+                    " (torch.ops.", ns, ".", name, "): pass the namespace of the compiled ops or of a backend's ",
+                    "registered kernels (gaengine.backends)");
+  return *op;
+}
+
 c10::DispatchKeySet kernel_keys(const at::Tensor& main_grad) {
   if (GAENGINE_IS_CUDA_TENSOR(main_grad)) return c10::DispatchKeySet(c10::DispatchKey::GAENGINE_CUDA_DISPATCH_KEY);
   TORCH_CHECK_VALUE(main_grad.device().is_cpu(), "main_grad must be a CPU or CUDA tensor, got ", main_grad.device());
@@ -97,7 +106,9 @@ std::unordered_map<const c10::TensorImpl*, FusedOwner>& fusion_owners() {
 class HotPath {
  public:
   // params: the accumulator's parameters in layout order (leaf tensors that require grad, all on main_grad's
-  //   device). main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
+  //   device). op_namespace: the torch.library namespace whose accumulate_bucket_ (and, for fusion,
+  //   wgrad_accumulate_) the launches dispatch to: the compiled ops' (GAENGINE_OP_NAMESPACE), or one where a
+  //   backend registered its own kernel of the same schema (gaengine.backends: torch, triton). main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
   // bucket_of[i]: parameter i's bucket (buckets are runs of consecutive parameters, 0 .. n_buckets - 1).
   // partials_like: a tensor (any device: only its shape and dtype are read) shaped as the backend's partials table
   //   of all parameters in layout order (Backend.new_bucket_partials: (P, 2) fp64 rows on cpu, (2, n_chunks) fp32
@@ -107,7 +118,7 @@ class HotPath {
   //   device (layout only) when every bucket is written into the destinations set_acquire's callable gives.
   HotPath(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
           std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
-          std::vector<int64_t> partials_extent, py::object on_bucket_ready)
+          std::vector<int64_t> partials_extent, py::object on_bucket_ready, const std::string& op_namespace)
       : params_(std::move(params)),
         main_grad_(std::move(main_grad)),
         offsets_(std::move(offsets)),
@@ -115,12 +126,9 @@ class HotPath {
         extent_(std::move(partials_extent)),
         partials_dim_(partials_dim),
         on_bucket_ready_(std::move(on_bucket_ready)),
-        op_(c10::Dispatcher::singleton()
-                .findSchemaOrThrow(GAENGINE_OP_NAMESPACE_NAME "::accumulate_bucket_", "")
-                .typed<AccumulateBucketKernel>()),
-        wgrad_op_(c10::Dispatcher::singleton()
-                      .findSchemaOrThrow(GAENGINE_OP_NAMESPACE_NAME "::wgrad_accumulate_", "")
-                      .typed<WgradAccumulateKernel>()) {
+        op_(find_op(op_namespace, "accumulate_bucket_").typed<AccumulateBucketKernel>()) {
+    const auto wgrad = c10::Dispatcher::singleton().findOp({op_namespace + "::wgrad_accumulate_", ""});
+    if (wgrad.has_value() && wgrad->hasSchema()) wgrad_op_ = wgrad->typed<WgradAccumulateKernel>();
     const size_t n = params_.size();
     TORCH_CHECK_VALUE(n > 0, "params must not be empty");
     like_ = main_grad_.is_meta() ? at::empty({0}, params_[0].options().dtype(at::kFloat)) : main_grad_;
@@ -269,6 +277,8 @@ class HotPath {
   // Gradient accumulation fusion on (register the parameters: fused_linear's backward hands their gradients to
   // fuse()) or off (unregister them). Off is idempotent; close() turns it off.
   void set_fusion(bool on) {
+    TORCH_CHECK_VALUE(!on || wgrad_op_.has_value(), "gradient accumulation fusion needs wgrad_accumulate_ in the ",
+                      "namespace of this HotPath's kernels, which has none (the compiled backends' namespace has it)");
     std::lock_guard<std::mutex> registry(fusion_mutex());
     auto& owners = fusion_owners();
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -301,13 +311,13 @@ class HotPath {
     if (weight_index >= 0) dw = fused_destination(weight_index, write_w);
     if (bias_index >= 0) db = fused_destination(bias_index, write_b);
     if (transposed && dw.has_value()) {  // dW (in, out) = input^T @ grad_output: the op with its operands swapped
-      wgrad_op_.redispatch(keys_, dw, std::nullopt, input, grad_output, write_w, false);
+      wgrad_op_->redispatch(keys_, dw, std::nullopt, input, grad_output, write_w, false);
       ++launches_;
       if (!db.has_value()) return;
       dw.reset();
       write_w = false;
     }
-    wgrad_op_.redispatch(keys_, dw, db, grad_output, input, write_w, write_b);
+    wgrad_op_->redispatch(keys_, dw, db, grad_output, input, write_w, write_b);
     ++launches_;
   }
 
@@ -343,13 +353,6 @@ class HotPath {
   std::vector<bool> written() {
     std::lock_guard<std::mutex> lock(mutex_);
     return {written_.begin(), written_.end()};
-  }
-
-  void set_written(int64_t index, bool value) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(written_.size()), "index ", index,
-                      " out of range for ", written_.size(), " parameters");
-    written_[index] = value;
   }
 
   void set_all_written(const std::vector<bool>& values) {
@@ -732,7 +735,7 @@ class HotPath {
   std::vector<int64_t> bucket_span_;     // acquire: per bucket, the elements its destination must hold
   std::vector<at::Tensor> dest_;         // acquire: per bucket, this micro-batch's destination, or undefined
   c10::TypedOperatorHandle<AccumulateBucketKernel> op_;  // torch.ops.<namespace>.accumulate_bucket_
-  c10::TypedOperatorHandle<WgradAccumulateKernel> wgrad_op_;  // torch.ops.<namespace>.wgrad_accumulate_
+  std::optional<c10::TypedOperatorHandle<WgradAccumulateKernel>> wgrad_op_;  // its wgrad_accumulate_, if any
   c10::DispatchKeySet keys_;                            // its kernel for main_grad's device (kernel_keys)
 
   // The owning pointer to a node: c10::intrusive_ptr from torch 2.12 on, std::shared_ptr before.
@@ -799,9 +802,10 @@ void register_hot_path(py::module_& m) {
                       "The accumulator's per-parameter work in C++ post-hooks on AccumulateGrad nodes "
                       "(csrc/hot_path.cpp; bound in gaengine/hot_path.py)")
       .def(py::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>,
-                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object>(),
+                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object, const std::string&>(),
            py::arg("params"), py::arg("main_grad"), py::arg("offsets"), py::arg("bucket_of"), py::arg("partials_like"),
-           py::arg("partials_dim"), py::arg("partials_extent"), py::arg("on_bucket_ready"))
+           py::arg("partials_dim"), py::arg("partials_extent"), py::arg("on_bucket_ready"),
+           py::arg("op_namespace") = std::string(GAENGINE_OP_NAMESPACE_NAME))
       .def("begin", &HotPath::begin, "start of a micro-batch's backward", py::arg("want_norm"), py::arg("armed"),
            py::call_guard<py::gil_scoped_release>())
       .def("end", &HotPath::end, "after backward: accumulate the incomplete buckets",
@@ -816,7 +820,6 @@ void register_hot_path(py::module_& m) {
            "(tables, inexact): one source-partials table per micro-batch since clear_sources(), and which are inexact")
       .def("clear_sources", &HotPath::clear_sources, "forget the source-partials tables")
       .def("written", &HotPath::written, "per parameter: written in this window")
-      .def("set_written", &HotPath::set_written, py::arg("index"), py::arg("value"))
       .def("set_all_written", &HotPath::set_all_written, py::arg("values"))
       .def("arrival", &HotPath::arrival, "first-arrival order being learned, or None")
       .def("set_arrival", &HotPath::set_arrival, "learn from first arrivals after `order` (None: stop)",

@@ -40,13 +40,14 @@ from gaengine.contract import (
 )
 
 __all__ = ["AdamWStep", "Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTENSION_ABI_VERSION", "OPS",
-           "ReferenceBackend", "TritonBackend", "adamw_step_reference", "get_backend", "load_extension"]
+           "ReferenceBackend", "TritonBackend", "adamw_step_reference", "get_backend", "load_extension",
+           "register_bucket_kernel"]
 
 logger = logging.getLogger("gaengine")
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 # What this gaengine expects of gaengine._C: csrc/op_library.h's GAENGINE_ABI_VERSION, raised with it.
-EXTENSION_ABI_VERSION = 4
+EXTENSION_ABI_VERSION = 5
 
 
 def load_extension():
@@ -71,6 +72,31 @@ def extension_mismatch(module) -> str | None:
     return (f"{getattr(module, '__file__', module.__name__)} was built from other sources than this gaengine "
             f"(ABI_VERSION {found}, this gaengine needs {EXTENSION_ABI_VERSION}): rebuild it with `make install` "
             "(or pip install --no-build-isolation -e .)")
+
+
+# The torch.library registrations of the Python backends' bucket kernels, by namespace: kept alive for the process (a
+# Library object that is collected takes its registrations with it).
+_BUCKET_LIBRARIES: dict[str, torch.library.Library] = {}
+
+
+def register_bucket_kernel(backend: Backend, module) -> str:
+    """Register ``backend.accumulate_bucket_`` as the kernel (``CompositeExplicitAutograd``: every device) of an op
+    ``accumulate_bucket_`` with the compiled op's schema (``torch.ops.<module.OP_NAMESPACE>.accumulate_bucket_``) in
+    the namespace ``<module.OP_NAMESPACE>_<backend.name>``, once per process, and return that namespace: the native
+    hooks (``module.HotPath(..., op_namespace=...)``) then launch this backend's bucket kernel from C++ through the
+    dispatcher, holding the GIL for the call (one per complete bucket)."""
+    namespace = f"{module.OP_NAMESPACE}_{backend.name}"
+    if namespace not in _BUCKET_LIBRARIES:
+        schema = str(getattr(torch.ops, module.OP_NAMESPACE).accumulate_bucket_.default._schema).split("::", 1)[1]
+
+        def kernel(dst, srcs, offsets, overwrite, partials=None, source_partials=None) -> None:
+            backend.accumulate_bucket_(dst, srcs, offsets, overwrite, partials, source_partials)
+
+        library = torch.library.Library(namespace, "DEF")
+        library.define(schema)
+        library.impl("accumulate_bucket_", kernel, "CompositeExplicitAutograd")
+        _BUCKET_LIBRARIES[namespace] = library
+    return namespace
 
 
 # ------------------------------------------------------------------------------------------- the torch reference
@@ -150,7 +176,7 @@ def adamw_step_reference(*args, **kwargs) -> None:
 
 class ReferenceBackend(Backend):
     """Plain PyTorch (``torch``): the reference every other backend is tested against, and the fallback. Any device;
-    its kernels launch from Python, so the Python hooks drive it."""
+    the native hooks call its ``accumulate_bucket_`` through ``register_bucket_kernel``."""
 
     name = "torch"
     partials_dim = RowPartials.dim
@@ -301,11 +327,14 @@ class CompiledBackend(Backend):
     def extension(self):
         return self._C, None
 
+    def hot_path_namespace(self, module) -> str:
+        return module.OP_NAMESPACE  # the compiled kernels themselves
+
 
 # ---------------------------------------------------------------------------------------------------- Triton
 class TritonBackend(Backend):
-    """Triton kernels from ``gaengine.kernels``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Its
-    kernels launch from Python, so the Python hooks drive it."""
+    """Triton kernels from ``gaengine.kernels``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The
+    native hooks call its ``accumulate_bucket_`` through ``register_bucket_kernel`` (a Python launch per bucket)."""
 
     name = "triton"
     partials_dim = 1

@@ -106,10 +106,12 @@ class Backend(abc.ABC):
     """The interface of a backend: the ops of ``OPS`` (contracts in the module docstring) and how the accumulator's
     hooks drive it (``gaengine.hooks.make_hooks``).
 
-    ``name``: what users pass as ``backend=``. ``hot_path_kernels`` is truthy ("cpu", "cuda") when the native hooks
-    (``csrc/hot_path.cpp``) can launch its bucket kernels from C++ (``torch.ops.gaengine.accumulate_bucket_``), None
-    when its kernels launch from Python (``torch``, ``triton``): then the Python hooks run, holding each gradient
-    until its bucket is complete and accumulating the bucket with one ``accumulate_bucket_``. ``partials_dim``: the
+    ``name``: what users pass as ``backend=``. The native hooks (``csrc/hot_path.cpp``) drive every backend: each
+    complete bucket is one call, from C++ through the dispatcher, of ``accumulate_bucket_`` in the namespace
+    ``hot_path_namespace`` gives (the compiled ops' own for ``cpu`` and ``cuda``; for ``torch`` and ``triton``, this
+    backend's ``accumulate_bucket_`` registered as that op's kernel in a namespace of its own). ``hot_path_kernels``
+    is truthy ("cpu", "cuda") when those kernels are ``gaengine._C``'s own, which gradient accumulation fusion also
+    needs (``wgrad_accumulate_``), None otherwise. ``partials_dim``: the
     dimension of a ``new_bucket_partials`` table that runs over the sources (0: ``(n_src, 2)`` rows) or chunks (1:
     ``(2, n_chunks)`` columns); the table of several buckets' sources is the concatenation of theirs along it, so one
     table can serve a whole buffer, each bucket's call a slice.
@@ -156,9 +158,19 @@ class Backend(abc.ABC):
         return None
 
     def extension(self):
-        """``(module, None)``: the compiled module whose ``HotPath`` launches this backend's ``hot_path_kernels``, or
-        ``(None, why)`` for a backend without them."""
-        return None, f"backend {self.name!r} has no kernels in gaengine._C"
+        """``(module, None)``: the compiled module whose ``HotPath`` runs this backend's hooks (``gaengine._C``), or
+        ``(None, why)`` when it is not built."""
+        from gaengine.backends import load_extension  # noqa: PLC0415 - gaengine.backends imports this module
+
+        return load_extension()
+
+    def hot_path_namespace(self, module) -> str:
+        """The ``torch.library`` namespace whose ``accumulate_bucket_`` ``module.HotPath`` calls for this backend:
+        this backend's ``accumulate_bucket_`` registered as the kernel of an op of the compiled schema, in the
+        namespace ``<module.OP_NAMESPACE>_<name>`` (``gaengine.backends.register_bucket_kernel``)."""
+        from gaengine.backends import register_bucket_kernel  # noqa: PLC0415 - gaengine.backends imports this module
+
+        return register_bucket_kernel(self, module)
 
 
 # ---------------------------------------------------------------------------------------------------- the checks

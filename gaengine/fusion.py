@@ -94,6 +94,8 @@ def check_fusion(model: Any, backend, device: torch.device) -> None:
         raise ValueError(f"{OPTION}=True has kernels for CPU and CUDA parameters, got parameters on {device}; "
                          f"set {OPTION}=False")
     why = native_hooks_problem(backend)
+    if why is None and not backend.hot_path_kernels:
+        why = f"backend {backend.name!r} has no wgrad_accumulate_ kernel in gaengine._C"
     if why is not None:
         raise ValueError(f"{OPTION}=True needs the native hooks of gaengine._C (backend 'cpu', 'cuda' or 'auto' with "
                          f"the extension built), but they cannot run: {why}; set {OPTION}=False, or use "

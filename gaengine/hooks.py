@@ -3,11 +3,12 @@
 One interface, ``Hooks``; two implementations behind it; and ``make_hooks``, which picks one:
 
 * ``gaengine.hot_path.NativeHooks``: C++ post-hooks on each parameter's AccumulateGrad node
-  (``csrc/hot_path.cpp``): no Python per parameter. For backends whose bucket kernels C++ can launch
-  (``backend.hot_path_kernels``: ``cpu``, ``cuda``).
+  (``csrc/hot_path.cpp``): no Python per parameter. For every backend: the ``cpu`` and ``cuda`` bucket kernels are
+  ``gaengine._C``'s ops, the ``torch`` and ``triton`` ones registered as kernels of an op of the same schema
+  (``Backend.hot_path_namespace``).
 * ``gaengine.python_hooks.PythonHooks``: one ``register_post_accumulate_grad_hook`` per parameter, one
-  ``backend.accumulate_bucket_`` per complete bucket. For a backend whose kernels launch from Python (``torch``,
-  ``triton``), an install without ``gaengine._C``, or ``GAENGINE_HOT_PATH=python``.
+  ``backend.accumulate_bucket_`` per complete bucket. For an install without ``gaengine._C``, or
+  ``GAENGINE_HOT_PATH=python``.
 
 Both take ``measure_sources``: every accumulate launch then also writes the partial sums of squares of its
 sources (the gradients autograd made in this micro-batch), kept per micro-batch until ``window_source_sumsq()``
@@ -20,8 +21,8 @@ bucket), the held gradients, the free-norm partials of the last micro-batch and 
 window's micro-batches (finished by the backend's ``finish_norm_partials``). The engine reaches that state only
 through ``Hooks``.
 
-``GAENGINE_HOT_PATH=auto`` (default) takes the native hooks whenever ``gaengine._C`` loads and the backend has
-``hot_path_kernels``; ``native`` requires them (``RuntimeError`` with the reason otherwise); ``python`` keeps the
+``GAENGINE_HOT_PATH=auto`` (default) takes the native hooks whenever ``gaengine._C`` loads and the backend's
+kernels can run; ``native`` requires them (``RuntimeError`` with the reason otherwise); ``python`` keeps the
 Python hooks. A fall back to the Python hooks is said once (logger ``gaengine``).
 """
 
@@ -79,8 +80,6 @@ class Hooks(Protocol):
         flags restart every micro-batch, and which parameters the window reached is the window's to keep
         (``gaengine.window.Window.used``)."""
 
-    def set_accumulated(self, index: int, value: bool) -> None: ...
-
     def set_all_accumulated(self, values: list[bool]) -> None: ...
 
     @property
@@ -137,8 +136,6 @@ def native_hooks_problem(backend) -> str | None:
         raise ValueError(f"GAENGINE_HOT_PATH must be one of {HOT_PATH_SETTINGS}, got {setting!r}")
     if setting == "python":
         return "GAENGINE_HOT_PATH=python"
-    if not backend.hot_path_kernels:
-        return f"backend {backend.name!r} launches its kernels from Python"
     _, why = load_native(backend)
     return why or backend.kernels_problem()
 

@@ -8,14 +8,16 @@ the window's last micro-batch it also writes the free-norm partials (one rank) a
 into Python once per complete bucket to start that bucket's all-reduce (``BucketReducer.bucket_ready``). Python
 is otherwise entered once per ``acc.backward()`` (``begin`` / ``end``) and once per ``acc.step()``.
 
-Each bucket launch is one call of the ``torch.library`` op ``accumulate_bucket_`` of the extension's namespace
-(``torch.ops.gaengine``), made from C++ through the dispatcher, as the backend's own calls are: ``main_grad``'s
-device picks its kernel (CPU: one parallel region per bucket, ``csrc/cpu_ops.cpp``; CUDA: one multi-tensor kernel
-per bucket on the current stream, ``csrc/cuda/``, when ``gaengine._C`` was built against a CUDA torch). The partials
+Each bucket launch is one call of the ``torch.library`` op ``accumulate_bucket_`` in the backend's
+``hot_path_namespace``, made from C++ through the dispatcher: for ``cpu`` and ``cuda`` the extension's own ops
+(``torch.ops.gaengine``; ``main_grad``'s device picks the kernel: CPU, one parallel region per bucket,
+``csrc/cpu_ops.cpp``; CUDA, one multi-tensor kernel per bucket on the current stream, ``csrc/cuda/``, when
+``gaengine._C`` was built against a CUDA torch); for ``torch`` and ``triton`` the backend's own
+``accumulate_bucket_``, registered as the kernel of an op of the same schema (``gaengine.backends.
+register_bucket_kernel``: one Python call per bucket, with the GIL). The partials
 tables (free norm, sources) have the backend's layout (``Backend.new_bucket_partials`` of all parameters:
-``(P, 2)`` fp64 rows on ``cpu``, ``(2, n_chunks)`` fp32 columns on ``cuda``), each launch writing its bucket's
-slice; the backend finishes them (``finish_norm_partials``). Backends whose kernels C++ cannot call (``torch``,
-the reference, and ``triton``) run ``PythonHooks``.
+``(P, 2)`` fp64 rows on ``cpu`` and ``torch``, ``(2, n_chunks)`` fp32 columns on ``cuda`` and ``triton``), each
+launch writing its bucket's slice; the backend finishes them (``finish_norm_partials``).
 
 With ``measure_sources``, every launch also writes the partials of its sources' own squares (the per-micro-batch
 norms of the gradient noise scale, issue 17) into one table per micro-batch, kept until the window's
@@ -45,8 +47,8 @@ def load_native(backend=None):
 class NativeHooks:
     """``gaengine.hooks.Hooks`` over ``gaengine._C.HotPath`` (see ``Hooks`` for the methods).
 
-    params: the trainable parameters in layout order. main_grad: the flat fp32 buffer. backend: a backend whose
-    bucket kernels are ``gaengine._C``'s (``hot_path_kernels``: the CPU ones, or the CUDA ones). buckets: the
+    params: the trainable parameters in layout order. main_grad: the flat fp32 buffer. backend: the backend whose
+    ``accumulate_bucket_`` the launches call (``Backend.hot_path_namespace``). buckets: the
     layout's buckets (contiguous runs of parameters). reducer: a multi-rank run's ``BucketReducer`` (called once per
     complete bucket of an armed micro-batch), or None. measure_sources: write the per-micro-batch source partials
     (``window_source_sumsq``). acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch
@@ -61,9 +63,6 @@ class NativeHooks:
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,
                  fusion: bool = False) -> None:
-        if not backend.hot_path_kernels:
-            raise RuntimeError(f"backend {type(backend).__name__} has no bucket kernels in gaengine._C for the native "
-                               "hooks to call: its hooks run in Python (gaengine.python_hooks)")
         _C, why = load_native(backend)
         if _C is None:
             raise RuntimeError(why)
@@ -80,7 +79,7 @@ class NativeHooks:
         whole = backend.new_bucket_partials(numels, "meta")
         extents = [backend.new_bucket_partials([n], "meta").shape[dim] for n in numels]
         self._hot = _C.HotPath(self.params, main_grad.data, list(main_grad.layout.offsets), bucket_of, whole, dim,
-                               extents, callback)
+                               extents, callback, backend.hot_path_namespace(_C))
         self._hot.set_arrival([])
         if acquire is not None:
             self._hot.set_acquire(acquire, [b.start for b in buckets])
@@ -102,9 +101,6 @@ class NativeHooks:
     @property
     def accumulated(self) -> list[bool]:
         return self._hot.written()
-
-    def set_accumulated(self, index: int, value: bool) -> None:
-        self._hot.set_written(index, value)
 
     def set_all_accumulated(self, values: list[bool]) -> None:
         if len(values) != len(self.params):

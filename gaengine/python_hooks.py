@@ -166,9 +166,6 @@ class PythonHooks:
         """A copy: ``accumulated[i]``, parameter i's slice of the destination holds a gradient sum (``Hooks``)."""
         return list(self._written)
 
-    def set_accumulated(self, index: int, value: bool) -> None:
-        self._written[index] = value
-
     def set_all_accumulated(self, values: list[bool]) -> None:
         if len(values) != len(self.params):
             raise ValueError(f"accumulated has {len(values)} entries for {len(self.params)} parameters")

@@ -89,9 +89,10 @@ def backend_params(*ids: str) -> list:
     return [pytest.param(i, id=i, marks=_BACKEND_MARKS.get(i, [])) for i in (ids or BACKENDS)]
 
 
-NATIVE_HOOKS = ("cpu", "cuda-emu", "cuda-gpu")
-"""The backends whose bucket kernels the native hooks launch from C++ (``Backend.hot_path_kernels``); every backend
-runs the Python hooks."""
+NATIVE_HOOKS = ("torch", "cpu", "triton", "cuda-emu", "cuda-gpu")
+"""The backends the native hooks drive (every one: ``cpu`` and ``cuda``'s bucket kernels are ``gaengine._C``'s, the
+``torch`` and ``triton`` ones registered as kernels of an op of the same schema, ``Backend.hot_path_namespace``);
+every backend also runs the Python hooks."""
 
 
 def backend_hook_params(*ids: str) -> list:
