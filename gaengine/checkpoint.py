@@ -773,9 +773,9 @@ def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
     """Load a ``PLAIN_FORMAT`` state into ``acc`` (``upgrade``): ``main_grad`` and ``master`` whole CPU tensors in
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
-    from gaengine.sharding import Replicated  # noqa: PLC0415 - the one strategy that wrote this format
-
-    if acc is None or not isinstance(acc.sharding, Replicated):  # whole buffers in one flat layout
+    # The format of a replicated run: it loads where the strategy's own checkpoints record an unsharded state (whole
+    # buffers in one flat layout, ShardingStrategy.state_meta).
+    if acc is None or acc.sharding.state_meta()["sharded"]:
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "

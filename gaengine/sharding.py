@@ -20,7 +20,8 @@ the window's sums lie in a checkpoint, ``window_state``/``load_window_state``; i
 scale and the schedule; the strategy launches the per-rank stats all-reduce when the engine asks and returns it.
 The engine reaches the hooks only through the strategy's methods (``take_stale``, ``before_autograd``,
 ``after_autograd``, ``autograd_failed``, ``unwritten``, ``end_window``, ``drain``, ``source_norms``,
-``hooks_state``, ``load_hooks_state``); ``gaengine.checkpoint`` reads no mode flag of the strategy.
+``sources_reduced_by``, ``hooks_state``, ``load_hooks_state``); ``gaengine.checkpoint`` reads no mode flag of the
+strategy.
 
 A sharding strategy for FSDP2 models (sharded DTensor parameters whose reduce-scatter FSDP2 runs itself) is one
 more implementation: its hooks write the reduce-scattered local shards, it has no reducer of its own, and its
@@ -233,9 +234,9 @@ class ShardingStrategy(ABC):
 
     def end_window(self) -> bool:
         """After ``step()``: the hooks' window is reset (nothing written, no source partials) and, where the window
-        learned the gradient arrival order (the first, and the first after ``adopt`` or ``acc.zero_grad()``),
-        ``_relearn_layout`` (a collective where the layout follows it). Returns whether a gradient was left in
-        ``.grad`` by the old hooks."""
+        learned the gradient arrival order (the first, and the first after an ``adopt``; ``drain`` restarts the
+        learning), ``_relearn_layout`` (a collective where the layout follows it). Returns whether a gradient was
+        left in ``.grad`` by the old hooks."""
         self.hooks.reset_window()
         return self._relearn_layout() if self.hooks.arrival is not None else False
 
