@@ -20,10 +20,11 @@ views out (``shard_state_dict``), back (``load_shard_state_dict``), or gathered 
 (``gather_full``). ``accumulator_state_dict`` / ``load_accumulator_state_dict`` are
 ``GradientAccumulator.state_dict`` / ``load_state_dict`` (through ``ShardingStrategy.state_dict``): they reach the
 accumulator through its documented names (``sharding``, ``params``, ``registered_params``, ``named_params``,
-``optimizer``, ``lr_scheduler``, ``window``, ``hooks``, ``scalars_state_dict`` ...) and the strategy through
-``param_slots``, ``finish_collectives``, ``window_sums_to_save``, ``prepare_window_load``, ``set_layout`` and its
-flags. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export. ``upgrade``
-brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
+``optimizer``, ``lr_scheduler``, ``window``, ``scalars_state_dict`` ...) and the strategy through its methods only
+(``param_slots``, ``finish_collectives``, ``state_meta``, ``window_state``, ``load_window_state``,
+``layout_to_resume``, ``set_layout``, ``optimizer_shards``), never a flag of the strategy: what differs per mode is
+the strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+``upgrade`` brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
 from __future__ import annotations
@@ -314,16 +315,18 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
         return value
 
     sharding = acc.sharding
-    if not sharding.sharded:  # one shard: the optimizer holds parameter-shaped tensors, numbered like the user's groups
+    shards = sharding.optimizer_shards()
+    if shards is None:  # one shard: the optimizer holds parameter-shaped tensors, numbered like the user's groups
         saved = optimizer.state_dict()
         return {"state": {i: {k: copy(v) for k, v in s.items()} for i, s in saved["state"].items()},
                 "param_groups": [{k: copy(v) for k, v in g.items()} for g in saved["param_groups"]]}
 
-    layout, world = sharding.layout, acc.world_size
+    per_rank, shard_numel = shards
+    world = acc.world_size
     params = acc.params
     slots = sharding.param_slots()
-    all_pieces = [[Piece(s.index, s.lo, s.numel, s.shard_offset) for s in layout.param_shards(r) if s.numel]
-                  for r in range(world)]
+    all_pieces = [[Piece(s.index, s.lo, s.numel, s.shard_offset) for s in rank_shards if s.numel]
+                  for rank_shards in per_rank]
     group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
     steps: dict[int, float] = {}
     moment_keys: set[str] = set()
@@ -341,7 +344,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     ready = {i: s for d, _ in gathered for i, s in d.items()}
     full: dict[str, list[torch.Tensor]] = {}
     for key in sorted({k for _, keys in gathered for k in keys}):
-        buf = torch.zeros(layout.shard_numel, dtype=torch.float32, device=acc.device)
+        buf = torch.zeros(shard_numel, dtype=torch.float32, device=acc.device)
         for s in slots:
             state = optimizer.state.get(s.piece) if s.piece is not None else None
             if state and isinstance(state.get(key), torch.Tensor):
@@ -452,13 +455,14 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
       fp64, <moment>: FlatShard (numel,) in the state's dtype}`` for ``torch.optim.Adam``/``AdamW``/``SGD`` and
       ``gaengine.optim.FusedAdamW`` (views of the optimizer's state); any other optimizer (unsharded strategies
       only) keeps its whole state as CPU copies in the meta blob (``optimizer_state``).
-    * ``window_grad``: the window's fp32 gradient sum. Between windows a template (``FlatShard.template``: DCP
-      saves ``None``). Mid-window, per strategy (``ShardingStrategy.window_sums_to_save`` and ``window_rows``):
-      this rank's range of the sum over the ranks (``(numel,)``; sharded strategies, and one rank), or, for a
-      replicated run on several ranks, this rank's own unreduced sum as its row of a ``(world x numel,)`` tensor
-      (``FlatShard.own``), so the resume is bit-identical.
-    * ``meta``: ``torch.save`` bytes of the world size, the strategy's name (``mode``), whether it is sharded and
-      keeps rows, each parameter's (key, shape, dtype, optimized, master weights), the param groups'
+    * ``window_grad``: the window's fp32 gradient sum, as the strategy places it (``ShardingStrategy.window_state``).
+      Between windows a template (``FlatShard.template``: DCP saves ``None``). Mid-window this rank's range of the
+      sum over the ranks (``(numel,)``; sharded strategies, and one rank), or, for a replicated run on several
+      ranks, this rank's own unreduced sum as its row of a ``(world x numel,)`` tensor (``FlatShard.own``), so the
+      resume is bit-identical.
+    * ``meta``: ``torch.save`` bytes of the world size, the strategy's entries (``ShardingStrategy.state_meta``: its
+      name as ``mode``, whether it is sharded and keeps rows), each parameter's (key, shape, dtype, optimized, master
+      weights), the param groups'
       hyper-parameters, the ``lr_scheduler``'s state, and ``ranks``: the accumulator's scalars
       (``acc.scalars_state_dict()``) of every rank mid-window on several ranks, else of this rank only.
 
@@ -472,7 +476,6 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
     sharding = acc.sharding
     world = acc.world_size
     group = acc.process_group
-    rank = dist.get_rank(group) if world > 1 else 0
     mid_window = acc.num_micro_batches > 0
     sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
@@ -484,9 +487,8 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
     if mid_window and world > 1:  # each rank resumes its own window counters
         ranks = [None] * world
         dist.all_gather_object(ranks, per_rank, group=group)
-    rows = sharding.window_rows
     masters, opt_state, window, whole_state = {}, {}, {}, {}
-    sums = sharding.window_sums_to_save() if mid_window else None
+    window_shards = sharding.window_state(mid_window)  # per layout index (mid-window at stage 1: a collective)
     for e in entries:
         owned = e.piece is not None
         if e.master:
@@ -510,13 +512,9 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
                         torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=e.piece.device)
                     entry[k] = FlatShard(local, e.numel, e.lo)
                 opt_state[e.key] = entry
-        local = sums[e.layout_index] if sums is not None else e.grad.view(-1)
-        if rows:
-            window[e.key] = FlatShard(local, world * e.numel, rank * e.numel + e.lo, template=not mid_window, own=True)
-        else:
-            window[e.key] = FlatShard(local, e.numel, e.lo, template=not mid_window)
+        window[e.key] = window_shards[e.layout_index]
     meta = {
-        "world_size": world, "mode": sharding.name, "sharded": sharding.sharded, "window_rows": rows,
+        "world_size": world, **sharding.state_meta(),
         "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
         "param_groups": ([] if optimizer is None else
                          [{k: _cpu_copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
@@ -548,7 +546,8 @@ def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int 
     return value.detach().reshape(-1)[e.lo:e.hi]
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` unless ``src`` is ``dst`` already (``dcp.load`` wrote the chunk in place)."""
     if src.data_ptr() != dst.data_ptr() or src.device != dst.device or src.dtype != dst.dtype:
         dst.copy_(src)
 
@@ -594,9 +593,9 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     saved_world, world = int(meta["world_size"]), acc.world_size
     saved_scalars = meta["ranks"][0]["scalars"]
     mid_window = int(saved_scalars["num_micro_batches"]) > 0
+    mine = sharding.state_meta()  # the strategy's entries: its name (mode), and how it saves a window
     saved_mode = meta["mode"] or sharding.name
-    if mid_window and (saved_world != world or saved_mode != sharding.name
-                       or bool(meta["window_rows"]) != sharding.window_rows):
+    if mid_window and (saved_world != world or {**{k: meta[k] for k in mine}, "mode": saved_mode} != mine):
         raise ValueError(
             f"state was saved mid-window ({saved_scalars['num_micro_batches']} micro-batches into a window) on "
             f"{saved_world} rank(s) with {saved_mode}; this run has {world} rank(s) with {sharding.name}. A window's "
@@ -612,28 +611,30 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     if mid_window and scalars.get("window_used") is None and "window_used" in ranks[rank]:
         scalars["window_used"] = ranks[rank]["window_used"]  # saved beside the scalars before gaengine.window
     acc.check_scalars_state(scalars)
-    # The layout: a strategy that re-learns it adopts the saved one; a fixed one keeps its own (between windows).
+    # The layout: the strategy says which one it goes on in (one that re-learns it adopts the saved one; a fixed
+    # one keeps its own, between windows).
     registration = acc.registered_params
     saved_order = list(scalars["layout_order"])
     my_order = _layout_order(acc)
-    adopt = saved_order != my_order and sharding.relearns_layout
-    if saved_order != my_order and not adopt:
+    order = sharding.layout_to_resume(saved_order, my_order)
+    adopt = order != my_order
+    if saved_order != order:
         if mid_window:
             raise ValueError("state was saved mid-window with another parameter layout; resume it as it was saved")
         pos = {reg: j for j, reg in enumerate(saved_order)}
-        remap = [pos[reg] for reg in my_order]
+        remap = [pos[reg] for reg in order]
         for key in ("written", "expected_arrivals"):
             if scalars.get(key) is not None:
                 scalars[key] = [scalars[key][j] for j in remap]
         if scalars.get("arrival") is not None:
             back = {j: i for i, j in enumerate(remap)}
             scalars["arrival"] = [back[j] for j in scalars["arrival"]]
-        scalars["layout_order"] = my_order
+        scalars["layout_order"] = order
     # Validate every value before writing any.
     masters: list[tuple[torch.Tensor, torch.Tensor]] = []
     grads: dict[str, torch.Tensor] = {}
     loaded: dict[int, dict[str, Any]] = {}
-    rows = sharding.window_rows
+    where = sharding.window_state(False) if mid_window else None  # the chunk each saved window sum must hold
     whole_state = meta["optimizer_state"]
     elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
     for e in entries:
@@ -661,20 +662,20 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
             grad = state["window_grad"].get(e.key)
             if grad is None:
                 raise ValueError(f"state['window_grad'][{e.key!r}] is missing for a state saved mid-window")
-            grads[e.key] = (_take(grad, e, "state['window_grad']", rank * e.numel + e.lo, world * e.numel) if rows
-                            else _take(grad, e, "state['window_grad']"))
+            chunk = where[e.layout_index]
+            grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.shape[0])
 
     # Write.
     if adopt:  # a new main_grad in the saved layout (the loaded sums are views of the old one: copied below)
-        sharding.set_layout([registration[i] for i in saved_order])
+        sharding.set_layout([registration[i] for i in order])
         entries = _entries(acc)
     with torch.no_grad():
-        if mid_window:
-            sharding.prepare_window_load()
-            for e in entries:
-                _copy_into(e.grad.view(-1), grads[e.key])
+        if mid_window:  # the hooks resume with the written flags the strategy returns
+            sums = [grads[e.key] for e in sorted(entries, key=lambda e: e.layout_index)]
+            scalars["written"] = sharding.load_window_state(sums, list(scalars["written"]),
+                                                            [list(r["scalars"]["written"]) for r in ranks])
         for dst, src in masters:
-            _copy_into(dst, src)
+            copy_into(dst, src)
         if masters and sharding.store is not None:
             sharding.store.copy_to_model()
     if optimizer is not None:
@@ -694,10 +695,6 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     acc.load_scalars_state(scalars)
-    if mid_window and sharding.holds_local_sums:
-        # every rank's range now holds the reduced sum of what any rank wrote
-        written = [any(r["scalars"]["written"][i] for r in ranks) for i in range(len(acc.params))]
-        acc.hooks.set_all_accumulated(written)
 
 
 def _optimizer_type(optimizer: torch.optim.Optimizer | None) -> str | None:
@@ -776,7 +773,9 @@ def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
     """Load a ``PLAIN_FORMAT`` state into ``acc`` (``upgrade``): ``main_grad`` and ``master`` whole CPU tensors in
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
-    if acc is None or acc.sharding.sharded:  # only a replicated strategy holds whole buffers in one flat layout
+    # The format of a replicated run: it loads where the strategy's own checkpoints record an unsharded state (whole
+    # buffers in one flat layout, ShardingStrategy.state_meta).
+    if acc is None or acc.sharding.state_meta()["sharded"]:
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "

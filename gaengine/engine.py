@@ -179,7 +179,9 @@ class GradientAccumulator:
         "rank's gradient shard: ``zero_stage=2`` on several ranks), a ``gaengine.buffer.FlatBuffer``."))
     reducer = property(lambda self: self.sharding.reducer,
                        doc="The bucket reducer (``gaengine.reduce``), or None on one rank.")
-    hooks = property(lambda self: self.sharding.hooks, doc="The per-parameter hooks (``gaengine.hooks.Hooks``).")
+    hooks = property(lambda self: self.sharding.hooks, doc=(
+        "The per-parameter hooks (``gaengine.hooks.Hooks``), for inspection (``launches``, ``native``); the "
+        "accumulator itself reaches them only through the strategy's methods."))
     master_buffer = property(lambda self: self.sharding.master_buffer, doc=(
         "This rank's flat fp32 master weights (``gaengine.store.ParameterStore.master_buffer``), or None."))
 
@@ -217,7 +219,7 @@ class GradientAccumulator:
         if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
             self._adopt_changes()
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
-        if self.hooks.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
+        if self.sharding.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = window.num_micro_batches == self.accumulation_steps - 1
         # The first window (the layout and each parameter's arrivals per backward are being learned) reduces after
@@ -228,22 +230,22 @@ class GradientAccumulator:
             self._auto_loss_scale = False
         scaled = loss if self.scaler is None else loss * self.scaler.scale
 
-        self.hooks.begin(last, want_norm=last and not self.distributed, armed=armed)
+        self.sharding.before_autograd(last, armed)
         try:
             scaled.backward(**backward_kwargs)
-            self.hooks.end()  # buckets left incomplete are launched
+            self.sharding.after_autograd()  # buckets left incomplete are launched
             # From here the micro-batch's gradients are in main_grad: counting it must not fail silently either.
             counted = window.add(loss, num_items)
             if self._noise is not None:
                 self._noise.add_micro_batch(counted)
             if self.sharding.end_backward(armed, last):
                 window.settings = self._window_settings()
-                self.sharding.launch_window_stats(window, self._noise_terms())
+                window.stats = self.sharding.launch_window_stats(window, self._noise_terms())
         except BaseException:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
             # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
             # drops it and training goes on.
-            self.hooks.abort()
+            self.sharding.autograd_failed()
             window.fail()
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
@@ -288,7 +290,7 @@ class GradientAccumulator:
             raise ValueError(self._join_refused(joined[0][0], "an fp16 parameter needs the loss scale that "
                                                 "loss_scale='auto' chose against at construction"))
         ownership.take([p for _, p in joined], None)  # another accumulator's: RuntimeError; a stale .grad dropped
-        if self.hooks.take_stale() | self._grads_left:
+        if self.sharding.take_stale() | self._grads_left:
             self._clear_grads()
         for _, p in left:
             p.grad = None
@@ -335,7 +337,8 @@ class GradientAccumulator:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
         if self._noise is None:
             return None
-        return self._noise.terms(self.hooks, self.window.num_micro_batches, bool(self.window.item_mode),
+        return self._noise.terms(self.sharding.source_norms(), self.sharding.sources_reduced_by(),
+                                 self.window.num_micro_batches, bool(self.window.item_mode),
                                  None if self.scaler is None else self.scaler.scale)
 
     # ------------------------------------------------------------------ update
@@ -393,11 +396,11 @@ class GradientAccumulator:
         if partial:  # force=True on a partial window of several ranks: nothing launched yet
             self.sharding.end_partial_window(self.accumulation_steps - k)
             window.settings = self._window_settings()
-            self.sharding.launch_window_stats(window, self._noise_terms())
+            window.stats = self.sharding.launch_window_stats(window, self._noise_terms())
         if self.distributed:
             self.sharding.wait_reductions()
         loss_sum, denom, num_items, mismatch = window.totals(self.world_size)
-        unwritten = window.unwritten(self.hooks.accumulated, self.world_size)
+        unwritten = self.sharding.unwritten(window)
         self.sharding.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
 
         # A negative, NaN or inf num_items tensor made the window's item count NaN (gaengine.window.Window.add; on
@@ -456,8 +459,9 @@ class GradientAccumulator:
             self.schedule.advance(k, self.world_size, self.micro_batch_size)
             self._skips.observe(norm.skipped, loss_scale, self._finite_by_param)
         self._reset_window()
-        if self.hooks.arrival is not None:  # the first window: the layout follows its arrival order
-            self._grads_left |= self.sharding.relearn_layout()  # a collective: every rank gets here
+        # The hooks' window is reset too; the first window's end lays the buffer out in its arrival order (a
+        # collective: every rank gets here).
+        self._grads_left |= self.sharding.end_window()
         if differ:
             self._raise_count_mismatch(counts, differ=settings_differ)
         if self.scaler is not None and self.scaler.floor_reached():
@@ -603,11 +607,11 @@ class GradientAccumulator:
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
-        self.hooks.take_stale()
+        self.sharding.take_stale()
         self._grads_left = False
 
     def _reset_window(self) -> None:
-        self.hooks.reset_window()
+        """The engine's part of a new window (the strategy resets the hooks' part: ``end_window``, ``drain``)."""
         self.window.reset()
         if self._noise is not None:
             self._noise.reset()
@@ -623,18 +627,15 @@ class GradientAccumulator:
         several ranks it first waits for the all-reduces a failed last micro-batch had launched). It cannot
         undo moving or converting the model after construction: then build a new accumulator.
         """
-        self.sharding.drain()
+        self.sharding.drain()  # the reductions in flight, the hooks' window and what they hold
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
-        self.hooks.drop()
         self._clear_grads()
         for _, p in self._unmanaged_grads():  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
         self._reset_window()
         if self._ranks_members is not None:
             self._ranks_members.drop()
-        if self.hooks.arrival is not None:
-            self.hooks.restart_learning()  # learn the order from a complete window
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
 
@@ -665,15 +666,14 @@ class GradientAccumulator:
             "accumulation_steps": self.accumulation_steps,
             "world_size": self.world_size,
             "layout_order": [reg[id(p)] for p in self.params],
-            "arrival": self.hooks.arrival,
-            "written": self.hooks.accumulated,
-            "expected_arrivals": self.hooks.expected_arrivals,
+            **self.sharding.hooks_state(),  # arrival, written, expected_arrivals
             **self.window.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "consecutive_skips": self._skips.count,
             **self.schedule.state_dict(),
-            "noise_scale": (None if self._noise is None else
-                            self._noise.state_dict(self.hooks, self.window.num_micro_batches)),
+            "noise_scale": (None if self._noise is None else self._noise.state_dict(
+                self.sharding.source_norms() if self.window.num_micro_batches else None,
+                self.window.num_micro_batches)),
         }
 
     def load_state_dict(self, state: dict, *, accumulation_steps: str | None = None) -> None:
@@ -740,12 +740,7 @@ class GradientAccumulator:
 
     def load_scalars_state(self, state: dict) -> None:
         """Restore ``scalars_state_dict()``'s part (the layout and the buffers are restored before)."""
-        if self._noise is not None:
-            self.hooks.reset_window()  # no source norms of this accumulator's own window: the saved ones follow
-        self.hooks.set_arrival(state["arrival"])
-        self.hooks.set_all_accumulated(list(state["written"]))
-        if "expected_arrivals" in state:  # absent from state dicts saved before it was learned
-            self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
+        self.sharding.load_hooks_state(state)
         self.window.load_state_dict(state)
         self._skips.count = int(state["consecutive_skips"])
         k = self._resumed_k(state)

@@ -53,7 +53,7 @@ from gaengine.compat import composable_apis, fsdp_param_groups
 from gaengine.formats import FSDP2_FORMAT
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.python_hooks import PythonHooks
-from gaengine.reduce import broadcast_from_first_rank, launch_window_stats
+from gaengine.reduce import WindowStats, broadcast_from_first_rank, launch_window_stats
 from gaengine.sharding import ShardingStrategy, register_model_strategy
 from gaengine.optimizers import takes_grad_scale, writes_model_params
 from gaengine.update import (LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer,
@@ -315,7 +315,7 @@ class FullyShardedGrads(ShardingStrategy):
     def end_partial_window(self, missing: int) -> None:
         """Nothing to launch: FSDP2 reduced every micro-batch the window holds."""
 
-    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> None:
+    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> WindowStats:
         """The window's stats all-reduce (``ShardingStrategy.launch_window_stats``) also carries the local shards'
         sum of squares and non-finite flag (its ``tail``, read by ``norm``): one all-reduce per window. When backward
         returns FSDP2 has reduced the last micro-batch and the hooks have added it (on CUDA, FSDP2's
@@ -326,10 +326,10 @@ class FullyShardedGrads(ShardingStrategy):
             self.main_grad.flat_views[i].zero_()
         sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
         tail = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
-        window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
-                                           self.process_group, extra=extra, count=window.num_micro_batches,
-                                           settings=window.settings, tail=tail)
-        self._window_stats = window.stats
+        self._window_stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum,
+                                                 window.items(), self.process_group, extra=extra,
+                                                 count=window.num_micro_batches, settings=window.settings, tail=tail)
+        return self._window_stats
 
     # ------------------------------------------------------------------ step
     def _divide_factor(self) -> float:
@@ -442,6 +442,10 @@ class FullyShardedGrads(ShardingStrategy):
                         "parameters: export it with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict("
                         "model, optimizer, options=StateDictOptions(full_state_dict=True)), not "
                         "gaengine.full_optimizer_state_dict")
+
+    def optimizer_shards(self):
+        """No export through gaengine (``param_slots``: the same ``TypeError``)."""
+        return self.param_slots()
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self, acc) -> dict:

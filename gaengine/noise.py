@@ -182,27 +182,30 @@ class WindowNoise:
         if num_items is not None:
             self.sizes.append(num_items)
 
-    def sources(self, hooks) -> torch.Tensor | None:
+    def sources(self, rows: torch.Tensor | None) -> torch.Tensor | None:
         """``(k,)`` fp32 on the device: the source norms of the window's micro-batches so far, a resumed window's
-        first (``hooks.window_source_sumsq()`` holds only the ones since the resume)."""
-        rows = hooks.window_source_sumsq()
+        first; ``rows``: the hooks' (``Hooks.window_source_sumsq()``, through
+        ``ShardingStrategy.source_norms``), which hold only the ones since the resume."""
         if self.carry is not None:
             rows = self.carry if rows is None or rows.numel() == 0 else torch.cat([self.carry, rows])
         return rows
 
-    def terms(self, hooks, num_micro_batches: int, item_mode: bool, loss_scale: torch.Tensor | None) -> torch.Tensor:
-        """This rank's small-batch terms of the window, from the hooks' source norms (one reduction, once per
-        window) and the items of each micro-batch; summed over ranks as they are (the window's stats all-reduce).
+    def terms(self, rows: torch.Tensor | None, reduced_by: float | None, num_micro_batches: int, item_mode: bool,
+              loss_scale: torch.Tensor | None) -> torch.Tensor:
+        """This rank's small-batch terms of the window, from the hooks' source norms ``rows`` (``sources``; one
+        reduction, once per window) and the items of each micro-batch; summed over ranks as they are (the window's
+        stats all-reduce).
 
         The small batch is this rank's micro-batch: ``(3,)`` fp64 on the device (``NoiseScale.small_batch_terms``).
-        When the hooks' sources are shards of the global micro-batch (hooks with ``sources_reduced_by`` = f, not
-        None: ``gaengine.fsdp2.ShardHooks``, whose sources are this rank's shard of the sum over ranks of the
-        micro-batch's gradients divided by FSDP2's divide factor f), the small batch is the global micro-batch k:
-        its squared norm and its size are sums over ranks, combined only after the sum (``global_terms``). Then
+        When the hooks' sources are shards of the global micro-batch (``reduced_by`` = f, not None:
+        ``ShardingStrategy.sources_reduced_by``, from ``gaengine.fsdp2.ShardHooks``, whose sources are this rank's
+        shard of the sum over ranks of the micro-batch's gradients divided by FSDP2's divide factor f), the small
+        batch is the global micro-batch k: its squared norm and its size are sums over ranks, combined only after
+        the sum (``global_terms``). Then
         ``(2k,)`` fp64: ``[f^2 |shard_k|^2 / loss_scale^2 for k] + [n_k of this rank for k]`` (n_k: items in item
         mode, 1 in mean mode), and ``update`` combines the summed rows.
         ``RuntimeError`` when the hooks measured another number of micro-batches than the window holds (a bug)."""
-        rows = self.sources(hooks)
+        rows = self.sources(rows)
         if rows is None or rows.numel() != num_micro_batches:
             raise RuntimeError(
                 f"gaengine: the hooks measured {0 if rows is None else rows.numel()} micro-batch gradient norms for "
@@ -216,11 +219,10 @@ class WindowNoise:
                 sizes = torch.stack([s if isinstance(s, torch.Tensor) else
                                      torch.full((), float(s), dtype=torch.float64, device=self.device)
                                      for s in self.sizes])
-        factor = getattr(hooks, "sources_reduced_by", None)
-        self.per_micro_batch = factor is not None
-        if factor is None:
+        self.per_micro_batch = reduced_by is not None
+        if reduced_by is None:
             return NoiseScale.small_batch_terms(rows, sizes, loss_scale)
-        sq = rows.to(torch.float64) * (float(factor) ** 2)
+        sq = rows.to(torch.float64) * (float(reduced_by) ** 2)
         if loss_scale is not None:
             sq = sq / loss_scale.to(torch.float64).square()
         if sizes is None:
@@ -245,9 +247,10 @@ class WindowNoise:
             terms = self.global_terms(terms)
         return self.scale.update(terms, big_sq, total, skipped)
 
-    def state_dict(self, hooks, num_micro_batches: int) -> dict:
-        """The averages and, mid-window, the source norms and sizes of the micro-batches so far."""
-        rows = self.sources(hooks) if num_micro_batches else None
+    def state_dict(self, rows: torch.Tensor | None, num_micro_batches: int) -> dict:
+        """The averages and, mid-window, the source norms (``rows``: the hooks', as ``sources`` takes them; None
+        between windows) and sizes of the micro-batches so far."""
+        rows = self.sources(rows) if num_micro_batches else None
         return {**self.scale.state_dict(), "sources": None if rows is None else rows.detach().cpu().clone(),
                 "sizes": [float(s) for s in self.sizes]}
 

@@ -14,9 +14,14 @@ differs between modes is behind one interface, ``ShardingStrategy`` (the field's
 
 What a strategy owns: the layout (``params`` in layout order, ``main_grad``), the hooks and what they write into,
 the reducer, what happens before and after each backward, the window's norm and non-finite flag, the update (or,
-without an optimizer, the gradients left in ``.grad``), the parameter gathers, its part of the state dict, and
+without an optimizer, the gradients left in ``.grad``), the parameter gathers, its part of the state dict (where
+the window's sums lie in a checkpoint, ``window_state``/``load_window_state``; its meta, ``state_meta``), and
 ``close``. What the engine owns: the window (micro-batch count, items, loss sum), the loss scale, the noise
-scale and the schedule; the strategy launches the per-rank stats all-reduce when the engine asks.
+scale and the schedule; the strategy launches the per-rank stats all-reduce when the engine asks and returns it.
+The engine reaches the hooks only through the strategy's methods (``take_stale``, ``before_autograd``,
+``after_autograd``, ``autograd_failed``, ``unwritten``, ``end_window``, ``drain``, ``source_norms``,
+``sources_reduced_by``, ``hooks_state``, ``load_hooks_state``); ``gaengine.checkpoint`` reads no mode flag of the
+strategy.
 
 A sharding strategy for FSDP2 models (sharded DTensor parameters whose reduce-scatter FSDP2 runs itself) is one
 more implementation: its hooks write the reduce-scattered local shards, it has no reducer of its own, and its
@@ -40,11 +45,11 @@ from gaengine.compat import composable_apis, reduce_scatter_single
 from gaengine.formats import STATE_FORMAT
 from gaengine.hooks import Hooks, make_hooks
 from gaengine.norm import WindowNorm, window_norm
-from gaengine.reduce import BucketReducer, Collective, broadcast_from_first_rank, launch_window_stats
+from gaengine.reduce import BucketReducer, Collective, WindowStats, broadcast_from_first_rank, launch_window_stats
 from gaengine.store import ParameterStore, ParamSlot, reshard_state
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.window import Window
-from gaengine.zero import (STAGING_SLOTS, ParamGather, ShardLayout, ShardReducer, shard_norm,
+from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardLayout, ShardReducer, shard_norm,
                            zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "make_sharding",
@@ -62,8 +67,7 @@ class ShardingStrategy(ABC):
     master_buffer: the store's fp32 master weights (this rank's, a ``FlatBuffer``), or None. layout: the
     ``gaengine.zero.ShardLayout`` of the sharded strategies (None: ``Replicated``). gather: the parameters'
     all-gathers after each update (``gaengine.zero.ParamGather``), or None. sharded: the optimizer state is split
-    over several ranks. holds_local_sums: mid-window, ``main_grad`` holds this rank's own unreduced sums while the
-    rank owns only its shard of the update (a checkpoint reduce-scatters them, ``gaengine.checkpoint``).
+    over several ranks (recorded in a checkpoint's meta, ``state_meta``).
 
     Built from the trainable ``params`` (registration order) and the ``optimizer`` (or None), with the
     accumulator's backend, device, process group and world size and the options of ``gaengine.AccumulatorConfig``
@@ -76,10 +80,8 @@ class ShardingStrategy(ABC):
 
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
-    relearns_layout = False  # the layout follows the first window's gradient arrival order
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
     sharded = False
-    holds_local_sums = False
 
     params: list[torch.Tensor]
     main_grad: FlatBuffer
@@ -197,11 +199,76 @@ class ShardingStrategy(ABC):
                 if id(p) not in now and p.data._base is not None:
                     p.data = p.detach().clone()
 
-    def relearn_layout(self) -> bool:
-        """End of the first window: stop learning the gradient arrival order and, where the layout follows it, lay
-        the buffer out in it (rank 0's order on all ranks: a collective). Returns ``_lay_out``'s stale flag."""
+    def _relearn_layout(self) -> bool:
+        """End of a window that learned the gradient arrival order (``end_window``): stop learning it and, where the
+        layout follows it, lay the buffer out in it (rank 0's order on all ranks: a collective). Returns
+        ``_lay_out``'s stale flag."""
         self.hooks.stop_learning()
         return False
+
+    # ------------------------------------------------------------------ the hooks (the engine's only way to them)
+    def take_stale(self) -> bool:
+        """Whether a hook fired outside ``acc.backward()`` since the last call (``Hooks.take_stale``: the flag is
+        cleared); the engine then clears the ``.grad`` autograd left."""
+        return self.hooks.take_stale()
+
+    def before_autograd(self, last: bool, armed: bool) -> None:
+        """Right before a micro-batch's autograd call (after ``begin_backward``, whose ``armed`` it takes;
+        ``last``: the window's last micro-batch): the hooks start the micro-batch (``Hooks.begin``), writing the
+        free-norm partials on the last micro-batch of one rank."""
+        self.hooks.begin(last, want_norm=last and not self.distributed, armed=armed)
+
+    def after_autograd(self) -> None:
+        """Autograd returned: the hooks launch the buckets left incomplete (``Hooks.end``; ``RuntimeError`` when a
+        gradient arrived more often than learned after its bucket's reduction started)."""
+        self.hooks.end()
+
+    def autograd_failed(self) -> None:
+        """A micro-batch's backward (or its counting) raised: the hooks drop what they hold (``Hooks.abort``)."""
+        self.hooks.abort()
+
+    def unwritten(self, window: Window) -> list[int]:
+        """Layout indices of the parameters no gradient reached in ``window`` on any rank (``Window.unwritten``
+        with the hooks' written flags)."""
+        return window.unwritten(self.hooks.accumulated, self.world_size)
+
+    def end_window(self) -> bool:
+        """After ``step()``: the hooks' window is reset (nothing written, no source partials) and, where the window
+        learned the gradient arrival order (the first, and the first after an ``adopt``; ``drain`` restarts the
+        learning), ``_relearn_layout`` (a collective where the layout follows it). Returns whether a gradient was
+        left in ``.grad`` by the old hooks."""
+        self.hooks.reset_window()
+        return self._relearn_layout() if self.hooks.arrival is not None else False
+
+    def source_norms(self) -> torch.Tensor | None:
+        """``(k,)`` fp32: the hooks' source norms of the window's micro-batches since the last reset
+        (``Hooks.window_source_sumsq``: one reduction, once per window and per checkpoint), or None without
+        ``measure_sources``."""
+        return self.hooks.window_source_sumsq()
+
+    def sources_reduced_by(self) -> float | None:
+        """The factor f the hooks' sources are reduced by (they are this rank's shard of the micro-batch's gradient
+        summed over the ranks divided by f: FSDP2's ``ShardHooks.sources_reduced_by``), or None: this rank's own
+        micro-batch (``gaengine.noise.WindowNoise.terms``)."""
+        return getattr(self.hooks, "sources_reduced_by", None)
+
+    def hooks_state(self) -> dict[str, Any]:
+        """The hooks' part of ``acc.scalars_state_dict()``: ``arrival`` (the first-arrival order while the layout is
+        learned, else None), ``written`` (per parameter, layout order: its slice holds a sum) and
+        ``expected_arrivals`` (per parameter: arrivals per backward, learned)."""
+        return {"arrival": self.hooks.arrival, "written": self.hooks.accumulated,
+                "expected_arrivals": self.hooks.expected_arrivals}
+
+    def load_hooks_state(self, state: dict[str, Any]) -> None:
+        """Restore ``hooks_state()``'s part of ``state`` (checked before, ``acc.check_scalars_state``); with
+        ``measure_sources`` the hooks' window is reset first (no source norms of their own: a resumed window's
+        are the noise scale's). ``expected_arrivals`` is absent from states saved before it was learned."""
+        if self.measure_sources:
+            self.hooks.reset_window()
+        self.hooks.set_arrival(state["arrival"])
+        self.hooks.set_all_accumulated(list(state["written"]))
+        if "expected_arrivals" in state:
+            self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
 
     # ------------------------------------------------------------------ micro-batches
     def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
@@ -223,15 +290,16 @@ class ShardingStrategy(ABC):
             self.reducer.begin()
         return True
 
-    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> None:
+    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> WindowStats:
         """End of the window's last backward on several ranks (or ``step(force=True)`` after ``end_partial_window``):
         launch the remaining reductions and the stats all-reduce (``gaengine.reduce.launch_window_stats``: the loss
-        sum, the items, each rank's micro-batch count, ``extra`` terms such as the noise scale's), kept in
-        ``window.stats``. The slices this rank never wrote are zeroed and count as written (the all-reduce fills them)."""
+        sum, the items, each rank's micro-batch count, ``extra`` terms such as the noise scale's), returned (the
+        engine keeps it in ``window.stats``). The slices this rank never wrote are zeroed and count as written (the
+        all-reduce fills them)."""
         unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
-        window.stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
-                                           self.process_group, extra=extra, count=window.num_micro_batches,
-                                           settings=window.settings)
+        return launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
+                                   self.process_group, extra=extra, count=window.num_micro_batches,
+                                   settings=window.settings)
 
     def end_partial_window(self, missing: int) -> None:
         """``step(force=True)`` on several ranks, a window ``missing`` micro-batches short of K: arm the reducer for
@@ -244,9 +312,15 @@ class ShardingStrategy(ABC):
             self.reducer.wait()
 
     def drain(self) -> None:
-        """Drop the window: wait (errors ignored) for every reduction in flight (``acc.zero_grad()``)."""
+        """Drop the window (``acc.zero_grad()``): wait (errors ignored) for every reduction in flight; the hooks drop
+        what they hold and reset their window, and learn the arrival order again from a complete window where they
+        were learning it."""
         if self.reducer is not None:
             self.reducer.drain()
+        self.hooks.drop()
+        self.hooks.reset_window()
+        if self.hooks.arrival is not None:
+            self.hooks.restart_learning()
 
     # ------------------------------------------------------------------ step
     def zero_unused(self, unwritten: list[int]) -> None:
@@ -327,9 +401,11 @@ class ShardingStrategy(ABC):
 
     # ------------------------------------------------------------------ state dict
     # One format for every strategy (gaengine.checkpoint.accumulator_state_dict): what differs per strategy is what
-    # its ranges of the parameters are (param_slots) and where the window's sums live mid-window (below).
+    # its ranges of the parameters are (param_slots), where the window's sums lie in the checkpoint and how they
+    # load (window_state, load_window_state), which layout a resumed state goes on in (layout_to_resume), what the
+    # meta records of it (state_meta) and where its optimizer's state lies (optimizer_shards). gaengine.checkpoint
+    # asks these; it reads no flag of the strategy.
     FORMAT = STATE_FORMAT  # the tag of scalars_state_dict()
-    window_rows = False  # mid-window each rank saves its own unreduced sums of whole parameters, one row per rank
 
     def state_dict(self, acc) -> dict:
         """``acc.state_dict()``: ``gaengine.checkpoint.accumulator_state_dict`` (DCP's form; ``torch.save`` takes it
@@ -347,15 +423,56 @@ class ShardingStrategy(ABC):
 
         load_accumulator_state_dict(acc, state)
 
-    def window_sums_to_save(self) -> list[torch.Tensor]:
+    def state_meta(self) -> dict[str, Any]:
+        """This strategy's entries in a checkpoint's meta (``gaengine.checkpoint.accumulator_state_dict``):
+        ``mode`` (its ``name``), ``sharded`` (the optimizer state is split over several ranks) and ``window_rows``
+        (mid-window each rank saves its own unreduced sums, one row per rank: ``window_state``). A state saved
+        mid-window resumes only where they and the world size are alike."""
+        return {"mode": self.name, "sharded": self.sharded, "window_rows": False}
+
+    def window_state(self, mid_window: bool) -> list[Any]:
+        """Per parameter (layout order), the window's fp32 gradient sum as a checkpoint holds it: a
+        ``gaengine.checkpoint.FlatShard`` over ``param_slots``' range ``[lo, hi)`` of the flattened parameter
+        (``(numel,)``). Mid-window the sums (``_window_sums_to_save``); between windows a template over the
+        gradient views (``dcp.save`` writes None, ``dcp.load`` reads into them). A loading checkpoint takes the
+        chunks where these say (``load_window_state``). Every rank calls it (``ZeroStage1``: a collective)."""
+        from gaengine.checkpoint import FlatShard  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+        slots = self.param_slots()
+        sums = self._window_sums_to_save() if mid_window else [s.grad for s in slots]
+        return [FlatShard(local, s.param.numel(), s.lo, template=not mid_window) for s, local in zip(slots, sums)]
+
+    def _window_sums_to_save(self) -> list[torch.Tensor]:
         """Mid-window, per parameter (layout order): the ``(hi - lo,)`` fp32 sum of the window's gradient over this
         rank's range that a checkpoint saves (``param_slots``' ranges): by default the gradient views themselves
         (one rank, a replicated run's own sums, ``ZeroStage2``'s reduced shard)."""
         return [g.view(-1) for g in self._update_grads()]
 
-    def prepare_window_load(self) -> None:
-        """Before a checkpoint writes a saved window's sums into the gradient views (``window_sums_to_save``'s
-        ranges): nothing by default."""
+    def load_window_state(self, sums: list[torch.Tensor], written: list[bool],
+                          every_rank_written: list[list[bool]]) -> list[bool]:
+        """Write a window saved mid-window into the gradient views: ``sums`` per parameter (layout order), the
+        ``(hi - lo,)`` fp32 chunks ``window_state`` placed (a chunk ``dcp.load`` already wrote in place is not
+        copied). ``written``: this rank's saved written flags; ``every_rank_written``: every saving rank's, in rank
+        order. Returns the written flags (layout order) the hooks resume with: by default this rank's."""
+        from gaengine.checkpoint import copy_into  # noqa: PLC0415
+
+        for dst, src in zip(self._update_grads(), sums, strict=True):
+            copy_into(dst.view(-1), src)
+        return written
+
+    def layout_to_resume(self, saved: list[int], own: list[int]) -> list[int]:
+        """The layout order (registration indices) a resumed state goes on in, given the ``saved`` one and this
+        strategy's ``own``: by default its own (the layout is fixed at construction; a state saved between windows
+        in another is remapped to it, one saved mid-window is refused). ``Replicated``: the saved one (its layout
+        follows the gradient arrival order; ``set_layout`` lays it out)."""
+        return own
+
+    def optimizer_shards(self) -> tuple[list[list[ParamShard]], int] | None:
+        """Where the optimizer's state lies over the ranks (``gaengine.full_optimizer_state_dict``): None where each
+        rank's optimizer holds every parameter whole, numbered as the user built it (its ``state_dict()`` is the
+        export); else, per rank of the process group, its ``gaengine.zero.ParamShard`` list and the ``shard_numel``
+        of its flat shard."""
+        return None
 
     def close(self) -> None:
         """Remove the hooks (and any forward pre-hooks), after the collectives in flight."""
@@ -374,7 +491,6 @@ class Replicated(ShardingStrategy):
     parameter-shaped pieces (fp32 masters of the bf16/fp16 parameters, the others themselves)."""
 
     name = "replicated (zero_stage=0)"
-    relearns_layout = True
     adopts_params = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
@@ -403,7 +519,7 @@ class Replicated(ShardingStrategy):
         construction: the layout, a zeroed ``main_grad``, the reducer and buckets, the hooks (the joined ones get
         theirs), the store (the optimizer given its model parameters back and re-pointed at new pieces; the fp32
         masters and the optimizer state of the parameters both layouts hold are kept). The next window learns the
-        arrival order again and its end lays the buffer out in it (``relearn_layout``), as the first window's.
+        arrival order again and its end lays the buffer out in it (``_relearn_layout``), as the first window's.
         Several ranks: every rank must adopt alike (the joined parameters are broadcast from the first rank, as
         every trainable parameter is at construction)."""
         if self.distributed:
@@ -426,7 +542,7 @@ class Replicated(ShardingStrategy):
         self._own_storage(list(before.values()), params)
         self.hooks.restart_learning()
 
-    def relearn_layout(self) -> bool:
+    def _relearn_layout(self) -> bool:
         arrival = self.hooks.arrival
         self.hooks.stop_learning()
         order = learned_order(arrival, len(self.params), self.device, distributed=self.distributed,
@@ -448,9 +564,23 @@ class Replicated(ShardingStrategy):
         self.backend.scale_(self.main_grad.data, coef)
         expose_grads(self.params, self.main_grad, unwritten)
 
-    @property
-    def window_rows(self) -> bool:  # several ranks: mid-window each rank holds its own unreduced sums
-        return self.distributed
+    def state_meta(self) -> dict[str, Any]:
+        return {**super().state_meta(), "window_rows": self.distributed}
+
+    def window_state(self, mid_window: bool) -> list[Any]:
+        """Several ranks: mid-window each rank holds its own unreduced sums of whole parameters, saved as its row of
+        a ``(world x numel,)`` tensor (``FlatShard.own``), so that the window resumes bit-identically on the same
+        world size; one rank: the whole parameters (``ShardingStrategy.window_state``)."""
+        if not self.distributed:
+            return super().window_state(mid_window)
+        from gaengine.checkpoint import FlatShard  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+        rank, world = dist.get_rank(self.process_group), self.world_size
+        return [FlatShard(s.grad, world * s.param.numel(), rank * s.param.numel() + s.lo, template=not mid_window,
+                          own=True) for s in self.param_slots()]
+
+    def layout_to_resume(self, saved: list[int], own: list[int]) -> list[int]:
+        return saved  # the layout follows the arrival order: set_layout lays the saved one out
 
 
 class _Zero(ShardingStrategy):
@@ -459,7 +589,6 @@ class _Zero(ShardingStrategy):
     parameters' all-gathers after each update (``gaengine.zero.ParamGather``). Built at construction, and again
     when parameters join or leave (``adopt``); never re-learned from the arrival order."""
 
-    relearns_layout = False
     adopts_params = True
     sharded = True
 
@@ -546,6 +675,9 @@ class _Zero(ShardingStrategy):
         self.gather.launch()  # every bucket holding an optimized parameter; in flight with overlap_param_gather
         self.store.model_written()
 
+    def optimizer_shards(self) -> tuple[list[list[ParamShard]], int]:
+        return [self.layout.param_shards(r) for r in range(self.world_size)], self.layout.shard_numel
+
     def close(self) -> None:
         self.gather.close()  # the collectives in flight, and the forward pre-hooks of overlap_param_gather
         super().close()
@@ -557,16 +689,17 @@ class ZeroStage1(_Zero):
 
     name = "zero_stage=1"
     zero_stage = 1
-    holds_local_sums = True
 
     def _new_main_grad(self) -> FlatBuffer:
         return FlatBuffer(self.layout.layout, torch.float32, self.device)
 
-    def window_sums_to_save(self) -> list[torch.Tensor]:
-        """This rank's shard of the window's gradient summed over the ranks (a collective: every rank calls it):
-        each bucket of ``main_grad`` is copied (the slices this rank did not write in this window zeroed: they
-        hold an earlier window's values) and reduce-scattered in fp32 into a ``(shard_numel,)`` buffer;
-        ``main_grad`` itself is not changed, so training goes on after the save. Views of it per parameter."""
+    def _window_sums_to_save(self) -> list[torch.Tensor]:
+        """Mid-window ``main_grad`` holds this rank's own unreduced sums while the rank owns only its shard of the
+        update, so a checkpoint saves this rank's shard of the window's gradient summed over the ranks (a
+        collective: every rank calls it): each bucket of ``main_grad`` is copied (the slices this rank did not write
+        in this window zeroed: they hold an earlier window's values) and reduce-scattered in fp32 into a
+        ``(shard_numel,)`` buffer; ``main_grad`` itself is not changed, so training goes on after the save. Views of
+        it per parameter."""
         layout = self.layout
         written = self.hooks.accumulated
         out = torch.empty(layout.shard_numel, dtype=torch.float32, device=self.device)
@@ -580,13 +713,17 @@ class ZeroStage1(_Zero):
                        group=self.process_group).wait()
         return [out[s.shard_offset:s.shard_offset + s.numel] for s in layout.param_shards(self.rank)]
 
-    def prepare_window_load(self) -> None:
+    def load_window_state(self, sums: list[torch.Tensor], written: list[bool],
+                          every_rank_written: list[list[bool]]) -> list[bool]:
         """The saved sums are reduced over the ranks: the other ranks' ranges of ``main_grad`` hold nothing of them
-        (zeroed), so the window's reduce-scatter adds each element once."""
+        (zeroed), so the window's reduce-scatter adds each element once; every rank's range now holds the reduced
+        sum of what any rank wrote, so the hooks resume with the written flags of every rank or-ed."""
         for b in self.layout.buckets:
             lo, hi = b.rank_range(self.rank)
             self.main_grad.data[b.start:lo].zero_()
             self.main_grad.data[hi:b.end].zero_()
+        super().load_window_state(sums, written, every_rank_written)
+        return [any(w[i] for w in every_rank_written) for i in range(len(self.params))]
 
 
 class ZeroStage2(_Zero):
