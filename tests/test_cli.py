@@ -511,7 +511,7 @@ def test_gradient_accumulation_fusion(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["gradient_accumulation_fusion"] is True
     assert build_parser().parse_args(["train"]).gradient_accumulation_fusion is False
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--steps", "1", *TINY, "--gradient-accumulation-fusion", "--noise-scale",
+        main(["train", "--steps", "1", *TINY, "--gradient-accumulation-fusion", "--zero-stage", "1",
               "--out", str(tmp_path / "run2")])
     assert exc.value.code == 2
     assert "gradient_accumulation_fusion" in capsys.readouterr().err

@@ -215,7 +215,7 @@ def _add_train_parser(subparsers) -> None:
                        "dtype (8 instead of 16 B/param)")
     _add_config_option(g, "gradient_accumulation_fusion", d.gradient_accumulation_fusion,
                        more=": no bf16/fp16 weight gradient, each micro-batch's dW exact to fp32 rounding; not with "
-                       "--zero-stage > 0, --fsdp or --noise-scale (docs/fusion.md)")
+                       "--zero-stage > 0 or --fsdp (docs/fusion.md)")
     g.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
                    help="torch CPU threads (torch.set_num_threads), set before any work. auto: half of the CPUs "
                         "this process may use, at least 1, which holds up when other processes take some of them: "
