@@ -99,6 +99,17 @@ def register_bucket_kernel(backend: Backend, module) -> str:
     return namespace
 
 
+class _RegisteredBucketKernel:
+    """What the native hooks need of a backend whose ``accumulate_bucket_`` is Python (``torch``, ``triton``):
+    ``gaengine._C``'s ``HotPath``, dispatching to that method registered as an op (``register_bucket_kernel``)."""
+
+    def extension(self):
+        return load_extension()
+
+    def hot_path_namespace(self, module) -> str:
+        return register_bucket_kernel(self, module)
+
+
 # ------------------------------------------------------------------------------------------- the torch reference
 def _fp32(scale: float) -> float:
     """A Python float scale as the contract takes it: its nearest fp32 value."""
@@ -174,7 +185,7 @@ def adamw_step_reference(*args, **kwargs) -> None:
 
 
 
-class ReferenceBackend(Backend):
+class ReferenceBackend(_RegisteredBucketKernel, Backend):
     """Plain PyTorch (``torch``): the reference every other backend is tested against, and the fallback. Any device;
     the native hooks call its ``accumulate_bucket_`` through ``register_bucket_kernel``."""
 
@@ -332,7 +343,7 @@ class CompiledBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------------------- Triton
-class TritonBackend(Backend):
+class TritonBackend(_RegisteredBucketKernel, Backend):
     """Triton kernels from ``gaengine.kernels``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The
     native hooks call its ``accumulate_bucket_`` through ``register_bucket_kernel`` (a Python launch per bucket)."""
 

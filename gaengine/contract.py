@@ -159,18 +159,14 @@ class Backend(abc.ABC):
 
     def extension(self):
         """``(module, None)``: the compiled module whose ``HotPath`` runs this backend's hooks (``gaengine._C``), or
-        ``(None, why)`` when it is not built."""
-        from gaengine.backends import load_extension  # noqa: PLC0415 - gaengine.backends imports this module
-
-        return load_extension()
+        ``(None, why)`` when it cannot."""
+        return None, f"backend {self.name!r} has no native hooks"
 
     def hot_path_namespace(self, module) -> str:
-        """The ``torch.library`` namespace whose ``accumulate_bucket_`` ``module.HotPath`` calls for this backend:
-        this backend's ``accumulate_bucket_`` registered as the kernel of an op of the compiled schema, in the
-        namespace ``<module.OP_NAMESPACE>_<name>`` (``gaengine.backends.register_bucket_kernel``)."""
-        from gaengine.backends import register_bucket_kernel  # noqa: PLC0415 - gaengine.backends imports this module
-
-        return register_bucket_kernel(self, module)
+        """The ``torch.library`` namespace whose ``accumulate_bucket_`` ``module.HotPath`` calls for this backend
+        (``gaengine.backends``: the compiled ops' own, or one where ``register_bucket_kernel`` registered this
+        backend's kernel)."""
+        raise NotImplementedError(f"backend {self.name!r} has no accumulate_bucket_ op for the native hooks")
 
 
 # ---------------------------------------------------------------------------------------------------- the checks

@@ -20,6 +20,7 @@ during a backward grow by a constant (per micro-batch and bucket), not per param
 from __future__ import annotations
 
 import collections
+import gc
 import copy
 import math
 import os
@@ -170,11 +171,13 @@ def _count_calls(fn) -> collections.Counter:
         elif event == "c_call":
             calls[getattr(arg, "__qualname__", repr(arg))] += 1
 
+    gc.disable()  # a collection would run gc callbacks (hypothesis registers one) inside the count
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 
@@ -207,5 +210,5 @@ def test_measuring_adds_no_launch_and_no_python_per_parameter(backend, hot_path,
         extra[layers] = calls_on
     # 4 vs 24 layers (10 vs 50 parameters): the calls measuring adds do not grow with the parameter count.
     assert extra[4] == extra[24], {layers: c.most_common(8) for layers, c in extra.items()}
-    if hot_path == "native":
+    if hot_path == "native" and backend.hot_path_kernels:  # C++ kernels: not one Python call more
         assert sum(extra[4].values()) == 0, extra[4].most_common(8)
