@@ -263,3 +263,41 @@ def check_source_rows_without_gradient(backend, monkeypatch) -> None:
 
 def test_source_rows_count_zero_without_gradient(monkeypatch):
     check_source_rows_without_gradient(gaengine.backends.get_backend("cpu", "cpu"), monkeypatch)
+
+
+# ------------------------------------------------------------------- every backend behind the one hot path
+def test_the_torch_backend_runs_in_the_native_hot_path_one_call_per_bucket(monkeypatch):
+    """backend="torch" takes the native hooks: HotPath calls the reference's accumulate_bucket_ (registered as
+    torch.ops.<namespace>_torch.accumulate_bucket_) once per complete bucket, never per parameter, and the window
+    equals the plain recipe's summed .grad bitwise (fp32, unscaled: one IEEE add per micro-batch in both)."""
+    from gaengine.backends import ReferenceBackend
+
+    monkeypatch.setenv("GAENGINE_HOT_PATH", "auto")
+    calls = []
+    original = ReferenceBackend.accumulate_bucket_
+    monkeypatch.setattr(ReferenceBackend, "accumulate_bucket_",
+                        lambda self, dst, srcs, *a, **k: (calls.append(len(srcs)), original(self, dst, srcs, *a, **k)))
+    torch.manual_seed(0)
+    model = Chain(6)
+    plain = copy.deepcopy(model)
+    acc = gaengine.GradientAccumulator(model, None, backend="torch", accumulation_steps=3, max_grad_norm=None,
+                                       bucket_size_mb=1e-3)  # several buckets of several parameters
+    assert acc.hooks.native
+    for k in range(3):
+        acc.backward(_loss(model, k))
+        _loss(plain, k).backward()
+    buckets = acc.hooks.num_buckets
+    assert 1 < buckets < 6 and len(calls) == 3 * buckets and sum(calls) == 3 * 6, (buckets, calls)
+    for ours, p in zip(model.weights, plain.weights):
+        i = next(j for j, q in enumerate(acc.params) if q is ours)  # layout order
+        assert_bitwise_equal(acc.main_grad.views[i].view_as(p), p.grad, f"parameter {i}")
+    acc.zero_grad()
+    acc.close()
+
+
+def test_hot_path_refuses_a_namespace_without_the_op():
+    """op_namespace must name a namespace that defines accumulate_bucket_: ValueError naming it."""
+    w = nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"op_namespace no_such_namespace defines no accumulate_bucket_"):
+        _C.HotPath([w], torch.zeros(64), [0], [0], torch.empty(1, 2, dtype=torch.float64), 0, [1], None,
+                   "no_such_namespace")
