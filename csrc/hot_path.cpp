@@ -108,7 +108,10 @@ class HotPath {
   // params: the accumulator's parameters in layout order (leaf tensors that require grad, all on main_grad's
   //   device). op_namespace: the torch.library namespace whose accumulate_bucket_ (and, for fusion,
   //   wgrad_accumulate_) the launches dispatch to: the compiled ops' (GAENGINE_OP_NAMESPACE), or one where a
-  //   backend registered its own kernel of the same schema (gaengine.backends: torch, triton). main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
+  //   backend registered its own kernel of the same schema (gaengine.backends: torch, triton). external: no
+  //   AccumulateGrad hooks; each gradient is handed over with arrive(i, grad) (FSDP2's sharded parameters, whose
+  //   reduce-scattered shards FSDP2 assigns itself), params then only giving the shapes and device of main_grad's
+  //   slices (the local shards). main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
   // bucket_of[i]: parameter i's bucket (buckets are runs of consecutive parameters, 0 .. n_buckets - 1).
   // partials_like: a tensor (any device: only its shape and dtype are read) shaped as the backend's partials table
   //   of all parameters in layout order (Backend.new_bucket_partials: (P, 2) fp64 rows on cpu, (2, n_chunks) fp32
@@ -118,7 +121,8 @@ class HotPath {
   //   device (layout only) when every bucket is written into the destinations set_acquire's callable gives.
   HotPath(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
           std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
-          std::vector<int64_t> partials_extent, py::object on_bucket_ready, const std::string& op_namespace)
+          std::vector<int64_t> partials_extent, py::object on_bucket_ready, const std::string& op_namespace,
+          bool external)
       : params_(std::move(params)),
         main_grad_(std::move(main_grad)),
         offsets_(std::move(offsets)),
@@ -145,7 +149,8 @@ class HotPath {
     int64_t total_extent = 0;
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
-      TORCH_CHECK_VALUE(p.requires_grad() && p.is_leaf(), "params[", i, "] must be a leaf tensor that requires grad");
+      TORCH_CHECK_VALUE(external || (p.requires_grad() && p.is_leaf()), "params[", i,
+                        "] must be a leaf tensor that requires grad");
       TORCH_CHECK_VALUE(p.device() == like_.device(), "params[", i, "] is on ", p.device(), ", main_grad on ",
                         like_.device());
       TORCH_CHECK_VALUE(offsets_[i] >= 0 && offsets_[i] + p.numel() <= main_grad_.numel(), "offsets[", i,
@@ -179,7 +184,9 @@ class HotPath {
     source_written_.assign(n_buckets, 0);
     pending_ = bucket_size_;
     // One hook per parameter on its AccumulateGrad node, which we keep alive (a parameter holds its node only
-    // weakly, and a node made afresh would not carry the hook).
+    // weakly, and a node made afresh would not carry the hook). External: none, the gradients come via arrive().
+    external_ = external;
+    if (external) return;
     nodes_.reserve(n);
     keys_of_hooks_.reserve(n);
     for (size_t i = 0; i < n; ++i) {
@@ -274,9 +281,25 @@ class HotPath {
     partials_ = at::Tensor();
   }
 
+  // External mode (FSDP2, gaengine/fsdp2.py): parameter index's gradient handed over by its caller (this rank's
+  // reduce-scattered shard, shaped as params[index]), received as the AccumulateGrad hook receives p.grad.
+  void arrive(int64_t index, at::Tensor grad) {
+    TORCH_CHECK_VALUE(external_, "arrive() is for a HotPath built with external=True (its gradients are handed over; "
+                      "this one takes them from the AccumulateGrad hooks)");
+    TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(params_.size()), "index ", index,
+                      " out of range for ", params_.size(), " parameters");
+    TORCH_CHECK_VALUE(!grad.defined() || (grad.sizes() == params_[index].sizes() &&
+                                          grad.device() == params_[index].device()),
+                      "grad of parameter ", index, " must have shape ", params_[index].sizes(), " on ",
+                      params_[index].device(), ", got ", grad.sizes(), " on ", grad.device());
+    receive(static_cast<size_t>(index), grad);
+  }
+
   // Gradient accumulation fusion on (register the parameters: fused_linear's backward hands their gradients to
   // fuse()) or off (unregister them). Off is idempotent; close() turns it off.
   void set_fusion(bool on) {
+    TORCH_CHECK_VALUE(!on || !external_, "gradient accumulation fusion needs the parameters' own AccumulateGrad hooks, ",
+                      "which a HotPath built with external=True does not have");
     TORCH_CHECK_VALUE(!on || wgrad_op_.has_value(), "gradient accumulation fusion needs wgrad_accumulate_ in the ",
                       "namespace of this HotPath's kernels, which has none (the compiled backends' namespace has it)");
     std::lock_guard<std::mutex> registry(fusion_mutex());
@@ -507,11 +530,13 @@ class HotPath {
 
   // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p in this autograd
   // pass into p.grad. Several passes of one backward (reentrant checkpointing) each call it.
-  void on_gradient(size_t i) {
+  void on_gradient(size_t i) { receive(i, params_[i].mutable_grad()); }
+
+  // Parameter i's gradient of this autograd pass, in `slot` (p.grad, which is emptied: the parameter lets go of it).
+  void receive(size_t i, at::Tensor& slot) {
     int64_t ready = -1;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      at::Tensor& slot = params_[i].mutable_grad();
       const bool fused = std::exchange(fused_[i], 0) != 0;  // fuse() wrote this pass's fused uses into main_grad
       if (!slot.defined() && !fused) return;
       if (!in_backward_) {
@@ -764,6 +789,7 @@ class HotPath {
   std::string late_;                     // the first arrival too late to be reduced (armed), raised by end()
   int64_t late_count_ = 0;
   bool in_backward_ = false;
+  bool external_ = false;                // gradients via arrive(), no AccumulateGrad hooks
   bool armed_ = false;
   bool stale_ = false;
   at::Tensor partials_;                  // this micro-batch's free-norm table (want_norm), or undefined
@@ -802,12 +828,14 @@ void register_hot_path(py::module_& m) {
                       "The accumulator's per-parameter work in C++ post-hooks on AccumulateGrad nodes "
                       "(csrc/hot_path.cpp; bound in gaengine/hot_path.py)")
       .def(py::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>,
-                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object, const std::string&>(),
+                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object, const std::string&, bool>(),
            py::arg("params"), py::arg("main_grad"), py::arg("offsets"), py::arg("bucket_of"), py::arg("partials_like"),
            py::arg("partials_dim"), py::arg("partials_extent"), py::arg("on_bucket_ready"),
-           py::arg("op_namespace") = std::string(GAENGINE_OP_NAMESPACE_NAME))
+           py::arg("op_namespace") = std::string(GAENGINE_OP_NAMESPACE_NAME), py::arg("external") = false)
       .def("begin", &HotPath::begin, "start of a micro-batch's backward", py::arg("want_norm"), py::arg("armed"),
            py::call_guard<py::gil_scoped_release>())
+      .def("arrive", &HotPath::arrive, "external=True: parameter index's gradient, handed over",
+           py::arg("index"), py::arg("grad"), py::call_guard<py::gil_scoped_release>())
       .def("end", &HotPath::end, "after backward: accumulate the incomplete buckets",
            py::call_guard<py::gil_scoped_release>())
       .def("abort", &HotPath::abort, "backward raised: drop what is held", py::call_guard<py::gil_scoped_release>())

@@ -54,7 +54,9 @@ class NativeHooks:
     (``window_source_sumsq``). acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch
     (``HotPath.set_acquire``; main_grad may then be on ``meta``). fusion: the backward of
     ``torch.ops.gaengine.fused_linear`` writes these parameters' gradients into main_grad (``gaengine.fusion``;
-    ``HotPath.set_fusion``, undone by ``close()``). Raises ``RuntimeError`` with the reason when
+    ``HotPath.set_fusion``, undone by ``close()``). external: no AccumulateGrad hooks; each gradient comes through
+    ``arrive(i, grad)`` (FSDP2's shards, ``gaengine.fsdp2``), ``params`` then only giving the slices' shapes and
+    device. Raises ``RuntimeError`` with the reason when
     ``gaengine._C`` cannot run the hooks.
     """
 
@@ -62,7 +64,7 @@ class NativeHooks:
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,
-                 fusion: bool = False) -> None:
+                 fusion: bool = False, external: bool = False) -> None:
         _C, why = load_native(backend)
         if _C is None:
             raise RuntimeError(why)
@@ -79,7 +81,7 @@ class NativeHooks:
         whole = backend.new_bucket_partials(numels, "meta")
         extents = [backend.new_bucket_partials([n], "meta").shape[dim] for n in numels]
         self._hot = _C.HotPath(self.params, main_grad.data, list(main_grad.layout.offsets), bucket_of, whole, dim,
-                               extents, callback, backend.hot_path_namespace(_C))
+                               extents, callback, backend.hot_path_namespace(_C), external)
         self._hot.set_arrival([])
         if acquire is not None:
             self._hot.set_acquire(acquire, [b.start for b in buckets])
@@ -88,6 +90,11 @@ class NativeHooks:
             self._hot.set_fusion(True)
         self.measure_sources = bool(measure_sources)
         self.num_buckets = len(buckets)
+
+    def arrive(self, index: int, grad: torch.Tensor) -> None:
+        """``external=True``: parameter ``index``'s gradient (shaped as ``params[index]``, on its device), handed over
+        as its AccumulateGrad hook would hand ``p.grad`` over (``HotPath.arrive``)."""
+        self._hot.arrive(index, grad)
 
     def begin(self, last: bool, want_norm: bool, armed: bool) -> None:
         self._hot.begin(want_norm, armed)

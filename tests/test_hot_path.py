@@ -301,3 +301,33 @@ def test_hot_path_refuses_a_namespace_without_the_op():
     with pytest.raises(ValueError, match=r"op_namespace no_such_namespace defines no accumulate_bucket_"):
         _C.HotPath([w], torch.zeros(64), [0], [0], torch.empty(1, 2, dtype=torch.float64), 0, [1], None,
                    "no_such_namespace")
+
+
+def test_external_hot_path_takes_handed_over_gradients():
+    """external=True (FSDP2's shards): no AccumulateGrad hooks; arrive(i, grad) holds and accumulates as the hook
+    does (micro-batch 0 writes, later ones add: the fp64 sum of what was handed over, exact in fp32 here), and its
+    contracts name the argument."""
+    params = [torch.zeros(3, 4), torch.zeros(5)]
+    main_grad = torch.full((128,), float("nan"))
+    backend = gaengine.backends.get_backend("cpu")
+    table = backend.new_bucket_partials([12, 5], "meta")
+    hot = _C.HotPath(params, main_grad, [0, 64], [0, 0], table, backend.partials_dim, [1, 1], None, "gaengine", True)
+    grads = [[torch.full((3, 4), 0.5 * (k + 1)), torch.full((5,), 0.25 * (k + 1))] for k in range(3)]
+    hot.set_arrival(None)
+    for k in range(3):
+        hot.begin(False, False)
+        for i in (1, 0):
+            hot.arrive(i, grads[k][i].clone())
+        hot.end()
+    for i, (offset, p) in enumerate(zip((0, 64), params)):
+        want = sum(g[i].double() for g in grads)
+        assert torch.equal(main_grad[offset:offset + p.numel()].double().view_as(p), want)
+    with pytest.raises(ValueError, match=r"grad of parameter 1 must have shape \[5\]"):
+        hot.arrive(1, torch.zeros(4))
+    with pytest.raises(IndexError, match="index 2 out of range for 2 parameters"):
+        hot.arrive(2, torch.zeros(5))
+    hooked = _C.HotPath([nn.Parameter(torch.zeros(4))], torch.zeros(64), [0], [0],
+                        backend.new_bucket_partials([4], "meta"), backend.partials_dim, [1], None)
+    with pytest.raises(ValueError, match=r"arrive\(\) is for a HotPath built with external=True"):
+        hooked.arrive(0, torch.zeros(4))
+    hot.close(), hooked.close()
