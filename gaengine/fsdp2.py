@@ -7,7 +7,9 @@ post-accumulate-grad hooks itself, right after it assigned the shard to ``.grad`
 autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrads`` is the sharding strategy
 (``gaengine.sharding.ShardingStrategy``) built on that hook:
 
-* **Hooks** (``ShardHooks``, the Python hooks over the local shards): each hook adds ``p.grad.to_local()`` (this
+* **Hooks** (``make_shard_hooks``: ``NativeShardHooks``, the one native hot path of ``csrc/hot_path.cpp`` in its
+  external mode, each Python hook FSDP2 calls handing the shard to ``HotPath.arrive``; ``ShardHooks``, the Python
+  hooks, without ``gaengine._C`` or with ``GAENGINE_HOT_PATH=python``): each hook adds ``p.grad.to_local()`` (this
   rank's shard of the micro-batch's reduced gradient, in the sharded parameter's dtype) into one flat fp32
   ``main_grad`` laid out over the local shards (local numels, possibly 0) and sets ``p.grad = None``. A bucket is
   one FSDP2 parameter group: its hooks fire back to back in one ``foreach_reduce``, so a group costs one
@@ -41,6 +43,7 @@ gradient sync was turned off behind the accumulator's back (``set_requires_gradi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -52,6 +55,8 @@ from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import composable_apis, fsdp_param_groups
 from gaengine.formats import FSDP2_FORMAT
 from gaengine.norm import WindowNorm, window_norm
+from gaengine.hooks import native_hooks_problem
+from gaengine.hot_path import NativeHooks
 from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import WindowStats, broadcast_from_first_rank, launch_window_stats
 from gaengine.sharding import ShardingStrategy, register_model_strategy
@@ -60,7 +65,7 @@ from gaengine.update import (LOW_PRECISION, convert_state, merge_model_write, pa
                              step_scheduler)
 from gaengine.window import Window
 
-__all__ = ["FullyShardedGrads", "ShardHooks", "check_fsdp2_model", "fsdp2_param_groups", "is_fsdp2_model"]
+__all__ = ["FullyShardedGrads", "NativeShardHooks", "ShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
 
 
 def is_fsdp2_model(model: nn.Module | None) -> bool:
@@ -133,6 +138,67 @@ class _LocalGrad:
         self.shape = shape
 
 
+def _local_shard(param: torch.Tensor) -> torch.Tensor | None:
+    """Take ``param.grad`` (FSDP2's reduced shard) from the parameter and return its local tensor, or None: the
+    parameter lets go of it (FSDP2 assigns a fresh ``.grad`` on the next synced micro-batch)."""
+    grad = param.grad
+    if grad is None:
+        return None
+    param.grad = None
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    if local.is_cuda:  # the shard came from FSDP2's reduce-scatter stream; the bucket's accumulate reads it on
+        local.record_stream(torch.cuda.current_stream())  # this one (post_reduce_stream): no early reuse
+    return local
+
+
+class NativeShardHooks(NativeHooks):
+    """``gaengine.hot_path.NativeHooks`` over FSDP2's sharded parameters (``params``: DTensors, layout order): the
+    one hot path (``csrc/hot_path.cpp``) in its external mode, over the local shards' layout. FSDP2 calls a Python
+    post-accumulate-grad hook per parameter after its reduce-scatter (the sharded parameters never enter
+    autograd); the hook hands the local shard to ``HotPath.arrive``, which holds and accumulates it as the
+    AccumulateGrad hooks do: one launch per complete bucket (an FSDP2 parameter group) into ``main_grad``. There is
+    no reducer (FSDP2 reduces)."""
+
+    def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
+                 measure_sources: bool = False, divide_factor=lambda: 1.0) -> None:
+        super().__init__([p.to_local() for p in params], main_grad, backend, buckets, None, measure_sources,
+                         external=True)
+        self._divide_factor = divide_factor
+        ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(ref, i)) for i, p in enumerate(params)]
+
+    @staticmethod
+    def _make_hook(ref: weakref.ref, i: int):
+        def hook(param: torch.Tensor) -> None:
+            hooks = ref()
+            local = _local_shard(param) if hooks is not None else None
+            if local is not None:
+                hooks.arrive(i, local)
+
+        return hook
+
+    @property
+    def sources_reduced_by(self) -> float:
+        """See ``ShardHooks.sources_reduced_by``."""
+        return self._divide_factor()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        super().close()
+
+
+def make_shard_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
+                     measure_sources: bool = False, divide_factor=lambda: 1.0):
+    """The hooks over FSDP2's sharded parameters: ``NativeShardHooks`` when the native hooks can run
+    (``gaengine.hooks.native_hooks_problem``), else ``ShardHooks`` (an install without ``gaengine._C``,
+    ``GAENGINE_HOT_PATH=python``)."""
+    if native_hooks_problem(backend) is None:
+        return NativeShardHooks(params, main_grad, backend, buckets, measure_sources, divide_factor)
+    return ShardHooks(params, main_grad, backend, buckets, measure_sources, divide_factor)
+
+
 class ShardHooks(PythonHooks):
     """``gaengine.python_hooks.PythonHooks`` over FSDP2's sharded parameters (``params``: DTensors, layout order).
 
@@ -155,14 +221,9 @@ class ShardHooks(PythonHooks):
         return self._divide_factor()
 
     def _accumulate(self, i: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        param.grad = None  # FSDP2 assigns a fresh .grad on the next synced micro-batch
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if local.is_cuda:  # the shard came from FSDP2's reduce-scatter stream; the bucket's accumulate reads it on
-            local.record_stream(torch.cuda.current_stream())  # this one (post_reduce_stream): no early reuse
-        super()._accumulate(i, _LocalGrad(local, local.shape))
+        local = _local_shard(param)
+        if local is not None:
+            super()._accumulate(i, _LocalGrad(local, local.shape))
 
 
 @register_model_strategy
@@ -245,8 +306,8 @@ class FullyShardedGrads(ShardingStrategy):
         offsets = list(layout.offsets) + [layout.total_numel]
         buckets = [Bucket(b, first, last, offsets[first], offsets[last]) for b, (first, last) in enumerate(bounds)]
         self.reducer = None  # FSDP2 reduce-scatters every micro-batch itself
-        self.hooks = ShardHooks(order, self.main_grad, self.backend, buckets, self.measure_sources,
-                                divide_factor=self._divide_factor)
+        self.hooks = make_shard_hooks(order, self.main_grad, self.backend, buckets, self.measure_sources,
+                                      divide_factor=self._divide_factor)
         self.store = None
         self._build_update(optimizer)
 

@@ -19,6 +19,7 @@ the test shows it.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import sys
 import time
@@ -95,7 +96,7 @@ class _Schedule:
 
 
 _BASE = dict(items=False, clip=MAX_NORM, opt="adamw-fused", partial=False, nonfinite=False, loss_scale=None,
-             unused=False, schedule=False, scheduler=False)
+             unused=False, schedule=False, scheduler=False, hot_path="auto")
 CASES = {
     "mean": {},
     "items": dict(items=True),
@@ -106,6 +107,7 @@ CASES = {
     "nonfinite-fused-scaled": dict(nonfinite=True, loss_scale=2.0**10),
     "unused": dict(unused=True),
     "schedule-items": dict(schedule=True, items=True),
+    "items-python-hooks": dict(items=True, hot_path="python"),  # the Python hooks (no gaengine._C) as well
 }
 WORLD_CASES = {1: ["mean", "items-partial-noclip"], 2: list(CASES), 3: ["items-partial-noclip"],
                4: ["items"]}
@@ -135,6 +137,7 @@ def _full(model) -> list[torch.Tensor]:
 
 
 def _run_case(rank: int, world: int, cfg: dict) -> dict:
+    os.environ["GAENGINE_HOT_PATH"] = cfg["hot_path"]
     torch.manual_seed(0)
     model = _shard(Net(), world)
     opt = _optimizer(cfg["opt"], model.parameters())
@@ -157,7 +160,9 @@ def _run_case(rank: int, world: int, cfg: dict) -> dict:
         out["norms"].append(float(res.grad_norm))
     out["params"] = _full(model)
     out["grads_left"] = [p.grad is not None for p in model.parameters()]
+    out["hooks"] = type(acc.sharding.hooks).__name__
     acc.close()
+    os.environ["GAENGINE_HOT_PATH"] = "auto"
     return out
 
 
@@ -499,6 +504,9 @@ def _param_rtol(q, world: int, opt: str = "adamw-fused", clip: float | None = MA
                              grad_norm_max=grad_norm_max)
 
 
+_C_BUILT = importlib.util.find_spec("gaengine._C") is not None
+
+
 def _check_case(name: str, world: int, results: list[dict]) -> None:
     cfg = {**_BASE, **CASES[name]}
     ref = _reference(cfg, world)
@@ -509,6 +517,9 @@ def _check_case(name: str, world: int, results: list[dict]) -> None:
             rtol = _param_rtol(q, world, cfg["opt"], cfg["clip"], ref["grad_norm_max"])
             assert rel_diff(p, q) <= rtol, f"{name} rank {rank} param {i}: {rel_diff(p, q):.2e} from the reference"
         assert not any(got["grads_left"]), f"{name}: a .grad left on a parameter"
+        # The one hot path (csrc/hot_path.cpp, external mode) wherever gaengine._C is built; the Python hooks asked for
+        want = "NativeShardHooks" if cfg["hot_path"] != "python" and _C_BUILT else "ShardHooks"
+        assert got["hooks"] == want, f"{name} rank {rank}: hooks {got['hooks']}, expected {want}"
         assert repr(got["norms"]) == repr(results[0][name]["norms"]), f"{name}: ranks disagree on the norm"
     if cfg["partial"] and not cfg["items"]:  # the wrong recipe (the partial window divided by K) fails the check
         wrong = _reference(cfg, world, divide_partial_by_k=True)
