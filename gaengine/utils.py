@@ -205,6 +205,39 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _check_micro_batch_sizes(step_fn: Any, target_batch_size: Any, start: Any, min_size: Any) -> tuple[int, int, int]:
+    """Check ``find_micro_batch_size``'s arguments; return ``(target, min_size, first size tried)``.
+
+    Raises ``TypeError`` for a ``step_fn`` that is not callable, ``ValueError`` naming the argument otherwise.
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable as step_fn(micro_batch_size), got {type(step_fn).__name__}")
+    target = _check_positive_int("target_batch_size", target_batch_size)
+    min_size = _check_positive_int("min_size", min_size)
+    size = target if start is None else _check_positive_int("start", start)
+    if size > target:
+        raise ValueError(f"start={size} exceeds target_batch_size={target}: a micro-batch larger than the "
+                         "effective batch is never needed")
+    if min_size > size:
+        raise ValueError(f"min_size={min_size} exceeds the first size tried ({size}); lower min_size or raise start")
+    return target, min_size, size
+
+
+def _out_of_memory_in(step_fn: Callable[[int], Any], size: int) -> RuntimeError | None:
+    """Run ``step_fn(size)``: None if it ran; on an out-of-memory error a ``RuntimeError`` with its type and message.
+
+    Only the message is kept: the exception's traceback pins the failed step's frames and tensors, and it is
+    gone when this returns. Any other exception propagates unchanged.
+    """
+    try:
+        step_fn(size)
+    except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried; others re-raised
+        if not is_oom_error(exc):
+            raise
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return None
+
+
 def find_micro_batch_size(
     step_fn: Callable[[int], Any],
     target_batch_size: int,
@@ -242,29 +275,11 @@ def find_micro_batch_size(
     Raises ``ValueError`` naming the argument for bad sizes, and ``RuntimeError`` (chained from the last
     out-of-memory error) when even ``min_size`` runs out of memory.
     """
-    if not callable(step_fn):
-        raise TypeError(f"step_fn must be callable as step_fn(micro_batch_size), got {type(step_fn).__name__}")
-    target = _check_positive_int("target_batch_size", target_batch_size)
-    min_size = _check_positive_int("min_size", min_size)
-    size = target if start is None else _check_positive_int("start", start)
-    if size > target:
-        raise ValueError(f"start={size} exceeds target_batch_size={target}: a micro-batch larger than the "
-                         "effective batch is never needed")
-    if min_size > size:
-        raise ValueError(f"min_size={min_size} exceeds the first size tried ({size}); lower min_size or raise start")
-
+    target, min_size, size = _check_micro_batch_sizes(step_fn, target_batch_size, start, min_size)
     tried: list[int] = []
     while True:
         tried.append(size)
-        last_error: BaseException | None = None
-        try:
-            step_fn(size)
-        except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried; others re-raised
-            if not is_oom_error(exc):
-                raise
-            # Keep the message, drop the exception: its traceback pins the failed step's frames and tensors.
-            last_error = RuntimeError(f"{type(exc).__name__}: {exc}")
-            del exc
+        last_error = _out_of_memory_in(step_fn, size)
         if last_error is None:
             steps = -(-target // size)
             logger.info("gaengine: micro_batch_size=%d fits (tried %s); accumulation_steps=%d for target %d",

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gaengine.clip import OWNER_ATTR as _OWNER_ATTR
-from gaengine.utils import split_batch
+from gaengine.utils import MicroBatches, split_batch
 
 __all__ = ["verify_equivalence", "engine_bound", "EquivalenceReport", "ParameterDiff", "GRAD_RTOL"]
 
@@ -316,6 +316,188 @@ def _to_float(value: Any, what: str) -> float:
     return float(value)
 
 
+
+def _checked_parameters(model: Any, accumulation_steps: Any, rtol: Any) -> list[tuple[str, nn.Parameter]]:
+    """Check ``verify_equivalence``'s arguments and setting; return the model's trainable named parameters.
+
+    Raises what ``verify_equivalence`` documents: ``TypeError`` for a non-module, ``ValueError`` for bad
+    ``accumulation_steps`` / ``rtol`` or no trainable parameter, ``RuntimeError`` for a live accumulator on the
+    model or a multi-rank ``torch.distributed``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError("model must be an nn.Module (loss_fn is called as loss_fn(model, batch)), "
+                        f"got {type(model).__name__}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol >= 0):
+        raise ValueError(f"rtol must be a float >= 0 or None, got {rtol!r}")
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+    for name, p in named:
+        owner = getattr(p, _OWNER_ATTR, None)
+        if owner is not None and owner() is not None:
+            raise RuntimeError(f"parameter {name!r} belongs to a live GradientAccumulator: run verify_equivalence "
+                               "before creating it, or call its close() first")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # A GradientAccumulator built now would broadcast the parameters and all-reduce the gradients over
+        # every rank (a collective this call may be making alone), while the reference is this rank's batch.
+        raise RuntimeError("verify_equivalence is a single-process check, but torch.distributed is initialized with "
+                           f"{dist.get_world_size()} ranks: run it before init_process_group (or in a "
+                           "separate single-process job)")
+    return named
+
+
+class _ModelState:
+    """What ``verify_equivalence`` must leave as it found: every ``.grad`` object, buffer and ``training`` flag."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.grads = [p.grad for p in self.params]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.modes = [(m, m.training) for m in model.modules()]
+
+    def clear_grads(self) -> None:
+        """Set every parameter's ``.grad`` to None (the saved tensors are kept, untouched)."""
+        for p in self.params:
+            p.grad = None
+
+    def restore_buffers(self) -> None:
+        """Copy the saved values back into the buffers (BatchNorm running statistics)."""
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+
+    def restore(self) -> None:
+        """Put back the saved ``.grad`` objects, buffer values and training modes."""
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        self.restore_buffers()
+        for m, training in self.modes:
+            m.training = training
+
+
+class _MicroBatchSums:
+    """The micro-batch gradients autograd produced, per parameter (keyed by ``id(p)``), summed exactly in fp64.
+
+    total: ``sum_k g_k``; abs_total: ``sum_k |g_k|``; num_terms: how many terms each sum holds (``engine_bound``'s
+    K). Filled by hooks on the parameters (``capture``) and, for fused layers, on the layers (``capture_fused``).
+    """
+
+    def __init__(self) -> None:
+        self.total: dict[int, torch.Tensor] = {}
+        self.abs_total: dict[int, torch.Tensor] = {}
+        self.num_terms: dict[int, int] = {}
+
+    def add(self, key: int, g: torch.Tensor, g_abs: torch.Tensor, terms: int) -> None:
+        """Add one gradient ``g`` (fp64) and its ``g_abs`` to parameter ``key``'s sums, counting ``terms`` terms."""
+        if key in self.total:
+            self.total[key] += g
+            self.abs_total[key] += g_abs
+        else:
+            self.total[key], self.abs_total[key] = g, g_abs
+        self.num_terms[key] = self.num_terms.get(key, 0) + terms
+
+    def capture(self, key: int) -> Callable[[torch.Tensor], None]:
+        """A parameter tensor hook adding each gradient it sees to parameter ``key``'s sums."""
+        def hook(grad: torch.Tensor | None) -> None:  # runs before AccumulateGrad, so before the engine's hooks
+            if grad is None:
+                return
+            g = grad.detach().to(torch.float64, copy=True)  # never alias the tensor autograd goes on with
+            self.add(key, g, g.abs(), 1)
+        return hook
+
+    def capture_fused(self, module: nn.Module) -> Callable[..., None]:
+        """The micro-batch terms of a fused layer's weight and bias (module forward hook, then an output hook)."""
+        transposed = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight (in, out)
+
+        def forward_hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            x = inputs[0].detach()
+            device_type = x.device.type
+            if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
+                x = x.to(torch.get_autocast_dtype(device_type))  # the operand the fused op multiplies
+            x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+
+            def output_hook(grad: torch.Tensor) -> None:
+                dy = grad.detach().reshape(-1, grad.shape[-1]).to(torch.float64)
+                weight, bias = mod.weight, mod.bias
+                if weight.requires_grad:
+                    pair = (x, dy) if transposed else (dy, x)
+                    self.add(id(weight), pair[0].t() @ pair[1], pair[0].abs().t() @ pair[1].abs(), dy.shape[0] + 1)
+                if bias is not None and bias.requires_grad:
+                    self.add(id(bias), dy.sum(0), dy.abs().sum(0), dy.shape[0] + 1)
+
+            if output.requires_grad:
+                output.register_hook(output_hook)
+        return forward_hook
+
+    def normalize(self, denom: float) -> None:
+        """Divide the sums by the engine's normalization (K, the rows or the items), in fp64."""
+        for key in self.total:
+            self.total[key] /= denom
+            self.abs_total[key] /= denom
+
+
+def _whole_batch_gradients(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any,
+                           named: list[tuple[str, nn.Parameter]], num_items_fn: Callable[[Any], Any] | None,
+                           ) -> tuple[dict[int, torch.Tensor | None], float]:
+    """The plain-PyTorch reference: ``loss_fn(model, batch).backward()`` once over the whole batch.
+
+    Returns ``{id(p): fp64 gradient or None}`` and the loss as a float, both divided by ``num_items_fn(batch)``
+    in item mode. Raises ``ValueError`` for a loss that is not a one-element tensor.
+    """
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("loss_fn must return a one-element tensor (reduce the loss with .mean() or .sum())")
+    loss.backward()
+    denom = _to_float(num_items_fn(batch), "num_items_fn") if num_items_fn is not None else 1.0
+    whole = {id(p): (None if p.grad is None else p.grad.detach().to(torch.float64) / denom) for _, p in named}
+    return whole, float(loss.detach().to(torch.float64).reshape(())) / denom
+
+
+def _accumulated_gradients(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], micro: MicroBatches,
+                           mode: str, named: list[tuple[str, nn.Parameter]], sums: _MicroBatchSums, *,
+                           num_items_fn: Callable[[Any], Any] | None, backend: str,
+                           gradient_accumulation_fusion: bool) -> tuple[dict[int, torch.Tensor | None], float, float]:
+    """Feed the micro-batches through a ``GradientAccumulator``, capturing their gradients into ``sums``.
+
+    Weights them by ``mode`` (see ``verify_equivalence``). Returns ``{id(p): final .grad}``, the engine's window
+    loss and its normalization (K, the rows or the items of the micro-batches). The accumulator and the hooks are
+    gone when it returns or raises.
+    """
+    # The parameters, not the module: a BatchNorm warning is the user's accumulator's to give (it
+    # fires once per module). No loss scaling: the reference backward is unscaled too, so fp16
+    # gradients underflow alike, and a dynamic scale's first windows would overflow and skip.
+    from gaengine.engine import GradientAccumulator  # noqa: PLC0415 - verify sits above the engine it checks
+
+    acc = GradientAccumulator(model if gradient_accumulation_fusion else [p for _, p in named], None,
+                              accumulation_steps=len(micro), max_grad_norm=None, backend=backend,
+                              loss_scale=None, gradient_accumulation_fusion=gradient_accumulation_fusion)
+    handles = []
+    try:
+        handles = [p.register_hook(sums.capture(id(p))) for _, p in named]
+        if gradient_accumulation_fusion:
+            handles += [m.register_forward_hook(sums.capture_fused(m)) for m in acc._fusion.modules]
+        engine_denom = 0.0
+        for mb, rows in zip(micro, micro.sizes):
+            if mode == "items":
+                num_items = num_items_fn(mb)
+                engine_denom += _to_float(num_items, "num_items_fn")
+                acc.backward(loss_fn(model, mb), num_items=num_items)
+            elif mode == "rows":
+                engine_denom += rows
+                acc.backward(loss_fn(model, mb) * rows, num_items=rows)
+            else:
+                engine_denom += 1
+                acc.backward(loss_fn(model, mb))
+        result = acc.step()
+        return {id(p): p.grad for _, p in named}, float(result.loss), engine_denom
+    finally:
+        for h in handles:
+            h.remove()
+        acc.close()
+
+
 def verify_equivalence(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -389,154 +571,38 @@ def verify_equivalence(
     ``GradientAccumulator`` is attached to the model or ``torch.distributed`` runs more than one rank (the
     check is local to one process); exceptions from ``loss_fn`` propagate (the model is restored first).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError("model must be an nn.Module (loss_fn is called as loss_fn(model, batch)), "
-                        f"got {type(model).__name__}")
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol >= 0):
-        raise ValueError(f"rtol must be a float >= 0 or None, got {rtol!r}")
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
-    for name, p in named:
-        owner = getattr(p, _OWNER_ATTR, None)
-        if owner is not None and owner() is not None:
-            raise RuntimeError(f"parameter {name!r} belongs to a live GradientAccumulator: run verify_equivalence "
-                               "before creating it, or call its close() first")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # A GradientAccumulator built now would broadcast the parameters and all-reduce the gradients over
-        # every rank (a collective this call may be making alone), while the reference is this rank's batch.
-        raise RuntimeError("verify_equivalence is a single-process check, but torch.distributed is initialized with "
-                           f"{dist.get_world_size()} ranks: run it before init_process_group (or in a "
-                           "separate single-process job)")
+    named = _checked_parameters(model, accumulation_steps, rtol)
     micro = split_batch(batch, accumulation_steps)
     mode = "items" if num_items_fn is not None else ("rows" if micro.uneven else "mean")
-
-    all_params = list(model.parameters())
-    saved_grads = [p.grad for p in all_params]
-    saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    saved_modes = [(m, m.training) for m in model.modules()]
+    state = _ModelState(model)
     device = named[0][1].device
     rng_devices = [device] if device.type == "cuda" else []
-
-    def restore_buffers() -> None:
-        with torch.no_grad():
-            for b, saved in saved_buffers:
-                b.copy_(saved)
-
-    acc = None
-    handles = []
-    total: dict[int, torch.Tensor] = {}  # id(p) -> sum_k g_k in fp64, the micro-batch gradients autograd produced
-    abs_total: dict[int, torch.Tensor] = {}  # id(p) -> sum_k |g_k|
-    num_terms: dict[int, int] = {}  # id(p) -> how many g_k
-
-    def add_term(key: int, g: torch.Tensor, g_abs: torch.Tensor, terms: int) -> None:
-        if key in total:
-            total[key] += g
-            abs_total[key] += g_abs
-        else:
-            total[key], abs_total[key] = g, g_abs
-        num_terms[key] = num_terms.get(key, 0) + terms
-
-    def capture(key: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor | None) -> None:  # runs before AccumulateGrad, so before the engine's hooks
-            if grad is None:
-                return
-            g = grad.detach().to(torch.float64, copy=True)  # never alias the tensor autograd goes on with
-            add_term(key, g, g.abs(), 1)
-        return hook
-
-    def capture_fused(module: nn.Module) -> Callable[..., None]:
-        """The micro-batch terms of a fused layer's weight and bias (module forward hook, then an output hook)."""
-        transposed = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight (in, out)
-
-        def forward_hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            x = inputs[0].detach()
-            device_type = x.device.type
-            if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
-                x = x.to(torch.get_autocast_dtype(device_type))  # the operand the fused op multiplies
-            x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-
-            def output_hook(grad: torch.Tensor) -> None:
-                dy = grad.detach().reshape(-1, grad.shape[-1]).to(torch.float64)
-                weight, bias = mod.weight, mod.bias
-                if weight.requires_grad:
-                    pair = (x, dy) if transposed else (dy, x)
-                    add_term(id(weight), pair[0].t() @ pair[1], pair[0].abs().t() @ pair[1].abs(), dy.shape[0] + 1)
-                if bias is not None and bias.requires_grad:
-                    add_term(id(bias), dy.sum(0), dy.abs().sum(0), dy.shape[0] + 1)
-
-            if output.requires_grad:
-                output.register_hook(output_hook)
-        return forward_hook
+    sums = _MicroBatchSums()
 
     with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(device) if rng_devices else None
         try:
-            # ---- the whole batch, plain PyTorch
-            for p in all_params:
-                p.grad = None  # backward accumulates into an existing .grad in place: never touch the saved one
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError("loss_fn must return a one-element tensor (reduce the loss with .mean() or .sum())")
-            loss.backward()
-            denom = _to_float(num_items_fn(batch), "num_items_fn") if num_items_fn is not None else 1.0
-            whole = {id(p): (None if p.grad is None else p.grad.detach().to(torch.float64) / denom) for _, p in named}
-            reference_loss = float(loss.detach().to(torch.float64).reshape(())) / denom
+            state.clear_grads()  # backward accumulates into an existing .grad in place: never touch the saved one
+            whole, reference_loss = _whole_batch_gradients(model, loss_fn, batch, named, num_items_fn)
 
-            # ---- engine: the same batch in micro-batches, same starting buffers and RNG state
-            for p in all_params:
-                p.grad = None
-            restore_buffers()
+            # The engine: the same batch in micro-batches, same starting buffers and RNG state.
+            state.clear_grads()
+            state.restore_buffers()
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, device)
-            # The parameters, not the module: a BatchNorm warning is the user's accumulator's to give (it
-            # fires once per module). No loss scaling: the reference backward is unscaled too, so fp16
-            # gradients underflow alike, and a dynamic scale's first windows would overflow and skip.
-            from gaengine.engine import GradientAccumulator  # noqa: PLC0415 - verify sits above the engine it checks
-
-            acc = GradientAccumulator(model if gradient_accumulation_fusion else [p for _, p in named], None,
-                                      accumulation_steps=len(micro), max_grad_norm=None, backend=backend,
-                                      loss_scale=None, gradient_accumulation_fusion=gradient_accumulation_fusion)
-            handles = [p.register_hook(capture(id(p))) for _, p in named]
-            if gradient_accumulation_fusion:
-                handles += [m.register_forward_hook(capture_fused(m)) for m in acc._fusion.modules]
-            engine_denom = 0.0  # the engine's normalization: K, the rows, or the items of the micro-batches
-            for mb, rows in zip(micro, micro.sizes):
-                if mode == "items":
-                    num_items = num_items_fn(mb)
-                    engine_denom += _to_float(num_items, "num_items_fn")
-                    acc.backward(loss_fn(model, mb), num_items=num_items)
-                elif mode == "rows":
-                    engine_denom += rows
-                    acc.backward(loss_fn(model, mb) * rows, num_items=rows)
-                else:
-                    engine_denom += 1
-                    acc.backward(loss_fn(model, mb))
-            result = acc.step()
-            engine = {id(p): p.grad for _, p in named}
-            engine_loss = float(result.loss)
+            engine, engine_loss, engine_denom = _accumulated_gradients(
+                model, loss_fn, micro, mode, named, sums, num_items_fn=num_items_fn, backend=backend,
+                gradient_accumulation_fusion=gradient_accumulation_fusion)
         finally:
-            for h in handles:
-                h.remove()
-            if acc is not None:
-                acc.close()
-            for p, g in zip(all_params, saved_grads):
-                p.grad = g
-            restore_buffers()
-            for m, training in saved_modes:
-                m.training = training
+            state.restore()
 
+    sums.normalize(engine_denom)
     model_scale = max(_max_abs(g) for g in whole.values())
-    for key in total:  # the engine's normalization, in fp64
-        total[key] /= engine_denom
-        abs_total[key] /= engine_denom
     diffs = tuple(
-        _diff(name, p, whole[id(p)], total.get(id(p)), abs_total.get(id(p)), num_terms.get(id(p), 0), engine[id(p)],
-              GRAD_RTOL.get(p.dtype, 1e-5) if rtol is None else float(rtol), model_scale)
+        _diff(name, p, whole[id(p)], sums.total.get(id(p)), sums.abs_total.get(id(p)), sums.num_terms.get(id(p), 0),
+              engine[id(p)], GRAD_RTOL.get(p.dtype, 1e-5) if rtol is None else float(rtol), model_scale)
         for name, p in named
     )
     worst = max(diffs, key=lambda d: d.badness).name

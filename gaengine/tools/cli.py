@@ -163,21 +163,16 @@ def _add_config_option(group, name: str, default, *flags: str, dest: Optional[st
     group.add_argument(*(flags or ("--" + name.replace("_", "-"),)), **options)
 
 
-def _add_train_parser(subparsers) -> None:
-    d = TrainConfig()
-    p = subparsers.add_parser(
-        "train",
-        help="train a small byte-level GPT through the engine",
-        description=(
-            "Train a byte-level GPT through gaengine.GradientAccumulator and report loss, throughput and "
-            "memory. Default corpus: the .py files of this Python's standard library."
-        ),
-        formatter_class=_HelpFormatter,
-    )
+def _add_train_data_group(p: argparse.ArgumentParser) -> None:
+    """The data options: the corpus and how much of it is read."""
     g = p.add_argument_group("data")
     g.add_argument("--data", type=Path, default=None,
                    help="a text file, or a folder read recursively (*.txt, *.py, *.md, ...); default: the stdlib")
     g.add_argument("--max-data-mb", type=_positive_float, default=4.0, help="read at most this many MiB of the corpus")
+
+
+def _add_train_model_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The model options: the GPT's shape and its parameter dtype."""
     g = p.add_argument_group("model")
     g.add_argument("--n-layers", type=_positive_int, default=d.n_layers, help="transformer blocks")
     g.add_argument("--d-model", type=_positive_int, default=d.d_model, help="residual width")
@@ -186,6 +181,10 @@ def _add_train_parser(subparsers) -> None:
     g.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="parameter dtype; auto: bf16 on a GPU that supports it and on a CPU whose bf16 matmul is not "
                         "far slower than fp32's (measured at start; AVX2-only CPUs run it 20-30x slower), else fp32")
+
+
+def _add_train_optimization_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The optimization options: updates, micro-batches, K and its schedule, AdamW, clipping, the noise scale."""
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer updates")
     _add_config_option(g, "micro_batch_size", d.micro_batch_size, more="; here sequences")
@@ -207,6 +206,10 @@ def _add_train_parser(subparsers) -> None:
     # The short form, out of the usage line: argparse cannot wrap inside one option's brackets (107 columns).
     g.add_argument("--noise-scale", action=argparse.BooleanOptionalAction, dest="noise_scale",
                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _add_train_engine_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The engine and device options: backend, device, master weights, fusion, CPU threads."""
     g = p.add_argument_group("engine and device")
     _add_config_option(g, "backend", d.backend)
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
@@ -222,6 +225,10 @@ def _add_train_parser(subparsers) -> None:
                         "on a 2-core machine with one core busy, torch's default (2 threads) trained 4-8x slower "
                         "than 1 thread (idle, 1.65x faster). Under torchrun (WORLD_SIZE > 1) or with "
                         "OMP_NUM_THREADS set: torch's count, which follows OMP_NUM_THREADS")
+
+
+def _add_train_reporting_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The reporting options: evaluation, the plain-recipe comparison, output folder, progress."""
     g = p.add_argument_group("reporting")
     g.add_argument("--eval-interval", type=_non_negative_int, default=d.eval_interval,
                    help="evaluate every N updates (0: only at the end)")
@@ -230,6 +237,10 @@ def _add_train_parser(subparsers) -> None:
                    help="also train the plain PyTorch recipe (same data, init, optimizer) and compare")
     g.add_argument("--out", type=Path, default=None, help="output folder; default: runs/<timestamp>")
     g.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress bar")
+
+
+def _add_train_robustness_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The robustness and multi-rank options: automatic micro-batch, ZeRO, FSDP2, the process group timeout."""
     g = p.add_argument_group("robustness and multi-rank")
     g.add_argument("--auto-micro-batch", action="store_true",
                    help="on an out-of-memory error, drop the window, halve the micro-batch and double the "
@@ -243,6 +254,26 @@ def _add_train_parser(subparsers) -> None:
                         "(docs/fsdp2.md). Not with --zero-stage > 0")
     g.add_argument("--dist-timeout", type=_positive_float, default=600.0,
                    help="under torchrun: seconds a rank waits for the others before failing (process group timeout)")
+
+
+def _add_train_parser(subparsers) -> None:
+    """Add the ``train`` command, its options in six groups; defaults from ``TrainConfig``."""
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train a small byte-level GPT through the engine",
+        description=(
+            "Train a byte-level GPT through gaengine.GradientAccumulator and report loss, throughput and "
+            "memory. Default corpus: the .py files of this Python's standard library."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    _add_train_data_group(p)
+    _add_train_model_group(p, d)
+    _add_train_optimization_group(p, d)
+    _add_train_engine_group(p, d)
+    _add_train_reporting_group(p, d)
+    _add_train_robustness_group(p, d)
     p.set_defaults(func=_cmd_train)
 
 

@@ -402,6 +402,42 @@ _MakeUpdate = Callable[
 ]
 
 
+def _rank_shard(corpus: ByteCorpus, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """This rank's contiguous shard of the training bytes (all of them on one rank) and the world size.
+
+    Raises ``ValueError`` when the shard holds no sequence of ``config.seq_len`` bytes and its target.
+    """
+    rank, world = rank_and_world()
+    n = corpus.train.numel()
+    shard = corpus.train[rank * n // world:(rank + 1) * n // world] if world > 1 else corpus.train
+    if shard.numel() <= config.seq_len:
+        raise ValueError(f"the training data is too small for {world} ranks of seq_len {config.seq_len}")
+    return shard, world
+
+
+def _record_update(result: TrainResult, config: TrainConfig, step: int, k: int, world: int, lr: float,
+                   values: dict[str, float], start: float) -> dict:
+    """Add update ``step`` (K = ``k``, its read ``values``: loss, grad_norm, clip_coef, skipped, maybe
+    grad_noise_scale) to ``result``; return its ``metrics.jsonl`` record (``start``: the run's perf_counter)."""
+    loss, grad_norm, skipped = values["loss"], values["grad_norm"], values["skipped"]
+    result.updates = step
+    effective_batch = config.micro_batch_size * k * world
+    result.tokens += effective_batch * config.seq_len
+    result.effective_batches.append(effective_batch)
+    result.skipped_updates += int(skipped)
+    result.train_losses.append(loss)
+    result.grad_norms.append(grad_norm)
+    record = {"kind": "train", "recipe": result.recipe, "step": step, "loss": loss, "grad_norm": grad_norm,
+              "clip_coef": values["clip_coef"], "skipped": bool(skipped), "lr": lr, "tokens": result.tokens,
+              "accumulation_steps": k, "effective_batch": effective_batch,
+              "elapsed_s": time.perf_counter() - start, "tokens_per_s": result.tokens_per_s}
+    if "grad_noise_scale" in values:  # B_simple in micro-batches (mean mode) -> sequences
+        noise_scale = values["grad_noise_scale"] * config.micro_batch_size
+        result.noise_scales.append(noise_scale)
+        record["grad_noise_scale"] = noise_scale if math.isfinite(noise_scale) else None
+    return record
+
+
 def _run(
     recipe: str,
     config: TrainConfig,
@@ -426,12 +462,7 @@ def _run(
     )
     result = TrainResult(recipe=recipe, num_params=num_params)
     log = log or (lambda record: None)
-    # Multi-rank: each rank samples from its own contiguous shard of the training bytes.
-    rank, world = rank_and_world()
-    n = corpus.train.numel()
-    shard = corpus.train[rank * n // world:(rank + 1) * n // world] if world > 1 else corpus.train
-    if shard.numel() <= config.seq_len:
-        raise ValueError(f"the training data is too small for {world} ranks of seq_len {config.seq_len}")
+    shard, world = _rank_shard(corpus, config)
 
     def next_micro_batch(size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_batch(shard, size or config.micro_batch_size, config.seq_len, generator, config.device)
@@ -450,24 +481,8 @@ def _run(
             k, stats = update(next_micro_batch)
             # One host sync per update, for logging only: the 0-d results are read together.
             values = dict(zip(stats, torch.stack([s.float() for s in stats.values()]).tolist()))
-            loss, grad_norm, skipped = values["loss"], values["grad_norm"], values["skipped"]
             result.train_s += time.perf_counter() - t0
-            result.updates = step
-            effective_batch = config.micro_batch_size * k * world
-            result.tokens += effective_batch * config.seq_len
-            result.effective_batches.append(effective_batch)
-            result.skipped_updates += int(skipped)
-            result.train_losses.append(loss)
-            result.grad_norms.append(grad_norm)
-            record = {"kind": "train", "recipe": recipe, "step": step, "loss": loss, "grad_norm": grad_norm,
-                      "clip_coef": values["clip_coef"], "skipped": bool(skipped), "lr": lr, "tokens": result.tokens,
-                      "accumulation_steps": k, "effective_batch": effective_batch,
-                      "elapsed_s": time.perf_counter() - start, "tokens_per_s": result.tokens_per_s}
-            if "grad_noise_scale" in values:  # B_simple in micro-batches (mean mode) -> sequences
-                noise_scale = values["grad_noise_scale"] * config.micro_batch_size
-                result.noise_scales.append(noise_scale)
-                record["grad_noise_scale"] = noise_scale if math.isfinite(noise_scale) else None
-            log(record)
+            log(_record_update(result, config, step, k, world, lr, values, start))
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
                 run_eval(step)
     finally:

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -105,7 +105,62 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
+_Section = tuple[list[dict], dict[str, object], Callable[[], None]]
+"""What one benchmark gives :func:`_run`: its rows for ``--json``, its entries of the JSON's ``params``, and a
+call that prints its tables."""
+
+
+def _kernel_section(device: torch.device, names: Sequence[str], numel: int, warmup: int, repeats: int) -> _Section:
+    """The kernel benchmarks ``names`` (of accumulate, l2norm, scale) and the copy they are measured against."""
+    print_note(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
+    rows, peak = kernels.bench_kernels(device, numel, names, warmup=warmup, repeats=repeats)
+    params = dict(numel=numel, warmup=warmup, repeats=repeats, peak=peak,
+                  bytes_per_element={"accumulate": kernels.ACCUMULATE_BYTES_PER_ELEMENT,
+                                     "l2norm": kernels.L2NORM_BYTES_PER_ELEMENT,
+                                     "scale": kernels.SCALE_BYTES_PER_ELEMENT,
+                                     "peak": kernels.PEAK_BYTES_PER_ELEMENT})
+    return rows, params, lambda: kernels.print_tables(rows, peak, repeats)
+
+
+def _host_section(device: torch.device, host_params: Sequence[int] | None, quick: bool, warmup: int,
+                  repeats: int) -> _Section:
+    """The host benchmark over ``--host-params`` (default: the quick or full parameter counts)."""
+    counts = tuple(host_params or (host.HOST_PARAM_COUNTS_QUICK if quick else host.HOST_PARAM_COUNTS))
+    print_note(f"host: P = {', '.join(map(str, counts))} params x {host.HOST_PARAM_NUMEL} elements, "
+               f"{', '.join(map(host.dtype_name, host.HOST_DTYPES))}, K = {host.HOST_ACCUMULATION_STEPS}, "
+               f"{warmup} + {repeats} interleaved rounds ...", flush=True)
+    rows, info = host.bench_host(device, counts, warmup=warmup, repeats=repeats)
+    return rows, {"host": info}, lambda: host.print_tables(rows, info, device)
+
+
+def _fusion_section(device: torch.device, quick: bool, warmup: int, repeats: int) -> _Section:
+    """The gradient accumulation fusion benchmark on one bf16 Linear."""
+    cfg = fusion.fusion_config(device.type, quick)
+    print_note(f"fusion: bf16 Linear({cfg.features}, {cfg.features}), {cfg.tokens} tokens, "
+               f"{warmup} + {repeats} interleaved rounds ...", flush=True)
+    rows, info = fusion.bench_fusion(device, cfg, warmup=warmup, repeats=repeats)
+    return [{"benchmark": "fusion", **r} for r in rows], {"fusion": info}, lambda: fusion.print_tables(rows, info)
+
+
+def _e2e_section(device: torch.device, quick: bool, timed_updates: int | None) -> _Section:
+    """The end-to-end GPT benchmark; ``timed_updates`` (``--e2e-updates``) replaces the config's if given."""
+    cfg = e2e.e2e_config(device.type, quick)
+    if timed_updates:
+        cfg = e2e.E2EConfig(**{**asdict(cfg), "timed_updates": timed_updates})
+    rows, info = e2e.bench_e2e(cfg, progress=lambda s: print_note(f"  {s}", "    ", flush=True))
+    return rows, {"e2e": info}, lambda: e2e.print_tables(rows, info)
+
+
+def _memory_section(quick: bool) -> _Section:
+    """The memory table over gloo processes on the CPU (1 and 2 with ``quick``)."""
+    worlds = (1, 2) if quick else memory.MEMORY_WORLD_SIZES
+    print_note(f"memory: d = {', '.join(map(str, worlds))} gloo processes on the CPU ...", flush=True)
+    rows, info = memory.bench_memory(memory.QUICK if quick else memory.MemoryConfig(), worlds)
+    return rows, {"memory": info}, lambda: memory.print_tables(rows, info)
+
+
 def _run(args: argparse.Namespace, device: torch.device) -> int:
+    """Run the selected benchmarks in ``BENCHMARKS`` order, then print their tables and write --json / --plot."""
     which = list(args.only or BENCHMARKS)
     quick = bool(args.quick)
     numel = args.numel or (2**20 if quick else 2**28 if device.type == "cuda" else 2**25)
@@ -114,65 +169,28 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     name = device_name(device)
     print_note(f"gaengine bench on {device} ({name}); torch {torch.__version__}, git {git_sha()}", flush=True)
 
-    rows: list[dict] = []
     params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
                                  "torch_threads": torch.get_num_threads()}
     kernel_names = [w for w in which if w not in ("host", "fusion", "e2e", "memory")]
-    peak = None
+    sections: list[_Section] = []
     if kernel_names:
-        print_note(f"kernels: {numel:,} elements, {warmup} + {repeats} interleaved rounds ...", flush=True)
-        kernel_rows, peak = kernels.bench_kernels(device, numel, kernel_names, warmup=warmup, repeats=repeats)
-        rows += kernel_rows
-        params.update(numel=numel, warmup=warmup, repeats=repeats, peak=peak,
-                      bytes_per_element={"accumulate": kernels.ACCUMULATE_BYTES_PER_ELEMENT,
-                                         "l2norm": kernels.L2NORM_BYTES_PER_ELEMENT,
-                                         "scale": kernels.SCALE_BYTES_PER_ELEMENT,
-                                         "peak": kernels.PEAK_BYTES_PER_ELEMENT})
-    host_info = None
+        sections.append(_kernel_section(device, kernel_names, numel, warmup, repeats))
     if "host" in which:
-        counts = tuple(args.host_params or (host.HOST_PARAM_COUNTS_QUICK if quick else host.HOST_PARAM_COUNTS))
-        print_note(f"host: P = {', '.join(map(str, counts))} params x {host.HOST_PARAM_NUMEL} elements, "
-                   f"{', '.join(map(host.dtype_name, host.HOST_DTYPES))}, K = {host.HOST_ACCUMULATION_STEPS}, "
-                   f"{warmup} + {repeats} interleaved rounds ...", flush=True)
-        host_rows, host_info = host.bench_host(device, counts, warmup=warmup, repeats=repeats)
-        rows += host_rows
-        params["host"] = host_info
-    fusion_info = None
+        sections.append(_host_section(device, args.host_params, quick, warmup, repeats))
     if "fusion" in which:
-        fusion_cfg = fusion.fusion_config(device.type, quick)
-        print_note(f"fusion: bf16 Linear({fusion_cfg.features}, {fusion_cfg.features}), {fusion_cfg.tokens} tokens, "
-                   f"{warmup} + {repeats} interleaved rounds ...", flush=True)
-        fusion_rows, fusion_info = fusion.bench_fusion(device, fusion_cfg, warmup=warmup, repeats=repeats)
-        rows += [{"benchmark": "fusion", **r} for r in fusion_rows]
-        params["fusion"] = fusion_info
-    e2e_info = None
+        sections.append(_fusion_section(device, quick, warmup, repeats))
     if "e2e" in which:
-        cfg = e2e.e2e_config(device.type, quick)
-        if args.e2e_updates:
-            cfg = e2e.E2EConfig(**{**asdict(cfg), "timed_updates": args.e2e_updates})
-        e2e_rows, e2e_info = e2e.bench_e2e(cfg, progress=lambda s: print_note(f"  {s}", "    ", flush=True))
-        rows += e2e_rows
-        params["e2e"] = e2e_info
-    memory_info = None
+        sections.append(_e2e_section(device, quick, args.e2e_updates))
     if "memory" in which:
-        worlds = (1, 2) if quick else memory.MEMORY_WORLD_SIZES
-        print_note(f"memory: d = {', '.join(map(str, worlds))} gloo processes on the CPU ...", flush=True)
-        memory_rows, memory_info = memory.bench_memory(memory.QUICK if quick else memory.MemoryConfig(), worlds)
-        rows += memory_rows
-        params["memory"] = memory_info
+        sections.append(_memory_section(quick))
 
+    rows: list[dict] = []
     print()
     print_note(f"gaengine bench, {device} ({name}), torch {torch.__version__}")
-    if kernel_names:
-        kernels.print_tables(kernel_rows, peak, repeats)
-    if host_info is not None:
-        host.print_tables(host_rows, host_info, device)
-    if fusion_info is not None:
-        fusion.print_tables(fusion_rows, fusion_info)
-    if e2e_info is not None:
-        e2e.print_tables(e2e_rows, e2e_info)
-    if memory_info is not None:
-        memory.print_tables(memory_rows, memory_info)
+    for section_rows, section_params, print_tables in sections:
+        rows += section_rows
+        params.update(section_params)
+        print_tables()
     if args.json is not None:
         write_json(args.json, "gaengine bench", params, rows, [device])
     if args.plot is not None:

@@ -176,74 +176,96 @@ def _e2e_windows(cfg: E2EConfig, n: int) -> list[list[tuple[torch.Tensor, torch.
     return [[(mb[:, :-1], mb[:, 1:]) for mb in window] for window in tokens]
 
 
-def _build_variant(variant: str, cfg: E2EConfig, model: torch.nn.Module | None = None) -> _Variant:
-    """The update path of ``variant`` (a key of :data:`E2E_VARIANTS`) over ``model`` (default: a fresh one)."""
-    model = _e2e_model(cfg) if model is None else model
-    params = list(model.parameters())
-    k = cfg.accumulation_steps
-    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    max_norm = 1.0
+_ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+"""AdamW hyper-parameters of every end-to-end variant."""
+_MAX_NORM = 1.0
+"""Gradient clipping norm of every end-to-end variant."""
 
-    def accumulate_plain(window):
+
+def _accumulate(model: torch.nn.Module, cfg: E2EConfig,
+                backward: Callable[[torch.Tensor], object]) -> Callable[[list], torch.Tensor]:
+    """A variant's ``accumulate``: forward each micro-batch of the window, ``backward(loss)``; returns the loss sum."""
+
+    def accumulate(window):
         loss_sum = torch.zeros((), device=cfg.device)
         for x, y in window:
             loss = model(x, y)
-            (loss / k).backward()
+            backward(loss)
             loss_sum += loss.detach()
         return loss_sum
+    return accumulate
 
+
+def _plain_accumulate(model: torch.nn.Module, cfg: E2EConfig) -> Callable[[list], torch.Tensor]:
+    """The recipe's ``accumulate``: ``(loss / K).backward()`` per micro-batch into ``.grad``; returns the loss sum."""
+    k = cfg.accumulation_steps
+    return _accumulate(model, cfg, lambda loss: (loss / k).backward())
+
+
+def _gaengine_variant(variant: str, cfg: E2EConfig, model: torch.nn.Module) -> _Variant:
+    """``gaengine-fused`` / ``-torch`` / ``-lean``: a ``GradientAccumulator`` (fp32 masters but in ``-lean``)
+    with gaengine's ``FusedAdamW`` or torch's ``AdamW(fused=True)``; ``acc.backward`` per micro-batch."""
+    params = list(model.parameters())
+    opt = FusedAdamW(params, **_ADAMW) if variant == "gaengine-fused" else torch.optim.AdamW(
+        params, **_ADAMW, fused=True)
+    acc = GradientAccumulator(model, opt, accumulation_steps=cfg.accumulation_steps, max_grad_norm=_MAX_NORM,
+                              master_weights=variant != "gaengine-lean")
+
+    def state():
+        buffers = [acc.main_grad.data] + ([acc.master_buffer.data] if acc.master_buffer is not None else [])
+        return buffers + _optimizer_tensors(opt) + [p.grad for p in params]
+
+    return _Variant(model, _accumulate(model, cfg, acc.backward), acc.step, state)
+
+
+def _plain_variant(cfg: E2EConfig, model: torch.nn.Module) -> _Variant:
+    """``plain``: ``.grad`` in the parameters' dtype, ``clip_grad_norm_``, ``AdamW(fused=True)``, ``zero_grad``."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, **_ADAMW, fused=True)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, _MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _Variant(model, _plain_accumulate(model, cfg), update, lambda: _optimizer_tensors(opt))
+
+
+def _native_fp32_variant(cfg: E2EConfig, model: torch.nn.Module) -> _Variant:
+    """``native-fp32``: autograd accumulates in fp32 (``Tensor.grad_dtype``, torch >= 2.10), clip and
+    ``AdamW(fused=True)`` on fp32 masters copied back into the model. Raises ``RuntimeError`` on an older torch."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        raise RuntimeError(f"torch {torch.__version__} has no Tensor.grad_dtype (added in 2.10): no native "
+                           "fp32 accumulation of bf16 gradients to compare with")
+    params = list(model.parameters())
+    for p in params:
+        p.grad_dtype = torch.float32  # autograd casts each incoming bf16 grad, then accumulates in fp32
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = torch.optim.AdamW(masters, **_ADAMW, fused=True)
+
+    def update():
+        for m, p in zip(masters, params):
+            m.grad = p.grad  # the fp32 .grad itself (no copy)
+        torch.nn.utils.clip_grad_norm_(masters, _MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)  # fp32 master -> bf16 model
+
+    return _Variant(model, _plain_accumulate(model, cfg), update,
+                    lambda: _optimizer_tensors(opt) + [p.grad for p in params])
+
+
+def _build_variant(variant: str, cfg: E2EConfig, model: torch.nn.Module | None = None) -> _Variant:
+    """The update path of ``variant`` (a key of :data:`E2E_VARIANTS`) over ``model`` (default: a fresh one)."""
+    model = _e2e_model(cfg) if model is None else model
     if variant in ("gaengine-fused", "gaengine-torch", "gaengine-lean"):
-        opt = FusedAdamW(params, **hyper) if variant == "gaengine-fused" else torch.optim.AdamW(
-            params, **hyper, fused=True)
-        acc = GradientAccumulator(model, opt, accumulation_steps=k, max_grad_norm=max_norm,
-                                  master_weights=variant != "gaengine-lean")
-
-        def accumulate(window):
-            loss_sum = torch.zeros((), device=cfg.device)
-            for x, y in window:
-                loss = model(x, y)
-                acc.backward(loss)
-                loss_sum += loss.detach()
-            return loss_sum
-
-        def state():
-            buffers = [acc.main_grad.data] + ([acc.master_buffer.data] if acc.master_buffer is not None else [])
-            return buffers + _optimizer_tensors(opt) + [p.grad for p in params]
-
-        return _Variant(model, accumulate, acc.step, state)
-
+        return _gaengine_variant(variant, cfg, model)
     if variant == "plain":
-        opt = torch.optim.AdamW(params, **hyper, fused=True)
-
-        def update():
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return _Variant(model, accumulate_plain, update, lambda: _optimizer_tensors(opt))
-
+        return _plain_variant(cfg, model)
     if variant == "native-fp32":
-        if not hasattr(torch.Tensor, "grad_dtype"):
-            raise RuntimeError(f"torch {torch.__version__} has no Tensor.grad_dtype (added in 2.10): no native "
-                               "fp32 accumulation of bf16 gradients to compare with")
-        for p in params:
-            p.grad_dtype = torch.float32  # autograd casts each incoming bf16 grad, then accumulates in fp32
-        masters = [torch.nn.Parameter(p.detach().float()) for p in params]
-        opt = torch.optim.AdamW(masters, **hyper, fused=True)
-
-        def update():
-            for m, p in zip(masters, params):
-                m.grad = p.grad  # the fp32 .grad itself (no copy)
-            torch.nn.utils.clip_grad_norm_(masters, max_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                torch._foreach_copy_(params, masters)  # fp32 master -> bf16 model
-
-        return _Variant(model, accumulate_plain, update,
-                        lambda: _optimizer_tensors(opt) + [p.grad for p in params])
-
+        return _native_fp32_variant(cfg, model)
     raise ValueError(f"unknown e2e variant {variant!r}; expected one of {sorted(E2E_VARIANTS)}")
 
 

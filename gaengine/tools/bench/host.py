@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -181,6 +182,148 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return slope, my - slope * mx
 
 
+@dataclass(frozen=True)
+class _HostRun:
+    """What one host run measured, keyed ``(dtype, P, variant)``, and the setting it ran in.
+
+    seconds: wall seconds of each round's window; launches: ``_HostVariant.launches()``; buckets: gaengine's
+    bucket count (gaengine variants only); backend, hooks: the accumulator's backend name and hooks, as text.
+    """
+
+    device: torch.device
+    numel: int
+    k: int
+    seconds: dict[tuple, list[float]]
+    launches: dict[tuple, dict]
+    buckets: dict[tuple, int]
+    backend: str
+    hooks: str
+
+    @property
+    def cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def target(self) -> str | None:
+        """The CPU target as shown in the rows; None off the CPU."""
+        return f"<= {HOST_TARGET_US:.1f}" if self.cpu else None
+
+
+def _run_host(device: torch.device, param_counts: Sequence[int], numel: int, dtypes: Sequence[torch.dtype], k: int,
+              warmup: int, repeats: int) -> _HostRun:
+    """Build every (dtype, P, variant), time their windows in interleaved rounds, then profile their launches."""
+    variants = {(dt, n, v): _HostVariant(v, n, numel, dt, device, k)
+                for dt in dtypes for n in param_counts for v in HOST_VARIANTS}
+    try:
+        timed = time_rounds({key: hv.window for key, hv in variants.items()}, warmup=warmup, repeats=repeats)
+        seconds = {key: [ms * 1e-3 for ms in t] for key, t in timed.ms.items()}
+        launches = {key: hv.launches() for key, hv in variants.items()}
+        buckets = {key: _num_buckets(hv.acc) for key, hv in variants.items() if hv.acc is not None}
+        some = next(hv.acc for hv in variants.values() if hv.acc is not None)
+        backend = some.backend.name
+        hooks = getattr(some, "hooks", None)
+        hooks = "none" if hooks is None else f"{type(hooks).__name__} (native={getattr(hooks, 'native', '?')})"
+    finally:
+        for hv in variants.values():
+            hv.close()
+    return _HostRun(device, numel, k, seconds, launches, buckets, backend, hooks)
+
+
+def _launches_shown(lc: dict, variant: str, cpu: bool) -> object:
+    """The ``launches_per_mb`` column: launches on CUDA; on the CPU, (b)'s accumulate ops or gaengine's own count."""
+    if not cpu:  # driver-API launches (Triton) may be untraced: never fewer than the kernels seen
+        return max(lc["launch_calls"] or 0, lc["gpu_kernels"] or 0)
+    if variant == "plain":
+        return lc["accumulate_ops"]
+    return "n/a" if lc["gaengine_launches"] is None else lc["gaengine_launches"]
+
+
+def _measured_row(run: _HostRun, dt: torch.dtype, n: int, v: str, diffs: Sequence[float]) -> dict:
+    """The row of variant ``v`` at (``dt``, P = ``n``); ``diffs``: per round, (a)'s window seconds minus (b)'s."""
+    name, numel, k, cpu = dtype_name(dt), run.numel, run.k, run.cpu
+    tb, t = run.seconds[(dt, n, "plain")], run.seconds[(dt, n, v)]
+    lc = run.launches[(dt, n, v)]
+    ms = statistics.median(t) * 1e3
+    return {
+        "benchmark": f"host, {n} {name} params x {numel}",
+        "variant": HOST_VARIANTS[v],
+        "key": f"host-{name}-{n}-{v}",
+        "device": str(run.device),
+        "dtype": name,
+        "num_params": n,
+        "param_numel": numel,
+        "accumulation_steps": k,
+        "ms": ms,
+        "min_ms": min(t) * 1e3,
+        "max_ms": max(t) * 1e3,
+        "window_ms": [s * 1e3 for s in t],
+        **ratio_stats(tb, t, baseline=v == "plain"),
+        "us_per_param_mb": ms * 1e3 / (n * k),
+        "added_us_per_param_mb": (statistics.median(diffs) / (n * k) * 1e6) if v == "gaengine" else None,
+        "target_us": HOST_TARGET_US if cpu and v == "gaengine" else None,
+        "target": run.target if v == "gaengine" else None,
+        "launches_per_mb": _launches_shown(lc, v, cpu),
+        "accumulate_ops_per_mb": lc["accumulate_ops"],
+        "launch_calls_per_mb": lc["launch_calls"],
+        "gpu_kernels_per_mb": lc["gpu_kernels"],
+        "model_launch_calls_per_mb": lc.get("model_launch_calls"),
+        "gaengine_launches_per_mb": lc["gaengine_launches"],
+        "gaengine_launches_mean_per_mb": lc["gaengine_launches_mean"],
+        "gaengine_launches_source": lc["gaengine_launches_source"],
+        "buckets": run.buckets.get((dt, n, v)),
+        "backend": run.backend if v == "gaengine" else None,
+        "hooks": run.hooks if v == "gaengine" else None,
+    }
+
+
+def _fit_over_p(param_counts: Sequence[int], added_per_mb_us: Sequence[float]) -> tuple[float, float]:
+    """``(slope, intercept)`` of the added us per micro-batch over P; through the origin for a single P."""
+    if len(param_counts) >= 2:
+        return _least_squares(list(param_counts), added_per_mb_us)
+    return added_per_mb_us[0] / param_counts[0], 0.0
+
+
+def _fit_row(run: _HostRun, name: str, param_counts: Sequence[int], slope: float, intercept: float) -> dict:
+    """The row of dtype ``name``'s fit over P: the added us per parameter per micro-batch against the target."""
+    return {
+        "benchmark": f"host, {name}, fit over P={','.join(map(str, param_counts))}",
+        "variant": "(a) - (b): slope of added us/micro-batch over P",
+        "key": f"host-{name}-fit",
+        "device": str(run.device),
+        "dtype": name,
+        "param_numel": run.numel,
+        "accumulation_steps": run.k,
+        "added_us_per_param_mb": slope,
+        "intercept_us_per_mb": intercept,
+        "target_us": HOST_TARGET_US if run.cpu else None,
+        "target": run.target,
+        "backend": run.backend,
+    }
+
+
+def _host_info(run: _HostRun, param_counts: Sequence[int], dtypes: Sequence[torch.dtype], warmup: int,
+               repeats: int, fits: dict[str, dict]) -> dict:
+    """The run's facts: its setting, the fits, and what the model, ``ms``, ``added`` and ``launches`` measure."""
+    return {
+        "param_counts": list(param_counts), "param_numel": run.numel, "dtypes": [dtype_name(d) for d in dtypes],
+        "accumulation_steps": run.k, "warmup": warmup, "repeats": repeats, "backend": run.backend,
+        "hooks": run.hooks, "target_us_per_param_mb": HOST_TARGET_US if run.cpu else None, "fit": fits,
+        "model": "P leaf params of param_numel elements, loss = (stack(params) * c).sum(); backward: fill, mul, "
+                 "one select per param, P AccumulateGrad nodes",
+        "ms": "wall time of the K backward calls of one window (forward and update untimed; on CUDA the device "
+              "is synchronized before the first and after the last), median over rounds",
+        "added": "median over rounds of (t_a - t_b) / (P * K); fit: least-squares slope of median (t_a - t_b) / K "
+                 "over P",
+        "launches": ("CUDA: kernel launches during micro-batch 1's backward, the model's own included: "
+                     "cudaLaunchKernel/cuLaunchKernel(+Ex) calls, or the GPU kernels seen if more (Triton's "
+                     "driver-API launches may go untraced); model_launch_calls_per_mb: the same backward through "
+                     "torch.autograd.grad, no AccumulateGrad" if not run.cpu else
+                     "CPU: (b) data-touching ATen ops inside AccumulateGrad (aten::add_ per param) during "
+                     "micro-batch 1's backward; (a) gaengine's own count of kernel-launching calls over that "
+                     "micro-batch (acc.hooks.launches)"),
+    }
+
+
 def bench_host(device: torch.device, param_counts: Sequence[int] = HOST_PARAM_COUNTS, *,
                numel: int = HOST_PARAM_NUMEL, dtypes: Sequence[torch.dtype] = HOST_DTYPES,
                k: int = HOST_ACCUMULATION_STEPS, warmup: int = 3, repeats: int = 15) -> tuple[list[dict], dict]:
@@ -197,111 +340,21 @@ def bench_host(device: torch.device, param_counts: Sequence[int] = HOST_PARAM_CO
         raise ValueError(f"param_counts must be >= 1, got {param_counts}")
     if k < 3:
         raise ValueError(f"k must be >= 3 (micro-batch 1 is profiled as the steady state), got {k}")
-    variants = {(dt, n, v): _HostVariant(v, n, numel, dt, device, k)
-                for dt in dtypes for n in param_counts for v in HOST_VARIANTS}
-    try:
-        timed = time_rounds({key: hv.window for key, hv in variants.items()}, warmup=warmup, repeats=repeats)
-        seconds = {key: [ms * 1e-3 for ms in t] for key, t in timed.ms.items()}
-        launches = {key: hv.launches() for key, hv in variants.items()}
-        buckets = {key: _num_buckets(hv.acc) for key, hv in variants.items() if hv.acc is not None}
-        some = next(hv.acc for hv in variants.values() if hv.acc is not None)
-        backend = some.backend.name
-        hooks = getattr(some, "hooks", None)
-        hooks = "none" if hooks is None else f"{type(hooks).__name__} (native={getattr(hooks, 'native', '?')})"
-    finally:
-        for hv in variants.values():
-            hv.close()
-
-    cpu = device.type == "cpu"
-    target = f"<= {HOST_TARGET_US:.1f}" if cpu else None
+    run = _run_host(device, param_counts, numel, dtypes, k, warmup, repeats)
     rows: list[dict] = []
     fits: dict[str, dict] = {}
     for dt in dtypes:
-        name = dtype_name(dt)
         added_per_mb_us = []
         for n in param_counts:
-            tb, ta = seconds[(dt, n, "plain")], seconds[(dt, n, "gaengine")]
+            tb, ta = run.seconds[(dt, n, "plain")], run.seconds[(dt, n, "gaengine")]
             diffs = [a - b for a, b in zip(ta, tb)]
             added_per_mb_us.append(statistics.median(diffs) / k * 1e6)
-            for v, t in (("plain", tb), ("gaengine", ta)):
-                lc = launches[(dt, n, v)]
-                if not cpu:  # driver-API launches (Triton) may be untraced: never fewer than the kernels seen
-                    shown = max(lc["launch_calls"] or 0, lc["gpu_kernels"] or 0)
-                elif v == "plain":
-                    shown = lc["accumulate_ops"]
-                else:
-                    shown = "n/a" if lc["gaengine_launches"] is None else lc["gaengine_launches"]
-                ms = statistics.median(t) * 1e3
-                row = {
-                    "benchmark": f"host, {n} {name} params x {numel}",
-                    "variant": HOST_VARIANTS[v],
-                    "key": f"host-{name}-{n}-{v}",
-                    "device": str(device),
-                    "dtype": name,
-                    "num_params": n,
-                    "param_numel": numel,
-                    "accumulation_steps": k,
-                    "ms": ms,
-                    "min_ms": min(t) * 1e3,
-                    "max_ms": max(t) * 1e3,
-                    "window_ms": [s * 1e3 for s in t],
-                    **ratio_stats(tb, t, baseline=v == "plain"),
-                    "us_per_param_mb": ms * 1e3 / (n * k),
-                    "added_us_per_param_mb": (statistics.median(diffs) / (n * k) * 1e6) if v == "gaengine" else None,
-                    "target_us": HOST_TARGET_US if cpu and v == "gaengine" else None,
-                    "target": target if v == "gaengine" else None,
-                    "launches_per_mb": shown,
-                    "accumulate_ops_per_mb": lc["accumulate_ops"],
-                    "launch_calls_per_mb": lc["launch_calls"],
-                    "gpu_kernels_per_mb": lc["gpu_kernels"],
-                    "model_launch_calls_per_mb": lc.get("model_launch_calls"),
-                    "gaengine_launches_per_mb": lc["gaengine_launches"],
-                    "gaengine_launches_mean_per_mb": lc["gaengine_launches_mean"],
-                    "gaengine_launches_source": lc["gaengine_launches_source"],
-                    "buckets": buckets.get((dt, n, v)),
-                    "backend": backend if v == "gaengine" else None,
-                    "hooks": hooks if v == "gaengine" else None,
-                }
-                rows.append(row)
-        if len(param_counts) >= 2:
-            slope, intercept = _least_squares(list(param_counts), added_per_mb_us)
-        else:
-            slope, intercept = added_per_mb_us[0] / param_counts[0], 0.0
-        fits[name] = {"slope_us_per_param_mb": slope, "intercept_us_per_mb": intercept,
-                      "added_us_per_mb": dict(zip(param_counts, added_per_mb_us))}
-        rows.append({
-            "benchmark": f"host, {name}, fit over P={','.join(map(str, param_counts))}",
-            "variant": "(a) - (b): slope of added us/micro-batch over P",
-            "key": f"host-{name}-fit",
-            "device": str(device),
-            "dtype": name,
-            "param_numel": numel,
-            "accumulation_steps": k,
-            "added_us_per_param_mb": slope,
-            "intercept_us_per_mb": intercept,
-            "target_us": HOST_TARGET_US if cpu else None,
-            "target": target,
-            "backend": backend,
-        })
-    info = {
-        "param_counts": list(param_counts), "param_numel": numel, "dtypes": [dtype_name(d) for d in dtypes],
-        "accumulation_steps": k, "warmup": warmup, "repeats": repeats, "backend": backend, "hooks": hooks,
-        "target_us_per_param_mb": HOST_TARGET_US if cpu else None, "fit": fits,
-        "model": "P leaf params of param_numel elements, loss = (stack(params) * c).sum(); backward: fill, mul, "
-                 "one select per param, P AccumulateGrad nodes",
-        "ms": "wall time of the K backward calls of one window (forward and update untimed; on CUDA the device "
-              "is synchronized before the first and after the last), median over rounds",
-        "added": "median over rounds of (t_a - t_b) / (P * K); fit: least-squares slope of median (t_a - t_b) / K "
-                 "over P",
-        "launches": ("CUDA: kernel launches during micro-batch 1's backward, the model's own included: "
-                     "cudaLaunchKernel/cuLaunchKernel(+Ex) calls, or the GPU kernels seen if more (Triton's "
-                     "driver-API launches may go untraced); model_launch_calls_per_mb: the same backward through "
-                     "torch.autograd.grad, no AccumulateGrad" if not cpu else
-                     "CPU: (b) data-touching ATen ops inside AccumulateGrad (aten::add_ per param) during "
-                     "micro-batch 1's backward; (a) gaengine's own count of kernel-launching calls over that "
-                     "micro-batch (acc.hooks.launches)"),
-    }
-    return rows, info
+            rows += [_measured_row(run, dt, n, v, diffs) for v in ("plain", "gaengine")]
+        slope, intercept = _fit_over_p(param_counts, added_per_mb_us)
+        fits[dtype_name(dt)] = {"slope_us_per_param_mb": slope, "intercept_us_per_mb": intercept,
+                                "added_us_per_mb": dict(zip(param_counts, added_per_mb_us))}
+        rows.append(_fit_row(run, dtype_name(dt), param_counts, slope, intercept))
+    return rows, _host_info(run, param_counts, dtypes, warmup, repeats, fits)
 
 
 HOST_COLUMNS = [("dtype", "dtype", "s"), ("num_params", "P", "d"), ("name", "variant", "s"),

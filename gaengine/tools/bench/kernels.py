@@ -48,6 +48,96 @@ def _split_views(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(x.split(sizes))
 
 
+_Variants = list[tuple[str, Callable[[], object]]]
+"""``[(label, fn)]`` of one kernel benchmark, each ``fn()`` one call of the timed op."""
+
+
+def _accumulate_variants(backends: dict[str, Any], main_grad: torch.Tensor, grad: torch.Tensor) -> _Variants:
+    """The eager ``main_grad.add_(grad.float())`` and each backend's ``accumulate_``, checked bitwise first."""
+    variants = [("torch: main_grad.add_(grad.float())", lambda: main_grad.add_(grad.float()))]
+    for name, b in backends.items():
+        expected = main_grad.clone().add_(grad.float())
+        actual = b.accumulate_(main_grad.clone(), grad)
+        if not torch.equal(actual.view(torch.int32), expected.view(torch.int32)):
+            raise AssertionError(f"backend {name!r}: accumulate_ is not bitwise equal to the eager recipe")
+        variants.append((f"gaengine {name}: accumulate_", lambda b=b: b.accumulate_(main_grad, grad)))
+    return variants
+
+
+def _bucket_variants(backends: dict[str, Any], main_grad: torch.Tensor, grad: torch.Tensor,
+                     device: torch.device) -> _Variants:
+    """Each backend's ``accumulate_bucket_`` of ``grad`` as ``NUM_VIEWS`` parameters, without and with the source
+    norms (``measure_noise_scale``); the norms are checked against fp64 first."""
+    variants: _Variants = []
+    srcs = _split_views(grad, NUM_VIEWS)
+    offsets = [0, *itertools.accumulate(s.numel() for s in srcs)][:-1]
+    reference = float(grad.double().square().sum())
+    for name, b in backends.items():
+        table = b.new_bucket_partials([s.numel() for s in srcs], device)
+        b.accumulate_bucket_(main_grad.clone(), srcs, offsets, False, None, table)
+        sum_sq = float(b.finish_norm_partials(table)[0])
+        if abs(sum_sq - reference) > 1e-2 * reference:  # a sanity bound, as for l2norm below
+            raise AssertionError(f"backend {name!r}: source norms {sum_sq} != fp64 {reference}")
+        variants.append((f"gaengine {name}: accumulate_bucket_ ({NUM_VIEWS} grads), noise scale off",
+                         lambda b=b: b.accumulate_bucket_(main_grad, srcs, offsets, False)))
+        variants.append((f"gaengine {name}: accumulate_bucket_ ({NUM_VIEWS} grads), noise scale on",
+                         lambda b=b, table=table: b.accumulate_bucket_(main_grad, srcs, offsets, False, None,
+                                                                        table)))
+    return variants
+
+
+def _l2norm_variants(backends: dict[str, Any], main_grad: torch.Tensor) -> _Variants:
+    """torch's norm, ``clip_grad_norm_``'s foreach norm and each backend's ``l2norm_sq``, checked against fp64."""
+    views = _split_views(main_grad, NUM_VIEWS)
+    variants = [
+        ("torch: linalg.vector_norm(x)", lambda: torch.linalg.vector_norm(main_grad)),
+        (f"torch: _foreach_norm({NUM_VIEWS} views) + norm (clip_grad_norm_)",
+         lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(views)))),
+    ]
+    reference = float(torch.linalg.vector_norm(main_grad.double())) ** 2
+    for name, b in backends.items():
+        sum_sq, found_inf = b.l2norm_sq(main_grad)
+        # 1e-2: a sanity bound, not the tests' tolerance (on one CPU thread torch.dot's fp32 sum of 2^25
+        # squares, the torch backend's, is off by 1.3e-3).
+        if abs(float(sum_sq) - reference) > 1e-2 * reference or float(found_inf) != 0.0:
+            raise AssertionError(f"backend {name!r}: l2norm_sq {float(sum_sq)} != fp64 {reference}")
+        variants.append((f"gaengine {name}: l2norm_sq (+ non-finite flag)", lambda b=b: b.l2norm_sq(main_grad)))
+    return variants
+
+
+def _scale_variants(backends: dict[str, Any], x: torch.Tensor, coef: torch.Tensor) -> _Variants:
+    """torch's ``mul_``, ``clip_grad_norm_``'s foreach multiply and each backend's ``scale_``."""
+    x_views = _split_views(x, NUM_VIEWS)
+    variants = [("torch: x.mul_(coef)", lambda: x.mul_(coef)),
+                (f"torch: _foreach_mul_({NUM_VIEWS} views, coef) (clip_grad_norm_)",
+                 lambda: torch._foreach_mul_(x_views, coef))]
+    variants += [(f"gaengine {name}: scale_", lambda b=b: b.scale_(x, coef)) for name, b in backends.items()]
+    return variants
+
+
+def _kernel_rows(plan: dict[str, tuple[int, _Variants]], samples: dict, peak: dict, device: torch.device) -> list[dict]:
+    """One row per variant from its timed ``samples`` (ms per round): time, GB/s, % of the copy, ratio to the
+    benchmark's first variant, and for a noise-scale-on variant its per-round time over the off one's."""
+    numel = peak["numel"]
+    rows = []
+    for bench, (nbytes, variants) in plan.items():
+        baseline = samples[(bench, variants[0][0])]
+        for i, (label, _) in enumerate(variants):
+            t = samples[(bench, label)]
+            ms = statistics.median(t)
+            gbs = gb_per_s(numel, nbytes, ms)
+            rows.append({"benchmark": bench, "variant": label, "device": str(device), "numel": numel,
+                         "bytes_per_element": nbytes, "ms": ms, "min_ms": min(t), "max_ms": max(t), "gb_s": gbs,
+                         "pct_of_copy": 100.0 * gbs / peak["gb_s"], **ratio_stats(baseline, t, baseline=i == 0)})
+            if label.endswith("noise scale on"):  # per round, the time with the source norms over the time without
+                off = samples[(bench, label.removesuffix("on") + "off")]
+                on_off = [a / b for a, b in zip(t, off)]
+                quartiles = statistics.quantiles(on_off, n=4, method="inclusive") if len(on_off) > 1 else on_off * 3
+                rows[-1].update(noise_on_off=statistics.median(on_off), noise_on_off_p25=quartiles[0],
+                                noise_on_off_p75=quartiles[2])
+    return rows
+
+
 def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, warmup: int = 3,
                   repeats: int = 15) -> tuple[list[dict], dict]:
     """Time the kernel benchmarks in ``which`` (of accumulate, l2norm, scale) and the copy, interleaved.
@@ -66,54 +156,14 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
     backends = _backends(device)
 
     # benchmark -> (bytes per element, [(variant, fn)]); the first variant is the torch baseline.
-    plan: dict[str, tuple[int, list[tuple[str, Callable[[], object]]]]] = {}
+    plan: dict[str, tuple[int, _Variants]] = {}
     if "accumulate" in which:
-        variants = [("torch: main_grad.add_(grad.float())", lambda: main_grad.add_(grad.float()))]
-        for name, b in backends.items():
-            expected = main_grad.clone().add_(grad.float())
-            actual = b.accumulate_(main_grad.clone(), grad)
-            if not torch.equal(actual.view(torch.int32), expected.view(torch.int32)):
-                raise AssertionError(f"backend {name!r}: accumulate_ is not bitwise equal to the eager recipe")
-            variants.append((f"gaengine {name}: accumulate_", lambda b=b: b.accumulate_(main_grad, grad)))
-        del expected, actual
-        srcs = _split_views(grad, NUM_VIEWS)
-        offsets = [0, *itertools.accumulate(s.numel() for s in srcs)][:-1]
-        reference = float(grad.double().square().sum())
-        for name, b in backends.items():
-            table = b.new_bucket_partials([s.numel() for s in srcs], device)
-            b.accumulate_bucket_(main_grad.clone(), srcs, offsets, False, None, table)
-            sum_sq = float(b.finish_norm_partials(table)[0])
-            if abs(sum_sq - reference) > 1e-2 * reference:  # a sanity bound, as for l2norm below
-                raise AssertionError(f"backend {name!r}: source norms {sum_sq} != fp64 {reference}")
-            variants.append((f"gaengine {name}: accumulate_bucket_ ({NUM_VIEWS} grads), noise scale off",
-                             lambda b=b: b.accumulate_bucket_(main_grad, srcs, offsets, False)))
-            variants.append((f"gaengine {name}: accumulate_bucket_ ({NUM_VIEWS} grads), noise scale on",
-                             lambda b=b, table=table: b.accumulate_bucket_(main_grad, srcs, offsets, False, None,
-                                                                            table)))
-        plan["accumulate bf16->fp32"] = (ACCUMULATE_BYTES_PER_ELEMENT, variants)
+        plan["accumulate bf16->fp32"] = (ACCUMULATE_BYTES_PER_ELEMENT, _accumulate_variants(backends, main_grad, grad)
+                                         + _bucket_variants(backends, main_grad, grad, device))
     if "l2norm" in which:
-        views = _split_views(main_grad, NUM_VIEWS)
-        variants = [
-            ("torch: linalg.vector_norm(x)", lambda: torch.linalg.vector_norm(main_grad)),
-            (f"torch: _foreach_norm({NUM_VIEWS} views) + norm (clip_grad_norm_)",
-             lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(views)))),
-        ]
-        reference = float(torch.linalg.vector_norm(main_grad.double())) ** 2
-        for name, b in backends.items():
-            sum_sq, found_inf = b.l2norm_sq(main_grad)
-            # 1e-2: a sanity bound, not the tests' tolerance (on one CPU thread torch.dot's fp32 sum of 2^25
-            # squares, the torch backend's, is off by 1.3e-3).
-            if abs(float(sum_sq) - reference) > 1e-2 * reference or float(found_inf) != 0.0:
-                raise AssertionError(f"backend {name!r}: l2norm_sq {float(sum_sq)} != fp64 {reference}")
-            variants.append((f"gaengine {name}: l2norm_sq (+ non-finite flag)", lambda b=b: b.l2norm_sq(main_grad)))
-        plan["l2norm_sq fp32"] = (L2NORM_BYTES_PER_ELEMENT, variants)
+        plan["l2norm_sq fp32"] = (L2NORM_BYTES_PER_ELEMENT, _l2norm_variants(backends, main_grad))
     if "scale" in which:
-        x_views = _split_views(x, NUM_VIEWS)
-        variants = [("torch: x.mul_(coef)", lambda: x.mul_(coef)),
-                    (f"torch: _foreach_mul_({NUM_VIEWS} views, coef) (clip_grad_norm_)",
-                     lambda: torch._foreach_mul_(x_views, coef))]
-        variants += [(f"gaengine {name}: scale_", lambda b=b: b.scale_(x, coef)) for name, b in backends.items()]
-        plan["scale_ fp32"] = (SCALE_BYTES_PER_ELEMENT, variants)
+        plan["scale_ fp32"] = (SCALE_BYTES_PER_ELEMENT, _scale_variants(backends, x, coef))
 
     peak_name = "peak: fp32 dst.copy_(src)"
     fns = {peak_name: lambda: dst.copy_(src)}
@@ -124,23 +174,7 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
     peak_ms = statistics.median(samples[peak_name])
     peak = {"op": "fp32 dst.copy_(src)", "ms": peak_ms, "numel": numel, "bytes_per_element": PEAK_BYTES_PER_ELEMENT,
             "gb_s": gb_per_s(numel, PEAK_BYTES_PER_ELEMENT, peak_ms)}
-    rows = []
-    for bench, (nbytes, variants) in plan.items():
-        baseline = samples[(bench, variants[0][0])]
-        for i, (label, _) in enumerate(variants):
-            t = samples[(bench, label)]
-            ms = statistics.median(t)
-            gbs = gb_per_s(numel, nbytes, ms)
-            rows.append({"benchmark": bench, "variant": label, "device": str(device), "numel": numel,
-                         "bytes_per_element": nbytes, "ms": ms, "min_ms": min(t), "max_ms": max(t), "gb_s": gbs,
-                         "pct_of_copy": 100.0 * gbs / peak["gb_s"], **ratio_stats(baseline, t, baseline=i == 0)})
-            if label.endswith("noise scale on"):  # per round, the time with the source norms over the time without
-                off = samples[(bench, label.removesuffix("on") + "off")]
-                on_off = [a / b for a, b in zip(t, off)]
-                quartiles = statistics.quantiles(on_off, n=4, method="inclusive") if len(on_off) > 1 else on_off * 3
-                rows[-1].update(noise_on_off=statistics.median(on_off), noise_on_off_p25=quartiles[0],
-                                noise_on_off_p75=quartiles[2])
-    return rows, peak
+    return _kernel_rows(plan, samples, peak, device), peak
 
 
 KERNEL_COLUMNS = [("variant", "variant", "s"), ("ms", "ms", ".3f"), ("gb_s", "GB/s", ".1f"),
