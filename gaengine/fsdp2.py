@@ -57,12 +57,12 @@ from gaengine.formats import FSDP2_FORMAT
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.hooks import native_hooks_problem
 from gaengine.hot_path import NativeHooks
+from gaengine.optimizers import writes_model_params
 from gaengine.python_hooks import PythonHooks
-from gaengine.reduce import WindowStats, broadcast_from_first_rank, launch_window_stats
+from gaengine.reduce import WindowStats, launch_window_stats
 from gaengine.sharding import ShardingStrategy, register_model_strategy
-from gaengine.optimizers import takes_grad_scale, writes_model_params
-from gaengine.update import (LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer,
-                             step_scheduler)
+from gaengine.store import DTensorShards, ParameterStore
+from gaengine.update import expose_grads
 from gaengine.window import Window
 
 __all__ = ["FullyShardedGrads", "NativeShardHooks", "ShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
@@ -267,9 +267,8 @@ class FullyShardedGrads(ShardingStrategy):
 
     def __init__(self, params: list[torch.Tensor], optimizer, *, world_size: int, model: nn.Module,
                  broadcast_buffers: bool = True, **kwargs) -> None:
-        # FSDP2's shards differ per rank by construction: nothing is broadcast but the model's buffers.
-        super().__init__(params, optimizer, world_size=1, model=model, broadcast_buffers=False, **kwargs)
-        self.world_size, self.distributed = world_size, world_size > 1
+        super().__init__(params, optimizer, world_size=world_size, model=model, broadcast_buffers=broadcast_buffers,
+                         **kwargs)
         if self.reduce_dtype != torch.float32:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} has no effect on an FSDP2 model: FSDP2 runs the "
                              "reduce-scatter in its MixedPrecisionPolicy's reduce_dtype. Leave reduce_dtype at "
@@ -288,8 +287,6 @@ class FullyShardedGrads(ShardingStrategy):
             raise ValueError(f"process_group has {world_size} rank(s) but the model is sharded over "
                              f"{sorted(sizes)} rank(s): pass process_group= the group of fully_shard's mesh "
                              "(mesh.get_group())")
-        if self.distributed and broadcast_buffers and list(model.buffers()):
-            broadcast_from_first_rank(list(model.buffers()), self.process_group)
 
         # Layout: FSDP2's groups in reverse registration order (the order backward reduces them), each a bucket.
         trainable = {id(p) for p in params}
@@ -308,54 +305,19 @@ class FullyShardedGrads(ShardingStrategy):
         self.reducer = None  # FSDP2 reduce-scatters every micro-batch itself
         self.hooks = make_shard_hooks(order, self.main_grad, self.backend, buckets, self.measure_sources,
                                       divide_factor=self._divide_factor)
-        self.store = None
-        self._build_update(optimizer)
+        if optimizer is not None:  # the optimizer over the DTensor parameters, or their fp32 master DTensors
+            self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
+                                        layout=DTensorShards())
+            self.master_buffer = self.store.master_buffer
+            self._map_store()
+
+    def _shared_at_start(self, params: list[torch.Tensor], model: nn.Module | None) -> list[torch.Tensor]:
+        """FSDP2's shards differ per rank by construction: only the model's buffers are broadcast."""
+        return list(model.buffers()) if model is not None else []
 
     # ------------------------------------------------------------------ layout
     def _new_main_grad(self) -> FlatBuffer:
         return FlatBuffer(FlatLayout.build(self._locals), torch.float32, self.device)
-
-    def _new_reducer(self) -> None:
-        return None  # FSDP2 reduces; the window's stats all-reduce is launched without a reducer
-
-    def _build_update(self, optimizer) -> None:
-        """The optimizer's parameters: each fp32 parameter itself; for each bf16/fp16 one (``master_weights``) an
-        fp32 master DTensor over its view of ``master_buffer``, put in its place in the param groups (state built
-        before follows it, converted to fp32)."""
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-        self._pieces: list[torch.Tensor | None] = [None] * len(self.params)
-        self._mastered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, master local shard)
-        self.normalize_before_rounding = False
-        if optimizer is None:
-            return
-        held = {id(q) for g in optimizer.param_groups for q in g["params"]}
-        low = [i for i, p in enumerate(self.params) if id(p) in held and p.dtype in LOW_PRECISION]
-        self.normalize_before_rounding = bool(low) and not self.master_weights
-        if low and self.master_weights:
-            self.master_buffer = FlatBuffer(FlatLayout.build([self._locals[i] for i in low]), torch.float32,
-                                            self.device)
-        master_of = {}
-        for k, i in enumerate(low if self.master_buffer is not None else []):
-            p = self.params[i]
-            local = self.master_buffer.views[k]
-            with torch.no_grad():
-                local.copy_(p.to_local())
-            master = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                                     shape=p.shape, stride=p.stride()))
-            master_of[id(p)] = master
-            self._mastered.append((p, local))
-        for i, p in enumerate(self.params):
-            if id(p) in held:
-                self._pieces[i] = master_of.get(id(p), p)
-        for group in optimizer.param_groups:
-            group["params"] = [master_of.get(id(q), q) for q in group["params"]]
-        for p, _ in self._mastered:
-            if p in optimizer.state:
-                state = optimizer.state.pop(p)
-                optimizer.state[master_of[id(p)]] = state
-                convert_state(state, p, torch.float32)
-        self._versions = param_versions([p.to_local() for p, _ in self._mastered])
 
     # ------------------------------------------------------------------ micro-batches
     def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
@@ -425,76 +387,11 @@ class FullyShardedGrads(ShardingStrategy):
     def _grad_chunks(self) -> list[torch.Tensor]:
         return [self.main_grad.data]
 
-    def _dtensor(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
-
-    def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
-        """The user's optimizer over the DTensor parameters (or their fp32 masters), ``.grad`` = DTensor views of
-        the local shards of ``main_grad``; a fused torch optimizer takes ``1 / coef`` as ``grad_scale`` and the
-        skip flag as ``found_inf``, any other gets the buffer scaled in one pass and one host read of the flag.
-        The masters' rounding is then copied into the bf16/fp16 local shards in place."""
-        optimizer = self.optimizer
-        self.pull_model_writes()
-        scaled = not takes_grad_scale(optimizer) or self.normalize_before_rounding
-        if scaled:
-            self.backend.scale_(self.main_grad.data, coef)
-        unused = set(unwritten)
-        targets = []
-        for i, piece in enumerate(self._pieces):
-            if piece is None:
-                continue
-            targets.append(piece)
-            if i in unused:
-                piece.grad = None
-                continue
-            view = self.main_grad.views[i]
-            piece.grad = self._dtensor(piece, view if piece.dtype == torch.float32 else view.to(piece.dtype))
-        try:
-            applied = step_optimizer(optimizer, coef, skipped, scaled)
-        finally:
-            for piece in targets:
-                piece.grad = None
-        self._copy_to_model()
-        step_scheduler(lr_scheduler, applied, skipped)
-
-    def _copy_to_model(self) -> None:
-        """Round the fp32 master shards into the bf16/fp16 parameters' local shards, in place (a skipped update
-        copies the same rounding again: no host read)."""
-        if not self._mastered:
-            return
-        with torch.no_grad():
-            dsts = [p.to_local() for p, _ in self._mastered]
-            torch._foreach_copy_(dsts, [m for _, m in self._mastered])
-        self._versions = param_versions(dsts)
-
     def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
         """No optimizer: ``p.grad`` = a DTensor over the final local gradient (the fp32 view of ``main_grad``, or
         its rounding for a bf16/fp16 parameter), None for the parameters no rank reached."""
         self.backend.scale_(self.main_grad.data, coef)
-        unused = set(unwritten)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.main_grad.views[i]
-                p.grad = None if i in unused else self._dtensor(p, view if p.dtype == torch.float32
-                                                                else view.to(p.dtype))
-
-    def pull_model_writes(self) -> None:
-        """Writes into a bf16/fp16 parameter's local shard since the last update (``model.load_state_dict()``,
-        ``set_model_state_dict``) reach its fp32 master (``gaengine.update.merge_model_write``)."""
-        if not self._mastered:
-            return
-        locals_ = [p.to_local() for p, _ in self._mastered]
-        versions = param_versions(locals_)
-        for (_, master), local, new, old in zip(self._mastered, locals_, versions, self._versions):
-            if new != old:
-                merge_model_write(master, local)
-        self._versions = versions
-
-    def check_model(self) -> None:
-        """Nothing to check: the parameters are never re-pointed."""
+        expose_grads(self.params, self.main_grad, unwritten, wrap=DTensorShards.wrap)
 
     def param_slots(self):
         """There is no flat layout of the parameters to export (``gaengine.full_optimizer_state_dict``): the
@@ -544,16 +441,12 @@ class FullyShardedGrads(ShardingStrategy):
                 self.main_grad.data.copy_(state["main_grad"])
             if self.master_buffer is not None:
                 saved = state.get("master")
-                if saved is not None and state["world_size"] == self.world_size and \
-                        saved.numel() == self.master_buffer.data.numel():
+                kept = (saved is not None and state["world_size"] == self.world_size
+                        and saved.numel() == self.master_buffer.data.numel())
+                if kept:
                     self.master_buffer.data.copy_(saved)  # the fp32 bits; the model's writes are merged next
-                    self._versions = [-1] * len(self._mastered)
-                self.pull_model_writes()
+                self.store.pull_model_writes(every=kept)
         if not mid:
             state = {**state, "layout_order": [reg[id(p)] for p in self.params],
                      "written": [False] * len(self.params), "expected_arrivals": [1] * len(self.params)}
         acc.load_scalars_state(state)
-
-    def close(self) -> None:
-        if self.hooks is not None:
-            self.hooks.close()

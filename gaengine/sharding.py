@@ -98,10 +98,8 @@ class ShardingStrategy(ABC):
                  measure_sources: bool, model: nn.Module | None = None, overlap_param_gather: bool = False,
                  broadcast_buffers: bool = True, gradient_accumulation_fusion: bool = False) -> None:
         if world_size > 1:  # every rank starts from the first rank's parameters (and buffers)
-            tensors = list(params)
-            if broadcast_buffers and model is not None:
-                tensors += list(model.buffers())
-            broadcast_from_first_rank(tensors, process_group)
+            broadcast_from_first_rank(self._shared_at_start(params, model if broadcast_buffers else None),
+                                      process_group)
         self.optimizer = optimizer
         self.backend = backend
         self.device = device
@@ -118,6 +116,11 @@ class ShardingStrategy(ABC):
         self.hooks = None
         self.reducer = None
         self._frozen_masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # _keep_frozen_masters
+
+    def _shared_at_start(self, params: list[torch.Tensor], model: nn.Module | None) -> list[torch.Tensor]:
+        """What every rank takes from the group's first rank at construction (several ranks): ``params`` and the
+        buffers of ``model`` (None: without ``broadcast_buffers``)."""
+        return list(params) + (list(model.buffers()) if model is not None else [])
 
     # ------------------------------------------------------------------ layout
     def _lay_out(self, order: list[torch.Tensor]) -> bool:
@@ -158,9 +161,10 @@ class ShardingStrategy(ABC):
     def _new_main_grad(self) -> FlatBuffer:
         """A zeroed fp32 ``FlatBuffer`` over ``self.params`` in this strategy's layout (``meta`` when layout only)."""
 
-    @abstractmethod
-    def _new_reducer(self) -> BucketReducer:
-        """The reducer of ``main_grad``'s buckets over the process group (several ranks only)."""
+    def _new_reducer(self) -> BucketReducer | None:
+        """The reducer of ``main_grad``'s buckets over the process group (several ranks only), or None where the
+        model reduces its gradients itself (FSDP2: ``gaengine.fsdp2``)."""
+        return None
 
     def _acquire(self):
         """The hooks' ``acquire(b)`` (a destination per bucket and micro-batch), or None: main_grad itself."""

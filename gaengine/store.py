@@ -1,9 +1,10 @@
 """The parameter store: the model's parameters as the optimizer sees them, the fp32 master weights, and the update.
 
-One ``ParameterStore`` per accumulator with an optimizer, built by the sharding strategy (``gaengine.sharding``)
-over a ``gaengine.zero.ShardLayout``: rank r of d owns the range ``[lo, hi)`` of every laid-out parameter that
-the layout gives it (``ParamShard``). The replicated case is the one-shard case, d = 1: every range is the whole
-parameter.
+One ``ParameterStore`` per accumulator with an optimizer, in every mode, built by the sharding strategy
+(``gaengine.sharding``, ``gaengine.fsdp2``) over a layout of pieces: flat views for the replicated and ZeRO modes, a
+``gaengine.zero.ShardLayout`` (rank r of d owns the range ``[lo, hi)`` of every laid-out parameter that the layout
+gives it, ``ParamShard``; the replicated case is the one-shard case, d = 1: every range is the whole parameter);
+``DTensorShards`` for FSDP2 models, whose parameters are DTensors whose local shards this rank holds.
 
 * **Parameter buffers.** The laid-out parameters (the same ``Parameter`` objects, ``p.data`` re-pointed: autograd
   keeps their AccumulateGrad nodes and the hooks on them) become views of one flat buffer per dtype laid out like
@@ -11,16 +12,19 @@ parameter.
   parameters the same way). Padding is zero and stays zero. On d > 1 ranks every trainable parameter is laid out
   (the bucket all-gathers write the buffers, ``gaengine.zero.ParamGather``); on one, only those that need a flat
   buffer: the bf16/fp16 parameters the optimizer holds, when they have masters (one flat master -> model copy).
+  FSDP2's parameters are never laid out (FSDP2 owns their storage).
 * **Masters.** With ``master_weights=True``, one fp32 buffer (``master_buffer``, 4/d B/param) holds the rank's
-  range of every bucket of the bf16/fp16 dtypes the optimizer holds, laid out like the rank's shard.
+  range of every bucket of the bf16/fp16 dtypes the optimizer holds, laid out like the rank's shard (FSDP2: the
+  local shards of the bf16/fp16 parameters the optimizer holds, one after another).
   ``model.load_state_dict()`` after construction reaches the masters (``pull_model_writes``).
 * **Pieces.** The optimizer is re-pointed at one parameter per (parameter, rank range), ``pieces``: on d > 1
   ranks a 1-D ``nn.Parameter`` (a view of the master buffer, or of the rank's range of the parameter buffer
   itself: fp32, or bf16/fp16 without masters, updated in place) for each range that is not empty; on one rank a
   parameter SHAPED like its model parameter (its fp32 master, or the model parameter itself), so any torch
   optimizer works and state built before the accumulator follows its parameter (to fp32 for a master, to the
-  parameter's dtype without one: torch's ``Optimizer.load_state_dict`` casts it the same way). Each piece stays
-  in its parameter's param group (hyper-parameters per group).
+  parameter's dtype without one: torch's ``Optimizer.load_state_dict`` casts it the same way); FSDP2 likewise,
+  each piece a DTensor like its parameter (the parameter, or an fp32 master DTensor over its local master shard).
+  Each piece stays in its parameter's param group (hyper-parameters per group).
 * **Update** (``update``): every piece gets its gradient (the fp32 view the strategy hands over: its fp32 value,
   its rounding to a bf16/fp16 piece, or, for ``gaengine.optim.FusedAdamW`` without masters, ``p.main_grad``),
   the optimizer steps with the window's normalization x clip coefficient and the skip flag folded in (a fused
@@ -48,7 +52,7 @@ from gaengine.reduce import Collective
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 from gaengine.zero import ShardLayout, zero_order
 
-__all__ = ["ParamSlot", "ParameterStore", "reshard_state"]
+__all__ = ["DTensorShards", "ParamSlot", "ParameterStore", "reshard_state"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,27 @@ class ParamSlot:
     grad: torch.Tensor | None = None
 
 
+class DTensorShards:
+    """The layout of pieces of FSDP2 models (``gaengine.fsdp2``): every parameter a DTensor (``fully_shard``) whose
+    local shard this rank holds, in storage FSDP2 owns (never re-pointed: FSDP2 all-gathers from it). The store lays
+    nothing out: a piece is shaped like its parameter (its DTensor, or an fp32 master DTensor over a view of
+    ``master_buffer`` with the parameter's mesh, placements, global shape and stride), the gradients it is handed are
+    shaped like the local shards and wrapped the same way, and the masters are rounded into the local shards."""
+
+    @staticmethod
+    def local(p: torch.Tensor) -> torch.Tensor:
+        """``p``'s local shard now (``to_local()``: FSDP2 may give ``p`` a new local tensor, e.g. at its lazy init)."""
+        return p.to_local()
+
+    @staticmethod
+    def wrap(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """A DTensor over ``local`` (this rank's shard, shaped like ``p``'s) laid out like ``p``; no communication."""
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only for FSDP2 models
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+
 class ParameterStore:
     """The parameter buffers, fp32 masters and optimizer pieces of one rank, and the update (module docstring).
 
@@ -83,7 +108,8 @@ class ParameterStore:
     ``normalize_before_rounding``: each gradient is rounded once, at its final scale).
     layout, rank: the ``ShardLayout`` of ``params`` (in its order, every parameter laid out) and this rank, on
     d > 1 ranks; None on one rank (the store lays out the parameters with masters itself, one bucket per dtype:
-    the layout of ``master_buffer`` depends on the parameters only).
+    the layout of ``master_buffer`` depends on the parameters only); ``DTensorShards()`` for FSDP2's DTensor
+    parameters (nothing laid out; pieces, gradients and masters per local shard, gradients wrapped as DTensors).
 
     Attributes: ``pieces[j]`` (the optimizer's parameter for ``params[j]``'s range, or None); ``optimized[j]``;
     ``param_buffers[dtype]`` (the laid-out parameters' storage); ``master_buffer`` (``FlatBuffer`` of the fp32
@@ -93,7 +119,7 @@ class ParameterStore:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, device: torch.device,
-                 master_weights: bool, layout: ShardLayout | None = None, rank: int = 0) -> None:
+                 master_weights: bool, layout: ShardLayout | DTensorShards | None = None, rank: int = 0) -> None:
         self.optimizer = optimizer
         self.device = device
         self.params = list(params)
@@ -105,8 +131,11 @@ class ParameterStore:
         self.reads_main_grad = fused_adamw and not master_weights and bool(low)
         self.normalize_before_rounding = not fused_adamw and not master_weights and bool(low)
         mastered = {p.dtype for p in low} if master_weights else set()
-        self.shaped = layout is None  # one rank: the optimizer keeps parameter-shaped pieces
-        if layout is None:
+        self.dtensors = layout if isinstance(layout, DTensorShards) else None
+        self.shaped = not isinstance(layout, ShardLayout)  # the optimizer keeps parameter-shaped pieces
+        if self.dtensors is not None:
+            laid, layout = [], None  # FSDP2 owns the parameters' storage: nothing is laid out
+        elif layout is None:
             laid = zero_order([p for p in low if p.dtype in mastered])
             whole_mb = sum(p.numel() + ALIGN_NUMEL for p in laid) * 4 / 2**20 + 1  # one bucket per dtype
             layout = ShardLayout.build(laid, whole_mb, 1) if laid else None
@@ -115,94 +144,142 @@ class ParameterStore:
         self.layout = layout
         self.rank = rank
         shards = {id(p): s for p, s in zip(laid, layout.param_shards(rank))} if layout is not None else {}
-        position = {id(p): k for k, p in enumerate(laid)}  # layout index of each laid-out parameter
-
-        # The parameter buffers: the laid-out parameters re-pointed at views of one flat buffer per dtype.
-        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._firsts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dtype's buffer, its first param): check_model
-        if layout is not None:
-            offsets = layout.layout.offsets
-            with torch.no_grad():
-                for dtype, (lo, hi) in layout.dtype_spans.items():
-                    buf = torch.zeros(hi - lo, dtype=dtype, device=device)
-                    group = [(k, p) for k, p in enumerate(laid) if p.dtype == dtype]
-                    for k, p in group:
-                        view = buf[offsets[k] - lo:offsets[k] - lo + p.numel()].view(p.shape)
-                        view.copy_(p.detach())
-                        p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
-                    self.param_buffers[dtype] = buf
-                    self._firsts.append((buf, group[0][1]))
-
-        # The masters: the rank's range of each bucket of the mastered dtypes, laid out like the rank's shard.
+        self._lay_out_params(laid)
         self.master_buffer: FlatBuffer | None = None
         self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (model ranges, master ranges)
         master_of: dict[int, torch.Tensor] = {}
-        if mastered:
-            spans = [layout.dtype_shard_span(dt) for dt in sorted(mastered, key=lambda dt: LOW_PRECISION.index(dt))]
-            m_lo, m_hi = spans[0][0], spans[-1][1]  # bf16 then fp16: adjacent in the shard (zero_order)
-            ranged = [(p, shards[id(p)]) for p in laid  # on several ranks, the ranges this rank owns
-                      if p.dtype in mastered and (self.shaped or shards[id(p)].numel)]
-            flat = FlatLayout(tuple(s.shard_offset - m_lo for _, s in ranged), tuple(s.numel for _, s in ranged),
-                              tuple(p.shape if self.shaped else torch.Size([s.numel]) for p, s in ranged), m_hi - m_lo)
-            self.master_buffer = FlatBuffer(flat, torch.float32, device)
-            views = self.master_buffer.views
-            master_of = {id(p): v for (p, _), v in zip(ranged, views)}
-            if self.shaped:  # one rank: each dtype's buffer is one range of the masters, copied whole
-                for dtype in mastered:
-                    lo, hi = layout.dtype_spans[dtype]
-                    self._copies[0].append(self.param_buffers[dtype])
-                    self._copies[1].append(self.master_buffer.data[lo - m_lo:hi - m_lo])
-            else:  # the rank's range of each bucket
-                for b in layout.buckets:
-                    if b.dtype in mastered:
-                        r_lo, r_hi = b.rank_range(rank)
-                        span_lo = layout.dtype_spans[b.dtype][0]
-                        self._copies[0].append(self.param_buffers[b.dtype][r_lo - span_lo:r_hi - span_lo])
-                        self._copies[1].append(self.master_buffer.data[b.shard_offset - m_lo:
-                                                                       b.shard_offset - m_lo + b.shard_numel])
-            _copy(self._copies[1], self._copies[0])  # the masters start as the (exact) fp32 values of the params
+        if mastered and self.dtensors is not None:
+            master_of = self._master_local_shards(low)
+        elif mastered:
+            master_of = self._master_ranges(laid, shards, mastered)
+        self._make_pieces(shards, {id(p): k for k, p in enumerate(laid)}, mastered, master_of)
+        self._repoint_optimizer()
+        self.optimizer_writes_model = fused_adamw and self.master_buffer is not None
+        if self.optimizer_writes_model:
+            optimizer.attach_model_params([(piece, view) for _, piece, _, view in self._mastered])
+        self._versions = param_versions(self._version_tensors())
 
-        # The pieces, and the model's view of each (what a master is rounded into).
+    def _lay_out_params(self, laid: list[torch.Tensor]) -> None:
+        """The parameter buffers: the laid-out parameters re-pointed at views of one flat buffer per dtype."""
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._firsts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dtype's buffer, its first param): check_model
+        if self.layout is None:
+            return
+        offsets = self.layout.layout.offsets
+        with torch.no_grad():
+            for dtype, (lo, hi) in self.layout.dtype_spans.items():
+                buf = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+                group = [(k, p) for k, p in enumerate(laid) if p.dtype == dtype]
+                for k, p in group:
+                    view = buf[offsets[k] - lo:offsets[k] - lo + p.numel()].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
+                self.param_buffers[dtype] = buf
+                self._firsts.append((buf, group[0][1]))
+
+    def _master_ranges(self, laid: list[torch.Tensor], shards: dict, mastered: set) -> dict[int, torch.Tensor]:
+        """The masters of flat pieces: the rank's range of each bucket of the mastered dtypes, laid out like the
+        rank's shard, starting as the (exact) fp32 values of the parameters. Returns each master, keyed by ``id`` of
+        its parameter (shaped like it on one rank, 1-D on several)."""
+        layout, rank = self.layout, self.rank
+        spans = [layout.dtype_shard_span(dt) for dt in sorted(mastered, key=lambda dt: LOW_PRECISION.index(dt))]
+        m_lo, m_hi = spans[0][0], spans[-1][1]  # bf16 then fp16: adjacent in the shard (zero_order)
+        ranged = [(p, shards[id(p)]) for p in laid  # on several ranks, the ranges this rank owns
+                  if p.dtype in mastered and (self.shaped or shards[id(p)].numel)]
+        flat = FlatLayout(tuple(s.shard_offset - m_lo for _, s in ranged), tuple(s.numel for _, s in ranged),
+                          tuple(p.shape if self.shaped else torch.Size([s.numel]) for p, s in ranged), m_hi - m_lo)
+        self.master_buffer = FlatBuffer(flat, torch.float32, self.device)
+        if self.shaped:  # one rank: each dtype's buffer is one range of the masters, copied whole
+            for dtype in mastered:
+                lo, hi = layout.dtype_spans[dtype]
+                self._copies[0].append(self.param_buffers[dtype])
+                self._copies[1].append(self.master_buffer.data[lo - m_lo:hi - m_lo])
+        else:  # the rank's range of each bucket
+            for b in layout.buckets:
+                if b.dtype in mastered:
+                    r_lo, r_hi = b.rank_range(rank)
+                    span_lo = layout.dtype_spans[b.dtype][0]
+                    self._copies[0].append(self.param_buffers[b.dtype][r_lo - span_lo:r_hi - span_lo])
+                    self._copies[1].append(self.master_buffer.data[b.shard_offset - m_lo:
+                                                                   b.shard_offset - m_lo + b.shard_numel])
+        _copy(self._copies[1], self._copies[0])
+        return {id(p): v for (p, _), v in zip(ranged, self.master_buffer.views)}
+
+    def _master_local_shards(self, low: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The masters of DTensor pieces: one fp32 ``master_buffer`` laid out over the local shards of ``low`` (the
+        bf16/fp16 parameters the optimizer holds, in ``params``' order; a local shard may be empty), starting as
+        their (exact) fp32 values. Returns each master local shard, keyed by ``id`` of its parameter."""
+        locals_ = [self.dtensors.local(p) for p in low]
+        self.master_buffer = FlatBuffer(FlatLayout.build(locals_), torch.float32, self.device)
+        _copy(self.master_buffer.views, locals_)
+        return {id(p): v for p, v in zip(low, self.master_buffer.views)}
+
+    def _make_pieces(self, shards: dict, position: dict[int, int], mastered: set,
+                     master_of: dict[int, torch.Tensor]) -> None:
+        """The pieces, the slots, and each master's model view (what it is rounded into: None for a DTensor, whose
+        local shard is read afresh each time, ``model_views``)."""
+        layout = self.layout
         self.pieces: list[torch.Tensor | None] = []
         self.slots: list[ParamSlot] = []
-        self._mastered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, master piece, model view)
-        for p, opt in zip(self.params, self.optimized):
+        self._mastered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        for p, opt in zip(self.params, self.optimized):  # (param, master piece, its master tensor, model view)
             s = shards.get(id(p))
-            lo, hi = (s.lo, s.hi) if s is not None else (0, p.numel())
+            lo, hi = (s.lo, s.hi) if s is not None else (0, self._local(p).numel())
             if s is not None:
-                span_lo = layout.dtype_spans[p.dtype][0]
-                o = layout.layout.offsets[position[id(p)]] - span_lo
+                o = layout.layout.offsets[position[id(p)]] - layout.dtype_spans[p.dtype][0]
             piece = None
             master = opt and p.dtype in mastered  # whether or not this rank owns any of it
             if opt and (self.shaped or hi > lo):
-                if master:
-                    piece = nn.Parameter(master_of[id(p)], requires_grad=True)  # aliases the master buffer
+                if master:  # aliases the master buffer
+                    piece = nn.Parameter(self._wrap(p, master_of[id(p)]), requires_grad=True)
                 elif self.shaped:
                     piece = p  # an fp32 parameter, or bf16/fp16 without masters, updated as it is
                 else:
                     piece = nn.Parameter(self.param_buffers[p.dtype][o + lo:o + hi])  # updated in place
                 if master:
-                    model_view = p if self.shaped else self.param_buffers[p.dtype][o + lo:o + hi]
-                    self._mastered.append((p, piece, model_view))
+                    model_view = (None if self.dtensors is not None else p if self.shaped
+                                  else self.param_buffers[p.dtype][o + lo:o + hi])
+                    self._mastered.append((p, piece, master_of[id(p)], model_view))
             self.pieces.append(piece)
             self.slots.append(ParamSlot(p, lo, hi, s.shard_offset if s is not None else 0, piece, opt, master))
-        self._low_params = [p for p, _, _ in self._mastered]
+        self._low_params = [p for p, _, _, _ in self._mastered]
 
-        # The optimizer: re-pointed at the pieces (one rank keeps what it holds that is not trainable).
+    def _repoint_optimizer(self) -> None:
+        """The optimizer re-pointed at the pieces (parameter-shaped pieces keep what it holds that is not
+        trainable); state built before the accumulator follows its parameter."""
+        optimizer = self.optimizer
         self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         piece_of = {id(p): piece for p, piece in zip(self.params, self.pieces)}
         for group_ in optimizer.param_groups:
             group_["params"] = [q2 for q2 in (piece_of.get(id(q), q if self.shaped else None) for q in group_["params"])
                                 if q2 is not None]
-        for p, piece in zip(self.params, self.pieces):  # state built before the accumulator follows its parameter
+        for p, piece in zip(self.params, self.pieces):
             if piece is not None and p.dtype in LOW_PRECISION and p in optimizer.state:
                 state = optimizer.state.pop(p) if piece is not p else optimizer.state[p]
                 optimizer.state[piece] = state
                 convert_state(state, p, piece.dtype)  # exact to fp32; rounded once to the param dtype
-        self.optimizer_writes_model = fused_adamw and self.master_buffer is not None
-        if self.optimizer_writes_model:
-            optimizer.attach_model_params([(piece, view) for _, piece, view in self._mastered])
-        self._versions = param_versions(self._low_params)
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of ``p``'s storage: its local shard (DTensor pieces), else ``p``."""
+        return self.dtensors.local(p) if self.dtensors is not None else p
+
+    def _wrap(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (shaped like ``p``'s local shard) as the optimizer sees it beside ``p``: a DTensor like ``p``
+        (DTensor pieces), else ``local`` itself."""
+        return self.dtensors.wrap(p, local) if self.dtensors is not None else local
+
+    def model_views(self) -> list[torch.Tensor]:
+        """Per master (``_mastered``' order), the model tensor its rounding goes into: the parameter (one rank),
+        its range of the parameter buffer (several), or the parameter's local shard now (DTensor pieces: FSDP2 may
+        give a parameter a new local tensor, ``reset_sharded_param``)."""
+        if self.dtensors is not None:
+            return [self.dtensors.local(p) for p, _, _, _ in self._mastered]
+        return [view for _, _, _, view in self._mastered]
+
+    def _version_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose version counters tell a model write (``pull_model_writes``): the bf16/fp16 parameters
+        with masters (their local shards, DTensor pieces)."""
+        return self.model_views() if self.dtensors is not None else self._low_params
 
     # ------------------------------------------------------------------ a new layout (parameters joined or left)
     def release(self) -> dict[int, torch.Tensor]:
@@ -216,7 +293,7 @@ class ParameterStore:
         for p, piece in zip(self.params, self.pieces):
             if piece is not None and piece is not p and piece in self.optimizer.state:
                 self.optimizer.state[p] = self.optimizer.state.pop(piece)
-        return {id(p): piece.detach().clone() for p, piece, _ in self._mastered}
+        return {id(p): master.detach().clone() for p, _, master, _ in self._mastered}
 
     def release_shards(self) -> dict[int, dict]:
         """Undo the constructor's re-pointing of the optimizer on several ranks (a store over other parameters
@@ -259,34 +336,38 @@ class ParameterStore:
                     ".cuda(), ...). Move and convert the model first, then build the optimizer and the accumulator"
                 )
 
-    def pull_model_writes(self) -> None:
+    def pull_model_writes(self, every: bool = False) -> None:
         """Copy into their fp32 masters the bf16/fp16 parameters written since the masters were last rounded into
         the model: ``model.load_state_dict()`` or an in-place write under ``torch.no_grad()`` after construction
         (exact: a bf16/fp16 value is an fp32 value). Without it the next update would start from the old masters
         and revert the write. Seen through each parameter's version counter (bumped by every in-place op; a write
         through ``p.data`` is not seen): one host-side integer per parameter, no device work unless one changed.
         An element that still holds its master's rounding keeps the master (``merge_model_write``), so loading the
-        model of a checkpoint beside the accumulator's own masters, in either order, keeps their fp32 bits."""
-        versions = param_versions(self._low_params)
-        if versions == self._versions:
+        model of a checkpoint beside the accumulator's own masters, in either order, keeps their fp32 bits.
+        every: merge every master, changed or not (after the masters themselves were overwritten)."""
+        versions = param_versions(self._version_tensors())
+        if versions == self._versions and not every:
             return
-        for (_, piece, view), new, old in zip(self._mastered, versions, self._versions):
-            if new != old:
-                merge_model_write(piece, view)
+        for (_, _, master, _), view, new, old in zip(self._mastered, self.model_views(), versions, self._versions):
+            if new != old or every:
+                merge_model_write(master, view)
         self._versions = versions
 
     def model_written(self) -> None:
         """The masters' rounding is in the model now: the version counters ``pull_model_writes`` compares with."""
-        self._versions = param_versions(self._low_params)
+        self._versions = param_versions(self._version_tensors())
 
     def copy_to_model(self) -> None:
         """Round the fp32 masters into the rank's ranges of the parameter buffers (one ``copy_`` per dtype on one
         rank, one multi-tensor copy over the buckets' ranges on several; the padding is zero in both), bumping the
-        parameters' version counters as an in-place op would. Raises
+        parameters' version counters as an in-place op would; FSDP2: into the local shards, in place. Raises
         ``RuntimeError`` as ``check_model``."""
         self.check_model()
-        _copy(*self._copies)
-        increment_version(self._low_params)  # p.data = view gave each parameter its own version counter
+        if self.dtensors is not None:  # each master into its parameter's local shard
+            _copy(self.model_views(), [master for _, _, master, _ in self._mastered])
+        else:
+            _copy(*self._copies)
+            increment_version(self._low_params)  # p.data = view gave each parameter its own version counter
         self.model_written()
 
     # ------------------------------------------------------------------ the update
@@ -320,11 +401,11 @@ class ParameterStore:
             if grad is None:
                 piece.grad = None
             elif piece.dtype == torch.float32:
-                piece.grad = grad  # the view itself
+                piece.grad = self._wrap(piece, grad)  # the view itself
             elif self.reads_main_grad:
                 piece.main_grad = grad  # FusedAdamW reads the fp32 gradient in place, no copy
-            else:
-                piece.grad = grad.to(piece.dtype)  # rounded once, at its final scale (normalize_before_rounding)
+            else:  # rounded once, at its final scale (normalize_before_rounding)
+                piece.grad = self._wrap(piece, grad.to(piece.dtype))
         try:
             applied = step_optimizer(optimizer, coef, skipped, scaled)
         finally:

@@ -117,9 +117,11 @@ def step_scheduler(lr_scheduler, applied: bool | None, skipped: torch.Tensor) ->
         lr_scheduler.step()
 
 
-def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int]) -> None:
+def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int], wrap=None) -> None:
     """No optimizer: ``p.grad`` = the final gradient (the view of main_grad for fp32 params, a rounded copy for
-    bf16/fp16), None for the params in ``unwritten`` (no gradient in the window)."""
+    bf16/fp16), None for the params in ``unwritten`` (no gradient in the window). wrap: ``wrap(p, grad)`` is what
+    ``p.grad`` takes (``gaengine.store.DTensorShards.wrap`` for FSDP2's DTensor parameters, whose ``main_grad`` views
+    are shaped like their local shards), or None: the gradient itself."""
     unused = set(unwritten)
     with torch.no_grad():
         for i, p in enumerate(params):
@@ -127,4 +129,5 @@ def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: l
                 p.grad = None
             else:
                 view = main_grad.views[i]
-                p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+                grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+                p.grad = grad if wrap is None else wrap(p, grad)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -414,6 +415,85 @@ def _checkpoint(rank: int, world: int, out_dir: str) -> dict:
     return {"went_on": went_on, "resumed": _full(model)}
 
 
+def _resume_run(rank: int, world: int, out_dir: str, what: str) -> dict:
+    """A window, one micro-batch of the next, a save (DCP with FSDP2's state dicts plus ``acc.state_dict()``), the
+    window finished and one more; then a fresh model, optimizer and accumulator load the save and finish the same
+    windows. what="bf16": bf16 sharded parameters with fp32 masters (``master_weights=True``, fused AdamW), the
+    model saved with DCP, the optimizer's own ``state_dict()`` with ``torch.save`` per rank; "bf16-dcp": the same,
+    model and optimizer through ``get_state_dict`` as docs/fsdp2.md says;
+    what="noise": fp32, SGD, ``measure_noise_scale=True``. Returns both runs' full parameters, fp32 masters and
+    noise estimates of the windows after the save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = what.startswith("bf16")
+    own_optim = what == "bf16"  # the optimizer's own state_dict() per rank; else get_state_dict's (docs/fsdp2.md)
+    xs, labels = _data(world, seed=13)
+    where = os.path.join(out_dir, f"resume-{what}")
+
+    def build():
+        torch.manual_seed(0)
+        if bf16:
+            model = _shard(Net().to(torch.bfloat16), world, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+            opt = _optimizer("adamw-fused", model.parameters())
+            acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=MAX_NORM,
+                                               master_weights=True)
+            assert acc.master_buffer is not None
+        else:
+            model = _shard(Net(), world)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=None,
+                                               measure_noise_scale=True, noise_scale_ema=NOISE_EMA)
+        return model, opt, acc
+
+    def micro(model, acc, s, j):
+        x = xs[s, rank, j].bfloat16() if bf16 else xs[s, rank, j]
+        acc.backward(_loss(model, x, labels[s, rank, j], False, True))
+
+    def finish(model, acc) -> dict:
+        out = {"estimates": []}
+        for s, first in ((1, 1), (2, 0)):
+            for j in range(first, K):
+                micro(model, acc, s, j)
+            res = acc.step()
+            if not bf16:
+                out["estimates"].append(tuple(float(t) for t in (res.grad_noise_scale, res.noise_trace_sigma,
+                                                                  res.noise_grad_sq)))
+        out["params"] = _full(model)
+        out["masters"] = None if acc.master_buffer is None else acc.master_buffer.data.clone()
+        acc.close()
+        return out
+
+    model, opt, acc = build()
+    for j in range(K):
+        micro(model, acc, 0, j)
+    acc.step()
+    micro(model, acc, 1, 0)
+    if own_optim:
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=where)
+        torch.save(opt.state_dict(), os.path.join(where, f"optim{rank}.pt"))
+    else:
+        state_model, state_opt = get_state_dict(model, opt)
+        dcp.save({"model": state_model, "optim": state_opt}, checkpoint_id=where)
+    torch.save(acc.state_dict(), os.path.join(where, f"acc{rank}.pt"))
+    went_on = finish(model, acc)
+    model, opt, acc = build()
+    if own_optim:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=where)
+        set_model_state_dict(model, state["model"])
+        opt.load_state_dict(torch.load(os.path.join(where, f"optim{rank}.pt"), weights_only=False))
+    else:
+        state_model, state_opt = get_state_dict(model, opt)
+        state = {"model": state_model, "optim": state_opt}
+        dcp.load(state, checkpoint_id=where)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    acc.load_state_dict(torch.load(os.path.join(where, f"acc{rank}.pt"), weights_only=False))
+    return {"went_on": went_on, "resumed": finish(model, acc)}
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]) -> None:
     poison.install_if_asked()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -433,6 +513,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: list[str]
                 results[name] = _refusals(rank, world)
             elif name == "checkpoint":
                 results[name] = _checkpoint(rank, world, out_dir)
+            elif name.startswith("resume-"):
+                results[name] = _resume_run(rank, world, out_dir, name.removeprefix("resume-"))
             elif name == "dies":
                 results[name] = _rank_dies(rank, world)
             if name != "dies":
@@ -701,6 +783,45 @@ def test_checkpoint_2_ranks_to_3(tmp_path):
     for res in three:
         for p, q in zip(res["checkpoint"]["params"], model.parameters()):
             assert rel_diff(p, q) <= _param_rtol(q.detach(), 3, steps=2)
+
+
+def _check_resume(name: str, results: list[dict]) -> None:
+    """The resumed run's parameters, fp32 masters and noise estimates equal the uninterrupted run's bit for bit."""
+    for rank, res in enumerate(results):
+        went_on, resumed = res[name]["went_on"], res[name]["resumed"]
+        for i, (a, b) in enumerate(zip(resumed["params"], went_on["params"])):
+            assert torch.equal(a, b), f"{name} rank {rank} param {i}: the resumed run differs"
+        assert resumed["estimates"] == went_on["estimates"], f"{name} rank {rank}: noise estimates differ"
+        if went_on["masters"] is not None:
+            assert torch.equal(resumed["masters"], went_on["masters"]), f"rank {rank}: the fp32 masters differ"
+            assert not torch.equal(went_on["masters"].bfloat16().float(), went_on["masters"]), "no fp32 bits"
+
+
+def test_mid_window_resume_noise_scale(tmp_path):
+    """fp32, ``measure_noise_scale=True``, saved mid-window on 2 ranks and resumed by a fresh model, optimizer and
+    accumulator: the window's sums and the noise scale's moving averages come back. The reference is the
+    uninterrupted run: parameters and both windows' noise estimates equal bit for bit."""
+    results = _launch(tmp_path, 2, ["resume-noise"])
+    _check_resume("resume-noise", results)
+    for res in results:
+        estimates = res["resume-noise"]["went_on"]["estimates"]
+        assert len(estimates) == 2 and all(math.isfinite(v) for est in estimates for v in est)
+
+
+def test_mid_window_resume_bf16_masters(tmp_path):
+    """bf16 sharded parameters with fp32 masters (``master_weights=True``), saved mid-window on 2 ranks (the model
+    with DCP, the optimizer's own state dict per rank) and resumed by a fresh model, optimizer and accumulator: the
+    masters' fp32 bits (not the bf16 model's rounding) come back. The reference is the uninterrupted run: parameters
+    and masters equal bit for bit."""
+    _check_resume("resume-bf16", _launch(tmp_path, 2, ["resume-bf16"]))
+
+
+@pytest.mark.xfail(strict=True, reason="bf16 FSDP2 parameters with masters: the optimizer holds fp32 master "
+                   "DTensors that are not the model's parameters, so torch's get_state_dict(model, optimizer) "
+                   "raises KeyError (no FQN for them); the checkpoint docs/fsdp2.md describes cannot save it")
+def test_mid_window_resume_bf16_masters_get_state_dict(tmp_path):
+    """As ``test_mid_window_resume_bf16_masters``, the model and optimizer saved through ``get_state_dict``."""
+    _check_resume("resume-bf16-dcp", _launch(tmp_path, 2, ["resume-bf16-dcp"]))
 
 
 def test_gaengine_train_fsdp_under_torchrun(tmp_path):
