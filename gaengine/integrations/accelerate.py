@@ -450,7 +450,7 @@ class GaengineAccelerator(Accelerator):
         if acc.scaler is not None:  # the sums are loss-scaled
             denom = denom * acc.scaler.scale
         inv = denom.reciprocal().to(torch.float32)
-        unused = set(acc.window.unwritten(acc.hooks.accumulated, acc.world_size))
+        unused = set(acc.sharding.unwritten(acc.window))
         with torch.no_grad():
             for i, (p, g) in enumerate(zip(sharding.params, sharding.main_grad.views)):
                 if i not in unused:
