@@ -37,6 +37,7 @@ from gaengine.contract import (
     check_grad_tensor,
     check_partials_like,
     check_scale_args,
+    register_bucket_kernel,
 )
 
 __all__ = ["AdamWStep", "Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTENSION_ABI_VERSION", "OPS",
@@ -74,40 +75,13 @@ def extension_mismatch(module) -> str | None:
             "(or pip install --no-build-isolation -e .)")
 
 
-# The torch.library registrations of the Python backends' bucket kernels, by namespace: kept alive for the process (a
-# Library object that is collected takes its registrations with it).
-_BUCKET_LIBRARIES: dict[str, torch.library.Library] = {}
-
-
-def register_bucket_kernel(backend: Backend, module) -> str:
-    """Register ``backend.accumulate_bucket_`` as the kernel (``CompositeExplicitAutograd``: every device) of an op
-    ``accumulate_bucket_`` with the compiled op's schema (``torch.ops.<module.OP_NAMESPACE>.accumulate_bucket_``) in
-    the namespace ``<module.OP_NAMESPACE>_<backend.name>``, once per process, and return that namespace: the native
-    hooks (``module.HotPath(..., op_namespace=...)``) then launch this backend's bucket kernel from C++ through the
-    dispatcher, holding the GIL for the call (one per complete bucket)."""
-    namespace = f"{module.OP_NAMESPACE}_{backend.name}"
-    if namespace not in _BUCKET_LIBRARIES:
-        schema = str(getattr(torch.ops, module.OP_NAMESPACE).accumulate_bucket_.default._schema).split("::", 1)[1]
-
-        def kernel(dst, srcs, offsets, overwrite, partials=None, source_partials=None) -> None:
-            backend.accumulate_bucket_(dst, srcs, offsets, overwrite, partials, source_partials)
-
-        library = torch.library.Library(namespace, "DEF")
-        library.define(schema)
-        library.impl("accumulate_bucket_", kernel, "CompositeExplicitAutograd")
-        _BUCKET_LIBRARIES[namespace] = library
-    return namespace
-
-
 class _RegisteredBucketKernel:
     """What the native hooks need of a backend whose ``accumulate_bucket_`` is Python (``torch``, ``triton``):
-    ``gaengine._C``'s ``HotPath``, dispatching to that method registered as an op (``register_bucket_kernel``)."""
+    ``gaengine._C``'s ``HotPath``, which dispatches to that method registered as an op (the default
+    ``Backend.hot_path_namespace``: ``register_bucket_kernel``)."""
 
     def extension(self):
         return load_extension()
-
-    def hot_path_namespace(self, module) -> str:
-        return register_bucket_kernel(self, module)
 
 
 # ------------------------------------------------------------------------------------------- the torch reference

@@ -159,14 +159,39 @@ class Backend(abc.ABC):
 
     def extension(self):
         """``(module, None)``: the compiled module whose ``HotPath`` runs this backend's hooks (``gaengine._C``), or
-        ``(None, why)`` when it cannot."""
-        return None, f"backend {self.name!r} has no native hooks"
+        ``(None, why)`` when it cannot (``gaengine.backends``' backends say which)."""
+        return None, f"backend {self.name!r} does not say which compiled module runs its hooks"
 
     def hot_path_namespace(self, module) -> str:
-        """The ``torch.library`` namespace whose ``accumulate_bucket_`` ``module.HotPath`` calls for this backend
-        (``gaengine.backends``: the compiled ops' own, or one where ``register_bucket_kernel`` registered this
-        backend's kernel)."""
-        raise NotImplementedError(f"backend {self.name!r} has no accumulate_bucket_ op for the native hooks")
+        """The ``torch.library`` namespace whose ``accumulate_bucket_`` ``module.HotPath`` calls for this backend:
+        by default this backend's own ``accumulate_bucket_``, registered as the kernel of an op of the compiled
+        schema (``register_bucket_kernel``); the compiled backends return the compiled ops' namespace."""
+        return register_bucket_kernel(self, module)
+
+
+# The torch.library registrations of the Python backends' bucket kernels, by namespace: kept alive for the process (a
+# Library object that is collected takes its registrations with it).
+_BUCKET_LIBRARIES: dict[str, torch.library.Library] = {}
+
+
+def register_bucket_kernel(backend: Backend, module) -> str:
+    """Register ``backend.accumulate_bucket_`` as the kernel (``CompositeExplicitAutograd``: every device) of an op
+    ``accumulate_bucket_`` with the compiled op's schema (``torch.ops.<module.OP_NAMESPACE>.accumulate_bucket_``) in
+    the namespace ``<module.OP_NAMESPACE>_<backend.name>``, once per process, and return that namespace: the native
+    hooks (``module.HotPath(..., op_namespace=...)``) then launch this backend's bucket kernel from C++ through the
+    dispatcher, holding the GIL for the call (one per complete bucket)."""
+    namespace = f"{module.OP_NAMESPACE}_{backend.name}"
+    if namespace not in _BUCKET_LIBRARIES:
+        schema = str(getattr(torch.ops, module.OP_NAMESPACE).accumulate_bucket_.default._schema).split("::", 1)[1]
+
+        def kernel(dst, srcs, offsets, overwrite, partials=None, source_partials=None) -> None:
+            backend.accumulate_bucket_(dst, srcs, offsets, overwrite, partials, source_partials)
+
+        library = torch.library.Library(namespace, "DEF")
+        library.define(schema)
+        library.impl("accumulate_bucket_", kernel, "CompositeExplicitAutograd")
+        _BUCKET_LIBRARIES[namespace] = library
+    return namespace
 
 
 # ---------------------------------------------------------------------------------------------------- the checks

@@ -13,7 +13,7 @@ Each bucket launch is one call of the ``torch.library`` op ``accumulate_bucket_`
 (``torch.ops.gaengine``; ``main_grad``'s device picks the kernel: CPU, one parallel region per bucket,
 ``csrc/cpu_ops.cpp``; CUDA, one multi-tensor kernel per bucket on the current stream, ``csrc/cuda/``, when
 ``gaengine._C`` was built against a CUDA torch); for ``torch`` and ``triton`` the backend's own
-``accumulate_bucket_``, registered as the kernel of an op of the same schema (``gaengine.backends.
+``accumulate_bucket_``, registered as the kernel of an op of the same schema (``gaengine.contract.
 register_bucket_kernel``: one Python call per bucket, with the GIL). The partials
 tables (free norm, sources) have the backend's layout (``Backend.new_bucket_partials`` of all parameters:
 ``(P, 2)`` fp64 rows on ``cpu`` and ``torch``, ``(2, n_chunks)`` fp32 columns on ``cuda`` and ``triton``), each
@@ -38,7 +38,7 @@ __all__ = ["NativeHooks"]
 
 
 def load_native(backend=None):
-    """The compiled module whose ``HotPath`` runs ``backend``'s ``hot_path_kernels`` (``backend.extension()``;
+    """The compiled module whose ``HotPath`` runs ``backend``'s hooks (``backend.extension()``;
     ``gaengine._C`` when no backend is given), or the reason it cannot be used, as a string: ``(module, None)`` or
     ``(None, why)``. A module built from other sources is refused when it is loaded (``load_extension``)."""
     return backend.extension() if backend is not None else load_extension()
