@@ -25,8 +25,8 @@ BUILD_LOG := $(VENV)/build.log
 SPEC_FILE := $(VENV)/.torch-spec
 EXT_SOURCES := setup.py pyproject.toml $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null)
 
-# A build stamp without the compiled module beside the sources (deleted, or a build that fell back to pure
-# Python) is stale: the next make tries the build again.
+# A build stamp without the compiled module beside the sources (deleted by hand) is stale: the next make
+# builds it again.
 ifneq ($(wildcard $(BUILD_STAMP)),)
 ifeq ($(wildcard gaengine/_C*.so gaengine/_C*.pyd),)
 $(shell rm -f $(BUILD_STAMP))

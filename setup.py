@@ -1,9 +1,10 @@
-"""Build gaengine, with the optional compiled extension ``gaengine._C`` from ``csrc/``.
+"""Build gaengine and its compiled extension ``gaengine._C`` from ``csrc/`` (required: it holds the per-parameter
+hooks of every backend, ``csrc/hot_path.cpp``).
 
-GAENGINE_BUILD_EXT=auto (default): build the extension; if the build with CUDA kernels fails, build the CPU ops
-alone; if that fails too, fall back to a pure-Python install, with a line saying why at each step. ``1``: the
-build must succeed (no retry). ``0``: skip it (the ``torch`` and ``triton`` backends still work). torch must be
-importable at build time: install with ``pip install --no-build-isolation -e .`` after installing torch.
+GAENGINE_BUILD_EXT=auto (default): if the build with CUDA kernels fails, build the CPU ops alone, with a line
+saying why; if that fails too, the install fails, naming the error. ``1``: the first configuration must build (no
+retry). torch must be importable at build time: install with ``pip install --no-build-isolation -e .`` after
+installing torch, and a C++17 compiler must be on PATH.
 
 CUDA: when torch is a CUDA build (``torch.version.cuda``) and a toolkit is found (``CUDA_HOME``), both CUDA
 >= 12.1, the same module is a ``CUDAExtension`` that also compiles ``csrc/cuda/*.cu`` and defines
@@ -96,20 +97,24 @@ def cuda_build_decision(torch_cuda, cuda_home, nvcc_output, build_cuda="1"):
 
 def build_with_fallback(attempts, strict, log=print):
     """Run ``attempts``, ``[(what, build)]`` in order of preference, until one ``build()`` returns; the ``what``
-    built, or ``None`` when every one failed (a pure-Python install). ``strict`` (``GAENGINE_BUILD_EXT=1``):
-    the first failure raises. Each failure is logged with the next step."""
+    built. ``strict`` (``GAENGINE_BUILD_EXT=1``): the first failure raises. Each failure is logged with the next
+    step; when every one failed, ``RuntimeError`` naming the last failure and how to go on (gaengine needs
+    ``gaengine._C``)."""
     for i, (what, build) in enumerate(attempts):
         try:
             build()
         except Exception as exc:  # noqa: BLE001 - any build failure leaves the next configuration to try
             if strict:
                 raise
-            nxt = (f"retrying {attempts[i + 1][0]}" if i + 1 < len(attempts)
-                   else "installing without it: the 'cpu' and 'cuda' backends are unavailable")
-            log(f"gaengine: building gaengine._C {what} failed ({exc}); {nxt}")
+            if i + 1 == len(attempts):
+                raise RuntimeError(
+                    f"gaengine: building gaengine._C {what} failed ({exc}); gaengine needs it (its per-parameter "
+                    "hooks are C++). Install a C++17 compiler (g++ or clang++) and torch first, then reinstall with "
+                    "`pip install --no-build-isolation -e .` (the compiler's error is above)") from exc
+            log(f"gaengine: building gaengine._C {what} failed ({exc}); retrying {attempts[i + 1][0]}")
         else:
             return what
-    return None
+    raise ValueError("build_with_fallback needs at least one (what, build) attempt")
 
 
 def format_elapsed(seconds):
@@ -187,19 +192,18 @@ _EXTENSION_CONFIG = ("sources", "include_dirs", "define_macros", "undef_macros",
                      "runtime_library_dirs", "extra_objects", "extra_compile_args", "extra_link_args", "language")
 
 
-def optional_build_ext(base, cpu_fallback, strict, log=print, heartbeat_s=HEARTBEAT_S, heartbeat_log=None):
+def fallback_build_ext(base, cpu_fallback, strict, log=print, heartbeat_s=HEARTBEAT_S, heartbeat_log=None):
     """A ``build_ext`` over ``base`` (torch's ``BuildExtension``) for the one extension ``gaengine._C``.
 
     Each build attempt runs under a ``BuildHeartbeat``: every ``heartbeat_s`` seconds a ``compile_progress``
     line (files not compiled yet, time so far) goes to ``heartbeat_log`` (default: printed and flushed).
 
     cpu_fallback: the CPU-only configuration (a ``CppExtension``) to rebuild as when the build with CUDA kernels
-    fails, or ``None`` when the extension is already CPU-only. Not strict: a last failure leaves a pure-Python
-    install. The retry rewrites the same ``Extension`` object (setuptools keeps per-extension state from
+    fails, or ``None`` when the extension is already CPU-only. A last failure raises (``build_with_fallback``). The retry rewrites the same ``Extension`` object (setuptools keeps per-extension state from
     ``finalize_options``) and restores what a failed ``run`` leaves changed (``compiler``, ``inplace``).
     """
 
-    class OptionalBuildExtension(base):
+    class FallbackBuildExtension(base):
         def run(self):
             compiler, inplace = self.compiler, self.inplace
 
@@ -225,40 +229,38 @@ def optional_build_ext(base, cpu_fallback, strict, log=print, heartbeat_s=HEARTB
                 else [("without CUDA kernels", build)]
             build_with_fallback(attempts, strict, log)
 
-    return OptionalBuildExtension
+    return FallbackBuildExtension
 
 
 def main():
     build_ext_mode = os.environ.get("GAENGINE_BUILD_EXT", "auto").strip().lower()
-    if build_ext_mode not in ("auto", "0", "1"):
-        sys.exit(f"GAENGINE_BUILD_EXT must be auto, 0 or 1, got {build_ext_mode!r}")
+    if build_ext_mode == "0":
+        sys.exit("GAENGINE_BUILD_EXT=0 (an install without gaengine._C) is no longer possible: gaengine's "
+                 "per-parameter hooks are C++ for every backend. Unset it, or set auto or 1")
+    if build_ext_mode not in ("auto", "1"):
+        sys.exit(f"GAENGINE_BUILD_EXT must be auto or 1, got {build_ext_mode!r}")
 
-    ext_modules, cmdclass = [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError as exc:
+        sys.exit(f"gaengine: torch is not importable at build time ({exc}); gaengine._C is compiled against it. "
+                 "Install torch first, then gaengine with `pip install --no-build-isolation -e .` (without "
+                 "--no-build-isolation pip builds in a fresh environment that has no torch)")
     sources = sorted(glob.glob("csrc/*.cpp"))
-    if build_ext_mode != "0" and sources:
-        try:
-            import torch
-            from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-        except ImportError as exc:
-            if build_ext_mode == "1":
-                raise
-            print(f"gaengine: torch not importable at build time ({exc}); building without gaengine._C")
-        else:
-            with_cuda, why = cuda_build_decision(torch.version.cuda, CUDA_HOME, nvcc_version_output(CUDA_HOME),
-                                                 os.environ.get("GAENGINE_BUILD_CUDA", "1"))
-            print(f"gaengine: building gaengine._C {why}")
-            cpu_only = CppExtension("gaengine._C", sources, extra_compile_args={"cxx": list(CXX_FLAGS)},
-                                    extra_link_args=list(LINK_FLAGS))
-            extension = cpu_only
-            if with_cuda:  # the same module, plus the cuda backend's kernels (csrc/cuda/README.md)
-                extension = CUDAExtension("gaengine._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
-                                          define_macros=[("GAENGINE_WITH_CUDA", None)],
-                                          extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
-                                          extra_link_args=list(LINK_FLAGS))
-            ext_modules.append(extension)
-            build_ext = optional_build_ext(BuildExtension, cpu_only if with_cuda else None,
-                                           strict=build_ext_mode == "1")
-            cmdclass["build_ext"] = build_ext.with_options(use_ninja=True)
+    with_cuda, why = cuda_build_decision(torch.version.cuda, CUDA_HOME, nvcc_version_output(CUDA_HOME),
+                                         os.environ.get("GAENGINE_BUILD_CUDA", "1"))
+    print(f"gaengine: building gaengine._C {why}")
+    cpu_only = CppExtension("gaengine._C", sources, extra_compile_args={"cxx": list(CXX_FLAGS)},
+                            extra_link_args=list(LINK_FLAGS))
+    extension = cpu_only
+    if with_cuda:  # the same module, plus the cuda backend's kernels (csrc/cuda/README.md)
+        extension = CUDAExtension("gaengine._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
+                                  define_macros=[("GAENGINE_WITH_CUDA", None)],
+                                  extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+                                  extra_link_args=list(LINK_FLAGS))
+    build_ext = fallback_build_ext(BuildExtension, cpu_only if with_cuda else None, strict=build_ext_mode == "1")
+    ext_modules, cmdclass = [extension], {"build_ext": build_ext.with_options(use_ninja=True)}
 
     # Every package lies under gaengine/ and package_dir maps only "" (the project root): setuptools then makes
     # the editable install a plain path entry (the root appended to sys.path by a .pth file) instead of a finder

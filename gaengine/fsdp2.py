@@ -8,8 +8,7 @@ autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrad
 (``gaengine.sharding.ShardingStrategy``) built on that hook:
 
 * **Hooks** (``make_shard_hooks``: ``NativeShardHooks``, the one native hot path of ``csrc/hot_path.cpp`` in its
-  external mode, each Python hook FSDP2 calls handing the shard to ``HotPath.arrive``; ``ShardHooks``, the Python
-  hooks, without ``gaengine._C`` or with ``GAENGINE_HOT_PATH=python``): each hook adds ``p.grad.to_local()`` (this
+  external mode, each Python hook FSDP2 calls handing the shard to ``HotPath.arrive``): each hook adds ``p.grad.to_local()`` (this
   rank's shard of the micro-batch's reduced gradient, in the sharded parameter's dtype) into one flat fp32
   ``main_grad`` laid out over the local shards (local numels, possibly 0) and sets ``p.grad = None``. A bucket is
   one FSDP2 parameter group: its hooks fire back to back in one ``foreach_reduce``, so a group costs one
@@ -55,17 +54,16 @@ from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import composable_apis, fsdp_param_groups
 from gaengine.formats import FSDP2_FORMAT
 from gaengine.norm import WindowNorm, window_norm
-from gaengine.hooks import native_hooks_problem
+from gaengine.hooks import check_native_hooks
 from gaengine.hot_path import NativeHooks
 from gaengine.optimizers import writes_model_params
-from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import WindowStats, launch_window_stats
 from gaengine.sharding import ShardingStrategy, register_model_strategy
 from gaengine.store import DTensorShards, ParameterStore
 from gaengine.update import expose_grads
 from gaengine.window import Window
 
-__all__ = ["FullyShardedGrads", "NativeShardHooks", "ShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
+__all__ = ["FullyShardedGrads", "NativeShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
 
 
 def is_fsdp2_model(model: nn.Module | None) -> bool:
@@ -127,17 +125,6 @@ def check_fsdp2_model(model: nn.Module, params: list[torch.Tensor]) -> None:
     del CPUOffloadPolicy
 
 
-class _LocalGrad:
-    """What ``PythonHooks`` reads of a parameter: the local shard of its reduced gradient as ``grad``, the local
-    shape for its messages."""
-
-    __slots__ = ("grad", "shape")
-
-    def __init__(self, grad: torch.Tensor, shape: torch.Size) -> None:
-        self.grad = grad
-        self.shape = shape
-
-
 def _local_shard(param: torch.Tensor) -> torch.Tensor | None:
     """Take ``param.grad`` (FSDP2's reduced shard) from the parameter and return its local tensor, or None: the
     parameter lets go of it (FSDP2 assigns a fresh ``.grad`` on the next synced micro-batch)."""
@@ -179,7 +166,9 @@ class NativeShardHooks(NativeHooks):
 
     @property
     def sources_reduced_by(self) -> float:
-        """See ``ShardHooks.sources_reduced_by``."""
+        """f: what the hooks accumulate (and measure, ``measure_sources``) is this rank's shard of each micro-batch's
+        gradient summed over the ranks and divided by f, FSDP2's divide factor (``gaengine.noise.WindowNoise``
+        takes the global micro-batch as the small batch)."""
         return self._divide_factor()
 
     def close(self) -> None:
@@ -190,46 +179,17 @@ class NativeShardHooks(NativeHooks):
 
 
 def make_shard_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                     measure_sources: bool = False, divide_factor=lambda: 1.0):
-    """The hooks over FSDP2's sharded parameters: ``NativeShardHooks`` when the native hooks can run
-    (``gaengine.hooks.native_hooks_problem``), else ``ShardHooks`` (an install without ``gaengine._C``,
-    ``GAENGINE_HOT_PATH=python``)."""
-    if native_hooks_problem(backend) is None:
-        return NativeShardHooks(params, main_grad, backend, buckets, measure_sources, divide_factor)
-    return ShardHooks(params, main_grad, backend, buckets, measure_sources, divide_factor)
-
-
-class ShardHooks(PythonHooks):
-    """``gaengine.python_hooks.PythonHooks`` over FSDP2's sharded parameters (``params``: DTensors, layout order).
-
-    FSDP2 calls each hook itself after it assigned or added the reduce-scattered shard to ``p.grad`` (a DTensor
-    whose local tensor is this rank's ``(local shape)`` shard, in the sharded parameter's dtype); the hook takes
-    ``p.grad.to_local()``, sets ``p.grad = None`` (FSDP2 assigns afresh at the next micro-batch), and accumulates
-    the local shard exactly as the Python hooks accumulate a whole gradient: one launch per complete bucket (an
-    FSDP2 parameter group) into ``main_grad``'s local-shard layout. There is no reducer (FSDP2 reduces)."""
-
-    def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
-                 measure_sources: bool = False, divide_factor=lambda: 1.0) -> None:
-        super().__init__(params, main_grad, backend, buckets, None, measure_sources)
-        self._divide_factor = divide_factor
-
-    @property
-    def sources_reduced_by(self) -> float:
-        """f: what the hooks accumulate (and measure, ``measure_sources``) is this rank's shard of each micro-batch's
-        gradient summed over the ranks and divided by f, FSDP2's divide factor (``gaengine.noise.WindowNoise``
-        takes the global micro-batch as the small batch)."""
-        return self._divide_factor()
-
-    def _accumulate(self, i: int, param: torch.Tensor) -> None:
-        local = _local_shard(param)
-        if local is not None:
-            super()._accumulate(i, _LocalGrad(local, local.shape))
+                     measure_sources: bool = False, divide_factor=lambda: 1.0) -> NativeShardHooks:
+    """The hooks over FSDP2's sharded parameters (``NativeShardHooks``); ``RuntimeError`` when the native hooks
+    cannot run (``gaengine.hooks.check_native_hooks``)."""
+    check_native_hooks(backend)
+    return NativeShardHooks(params, main_grad, backend, buckets, measure_sources, divide_factor)
 
 
 @register_model_strategy
 class FullyShardedGrads(ShardingStrategy):
     """FSDP2 models (module docstring): ``main_grad`` over the local shards, FSDP2's reduce-scatter output
-    accumulated by ``ShardHooks``, the update over the DTensor parameters.
+    accumulated by ``NativeShardHooks``, the update over the DTensor parameters.
 
     params: the trainable sharded parameters (``check_fsdp2_model`` passed), the model (an ``FSDPModule`` root) as
     ``model``. main_grad: ``(sum of local numels, aligned)`` fp32 on the parameters' device. master_buffer: the

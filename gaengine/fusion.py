@@ -26,7 +26,7 @@ it: one Python launch per fused Linear in backward, with the host time of a Pyth
 
 What it needs (``check_fusion``, ``ValueError`` naming ``gradient_accumulation_fusion``): ``model`` as an
 ``nn.Module``; CPU parameters, or CUDA ones (the cuBLAS kernel built, or triton installed); the native hooks (``backend`` "cpu", "cuda" or
-"auto" with ``gaengine._C`` built (for CUDA, with its CUDA kernels), ``GAENGINE_HOT_PATH`` not ``python``); no FSDP2
+"auto" with ``gaengine._C`` built (for CUDA, with its CUDA kernels)); no FSDP2
 model; ``AccumulatorConfig`` refuses it with ``zero_stage`` > 0. With ``measure_noise_scale`` the fused gradient of a
 micro-batch goes into an fp32 tensor that the hook holds and its bucket adds and measures (docs/fusion.md). Under
 ``torch.autocast`` the op's Autocast kernel casts input, weight and bias to the autocast dtype inside the autograd

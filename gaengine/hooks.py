@@ -1,35 +1,27 @@
 """The hooks stage: each gradient goes into the flat fp32 main_grad as autograd makes it.
 
-One interface, ``Hooks``; two implementations behind it; and ``make_hooks``, which picks one:
+One interface, ``Hooks``, and one implementation, built by ``make_hooks``: ``gaengine.hot_path.NativeHooks``, C++
+post-hooks on each parameter's AccumulateGrad node (``csrc/hot_path.cpp``), no Python per parameter, for every
+backend: the ``cpu`` and ``cuda`` bucket kernels are ``gaengine._C``'s ops, the ``torch`` and ``triton`` ones
+registered as kernels of an op of the same schema (``Backend.hot_path_namespace``). Over FSDP2's shards the same hot
+path runs in its external mode (``gaengine.fsdp2.NativeShardHooks``). ``gaengine._C`` is required: an install
+without it raises at construction, saying how to build it. (The tests hold a second, independent implementation
+in Python as their oracle: ``tests/oracle_hooks.py``.)
 
-* ``gaengine.hot_path.NativeHooks``: C++ post-hooks on each parameter's AccumulateGrad node
-  (``csrc/hot_path.cpp``): no Python per parameter. For every backend: the ``cpu`` and ``cuda`` bucket kernels are
-  ``gaengine._C``'s ops, the ``torch`` and ``triton`` ones registered as kernels of an op of the same schema
-  (``Backend.hot_path_namespace``).
-* ``gaengine.python_hooks.PythonHooks``: one ``register_post_accumulate_grad_hook`` per parameter, one
-  ``backend.accumulate_bucket_`` per complete bucket. For an install without ``gaengine._C``, or
-  ``GAENGINE_HOT_PATH=python``.
+``measure_sources``: every accumulate launch then also writes the partial sums of squares of its sources (the
+gradients autograd made in this micro-batch), kept per micro-batch until ``window_source_sumsq()`` finishes them
+(the per-micro-batch norms of the gradient noise scale).
 
-Both take ``measure_sources``: every accumulate launch then also writes the partial sums of squares of its
-sources (the gradients autograd made in this micro-batch), kept per micro-batch until ``window_source_sumsq()``
-finishes them (the per-micro-batch norms of the gradient noise scale).
-
-Each implementation owns the per-parameter, per-micro-batch state of the accumulator, and is its only owner: the
-``written`` flags of the window, the first-arrival order while the layout is learned, the arrivals per backward
+The hooks own the per-parameter, per-micro-batch state of the accumulator, and are its only owner: the
+``accumulated`` flags of the window, the first-arrival order while the layout is learned, the arrivals per backward
 learned per parameter, bucket readiness (counted once, in the hooks: the reducer is told once per complete
 bucket), the held gradients, the free-norm partials of the last micro-batch and the source partials of the
 window's micro-batches (finished by the backend's ``finish_norm_partials``). The engine reaches that state only
 through ``Hooks``.
-
-``GAENGINE_HOT_PATH=auto`` (default) takes the native hooks whenever ``gaengine._C`` loads and the backend's
-kernels can run; ``native`` requires them (``RuntimeError`` with the reason otherwise); ``python`` keeps the
-Python hooks. A fall back to the Python hooks is said once (logger ``gaengine``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -37,15 +29,9 @@ import torch
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
 from gaengine.hot_path import NativeHooks, load_native
-from gaengine.python_hooks import PythonHooks
 from gaengine.reduce import BucketReducer
 
-__all__ = ["HOT_PATH_SETTINGS", "Hooks", "NativeHooks", "PythonHooks", "make_hooks", "native_hooks_problem"]
-
-logger = logging.getLogger("gaengine")
-
-HOT_PATH_SETTINGS = ("auto", "native", "python")
-_announced_fallback = False
+__all__ = ["Hooks", "NativeHooks", "check_native_hooks", "make_hooks", "native_hooks_problem"]
 
 
 @runtime_checkable
@@ -129,45 +115,37 @@ class Hooks(Protocol):
 
 
 def native_hooks_problem(backend) -> str | None:
-    """Why ``make_hooks`` would build ``PythonHooks`` for ``backend`` (``GAENGINE_HOT_PATH`` and the backend allow
-    no native hooks), or None when it builds ``NativeHooks``. ``ValueError`` for an unknown ``GAENGINE_HOT_PATH``."""
-    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
-    if setting not in HOT_PATH_SETTINGS:
-        raise ValueError(f"GAENGINE_HOT_PATH must be one of {HOT_PATH_SETTINGS}, got {setting!r}")
-    if setting == "python":
-        return "GAENGINE_HOT_PATH=python"
+    """Why the hooks cannot run for ``backend`` (``gaengine._C`` does not load, or lacks the backend's kernels), or
+    None when they can."""
     _, why = load_native(backend)
     return why or backend.kernels_problem()
+
+
+def check_native_hooks(backend) -> None:
+    """``RuntimeError`` naming why the hooks cannot run for ``backend`` and how to go on; nothing when they can."""
+    why = native_hooks_problem(backend)
+    if why is not None:
+        raise RuntimeError(
+            f"gaengine's per-parameter hooks (gaengine._C, csrc/hot_path.cpp) cannot run for backend "
+            f"{backend.name!r}: {why}. gaengine._C is built by the install: reinstall with a C++ compiler and torch "
+            "present (pip install --no-build-isolation -e .), and run `gaengine info` to see what loads")
 
 
 def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,
                fusion: bool = False) -> Hooks:
-    """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` or ``PythonHooks``, as
-    ``GAENGINE_HOT_PATH`` and the backend allow (see the module docstring).
+    """The accumulator's hooks over ``params`` (layout order): ``NativeHooks`` (the module docstring).
 
     acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch (ZeRO stage 2's staging ring,
-    ``gaengine.bucket.BucketAccumulation``); the native hooks take it (``HotPath.set_acquire``).
-    fusion: gradient accumulation fusion (``gaengine.fusion``): the native hooks take the fused Linears' gradients
-    (``HotPath.set_fusion``); ``RuntimeError`` when only the Python hooks can run (the accumulator checks first).
+    ``gaengine.zero.ShardReducer.acquire``; ``HotPath.set_acquire``).
+    fusion: gradient accumulation fusion (``gaengine.fusion``): the hooks take the fused Linears' gradients
+    (``HotPath.set_fusion``).
 
-    Raises ``ValueError`` for an unknown ``GAENGINE_HOT_PATH`` and ``RuntimeError`` when it says ``native``
-    and the native hooks cannot run.
+    Raises ``RuntimeError`` when the hooks cannot run (``check_native_hooks``).
     """
-    global _announced_fallback
-    why = native_hooks_problem(backend)
-    if why is None:
-        if acquire is not None:
-            return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire)
-        if fusion:
-            return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, fusion=True)
-        return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources)
+    check_native_hooks(backend)
+    if acquire is not None:
+        return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire)
     if fusion:
-        raise RuntimeError(f"gradient_accumulation_fusion needs the native hooks, which cannot run: {why}")
-    setting = os.environ.get("GAENGINE_HOT_PATH", "auto").strip().lower() or "auto"
-    if setting == "native":
-        raise RuntimeError(f"GAENGINE_HOT_PATH=native, but the native hot path cannot run: {why}")
-    if not _announced_fallback:
-        _announced_fallback = True
-        logger.info("gaengine: per-parameter hooks run in Python (%s)", why)
-    return PythonHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire)
+        return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, fusion=True)
+    return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources)

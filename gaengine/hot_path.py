@@ -70,7 +70,7 @@ class NativeHooks:
             raise RuntimeError(why)
         self.backend = backend
         self.params = list(params)
-        # acquire (ZeRO stage 2's staging ring, gaengine.bucket.BucketAccumulation): main_grad may be layout only.
+        # acquire (ZeRO stage 2's staging ring, gaengine.zero.ShardReducer.acquire): main_grad may be layout only.
         self._device = self.params[0].device if acquire is not None else main_grad.data.device
         bucket_of = [b.index for b in buckets for _ in range(b.first, b.last)]
         callback = reducer.bucket_ready if reducer is not None else None

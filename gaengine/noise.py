@@ -198,7 +198,7 @@ class WindowNoise:
 
         The small batch is this rank's micro-batch: ``(3,)`` fp64 on the device (``NoiseScale.small_batch_terms``).
         When the hooks' sources are shards of the global micro-batch (``reduced_by`` = f, not None:
-        ``ShardingStrategy.sources_reduced_by``, from ``gaengine.fsdp2.ShardHooks``, whose sources are this rank's
+        ``ShardingStrategy.sources_reduced_by``, from ``gaengine.fsdp2.NativeShardHooks``, whose sources are this rank's
         shard of the sum over ranks of the micro-batch's gradients divided by FSDP2's divide factor f), the small
         batch is the global micro-batch k: its squared norm and its size are sums over ranks, combined only after
         the sum (``global_terms``). Then
@@ -210,7 +210,7 @@ class WindowNoise:
             raise RuntimeError(
                 f"gaengine: the hooks measured {0 if rows is None else rows.numel()} micro-batch gradient norms for "
                 f"a window of {num_micro_batches} micro-batches; the noise scale cannot be measured (a bug: "
-                "please report it with GAENGINE_HOT_PATH and the backend)")
+                "please report it with the backend and `gaengine info`)")
         sizes = None
         if item_mode:
             if all(not isinstance(s, torch.Tensor) for s in self.sizes):

@@ -252,7 +252,7 @@ class ShardingStrategy(ABC):
 
     def sources_reduced_by(self) -> float | None:
         """The factor f the hooks' sources are reduced by (they are this rank's shard of the micro-batch's gradient
-        summed over the ranks divided by f: FSDP2's ``ShardHooks.sources_reduced_by``), or None: this rank's own
+        summed over the ranks divided by f: FSDP2's ``NativeShardHooks.sources_reduced_by``), or None: this rank's own
         micro-batch (``gaengine.noise.WindowNoise.terms``)."""
         return getattr(self.hooks, "sources_reduced_by", None)
 

@@ -97,7 +97,7 @@ every backend also runs the Python hooks."""
 
 def backend_hook_params(*ids: str) -> list:
     """``pytest.param(backend_id, hot_path)`` of each backend of ``ids`` (all when none) with each of its hooks
-    (``GAENGINE_HOT_PATH``: "python", and "native" for ``NATIVE_HOOKS``), id ``<backend>-<hooks>``: the values of
+    ("python": the oracle of ``tests/oracle_hooks.py``, and "native" for ``NATIVE_HOOKS``: ``use_hooks``), id ``<backend>-<hooks>``: the values of
     ``@pytest.mark.parametrize("backend,hot_path", backend_hook_params(), indirect=["backend"])``."""
     return [pytest.param(p.values[0], hooks, id=f"{p.id}-{hooks}", marks=p.marks)
             for p in backend_params(*ids) for hooks in ("python", "native")

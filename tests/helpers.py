@@ -15,6 +15,7 @@ from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.engine import GradientAccumulator
 from gaengine.hooks import make_hooks
+from tests.oracle_hooks import use_hooks
 
 _SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__", "numpy")
 
@@ -85,7 +86,7 @@ def source_norm_hooks(model, backend, hot_path, bucket_size_mb, measure, monkeyp
     """``make_hooks`` over ``model``'s trainable parameters (one fp32 CPU ``main_grad``), on ``hot_path`` (set in
     the environment through ``monkeypatch``), measuring the source norms when ``measure``; skips the test where
     the native hooks cannot measure them."""
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     params = [p for p in model.parameters() if p.requires_grad]
     layout = FlatLayout.build(params)
     main_grad = FlatBuffer(layout, torch.float32, torch.device("cpu"))

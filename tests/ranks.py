@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests import poison
+from tests.oracle_hooks import install_from_environment
 
 
 # What the forkserver imports once, so that each rank starts as a fork of an interpreter that has imported torch
@@ -40,6 +41,7 @@ def _rank_entry(environ: dict, log_path: str, payload: bytes, rank: int, world: 
     and imported only now, under that environment."""
     os.environ.clear()
     os.environ.update(environ)
+    install_from_environment()  # the hooks the test chose (tests/oracle_hooks.py use_hooks)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for fd in (1, 2):
         os.dup2(log, fd)

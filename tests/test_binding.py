@@ -16,7 +16,7 @@ import torch
 import gaengine
 from gaengine import backends
 from gaengine.buffer import FlatBuffer, FlatLayout
-from gaengine.hooks import PythonHooks, make_hooks
+from gaengine.hooks import make_hooks
 from gaengine.hot_path import load_native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +92,9 @@ def test_a_stale_extension_is_refused_at_load_with_one_message(stale_extension, 
     assert any(message in record.getMessage() for record in caplog.records)
     assert load_native() == (None, backends.load_extension()[1])
     main_grad = FlatBuffer(FlatLayout.build([]), torch.float32, torch.device("cpu"))
-    assert isinstance(make_hooks([], main_grad, backends.get_backend("auto", "cpu"), [], None), PythonHooks)
+    with pytest.raises(RuntimeError, match=r"hooks \(gaengine._C, csrc/hot_path.cpp\) cannot run for backend "
+                                           rf"'torch': {re.escape(message)}.*reinstall"):
+        make_hooks([], main_grad, backends.get_backend("auto", "cpu"), [], None)
 
 
 def test_an_extension_of_these_sources_loads(stale_extension):

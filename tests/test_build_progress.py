@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_the_build_speaks_at_least_every_30_seconds(setup_py):
     assert 0 < setup_py.HEARTBEAT_S <= 30
-    defaults = setup_py.optional_build_ext.__defaults__
-    assert setup_py.HEARTBEAT_S in defaults  # optional_build_ext's heartbeat_s, what main()'s build gets
+    defaults = setup_py.fallback_build_ext.__defaults__
+    assert setup_py.HEARTBEAT_S in defaults  # fallback_build_ext's heartbeat_s, what main()'s build gets
 
 
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (29.9, "29 s"), (60, "1 min 0 s"), (90.5, "1 min 30 s"),
@@ -79,7 +79,7 @@ def test_heartbeat_survives_a_failing_description(setup_py):
 
 
 class SlowBuildExt:
-    """What ``optional_build_ext`` needs of setuptools' ``build_ext``, with a ``run`` that stays silent until two
+    """What ``fallback_build_ext`` needs of setuptools' ``build_ext``, with a ``run`` that stays silent until two
     progress lines came: a slow compile."""
 
     def __init__(self, extensions, build_temp, heard):
@@ -91,8 +91,8 @@ class SlowBuildExt:
             assert self.heard.acquire(timeout=30), "no progress line while the build was silent"
 
 
-def test_optional_build_ext_runs_the_build_under_the_heartbeat(setup_py, tmp_path):
-    """The ``build_ext`` that ``main()`` installs (``optional_build_ext``): while its build runs, the lines name the
+def test_fallback_build_ext_runs_the_build_under_the_heartbeat(setup_py, tmp_path):
+    """The ``build_ext`` that ``main()`` installs (``fallback_build_ext``): while its build runs, the lines name the
     file still compiling, and count the one whose object is in ``build_temp`` (written "during" the build: its
     time is a minute ahead); the build's own log is untouched."""
     lines, heard, log = [], threading.Semaphore(0), []
@@ -103,7 +103,7 @@ def test_optional_build_ext_runs_the_build_under_the_heartbeat(setup_py, tmp_pat
 
     _touch(tmp_path / "csrc" / "a.o", time.time() + 60)
     ext = Extension("gaengine._C", ["csrc/a.cpp", "csrc/hot_path.cpp"])
-    cls = setup_py.optional_build_ext(SlowBuildExt, None, strict=True, log=log.append, heartbeat_s=0.01,
+    cls = setup_py.fallback_build_ext(SlowBuildExt, None, strict=True, log=log.append, heartbeat_s=0.01,
                                       heartbeat_log=heartbeat_log)
     cls([ext], str(tmp_path), heard).run()
     assert len(lines) >= 2 and log == []

@@ -389,8 +389,7 @@ def test_info_reports_what_was_built(capsys):
     built = importlib.util.find_spec("gaengine._C") is not None
     assert rows["gaengine._C"].startswith("yes" if built else "no")
     assert rows["CPU ops"].startswith("yes" if built else "no")
-    native = built and os.environ.get("GAENGINE_HOT_PATH", "auto") != "python"
-    assert rows["hooks on CPU"].startswith("native C++ hooks" if native else "Python hooks")
+    assert rows["hooks on CPU"].startswith("native C++ hooks (NativeHooks)")
     assert rows["triton"].startswith("yes" if importlib.util.find_spec("triton") else "no")
 
 

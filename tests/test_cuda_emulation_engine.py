@@ -39,6 +39,7 @@ import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
 from tests import ranks, test_distributed, test_hot_path, test_stale_gradients
+from tests.oracle_hooks import hooks_selected, use_hooks
 from tests.tolerances import assert_bitwise_equal, dot_rtol, gemm_bound, rel_diff, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +64,7 @@ def emulated_module():
 def emu(emulated_module, monkeypatch):
     """The cuda backend on CPU tensors, from the emulated build; native hooks; no GAENGINE_BACKEND."""
     emu_engine.use(monkeypatch, emulated_module)
-    monkeypatch.setenv("GAENGINE_HOT_PATH", "native")
+    use_hooks(monkeypatch, "native")
     monkeypatch.delenv("GAENGINE_BACKEND", raising=False)
     return emulated_module
 
@@ -113,20 +114,6 @@ def _assert_norm(result, main_grad, denom, what):
     assert rel <= sum_sq_rtol(main_grad.numel()), f"{what}: grad_norm off by {rel:.3e} relative"
 
 
-@contextlib.contextmanager
-def _hot_path(setting: str):
-    """GAENGINE_HOT_PATH=setting while a run builds its hooks (at construction and when its layout is re-learned)."""
-    old = os.environ.get("GAENGINE_HOT_PATH")
-    os.environ["GAENGINE_HOT_PATH"] = setting
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["GAENGINE_HOT_PATH"]
-        else:
-            os.environ["GAENGINE_HOT_PATH"] = old
-
-
 class Run:
     """One training run over ``model`` (a copy) on ``backend``: what each window left, for comparison."""
 
@@ -138,7 +125,7 @@ class Run:
         self.optimizer = None
         if optimizer == "fused_adamw":
             self.optimizer = FusedAdamW(self.model.parameters(), lr=lr, weight_decay=0.1, backend=backend)
-        with _hot_path(hot_path):
+        with hooks_selected(hot_path):
             self.acc = gaengine.GradientAccumulator(self.model, self.optimizer, accumulation_steps=accumulation_steps,
                                                     max_grad_norm=max_grad_norm, backend=backend,
                                                     bucket_size_mb=bucket_size_mb, master_weights=master_weights)
@@ -151,7 +138,7 @@ class Run:
         self.windows: list[dict] = []
 
     def window(self, batches, item_mode, force=False):
-        with _hot_path(self.hot_path):
+        with hooks_selected(self.hot_path):
             return self._window(batches, item_mode, force)
 
     def _window(self, batches, item_mode, force):
@@ -253,8 +240,8 @@ def test_windows_bitwise_against_the_cpu_backend(emu, dtype, bucket_size_mb):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_python_hooks_on_the_emulated_backend(emu, dtype, monkeypatch):
-    """GAENGINE_HOT_PATH=python with backend="cuda": the Python hooks launch the bucket kernel from Python
-    (accumulate_bucket_; no single-tensor accumulate_), the norm by an l2norm_sq pass (an unused parameter), each
+    """The Python hooks (the oracle, tests/oracle_hooks.py) with backend="cuda": they launch the bucket kernel from
+    Python (accumulate_bucket_; no single-tensor accumulate_), the norm by an l2norm_sq pass (an unused parameter), each
     counted at torch.ops.<namespace>; bitwise against the CPU backend's native hooks."""
     calls = {"accumulate_": 0, "accumulate_bucket_": 0, "l2norm_sq": 0}
     ops = getattr(torch.ops, emu.OP_NAMESPACE)
@@ -476,7 +463,7 @@ def _emulated_worker(*args):
 def test_distributed_on_the_emulated_backend(emu, monkeypatch, tmp_path, scenario):
     """tests/test_distributed.py's gloo scenarios (2 ranks) on backend "cuda": armed last micro-batches call
     on_bucket_ready from HotPath on the CUDA kernels, a late second arrival raises on every rank."""
-    monkeypatch.setenv("GAENGINE_BACKEND", "cuda")  # the spawned ranks inherit it and GAENGINE_HOT_PATH=native
+    monkeypatch.setenv("GAENGINE_BACKEND", "cuda")  # the spawned ranks inherit it (native hooks)
     monkeypatch.setattr(ranks, "_scenario_rank", _emulated_worker)
     if scenario == "equivalence":
         test_distributed.test_ranks_equal_one_process_and_ddp(tmp_path, 2)

@@ -14,6 +14,7 @@ from torch import nn
 import gaengine
 from gaengine.reduce import BucketReducer
 from tests.models import D, Net, SharedCheckpointed
+from tests.oracle_hooks import use_hooks
 from tests.ranks import launch_scenario
 from tests.tolerances import (mean_rtol, recipe_grad_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
                               unit_roundoff, update_rtol)
@@ -273,7 +274,7 @@ def test_rank_failing_mid_window_raises_on_the_others(tmp_path):
 
 @pytest.mark.parametrize("world,hot_path", [(2, "native"), (3, "native"), (2, "python")])
 def test_double_arrival_on_several_ranks_equals_one_process(tmp_path, world, hot_path, monkeypatch):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)  # the spawned ranks inherit it
+    use_hooks(monkeypatch, hot_path)  # the spawned ranks inherit it
 
     codes, results = _launch(tmp_path, world, "double_arrival")
     assert codes == [0] * world

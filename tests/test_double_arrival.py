@@ -21,6 +21,7 @@ import torch
 import gaengine
 from tests.conftest import backend_hook_params
 from tests.models import SharedCheckpointed, shared_batches
+from tests.oracle_hooks import use_hooks
 from tests.tolerances import assert_bitwise_equal, norm_rtol, rel_diff
 
 def _per_arrival_reference(model):
@@ -61,7 +62,7 @@ CONFIGS = backend_hook_params()  # every backend here with each of its hooks (te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_double_arrival_equals_one_op_per_arrival(backend, hot_path, dtype, bucket_size_mb, monkeypatch):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     torch.manual_seed(0)
     model = SharedCheckpointed().to(dtype)
     ref = copy.deepcopy(model)
@@ -95,7 +96,7 @@ def test_double_arrival_equals_one_op_per_arrival(backend, hot_path, dtype, buck
 @pytest.mark.parametrize("backend,hot_path", CONFIGS, indirect=["backend"])
 def test_double_arrival_equals_the_plain_recipe(backend, hot_path, bucket_size_mb, monkeypatch):
     """fp32 through the whole engine, against autograd's own fp32 ``.grad`` accumulation divided by K."""
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     torch.manual_seed(0)
     model = SharedCheckpointed()
     ref = copy.deepcopy(model)
@@ -138,7 +139,7 @@ def test_double_arrival_through_the_optimizer_and_a_new_layout(monkeypatch):
 
 @pytest.mark.parametrize("hot_path", ["native", "python"])
 def test_arrivals_per_backward_are_learned_and_survive_a_state_dict(hot_path, monkeypatch):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     torch.manual_seed(0)
     model = SharedCheckpointed()
     acc = gaengine.GradientAccumulator(model, None, accumulation_steps=2, max_grad_norm=None)

@@ -33,6 +33,7 @@ from torch import nn
 
 import gaengine
 from tests import poison
+from tests.oracle_hooks import hooks_selected
 from tests.ranks import free_port, spawn_ranks
 from tests.tolerances import recipe_grad_rtol, recipe_param_rtol, rel_diff
 
@@ -138,7 +139,11 @@ def _full(model) -> list[torch.Tensor]:
 
 
 def _run_case(rank: int, world: int, cfg: dict) -> dict:
-    os.environ["GAENGINE_HOT_PATH"] = cfg["hot_path"]
+    with hooks_selected(cfg["hot_path"]):
+        return _run_case_on_hooks(rank, world, cfg)
+
+
+def _run_case_on_hooks(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     model = _shard(Net(), world)
     opt = _optimizer(cfg["opt"], model.parameters())
@@ -163,7 +168,6 @@ def _run_case(rank: int, world: int, cfg: dict) -> dict:
     out["grads_left"] = [p.grad is not None for p in model.parameters()]
     out["hooks"] = type(acc.sharding.hooks).__name__
     acc.close()
-    os.environ["GAENGINE_HOT_PATH"] = "auto"
     return out
 
 
@@ -600,7 +604,7 @@ def _check_case(name: str, world: int, results: list[dict]) -> None:
             assert rel_diff(p, q) <= rtol, f"{name} rank {rank} param {i}: {rel_diff(p, q):.2e} from the reference"
         assert not any(got["grads_left"]), f"{name}: a .grad left on a parameter"
         # The one hot path (csrc/hot_path.cpp, external mode) wherever gaengine._C is built; the Python hooks asked for
-        want = "NativeShardHooks" if cfg["hot_path"] != "python" and _C_BUILT else "ShardHooks"
+        want = "NativeShardHooks" if cfg["hot_path"] == "native" else "ShardHooks"
         assert got["hooks"] == want, f"{name} rank {rank}: hooks {got['hooks']}, expected {want}"
         assert repr(got["norms"]) == repr(results[0][name]["norms"]), f"{name}: ranks disagree on the norm"
     if cfg["partial"] and not cfg["items"]:  # the wrong recipe (the partial window divided by K) fails the check

@@ -2,19 +2,18 @@
 
 * During ``acc.backward()`` the number of Python calls into gaengine does not grow with the number of
   parameters (counted with ``sys.setprofile``; autograd runs CPU hooks on the calling thread, so a Python hook
-  would be seen). The Python fallback (``GAENGINE_HOT_PATH=python``) is measured the same way: its count grows,
-  which shows that the counter sees per-parameter hooks.
+  would be seen). The Python hooks of the test oracle (``tests/oracle_hooks.py``) are measured the same way: their
+  count grows, which shows that the counter sees per-parameter hooks.
 * Launches per micro-batch are at most buckets + 1.
 * (The CPU bucket launch's numbers and contracts, ``torch.ops.gaengine.accumulate_bucket_``: the op's own file,
   ``tests/ops/test_accumulate_bucket.py``.)
-* The native and the Python hot paths give bitwise-equal buffers and updates over windows, with unused
-  parameters, tied weights and several buckets; and the fallback says so once.
+* The native hooks and the Python oracle give bitwise-equal buffers and updates over windows, with unused
+  parameters, tied weights and several buckets.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import sys
 
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 import gaengine
+from tests.oracle_hooks import use_hooks
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
 _C = pytest.importorskip("gaengine._C")
@@ -65,7 +65,7 @@ def _gaengine_calls_in_backward(acc, loss) -> int:
 
 
 def _calls_for(n_params: int, hot_path: str, monkeypatch) -> int:
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     torch.manual_seed(0)
     model = Chain(n_params)
     acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4,
@@ -104,7 +104,7 @@ def test_launches_per_micro_batch_at_most_buckets_plus_one(bucket_size_mb):
 
 def _run(hot_path: str, monkeypatch, dtype=torch.bfloat16, bucket_size_mb=1e-3, windows=3, k=3):
     """A model with an unused branch and a tied weight, trained over ``windows`` windows; returns its state."""
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     torch.manual_seed(0)
 
     class Tied(nn.Module):
@@ -155,22 +155,6 @@ def test_close_removes_the_hooks():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_python_fallback_says_so_once(monkeypatch, caplog):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", "python")
-    with caplog.at_level(logging.INFO, logger="gaengine"):
-        for _ in range(2):
-            acc = gaengine.GradientAccumulator(Chain(2), None, accumulation_steps=2, backend="cpu")
-            assert not acc.hooks.native
-            acc.close()
-    assert sum("hooks run in Python" in r.getMessage() for r in caplog.records) <= 1
-
-
-def test_bad_hot_path_setting(monkeypatch):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", "fast")
-    with pytest.raises(ValueError, match="GAENGINE_HOT_PATH"):
-        gaengine.GradientAccumulator(Chain(2), None, accumulation_steps=2)
-
-
 class _TwoStreams(torch.nn.Module):
     """`side`'s forward (so its backward and its gradients) runs on a side stream, slowed by a sleep kernel, while
     the rest runs on the caller's stream: a bucket mixes gradients made ready on two streams."""
@@ -200,8 +184,8 @@ def test_gradients_from_two_streams_equal_one_op_per_parameter(bucket_size_mb, m
     them (csrc/hot_path.cpp), against backend='torch' (one ATen op per gradient, ordered by autograd itself)."""
     results = {}
     for backend in ("auto", "torch"):
-        # The reference's kernels launch from Python: backend 'torch' refuses the native hot path.
-        monkeypatch.setenv("GAENGINE_HOT_PATH", "native" if backend == "auto" else "python")
+        # The reference: backend 'torch' on the Python oracle (one ATen op per gradient, launched from Python).
+        use_hooks(monkeypatch, "native" if backend == "auto" else "python")
         torch.manual_seed(0)
         model = _TwoStreams().cuda().to(torch.bfloat16)
         acc = gaengine.GradientAccumulator(model, None, accumulation_steps=4, max_grad_norm=None, backend=backend,
@@ -218,7 +202,7 @@ def test_gradients_from_two_streams_equal_one_op_per_parameter(bucket_size_mb, m
 @pytest.mark.parametrize("hot_path", ["native", "python"])
 def test_window_of_empty_parameters_has_norm_zero(hot_path, monkeypatch):
     """Every parameter empty: the free-norm partials have no column (no uninitialised one read as the norm)."""
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     params = [nn.Parameter(torch.empty(0)), nn.Parameter(torch.empty(0, 3))]
     acc = gaengine.GradientAccumulator(params, None, accumulation_steps=2, max_grad_norm=1.0)
     for _ in range(2):
@@ -272,7 +256,7 @@ def test_the_torch_backend_runs_in_the_native_hot_path_one_call_per_bucket(monke
     equals the plain recipe's summed .grad bitwise (fp32, unscaled: one IEEE add per micro-batch in both)."""
     from gaengine.backends import ReferenceBackend
 
-    monkeypatch.setenv("GAENGINE_HOT_PATH", "auto")
+    use_hooks(monkeypatch, "native")
     calls = []
     original = ReferenceBackend.accumulate_bucket_
     monkeypatch.setattr(ReferenceBackend, "accumulate_bucket_",

@@ -17,6 +17,7 @@ from torch import nn
 import gaengine
 from gaengine.optim import FusedAdamW
 from tests.models import Deep
+from tests.oracle_hooks import use_hooks
 from tests.tolerances import clip_coef_rtol, low_precision_ulp, mean_rtol, unit_roundoff
 
 K = 4
@@ -402,7 +403,7 @@ def test_accumulation_after_repointing_relearn_and_resume_is_bitwise_the_plain_r
         from gaengine.hot_path import load_native  # noqa: PLC0415
         if load_native()[0] is None:
             pytest.skip("gaengine._C not built")
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     K = 2
     torch.manual_seed(0)
     model = _Mixed()

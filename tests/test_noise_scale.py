@@ -26,6 +26,7 @@ from torch import nn
 import gaengine
 from gaengine.schedules import Adaptive
 from tests.conftest import seeded_randn
+from tests.oracle_hooks import use_hooks
 from tests.ranks import spawn_ranks
 from tests.tolerances import gamma, network_rtol, rel_diff, split_batch_rtol
 
@@ -302,7 +303,7 @@ def _cost(n_layers: int, measure: bool) -> tuple[int, int]:
 def test_measuring_adds_no_python_per_parameter_and_no_launch(hot_path, monkeypatch):
     """Counted: the accumulate launches of a window are the same with and without measuring; the Python calls
     measuring adds do not grow with the number of parameters (2 vs 48; with the native hooks, a fixed count)."""
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     extra = {}
     for n_layers in (1, 24):
         calls_off, launches_off = _cost(n_layers, False)

@@ -44,3 +44,41 @@ def test_import_from_a_folder_that_holds_a_gaengine_folder(tmp_path, folder):
     assert name == "GradientAccumulator"
     assert os.path.basename(where) == "__init__.py" and not where.startswith(str(tmp_path)), where
 
+
+
+# ------------------------------------------------------------------------------ gaengine._C is required
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("setting, message", [("0", "GAENGINE_BUILD_EXT=0 .* is no longer possible"),
+                                              ("yes", "GAENGINE_BUILD_EXT must be auto or 1, got 'yes'")])
+def test_an_install_without_the_extension_is_refused(setting, message):
+    """``setup.py`` with ``GAENGINE_BUILD_EXT=0`` (the pure-Python install of earlier versions) or a wrong value
+    stops before building anything, naming the variable and what it takes (nothing is built: ``--name`` would
+    print the name and exit 0 if ``main()`` got past the check)."""
+    import re  # noqa: PLC0415
+
+    env = {**os.environ, "GAENGINE_BUILD_EXT": setting}
+    done = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and re.search(message, done.stderr), (done.returncode, done.stderr[-2000:])
+
+
+def test_the_accumulator_without_the_extension_says_how_to_build_it(monkeypatch):
+    """An install whose ``gaengine._C`` does not load (deleted, or never built): constructing the accumulator raises
+    ``RuntimeError`` naming the reason and the reinstall command, on every backend, instead of running other hooks."""
+    import torch  # noqa: PLC0415
+
+    import gaengine  # noqa: PLC0415
+    from gaengine import backends  # noqa: PLC0415
+
+    why = "gaengine._C is not built (No module named 'gaengine._C')"
+    monkeypatch.setattr(backends, "load_extension", lambda: (None, why))
+    for backend in ("torch", "triton"):
+        try:
+            backends.get_backend(backend, "cpu")
+        except (ImportError, RuntimeError):
+            continue  # triton not installed here
+        with pytest.raises(RuntimeError, match=rf"cannot run for backend '{backend}': .*not built.*"
+                                               r"pip install --no-build-isolation -e \."):
+            gaengine.GradientAccumulator(torch.nn.Linear(2, 2), None, accumulation_steps=2, backend=backend)

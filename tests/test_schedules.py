@@ -10,6 +10,7 @@ from torch import nn
 
 import gaengine
 from gaengine.schedules import Milestones, RampUp
+from tests.oracle_hooks import use_hooks
 from tests.tolerances import network_rtol, rel_diff, split_batch_rtol
 
 MBS = 2  # samples per micro-batch
@@ -72,9 +73,7 @@ def test_milestones_like_lightning():
 # ---------------------------------------------------------------- through the accumulator
 @pytest.mark.parametrize("hot_path", ["native", "python"])
 def test_every_window_is_the_large_batch_of_its_own_size(hot_path, monkeypatch):
-    if hot_path == "native":  # GAENGINE_HOT_PATH=native raises RuntimeError without the extension
-        pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
-    monkeypatch.setenv("GAENGINE_HOT_PATH", hot_path)
+    use_hooks(monkeypatch, hot_path)
     model = _model()
     ref = copy.deepcopy(model)
     schedule = Milestones({0: 1, 1: 3, 2: 2, 4: 4})

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import gaengine
+from tests.oracle_hooks import use_hooks
 from tests.tolerances import assert_bitwise_equal, rel_diff, split_batch_rtol
 
 K = 4
@@ -63,7 +64,7 @@ def _assert_grads(model, expected, what, rtol=None):
 
 @pytest.fixture(params=HOT_PATHS)
 def hot_path(request, monkeypatch):
-    monkeypatch.setenv("GAENGINE_HOT_PATH", request.param)
+    use_hooks(monkeypatch, request.param)
     return request.param
 
 

@@ -19,6 +19,7 @@ import gaengine
 from tests import test_zero as tz
 from tests.conftest import backend_name, backend_params
 from tests.models import Net
+from tests.oracle_hooks import use_hooks
 from tests.tolerances import rel_diff
 
 pytestmark = pytest.mark.multiproc
@@ -103,7 +104,7 @@ def _check(results, name):
 def test_zero_stages_on_each_backends_hooks_match_one_process(tmp_path, monkeypatch, request, backend_id):
     if backend_id == "cuda-emu":
         request.getfixturevalue("emulated_cuda_module")  # built once, here: the ranks load it; skips without a compiler
-    monkeypatch.setenv("GAENGINE_HOT_PATH", HOOKS[backend_id])  # the spawned ranks inherit it
+    use_hooks(monkeypatch, HOOKS[backend_id])  # the spawned ranks inherit it
     results = tz._launch(tmp_path, WORLD, _scenario, (backend_id, list(CONFIGS)))
     hooks = {res[name]["hooks"] for res in results for name in CONFIGS}
     assert len(hooks) == 1, hooks
@@ -113,7 +114,7 @@ def test_zero_stages_on_each_backends_hooks_match_one_process(tmp_path, monkeypa
 
 def test_overlap_param_gather_at_stage2_on_the_default_backend(tmp_path, monkeypatch):
     """Stage 2 with the gathers left in flight after ``step()`` on the default backend and hooks (``auto``)."""
-    monkeypatch.delenv("GAENGINE_HOT_PATH", raising=False)
+    use_hooks(monkeypatch, "native")
     monkeypatch.delenv("GAENGINE_BACKEND", raising=False)
     results = tz._launch(tmp_path, WORLD, _scenario, ("auto", ["s2-overlap"]))
     _check(results, "s2-overlap")

@@ -96,7 +96,7 @@ def _profile_launches(fn: Callable[[], object], device: torch.device) -> dict[st
 
 def _gaengine_launches(acc) -> tuple[int, str]:
     """gaengine's own count of kernel-launching calls of its accumulate path since construction
-    (``acc.hooks.launches``: per bucket on the native and Triton paths, per parameter on the Python hooks)."""
+    (``acc.hooks.launches``: one per complete bucket, on every backend)."""
     return acc.hooks.launches, "acc.hooks.launches"
 
 
