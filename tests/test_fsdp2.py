@@ -19,7 +19,6 @@ the test shows it.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import math
 import os
 import sys
@@ -98,7 +97,7 @@ class _Schedule:
 
 
 _BASE = dict(items=False, clip=MAX_NORM, opt="adamw-fused", partial=False, nonfinite=False, loss_scale=None,
-             unused=False, schedule=False, scheduler=False, hot_path="auto")
+             unused=False, schedule=False, scheduler=False, hot_path="native")
 CASES = {
     "mean": {},
     "items": dict(items=True),
@@ -109,7 +108,7 @@ CASES = {
     "nonfinite-fused-scaled": dict(nonfinite=True, loss_scale=2.0**10),
     "unused": dict(unused=True),
     "schedule-items": dict(schedule=True, items=True),
-    "items-python-hooks": dict(items=True, hot_path="python"),  # the Python hooks (no gaengine._C) as well
+    "items-python-hooks": dict(items=True, hot_path="python"),  # the oracle, tests/oracle_hooks.py
 }
 WORLD_CASES = {1: ["mean", "items-partial-noclip"], 2: list(CASES), 3: ["items-partial-noclip"],
                4: ["items"]}
@@ -588,9 +587,6 @@ def _param_rtol(q, world: int, opt: str = "adamw-fused", clip: float | None = MA
     sgd = opt == "sgd"
     return recipe_param_rtol(q, "sgd" if sgd else "adamw", 0.1 if sgd else LR, steps, grad_rtol,
                              grad_norm_max=grad_norm_max)
-
-
-_C_BUILT = importlib.util.find_spec("gaengine._C") is not None
 
 
 def _check_case(name: str, world: int, results: list[dict]) -> None:

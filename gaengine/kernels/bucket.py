@@ -56,6 +56,61 @@ _block_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
 @triton.jit
+def _non_finite(x):
+    """1.0 where x is NaN or +-inf, else 0.0 (fp32)."""
+    return ((x != x) | (tl.abs(x) == float("inf"))).to(tl.float32)
+
+
+@triton.jit
+def _full_chunk(src_ptr, out_ptr, chunk_start, overwrite, s, HAS_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One whole chunk of ``BLOCK_SIZE`` elements, unmasked: written, and its partials (sum of squares and
+    non-finite flag of the values written, then of the sources). The partials are left out by the compiler when
+    the caller's WRITE_ flags are off."""
+    offsets = chunk_start + tl.arange(0, BLOCK_SIZE)
+    keep = (tl.zeros([BLOCK_SIZE], dtype=tl.int64) + overwrite) == 0
+    grad = tl.load(src_ptr + offsets).to(tl.float32)
+    acc = tl.load(out_ptr + offsets, mask=keep, other=0.0)  # skipped when overwriting
+    if HAS_SCALE:
+        out = tl.where(keep, tl.fma(grad, s, acc), grad * s)
+    else:
+        out = tl.where(keep, acc + grad, grad)
+    tl.store(out_ptr + offsets, out)
+    return (tl.sum(out * out, axis=0), tl.max(_non_finite(out), axis=0),
+            tl.sum(grad * grad, axis=0), tl.max(_non_finite(grad), axis=0))
+
+
+@triton.jit
+def _tail_chunk(src_ptr, out_ptr, chunk_start, numel, overwrite, s, HAS_SCALE: tl.constexpr,
+                WRITE_PARTIALS: tl.constexpr, WRITE_SOURCE_PARTIALS: tl.constexpr, TAIL_SIZE: tl.constexpr):
+    """The last, partial chunk of a tensor, ``TAIL_SIZE`` masked elements a step: written, and its partials (as
+    ``_full_chunk``'s)."""
+    sum_sq_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
+    non_finite_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
+    src_sum_sq_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
+    src_non_finite_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
+    for tail_start in range(0, numel - chunk_start, TAIL_SIZE):
+        offsets = chunk_start + tail_start + tl.arange(0, TAIL_SIZE)
+        mask = offsets < numel
+        keep = (tl.zeros([TAIL_SIZE], dtype=tl.int64) + overwrite) == 0
+        grad = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.load(out_ptr + offsets, mask=mask & keep, other=0.0)
+        if HAS_SCALE:
+            out = tl.where(keep, tl.fma(grad, s, acc), grad * s)
+        else:
+            out = tl.where(keep, acc + grad, grad)
+        tl.store(out_ptr + offsets, out, mask=mask)
+        if WRITE_PARTIALS:
+            out = tl.where(mask, out, 0.0)  # lanes past the end add nothing to the partials
+            sum_sq_lanes += out * out
+            non_finite_lanes = tl.maximum(non_finite_lanes, _non_finite(out))
+        if WRITE_SOURCE_PARTIALS:  # masked lanes loaded 0.0: they add nothing
+            src_sum_sq_lanes += grad * grad
+            src_non_finite_lanes = tl.maximum(src_non_finite_lanes, _non_finite(grad))
+    return (tl.sum(sum_sq_lanes, axis=0), tl.max(non_finite_lanes, axis=0),
+            tl.sum(src_sum_sq_lanes, axis=0), tl.max(src_non_finite_lanes, axis=0))
+
+
+@triton.jit
 def _accumulate_bucket_kernel(
     dst_ptr,  # (dst_numel,) fp32: slices read unless overwritten, written
     tensor_table_ptr,  # (n_tensors, 4) int64, read: source address, dst offset, numel, overwrite
@@ -92,55 +147,19 @@ def _accumulate_bucket_kernel(
         dst_offset = tl.multiple_of(dst_offset, 4)
     out_ptr = dst_ptr + dst_offset
     chunk_start = chunk * BLOCK_SIZE
+    s = 1.0
     if HAS_SCALE:
         if SCALE_IS_PTR:
             s = tl.load(scale_ptr).to(tl.float32)
         else:
             s = scale
     if chunk_start + BLOCK_SIZE <= numel:  # a full chunk: no element mask, so 128-bit vector accesses
-        offsets = chunk_start + tl.arange(0, BLOCK_SIZE)
-        keep = (tl.zeros([BLOCK_SIZE], dtype=tl.int64) + overwrite) == 0
-        grad = tl.load(src_ptr + offsets).to(tl.float32)
-        acc = tl.load(out_ptr + offsets, mask=keep, other=0.0)  # skipped when overwriting
-        if HAS_SCALE:
-            out = tl.where(keep, tl.fma(grad, s, acc), grad * s)
-        else:
-            out = tl.where(keep, acc + grad, grad)
-        tl.store(out_ptr + offsets, out)
-        # Defined on both branches (a runtime if); left out by the compiler when their WRITE_ flag is off.
-        sum_sq = tl.sum(out * out, axis=0)
-        non_finite = tl.max(((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32), axis=0)
-        src_sum_sq = tl.sum(grad * grad, axis=0)
-        src_non_finite = tl.max(((grad != grad) | (tl.abs(grad) == float("inf"))).to(tl.float32), axis=0)
+        sum_sq, non_finite, src_sum_sq, src_non_finite = _full_chunk(
+            src_ptr, out_ptr, chunk_start, overwrite, s, HAS_SCALE, BLOCK_SIZE)
     else:  # the last chunk of a tensor: masked, TAIL_SIZE elements a step (a runtime trip count: not unrolled)
-        sum_sq_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
-        non_finite_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
-        src_sum_sq_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
-        src_non_finite_lanes = tl.zeros([TAIL_SIZE], dtype=tl.float32)
-        for tail_start in range(0, numel - chunk_start, TAIL_SIZE):
-            offsets = chunk_start + tail_start + tl.arange(0, TAIL_SIZE)
-            mask = offsets < numel
-            keep = (tl.zeros([TAIL_SIZE], dtype=tl.int64) + overwrite) == 0
-            grad = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            acc = tl.load(out_ptr + offsets, mask=mask & keep, other=0.0)
-            if HAS_SCALE:
-                out = tl.where(keep, tl.fma(grad, s, acc), grad * s)
-            else:
-                out = tl.where(keep, acc + grad, grad)
-            tl.store(out_ptr + offsets, out, mask=mask)
-            if WRITE_PARTIALS:
-                out = tl.where(mask, out, 0.0)  # lanes past the end add nothing to the partials
-                sum_sq_lanes += out * out
-                bad = ((out != out) | (tl.abs(out) == float("inf"))).to(tl.float32)
-                non_finite_lanes = tl.maximum(non_finite_lanes, bad)
-            if WRITE_SOURCE_PARTIALS:  # masked lanes loaded 0.0: they add nothing
-                src_sum_sq_lanes += grad * grad
-                src_bad = ((grad != grad) | (tl.abs(grad) == float("inf"))).to(tl.float32)
-                src_non_finite_lanes = tl.maximum(src_non_finite_lanes, src_bad)
-        sum_sq = tl.sum(sum_sq_lanes, axis=0)
-        non_finite = tl.max(non_finite_lanes, axis=0)
-        src_sum_sq = tl.sum(src_sum_sq_lanes, axis=0)
-        src_non_finite = tl.max(src_non_finite_lanes, axis=0)
+        sum_sq, non_finite, src_sum_sq, src_non_finite = _tail_chunk(
+            src_ptr, out_ptr, chunk_start, numel, overwrite, s, HAS_SCALE, WRITE_PARTIALS, WRITE_SOURCE_PARTIALS,
+            TAIL_SIZE)
     if WRITE_PARTIALS:
         tl.store(partials_ptr + block, sum_sq)
         tl.store(partials_ptr + partials_stride + block, non_finite)
@@ -178,6 +197,64 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _check_bucket_args(dst: torch.Tensor, srcs: list, dst_offsets: Sequence[int], overwrite,
+                       block_size: int) -> tuple[list[int], list[bool], tuple[int, ...]]:
+    """``accumulate_bucket_``'s checks of ``dst``, ``srcs``, ``dst_offsets``, ``overwrite`` and ``block_size``
+    (``ValueError`` naming the argument); returns the offsets, the per-source overwrite flags and the numels."""
+    check_fp32_buffer(dst, "dst")
+    check_block_size(block_size)
+    offsets = [int(o) for o in dst_offsets]
+    if len(offsets) != len(srcs):
+        raise ValueError(f"dst_offsets has {len(offsets)} entries but srcs has {len(srcs)}; they must match")
+    flags = [bool(overwrite)] * len(srcs) if isinstance(overwrite, bool) else [bool(f) for f in overwrite]
+    if len(flags) != len(srcs):
+        raise ValueError(f"overwrite has {len(flags)} flags but srcs has {len(srcs)}; they must match")
+    numels = tuple(s.numel() if isinstance(s, torch.Tensor) else -1 for s in srcs)
+    for i, src in enumerate(srcs):
+        check_float_input(src, f"srcs[{i}]")
+        if src.device != dst.device:
+            raise ValueError(f"srcs[{i}] is on {src.device} but dst is on {dst.device}; they must match")
+        if offsets[i] < 0 or offsets[i] + numels[i] > dst.numel():
+            raise ValueError(f"dst_offsets[{i}] = {offsets[i]} puts {numels[i]} elements outside dst "
+                             f"({dst.numel()} elements)")
+    spans = sorted((offsets[i], offsets[i] + numels[i], i) for i in range(len(srcs)) if numels[i])
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"the dst slices of srcs[{i}] and srcs[{j}] overlap")
+    return offsets, flags, numels
+
+
+def _check_partials(dst: torch.Tensor, partials, source_partials, total_blocks: int) -> None:
+    """``ValueError`` unless each of ``partials`` / ``source_partials`` is None or a ``(2, total_blocks)`` fp32
+    tensor on ``dst``'s device with unit column stride."""
+    for name, table in (("partials", partials), ("source_partials", source_partials)):
+        if table is not None and not (isinstance(table, torch.Tensor) and table.dtype == torch.float32
+                                      and tuple(table.shape) == (2, total_blocks) and table.stride(1) == 1
+                                      and table.device == dst.device):
+            got = (f"a {tuple(table.shape)} {table.dtype} tensor on {table.device}"
+                   if isinstance(table, torch.Tensor) else type(table).__name__)
+            raise ValueError(f"{name} must be a (2, {total_blocks}) float32 tensor on {dst.device} with "
+                             f"unit column stride, got {got}")
+
+
+def _launch_tables(dst: torch.Tensor, srcs: list, offsets: list[int], flags: list[bool], numels: tuple[int, ...],
+                   block_size: int) -> tuple[dict[torch.dtype, list[int]], torch.Tensor, torch.Tensor]:
+    """The sources grouped by dtype (one launch each, in order of first appearance; within it, sources in the order
+    given; empty sources left out), the block table over that order and the tensor table, on ``dst``'s device."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, src in enumerate(srcs):
+        if numels[i]:
+            groups.setdefault(src.dtype, []).append(i)
+    order = tuple(i for members in groups.values() for i in members)
+    block_table = _block_table(numels, order, block_size, dst.device)
+    tensor_table = _to_device(
+        torch.tensor([[s.data_ptr(), o, n, f] for s, o, n, f in zip(srcs, offsets, numels, flags)],
+                     dtype=torch.int64).reshape(-1, TENSOR_TABLE_COLUMNS),
+        dst.device,
+    )
+    return groups, block_table, tensor_table
 
 
 def accumulate_bucket_(
@@ -218,52 +295,15 @@ def accumulate_bucket_(
     shape, before anything is written. No host sync: the tables are built from Python ints and copied
     from pinned memory.
     """
-    check_fp32_buffer(dst, "dst")
-    check_block_size(block_size)
     srcs = list(srcs)
-    offsets = [int(o) for o in dst_offsets]
-    if len(offsets) != len(srcs):
-        raise ValueError(f"dst_offsets has {len(offsets)} entries but srcs has {len(srcs)}; they must match")
-    flags = [bool(overwrite)] * len(srcs) if isinstance(overwrite, bool) else [bool(f) for f in overwrite]
-    if len(flags) != len(srcs):
-        raise ValueError(f"overwrite has {len(flags)} flags but srcs has {len(srcs)}; they must match")
-    numels = tuple(s.numel() if isinstance(s, torch.Tensor) else -1 for s in srcs)
-    for i, src in enumerate(srcs):
-        check_float_input(src, f"srcs[{i}]")
-        if src.device != dst.device:
-            raise ValueError(f"srcs[{i}] is on {src.device} but dst is on {dst.device}; they must match")
-        if offsets[i] < 0 or offsets[i] + numels[i] > dst.numel():
-            raise ValueError(f"dst_offsets[{i}] = {offsets[i]} puts {numels[i]} elements outside dst "
-                             f"({dst.numel()} elements)")
-    spans = sorted((offsets[i], offsets[i] + numels[i], i) for i in range(len(srcs)) if numels[i])
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"the dst slices of srcs[{i}] and srcs[{j}] overlap")
+    offsets, flags, numels = _check_bucket_args(dst, srcs, dst_offsets, overwrite, block_size)
     scale_ptr, scale_value, has_scale, scale_is_ptr = scale_args(scale, dst)
     total_blocks = num_blocks(numels, block_size)
-    for name, table in (("partials", partials), ("source_partials", source_partials)):
-        if table is not None and not (isinstance(table, torch.Tensor) and table.dtype == torch.float32
-                                      and tuple(table.shape) == (2, total_blocks) and table.stride(1) == 1
-                                      and table.device == dst.device):
-            got = (f"a {tuple(table.shape)} {table.dtype} tensor on {table.device}"
-                   if isinstance(table, torch.Tensor) else type(table).__name__)
-            raise ValueError(f"{name} must be a (2, {total_blocks}) float32 tensor on {dst.device} with "
-                             f"unit column stride, got {got}")
+    _check_partials(dst, partials, source_partials, total_blocks)
     if total_blocks == 0:
         return dst
 
-    # One launch per source dtype, in order of first appearance; within it, sources in the order given.
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, src in enumerate(srcs):
-        if numels[i]:
-            groups.setdefault(src.dtype, []).append(i)
-    order = tuple(i for members in groups.values() for i in members)
-    block_table = _block_table(numels, order, block_size, dst.device)
-    tensor_table = _to_device(
-        torch.tensor([[s.data_ptr(), o, n, f] for s, o, n, f in zip(srcs, offsets, numels, flags)],
-                     dtype=torch.int64).reshape(-1, TENSOR_TABLE_COLUMNS),
-        dst.device,
-    )
+    groups, block_table, tensor_table = _launch_tables(dst, srcs, offsets, flags, numels, block_size)
     dst_aligned = dst.data_ptr() % 16 == 0 and all(o % 4 == 0 for o in offsets)
     partials_arg = partials if partials is not None else dst  # never written: WRITE_PARTIALS is False
     source_arg = source_partials if source_partials is not None else dst  # never written then
@@ -272,26 +312,13 @@ def accumulate_bucket_(
         for dtype, members in groups.items():
             group_blocks = num_blocks([numels[i] for i in members], block_size)
             _accumulate_bucket_kernel[(group_blocks,)](
-                dst,
-                tensor_table,
-                block_table,
-                scale_ptr,
-                scale_value,
-                partials_arg,
-                partials.stride(0) if partials is not None else 0,
-                source_arg,
-                source_partials.stride(0) if source_partials is not None else 0,
-                block_offset,
-                SRC_DTYPE=_TL_DTYPES[dtype],
-                HAS_SCALE=has_scale,
-                SCALE_IS_PTR=scale_is_ptr,
-                WRITE_PARTIALS=partials is not None,
-                WRITE_SOURCE_PARTIALS=source_partials is not None,
-                DST_ALIGNED=dst_aligned,
-                SRC_ALIGNED=all(srcs[i].data_ptr() % 16 == 0 for i in members),
-                BLOCK_SIZE=block_size,
-                TAIL_SIZE=min(TAIL_SIZE, block_size),
-                num_warps=NUM_WARPS,
+                dst, tensor_table, block_table, scale_ptr, scale_value,
+                partials_arg, partials.stride(0) if partials is not None else 0,
+                source_arg, source_partials.stride(0) if source_partials is not None else 0, block_offset,
+                SRC_DTYPE=_TL_DTYPES[dtype], HAS_SCALE=has_scale, SCALE_IS_PTR=scale_is_ptr,
+                WRITE_PARTIALS=partials is not None, WRITE_SOURCE_PARTIALS=source_partials is not None,
+                DST_ALIGNED=dst_aligned, SRC_ALIGNED=all(srcs[i].data_ptr() % 16 == 0 for i in members),
+                BLOCK_SIZE=block_size, TAIL_SIZE=min(TAIL_SIZE, block_size), num_warps=NUM_WARPS,
             )
             block_offset += group_blocks
     return dst

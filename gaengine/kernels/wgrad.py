@@ -186,6 +186,50 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _check_wgrad_args(dw, db, grad_output: torch.Tensor, input: torch.Tensor) -> tuple[int, int, int]:
+    """``wgrad_accumulate_``'s checks (``ValueError`` naming the argument); returns ``(tokens, out, in)``."""
+    _check_operand(grad_output, "grad_output")
+    _check_operand(input, "input")
+    tokens, out_features = grad_output.shape
+    in_features = input.shape[1]
+    if input.shape[0] != tokens:
+        raise ValueError(f"grad_output and input must have the same rows (tokens), got {tokens} and "
+                         f"{input.shape[0]}")
+    if input.device != grad_output.device:
+        raise ValueError(f"input is on {input.device} but grad_output is on {grad_output.device}; they must match")
+    device = grad_output.device
+    if dw is not None:
+        _check_main_grad(dw, "dw", (out_features, in_features), device)
+    if db is not None:
+        _check_main_grad(db, "db", (out_features,), device)
+    return tokens, out_features, in_features
+
+
+def _launch_weight_grad(dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, scale_ptr, scale_value,
+                        overwrite: bool, config: triton.Config | None, common: dict) -> None:
+    """The weight-gradient launch of ``wgrad_accumulate_``: ``config``, else autotuned (``CONFIGS[0]`` under the
+    interpreter). dy: (tokens, out), x: (tokens, in), features of stride 1."""
+    tokens, out_features = dy.shape
+    in_features = x.shape[1]
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    dot_dtype = _DOT_DTYPES[dy.dtype] if dy.dtype == x.dtype else tl.float32
+    if interpret and dot_dtype == tl.bfloat16:
+        # Triton 3.9's interpreter multiplies bf16 tiles as their uint16 storage (integers): widen them
+        # first. Exact, like the GPU's bf16 products into an fp32 accumulator; only the sum's order differs.
+        dot_dtype = tl.float32
+    args = (dw, dy, x, scale_ptr, scale_value, out_features, in_features, tokens, dy.stride(0), x.stride(0))
+    meta = dict(DOT_DTYPE=dot_dtype, OVERWRITE=overwrite, **common)
+    chosen = config if config is not None else CONFIGS[0] if interpret else None
+    if chosen is None:
+        def grid(m):
+            return (triton.cdiv(out_features, m["BLOCK_M"]) * triton.cdiv(in_features, m["BLOCK_N"]),)
+        _wgrad_autotuned[grid](*args, **meta)
+    else:
+        kw = chosen.kwargs
+        grid = (triton.cdiv(out_features, kw["BLOCK_M"]) * triton.cdiv(in_features, kw["BLOCK_N"]),)
+        _wgrad_kernel[grid](*args, **meta, **kw, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+
+
 def wgrad_accumulate_(
     dw: torch.Tensor | None,
     db: torch.Tensor | None,
@@ -214,20 +258,7 @@ def wgrad_accumulate_(
 
     Raises ``ValueError`` naming the argument for a wrong dtype, shape, layout or device, before anything is written.
     """
-    _check_operand(grad_output, "grad_output")
-    _check_operand(input, "input")
-    tokens, out_features = grad_output.shape
-    in_features = input.shape[1]
-    if input.shape[0] != tokens:
-        raise ValueError(f"grad_output and input must have the same rows (tokens), got {tokens} and "
-                         f"{input.shape[0]}")
-    if input.device != grad_output.device:
-        raise ValueError(f"input is on {input.device} but grad_output is on {grad_output.device}; they must match")
-    device = grad_output.device
-    if dw is not None:
-        _check_main_grad(dw, "dw", (out_features, in_features), device)
-    if db is not None:
-        _check_main_grad(db, "db", (out_features,), device)
+    tokens, out_features, in_features = _check_wgrad_args(dw, db, grad_output, input)
     target = dw if dw is not None else db
     if target is None:
         return
@@ -239,26 +270,9 @@ def wgrad_accumulate_(
         return
     dy = _rows(grad_output)
     common = dict(HAS_SCALE=has_scale, SCALE_IS_PTR=scale_is_ptr)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     with device_guard(target):
         if dw is not None and dw.numel():
-            x = _rows(input)
-            dot_dtype = _DOT_DTYPES[dy.dtype] if dy.dtype == x.dtype else tl.float32
-            if interpret and dot_dtype == tl.bfloat16:
-                # Triton 3.9's interpreter multiplies bf16 tiles as their uint16 storage (integers): widen them
-                # first. Exact, like the GPU's bf16 products into an fp32 accumulator; only the sum's order differs.
-                dot_dtype = tl.float32
-            args = (dw, dy, x, scale_ptr, scale_value, out_features, in_features, tokens, dy.stride(0), x.stride(0))
-            meta = dict(DOT_DTYPE=dot_dtype, OVERWRITE=bool(overwrite_w), **common)
-            chosen = config if config is not None else CONFIGS[0] if interpret else None
-            if chosen is None:
-                def grid(m):
-                    return (triton.cdiv(out_features, m["BLOCK_M"]) * triton.cdiv(in_features, m["BLOCK_N"]),)
-                _wgrad_autotuned[grid](*args, **meta)
-            else:
-                kw = chosen.kwargs
-                grid = (triton.cdiv(out_features, kw["BLOCK_M"]) * triton.cdiv(in_features, kw["BLOCK_N"]),)
-                _wgrad_kernel[grid](*args, **meta, **kw, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+            _launch_weight_grad(dw, dy, _rows(input), scale_ptr, scale_value, bool(overwrite_w), config, common)
         if db is not None and db.numel():
             grid = (triton.cdiv(out_features, BIAS_BLOCK_OUT),)
             _bias_grad_kernel[grid](db, dy, scale_ptr, scale_value, out_features, tokens, dy.stride(0),
