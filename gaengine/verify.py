@@ -14,6 +14,36 @@ micro-batches through ``GradientAccumulator`` — and makes two comparisons per 
   forward depends on the other rows of the batch. Both sides run the model's own forward and backward in
   its dtype, in differently shaped kernels, so the tolerance is the dtype's (``GRAD_RTOL``).
 
+How, exactly:
+
+Whole batch: ``loss_fn(model, batch).backward()`` in plain PyTorch (in item mode the summed loss's
+gradient divided by ``num_items_fn(batch)``). Engine: ``GradientAccumulator(params, None,
+accumulation_steps=K, max_grad_norm=None, backend=backend, loss_scale=None)`` over the trainable
+parameters, fed the micro-batches; ``step()`` leaves the final gradients in ``.grad``. Neither side
+scales the loss, so fp16 gradients underflow alike. Weighting of the micro-batches:
+  * ``num_items_fn`` given: ``acc.backward(loss_fn(model, mb), num_items=num_items_fn(mb))`` (``"items"``).
+  * equal micro-batches: ``acc.backward(loss_fn(model, mb))``, the mean of the micro-batch means
+    (``"mean"``) — the engine's default, and equal to the whole-batch mean for a per-row mean loss.
+  * uneven micro-batches: the mean of means would weight the rows of a small micro-batch more, so the
+    check uses item mode with the row counts: ``acc.backward(loss_fn(model, mb) * rows,
+    num_items=rows)`` (``"rows"``), which is exact for a per-row mean. Train the same way.
+Micro-batch sum: a tensor hook on each parameter (it runs before autograd's AccumulateGrad, so before the
+engine's hooks) adds the gradient of each micro-batch's backward, in the parameter's dtype as autograd
+produced it, into fp64, and divides by the engine's denominator (K, the rows, or the sum of the
+micro-batches' items): what the plain ``loss.backward()`` recipe accumulates, without its rounding.
+
+Two comparisons per parameter, both must pass:
+  * engine: ``|engine - micro-batch sum| <= engine_bound(...)`` per element, the engine's own rounding
+    (fp32 sums and scale, then one rounding to the parameter's dtype: u = 2^-8 bf16, 2^-11 fp16,
+    2^-24 fp32). It holds in every dtype on a correct engine and fails on a wrong denominator, a dropped
+    micro-batch or a sum kept in bf16. It does not depend on the setup, since both sides hold the same terms.
+  * setup: ``max |micro-batch sum - whole batch| <= rtol * max(max |whole batch|, largest |whole batch|
+    in the model)``, rtol from ``GRAD_RTOL`` (1e-5 fp32, 2^-3 bf16, 2^-6 fp16) or ``rtol=``.
+
+Both passes start from the same buffers and the same RNG state. Stochastic layers (dropout) compare
+equal only if they draw the same masks for a row in a micro-batch as in the whole batch (true on CPU
+for plain dropout, not in general): disable them for the check if they make it fail.
+
 The model is left exactly as it was: gradients, buffers (BatchNorm running statistics), training modes and
 the global RNG state are restored.
 """
@@ -498,6 +528,37 @@ def _accumulated_gradients(model: nn.Module, loss_fn: Callable[[nn.Module, Any],
         acc.close()
 
 
+def _both_passes(model, loss_fn, batch, micro: MicroBatches, mode: str, named, sums, num_items_fn, backend: str,
+                 gradient_accumulation_fusion: bool):
+    """The whole batch in plain PyTorch, then the micro-batches through the engine, from the same buffers and RNG
+    state; the model restored after (``_ModelState``), also when ``loss_fn`` raises. Returns the whole batch's
+    gradients and loss, the engine's gradients, loss and denominator (``sums`` collects the micro-batch terms)."""
+    state = _ModelState(model)
+    device = named[0][1].device
+    rng_devices = [device] if device.type == "cuda" else []
+
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(device) if rng_devices else None
+        try:
+            state.clear_grads()  # backward accumulates into an existing .grad in place: never touch the saved one
+            whole, reference_loss = _whole_batch_gradients(model, loss_fn, batch, named, num_items_fn)
+
+            # The engine: the same batch in micro-batches, same starting buffers and RNG state.
+            state.clear_grads()
+            state.restore_buffers()
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, device)
+            engine, engine_loss, engine_denom = _accumulated_gradients(
+                model, loss_fn, micro, mode, named, sums, num_items_fn=num_items_fn, backend=backend,
+                gradient_accumulation_fusion=gradient_accumulation_fusion)
+        finally:
+            state.restore()
+
+    return whole, reference_loss, engine, engine_loss, engine_denom
+
+
 def verify_equivalence(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -532,33 +593,8 @@ def verify_equivalence(
         ``dY^T X`` (Conv1D: ``X^T dY``) and the row sum of ``dY``, in fp64; their fp32 GEMM sums N rows, so such a
         parameter's bound counts N + K terms (N: the rows of all micro-batches) over ``sum |dY|^T |X|``.
 
-    Whole batch: ``loss_fn(model, batch).backward()`` in plain PyTorch (in item mode the summed loss's
-    gradient divided by ``num_items_fn(batch)``). Engine: ``GradientAccumulator(params, None,
-    accumulation_steps=K, max_grad_norm=None, backend=backend, loss_scale=None)`` over the trainable
-    parameters, fed the micro-batches; ``step()`` leaves the final gradients in ``.grad``. Neither side
-    scales the loss, so fp16 gradients underflow alike. Weighting of the micro-batches:
-      * ``num_items_fn`` given: ``acc.backward(loss_fn(model, mb), num_items=num_items_fn(mb))`` (``"items"``).
-      * equal micro-batches: ``acc.backward(loss_fn(model, mb))``, the mean of the micro-batch means
-        (``"mean"``) — the engine's default, and equal to the whole-batch mean for a per-row mean loss.
-      * uneven micro-batches: the mean of means would weight the rows of a small micro-batch more, so the
-        check uses item mode with the row counts: ``acc.backward(loss_fn(model, mb) * rows,
-        num_items=rows)`` (``"rows"``), which is exact for a per-row mean. Train the same way.
-    Micro-batch sum: a tensor hook on each parameter (it runs before autograd's AccumulateGrad, so before the
-    engine's hooks) adds the gradient of each micro-batch's backward, in the parameter's dtype as autograd
-    produced it, into fp64, and divides by the engine's denominator (K, the rows, or the sum of the
-    micro-batches' items): what the plain ``loss.backward()`` recipe accumulates, without its rounding.
-
-    Two comparisons per parameter, both must pass:
-      * engine: ``|engine - micro-batch sum| <= engine_bound(...)`` per element, the engine's own rounding
-        (fp32 sums and scale, then one rounding to the parameter's dtype: u = 2^-8 bf16, 2^-11 fp16,
-        2^-24 fp32). It holds in every dtype on a correct engine and fails on a wrong denominator, a dropped
-        micro-batch or a sum kept in bf16. It does not depend on the setup, since both sides hold the same terms.
-      * setup: ``max |micro-batch sum - whole batch| <= rtol * max(max |whole batch|, largest |whole batch|
-        in the model)``, rtol from ``GRAD_RTOL`` (1e-5 fp32, 2^-3 bf16, 2^-6 fp16) or ``rtol=``.
-
-    Both passes start from the same buffers and the same RNG state. Stochastic layers (dropout) compare
-    equal only if they draw the same masks for a row in a micro-batch as in the whole batch (true on CPU
-    for plain dropout, not in general): disable them for the check if they make it fail.
+    How the two passes run and compare (the weighting of the micro-batches, the micro-batch sum, both bounds): the
+    module docstring.
 
     The model is left exactly as it was: every parameter's ``.grad`` (the same tensor object, untouched),
     the parameters (no optimizer runs), every buffer (BatchNorm running statistics are restored), every
@@ -574,30 +610,9 @@ def verify_equivalence(
     named = _checked_parameters(model, accumulation_steps, rtol)
     micro = split_batch(batch, accumulation_steps)
     mode = "items" if num_items_fn is not None else ("rows" if micro.uneven else "mean")
-    state = _ModelState(model)
-    device = named[0][1].device
-    rng_devices = [device] if device.type == "cuda" else []
     sums = _MicroBatchSums()
-
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(device) if rng_devices else None
-        try:
-            state.clear_grads()  # backward accumulates into an existing .grad in place: never touch the saved one
-            whole, reference_loss = _whole_batch_gradients(model, loss_fn, batch, named, num_items_fn)
-
-            # The engine: the same batch in micro-batches, same starting buffers and RNG state.
-            state.clear_grads()
-            state.restore_buffers()
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, device)
-            engine, engine_loss, engine_denom = _accumulated_gradients(
-                model, loss_fn, micro, mode, named, sums, num_items_fn=num_items_fn, backend=backend,
-                gradient_accumulation_fusion=gradient_accumulation_fusion)
-        finally:
-            state.restore()
-
+    whole, reference_loss, engine, engine_loss, engine_denom = _both_passes(
+        model, loss_fn, batch, micro, mode, named, sums, num_items_fn, backend, gradient_accumulation_fusion)
     sums.normalize(engine_denom)
     model_scale = max(_max_abs(g) for g in whole.values())
     diffs = tuple(
