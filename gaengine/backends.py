@@ -27,7 +27,6 @@ import torch
 
 from gaengine.contract import (
     OPS,
-    AdamWStep,
     Backend,
     ContractError,
     Scale,
@@ -40,8 +39,8 @@ from gaengine.contract import (
     register_bucket_kernel,
 )
 
-__all__ = ["AdamWStep", "Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTENSION_ABI_VERSION", "OPS",
-           "ReferenceBackend", "TritonBackend", "adamw_step_reference", "get_backend", "load_extension",
+__all__ = ["Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTENSION_ABI_VERSION", "OPS",
+           "ReferenceBackend", "TritonBackend", "get_backend", "load_extension",
            "register_bucket_kernel"]
 
 logger = logging.getLogger("gaengine")
@@ -119,46 +118,6 @@ class RowPartials:
         return sums[..., 0].to(torch.float32), (sums[..., 1] > 0).to(torch.float32)
 
 
-def adamw_step_reference(*args, **kwargs) -> None:
-    """One AdamW update of every ``params[i]``: the plain-torch reference and fallback of every backend's
-    ``adamw_step_``. Its arguments (``*AdamWStep(...)``, positional or by name) and contract are ``AdamWStep``'s
-    (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
-
-    Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
-    Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
-    (bf16/fp16 parameters: on fp32 copies of p, m, v, each rounded back by ``copy_``).
-    """
-    a = AdamWStep(*args, **kwargs)
-    if not a.params:
-        return
-    lr, beta1, beta2 = a.lr, a.beta1, a.beta2
-    skip = None if a.found_inf is None else a.found_inf != 0
-    torch._foreach_add_(a.steps, 1 if skip is None else (~skip).to(torch.float32))
-    for p, g, m, v, step, model in zip(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.steps, a.model_params):
-        t = step.to(torch.float64)
-        neg_step_size = (-lr / (1.0 - torch.pow(beta1, t))).to(torch.float32)
-        bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).to(torch.float32)
-        grad = g.reshape(p.shape).to(torch.float32)
-        if a.grad_scale is not None:
-            grad = grad / a.grad_scale
-        if a.maximize:
-            grad = -grad
-        p32, m32, v32 = p.float(), m.float(), v.float()  # fp32 copies of bf16/fp16 ones (exact); fp32: no copy
-        new_p = p32 * (1.0 - lr * a.weight_decay) if a.weight_decay != 0 else p32.clone()
-        new_m = torch.lerp(m32, grad, 1.0 - beta1)
-        new_v = torch.addcmul(v32 * beta2, grad, grad, value=1.0 - beta2)
-        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + a.eps)
-        if skip is not None:
-            new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
-        p.copy_(new_p)
-        m.copy_(new_m)
-        v.copy_(new_v)
-        if model is not None:
-            rounded = p.reshape(model.shape).to(model.dtype)
-            model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
-
-
-
 class ReferenceBackend(_RegisteredBucketKernel, Backend):
     """Plain PyTorch (``torch``): the reference every other backend is tested against, and the fallback. Any device;
     the native hooks call its ``accumulate_bucket_`` through ``register_bucket_kernel``."""
@@ -166,7 +125,6 @@ class ReferenceBackend(_RegisteredBucketKernel, Backend):
     name = "torch"
     partials_dim = RowPartials.dim
     _layout = RowPartials()
-    adamw_step_ = staticmethod(adamw_step_reference)
 
     def accumulate_(self, dst: torch.Tensor, src: torch.Tensor, scale: Scale = 1.0,
                     overwrite: bool = False) -> torch.Tensor:
@@ -302,10 +260,6 @@ class CompiledBackend(Backend):
     def finish_norm_partials(self, partials):
         return self._layout.finish(partials)
 
-    def adamw_step_(self, *args, **kwargs) -> None:
-        # cpu: one parallel region per parameter; cuda: one launch for the whole list (per 384 params and dtype)
-        self._ops.adamw_step_(*args, **kwargs)
-
     def kernels_problem(self):
         return self._problem()
 
@@ -325,9 +279,9 @@ class TritonBackend(_RegisteredBucketKernel, Backend):
     partials_dim = 1
 
     def __init__(self) -> None:
-        from gaengine.kernels import accumulate, adamw, bucket, norm, scale  # noqa: PLC0415 - imports triton
+        from gaengine.kernels import accumulate, bucket, norm, scale  # noqa: PLC0415 - imports triton
 
-        self._accumulate, self._norm, self._scale, self._bucket, self._adamw = accumulate, norm, scale, bucket, adamw
+        self._accumulate, self._norm, self._scale, self._bucket = accumulate, norm, scale, bucket
 
     def finish_norm_partials(self, partials):
         return self._bucket.l2norm_sq_from_partials(partials)  # (2, n_blocks) fp32, fixed-order tree
@@ -348,9 +302,6 @@ class TritonBackend(_RegisteredBucketKernel, Backend):
         # gaengine.kernels.bucket checks every argument (ValueError) before it launches.
         return self._bucket.accumulate_bucket_(dst, srcs, offsets, 1.0, overwrite, partials=partials,
                                                source_partials=source_partials)
-
-    def adamw_step_(self, *args, **kwargs) -> None:
-        self._adamw.adamw_step_(*args, **kwargs)  # one launch per parameter
 
 
 # cudaDriverGetVersion()'s 1000 * major + 10 * minor of CUDA 12.1: the first driver that launches kernels with more

@@ -1,5 +1,7 @@
-"""The backend contract: what every backend of ``gaengine.backends`` implements (``Backend``), the arguments of its
-fused AdamW step (``AdamWStep``), and the argument checks every implementation runs before its kernels.
+"""The backend contract: what every backend of ``gaengine.backends`` implements (``Backend``), the argument checks
+every implementation runs before its kernels, and the arguments of the fused AdamW step (``AdamWStep``), which is
+not a backend op: ``gaengine.optim.FusedAdamW`` reaches its kernels through its own table
+(``gaengine.optim.adamw_kernel``).
 
 Every backend implements the same ops (``OPS``):
 
@@ -26,8 +28,6 @@ Every backend implements the same ops (``OPS``):
   ``(2, n_chunks)`` fp32 columns per chunk (``triton``, ``cuda``).
 * ``finish_norm_partials(partials)`` -> ``(sum_of_squares, found_inf)`` of a partials table, in a fixed order; a
   stack of ``k`` tables (a leading dimension) -> ``(k,)`` results.
-* ``adamw_step_(*AdamWStep(...))`` — the multi-tensor AdamW step of ``gaengine.optim.FusedAdamW``; its arguments and
-  contract are ``AdamWStep``'s docstring (and ``csrc/adamw.h``).
 
 Bad arguments raise ``ContractError`` (a ``ValueError``, and a ``RuntimeError`` for code written against the
 compiled ops' ``TORCH_CHECK`` contracts) or ``TypeError`` naming the argument, in Python, before anything is
@@ -51,8 +51,7 @@ __all__ = ["AdamWStep", "Backend", "ContractError", "OPS", "Scale"]
 
 Scale = Union[float, torch.Tensor]
 # The operation table: every backend implements each of these.
-OPS = ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "new_bucket_partials", "finish_norm_partials",
-       "adamw_step_")
+OPS = ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "new_bucket_partials", "finish_norm_partials")
 FLOAT_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -66,9 +65,9 @@ class ContractError(ValueError, RuntimeError):
 
 class AdamWStep(NamedTuple):
     """The arguments of the multi-tensor AdamW step, in their positional order: the one spelling of the signature
-    of every backend's ``adamw_step_`` (``gaengine.backends.adamw_step_reference``, the Triton ``adamw_step_``,
-    ``torch.ops.gaengine.adamw_step_`` of ``csrc/adamw.h``; ``gaengine.optim.FusedAdamW`` calls it), which take
-    ``*AdamWStep(...)``.
+    of every AdamW kernel (``gaengine.optim.adamw_step_reference``, the Triton ``adamw_step_``,
+    ``torch.ops.gaengine.adamw_step_`` of ``csrc/adamw.h``; ``gaengine.optim.FusedAdamW`` calls the one
+    ``gaengine.optim.adamw_kernel`` picks), which take ``*AdamWStep(...)``.
 
     One AdamW update (``torch.optim.AdamW``; Loshchilov & Hutter 2019) of every ``params[i]``:
 
@@ -149,9 +148,6 @@ class Backend(abc.ABC):
         """``(sum_sq, found_inf)``, fp32 on ``partials.device``, of a table (or a stack of tables) this backend's
         ``accumulate_bucket_`` wrote, summed in a fixed order. No host sync."""
 
-    @abc.abstractmethod
-    def adamw_step_(self, *args, **kwargs) -> None:
-        """The multi-tensor AdamW step: ``adamw_step_(*AdamWStep(...))``."""
 
     def kernels_problem(self) -> str | None:
         """Why this backend's kernels cannot run now (the native hooks then fall back), or None."""

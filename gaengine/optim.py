@@ -19,12 +19,13 @@ The gradient of a parameter ``p`` is ``p.main_grad`` when that attribute is set 
 name: an fp32 gradient of a bf16/fp16 parameter, which ``p.grad`` cannot hold; ``GradientAccumulator`` sets it
 to its view of the fp32 main_grad buffer for the duration of ``step()``), else ``p.grad``.
 
-Kernels: the backend's ``adamw_step_`` (``backend=``, ``"auto"`` by default: ``gaengine.backends.get_backend`` for
-the parameters' device). ``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or
+Kernels: ``adamw_kernel(backend, device)`` (``backend=``, ``"auto"`` by default: the backend
+``gaengine.backends.get_backend`` picks for the parameters' device, mapped to its AdamW step by ``ADAMW_KERNELS``; the
+AdamW step is not a backend op). ``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or
 portable, ``at::parallel_for``) and on CUDA tensors when the extension carries its CUDA kernels (one launch per 384
 parameters and dtype; ``csrc/cuda/``), else ``gaengine.kernels.adamw`` (Triton, one launch per parameter) on CUDA
 tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a plain-torch fallback
-(``gaengine.backends.adamw_step_reference``). On the CPU and Triton paths the result is bitwise equal to
+(``adamw_step_reference``). On the CPU and Triton paths the result is bitwise equal to
 ``torch.optim.AdamW(fused=True)`` on CPU (outside torch's scalar tail: the last ``numel % 8`` elements, where torch
 skips an FMA), and within 1e-6 relative of the default ``torch.optim.AdamW`` (which rounds ``sqrt(v) / sqrt(bc2)``
 differently).
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -49,7 +50,7 @@ from gaengine.buffer import FlatLayout
 from gaengine.contract import AdamWStep
 from gaengine.optimizers import OptimizerSpec, register_optimizer
 
-__all__ = ["FusedAdamW", "flat_moments"]
+__all__ = ["ADAMW_KERNELS", "AdamWKernel", "FusedAdamW", "adamw_kernel", "adamw_step_reference", "flat_moments"]
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,6 +90,102 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         raise ValueError("amsgrad=True is not supported by FusedAdamW (use torch.optim.AdamW(amsgrad=True))")
     if not isinstance(group.get("maximize", False), bool):
         raise ValueError(f"maximize must be a bool, got {group['maximize']!r}")
+
+
+def adamw_step_reference(*args, **kwargs) -> None:
+    """One AdamW update of every ``params[i]``: the plain-torch reference and fallback of the AdamW kernels
+    (``ADAMW_KERNELS["torch"]``). Its arguments (``*AdamWStep(...)``, positional or by name) and contract are ``AdamWStep``'s
+    (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
+
+    Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
+    Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
+    (bf16/fp16 parameters: on fp32 copies of p, m, v, each rounded back by ``copy_``).
+    """
+    a = AdamWStep(*args, **kwargs)
+    if not a.params:
+        return
+    lr, beta1, beta2 = a.lr, a.beta1, a.beta2
+    skip = None if a.found_inf is None else a.found_inf != 0
+    torch._foreach_add_(a.steps, 1 if skip is None else (~skip).to(torch.float32))
+    for p, g, m, v, step, model in zip(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.steps, a.model_params):
+        t = step.to(torch.float64)
+        neg_step_size = (-lr / (1.0 - torch.pow(beta1, t))).to(torch.float32)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).to(torch.float32)
+        grad = g.reshape(p.shape).to(torch.float32)
+        if a.grad_scale is not None:
+            grad = grad / a.grad_scale
+        if a.maximize:
+            grad = -grad
+        p32, m32, v32 = p.float(), m.float(), v.float()  # fp32 copies of bf16/fp16 ones (exact); fp32: no copy
+        new_p = p32 * (1.0 - lr * a.weight_decay) if a.weight_decay != 0 else p32.clone()
+        new_m = torch.lerp(m32, grad, 1.0 - beta1)
+        new_v = torch.addcmul(v32 * beta2, grad, grad, value=1.0 - beta2)
+        new_p += neg_step_size * new_m / (new_v.sqrt() / bc2_sqrt + a.eps)
+        if skip is not None:
+            new_p, new_m, new_v = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
+        p.copy_(new_p)
+        m.copy_(new_m)
+        v.copy_(new_v)
+        if model is not None:
+            rounded = p.reshape(model.shape).to(model.dtype)
+            model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
+
+
+# ------------------------------------------------------------------------------------------------ the AdamW kernels
+def _compiled_step(backend) -> tuple[KernelFn, str]:
+    """``torch.ops.<namespace>.adamw_step_`` of the backend's compiled module (``csrc/adamw.h``; looked up at each
+    call, as the backend's own ops are): cpu, one parallel region per parameter; cuda, one launch per 384 parameters
+    and dtype."""
+    module, why = backend.extension()
+    if module is None:
+        raise RuntimeError(f"the AdamW kernels of backend {backend.name!r} cannot load: {why}")
+    ops = getattr(torch.ops, module.OP_NAMESPACE)
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        ops.adamw_step_(*args, **kwargs)
+
+    return step, f"torch.ops.{module.OP_NAMESPACE}.adamw_step_"
+
+
+def _triton_step(backend) -> tuple[KernelFn, str]:
+    """``gaengine.kernels.adamw.adamw_step_``: one Triton launch per parameter."""
+    from gaengine.kernels.adamw import adamw_step_  # noqa: PLC0415 - imports triton
+
+    return adamw_step_, "gaengine.kernels.adamw.adamw_step_"
+
+
+ADAMW_KERNELS: dict[str, Callable[[Any], tuple[KernelFn, str]]] = {
+    "torch": lambda backend: (adamw_step_reference, "gaengine.optim.adamw_step_reference"),
+    "cpu": _compiled_step,
+    "cuda": _compiled_step,
+    "triton": _triton_step,
+}
+"""The AdamW step's kernel for each kernel family (the backend names of ``gaengine.backends``): a function of the
+chosen backend returning ``(step, where)``, ``step`` a callable taking ``*AdamWStep(...)`` (``gaengine.contract``),
+``where`` its name."""
+
+
+class AdamWKernel(NamedTuple):
+    """The AdamW kernel ``FusedAdamW`` runs on one device: ``backend`` the kernel family (a backend name, as
+    ``gaengine.backends.get_backend`` chose it), ``step`` the function, called as ``step(*AdamWStep(...))``,
+    ``where`` its name (e.g. ``"torch.ops.gaengine.adamw_step_"``)."""
+
+    backend: str
+    step: KernelFn
+    where: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.step(*args, **kwargs)
+
+
+def adamw_kernel(backend: str, device: torch.device | str) -> AdamWKernel:
+    """The AdamW kernel for ``backend`` (one of ``gaengine.backends.BACKEND_NAMES``) on ``device``: the same choice
+    as the accumulate kernels' (``get_backend``: "auto" is "cuda" on CUDA when ``gaengine._C`` carries its CUDA
+    kernels and the driver can launch them, else "triton"; "cpu" on CPU), mapped to that family's AdamW step
+    (``ADAMW_KERNELS``). Raises what ``get_backend`` raises (``ValueError`` for an unknown name, ``RuntimeError``
+    when a backend asked for by name cannot run on ``device``)."""
+    chosen = get_backend(backend, device)
+    return AdamWKernel(chosen.name, *ADAMW_KERNELS[chosen.name](chosen))
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -157,7 +254,7 @@ class FusedAdamW(torch.optim.Optimizer):
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, **_IMPL_FLAGS)
         _check_hyperparameters(defaults)
         self.backend = backend
-        self._kernels: dict[torch.device, KernelFn] = {}
+        self._kernels: dict[torch.device, AdamWKernel] = {}
         self._model_params: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, model)
         super().__init__(params, defaults)
 
@@ -259,15 +356,14 @@ class FusedAdamW(torch.optim.Optimizer):
             self._model_params[id(master)] = (master, model)
 
     # ------------------------------------------------------------------ update
-    def _kernel(self, device: torch.device) -> KernelFn:
+    def _kernel(self, device: torch.device) -> AdamWKernel:
         kernel = self._kernels.get(device)
         if kernel is not None:
             return kernel
         # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
         # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
         # launch for the whole list (Triton launches once per parameter).
-        kernel = get_backend(self.backend, device).adamw_step_
-        self._kernels[device] = kernel
+        kernel = self._kernels[device] = adamw_kernel(self.backend, device)
         return kernel
 
     @torch.no_grad()

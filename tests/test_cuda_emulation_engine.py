@@ -374,7 +374,9 @@ def test_fused_adamw_bitwise_against_the_cpu_backend(emu, dtype, master_weights)
     runs = _run_both(model, windows=5 if dtype == torch.float16 else 3, optimizer="fused_adamw",
                      master_weights=master_weights, bucket_size_mb=2e-3)
     for run in runs.values():
-        assert run.optimizer._kernel(torch.device("cpu")).__self__ is run.acc.backend  # the run's backend's kernel
+        kernel, backend = run.optimizer._kernel(torch.device("cpu")), run.acc.backend  # the run's backend's kernel
+        assert kernel.backend == backend.name
+        assert kernel.where == f"torch.ops.{backend.extension()[0].OP_NAMESPACE}.adamw_step_"
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 

@@ -265,7 +265,7 @@ def test_old_driver_fused_adamw_does_not_choose_adamw_step_cuda(cuda_machine):
         from gaengine.kernels.adamw import adamw_step_
 
         kernel = FusedAdamW(params)._kernel(torch.device("cuda"))
-        assert kernel.__self__.name == "triton" and kernel.__self__._adamw.adamw_step_ is adamw_step_
+        assert kernel.backend == "triton" and kernel.step is adamw_step_
 
 
 def test_old_driver_native_hot_path_refuses_the_cuda_kernels(cuda_machine, monkeypatch):
@@ -286,7 +286,8 @@ def test_new_driver_keeps_the_cuda_kernels(cuda_machine, driver):
     assert backends.get_backend("auto", "cuda").name == "cuda"
     assert backends.get_backend("cuda", "cuda") is backends.get_backend("auto", "cuda")
     kernel = FusedAdamW([torch.nn.Parameter(torch.zeros(3))])._kernel(torch.device("cuda"))
-    assert kernel.__self__.name == "cuda" and kernel.__self__._C is gaengine._C  # the fake module's: never called
+    # the compiled module's op (never called here)
+    assert kernel.backend == "cuda" and kernel.where == f"torch.ops.{gaengine._C.OP_NAMESPACE}.adamw_step_"
 
 
 def test_no_gpu_skips_the_driver_query(cuda_machine, monkeypatch):

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from gaengine import backends
-from gaengine.backends import OPS, Backend, ReferenceBackend, adamw_step_reference, get_backend
+from gaengine.backends import OPS, Backend, ReferenceBackend, get_backend
+from gaengine.optim import adamw_step_reference
 from tests.conftest import backend_name, backend_params
 from tests.reference import sum_sq_fp64
 from tests.tolerances import adamw_param_rtol, assert_bitwise_equal, rel_diff, sum_sq_rtol
@@ -224,3 +225,20 @@ def test_no_module_outside_backends_compares_a_backend_name():
                                 and "backend" in ast.unparse(side.value).lower()):
                             offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_adamw_kernels_are_the_optimizers_not_a_backend_op():
+    """The AdamW step left the backend contract: no backend has it, and ``gaengine.optim.adamw_kernel`` maps every
+    kernel family to its AdamW kernel, choosing the family exactly as ``get_backend`` does."""
+    from gaengine.backends import BACKEND_NAMES  # noqa: PLC0415
+    from gaengine.optim import ADAMW_KERNELS, adamw_kernel  # noqa: PLC0415
+
+    assert "adamw_step_" not in OPS and not hasattr(Backend, "adamw_step_")
+    assert set(ADAMW_KERNELS) == set(BACKEND_NAMES) - {"auto"}
+    for name in ("auto", "torch", "cpu"):
+        kernel = adamw_kernel(name, "cpu")
+        assert kernel.backend == get_backend(name, "cpu").name
+        assert not hasattr(get_backend(name, "cpu"), "adamw_step_")
+    assert adamw_kernel("torch", "cpu").step is adamw_step_reference
+    with pytest.raises(ValueError, match="backend must be one of"):
+        adamw_kernel("fast", "cpu")

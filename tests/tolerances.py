@@ -211,7 +211,7 @@ def update_rtol(steps: int, step_over_param: float, grad_rtol: float, *, grad_ga
 
     On each side, each update ``p <- p (1 - lr wd) - step`` rounds twice at |p| (the decay, the subtraction) and
     ``step_roundings`` times at |step| (AdamW: lerp, addcmul, sqrt, the bias corrections, + eps, the quotient, the
-    step size: 8; ``gaengine.backends.adamw_step_reference``); the step's own error from the gradient's is at most
+    step size: 8; ``gaengine.optim.adamw_step_reference``); the step's own error from the gradient's is at most
     ``grad_gain * grad_rtol`` (AdamW's m / sqrt(v): m carries the gradient's relative error, sqrt(v) it too, so 2;
     SGD's lr * buf: 1). ``step_over_param`` is max |step| / max |p| (see ``adamw_step_over_param``). First order, and
     the gradient's dependence on a parameter that already differs is neglected: valid for a few updates."""

@@ -17,10 +17,10 @@ One test file per operation (``test_accumulate.py``, ``test_accumulate_bucket.py
 Parametrize ids never say just ``cuda``: ``tests/conftest.py`` skips items with a ``cuda`` keyword without a GPU.
 
 The ``Backend`` interface (``gaengine/contract.py``) has ``accumulate_``, ``l2norm_sq``, ``scale_``,
-``accumulate_bucket_``, ``new_bucket_partials``, ``finish_norm_partials`` and ``adamw_step_``; the tests call those on
+``accumulate_bucket_``, ``new_bucket_partials`` and ``finish_norm_partials``; the tests call those on
 ``backend.ops``. ``OpBackend.accumulate_bucket_`` adds a scale (the torch reference: one ``accumulate_`` per source;
-triton: its kernel with small blocks) and ``OpBackend.adamw_step_`` small Triton blocks; the others forward to
-``backend.ops``.
+triton: its kernel with small blocks). ``OpBackend.adamw_step_`` is the AdamW kernel of the same family, which is not
+a backend op: ``gaengine.optim.adamw_kernel``'s choice (triton: its kernel with small blocks).
 """
 
 from __future__ import annotations
@@ -118,16 +118,18 @@ def _torch_bucket(ops):
 
 
 def _torch_backend() -> OpBackend:
-    from gaengine.backends import adamw_step_reference, get_backend  # noqa: PLC0415
+    from gaengine.backends import get_backend  # noqa: PLC0415
+    from gaengine.optim import adamw_kernel  # noqa: PLC0415
 
     ops = get_backend("torch", "cpu")
     return OpBackend("torch", torch.device("cpu"), ops, _bucket=_torch_bucket(ops), _num_partials=len,
-                     _adamw=adamw_step_reference)
+                     _adamw=adamw_kernel("torch", "cpu"))
 
 
 def _cpu_backend() -> OpBackend:
     pytest.importorskip("gaengine._C", reason="gaengine._C is not built (pip install --no-build-isolation -e .)")
     from gaengine.backends import get_backend  # noqa: PLC0415
+    from gaengine.optim import adamw_kernel  # noqa: PLC0415
 
     ops = get_backend("cpu")
 
@@ -135,7 +137,7 @@ def _cpu_backend() -> OpBackend:
         ops.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
 
     return OpBackend("cpu", torch.device("cpu"), ops, bucket_scale=False, _bucket=bucket, _num_partials=len,
-                     _adamw=ops.adamw_step_)
+                     _adamw=adamw_kernel("cpu", "cpu"))
 
 
 TRITON_BUCKET_BLOCK = 128  # small blocks: many programs, full chunks and tails, at interpreter speed
@@ -166,6 +168,7 @@ def _triton_backend() -> OpBackend:
 
 def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpBackend:
     from gaengine.backends import get_backend  # noqa: PLC0415
+    from gaengine.optim import adamw_kernel  # noqa: PLC0415
 
     ops = get_backend("cuda", device)
     C = getattr(torch.ops, ops._C.OP_NAMESPACE)
@@ -175,7 +178,7 @@ def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpB
 
     return OpBackend(name, device, ops, public_name="cuda", max_numel=max_numel, bucket_scale=False,
                      partials_layout="columns",
-                     _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=C.adamw_step_)
+                     _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=adamw_kernel("cuda", device))
 
 
 BACKEND_PARAMS = backend_params()  # tests/conftest.py's list of the backends that exist here

@@ -1,4 +1,4 @@
-"""The multi-tensor AdamW step on every backend: ``gaengine.backends.adamw_step_reference`` (torch),
+"""The multi-tensor AdamW step on every backend: ``gaengine.optim.adamw_step_reference`` (torch),
 ``torch.ops.gaengine.adamw_step_`` (cpu; cuda, emulated and on a GPU), ``gaengine.kernels.adamw.adamw_step_``
 (triton), called through ``OpBackend.adamw_step_`` (``conftest.py``). ``FusedAdamW``-level tests live in
 ``tests/test_optim.py``.
