@@ -149,24 +149,9 @@ def _check_step(t: torch.Tensor, i: int, device: torch.device) -> None:
         raise ValueError(f"steps[{i}] must be a 0-d float32 tensor on {device}")
 
 
-def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
-    """One AdamW update of every ``params[i]``, one kernel launch (one pass) per parameter.
-
-    Arguments: ``*AdamWStep(...)`` (positional or by name; ``gaengine.contract.AdamWStep`` gives them and the
-    contract), the tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); ``steps`` are incremented with
-    one device op before the launches, and the kernels read the new value. ``grad_scale`` / ``found_inf``: any
-    floating dtype. block_size: elements per program, a power of two >= 16 (tests use small ones to get many
-    programs).
-
-    Raises ``ValueError`` for a wrong dtype, layout, numel or device, before anything is written.
-    """
-    a = AdamWStep(*args, **kwargs)
+def _check_tensors(a: AdamWStep) -> None:
+    """``adamw_step_``'s checks of every tensor (``ValueError`` naming the argument and the parameter index)."""
     n = len(a.params)
-    if not (len(a.grads) == len(a.exp_avgs) == len(a.exp_avg_sqs) == len(a.steps) == len(a.model_params) == n):
-        raise ValueError("params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length")
-    check_block_size(block_size)
-    if n == 0:
-        return
     device = a.params[0].device
     for name, t in (("grad_scale", a.grad_scale), ("found_inf", a.found_inf)):
         if t is not None:
@@ -200,10 +185,10 @@ def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
         if any(t.device != device for t in [a.params[i], *tensors]):
             raise ValueError(f"every tensor of parameter {i} must be on {device}")
 
-    # step += 1, or step += (found_inf == 0): on the device, before the kernels read it.
-    increment = 1 if a.found_inf is None else (a.found_inf == 0).to(torch.float32)
-    torch._foreach_add_(a.steps, increment)
 
+
+def _kernel_constants(a: AdamWStep) -> tuple[dict, dict]:
+    """The scalar arguments (fp32-rounded as the C++ kernel rounds them) and the compile-time flags of every launch."""
     lerp_weight = _fp32(1.0 - a.beta1)
     lerp_small = abs(lerp_weight) < 0.5
     scalars = dict(
@@ -223,6 +208,34 @@ def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
         DECAY=a.weight_decay != 0,
         LERP_SMALL=lerp_small,
     )
+    return scalars, flags
+
+
+def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
+    """One AdamW update of every ``params[i]``, one kernel launch (one pass) per parameter.
+
+    Arguments: ``*AdamWStep(...)`` (positional or by name; ``gaengine.contract.AdamWStep`` gives them and the
+    contract), the tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); ``steps`` are incremented with
+    one device op before the launches, and the kernels read the new value. ``grad_scale`` / ``found_inf``: any
+    floating dtype. block_size: elements per program, a power of two >= 16 (tests use small ones to get many
+    programs).
+
+    Raises ``ValueError`` for a wrong dtype, layout, numel or device, before anything is written.
+    """
+    a = AdamWStep(*args, **kwargs)
+    n = len(a.params)
+    if not (len(a.grads) == len(a.exp_avgs) == len(a.exp_avg_sqs) == len(a.steps) == len(a.model_params) == n):
+        raise ValueError("params, grads, exp_avgs, exp_avg_sqs, steps and model_params must have the same length")
+    check_block_size(block_size)
+    if n == 0:
+        return
+    _check_tensors(a)
+
+    # step += 1, or step += (found_inf == 0): on the device, before the kernels read it.
+    increment = 1 if a.found_inf is None else (a.found_inf == 0).to(torch.float32)
+    torch._foreach_add_(a.steps, increment)
+
+    scalars, flags = _kernel_constants(a)
     with device_guard(a.params[0]):
         for i in range(n):
             numel = a.params[i].numel()
@@ -230,22 +243,13 @@ def adamw_step_(*args, block_size: int = BLOCK_SIZE, **kwargs) -> None:
                 continue
             model = a.model_params[i]
             _adamw_kernel[(triton.cdiv(numel, block_size),)](
-                a.params[i],
-                a.grads[i],
-                a.exp_avgs[i],
-                a.exp_avg_sqs[i],
+                a.params[i], a.grads[i], a.exp_avgs[i], a.exp_avg_sqs[i],
                 a.params[i] if model is None else model,  # never written without HAS_MODEL
                 a.steps[i],
                 a.params[i] if a.grad_scale is None else a.grad_scale,  # never read without HAS_GRAD_SCALE
                 a.params[i] if a.found_inf is None else a.found_inf,  # never read without HAS_FOUND_INF
-                numel,
-                **scalars,
-                HAS_MODEL=model is not None,
-                MODEL_BF16=model is not None and model.dtype == torch.bfloat16,
-                PARAM_BF16=a.params[i].dtype == torch.bfloat16,
-                PARAM_FP16=a.params[i].dtype == torch.float16,
-                **flags,
-                BLOCK_SIZE=block_size,
-                num_warps=NUM_WARPS,
-                enable_fp_fusion=False,
+                numel, **scalars,
+                HAS_MODEL=model is not None, MODEL_BF16=model is not None and model.dtype == torch.bfloat16,
+                PARAM_BF16=a.params[i].dtype == torch.bfloat16, PARAM_FP16=a.params[i].dtype == torch.float16,
+                **flags, BLOCK_SIZE=block_size, num_warps=NUM_WARPS, enable_fp_fusion=False,
             )
