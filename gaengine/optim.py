@@ -94,8 +94,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
 
 def adamw_step_reference(*args, **kwargs) -> None:
     """One AdamW update of every ``params[i]``: the plain-torch reference and fallback of the AdamW kernels
-    (``ADAMW_KERNELS["torch"]``). Its arguments (``*AdamWStep(...)``, positional or by name) and contract are ``AdamWStep``'s
-    (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
+    (``ADAMW_KERNELS["torch"]``). Its arguments (``*AdamWStep(...)``, positional or by name) and contract are
+    ``AdamWStep``'s (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
 
     Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
     Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
@@ -136,9 +136,7 @@ def _compiled_step(backend) -> tuple[KernelFn, str]:
     """``torch.ops.<namespace>.adamw_step_`` of the backend's compiled module (``csrc/adamw.h``; looked up at each
     call, as the backend's own ops are): cpu, one parallel region per parameter; cuda, one launch per 384 parameters
     and dtype."""
-    module, why = backend.extension()
-    if module is None:
-        raise RuntimeError(f"the AdamW kernels of backend {backend.name!r} cannot load: {why}")
+    module = backend.extension()[0]  # a CompiledBackend's is its module, loaded when get_backend built it
     ops = getattr(torch.ops, module.OP_NAMESPACE)
 
     def step(*args: Any, **kwargs: Any) -> None:
@@ -205,8 +203,13 @@ class FusedAdamW(torch.optim.Optimizer):
         weight_decay: decoupled weight decay ``lambda``: ``p *= 1 - lr * lambda`` before the Adam step.
         amsgrad: must be False (``ValueError`` otherwise; kept so torch's signature and state dicts fit).
         maximize: ascend the objective instead.
-        backend: "auto" | "cpu" | "triton" | "torch" (as ``gaengine.backends.get_backend``): "auto" picks the
-            C++ kernel for CPU tensors and Triton for CUDA ones, else the plain-torch fallback.
+        backend: the AdamW kernel's family, one of ``gaengine.backends.BACKEND_NAMES`` ("auto" | "torch" | "cpu"
+            | "cuda" | "triton"), chosen for each parameter device as ``gaengine.backends.get_backend`` chooses a
+            backend and mapped to that family's AdamW step by ``ADAMW_KERNELS`` (``adamw_kernel``). "auto": the
+            C++ kernel for CPU tensors; for CUDA ones the CUDA kernel when ``gaengine._C`` carries it and the
+            driver can launch it, else Triton; the plain-torch reference when neither loads. An unknown name
+            raises ``ValueError`` here; a family asked for by name that cannot run on the parameters' device
+            raises ``RuntimeError`` at the first ``step()``.
 
     Per-parameter state: ``step`` (0-d fp32 on the parameter's device), ``exp_avg``, ``exp_avg_sq`` (the
     parameter's shape and dtype: fp32, or bf16/fp16 for a parameter updated in place), created at the

@@ -1,6 +1,6 @@
 """Helpers shared by the Triton launchers: argument contracts, the device guard and block-size checks. (The
-arguments of the multi-tensor AdamW step every backend takes, ``AdamWStep``, are the backend contract's:
-``gaengine.contract``.)
+arguments of the multi-tensor AdamW step every AdamW kernel takes, ``AdamWStep``, are written in
+``gaengine.contract``; ``gaengine.optim.ADAMW_KERNELS`` picks the kernel.)
 
 Nothing here imports triton, so the contracts can be checked (and tested) without it.
 """

@@ -20,7 +20,8 @@ The ``Backend`` interface (``gaengine/contract.py``) has ``accumulate_``, ``l2no
 ``accumulate_bucket_``, ``new_bucket_partials`` and ``finish_norm_partials``; the tests call those on
 ``backend.ops``. ``OpBackend.accumulate_bucket_`` adds a scale (the torch reference: one ``accumulate_`` per source;
 triton: its kernel with small blocks). ``OpBackend.adamw_step_`` is the AdamW kernel of the same family, which is not
-a backend op: ``gaengine.optim.adamw_kernel``'s choice (triton: its kernel with small blocks).
+a backend op: ``gaengine.optim.adamw_kernel``'s choice (``gaengine.optim.ADAMW_KERNELS``; triton: its kernel, called
+with small blocks).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class OpBackend:
 
     # -- the multi-tensor AdamW step -------------------------------------------------------------------------
     def adamw_step_(self, *args, **kwargs):
-        """The backend's ``adamw_step_(*AdamWStep(...))`` (``gaengine.contract.AdamWStep``)."""
+        """The AdamW kernel of this backend's family (``gaengine.optim.adamw_kernel``), called as
+        ``adamw_step_(*AdamWStep(...))`` (``gaengine.contract.AdamWStep``)."""
         return self._adamw(*args, **kwargs)
 
 
@@ -149,16 +151,18 @@ def _triton_backend() -> OpBackend:
     if not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
     from gaengine.backends import get_backend  # noqa: PLC0415
-    from gaengine.kernels import adamw, bucket as bucket_kernels  # noqa: PLC0415
+    from gaengine.kernels import bucket as bucket_kernels  # noqa: PLC0415
+    from gaengine.optim import adamw_kernel  # noqa: PLC0415
 
     ops = get_backend("triton", TRITON_DEVICE)
+    adamw = adamw_kernel("triton", TRITON_DEVICE)
 
     def bucket(dst, srcs, offsets, overwrite, scale, partials):
         bucket_kernels.accumulate_bucket_(dst, srcs, offsets, scale, overwrite, partials=partials,
                                           block_size=TRITON_BUCKET_BLOCK)
 
     def adamw_step(*args, **kwargs):
-        adamw.adamw_step_(*args, block_size=TRITON_ADAMW_BLOCK, **kwargs)
+        adamw.step(*args, block_size=TRITON_ADAMW_BLOCK, **kwargs)
 
     return OpBackend("triton", TRITON_DEVICE, ops, max_numel=None if HAS_GPU else INTERPRETER_MAX_NUMEL,
                      partials_layout="columns", _bucket=bucket,

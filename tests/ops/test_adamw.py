@@ -1,7 +1,8 @@
-"""The multi-tensor AdamW step on every backend: ``gaengine.optim.adamw_step_reference`` (torch),
-``torch.ops.gaengine.adamw_step_`` (cpu; cuda, emulated and on a GPU), ``gaengine.kernels.adamw.adamw_step_``
-(triton), called through ``OpBackend.adamw_step_`` (``conftest.py``). ``FusedAdamW``-level tests live in
-``tests/test_optim.py``.
+"""The multi-tensor AdamW step of every kernel family (``gaengine.optim.ADAMW_KERNELS``; not a backend op):
+``gaengine.optim.adamw_step_reference`` (torch), ``torch.ops.gaengine.adamw_step_`` (cpu; cuda, emulated and on a
+GPU), ``gaengine.kernels.adamw.adamw_step_`` (triton), each the one ``gaengine.optim.adamw_kernel`` picks for the
+backend, called through ``OpBackend.adamw_step_`` (``conftest.py``); the bitwise cpu-vs-triton cases call the two
+kernels directly. ``FusedAdamW``-level tests live in ``tests/test_optim.py``.
 
 Oracles: ``tests/reference.py``'s fp64 AdamW (every backend, fp32 masters: within ``ADAMW_RTOL`` of
 ``tests/tolerances.py``), and the CPU kernel, bit for bit, for the other fused kernels (triton, cuda: the same fp32
@@ -392,3 +393,70 @@ def test_in_place_cpu_and_triton_kernels_agree_bitwise(dtype, grad_dtype):
         out[name] = (p, m, v, step)
     for a, b, what in zip(out["cpu"], out["triton"], ("param", "exp_avg", "exp_avg_sq", "step")):
         assert_bitwise_equal(_bits(b), _bits(a), f"triton vs cpu: {what}")
+
+
+def _bad_second_param(case: str):
+    """``AdamWStep`` arguments of two parameters of 4 elements, the first valid, the second (or a shared argument)
+    broken as ``case`` says, by name (``block_size`` among them for the block-size case)."""
+    p, g, m, v = ([torch.randn(4), torch.randn(4)] for _ in range(4))
+    steps, models = [torch.tensor(1.0), torch.tensor(1.0)], [None, None]
+    kwargs = {}
+    if case == "lengths":
+        models = [None]
+    elif case == "block-size":
+        kwargs["block_size"] = 100
+    elif case == "grad-scale-1d":
+        kwargs["grad_scale"] = torch.ones(1)
+    elif case == "params-fp64":
+        p[1] = p[1].double()
+    elif case == "in-place-moment-dtype":
+        p[1], v[1] = p[1].bfloat16(), v[1].bfloat16()  # exp_avgs[1] stays fp32
+    elif case == "in-place-with-model":
+        p[1], m[1], v[1] = p[1].bfloat16(), m[1].bfloat16(), v[1].bfloat16()
+        models[1] = torch.zeros(4, dtype=torch.bfloat16)
+    elif case == "grads-int":
+        g[1] = g[1].int()
+    elif case == "step-1d":
+        steps[1] = torch.ones(1)
+    elif case == "model-fp32":
+        models[1] = torch.zeros(4)
+    elif case == "grads-numel":
+        g[1] = torch.randn(5)
+    elif case == "grads-device":
+        g[1] = g[1].to("meta")
+    args = {"params": p, "grads": g, "exp_avgs": m, "exp_avg_sqs": v, "steps": steps, "model_params": models,
+            "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "maximize": False,
+            "grad_scale": None, "found_inf": None}
+    return {**args, **kwargs}
+
+
+TRITON_CHECKS = {
+    "lengths": "must have the same length",
+    "block-size": "block_size must be a power of two >= 16, got 100",
+    "grad-scale-1d": r"grad_scale must be a 0-d floating tensor on cpu, got a \(1,\)",
+    "params-fp64": "params\\[1\\] must be float32, got torch.float64",
+    "in-place-moment-dtype": r"exp_avgs\[1\] must be torch.bfloat16 \(the dtype of params\[1\]\), got torch.float32",
+    "in-place-with-model": r"model_params\[1\] must be None: params\[1\] is torch.bfloat16, updated in place",
+    "grads-int": r"grads\[1\] must be float32, bfloat16 or float16, got torch.int32",
+    "step-1d": r"steps\[1\] must be a 0-d float32 tensor on cpu",
+    "model-fp32": r"model_params\[1\] must be bfloat16 or float16, got torch.float32",
+    "grads-numel": r"grads\[1\], exp_avgs\[1\], exp_avg_sqs\[1\] and model_params\[1\] must have the 4 elements",
+    "grads-device": "every tensor of parameter 1 must be on cpu",
+}
+
+
+@pytest.mark.parametrize("case", TRITON_CHECKS)
+def test_triton_launcher_refuses_bad_arguments_before_writing(case):
+    """The Triton launcher's checks (``gaengine.kernels.adamw``): ``ValueError`` naming the argument, and nothing
+    written, the valid first parameter and every step count included (each bitwise equal to its copy from before)."""
+    pytest.importorskip("triton")
+    from gaengine.kernels import adamw  # noqa: PLC0415
+
+    args = _bad_second_param(case)
+    block_size = args.pop("block_size", adamw.BLOCK_SIZE)
+    before = {name: [t.clone() for t in args[name]] for name in ("params", "exp_avgs", "exp_avg_sqs", "steps")}
+    with pytest.raises(ValueError, match=TRITON_CHECKS[case]):
+        adamw.adamw_step_(**args, block_size=block_size)
+    for name, copies in before.items():
+        for i, (t, copy) in enumerate(zip(args[name], copies)):
+            assert_bitwise_equal(_bits(t), _bits(copy), f"{case}: {name}[{i}]")
