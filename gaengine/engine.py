@@ -116,14 +116,7 @@ class GradientAccumulator:
         self.backend = get_backend(backend, self.device)
         if config.gradient_accumulation_fusion:
             check_fusion(model, self.backend, self.device)  # ValueError naming the option
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group) if (
-            process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
-        self.distributed = self.world_size > 1
-        if self.distributed:  # before the first collective (the parameters' broadcast): ValueError on every rank
-            check_ranks_agree(_rank_settings(config, self.named_params or
-                                             [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
-                              process_group)
+        self._join_ranks(process_group, params)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self._scheduler_epoch: int | None = None  # lr_scheduler.last_epoch after the last update (_check_scheduler)
         # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
@@ -131,11 +124,34 @@ class GradientAccumulator:
         self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
         self.min_loss_scale = config.min_loss_scale
         self.zero_stage, self.bucket_size_mb = config.zero_stage, config.bucket_size_mb  # zero_stage: as asked
-        # The window (counters, loss sum, failed flag, stats: gaengine.window), K per window and the updates so far
-        # (gaengine.schedules), the counts a step() left unread (several ranks), the loss scale, the noise scale.
+        self._init_window(accumulation_steps, params, module)
+        self._init_sharding(params, optimizer, module)
+        ownership.claim(self.params, self)
+        guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
+        guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
+
+    def _join_ranks(self, process_group: dist.ProcessGroup | None, params: list[torch.Tensor]) -> None:
+        """The process group and its world size (by default the global group when ``torch.distributed`` is
+        initialized); on several ranks, before the first collective (the parameters' broadcast), ``ValueError`` on
+        every rank unless they agree on the parameters and the options (``gaengine.reduce.check_ranks_agree``)."""
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group) if (
+            process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
+        self.distributed = self.world_size > 1
+        if self.distributed:
+            check_ranks_agree(_rank_settings(self.config, self.named_params or
+                                             [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
+                              process_group)
+
+    def _init_window(self, accumulation_steps: int | AccumulationSchedule, params: list[torch.Tensor],
+                     module: nn.Module | None) -> None:
+        """The window (counters, loss sum, failed flag, stats: ``gaengine.window``), K per window and the updates
+        so far (``gaengine.schedules``), the counts a ``step()`` left unread (several ranks), the loss scale, the
+        noise scale and the window's BatchNorm statistics (``batchnorm="window"``; else a warning for BatchNorm)."""
+        config = self.config
         self.window = Window(self.device)
         self.schedule = WindowSchedule(accumulation_steps)
-        self._counts = RankCounts(self.world_size, self.device, process_group)
+        self._counts = RankCounts(self.world_size, self.device, self.process_group)
         self._skips = ConsecutiveSkips(config.max_consecutive_skips)
         self.scaler: LossScaler | None = choose_loss_scaler(config.loss_scale, params, self.device, self.min_loss_scale)
         self._auto_loss_scale = config.loss_scale == "auto" and self.scaler is None  # till a backward sees autocast
@@ -145,31 +161,41 @@ class GradientAccumulator:
             self.window_batchnorm = WindowBatchNorm(module)
         elif module is not None:
             warn_batchnorm(module, self.accumulation_steps)
-        # The layout, main_grad, the hooks (per-parameter, per-micro-batch state: gaengine.hooks), the reducer, the
-        # masters and the update: one data-parallel sharding strategy (gaengine.sharding). A gradient that gaengine
-        # left in .grad (step() without an optimizer, a resumed state) is cleared by the next backward.
+        self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
+
+    def _init_sharding(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                       module: nn.Module | None) -> None:
+        """The layout, ``main_grad``, the hooks (per-parameter, per-micro-batch state: ``gaengine.hooks``), the
+        reducer, the masters and the update: one data-parallel sharding strategy (``gaengine.sharding``); the
+        parameters joining or leaving after construction (``gaengine.ownership.Membership``); the fused Linear
+        forwards (``gradient_accumulation_fusion``, until ``close()``: ``gaengine.fusion``) and the watch on the
+        model being moved."""
+        config = self.config
+        # A gradient that gaengine left in .grad (step() without an optimizer, a resumed state) is cleared by the
+        # next backward.
         self._grads_left = False
         # Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
         # window boundaries, adopted by the strategy (gaengine.ownership.Membership, docs/accumulator.md).
         self._members = ownership.Membership(module, params, optimizer)
         # Several ranks: every rank must change them alike (one small all-reduce per window boundary).
         self._ranks_members = ownership.RankMembership(
-            self._members, self.world_size, dist.get_rank(process_group), self.device, process_group) if (
+            self._members, self.world_size, dist.get_rank(self.process_group), self.device, self.process_group) if (
             self.distributed) else None
-        self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
-            process_group=process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
+            process_group=self.process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
             master_weights=config.master_weights, measure_sources=self._noise is not None, model=module,
             overlap_param_gather=config.overlap_param_gather, broadcast_buffers=config.broadcast_buffers,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion)
-        # gradient_accumulation_fusion: the model's Linear forwards run the fused op until close() (gaengine.fusion).
         self._fusion = LinearFusion(module, self.backend.extension()[0].OP_NAMESPACE) if (
             config.gradient_accumulation_fusion) else None
-        self._model = ownership.ModelWatch(self.params, self.device, self.sharding.check_model)
-        ownership.claim(self.params, self)
-        guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
-        guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
+        self._model = self._watch_model()
+
+    def _watch_model(self) -> ownership.ModelWatch:
+        """The watch on the model being moved or converted (``gaengine.ownership.ModelWatch``) over the current
+        parameters, with the store's own check (``gaengine.sharding.Update.check_model``)."""
+        sharding = self.sharding  # not self: the watch must not keep the accumulator alive (garbage collection)
+        return ownership.ModelWatch(self.params, self.device, lambda: sharding.update.check_model())
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -201,6 +227,44 @@ class GradientAccumulator:
         moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd leaves
         the window failed and no ``.grad`` behind: ``zero_grad()`` drops it.
         """
+        num_items = self._check_micro_batch(loss, num_items)
+        window = self.window
+        if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
+            self._adopt_changes()
+        window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
+        if self.sharding.accumulation.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
+            self._clear_grads()
+        last = window.num_micro_batches == self.accumulation_steps - 1
+        armed = self._begin_backward(last)
+        if self._auto_loss_scale:  # the first backward: fp16 autocast makes loss_scale="auto" dynamic
+            self.scaler = autocast_loss_scaler(self.device, self.min_loss_scale)
+            self._auto_loss_scale = False
+        scaled = loss if self.scaler is None else loss * self.scaler.scale
+
+        self.sharding.accumulation.begin(last, armed)
+        try:
+            scaled.backward(**backward_kwargs)
+            self.sharding.accumulation.end()  # buckets left incomplete are launched
+            # From here the micro-batch's gradients are in main_grad: counting it must not fail silently either.
+            counted = window.add(loss, num_items)
+            if self._noise is not None:
+                self._noise.add_micro_batch(counted)
+            if self.sharding.reduction.end_backward(armed, last):
+                self._launch_window_stats()
+        except BaseException:
+            # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
+            # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
+            # drops it and training goes on.
+            self.sharding.accumulation.abort()
+            window.fail()
+            for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
+                p.grad = None
+            raise
+
+    def _check_micro_batch(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> int | torch.Tensor | None:
+        """``backward()``'s checks before anything is accumulated (its errors; the window as it was): ``loss``, the
+        model not moved, the ``lr_scheduler`` not stepped outside ``step()``, the window neither failed nor complete,
+        the last window's per-rank counts (several ranks), and ``num_items`` (returned checked, or None)."""
         check_loss(loss)
         self._model.check()
         self._check_scheduler()
@@ -214,42 +278,26 @@ class GradientAccumulator:
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
                 "call acc.step() before the next acc.backward()")
         window.check_next(num_items is not None)
-        if num_items is not None:
-            num_items = check_num_items(num_items, self.device)
-        if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
-            self._adopt_changes()
-        window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
-        if self.sharding.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
-            self._clear_grads()
-        last = window.num_micro_batches == self.accumulation_steps - 1
-        # The first window (the layout and each parameter's arrivals per backward are being learned) reduces after
-        # backward: a bucket whose parameter arrives twice (reentrant checkpointing) must not start early.
-        armed = self.sharding.begin_backward(window, last, self.config.overlap_grad_reduce)
-        if self._auto_loss_scale:  # the first backward: fp16 autocast makes loss_scale="auto" dynamic
-            self.scaler = autocast_loss_scaler(self.device, self.min_loss_scale)
-            self._auto_loss_scale = False
-        scaled = loss if self.scaler is None else loss * self.scaler.scale
+        return None if num_items is None else check_num_items(num_items, self.device)
 
-        self.sharding.before_autograd(last, armed)
-        try:
-            scaled.backward(**backward_kwargs)
-            self.sharding.after_autograd()  # buckets left incomplete are launched
-            # From here the micro-batch's gradients are in main_grad: counting it must not fail silently either.
-            counted = window.add(loss, num_items)
-            if self._noise is not None:
-                self._noise.add_micro_batch(counted)
-            if self.sharding.end_backward(armed, last):
-                window.settings = self._window_settings()
-                window.stats = self.sharding.launch_window_stats(window, self._noise_terms())
-        except BaseException:
-            # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
-            # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
-            # drops it and training goes on.
-            self.sharding.autograd_failed()
-            window.fail()
-            for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
-                p.grad = None
-            raise
+    def _begin_backward(self, last: bool) -> bool:
+        """Before a micro-batch's backward (``last``: the window's last): the parameters whole (their all-gathers
+        complete, ``overlap_param_gather``), then the strategy's reduction prepares it (``Reduction.begin_backward``);
+        where the hooks restart their written flags (``zero_stage=2``), the window keeps which parameters the
+        micro-batches so far reached. Returns whether the reducer is armed (the hooks launch each bucket's
+        collective as it completes)."""
+        self.sharding.update.wait_gathers()
+        start = self.sharding.reduction.begin_backward(self.window.num_micro_batches == 0, last,
+                                                       self.config.overlap_grad_reduce)
+        if start.used is not None:
+            self.window.mark_used(start.used)
+        return start.armed
+
+    def _launch_window_stats(self) -> None:
+        """The window's last reductions and its stats all-reduce (``Reduction.launch_window_stats``, with what every
+        rank must hold alike and the noise-scale terms), kept in the window (``Window.stats``)."""
+        self.window.settings = self._window_settings()
+        self.window.stats = self.sharding.reduction.launch_window_stats(self.window, self._noise_terms())
 
     def _window_settings(self) -> tuple[tuple[str, object], ...]:
         """What every rank must have set alike for this window, compared in its stats all-reduce
@@ -282,7 +330,7 @@ class GradientAccumulator:
                 raise ValueError(self._join_refused(joined[0][0], f"{self.sharding.name} lays its parameters out once, "
                                                     "at construction (a plain model adopts it at every zero_stage)"))
             return  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
-        if self.sharding.optimizer_writes_model:
+        if self.sharding.update.writes_model:
             raise ValueError(self._join_refused(
                 (joined or left)[0][0], "an optimizer that writes the model itself (gaengine.optim.FusedAdamW with "
                 "master weights) keeps its pieces for good"))
@@ -290,7 +338,7 @@ class GradientAccumulator:
             raise ValueError(self._join_refused(joined[0][0], "an fp16 parameter needs the loss scale that "
                                                 "loss_scale='auto' chose against at construction"))
         ownership.take([p for _, p in joined], None)  # another accumulator's: RuntimeError; a stale .grad dropped
-        if self.sharding.take_stale() | self._grads_left:
+        if self.sharding.accumulation.take_stale() | self._grads_left:
             self._clear_grads()
         for _, p in left:
             p.grad = None
@@ -298,7 +346,7 @@ class GradientAccumulator:
         self.sharding.adopt(self._members.trainable())
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
-        self._model = ownership.ModelWatch(self.params, self.device, self.sharding.check_model)
+        self._model = self._watch_model()
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
@@ -337,7 +385,7 @@ class GradientAccumulator:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
         if self._noise is None:
             return None
-        return self._noise.terms(self.sharding.source_norms(), self.sharding.sources_reduced_by(),
+        return self._noise.terms(self.sharding.accumulation.source_norms(), self.sharding.accumulation.sources_reduced_by(),
                                  self.window.num_micro_batches, bool(self.window.item_mode),
                                  None if self.scaler is None else self.scaler.scale)
 
@@ -374,6 +422,38 @@ class GradientAccumulator:
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
+        k = self._window_to_step(force, before_update)
+        if k is None:
+            return None
+        window = self.window
+        partial = self._complete_reductions(k)
+        loss_sum, denom, num_items, mismatch = window.totals(self.world_size)
+        unwritten = self.sharding.accumulation.unwritten(window)
+        self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
+        norm, skipped, grad_norm, invalid_items = self._step_norm(denom, mismatch, unwritten, before_update)
+        loss_scale = None if self.scaler is None else self.scaler.scale.clone()
+        noise: NoiseEstimate | None = None
+        if self._noise is not None:  # before the update: main_grad and the scale are still the window's
+            terms = window.stats.extra() if self.distributed else self._noise_terms()
+            noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
+        if self.optimizer is None:
+            self.sharding.update.expose_grads(norm.coef, unwritten)
+            self._grads_left = True
+        else:
+            self.sharding.update.apply(norm.coef, skipped, unwritten, self.lr_scheduler)
+            self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
+                            num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
+                            invalid_num_items=invalid_items,
+                            **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
+                                                             noise_trace_sigma=noise.trace_sigma,
+                                                             noise_grad_sq=noise.grad_sq)))
+        self._end_step(result, partial, mismatch, norm.skipped)
+        return result
+
+    def _window_to_step(self, force: bool, before_update: Callable[[], None] | None) -> int | None:
+        """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
+        window is incomplete (or empty) and not forced."""
         if before_update is not None and not isinstance(self.sharding, Replicated):
             raise ValueError(f"step(before_update=...) needs the whole window gradient on every rank, which "
                              f"{self.sharding.name} does not hold; use zero_stage=0, or read StepResult.grad_norm")
@@ -392,17 +472,29 @@ class GradientAccumulator:
             if error is not None:
                 raise error
         self._refuse_unmanaged_grads()
-        partial = self.distributed and window.stats is None
-        if partial:  # force=True on a partial window of several ranks: nothing launched yet
-            self.sharding.end_partial_window(self.accumulation_steps - k)
-            window.settings = self._window_settings()
-            window.stats = self.sharding.launch_window_stats(window, self._noise_terms())
-        if self.distributed:
-            self.sharding.wait_reductions()
-        loss_sum, denom, num_items, mismatch = window.totals(self.world_size)
-        unwritten = self.sharding.unwritten(window)
-        self.sharding.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
+        return k
 
+    def _complete_reductions(self, k: int) -> bool:
+        """The window's reductions complete (several ranks). ``force=True`` on a partial window of k micro-batches:
+        nothing is launched yet, so its reductions and stats are launched first (``Reduction.end_partial_window``);
+        returns whether it was."""
+        partial = self.distributed and self.window.stats is None
+        if partial:
+            self.sharding.reduction.end_partial_window(self.accumulation_steps - k)
+            self._launch_window_stats()
+        if self.distributed:
+            self.sharding.reduction.wait()
+        return partial
+
+    def _step_norm(self, denom: torch.Tensor, mismatch: torch.Tensor | None, unwritten: list[int],
+                   before_update: Callable[[], None] | None) -> tuple[WindowNorm, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor | None]:
+        """The window's norm (``Reduction.norm``, or ``_norm_around`` with ``before_update``) over ``denom`` (the
+        window's, ``Window.totals``), and what ``StepResult`` reports of it: ``(norm, skipped, grad_norm,
+        invalid_items)``, 0-d on the device. skipped: a non-finite gradient, the ranks' counts differ
+        (``mismatch``) or the items are invalid; invalid_items: item mode's count is negative, NaN or inf (None
+        where the counts are host ints)."""
+        window = self.window
         # A negative, NaN or inf num_items tensor made the window's item count NaN (gaengine.window.Window.add; on
         # several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
         # update is skipped, on the device. The norm is taken over the raw sums then, so that its skip flag says
@@ -415,29 +507,25 @@ class GradientAccumulator:
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = norm_denom if self.scaler is None else norm_denom * self.scaler.scale
         if before_update is None:
-            norm = self.sharding.norm(grad_denom, self.max_grad_norm)
+            norm = self.sharding.reduction.norm(grad_denom, self.max_grad_norm)
         else:
             norm = self._norm_around(before_update, grad_denom, unwritten)
-        loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
         grad_norm = norm.grad_norm
         if invalid_items is not None:  # grad_norm as the denominator makes it: NaN, or inf for no items
             skipped = skipped | invalid_items | no_items
             grad_norm = torch.where(invalid_items, torch.full_like(grad_norm, float("nan")),
                                     torch.where(no_items, torch.full_like(grad_norm, float("inf")), grad_norm))
-        noise: NoiseEstimate | None = None
-        if self._noise is not None:  # before the update: main_grad and the scale are still the window's
-            terms = window.stats.extra() if self.distributed else self._noise_terms()
-            noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
-        if self.optimizer is None:
-            self.sharding.expose_grads(norm.coef, unwritten)
-            self._grads_left = True
-        else:
-            self.sharding.update(norm.coef, skipped, unwritten, self.lr_scheduler)
-            self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        return norm, skipped, grad_norm, invalid_items
 
-        # The ranks' counts: read now where step() reads the device anyway or ends an epoch, else read by the next
-        # backward() / step(), which then undoes what this step counted (the schedule, a dynamic loss scale).
+    def _end_step(self, result: StepResult, partial: bool, mismatch: torch.Tensor | None,
+                  overflow: torch.Tensor) -> None:
+        """After the update: the ranks' counts (read now where ``step()`` reads the device anyway or ends an epoch,
+        ``partial``; else by the next ``backward()``/``step()``, which then undoes what this step counted), the loss
+        scale (``overflow``: the gradient itself was non-finite), the window's BatchNorm, the schedule and the skips,
+        then a new window (the strategy's too: ``end_window``). Raises the count mismatch's error, or the loss
+        scale's floor error."""
+        k, window = result.num_micro_batches, self.window
         counts = None if mismatch is None else self._counts.read(
             window.stats, now=partial or window.stats.host_counts is not None or self._reads_skip_flag(),
             saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
@@ -445,19 +533,13 @@ class GradientAccumulator:
         counts, settings_differ = counts if counts is not None else (None, [])
         differ = counts is not None and (any(c != k for c in counts) or bool(settings_differ))
         if self.scaler is not None and not differ:
-            self.scaler.update(norm.skipped.to(torch.float32))
+            self.scaler.update(overflow.to(torch.float32))
         if self.window_batchnorm is not None:
             self.window_batchnorm.end_window()
-        result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
-                            num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
-                            invalid_num_items=invalid_items,
-                            **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
-                                                             noise_trace_sigma=noise.trace_sigma,
-                                                             noise_grad_sq=noise.grad_sq)))
         self.schedule.observe(result)
         if not differ:
             self.schedule.advance(k, self.world_size, self.micro_batch_size)
-            self._skips.observe(norm.skipped, loss_scale, self._finite_by_param)
+            self._skips.observe(overflow, result.loss_scale, self._finite_by_param)
         self._reset_window()
         # The hooks' window is reset too; the first window's end lays the buffer out in its arrival order (a
         # collective: every rank gets here).
@@ -466,14 +548,13 @@ class GradientAccumulator:
             self._raise_count_mismatch(counts, differ=settings_differ)
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
-        return result
 
     def _norm_around(self, before_update: Callable[[], None], grad_denom: torch.Tensor,
                      unwritten: list[int]) -> WindowNorm:
         """``step(before_update=...)``: the window's norm and skip flag from the raw sums, then ``main_grad``
         normalized in place, exposed in ``.grad`` while ``before_update`` runs, and the clip coefficient from the
         ``max_grad_norm`` it leaves; ``coef`` is then the clip alone (the normalization is done)."""
-        norm = self.sharding.norm(grad_denom, None)
+        norm = self.sharding.reduction.norm(grad_denom, None)
         data = self.main_grad.data
         divisor = torch.where(grad_denom > 0, grad_denom, torch.ones_like(grad_denom))  # 0 items: nothing to undo
         self.backend.scale_(data, divisor.reciprocal())
@@ -607,7 +688,7 @@ class GradientAccumulator:
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
-        self.sharding.take_stale()
+        self.sharding.accumulation.take_stale()
         self._grads_left = False
 
     def _reset_window(self) -> None:
@@ -627,7 +708,8 @@ class GradientAccumulator:
         several ranks it first waits for the all-reduces a failed last micro-batch had launched). It cannot
         undo moving or converting the model after construction: then build a new accumulator.
         """
-        self.sharding.drain()  # the reductions in flight, the hooks' window and what they hold
+        self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
+        self.sharding.accumulation.drop()  # the hooks' window and what they hold
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
         self._clear_grads()
@@ -650,7 +732,7 @@ class GradientAccumulator:
         mid-window on the same ones, bit-identically (docs/checkpoints.md). Every rank calls it. Raises
         ``RuntimeError`` between the window's last ``backward`` and ``step()``.
         """
-        self.sharding.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
+        self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)
 
     # The accumulator's own part of every state dict (the strategies' state dicts hold it, gaengine.sharding and
@@ -666,13 +748,13 @@ class GradientAccumulator:
             "accumulation_steps": self.accumulation_steps,
             "world_size": self.world_size,
             "layout_order": [reg[id(p)] for p in self.params],
-            **self.sharding.hooks_state(),  # arrival, written, expected_arrivals
+            **self.sharding.accumulation.state(),  # arrival, written, expected_arrivals
             **self.window.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "consecutive_skips": self._skips.count,
             **self.schedule.state_dict(),
             "noise_scale": (None if self._noise is None else self._noise.state_dict(
-                self.sharding.source_norms() if self.window.num_micro_batches else None,
+                self.sharding.accumulation.source_norms() if self.window.num_micro_batches else None,
                 self.window.num_micro_batches)),
         }
 
@@ -740,7 +822,7 @@ class GradientAccumulator:
 
     def load_scalars_state(self, state: dict) -> None:
         """Restore ``scalars_state_dict()``'s part (the layout and the buffers are restored before)."""
-        self.sharding.load_hooks_state(state)
+        self.sharding.accumulation.load_state(state)
         self.window.load_state_dict(state)
         self._skips.count = int(state["consecutive_skips"])
         k = self._resumed_k(state)
@@ -764,7 +846,7 @@ class GradientAccumulator:
         """Per parameter (layout order): its name and whether its window gradient is finite (host reads)."""
         names = {id(p): n for n, p in self.named_params}
         return [(names.get(id(p), f"param[{i}]"), bool(torch.isfinite(g).all()))
-                for i, (p, g) in enumerate(zip(self.params, self.sharding.grad_views()))]
+                for i, (p, g) in enumerate(zip(self.params, self.sharding.accumulation.grad_views))]
 
     def close(self) -> None:
         """Remove the hooks, drop the ``.grad`` the accumulator left on the parameters, and release them

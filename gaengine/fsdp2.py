@@ -43,7 +43,6 @@ gradient sync was turned off behind the accumulator's back (``set_requires_gradi
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,17 +52,16 @@ from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import composable_apis, fsdp_param_groups
 from gaengine.formats import FSDP2_FORMAT
-from gaengine.norm import WindowNorm, window_norm
+from gaengine.accumulation import Accumulation
+from gaengine.norm import WindowNorm, local_sum_sq, window_norm
 from gaengine.hooks import check_native_hooks
 from gaengine.hot_path import NativeHooks
 from gaengine.optimizers import writes_model_params
-from gaengine.reduce import WindowStats, launch_window_stats
-from gaengine.sharding import ShardingStrategy, register_model_strategy
+from gaengine.reduce import BackwardStart, Reduction, WindowStats, launch_window_stats
+from gaengine.sharding import ShardingStrategy, Update, register_model_strategy
 from gaengine.store import DTensorShards, ParameterStore
-from gaengine.update import expose_grads
-from gaengine.window import Window
 
-__all__ = ["FullyShardedGrads", "NativeShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
+__all__ = ["FullyShardedGrads", "FullyShardedReduction", "NativeShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
 
 
 def is_fsdp2_model(model: nn.Module | None) -> bool:
@@ -256,63 +254,28 @@ class FullyShardedGrads(ShardingStrategy):
             if mine:
                 bounds.append((len(order), len(order) + len(mine)))
                 order.extend(mine)
-        self.params = order
-        self._locals = [p.to_local() for p in order]
-        self.main_grad = self._new_main_grad()
-        layout = self.main_grad.layout
+        main_grad = self._new_main_grad(order)
+        layout = main_grad.layout
         offsets = list(layout.offsets) + [layout.total_numel]
         buckets = [Bucket(b, first, last, offsets[first], offsets[last]) for b, (first, last) in enumerate(bounds)]
-        self.reducer = None  # FSDP2 reduce-scatters every micro-batch itself
-        self.hooks = make_shard_hooks(order, self.main_grad, self.backend, buckets, self.measure_sources,
-                                      divide_factor=self._divide_factor)
+        hooks = make_shard_hooks(order, main_grad, self.backend, buckets, self.measure_sources,
+                                 divide_factor=self._divide_factor)
+        self.accumulation = Accumulation(order, main_grad, hooks, world_size, self.measure_sources)
+        self.reduction = FullyShardedReduction(self.accumulation, self.backend, self.process_group, world_size,
+                                               self.groups, self._divide_factor)
         if optimizer is not None:  # the optimizer over the DTensor parameters, or their fp32 master DTensors
             self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
                                         layout=DTensorShards())
             self.master_buffer = self.store.master_buffer
-            self._map_store()
+        self.update = Update(self.store, self.accumulation, self.backend, wrap=DTensorShards.wrap)
 
     def _shared_at_start(self, params: list[torch.Tensor], model: nn.Module | None) -> list[torch.Tensor]:
         """FSDP2's shards differ per rank by construction: only the model's buffers are broadcast."""
         return list(model.buffers()) if model is not None else []
 
     # ------------------------------------------------------------------ layout
-    def _new_main_grad(self) -> FlatBuffer:
-        return FlatBuffer(FlatLayout.build(self._locals), torch.float32, self.device)
-
-    # ------------------------------------------------------------------ micro-batches
-    def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
-        """``RuntimeError`` when FSDP2's gradient sync was turned off behind the accumulator's back (its hooks
-        would see one window sum late, or nothing); else nothing to arm (FSDP2 reduces every micro-batch)."""
-        off = [g for g in self.groups if not g.reduce_grads or not g.all_reduce_grads]
-        if off:
-            raise RuntimeError(
-                f"FSDP2's gradient sync is off on model.{off[0]._module_fqn or 'self'} "
-                "(model.set_requires_gradient_sync(False) or set_requires_all_reduce(False) was called): gaengine "
-                "accumulates FSDP2's reduce-scattered shard of every micro-batch in fp32 itself. Call "
-                "model.set_requires_gradient_sync(True) and let gaengine own the sync policy; nothing was accumulated")
-        return False
-
-    def end_backward(self, armed: bool, last: bool) -> bool:
-        return self.distributed and last  # the stats all-reduce (gaengine.reduce.launch_window_stats)
-
-    def end_partial_window(self, missing: int) -> None:
-        """Nothing to launch: FSDP2 reduced every micro-batch the window holds."""
-
-    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> WindowStats:
-        """The window's stats all-reduce (``ShardingStrategy.launch_window_stats``) also carries the local shards'
-        sum of squares and non-finite flag (its ``tail``, read by ``norm``): one all-reduce per window. When backward
-        returns FSDP2 has reduced the last micro-batch and the hooks have added it (on CUDA, FSDP2's
-        ``finalize_backward`` made the current stream wait for them), so ``main_grad`` holds the window; the
-        parameters this rank wrote nothing for are zeroed first (as the base does)."""
-        unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
-        for i in unused:
-            self.main_grad.flat_views[i].zero_()
-        sum_sq, found_inf = self.backend.l2norm_sq(self.main_grad.data)
-        tail = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
-        self._window_stats = launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum,
-                                                 window.items(), self.process_group, extra=extra,
-                                                 count=window.num_micro_batches, settings=window.settings, tail=tail)
-        return self._window_stats
+    def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
+        return FlatBuffer(FlatLayout.build([p.to_local() for p in params]), torch.float32, self.device)
 
     # ------------------------------------------------------------------ step
     def _divide_factor(self) -> float:
@@ -326,32 +289,6 @@ class FullyShardedGrads(ShardingStrategy):
                              "(set_gradient_divide_factor on some modules only): call "
                              "model.set_gradient_divide_factor(f) on the root, or not at all")
         return factors.pop()
-
-    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
-        """One pass over the local shards (sum of squares, non-finite flag), summed over the group in the window's
-        stats all-reduce (``launch_window_stats``; the free norm of the hooks on one rank); the denominator divided
-        by FSDP2's divide factor (``main_grad`` holds the sum over ranks divided by it)."""
-        if self.distributed:  # summed over the ranks in the window's stats all-reduce (launch_window_stats)
-            stats, self._window_stats = self._window_stats, None
-            both = stats.tail()
-            sum_sq, found_inf = both[0].float(), both[1].float()
-        else:
-            free = self.hooks.free_norm()
-            sum_sq, found_inf = free if free is not None else self.backend.l2norm_sq(self.main_grad.data)
-        return window_norm(self.main_grad.data, grad_denom / self._divide_factor(), max_grad_norm, self.backend,
-                           free=(sum_sq, found_inf))
-
-    def _update_grads(self) -> Sequence[torch.Tensor]:
-        return self.main_grad.views  # shaped like the local shards
-
-    def _grad_chunks(self) -> list[torch.Tensor]:
-        return [self.main_grad.data]
-
-    def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
-        """No optimizer: ``p.grad`` = a DTensor over the final local gradient (the fp32 view of ``main_grad``, or
-        its rounding for a bf16/fp16 parameter), None for the parameters no rank reached."""
-        self.backend.scale_(self.main_grad.data, coef)
-        expose_grads(self.params, self.main_grad, unwritten, wrap=DTensorShards.wrap)
 
     def param_slots(self):
         """There is no flat layout of the parameters to export (``gaengine.full_optimizer_state_dict``): the
@@ -410,3 +347,69 @@ class FullyShardedGrads(ShardingStrategy):
             state = {**state, "layout_order": [reg[id(p)] for p in self.params],
                      "written": [False] * len(self.params), "expected_arrivals": [1] * len(self.params)}
         acc.load_scalars_state(state)
+
+
+class FullyShardedReduction(Reduction):
+    """``FullyShardedGrads``' reduction (``gaengine.reduce.Reduction``): FSDP2 reduce-scatters every micro-batch
+    itself, so there is no reducer; the window's stats all-reduce carries the local shards' sum of squares and
+    non-finite flag (its ``tail``), and the norm divides the denominator by FSDP2's divide factor (``main_grad``
+    holds the sum over the ranks divided by it).
+
+    groups: FSDP2's parameter groups of the model (``fsdp2_param_groups``). divide_factor: returns the factor FSDP2
+    divided every reduced gradient by (``FullyShardedGrads._divide_factor``).
+    """
+
+    def __init__(self, accumulation: Accumulation, backend, group, world_size: int, groups: list,
+                 divide_factor) -> None:
+        super().__init__(None, accumulation, backend, group, world_size)
+        self.groups = groups
+        self.divide_factor = divide_factor
+        self._stats: WindowStats | None = None  # the window's stats all-reduce, whose tail norm reads
+
+    def begin_backward(self, first: bool, last: bool, overlap: bool) -> BackwardStart:
+        """``RuntimeError`` when FSDP2's gradient sync was turned off behind the accumulator's back (its hooks
+        would see one window sum late, or nothing); else nothing to arm (FSDP2 reduces every micro-batch)."""
+        off = [g for g in self.groups if not g.reduce_grads or not g.all_reduce_grads]
+        if off:
+            raise RuntimeError(
+                f"FSDP2's gradient sync is off on model.{off[0]._module_fqn or 'self'} "
+                "(model.set_requires_gradient_sync(False) or set_requires_all_reduce(False) was called): gaengine "
+                "accumulates FSDP2's reduce-scattered shard of every micro-batch in fp32 itself. Call "
+                "model.set_requires_gradient_sync(True) and let gaengine own the sync policy; nothing was accumulated")
+        return BackwardStart(False)
+
+    def end_backward(self, armed: bool, last: bool) -> bool:
+        return self.world_size > 1 and last  # the stats all-reduce (gaengine.reduce.launch_window_stats)
+
+    def end_partial_window(self, missing: int) -> None:
+        """Nothing to launch: FSDP2 reduced every micro-batch the window holds."""
+
+    def launch_window_stats(self, window, extra: torch.Tensor | None) -> WindowStats:
+        """The window's stats all-reduce (``Reduction.launch_window_stats``) also carries the local shards' sum of
+        squares and non-finite flag (its ``tail``, read by ``norm``): one all-reduce per window. When backward
+        returns FSDP2 has reduced the last micro-batch and the hooks have added it (on CUDA, FSDP2's
+        ``finalize_backward`` made the current stream wait for them), so ``main_grad`` holds the window; the
+        parameters this rank wrote nothing for are zeroed first (as the base does)."""
+        main_grad = self.accumulation.main_grad
+        unused = self._locally_unused(window)
+        for i in unused:
+            main_grad.flat_views[i].zero_()
+        sum_sq, found_inf = local_sum_sq(self.accumulation.chunks, self.backend, main_grad.data.device)
+        tail = torch.stack([sum_sq.double().reshape(()), found_inf.double().reshape(())])
+        self._stats = launch_window_stats(None, main_grad, unused, window.loss_sum, window.items(), self.group,
+                                          extra=extra, count=window.num_micro_batches, settings=window.settings,
+                                          tail=tail)
+        return self._stats
+
+    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
+        """``gaengine.norm.window_norm`` of the local shards: their sum of squares and non-finite flag summed over
+        the group by the window's stats all-reduce (``launch_window_stats``; the hooks' free norm, or one pass, on
+        one rank), the denominator divided by FSDP2's divide factor."""
+        if self.world_size > 1:  # summed over the ranks in the window's stats all-reduce (launch_window_stats)
+            stats, self._stats = self._stats, None
+            both = stats.tail()
+            free = both[0].float(), both[1].float()
+        else:
+            free = self.accumulation.free_norm()
+        return window_norm(self.accumulation.chunks, grad_denom / self.divide_factor(), max_grad_norm, self.backend,
+                           free=free)

@@ -15,6 +15,10 @@ count (``WindowStats.count_mismatch``: the ranks' windows must hold equal counts
 the settings they may change at run time (``WindowStats.settings_mismatch``) and the sums of any extra
 per-rank values (the noise scale's small-batch terms, ``gaengine.noise``).
 
+``Reduction`` is a sharding strategy's part for all of this (``gaengine.sharding``): what the engine calls before
+and after each backward, the stats, and the window's norm (``gaengine.norm.window_norm``), per layout; ZeRO's and
+FSDP2's reductions override what differs (``gaengine.zero``, ``gaengine.fsdp2``).
+
 All of this is torch.distributed underneath (NCCL on GPU, gloo on CPU); gaengine owns only the bucketing
 and the schedule.
 """
@@ -25,6 +29,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,9 +37,11 @@ import torch.distributed as dist
 from gaengine.bucket import Bucket, build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import BACKWARD_TLS, BACKWARD_TLS_KEY, tensor_use_count
+from gaengine.norm import WindowNorm, window_norm
 
-__all__ = ["BucketReducer", "Collective", "HostMailbox", "WindowStats", "broadcast_from_first_rank", "check_ranks_agree",
-           "count_mismatch_message", "launch_window_stats", "setting_terms", "settle", "wait_for", "wait_quietly"]
+__all__ = ["BackwardStart", "BucketReducer", "Collective", "HostMailbox", "Reduction", "WindowStats",
+           "broadcast_from_first_rank", "check_ranks_agree", "count_mismatch_message", "launch_window_stats",
+           "setting_terms", "settle", "wait_for", "wait_quietly"]
 
 SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
 _SETTLE_POLL_S = 5e-5
@@ -469,3 +476,107 @@ def check_ranks_agree(settings: dict, group: dist.ProcessGroup | None) -> None:
             raise ValueError(f"the ranks built their accumulators with different {name} ({'; '.join(shown)}): every "
                              "rank must build the same model, optimizer and options (a difference makes the "
                              "collectives disagree or the ranks train apart)")
+
+
+class BackwardStart(NamedTuple):
+    """What ``Reduction.begin_backward`` returns to the engine. armed: the reducer is armed now (the hooks launch each
+    bucket's collective as it completes). used: the hooks' written flags of the window's micro-batches so far, which
+    the engine's window keeps (``gaengine.window.Window.mark_used``) because the hooks restart them now
+    (``zero_stage=2``'s staging), or None: the hooks keep them for the whole window."""
+
+    armed: bool
+    used: list[bool] | None = None
+
+
+class Reduction:
+    """The reduction of the window's gradient sums over the ranks and the window's norm, one per layout of a
+    sharding strategy (``gaengine.sharding``; ``ShardingStrategy.reduction``), the engine's one way to the reducer.
+
+    This class is the replicated schedule: the window's last micro-batch all-reduces ``main_grad``'s buckets as they
+    complete (torch DDP's), and every rank then holds the whole reduced gradient, so the norm is this rank's own
+    (``gaengine.norm.window_norm`` over ``accumulation.chunks``, or the hooks' free norm on one rank). ZeRO's
+    (``gaengine.zero.ShardedReduction``, ``StagedReduction``) and FSDP2's (``gaengine.fsdp2``) override what differs.
+
+    reducer: the ``BucketReducer`` of ``main_grad``'s buckets, or None (one rank, or a model that reduces its
+    gradients itself). accumulation: the layout and its hooks (``gaengine.accumulation.Accumulation``). backend: the
+    kernel backend (``l2norm_sq``). group: the process group. world_size: its ranks.
+    """
+
+    # The norm's sum over the ranks (``gaengine.norm.window_norm``'s ``over_ranks``): None where every rank holds the
+    # whole reduced gradient; a method where each holds a shard (``gaengine.zero.ShardedReduction.over_ranks``).
+    over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, reducer: BucketReducer | None, accumulation, backend, group: dist.ProcessGroup | None,
+                 world_size: int) -> None:
+        self.reducer = reducer
+        self.accumulation = accumulation
+        self.backend = backend
+        self.group = group
+        self.world_size = world_size
+
+    # ------------------------------------------------------------------ micro-batches
+    def begin_backward(self, first: bool, last: bool, overlap: bool) -> BackwardStart:
+        """Before a micro-batch's backward (``first``/``last``: the window's first/last micro-batch); ``overlap``:
+        reductions may launch during backward (``overlap_grad_reduce``). The first window (the layout and each
+        parameter's arrivals per backward are being learned) reduces after backward: a bucket whose parameter
+        arrives twice (reentrant checkpointing) must not start early."""
+        armed = self.reducer is not None and last and overlap and not self.accumulation.learning
+        if armed:
+            self.reducer.begin()
+        return BackwardStart(armed)
+
+    def end_backward(self, armed: bool, last: bool) -> bool:
+        """After a backward that did not raise. Returns True when the window's last reductions must be launched
+        now, with the stats all-reduce (several ranks, the window's last micro-batch): the engine then calls
+        ``launch_window_stats``."""
+        if self.reducer is None or not last:
+            return False
+        if not armed:
+            self.reducer.begin()
+        return True
+
+    def launch_window_stats(self, window, extra: torch.Tensor | None) -> WindowStats:
+        """End of the window's last backward on several ranks (or ``step(force=True)`` after ``end_partial_window``):
+        launch the remaining reductions and the stats all-reduce (``launch_window_stats``: the loss sum, the items,
+        each rank's micro-batch count, ``extra`` terms such as the noise scale's), returned (the engine keeps it in
+        ``window.stats``; ``window`` is a ``gaengine.window.Window``, read only). The slices this rank never wrote are
+        zeroed and count as written (the all-reduce fills them)."""
+        return launch_window_stats(self.reducer, self.accumulation.main_grad, self._locally_unused(window),
+                                   window.loss_sum, window.items(), self.group, extra=extra,
+                                   count=window.num_micro_batches, settings=window.settings)
+
+    def _locally_unused(self, window) -> list[int]:
+        """Layout indices of the parameters this rank wrote no gradient for in ``window``."""
+        return [i for i, used in enumerate(window.used_with(self.accumulation.written)) if not used]
+
+    def end_partial_window(self, missing: int) -> None:
+        """``step(force=True)`` on several ranks, a window ``missing`` micro-batches short of K: arm the reducer for
+        the launch of the window's reductions (the engine launches them with the stats next)."""
+        self.reducer.begin()
+
+    def wait(self) -> None:
+        """Complete the window's reductions (on CUDA: a stream wait, no host sync)."""
+        if self.reducer is not None:
+            self.reducer.wait()
+
+    def drain(self) -> None:
+        """Drop the window (``acc.zero_grad()``): wait (errors ignored) for every reduction in flight."""
+        if self.reducer is not None:
+            self.reducer.drain()
+
+    def complete_for_state(self) -> None:
+        """Before a state dict reads the window's sums: the reductions that write into them mid-window complete
+        (``zero_stage=2``); nothing here (mid-window nothing is in flight)."""
+
+    # ------------------------------------------------------------------ step
+    def zero_unused(self, unwritten: list[int]) -> None:
+        """Zero the gradient of the parameters no micro-batch of the window reached (layout indices)."""
+        for i in unwritten:
+            self.accumulation.main_grad.flat_views[i].zero_()
+
+    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
+        """The window's ``WindowNorm``, global over the ranks, on the device: ``gaengine.norm.window_norm`` over
+        this rank's ``accumulation.chunks`` (the hooks' free norm where they took it), summed over the ranks by
+        ``over_ranks`` where each holds a shard."""
+        return window_norm(self.accumulation.chunks, grad_denom, max_grad_norm, self.backend,
+                           free=self.accumulation.free_norm(), over_ranks=self.over_ranks)

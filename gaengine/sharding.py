@@ -12,85 +12,169 @@ differs between modes is behind one interface, ``ShardingStrategy`` (the field's
 * ``ZeroStage2`` (``zero_stage=2``): the fp32 gradient sum sharded too; every micro-batch reduce-scatters into
   the rank's fp32 gradient shard through a ring of staging buffers (``gaengine.zero``).
 
-What a strategy owns: the layout (``params`` in layout order, ``main_grad``), the hooks and what they write into,
-the reducer, what happens before and after each backward, the window's norm and non-finite flag, the update (or,
-without an optimizer, the gradients left in ``.grad``), the parameter gathers, its part of the state dict (where
-the window's sums lie in a checkpoint, ``window_state``/``load_window_state``; its meta, ``state_meta``), and
-``close``. What the engine owns: the window (micro-batch count, items, loss sum), the loss scale, the noise
-scale and the schedule; the strategy launches the per-rank stats all-reduce when the engine asks and returns it.
-The engine reaches the hooks only through the strategy's methods (``take_stale``, ``before_autograd``,
-``after_autograd``, ``autograd_failed``, ``unwritten``, ``end_window``, ``drain``, ``source_norms``,
-``sources_reduced_by``, ``hooks_state``, ``load_hooks_state``); ``gaengine.checkpoint`` reads no mode flag of the
-strategy.
+A strategy lays the parameters out and builds, per layout, three parts, one per concern; the engine talks to
+each part, never to the hooks, the reducer or the store behind them:
+
+* ``accumulation`` (``gaengine.accumulation.Accumulation``): the layout and its hooks: ``params`` in layout order,
+  ``main_grad``, this rank's views of the window's sums, and each micro-batch's start, end and failure, the
+  parameters the window reached, the noise scale's source norms and the hooks' part of a state dict.
+* ``reduction`` (``gaengine.reduce.Reduction``; ZeRO's ``gaengine.zero.ShardedReduction``/``StagedReduction``,
+  FSDP2's ``gaengine.fsdp2.FullyShardedReduction``): what happens before and after each backward, the window's
+  stats all-reduce (returned to the engine, which keeps it in its ``Window``), the reductions' completion, and the
+  window's norm and non-finite flag (``gaengine.norm.window_norm``, the one norm of every mode).
+* ``update`` (``Update``): the store's update (``gaengine.store.ParameterStore``: parameter buffers, masters,
+  the optimizer's pieces) on this rank's gradient views, the parameters' all-gathers (ZeRO) and the scheduler; or,
+  without an optimizer, the gradients left in ``.grad``.
+
+What a strategy itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
+re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
+its part of the state dict (where the window's sums lie in a checkpoint, ``window_state``/``load_window_state``;
+its meta, ``state_meta``; ``layout_to_resume``, ``optimizer_shards``, ``param_slots``) and ``close``;
+``gaengine.checkpoint`` reads no mode flag of it. What the engine owns: the window (micro-batch count, items, loss
+sum, which parameters it reached), the loss scale, the noise scale and the schedule.
 
 A sharding strategy for FSDP2 models (sharded DTensor parameters whose reduce-scatter FSDP2 runs itself) is one
 more implementation: its hooks write the reduce-scattered local shards, it has no reducer of its own, and its
-``norm``/``update`` work on the local shards.
+reduction's norm and its update work on the local shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gaengine.accumulation import Accumulation
 from gaengine.bucket import build_buckets
 from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.compat import composable_apis, reduce_scatter_single
 from gaengine.formats import STATE_FORMAT
-from gaengine.hooks import Hooks, make_hooks
-from gaengine.norm import WindowNorm, window_norm
-from gaengine.reduce import BucketReducer, Collective, WindowStats, broadcast_from_first_rank, launch_window_stats
+from gaengine.hooks import make_hooks
+from gaengine.reduce import BucketReducer, Collective, Reduction, broadcast_from_first_rank
 from gaengine.store import ParameterStore, ParamSlot, reshard_state
 from gaengine.update import expose_grads, step_scheduler
-from gaengine.window import Window
-from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardLayout, ShardReducer, shard_norm,
-                           zero_order)
+from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardedReduction, ShardLayout, ShardReducer,
+                           StagedReduction, zero_order)
 
-__all__ = ["Replicated", "ShardingStrategy", "ZeroStage1", "ZeroStage2", "make_sharding",
+__all__ = ["Replicated", "ShardingStrategy", "Update", "ZeroStage1", "ZeroStage2", "make_sharding",
            "register_model_strategy", "trainable_params"]
+
+
+class Update:
+    """The update of one layout (module docstring), built by its strategy with each layout and each store.
+
+    store: the ``gaengine.store.ParameterStore``, or None without an optimizer. accumulation: the layout
+    (``gaengine.accumulation.Accumulation``: its ``shard_grads`` and ``chunks`` are what the store updates from).
+    backend: the kernel backend (``scale_``). gather: the parameters' all-gathers after each update
+    (``gaengine.zero.ParamGather``), or None. wrap: how ``expose_grads`` wraps a parameter's local gradient
+    (``gaengine.store.DTensorShards.wrap`` for FSDP2's DTensor parameters), or None.
+    """
+
+    def __init__(self, store: ParameterStore | None, accumulation: Accumulation, backend,
+                 gather: ParamGather | None = None, wrap=None) -> None:
+        self.store = store
+        self.accumulation = accumulation
+        self.backend = backend
+        self.gather = gather
+        self.wrap = wrap
+        if store is not None:  # the layout index of each of the store's parameters (its order is fixed)
+            position = {id(p): i for i, p in enumerate(accumulation.params)}
+            self._store_order = [position[id(p)] for p in store.params]
+
+    def apply(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
+        """Run the optimizer on the window's gradient times ``coef`` (0-d fp32 on the device; skipped when
+        ``skipped``, 0-d bool), write the model, step ``lr_scheduler``; a parameter in ``unwritten`` (layout
+        indices) gets no update. One path for every strategy: the store's update
+        (``gaengine.store.ParameterStore.update``) on this rank's gradient views, then the parameters' gathers, then
+        the scheduler. Raises ``RuntimeError`` as the store's ``check_model``."""
+        self.wait_gathers()
+        grads: list[torch.Tensor | None] = list(self.accumulation.shard_grads)
+        for i in unwritten:
+            grads[i] = None
+        applied = self.store.update([grads[i] for i in self._store_order], self.accumulation.chunks, coef, skipped,
+                                    self.backend)
+        if self.gather is not None:
+            self.gather.launch()  # every bucket holding an optimized parameter; in flight with overlap_param_gather
+            self.store.model_written()
+        step_scheduler(lr_scheduler, applied, skipped)
+
+    def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
+        """No optimizer: ``main_grad`` scaled by ``coef`` in place (one pass) and left in ``p.grad``
+        (``gaengine.update.expose_grads``: a view for an fp32 parameter, its rounding for a bf16/fp16 one, None for
+        the parameters in ``unwritten``)."""
+        main_grad = self.accumulation.main_grad
+        self.backend.scale_(main_grad.data, coef)
+        expose_grads(self.accumulation.params, main_grad, unwritten, wrap=self.wrap)
+
+    def pull_model_writes(self) -> None:
+        """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
+        reach the fp32 masters (``gaengine.store.ParameterStore.pull_model_writes``)."""
+        if self.store is not None:
+            self.store.pull_model_writes()
+
+    def check_model(self) -> None:
+        """``RuntimeError`` when re-pointed parameters left their flat buffers (the model was moved)."""
+        if self.store is not None:
+            self.store.check_model()
+
+    def wait_gathers(self) -> None:
+        """Wait for the parameters' all-gathers still in flight (``overlap_param_gather``): the parameters whole."""
+        if self.gather is not None:
+            self.gather.wait()
+
+    @property
+    def writes_model(self) -> bool:
+        """The optimizer rounds the masters into the model in its own pass (``gaengine.optim.FusedAdamW``)."""
+        return self.store is not None and self.store.optimizer_writes_model
 
 
 class ShardingStrategy(ABC):
     """What the accumulator does differently per data-parallel mode (module docstring). Built once.
 
-    params: the trainable parameters in layout order (index i: ``main_grad``'s slice i, the hooks' index i).
-    main_grad: the ``(layout.total_numel,)`` fp32 ``FlatBuffer`` of the window's gradient sums (on ``meta`` where
-    the sums live elsewhere, ``ZeroStage2``). reducer: the bucket reducer, or None on one rank. hooks: the
-    per-parameter hooks (``gaengine.hooks``), rebuilt with the layout. store: the ``gaengine.store.ParameterStore``
-    (parameter buffers, masters, the optimizer's pieces, the update), or None without an optimizer.
-    master_buffer: the store's fp32 master weights (this rank's, a ``FlatBuffer``), or None. layout: the
-    ``gaengine.zero.ShardLayout`` of the sharded strategies (None: ``Replicated``). gather: the parameters'
-    all-gathers after each update (``gaengine.zero.ParamGather``), or None. sharded: the optimizer state is split
-    over several ranks (recorded in a checkpoint's meta, ``state_meta``).
+    accumulation, reduction, update: the parts of the current layout (module docstring), built again with it.
+    params, main_grad, hooks, reducer: the accumulation's parameters (layout order), ``main_grad`` (a
+    ``(layout.total_numel,)`` fp32 ``FlatBuffer``, on ``meta`` where the sums live elsewhere: ``ZeroStage2``) and
+    hooks, and the reduction's reducer (None on one rank). store: the ``gaengine.store.ParameterStore``, or None
+    without an optimizer. master_buffer: the store's fp32 master weights (this rank's, a ``FlatBuffer``), or None.
+    layout: the ``gaengine.zero.ShardLayout`` of the sharded strategies (None: ``Replicated``). gather: the
+    parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None. sharded: the optimizer state
+    is split over several ranks (recorded in a checkpoint's meta, ``state_meta``). reduction_type: the
+    ``gaengine.reduce.Reduction`` class ``_lay_out`` builds.
 
     Built from the trainable ``params`` (registration order) and the ``optimizer`` (or None), with the
     accumulator's backend, device, process group and world size and the options of ``gaengine.AccumulatorConfig``
     it needs (``bucket_size_mb``, ``reduce_dtype``, ``master_weights``, ``overlap_param_gather``,
     ``broadcast_buffers``, ``gradient_accumulation_fusion``: the hooks take the fused Linears' gradients);
-    ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise
-    scale); ``model``: the module, for its buffers and forward pre-hooks, or None. Every strategy's state dict has
-    one format (``gaengine.formats.STATE_FORMAT``). On several ranks the parameters (and, with ``broadcast_buffers``, the model's buffers) are broadcast from the group's first rank first.
+    ``measure_sources``: the hooks measure each micro-batch's gradient norm (the noise scale); ``model``: the module,
+    for its buffers and forward pre-hooks, or None. Every strategy's state dict has one format
+    (``gaengine.formats.STATE_FORMAT``). On several ranks the parameters (and, with ``broadcast_buffers``, the
+    model's buffers) are broadcast from the group's first rank first.
     """
 
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
     sharded = False
+    reduction_type: type[Reduction] = Reduction
 
-    params: list[torch.Tensor]
-    main_grad: FlatBuffer
-    reducer: BucketReducer | None
-    hooks: Hooks | None
+    accumulation: Accumulation
+    reduction: Reduction
+    update: Update
     store: ParameterStore | None = None
     master_buffer: FlatBuffer | None = None
     layout: ShardLayout | None = None
     gather: ParamGather | None = None
+
+    params = property(lambda self: self.accumulation.params,
+                      doc="The trainable parameters in layout order (the accumulation's).")
+    main_grad = property(lambda self: self.accumulation.main_grad, doc="The window's fp32 sums (the accumulation's).")
+    hooks = property(lambda self: self.accumulation.hooks, doc="The per-parameter hooks (the accumulation's).")
+    reducer = property(lambda self: self.reduction.reducer, doc="The bucket reducer (the reduction's), or None.")
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, *, backend,
                  device: torch.device, process_group: dist.ProcessGroup | None, world_size: int,
@@ -113,8 +197,7 @@ class ShardingStrategy(ABC):
         self.model = model
         self.overlap_param_gather = overlap_param_gather
         self.fusion = gradient_accumulation_fusion
-        self.hooks = None
-        self.reducer = None
+        self.accumulation = None  # _lay_out builds it (the hooks' learned arrivals carry over from one to the next)
         self._frozen_masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # _keep_frozen_masters
 
     def _shared_at_start(self, params: list[torch.Tensor], model: nn.Module | None) -> list[torch.Tensor]:
@@ -124,51 +207,59 @@ class ShardingStrategy(ABC):
 
     # ------------------------------------------------------------------ layout
     def _lay_out(self, order: list[torch.Tensor]) -> bool:
-        """Lay ``order`` out: a new zeroed ``main_grad``, reducer, buckets and hooks (only between windows; the
-        hooks' learned arrivals carry over). Returns whether the old hooks had a gradient left in ``.grad``."""
-        self.params = list(order)
-        self.main_grad = self._new_main_grad()
-        self.reducer = self._new_reducer() if self.distributed else None
-        buckets = self.reducer.buckets if self.reducer is not None else build_buckets(
-            self.main_grad.layout, self.bucket_size_mb)
+        """Lay ``order`` out: a new zeroed ``main_grad``, reducer, buckets and hooks, and the parts over them
+        (``accumulation``, ``reduction``, ``update``; only between windows: the hooks' learned arrivals carry over).
+        Returns whether the old hooks had a gradient left in ``.grad``."""
+        main_grad = self._new_main_grad(order)
+        reducer = self._new_reducer(main_grad) if self.distributed else None
+        buckets = reducer.buckets if reducer is not None else build_buckets(main_grad.layout, self.bucket_size_mb)
         learning, expected, stale = True, {}, False
-        if self.hooks is not None:
-            learning = self.hooks.arrival is not None
-            expected = {id(p): n for p, n in zip(self.hooks.params, self.hooks.expected_arrivals)}
-            stale = self.hooks.take_stale()
-            self.hooks.close()
+        if self.accumulation is not None:
+            old = self.accumulation.hooks
+            learning = self.accumulation.learning
+            expected = {id(p): n for p, n in zip(old.params, old.expected_arrivals)}
+            stale = old.take_stale()
+            old.close()
         options: dict[str, Any] = {"measure_sources": True} if self.measure_sources else {}
-        acquire = self._acquire()
+        acquire = self._acquire(reducer)
         if acquire is not None:
             options["acquire"] = acquire
         if self.fusion:
             options["fusion"] = True
-        self.hooks = make_hooks(self.params, self.main_grad, self.backend, buckets, self.reducer, **options)
+        hooks = make_hooks(list(order), main_grad, self.backend, buckets, reducer, **options)
         if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
-            self.hooks.set_expected_arrivals([expected.get(id(p), 1) for p in self.params])  # 1: a joined one
+            hooks.set_expected_arrivals([expected.get(id(p), 1) for p in order])  # 1: a joined one
         if not learning:
-            self.hooks.stop_learning()
-        self._map_store()
+            hooks.stop_learning()
+        self.accumulation = Accumulation(list(order), main_grad, hooks, self.world_size, self.measure_sources,
+                                         **self._rank_views(main_grad, reducer))
+        self.reduction = self.reduction_type(reducer, self.accumulation, self.backend, self.process_group,
+                                             self.world_size)
+        self._build_update()
         return stale
 
-    def _map_store(self) -> None:
-        """The layout index of each of the store's parameters (its order is fixed at construction)."""
-        if self.store is not None:
-            position = {id(p): i for i, p in enumerate(self.params)}
-            self._store_order = [position[id(p)] for p in self.store.params]
+    def _build_update(self) -> None:
+        """The ``update`` over the current layout, store and gathers (after each of them is built)."""
+        self.update = Update(self.store, self.accumulation, self.backend, self.gather)
 
     @abstractmethod
-    def _new_main_grad(self) -> FlatBuffer:
-        """A zeroed fp32 ``FlatBuffer`` over ``self.params`` in this strategy's layout (``meta`` when layout only)."""
+    def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
+        """A zeroed fp32 ``FlatBuffer`` over ``params`` (layout order) in this strategy's layout (``meta`` when
+        layout only)."""
 
-    def _new_reducer(self) -> BucketReducer | None:
+    def _new_reducer(self, main_grad: FlatBuffer) -> BucketReducer | None:
         """The reducer of ``main_grad``'s buckets over the process group (several ranks only), or None where the
         model reduces its gradients itself (FSDP2: ``gaengine.fsdp2``)."""
         return None
 
-    def _acquire(self):
+    def _acquire(self, reducer: BucketReducer | None):
         """The hooks' ``acquire(b)`` (a destination per bucket and micro-batch), or None: main_grad itself."""
         return None
+
+    def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
+        """This rank's views of the window's sums where they are not ``main_grad``'s own (the accumulation's
+        ``shard_grads``, ``chunks``, ``grad_views``): by default none (every rank holds every parameter whole)."""
+        return {}
 
     def set_layout(self, order: list[torch.Tensor]) -> bool:
         """Lay the parameters out in ``order`` (a resumed state's layout); returns ``_lay_out``'s stale flag.
@@ -203,205 +294,20 @@ class ShardingStrategy(ABC):
                 if id(p) not in now and p.data._base is not None:
                     p.data = p.detach().clone()
 
+    def end_window(self) -> bool:
+        """After ``step()``: the hooks' window is reset (nothing written, no source partials) and, where the window
+        learned the gradient arrival order (the first, and the first after an ``adopt``; ``Accumulation.drop``
+        restarts the learning), ``_relearn_layout`` (a collective where the layout follows it). Returns whether a
+        gradient was left in ``.grad`` by the old hooks."""
+        self.accumulation.reset_window()
+        return self._relearn_layout() if self.accumulation.learning else False
+
     def _relearn_layout(self) -> bool:
         """End of a window that learned the gradient arrival order (``end_window``): stop learning it and, where the
         layout follows it, lay the buffer out in it (rank 0's order on all ranks: a collective). Returns
         ``_lay_out``'s stale flag."""
         self.hooks.stop_learning()
         return False
-
-    # ------------------------------------------------------------------ the hooks (the engine's only way to them)
-    def take_stale(self) -> bool:
-        """Whether a hook fired outside ``acc.backward()`` since the last call (``Hooks.take_stale``: the flag is
-        cleared); the engine then clears the ``.grad`` autograd left."""
-        return self.hooks.take_stale()
-
-    def before_autograd(self, last: bool, armed: bool) -> None:
-        """Right before a micro-batch's autograd call (after ``begin_backward``, whose ``armed`` it takes;
-        ``last``: the window's last micro-batch): the hooks start the micro-batch (``Hooks.begin``), writing the
-        free-norm partials on the last micro-batch of one rank."""
-        self.hooks.begin(last, want_norm=last and not self.distributed, armed=armed)
-
-    def after_autograd(self) -> None:
-        """Autograd returned: the hooks launch the buckets left incomplete (``Hooks.end``; ``RuntimeError`` when a
-        gradient arrived more often than learned after its bucket's reduction started)."""
-        self.hooks.end()
-
-    def autograd_failed(self) -> None:
-        """A micro-batch's backward (or its counting) raised: the hooks drop what they hold (``Hooks.abort``)."""
-        self.hooks.abort()
-
-    def unwritten(self, window: Window) -> list[int]:
-        """Layout indices of the parameters no gradient reached in ``window`` on any rank (``Window.unwritten``
-        with the hooks' written flags)."""
-        return window.unwritten(self.hooks.accumulated, self.world_size)
-
-    def end_window(self) -> bool:
-        """After ``step()``: the hooks' window is reset (nothing written, no source partials) and, where the window
-        learned the gradient arrival order (the first, and the first after an ``adopt``; ``drain`` restarts the
-        learning), ``_relearn_layout`` (a collective where the layout follows it). Returns whether a gradient was
-        left in ``.grad`` by the old hooks."""
-        self.hooks.reset_window()
-        return self._relearn_layout() if self.hooks.arrival is not None else False
-
-    def source_norms(self) -> torch.Tensor | None:
-        """``(k,)`` fp32: the hooks' source norms of the window's micro-batches since the last reset
-        (``Hooks.window_source_sumsq``: one reduction, once per window and per checkpoint), or None without
-        ``measure_sources``."""
-        return self.hooks.window_source_sumsq()
-
-    def sources_reduced_by(self) -> float | None:
-        """The factor f the hooks' sources are reduced by (they are this rank's shard of the micro-batch's gradient
-        summed over the ranks divided by f: FSDP2's ``NativeShardHooks.sources_reduced_by``), or None: this rank's own
-        micro-batch (``gaengine.noise.WindowNoise.terms``)."""
-        return getattr(self.hooks, "sources_reduced_by", None)
-
-    def hooks_state(self) -> dict[str, Any]:
-        """The hooks' part of ``acc.scalars_state_dict()``: ``arrival`` (the first-arrival order while the layout is
-        learned, else None), ``written`` (per parameter, layout order: its slice holds a sum) and
-        ``expected_arrivals`` (per parameter: arrivals per backward, learned)."""
-        return {"arrival": self.hooks.arrival, "written": self.hooks.accumulated,
-                "expected_arrivals": self.hooks.expected_arrivals}
-
-    def load_hooks_state(self, state: dict[str, Any]) -> None:
-        """Restore ``hooks_state()``'s part of ``state`` (checked before, ``acc.check_scalars_state``); with
-        ``measure_sources`` the hooks' window is reset first (no source norms of their own: a resumed window's
-        are the noise scale's). ``expected_arrivals`` is absent from states saved before it was learned."""
-        if self.measure_sources:
-            self.hooks.reset_window()
-        self.hooks.set_arrival(state["arrival"])
-        self.hooks.set_all_accumulated(list(state["written"]))
-        if "expected_arrivals" in state:
-            self.hooks.set_expected_arrivals(list(state["expected_arrivals"]))
-
-    # ------------------------------------------------------------------ micro-batches
-    def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
-        """Before a micro-batch's backward in ``window`` (``last``: its last micro-batch); ``overlap``: reductions
-        may launch during backward (``overlap_grad_reduce``). Returns whether the reducer is armed now (the hooks
-        launch each bucket's collective as it completes)."""
-        armed = self.reducer is not None and last and overlap and self.hooks.arrival is None
-        if armed:
-            self.reducer.begin()
-        return armed
-
-    def end_backward(self, armed: bool, last: bool) -> bool:
-        """After a backward that did not raise. Returns True when the window's last reductions must be launched
-        now, with the stats all-reduce (several ranks, the window's last micro-batch): the engine then calls
-        ``launch_window_stats``."""
-        if self.reducer is None or not last:
-            return False
-        if not armed:
-            self.reducer.begin()
-        return True
-
-    def launch_window_stats(self, window: Window, extra: torch.Tensor | None) -> WindowStats:
-        """End of the window's last backward on several ranks (or ``step(force=True)`` after ``end_partial_window``):
-        launch the remaining reductions and the stats all-reduce (``gaengine.reduce.launch_window_stats``: the loss
-        sum, the items, each rank's micro-batch count, ``extra`` terms such as the noise scale's), returned (the
-        engine keeps it in ``window.stats``). The slices this rank never wrote are zeroed and count as written (the
-        all-reduce fills them)."""
-        unused = [i for i, used in enumerate(window.used_with(self.hooks.accumulated)) if not used]
-        return launch_window_stats(self.reducer, self.main_grad, unused, window.loss_sum, window.items(),
-                                   self.process_group, extra=extra, count=window.num_micro_batches,
-                                   settings=window.settings)
-
-    def end_partial_window(self, missing: int) -> None:
-        """``step(force=True)`` on several ranks, a window ``missing`` micro-batches short of K: arm the reducer for
-        the launch of the window's reductions (the engine launches them with the stats next)."""
-        self.reducer.begin()
-
-    def wait_reductions(self) -> None:
-        """Complete the window's reductions (on CUDA: a stream wait, no host sync)."""
-        if self.reducer is not None:
-            self.reducer.wait()
-
-    def drain(self) -> None:
-        """Drop the window (``acc.zero_grad()``): wait (errors ignored) for every reduction in flight; the hooks drop
-        what they hold and reset their window, and learn the arrival order again from a complete window where they
-        were learning it."""
-        if self.reducer is not None:
-            self.reducer.drain()
-        self.hooks.drop()
-        self.hooks.reset_window()
-        if self.hooks.arrival is not None:
-            self.hooks.restart_learning()
-
-    # ------------------------------------------------------------------ step
-    def zero_unused(self, unwritten: list[int]) -> None:
-        """Zero the gradient of the parameters no micro-batch of the window reached (layout indices)."""
-        for i in unwritten:
-            self.main_grad.flat_views[i].zero_()
-
-    @abstractmethod
-    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
-        """The window's ``WindowNorm`` (``gaengine.norm``): global over the ranks, on the device."""
-
-    def update(self, coef: torch.Tensor, skipped: torch.Tensor, unwritten: list[int], lr_scheduler) -> None:
-        """Run the optimizer on the window's gradient times ``coef`` (skipped when ``skipped``), write the model,
-        step ``lr_scheduler``; a parameter in ``unwritten`` gets no update. One path for every strategy: the
-        store's update (``gaengine.store.ParameterStore.update``) on this strategy's gradient views, then the
-        parameters' gathers, then the scheduler."""
-        self.wait_gathers()
-        grads: list[torch.Tensor | None] = list(self._update_grads())
-        for i in unwritten:
-            grads[i] = None
-        applied = self.store.update([grads[i] for i in self._store_order], self._grad_chunks(), coef, skipped,
-                                    self.backend)
-        self._after_update()
-        step_scheduler(lr_scheduler, applied, skipped)
-
-    @abstractmethod
-    def _update_grads(self) -> Sequence[torch.Tensor]:
-        """Per parameter (layout order) the fp32 gradient view of the range this rank updates, shaped like its
-        store piece (``update``, ``param_slots``)."""
-
-    @abstractmethod
-    def _grad_chunks(self) -> list[torch.Tensor]:
-        """The contiguous fp32 tensors holding this rank's gradients (scaled in place by the update)."""
-
-    def _after_update(self) -> None:
-        """After the model is written: the gathers (sharded strategies)."""
-
-    def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
-        """No optimizer: leave the final gradients (times ``coef``) in ``p.grad``."""
-        raise ValueError(f"{self.name} needs an optimizer")
-
-    def grad_views(self) -> list[torch.Tensor]:
-        """Per parameter (layout order), the fp32 gradient this rank holds for it (a view, possibly empty)."""
-        return self.main_grad.flat_views
-
-    def param_slots(self) -> list[ParamSlot]:
-        """Per parameter (layout order), what this rank holds of it: its range, the optimizer's piece, whether it
-        is optimized and has a master, and its fp32 gradient view (``gaengine.store.ParamSlot``; what
-        ``gaengine.checkpoint`` reads)."""
-        grads = self._update_grads()
-        out = []
-        for i, p in enumerate(self.params):
-            slot = (self.store.slots[self.store.index[id(p)]] if self.store is not None
-                    else ParamSlot(p, 0, p.numel(), 0, None, False, False))
-            out.append(dataclasses.replace(slot, grad=grads[i].view(-1)))
-        return out
-
-    def pull_model_writes(self) -> None:
-        """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
-        reach the fp32 masters (``gaengine.store.ParameterStore.pull_model_writes``)."""
-        if self.store is not None:
-            self.store.pull_model_writes()
-
-    def check_model(self) -> None:
-        """``RuntimeError`` when re-pointed parameters left their flat buffers (the model was moved)."""
-        if self.store is not None:
-            self.store.check_model()
-
-    def wait_gathers(self) -> None:
-        """Wait for the parameters' all-gathers still in flight (``overlap_param_gather``)."""
-        if self.gather is not None:
-            self.gather.wait()
-
-    def finish_collectives(self) -> None:
-        """Before a state dict reads the buffers: the parameters' gathers complete (``model.state_dict()`` views
-        whole), and the reductions into a gradient shard."""
-        self.wait_gathers()
 
     # ------------------------------------------------------------------ state dict
     # One format for every strategy (gaengine.checkpoint.accumulator_state_dict): what differs per strategy is what
@@ -410,6 +316,24 @@ class ShardingStrategy(ABC):
     # meta records of it (state_meta) and where its optimizer's state lies (optimizer_shards). gaengine.checkpoint
     # asks these; it reads no flag of the strategy.
     FORMAT = STATE_FORMAT  # the tag of scalars_state_dict()
+
+    def finish_collectives(self) -> None:
+        """Before a state dict reads the buffers: the parameters' gathers complete (``model.state_dict()`` views
+        whole), and the reductions into a gradient shard."""
+        self.update.wait_gathers()
+        self.reduction.complete_for_state()
+
+    def param_slots(self) -> list[ParamSlot]:
+        """Per parameter (layout order), what this rank holds of it: its range, the optimizer's piece, whether it
+        is optimized and has a master, and its fp32 gradient view (``gaengine.store.ParamSlot``; what
+        ``gaengine.checkpoint`` reads)."""
+        grads = self.accumulation.shard_grads
+        out = []
+        for i, p in enumerate(self.params):
+            slot = (self.store.slots[self.store.index[id(p)]] if self.store is not None
+                    else ParamSlot(p, 0, p.numel(), 0, None, False, False))
+            out.append(dataclasses.replace(slot, grad=grads[i].view(-1)))
+        return out
 
     def state_dict(self, acc) -> dict:
         """``acc.state_dict()``: ``gaengine.checkpoint.accumulator_state_dict`` (DCP's form; ``torch.save`` takes it
@@ -450,7 +374,7 @@ class ShardingStrategy(ABC):
         """Mid-window, per parameter (layout order): the ``(hi - lo,)`` fp32 sum of the window's gradient over this
         rank's range that a checkpoint saves (``param_slots``' ranges): by default the gradient views themselves
         (one rank, a replicated run's own sums, ``ZeroStage2``'s reduced shard)."""
-        return [g.view(-1) for g in self._update_grads()]
+        return [g.view(-1) for g in self.accumulation.shard_grads]
 
     def load_window_state(self, sums: list[torch.Tensor], written: list[bool],
                           every_rank_written: list[list[bool]]) -> list[bool]:
@@ -460,7 +384,7 @@ class ShardingStrategy(ABC):
         order. Returns the written flags (layout order) the hooks resume with: by default this rank's."""
         from gaengine.checkpoint import copy_into  # noqa: PLC0415
 
-        for dst, src in zip(self._update_grads(), sums, strict=True):
+        for dst, src in zip(self.accumulation.shard_grads, sums, strict=True):
             copy_into(dst.view(-1), src)
         return written
 
@@ -480,13 +404,8 @@ class ShardingStrategy(ABC):
 
     def close(self) -> None:
         """Remove the hooks (and any forward pre-hooks), after the collectives in flight."""
-        if self.hooks is not None:
-            self.hooks.close()
-
-    @property
-    def optimizer_writes_model(self) -> bool:
-        """The optimizer rounds the masters into the model in its own pass (``gaengine.optim.FusedAdamW``)."""
-        return self.store is not None and self.store.optimizer_writes_model
+        if self.accumulation is not None:
+            self.accumulation.hooks.close()
 
 
 class Replicated(ShardingStrategy):
@@ -503,13 +422,13 @@ class Replicated(ShardingStrategy):
         if optimizer is not None:
             self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights)
             self.master_buffer = self.store.master_buffer
-            self._map_store()
+            self._build_update()
 
-    def _new_main_grad(self) -> FlatBuffer:
-        return FlatBuffer(FlatLayout.build(self.params), torch.float32, self.device)
+    def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
+        return FlatBuffer(FlatLayout.build(params), torch.float32, self.device)
 
-    def _new_reducer(self) -> BucketReducer:
-        return BucketReducer(self.main_grad.data, self.main_grad.layout, self.bucket_size_mb, self.reduce_dtype,
+    def _new_reducer(self, main_grad: FlatBuffer) -> BucketReducer:
+        return BucketReducer(main_grad.data, main_grad.layout, self.bucket_size_mb, self.reduce_dtype,
                              self.process_group)
 
     def set_layout(self, order: list[torch.Tensor]) -> bool:
@@ -541,7 +460,7 @@ class Replicated(ShardingStrategy):
                                         master_weights=self.master_weights)
             self.store.keep_masters(masters)
             self.master_buffer = self.store.master_buffer
-            self._map_store()
+            self._build_update()
         self._keep_frozen_masters(params, {i: (before[i], m) for i, m in masters.items()})
         self._own_storage(list(before.values()), params)
         self.hooks.restart_learning()
@@ -554,19 +473,6 @@ class Replicated(ShardingStrategy):
         if order == list(range(len(self.params))):
             return False
         return self._lay_out([self.params[i] for i in order])
-
-    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
-        return window_norm(self.main_grad.data, grad_denom, max_grad_norm, self.backend, free=self.hooks.free_norm())
-
-    def _update_grads(self) -> Sequence[torch.Tensor]:
-        return self.main_grad.views  # shaped like the parameters (the store's pieces on one rank)
-
-    def _grad_chunks(self) -> list[torch.Tensor]:
-        return [self.main_grad.data]
-
-    def expose_grads(self, coef: torch.Tensor, unwritten: list[int]) -> None:
-        self.backend.scale_(self.main_grad.data, coef)
-        expose_grads(self.params, self.main_grad, unwritten)
 
     def state_meta(self) -> dict[str, Any]:
         return {**super().state_meta(), "window_rows": self.distributed}
@@ -607,22 +513,25 @@ class _Zero(ShardingStrategy):
         gathers. The store is built from the parameters' values: ``adopt`` moves the masters and the state after."""
         self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
-        shards = self.layout.param_shards(self.rank)
-        grad_shard = self.reducer.grad_shard
-        if grad_shard is not None:  # stage 2: the rank's fp32 gradient shard
-            self._grad_views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
-            self._chunks = [grad_shard]
-        else:  # stage 1: the rank's ranges of main_grad, one per bucket
-            offsets = self.layout.layout.offsets
-            self._grad_views = [self.main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards]
-            self._chunks = [self.main_grad.data[slice(*b.rank_range(self.rank))] for b in self.layout.buckets]
         self.store = ParameterStore(self.optimizer, self.params, device=self.device,
                                     master_weights=self.master_weights, layout=self.layout, rank=self.rank)
         self.master_buffer = self.store.master_buffer
-        self._map_store()
         buckets = [b for b in self.layout.buckets if any(self.store.optimized[b.first:b.last])]
         self.gather = ParamGather(self.store.param_buffers, self.layout, buckets, self.params, self.rank,
                                   self.process_group, self.reducer, self.overlap_param_gather, self.model)
+        self._build_update()
+
+    def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
+        """The rank's shard: at stage 2 its fp32 gradient shard (``reducer.grad_shard``, one chunk, the per-parameter
+        views its ranges); at stage 1 its ranges of ``main_grad``, one chunk per bucket."""
+        shards = self.layout.param_shards(self.rank)
+        grad_shard = reducer.grad_shard
+        if grad_shard is not None:  # stage 2: no full-size main_grad exists
+            views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
+            return {"shard_grads": views, "chunks": [grad_shard], "grad_views": views}
+        offsets = self.layout.layout.offsets
+        return {"shard_grads": [main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards],
+                "chunks": [main_grad.data[slice(*b.rank_range(self.rank))] for b in self.layout.buckets]}
 
     def adopt(self, params: list[torch.Tensor]) -> None:
         """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)
@@ -638,7 +547,7 @@ class _Zero(ShardingStrategy):
         first, ``gaengine.ownership.RankMembership``): joined parameters are broadcast from the first rank, as
         every trainable parameter is at construction. Collectives: the broadcast, one small all-reduce and the
         all-gathers, once per adoption."""
-        self.wait_gathers()
+        self.update.wait_gathers()
         old = {id(p) for p in self.params}
         broadcast_from_first_rank([p for p in params if id(p) not in old], self.process_group)
         store = self.store
@@ -656,28 +565,11 @@ class _Zero(ShardingStrategy):
         self._keep_frozen_masters(params, {id(p): (p, masters[id(p)]) for p in store.params if id(p) in masters})
         self.hooks.restart_learning()
 
-    def _new_reducer(self) -> BucketReducer:
+    def _new_reducer(self, main_grad: FlatBuffer) -> BucketReducer:
         grad_shard = (torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
                       if self.zero_stage == 2 else None)
-        return ShardReducer(self.main_grad.data, self.layout, self.rank, self.reduce_dtype, self.process_group,
+        return ShardReducer(main_grad.data, self.layout, self.rank, self.reduce_dtype, self.process_group,
                             grad_shard, staging_slots=STAGING_SLOTS if self.zero_stage == 2 else 0)
-
-    def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
-        self.wait_gathers()  # the parameters must be whole
-        return super().begin_backward(window, last, overlap)
-
-    def norm(self, grad_denom: torch.Tensor, max_grad_norm: float | None) -> WindowNorm:
-        return shard_norm(self._chunks, grad_denom, max_grad_norm, self.backend, self.process_group)
-
-    def _update_grads(self) -> Sequence[torch.Tensor]:
-        return self._grad_views  # 1-D, like the store's pieces
-
-    def _grad_chunks(self) -> list[torch.Tensor]:
-        return self._chunks
-
-    def _after_update(self) -> None:
-        self.gather.launch()  # every bucket holding an optimized parameter; in flight with overlap_param_gather
-        self.store.model_written()
 
     def optimizer_shards(self) -> tuple[list[list[ParamShard]], int]:
         return [self.layout.param_shards(r) for r in range(self.world_size)], self.layout.shard_numel
@@ -689,12 +581,13 @@ class _Zero(ShardingStrategy):
 
 class ZeroStage1(_Zero):
     """``zero_stage=1``: masters and optimizer state sharded; ``main_grad`` whole, reduce-scattered by the
-    window's last micro-batch."""
+    window's last micro-batch (``gaengine.zero.ShardedReduction``)."""
 
     name = "zero_stage=1"
     zero_stage = 1
+    reduction_type = ShardedReduction
 
-    def _new_main_grad(self) -> FlatBuffer:
+    def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
         return FlatBuffer(self.layout.layout, torch.float32, self.device)
 
     def _window_sums_to_save(self) -> list[torch.Tensor]:
@@ -705,7 +598,7 @@ class ZeroStage1(_Zero):
         ``(shard_numel,)`` buffer; ``main_grad`` itself is not changed, so training goes on after the save. Views of
         it per parameter."""
         layout = self.layout
-        written = self.hooks.accumulated
+        written = self.accumulation.written
         out = torch.empty(layout.shard_numel, dtype=torch.float32, device=self.device)
         for b in layout.buckets:
             tmp = self.main_grad.data[b.start:b.end].clone()
@@ -732,68 +625,17 @@ class ZeroStage1(_Zero):
 
 class ZeroStage2(_Zero):
     """``zero_stage=2``: the fp32 gradient sum sharded; every micro-batch's buckets are staged in a ring,
-    reduce-scattered and added into the rank's gradient shard."""
+    reduce-scattered and added into the rank's gradient shard (``gaengine.zero.StagedReduction``)."""
 
     name = "zero_stage=2"
     zero_stage = 2
+    reduction_type = StagedReduction
 
-    def _new_main_grad(self) -> FlatBuffer:
+    def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
         return FlatBuffer(self.layout.layout, torch.float32, torch.device("meta"))  # layout only
 
-    def _acquire(self):
-        return self.reducer.acquire  # each bucket into a staging buffer of the ring
-
-    def begin_backward(self, window: Window, last: bool, overlap: bool) -> bool:
-        """The parameters gathered; the previous micro-batch's reductions completed into the gradient shard (the
-        staging buffers are about to be written again); every parameter's next write overwrites its staging
-        slice."""
-        first = window.num_micro_batches == 0
-        if not first:  # the hooks' flags restart with the staging: the window keeps which parameters were reached
-            window.mark_used(self.hooks.accumulated)
-        self.wait_gathers()
-        self.reducer.wait()
-        self.reducer.release_staging()  # what a failed backward staged and never launched
-        self.reducer.overwrite = first
-        self.hooks.set_all_accumulated([False] * len(self.params))
-        armed = overlap and self.hooks.arrival is None  # every micro-batch reduces
-        if armed:
-            self.reducer.begin()
-        return armed
-
-    def end_backward(self, armed: bool, last: bool) -> bool:
-        """Launch the buckets not launched yet (the hooks' ``end()`` staged every bucket, zeroing the slices no
-        gradient reached)."""
-        if not armed:
-            self.reducer.begin()
-        self.reducer.flush()
-        return last
-
-    def end_partial_window(self, missing: int) -> None:
-        """``step(force=True)`` on a window of k < K micro-batches: reduce-scatter ``missing`` (K - k) rounds of
-        zeros, every bucket in order as a micro-batch would (added into the gradient shard: zeros when every rank's
-        window is as short), so that every rank issues K rounds and then the stats all-reduce per window, whatever
-        its count. A rank whose window holds more micro-batches is reduce-scattering them meanwhile: the
-        collectives stay matched one to one, and the stats tell every rank that the counts differ. Then complete
-        the last reductions."""
-        reducer = self.reducer
-        for _ in range(missing):
-            reducer.wait()
-            reducer.overwrite = False
-            reducer.begin()
-            for b in reducer.buckets:
-                reducer.acquire(b.index).zero_()  # a bucket of the ring (the earliest launched one completes first)
-                reducer.bucket_ready(b.index)  # launched at once: every bucket before it was
-        reducer.wait()
-
-    def zero_unused(self, unwritten: list[int]) -> None:
-        """Nothing to do: the staging zeroes the slices no gradient reached before every reduce-scatter."""
-
-    def grad_views(self) -> list[torch.Tensor]:
-        return self._grad_views  # the gradient shard's ranges: no full-size main_grad exists
-
-    def finish_collectives(self) -> None:
-        super().finish_collectives()
-        self.reducer.wait()  # the last micro-batch's reduce-scatters, into the gradient shard
+    def _acquire(self, reducer: BucketReducer | None):
+        return reducer.acquire  # each bucket into a staging buffer of the ring
 
 
 _MODEL_STRATEGIES: list[type[ShardingStrategy]] = []

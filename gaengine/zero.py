@@ -83,12 +83,11 @@ from torch.autograd.graph import increment_version
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.compat import all_gather_single, reduce_scatter_single
-from gaengine.norm import WindowNorm, window_norm
 from gaengine.optimizers import elementwise_names, is_elementwise
-from gaengine.reduce import BucketReducer, Collective, wait_for, wait_quietly
+from gaengine.reduce import BackwardStart, BucketReducer, Collective, Reduction, wait_for, wait_quietly
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout", "ShardReducer",
-           "check_zero_optimizer", "pad_unit", "shard_norm", "zero_order"]
+           "ShardedReduction", "StagedReduction", "check_zero_optimizer", "pad_unit", "zero_order"]
 
 ZERO_STAGES = (0, 1, 2)
 STAGING_SLOTS = 2  # stage 2: bucket-sized fp32 staging buffers in the ring (``ShardReducer.acquire``)
@@ -404,24 +403,67 @@ def check_zero_optimizer(optimizer, zero_stage: int) -> None:
                          "and restore a checkpoint through acc.load_state_dict")
 
 
-def shard_norm(chunks: Sequence[torch.Tensor], grad_denom: torch.Tensor, max_grad_norm: float | None, backend,
-               group) -> WindowNorm:
-    """``gaengine.norm.window_norm`` of the whole gradient from the ranks' shards: each rank's sum of squares and
-    non-finite flag over ``chunks`` (the contiguous fp32 tensors of its gradient shard: the backend's one
-    ``l2norm_sq`` pass over one; at stage 1, where the shard is one range per bucket of main_grad, one multi-tensor
-    ``torch._foreach_norm`` over them, a non-finite value making the sum non-finite), summed over the ranks of
-    ``group`` by one all-reduce of two fp32 values on the device (no host read)."""
-    chunks = [c for c in chunks if c.numel()]
-    if len(chunks) == 1:
-        sum_sq, found_inf = backend.l2norm_sq(chunks[0])
-        sums = torch.stack([sum_sq.float(), found_inf.float()])
-    elif chunks:
-        sum_sq = torch.stack(torch._foreach_norm(chunks)).float().square().sum()
-        sums = torch.stack([sum_sq, (~torch.isfinite(sum_sq)).float()])
-    else:
-        sums = torch.zeros(2, dtype=torch.float32, device=grad_denom.device)
-    wait_for(Collective(dist.all_reduce, sums, group=group), "all-reduce of the gradient norm")
-    return window_norm(sums, grad_denom, max_grad_norm, backend, free=(sums[0], sums[1]))
+class ShardedReduction(Reduction):
+    """``zero_stage=1``'s reduction (``gaengine.reduce.Reduction``): the window's last micro-batch reduce-scatters
+    each bucket of ``main_grad`` as it completes (``ShardReducer``), so each rank holds its shard of the reduced
+    gradient (``accumulation.chunks``: its range of each bucket) and the norm sums the ranks' shards."""
+
+    def over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
+        """The norm's ``(2,)`` fp32 ``[sum_sq, found_inf]`` of this rank's shard summed over the group by one
+        all-reduce of two values on the device, in place (no host read; ``gaengine.norm.window_norm``)."""
+        wait_for(Collective(dist.all_reduce, sums, group=self.group), "all-reduce of the gradient norm")
+        return sums
+
+
+class StagedReduction(ShardedReduction):
+    """``zero_stage=2``'s reduction: every micro-batch's buckets are staged in a ring, reduce-scattered and added
+    into the rank's fp32 gradient shard (``ShardReducer`` with ``grad_shard`` and ``staging_slots``)."""
+
+    def begin_backward(self, first: bool, last: bool, overlap: bool) -> BackwardStart:
+        """The previous micro-batch's reductions complete into the gradient shard (the staging buffers are about to
+        be written again); every parameter's next write overwrites its staging slice, so the hooks' written flags
+        restart: those of the micro-batches so far go back to the engine's window (``BackwardStart.used``)."""
+        used = None if first else self.accumulation.written
+        self.reducer.wait()
+        self.reducer.release_staging()  # what a failed backward staged and never launched
+        self.reducer.overwrite = first
+        self.accumulation.restart_written()
+        armed = overlap and not self.accumulation.learning  # every micro-batch reduces
+        if armed:
+            self.reducer.begin()
+        return BackwardStart(armed, used)
+
+    def end_backward(self, armed: bool, last: bool) -> bool:
+        """Launch the buckets not launched yet (the hooks' ``end()`` staged every bucket, zeroing the slices no
+        gradient reached)."""
+        if not armed:
+            self.reducer.begin()
+        self.reducer.flush()
+        return last
+
+    def end_partial_window(self, missing: int) -> None:
+        """``step(force=True)`` on a window of k < K micro-batches: reduce-scatter ``missing`` (K - k) rounds of
+        zeros, every bucket in order as a micro-batch would (added into the gradient shard: zeros when every rank's
+        window is as short), so that every rank issues K rounds and then the stats all-reduce per window, whatever
+        its count. A rank whose window holds more micro-batches is reduce-scattering them meanwhile: the
+        collectives stay matched one to one, and the stats tell every rank that the counts differ. Then complete
+        the last reductions."""
+        reducer = self.reducer
+        for _ in range(missing):
+            reducer.wait()
+            reducer.overwrite = False
+            reducer.begin()
+            for b in reducer.buckets:
+                reducer.acquire(b.index).zero_()  # a bucket of the ring (the earliest launched one completes first)
+                reducer.bucket_ready(b.index)  # launched at once: every bucket before it was
+        reducer.wait()
+
+    def complete_for_state(self) -> None:
+        """The last micro-batch's reduce-scatters complete into the gradient shard."""
+        self.reducer.wait()
+
+    def zero_unused(self, unwritten: list[int]) -> None:
+        """Nothing to do: the staging zeroes the slices no gradient reached before every reduce-scatter."""
 
 
 class ParamGather:
