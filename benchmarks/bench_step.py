@@ -87,7 +87,7 @@ def bench(numel: int, n_params: int, device: torch.device, warmup: int, repeats:
     model_a = [nn.Parameter(torch.randn(n, generator=g0).to(device=device, dtype=torch.bfloat16)) for n in sizes]
     fused = FusedAdamW(model_a, lr=LR, weight_decay=WEIGHT_DECAY)
     acc = GradientAccumulator(model_a, fused, accumulation_steps=K, max_grad_norm=MAX_GRAD_NORM)
-    writes_model = acc.sharding.optimizer_writes_model
+    writes_model = acc.sharding.update.writes_model
 
     def engine_window() -> None:  # untimed: K backward passes whose gradients are the synthetic ones
         for grads in micro_grads:

@@ -52,6 +52,13 @@ def _rank_settings(config: AccumulatorConfig, named_params: list[tuple[str, torc
     }
 
 
+def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.ModelWatch:
+    """The watch on the model being moved or converted (``gaengine.ownership.ModelWatch``) over the strategy's
+    parameters, with the store's own check (``gaengine.sharding.Update.check_model``, of the strategy's update at
+    the time of the check). It holds the strategy, not the accumulator (garbage collection of the accumulator)."""
+    return ownership.ModelWatch(sharding.params, device, lambda: sharding.update.check_model())
+
+
 WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
 """The names of what every rank must hold alike in a window, compared in its stats all-reduce
 (``GradientAccumulator._window_settings``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
@@ -91,10 +98,10 @@ class GradientAccumulator:
             threshold the next ``step()`` uses, None: no clipping; the trainer integrations set it) and
             ``acc.micro_batch_size`` start from it and are the accumulator's own to change.
 
-    Multi-rank: only the last micro-batch of a window communicates, each bucket's all-reduce overlapping the rest
-    of backward; the denominator is global, so every rank gets the exact global mean (docs/multi-rank.md). Raises
-    ``ValueError`` / ``TypeError`` naming the argument for bad input, ``RuntimeError`` when a parameter already
-    belongs to another live accumulator. A fused torch optimizer (``fused=True``) gets the normalization x clip
+    Multi-rank: replicated and ``zero_stage=1`` communicate only in a window's last micro-batch (``zero_stage=2``
+    and FSDP2 in every one), each bucket's reduction overlapping the rest of backward; the denominator is global,
+    so every rank gets the exact global mean (docs/multi-rank.md). Raises ``ValueError`` / ``TypeError`` naming the
+    argument for bad input, ``RuntimeError`` when a parameter already belongs to another live accumulator. A fused torch optimizer (``fused=True``) gets the normalization x clip
     coefficient and the skip flag as ``grad_scale``/``found_inf``: no extra pass, no host sync (docs/performance.md).
     """
 
@@ -189,13 +196,7 @@ class GradientAccumulator:
             gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self._fusion = LinearFusion(module, self.backend.extension()[0].OP_NAMESPACE) if (
             config.gradient_accumulation_fusion) else None
-        self._model = self._watch_model()
-
-    def _watch_model(self) -> ownership.ModelWatch:
-        """The watch on the model being moved or converted (``gaengine.ownership.ModelWatch``) over the current
-        parameters, with the store's own check (``gaengine.sharding.Update.check_model``)."""
-        sharding = self.sharding  # not self: the watch must not keep the accumulator alive (garbage collection)
-        return ownership.ModelWatch(self.params, self.device, lambda: sharding.update.check_model())
+        self._model = _watch_model(self.sharding, self.device)
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -207,7 +208,7 @@ class GradientAccumulator:
                        doc="The bucket reducer (``gaengine.reduce``), or None on one rank.")
     hooks = property(lambda self: self.sharding.hooks, doc=(
         "The per-parameter hooks (``gaengine.hooks.Hooks``), for inspection (``launches``, ``native``); the "
-        "accumulator itself reaches them only through the strategy's methods."))
+        "accumulator itself reaches them only through the strategy's ``accumulation`` (``gaengine.accumulation``)."))
     master_buffer = property(lambda self: self.sharding.master_buffer, doc=(
         "This rank's flat fp32 master weights (``gaengine.store.ParameterStore.master_buffer``), or None."))
 
@@ -346,7 +347,7 @@ class GradientAccumulator:
         self.sharding.adopt(self._members.trainable())
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
-        self._model = self._watch_model()
+        self._model = _watch_model(self.sharding, self.device)
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()

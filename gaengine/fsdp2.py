@@ -18,8 +18,8 @@ autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrad
 * **Normalization.** FSDP2 divides each reduced gradient by its divide factor ``f`` (the data-parallel size d by
   default, its ``ReduceOp.AVG``; ``set_gradient_divide_factor`` changes it), so ``main_grad`` holds the window's
   raw sum over ranks and micro-batches divided by ``f``; the engine's denominator (micro-batches x d in mean mode,
-  the global item count in item mode) is divided by ``f`` once in ``norm`` (exact for partial windows and
-  schedules, no look-ahead over the window).
+  the global item count in item mode) is divided by ``f`` once in the norm
+  (``FullyShardedReduction.norm``; exact for partial windows and schedules, no look-ahead over the window).
 * **Noise scale** (``measure_noise_scale``): the hooks measure each micro-batch's local shard as they accumulate
   it; the small batch is the global micro-batch, whose terms are summed over ranks before they are combined
   (``gaengine.noise.WindowNoise.global_terms``).
@@ -187,7 +187,9 @@ def make_shard_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend,
 @register_model_strategy
 class FullyShardedGrads(ShardingStrategy):
     """FSDP2 models (module docstring): ``main_grad`` over the local shards, FSDP2's reduce-scatter output
-    accumulated by ``NativeShardHooks``, the update over the DTensor parameters.
+    accumulated by ``NativeShardHooks``, the window's norm summed over the ranks in its stats all-reduce
+    (``FullyShardedReduction``), the update over the DTensor parameters (``gaengine.sharding.Update``, its
+    gradients wrapped as DTensors).
 
     params: the trainable sharded parameters (``check_fsdp2_model`` passed), the model (an ``FSDPModule`` root) as
     ``model``. main_grad: ``(sum of local numels, aligned)`` fp32 on the parameters' device. master_buffer: the

@@ -185,7 +185,7 @@ class WindowNoise:
     def sources(self, rows: torch.Tensor | None) -> torch.Tensor | None:
         """``(k,)`` fp32 on the device: the source norms of the window's micro-batches so far, a resumed window's
         first; ``rows``: the hooks' (``Hooks.window_source_sumsq()``, through
-        ``ShardingStrategy.source_norms``), which hold only the ones since the resume."""
+        ``gaengine.accumulation.Accumulation.source_norms``), which hold only the ones since the resume."""
         if self.carry is not None:
             rows = self.carry if rows is None or rows.numel() == 0 else torch.cat([self.carry, rows])
         return rows

@@ -103,7 +103,7 @@ class ModelWatch:
     tells, and the sharding strategy checks that re-pointed parameters are still views of their flat buffer.
 
     params: the trainable parameters, in layout order; device: where the accumulator was built; check_strategy:
-    the strategy's own check (``ShardingStrategy.check_model``), raising ``RuntimeError``.
+    the strategy's own check (``gaengine.sharding.Update.check_model``), raising ``RuntimeError``.
     """
 
     def __init__(self, params: list[torch.Tensor], device: torch.device, check_strategy) -> None:

@@ -83,7 +83,7 @@ def _build(variant, stage):
 
 def _state(model, opt, sched, acc):
     """What an update changes: parameters, optimizer state, learning rate, loss scale, the schedule's position."""
-    acc.sharding.wait_gathers()
+    acc.sharding.update.wait_gathers()
     return {"params": [p.detach().clone() for p in model.parameters()],
             "opt": [t.detach().clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)],
             "lr": [g["lr"] for g in opt.param_groups], "sched": None if sched is None else sched.last_epoch,
@@ -140,7 +140,7 @@ def _run_case(rank, world, counts, stage, variant):
         _window(kind, model, acc, w, rank)
     same = _state(model, opt, sched, acc)
     _window(kind, model, acc, AFTER, rank)
-    acc.sharding.wait_gathers()
+    acc.sharding.update.wait_gathers()
     clean = [p.detach().clone() for p in model.parameters()]
     acc.close()
     return {"errors": errors, "before": before, "after": after, "same": same, "trained": trained, "clean": clean}

@@ -152,7 +152,7 @@ def _run_config(rank, world, cfg):
         r = acc.step(force=k_steps < K)
         skipped.append(bool(r.skipped))
         pending.append(len(acc.sharding.gather.pending))  # overlap_param_gather: all-gathers still in flight
-    acc.sharding.wait_gathers()
+    acc.sharding.update.wait_gathers()
     names = [n for n, _ in model.named_parameters()]
     slots = {id(s.param): s for s in acc.sharding.param_slots()}
     # This rank's pieces of the fp32 masters (or of the parameters updated in place), by parameter name.

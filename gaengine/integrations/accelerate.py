@@ -445,12 +445,12 @@ class GaengineAccelerator(Accelerator):
         if acc.world_size > 1 and acc.window.stats is None:  # a partial window of several ranks: not reduced yet
             return
         sharding = acc.sharding
-        sharding.wait_reductions()
+        sharding.reduction.wait()
         _, denom, _, _ = acc.window.totals(acc.world_size)
         if acc.scaler is not None:  # the sums are loss-scaled
             denom = denom * acc.scaler.scale
         inv = denom.reciprocal().to(torch.float32)
-        unused = set(acc.sharding.unwritten(acc.window))
+        unused = set(sharding.accumulation.unwritten(acc.window))
         with torch.no_grad():
             for i, (p, g) in enumerate(zip(sharding.params, sharding.main_grad.views)):
                 if i not in unused:
