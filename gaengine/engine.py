@@ -101,8 +101,9 @@ class GradientAccumulator:
     Multi-rank: replicated and ``zero_stage=1`` communicate only in a window's last micro-batch (``zero_stage=2``
     and FSDP2 in every one), each bucket's reduction overlapping the rest of backward; the denominator is global,
     so every rank gets the exact global mean (docs/multi-rank.md). Raises ``ValueError`` / ``TypeError`` naming the
-    argument for bad input, ``RuntimeError`` when a parameter already belongs to another live accumulator. A fused torch optimizer (``fused=True``) gets the normalization x clip
-    coefficient and the skip flag as ``grad_scale``/``found_inf``: no extra pass, no host sync (docs/performance.md).
+    argument for bad input, ``RuntimeError`` when a parameter already belongs to another live accumulator. A fused
+    torch optimizer (``fused=True``) gets the normalization x clip coefficient and the skip flag as
+    ``grad_scale``/``found_inf``: no extra pass, no host sync (docs/performance.md).
     """
 
     def __init__(self, model: nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None,
@@ -386,7 +387,8 @@ class GradientAccumulator:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
         if self._noise is None:
             return None
-        return self._noise.terms(self.sharding.accumulation.source_norms(), self.sharding.accumulation.sources_reduced_by(),
+        accumulation = self.sharding.accumulation
+        return self._noise.terms(accumulation.source_norms(), accumulation.sources_reduced_by(),
                                  self.window.num_micro_batches, bool(self.window.item_mode),
                                  None if self.scaler is None else self.scaler.scale)
 
