@@ -38,12 +38,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from gaengine import optimizers
 from gaengine.buffer import FlatLayout
 from gaengine.compat import all_gather_single
-from gaengine.formats import OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
+from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
 from gaengine.reduce import Collective
+from gaengine.store import DTensorShards
 
 __all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
            "full_optimizer_state_dict", "gather_full", "load_accumulator_state_dict", "load_shard_state_dict",
@@ -321,10 +323,17 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
         return {"state": {i: {k: copy(v) for k, v in s.items()} for i, s in saved["state"].items()},
                 "param_groups": [{k: copy(v) for k, v in g.items()} for g in saved["param_groups"]]}
 
+    full, ready = _gather_moments(acc, optimizer, shards, device)
+    return _number_like_torch(acc, optimizer, full, ready, copy)
+
+
+def _gather_moments(acc: Any, optimizer: torch.optim.Optimizer, shards, device) -> tuple[dict, dict[int, float]]:
+    """Every moment of a sharded optimizer gathered whole (``gather_full``), per key a list over the parameters in
+    layout order, and the step of each parameter some rank has updated (a host read: an export)."""
     per_rank, shard_numel = shards
     world = acc.world_size
     params = acc.params
-    slots = sharding.param_slots()
+    slots = acc.sharding.param_slots()
     all_pieces = [[Piece(s.index, s.lo, s.numel, s.shard_offset) for s in rank_shards if s.numel]
                   for rank_shards in per_rank]
     group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
@@ -350,11 +359,19 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
             if state and isinstance(state.get(key), torch.Tensor):
                 buf[s.shard_offset:s.shard_offset + s.hi - s.lo] = state[key].reshape(-1)
         full[key] = gather_full(buf, all_pieces, [p.shape for p in params], group=acc.process_group, device=device)
+    return full, ready
+
+
+def _number_like_torch(acc: Any, optimizer: torch.optim.Optimizer, full: dict, ready: dict[int, float],
+                       copy) -> dict[str, Any]:
+    """The gathered state numbered as ``torch.optim.Optimizer.state_dict`` numbers the user's param groups as built
+    (a frozen parameter: the whole state the optimizer kept for it), with the groups' hyper-parameters."""
+    slots = acc.sharding.param_slots()
     dtype_of = [s.piece.dtype if s.piece is not None else (torch.float32 if s.master else s.param.dtype)
                 for s in slots]
-    layout_index = {id(p): i for i, p in enumerate(params)}
+    layout_index = {id(p): i for i, p in enumerate(acc.params)}
     state_out, groups_out, n = {}, [], 0
-    for g, members in enumerate(sharding.store.group_params):  # the model's parameters of each group, as built
+    for g, members in enumerate(acc.sharding.store.group_params):  # the model's parameters of each group, as built
         ids = []
         keys = optimizers.moment_keys(optimizer, optimizer.param_groups[g])
         for p in members:
@@ -434,9 +451,20 @@ def _entries(acc: Any) -> list[_Entry]:
 
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``'s elements this rank holds, flat and in place: the local shard of a DTensor (an FSDP2 piece, its
+    moments), else ``t`` itself; ``ValueError`` when not contiguous."""
+    t = t.to_local() if isinstance(t, DTensor) else t
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous; gaengine checkpoints read and write it in place")
     return t.view(-1)
+
+
+def _shaped_like(piece: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A loaded optimizer state tensor for ``piece`` from this rank's ``local`` elements: shaped like ``piece``, or,
+    for a DTensor piece (FSDP2), a DTensor laid out like it over ``local`` shaped like its local shard."""
+    if isinstance(piece, DTensor):
+        return DTensorShards.wrap(piece, local.view(piece.to_local().shape))
+    return local.view(piece.shape)
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -500,21 +528,34 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
                 if state:
                     whole_state[e.key] = {k: _cpu_copy(v) for k, v in state.items()}
             else:
-                moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
-                ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
-                entry: dict[str, Any] = {
-                    "initialized": torch.tensor(float(ready)),
-                    "step": torch.tensor(float(state["step"]) if ready and "step" in state else 0.0,
-                                         dtype=torch.float64),  # host read: once per checkpoint
-                }
-                for k in moment_keys:
-                    local = _flat(state[k], f"optimizer state {k!r} of {e.key}") if ready else \
-                        torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=e.piece.device)
-                    entry[k] = FlatShard(local, e.numel, e.lo)
-                opt_state[e.key] = entry
+                opt_state[e.key] = _moments_to_save(optimizer, state, e)
         window[e.key] = window_shards[e.layout_index]
+    return {"format": STATE_FORMAT, "meta": _meta_blob(acc, entries, whole_state, ranks), "master": masters,
+            "optimizer": opt_state, "window_grad": window}
+
+
+def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _Entry) -> dict[str, Any]:
+    """``e``'s elementwise optimizer state as a checkpoint holds it: ``initialized`` and ``step`` (0-d), each moment a
+    ``FlatShard`` of this rank's range (zeros where the optimizer has not stepped the piece yet)."""
+    moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
+    ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
+    entry: dict[str, Any] = {
+        "initialized": torch.tensor(float(ready)),
+        "step": torch.tensor(float(state["step"]) if ready and "step" in state else 0.0,
+                             dtype=torch.float64),  # host read: once per checkpoint
+    }
+    for k in moment_keys:
+        local = _flat(state[k], f"optimizer state {k!r} of {e.key}") if ready else \
+            torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=_flat(e.piece.data, e.key).device)
+        entry[k] = FlatShard(local, e.numel, e.lo)
+    return entry
+
+
+def _meta_blob(acc: Any, entries: list[_Entry], whole_state: dict[str, Any], ranks: list) -> bytes:
+    """The ``torch.save`` bytes of a checkpoint's meta (``accumulator_state_dict``'s docstring)."""
+    optimizer = acc.optimizer
     meta = {
-        "world_size": world, **sharding.state_meta(),
+        "world_size": acc.world_size, **acc.sharding.state_meta(),
         "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
         "param_groups": ([] if optimizer is None else
                          [{k: _cpu_copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
@@ -525,8 +566,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
     }
     blob = io.BytesIO()
     torch.save(meta, blob)
-    return {"format": STATE_FORMAT, "meta": blob.getvalue(), "master": masters, "optimizer": opt_state,
-            "window_grad": window}
+    return blob.getvalue()
 
 
 def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int | None = None) -> torch.Tensor:
@@ -566,6 +606,44 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     Checks everything before writing: raises ``ValueError`` (changing nothing) for a state of another format (one
     of an earlier gaengine: naming it and ``upgrade``), model, optimizer layout, ``master_weights`` or number of
     param groups, or saved mid-window on another world size or strategy (naming both)."""
+    _check_format(state)
+    meta = _read_meta(state)
+    entries = _entries(acc)
+    _check_model(acc, meta, entries)
+    scalars, ranks, mid_window = _resume_scalars(acc, meta)
+    order = acc.sharding.layout_to_resume(list(scalars["layout_order"]), _layout_order(acc))
+    adopt = order != _layout_order(acc)
+    _remap_layout(scalars, order, mid_window)
+    masters, loaded, grads = _checked_values(acc, state, meta, entries, mid_window)
+    # Write.
+    sharding = acc.sharding
+    if adopt:  # a new main_grad in the saved layout (the loaded sums are views of the old one: copied below)
+        sharding.set_layout([acc.registered_params[i] for i in order])
+        entries = _entries(acc)
+    with torch.no_grad():
+        if mid_window:  # the hooks resume with the written flags the strategy returns
+            sums = [grads[e.key] for e in sorted(entries, key=lambda e: e.layout_index)]
+            scalars["written"] = sharding.load_window_state(sums, list(scalars["written"]),
+                                                            [list(r["scalars"]["written"]) for r in ranks])
+        for dst, src in masters:
+            copy_into(dst, src)
+        if masters and sharding.store is not None:
+            sharding.store.copy_to_model()
+    _load_optimizer(acc, meta, entries, loaded)
+    if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    acc.load_scalars_state(scalars)
+
+
+def _check_format(state: Any) -> None:
+    """``ValueError`` unless ``state`` is a ``STATE_FORMAT`` state dict, naming an earlier gaengine's format and what
+    to do with it."""
+    if isinstance(state, dict) and state.get("format") == FSDP2_FORMAT:
+        raise ValueError(f"state is a {FSDP2_FORMAT} state dict, saved per rank by an earlier gaengine from an FSDP2 "
+                         f"model; this one saves and loads FSDP2 state as {STATE_FORMAT} (with the optimizer's state, "
+                         "through torch.distributed.checkpoint, docs/fsdp2.md) and does not convert it. To go on: "
+                         "load the model and optimizer as they were saved, build a new accumulator, and continue from "
+                         "the window boundary the save followed")
     if isinstance(state, dict) and state.get("format") in OLD_FORMATS:
         raise ValueError(f"state is a {state['format']} state dict, saved by an earlier gaengine; this one loads "
                          f"{STATE_FORMAT}: convert it with gaengine.checkpoint.upgrade(state, acc), then load or "
@@ -574,9 +652,11 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state is not a {STATE_FORMAT} state dict (got format {got!r}): load what "
                          "acc.state_dict() returns (after dcp.load or torch.load)")
-    meta = _read_meta(state)
-    sharding = acc.sharding
-    entries = _entries(acc)
+
+
+def _check_model(acc: Any, meta: dict[str, Any], entries: list[_Entry]) -> None:
+    """``ValueError`` when the state was saved for another model, optimizer layout, ``master_weights`` or number of
+    param groups, or another optimizer type (``_check_optimizer``)."""
     mine = [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries]
     if [tuple(p) for p in meta["params"]] != mine:
         diff = next((a, b) for a, b in zip([tuple(p) for p in meta["params"]] + [None] * len(mine),
@@ -590,6 +670,12 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
         raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this accumulator's "
                          f"optimizer {n_groups}: build the optimizer with the saved run's groups")
     _check_optimizer(meta, optimizer)
+
+
+def _resume_scalars(acc: Any, meta: dict[str, Any]) -> tuple[dict[str, Any], list[dict], bool]:
+    """This rank's saved scalars (checked, ``acc.check_scalars_state``), every saving rank's entries, and whether the
+    state was saved mid-window; ``ValueError`` for a window saved on another world size or strategy."""
+    sharding = acc.sharding
     saved_world, world = int(meta["world_size"]), acc.world_size
     saved_scalars = meta["ranks"][0]["scalars"]
     mid_window = int(saved_scalars["num_micro_batches"]) > 0
@@ -611,30 +697,37 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     if mid_window and scalars.get("window_used") is None and "window_used" in ranks[rank]:
         scalars["window_used"] = ranks[rank]["window_used"]  # saved beside the scalars before gaengine.window
     acc.check_scalars_state(scalars)
-    # The layout: the strategy says which one it goes on in (one that re-learns it adopts the saved one; a fixed
-    # one keeps its own, between windows).
-    registration = acc.registered_params
+    return scalars, ranks, mid_window
+
+
+def _remap_layout(scalars: dict[str, Any], order: list[int], mid_window: bool) -> None:
+    """The per-parameter scalars saved in their layout order remapped to ``order``, the layout the strategy resumes
+    in (``ShardingStrategy.layout_to_resume``); ``ValueError`` for a state saved mid-window in another layout."""
     saved_order = list(scalars["layout_order"])
-    my_order = _layout_order(acc)
-    order = sharding.layout_to_resume(saved_order, my_order)
-    adopt = order != my_order
-    if saved_order != order:
-        if mid_window:
-            raise ValueError("state was saved mid-window with another parameter layout; resume it as it was saved")
-        pos = {reg: j for j, reg in enumerate(saved_order)}
-        remap = [pos[reg] for reg in order]
-        for key in ("written", "expected_arrivals"):
-            if scalars.get(key) is not None:
-                scalars[key] = [scalars[key][j] for j in remap]
-        if scalars.get("arrival") is not None:
-            back = {j: i for i, j in enumerate(remap)}
-            scalars["arrival"] = [back[j] for j in scalars["arrival"]]
-        scalars["layout_order"] = order
-    # Validate every value before writing any.
+    if saved_order == order:
+        return
+    if mid_window:
+        raise ValueError("state was saved mid-window with another parameter layout; resume it as it was saved")
+    pos = {reg: j for j, reg in enumerate(saved_order)}
+    remap = [pos[reg] for reg in order]
+    for key in ("written", "expected_arrivals"):
+        if scalars.get(key) is not None:
+            scalars[key] = [scalars[key][j] for j in remap]
+    if scalars.get("arrival") is not None:
+        back = {j: i for i, j in enumerate(remap)}
+        scalars["arrival"] = [back[j] for j in scalars["arrival"]]
+    scalars["layout_order"] = order
+
+
+def _checked_values(acc: Any, state: dict[str, Any], meta: dict[str, Any], entries: list[_Entry],
+                    mid_window: bool) -> tuple[list, dict[int, dict[str, Any]], dict[str, torch.Tensor]]:
+    """Every value to load, each checked against this rank's range before any is written: ``(master view, saved
+    chunk)`` pairs, the optimizer state per piece (``id``), and mid-window the window's sums per key."""
+    optimizer = acc.optimizer
     masters: list[tuple[torch.Tensor, torch.Tensor]] = []
     grads: dict[str, torch.Tensor] = {}
     loaded: dict[int, dict[str, Any]] = {}
-    where = sharding.window_state(False) if mid_window else None  # the chunk each saved window sum must hold
+    where = acc.sharding.window_state(False) if mid_window else None  # the chunk each saved window sum must hold
     whole_state = meta["optimizer_state"]
     elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
     for e in entries:
@@ -645,56 +738,56 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
             if e.key in whole_state:
                 loaded[id(e.piece)] = dict(whole_state[e.key])
         elif e.optimized and owned:
-            saved = state["optimizer"].get(e.key)
-            if not isinstance(saved, dict):
-                raise ValueError(f"state['optimizer'][{e.key!r}] is missing: it was saved with another optimizer, "
-                                 "or take the state dict from this run's accumulator (acc.state_dict()) before "
-                                 "dcp.load")
-            if float(saved["initialized"]):
-                group = optimizer.param_groups[e.group]
-                moments = {}
-                for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
-                    value = saved.get(k)
-                    t = _take(value, e, f"state['optimizer'][{e.key!r}]")
-                    moments[k] = (t if isinstance(value, FlatShard) else t.clone()).view(e.piece.shape)
-                loaded[id(e.piece)] = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
+            moments = _saved_moments(optimizer, state, e)
+            if moments is not None:
+                loaded[id(e.piece)] = moments
         if mid_window:
             grad = state["window_grad"].get(e.key)
             if grad is None:
                 raise ValueError(f"state['window_grad'][{e.key!r}] is missing for a state saved mid-window")
             chunk = where[e.layout_index]
             grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.shape[0])
+    return masters, loaded, grads
 
-    # Write.
-    if adopt:  # a new main_grad in the saved layout (the loaded sums are views of the old one: copied below)
-        sharding.set_layout([registration[i] for i in order])
-        entries = _entries(acc)
-    with torch.no_grad():
-        if mid_window:  # the hooks resume with the written flags the strategy returns
-            sums = [grads[e.key] for e in sorted(entries, key=lambda e: e.layout_index)]
-            scalars["written"] = sharding.load_window_state(sums, list(scalars["written"]),
-                                                            [list(r["scalars"]["written"]) for r in ranks])
-        for dst, src in masters:
-            copy_into(dst, src)
-        if masters and sharding.store is not None:
-            sharding.store.copy_to_model()
-    if optimizer is not None:
-        held = {id(e.piece) for e in entries if e.piece is not None}
-        numbered, opt_groups, index = {}, [], 0
-        for g, group in enumerate(optimizer.param_groups):
-            ids = []
-            for q in group["params"]:
-                if id(q) in loaded:
-                    numbered[index] = loaded[id(q)]
-                elif id(q) not in held and optimizer.state.get(q):
-                    numbered[index] = optimizer.state[q]  # a parameter the accumulator does not train: kept
-                ids.append(index)
-                index += 1
-            opt_groups.append({**meta["param_groups"][g], "params": ids})
-        optimizer.load_state_dict({"state": numbered, "param_groups": opt_groups})
-    if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    acc.load_scalars_state(scalars)
+
+def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _Entry) -> dict[str, Any] | None:
+    """The elementwise optimizer state of ``e``'s piece as saved (``step`` and the moments shaped like the piece),
+    or None where the saved run had not stepped it; ``ValueError`` when it is missing or of another range."""
+    saved = state["optimizer"].get(e.key)
+    if not isinstance(saved, dict):
+        raise ValueError(f"state['optimizer'][{e.key!r}] is missing: it was saved with another optimizer, "
+                         "or take the state dict from this run's accumulator (acc.state_dict()) before "
+                         "dcp.load")
+    if not float(saved["initialized"]):
+        return None
+    group = optimizer.param_groups[e.group]
+    moments = {}
+    for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
+        value = saved.get(k)
+        t = _take(value, e, f"state['optimizer'][{e.key!r}]")
+        moments[k] = _shaped_like(e.piece, t if isinstance(value, FlatShard) else t.clone())
+    return {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
+
+
+def _load_optimizer(acc: Any, meta: dict[str, Any], entries: list[_Entry], loaded: dict[int, dict[str, Any]]) -> None:
+    """The optimizer's state and param groups as saved (``Optimizer.load_state_dict``); the state of a parameter the
+    accumulator does not train is kept."""
+    optimizer = acc.optimizer
+    if optimizer is None:
+        return
+    held = {id(e.piece) for e in entries if e.piece is not None}
+    numbered, opt_groups, index = {}, [], 0
+    for g, group in enumerate(optimizer.param_groups):
+        ids = []
+        for q in group["params"]:
+            if id(q) in loaded:
+                numbered[index] = loaded[id(q)]
+            elif id(q) not in held and optimizer.state.get(q):
+                numbered[index] = optimizer.state[q]  # a parameter the accumulator does not train: kept
+            ids.append(index)
+            index += 1
+        opt_groups.append({**meta["param_groups"][g], "params": ids})
+    optimizer.load_state_dict({"state": numbered, "param_groups": opt_groups})
 
 
 def _optimizer_type(optimizer: torch.optim.Optimizer | None) -> str | None:

@@ -42,6 +42,7 @@ gradient sync was turned off behind the accumulator's back (``set_requires_gradi
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -51,15 +52,14 @@ from torch import nn
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import composable_apis, fsdp_param_groups
-from gaengine.formats import FSDP2_FORMAT
 from gaengine.accumulation import Accumulation
 from gaengine.norm import WindowNorm, local_sum_sq, window_norm
 from gaengine.hooks import check_native_hooks
 from gaengine.hot_path import NativeHooks
-from gaengine.optimizers import writes_model_params
+from gaengine.optimizers import elementwise_names, is_elementwise, writes_model_params
 from gaengine.reduce import BackwardStart, Reduction, WindowStats, launch_window_stats
 from gaengine.sharding import ShardingStrategy, Update, register_model_strategy
-from gaengine.store import DTensorShards, ParameterStore
+from gaengine.store import DTensorShards, ParamSlot, ParameterStore
 
 __all__ = ["FullyShardedGrads", "FullyShardedReduction", "NativeShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
 
@@ -202,7 +202,6 @@ class FullyShardedGrads(ShardingStrategy):
 
     name = "fsdp2 (fully_shard)"
     sharded = True
-    FORMAT = FSDP2_FORMAT
 
     @classmethod
     def takes_model(cls, model: nn.Module | None) -> bool:
@@ -292,63 +291,54 @@ class FullyShardedGrads(ShardingStrategy):
                              "model.set_gradient_divide_factor(f) on the root, or not at all")
         return factors.pop()
 
-    def param_slots(self):
-        """There is no flat layout of the parameters to export (``gaengine.full_optimizer_state_dict``): the
-        optimizer is the user's, over the DTensor parameters. ``TypeError`` naming torch's export instead."""
+    def param_slots(self) -> list[ParamSlot]:
+        """Per parameter (layout order), what this rank holds of it (``ShardingStrategy.param_slots``): its local
+        shard as the range ``[lo, hi)`` of the flattened parameter (fully_shard's ``Shard(0)``: rows
+        ``[r * ceil(n / d), ...)`` of ``n``, so a contiguous range), the optimizer's piece (the DTensor parameter or its
+        fp32 master DTensor) and the window's fp32 sum of that range. ``ValueError`` for a parameter sharded on
+        another dim (``shard_placement_fn``): its local shard is not one range of the flattened parameter."""
+        slots = super().param_slots()
+        return [dataclasses.replace(s, lo=lo, hi=lo + s.grad.numel()) for s, lo in
+                zip(slots, (self._shard_start(s.param) for s in slots))]
+
+    @staticmethod
+    def _shard_start(p: torch.Tensor) -> int:
+        """Where ``p``'s local shard starts in the flattened parameter (fully_shard's ``Shard(0)`` chunks)."""
+        from torch.distributed.tensor import Shard  # noqa: PLC0415 - only for FSDP2 models
+
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"acc.state_dict() saves FSDP2 parameters sharded on dim 0 (fully_shard's default); a "
+                             f"parameter of shape {tuple(p.shape)} is sharded as {p.placements}: build fully_shard "
+                             "without shard_placement_fn")
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // rows if rows else 0
+        chunk = -(-rows // p.device_mesh.size())
+        start = min(p.device_mesh.get_coordinate()[0] * chunk, rows) * per_row
+        if start + p.to_local().numel() > p.numel():
+            raise RuntimeError(f"a local shard of {p.to_local().numel()} elements from {start} passes the end of a "
+                               f"parameter of {p.numel()} (FSDP2's chunks are not torch.chunk's): please report it")
+        return start
+
+    def state_dict(self, acc) -> dict:
+        """``acc.state_dict()`` in the one format (``ShardingStrategy.state_dict``): this rank's ranges of the fp32
+        masters, of the optimizer's moments and of the window's sums, saved and resharded by
+        ``torch.distributed.checkpoint`` (docs/fsdp2.md). ``ValueError`` for an optimizer whose update is not
+        elementwise (``gaengine.optimizers.is_elementwise``): its state over the DTensor parameters cannot be cut
+        into ranges; save it with torch's ``get_optimizer_state_dict``."""
+        if acc.optimizer is not None and not is_elementwise(acc.optimizer):
+            raise ValueError(f"acc.state_dict() on an FSDP2 model saves the optimizer's state by ranges of the "
+                             f"flattened parameters, which needs an elementwise optimizer ({', '.join(elementwise_names())}); "
+                             f"{type(acc.optimizer).__name__} is not one: save the model and this optimizer with "
+                             "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) instead")
+        return super().state_dict(acc)
+
+    def optimizer_shards(self):
+        """No export through gaengine: the optimizer is the user's, over the DTensor parameters. ``TypeError`` naming
+        torch's export instead."""
         raise TypeError("an FSDP2 (fully_shard) model's optimizer state is its own optimizer's over the DTensor "
                         "parameters: export it with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict("
                         "model, optimizer, options=StateDictOptions(full_state_dict=True)), not "
                         "gaengine.full_optimizer_state_dict")
-
-    def optimizer_shards(self):
-        """No export through gaengine (``param_slots``: the same ``TypeError``)."""
-        return self.param_slots()
-
-    # ------------------------------------------------------------------ state dict
-    def state_dict(self, acc) -> dict:
-        """``acc.state_dict()`` on an FSDP2 model: the accumulator's scalars and this rank's local shards of
-        ``main_grad`` and of the fp32 masters (CPU tensors). The model and optimizer are saved with
-        ``torch.distributed.checkpoint.state_dict.get_state_dict`` beside it (docs/fsdp2.md). Between windows it
-        loads on any world size; mid-window only on the same one."""
-        return {**acc.scalars_state_dict(), "rank": dist.get_rank(self.process_group) if self.distributed else 0,
-                "main_grad": self.main_grad.data.detach().cpu().clone(),
-                "master": None if self.master_buffer is None else self.master_buffer.data.detach().cpu().clone()}
-
-    def load_state_dict(self, acc, state: dict) -> None:
-        """Restore ``state_dict()`` (``ValueError``, nothing changed, for another format, model, or a mid-window
-        state of another world size). The masters are taken from the model (load the model first)."""
-        if not isinstance(state, dict) or state.get("format") != self.FORMAT:
-            raise ValueError(f"state is not a {self.FORMAT} state dict (saved from an FSDP2 model by acc.state_dict())")
-        shapes = [list(p.shape) for p in acc.registered_params]
-        dtypes = [str(p.dtype) for p in acc.registered_params]
-        if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
-            raise ValueError(f"state was saved for {len(state['param_shapes'])} parameters of other shapes/dtypes "
-                             f"than this accumulator's {len(shapes)}: it belongs to another model")
-        mid = int(state["num_micro_batches"]) > 0
-        if mid and state["world_size"] != self.world_size:
-            raise ValueError(f"state was saved mid-window on world_size={state['world_size']}, this run has "
-                             f"{self.world_size}: a mid-window state resumes only on the same world size (save "
-                             "between windows to change it)")
-        reg = {id(p): i for i, p in enumerate(acc.registered_params)}
-        if mid and state["layout_order"] != [reg[id(p)] for p in self.params]:
-            raise ValueError("state's layout differs from this accumulator's (another model structure)")
-        if mid and state["main_grad"].numel() != self.main_grad.data.numel():
-            raise ValueError("state's main_grad shard does not match this rank's shards")
-        acc.check_scalars_state(state)
-        with torch.no_grad():
-            if mid:
-                self.main_grad.data.copy_(state["main_grad"])
-            if self.master_buffer is not None:
-                saved = state.get("master")
-                kept = (saved is not None and state["world_size"] == self.world_size
-                        and saved.numel() == self.master_buffer.data.numel())
-                if kept:
-                    self.master_buffer.data.copy_(saved)  # the fp32 bits; the model's writes are merged next
-                self.store.pull_model_writes(every=kept)
-        if not mid:
-            state = {**state, "layout_order": [reg[id(p)] for p in self.params],
-                     "written": [False] * len(self.params), "expected_arrivals": [1] * len(self.params)}
-        acc.load_scalars_state(state)
 
 
 class FullyShardedReduction(Reduction):

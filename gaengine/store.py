@@ -453,10 +453,39 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     Returns, for the parameters ``old`` optimized that ``new`` does not hold (frozen since), keyed by ``id``, the same
     on every rank, parameter-shaped: their whole optimizer state, in the dtype of their pieces (fp32 with masters;
     torch keeps a frozen parameter's state), and their whole fp32 masters (``keep_masters`` when they join again)."""
-    optimizer, device = new.optimizer, new.device
-    world = old.layout.world_size
+    optimizer = new.optimizer
     group_of = {id(q): g for g, members in enumerate(new.group_params) for q in members}
+    has_state, steps = _known_states(old, states, new.device, group)
+    fresh, left, left_masters = _move_buckets(old, new, states, has_state, group_of, group)
+    pieces = {id(s.piece): s for s in new.slots if s.piece is not None}
     new_slots = {id(s.param): s for s in new.slots}
+    uses_step = keeps_step(optimizer)
+    for j, p in enumerate(old.params):
+        if not (has_state[j] and old.optimized[j]):
+            continue
+        target = new_slots.get(id(p))
+        g = optimizer.param_groups[group_of[id(p)]]
+        if target is None:
+            left.setdefault(id(p), {})
+            if uses_step:
+                left[id(p)]["step"] = _step_tensor(optimizer, g, p.device, steps[j])
+        elif target.piece is not None and uses_step:
+            fresh.setdefault(id(target.piece), {})["step"] = _step_tensor(optimizer, g, target.piece.device, steps[j])
+    for s in new.slots:  # a parameter that joins again: the state kept while it was frozen, sliced
+        state = kept.get(id(s.param))
+        if state and s.piece is not None:
+            fresh[id(s.piece)] = {k: v if not torch.is_tensor(v) else v.clone() if k == "step" else
+                                  v.detach().reshape(-1)[s.lo:s.hi].to(s.piece.dtype).clone()
+                                  for k, v in state.items()}
+    for piece_id, state in fresh.items():
+        optimizer.state[pieces[piece_id].piece] = state
+    return left, left_masters
+
+
+def _known_states(old: ParameterStore, states: dict[int, dict], device: torch.device,
+                  group) -> tuple[list[float], list[float]]:
+    """Per old parameter, whether any rank holds optimizer state for it and its ``step`` (one all-reduce of
+    ``2 x`` parameters fp64 values, MAX over the ranks; a host read, once per adoption)."""
     n = len(old.params)
     known = torch.zeros(2 * n, dtype=torch.float64)  # per old parameter: has state, its step
     for j, p in enumerate(old.params):
@@ -468,9 +497,18 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     known = known.to(device)
     Collective(dist.all_reduce, known, op=dist.ReduceOp.MAX, group=group).wait()
     known_host = known.tolist()  # a host read, once per adoption
-    has_state, steps = known_host[:n], known_host[n:]
-    uses_step = keeps_step(optimizer)
+    return known_host[:n], known_host[n:]
 
+
+def _move_buckets(old: ParameterStore, new: ParameterStore, states: dict[int, dict], has_state: list[float],
+                  group_of: dict[int, int], group) -> tuple[dict[int, dict], dict[int, dict], dict[int, torch.Tensor]]:
+    """Per bucket of the old layout and per value (the masters, then each moment), every rank's range all-gathered
+    in fp32 and copied out where the new layout puts it: into the new master pieces; the new pieces' moments
+    (``id`` of the piece -> state); the whole moments and masters of the parameters ``new`` does not hold (``id`` of
+    the parameter -> state, -> master)."""
+    optimizer, device = new.optimizer, new.device
+    world = old.layout.world_size
+    new_slots = {id(s.param): s for s in new.slots}
     fresh: dict[int, dict] = {}  # id(new piece) -> its state
     left: dict[int, dict] = {}  # id(parameter) -> its whole state
     left_masters: dict[int, torch.Tensor] = {}  # id(parameter) -> its whole master
@@ -509,27 +547,7 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
                 elif target.piece is not None:
                     fresh.setdefault(id(target.piece), {})[key] = values[target.lo:target.hi].to(
                         target.piece.dtype).clone()
-    pieces = {id(s.piece): s for s in new.slots if s.piece is not None}
-    for j, p in enumerate(old.params):
-        if not (has_state[j] and old.optimized[j]):
-            continue
-        target = new_slots.get(id(p))
-        g = optimizer.param_groups[group_of[id(p)]]
-        if target is None:
-            left.setdefault(id(p), {})
-            if uses_step:
-                left[id(p)]["step"] = _step_tensor(optimizer, g, p.device, steps[j])
-        elif target.piece is not None and uses_step:
-            fresh.setdefault(id(target.piece), {})["step"] = _step_tensor(optimizer, g, target.piece.device, steps[j])
-    for s in new.slots:  # a parameter that joins again: the state kept while it was frozen, sliced
-        state = kept.get(id(s.param))
-        if state and s.piece is not None:
-            fresh[id(s.piece)] = {k: v if not torch.is_tensor(v) else v.clone() if k == "step" else
-                                  v.detach().reshape(-1)[s.lo:s.hi].to(s.piece.dtype).clone()
-                                  for k, v in state.items()}
-    for piece_id, state in fresh.items():
-        optimizer.state[pieces[piece_id].piece] = state
-    return left, left_masters
+    return fresh, left, left_masters
 
 
 def _step_tensor(optimizer: torch.optim.Optimizer, group: dict, device: torch.device, value: float) -> torch.Tensor:

@@ -269,6 +269,15 @@ def _refusals(rank: int, world: int) -> dict:
                 acc.backward(model(torch.randn(2, IN)).sum())
             if getattr(model, "_export", False):
                 gaengine.full_optimizer_state_dict(acc)
+            if getattr(model, "_state", False):
+                acc.state_dict()
+            if getattr(model, "_load", None) is not None:  # refused with the window's gradients kept
+                acc.backward(_loss(model, torch.randn(2, 3, IN), torch.zeros(2, 3, dtype=torch.long), False, True))
+                before = acc.main_grad.data.clone()
+                try:
+                    acc.load_state_dict(model._load)
+                finally:
+                    assert torch.equal(acc.main_grad.data, before) and acc.num_micro_batches == 1
             acc.close()
             return None
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -332,12 +341,27 @@ def _refusals(rank: int, world: int) -> dict:
         m._export = True
         return m, {}
 
+    def non_elementwise_state():  # acc.state_dict() cuts the optimizer's state into ranges: elementwise only
+        torch.manual_seed(0)
+        m = _shard(Net(), world)
+        m._state = True
+        return m, {"optimizer": torch.optim.Adagrad(m.parameters(), lr=LR)}
+
+    def old_format():  # the per-rank format of FSDP2 models before STATE_FORMAT: refused, saying what to do
+        from gaengine.formats import FSDP2_FORMAT
+
+        torch.manual_seed(0)
+        m = _shard(Net(), world)
+        m._load = {"format": FSDP2_FORMAT, "main_grad": torch.zeros(3), "master": None}
+        return m, {"accumulation_steps": K}
+
     import gaengine.optim  # noqa: F401
 
     out = {name: attempt(build) for name, build in [
         ("fsdp1", fsdp1), ("foreign-dtensor", foreign_dtensor), ("root-not-fsdp", child_only), ("mixed", mixed),
         ("cpu-offload", offload), ("zero-stage", zero), ("reduce-dtype", reduce_dtype),
-        ("fused-adamw", fused_adamw), ("sync-off", sync_off), ("full-export", full_export)]}
+        ("fused-adamw", fused_adamw), ("sync-off", sync_off), ("full-export", full_export),
+        ("non-elementwise-state", non_elementwise_state), ("old-format", old_format)]}
     return out
 
 
@@ -361,11 +385,12 @@ def _rank_dies(rank: int, world: int) -> dict:
 
 
 def _checkpoint(rank: int, world: int, out_dir: str) -> dict:
-    """``torch.distributed.checkpoint`` with FSDP2's state dicts plus ``acc.state_dict()``: on 2 ranks, a window,
-    a save between windows, one micro-batch, a save mid-window, the window finished; then a fresh model, optimizer
-    and accumulator resume the mid-window save. On 3 ranks: the save between windows resumed, one more window."""
+    """``torch.distributed.checkpoint`` of the model's state dict and ``acc.state_dict()`` (which holds the
+    optimizer's state, docs/fsdp2.md): on 2 ranks, a window, a save between windows, one micro-batch, a save
+    mid-window, the window finished; then a fresh model, optimizer and accumulator resume the mid-window save. On 3
+    ranks: the save between windows resumed (DCP reshards the ranges), one more window."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     def build():
         torch.manual_seed(0)
@@ -374,18 +399,14 @@ def _checkpoint(rank: int, world: int, out_dir: str) -> dict:
         return model, opt, gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=MAX_NORM)
 
     def save(model, opt, acc, name):
-        state_model, state_opt = get_state_dict(model, opt)
-        dcp.save({"model": state_model, "optim": state_opt}, checkpoint_id=os.path.join(out_dir, name))
-        torch.save(acc.state_dict(), os.path.join(out_dir, name, f"acc{rank}.pt"))
+        dcp.save({"model": get_model_state_dict(model), "acc": acc.state_dict()},
+                 checkpoint_id=os.path.join(out_dir, name))
 
     def load(model, opt, acc, name):
-        state_model, state_opt = get_state_dict(model, opt)
-        state = {"model": state_model, "optim": state_opt}
+        state = {"model": get_model_state_dict(model), "acc": acc.state_dict()}
         dcp.load(state, checkpoint_id=os.path.join(out_dir, name))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        saved = os.path.join(out_dir, name, f"acc{rank}.pt")  # between windows, any rank's scalars will do
-        acc.load_state_dict(torch.load(saved if os.path.exists(saved) else os.path.join(out_dir, name, "acc0.pt"),
-                                       weights_only=False))
+        set_model_state_dict(model, state["model"])
+        acc.load_state_dict(state["acc"])
 
     xs, labels = _data(world)
 
@@ -419,11 +440,11 @@ def _checkpoint(rank: int, world: int, out_dir: str) -> dict:
 
 
 def _resume_run(rank: int, world: int, out_dir: str, what: str) -> dict:
-    """A window, one micro-batch of the next, a save (DCP with FSDP2's state dicts plus ``acc.state_dict()``), the
-    window finished and one more; then a fresh model, optimizer and accumulator load the save and finish the same
-    windows. what="bf16": bf16 sharded parameters with fp32 masters (``master_weights=True``, fused AdamW), the
-    model saved with DCP, the optimizer's own ``state_dict()`` with ``torch.save`` per rank; "bf16-dcp": the same,
-    model and optimizer through ``get_state_dict`` as docs/fsdp2.md says;
+    """A window, one micro-batch of the next, a save (DCP of the model's state dict and ``acc.state_dict()``, which
+    holds the optimizer's state, as docs/fsdp2.md says), the window finished and one more; then a fresh model,
+    optimizer and accumulator load the save and finish the same windows. what="bf16": bf16 sharded parameters with
+    fp32 masters (``master_weights=True``, fused AdamW); "bf16-dcp": the same, the model and optimizer saved through
+    torch's ``get_state_dict`` instead;
     what="noise": fp32, SGD, ``measure_noise_scale=True``. Returns both runs' full parameters, fp32 masters and
     noise estimates of the windows after the save."""
     import torch.distributed.checkpoint as dcp
@@ -432,7 +453,7 @@ def _resume_run(rank: int, world: int, out_dir: str, what: str) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = what.startswith("bf16")
-    own_optim = what == "bf16"  # the optimizer's own state_dict() per rank; else get_state_dict's (docs/fsdp2.md)
+    torch_optim = what == "bf16-dcp"  # the optimizer through torch's get_state_dict; else in acc.state_dict()
     xs, labels = _data(world, seed=13)
     where = os.path.join(out_dir, f"resume-{what}")
 
@@ -474,26 +495,23 @@ def _resume_run(rank: int, world: int, out_dir: str, what: str) -> dict:
         micro(model, acc, 0, j)
     acc.step()
     micro(model, acc, 1, 0)
-    if own_optim:
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=where)
-        torch.save(opt.state_dict(), os.path.join(where, f"optim{rank}.pt"))
-    else:
+    if torch_optim:
         state_model, state_opt = get_state_dict(model, opt)
-        dcp.save({"model": state_model, "optim": state_opt}, checkpoint_id=where)
-    torch.save(acc.state_dict(), os.path.join(where, f"acc{rank}.pt"))
+        dcp.save({"model": state_model, "optim": state_opt, "acc": acc.state_dict()}, checkpoint_id=where)
+    else:
+        dcp.save({"model": get_model_state_dict(model), "acc": acc.state_dict()}, checkpoint_id=where)
     went_on = finish(model, acc)
     model, opt, acc = build()
-    if own_optim:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=where)
-        set_model_state_dict(model, state["model"])
-        opt.load_state_dict(torch.load(os.path.join(where, f"optim{rank}.pt"), weights_only=False))
-    else:
+    if torch_optim:
         state_model, state_opt = get_state_dict(model, opt)
-        state = {"model": state_model, "optim": state_opt}
+        state = {"model": state_model, "optim": state_opt, "acc": acc.state_dict()}
         dcp.load(state, checkpoint_id=where)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    acc.load_state_dict(torch.load(os.path.join(where, f"acc{rank}.pt"), weights_only=False))
+    else:
+        state = {"model": get_model_state_dict(model), "acc": acc.state_dict()}
+        dcp.load(state, checkpoint_id=where)
+        set_model_state_dict(model, state["model"])
+    acc.load_state_dict(state["acc"])
     return {"went_on": went_on, "resumed": finish(model, acc)}
 
 
@@ -722,7 +740,9 @@ def _check_refusals(results: list[dict]) -> None:
               "reduce-dtype": ("ValueError", "reduce_dtype"),
               "fused-adamw": ("ValueError", "FusedAdamW"),
               "sync-off": ("RuntimeError", "set_requires_gradient_sync(True)"),
-              "full-export": ("TypeError", "get_optimizer_state_dict")}
+              "full-export": ("TypeError", "get_optimizer_state_dict"),
+              "non-elementwise-state": ("ValueError", "needs an elementwise optimizer"),
+              "old-format": ("ValueError", "gaengine.GradientAccumulator/fsdp2/1 state dict, saved per rank")}
     for rank, res in enumerate(results):
         for name, (kind, words) in expect.items():
             got = res["refusals"][name]
@@ -809,8 +829,8 @@ def test_mid_window_resume_noise_scale(tmp_path):
 
 
 def test_mid_window_resume_bf16_masters(tmp_path):
-    """bf16 sharded parameters with fp32 masters (``master_weights=True``), saved mid-window on 2 ranks (the model
-    with DCP, the optimizer's own state dict per rank) and resumed by a fresh model, optimizer and accumulator: the
+    """bf16 sharded parameters with fp32 masters (``master_weights=True``), saved mid-window on 2 ranks (DCP of the
+    model's state dict and ``acc.state_dict()``, which holds the masters and the optimizer's moments) and resumed by a fresh model, optimizer and accumulator: the
     masters' fp32 bits (not the bf16 model's rounding) come back. The reference is the uninterrupted run: parameters
     and masters equal bit for bit."""
     _check_resume("resume-bf16", _launch(tmp_path, 2, ["resume-bf16"]))
@@ -818,7 +838,7 @@ def test_mid_window_resume_bf16_masters(tmp_path):
 
 @pytest.mark.xfail(strict=True, reason="bf16 FSDP2 parameters with masters: the optimizer holds fp32 master "
                    "DTensors that are not the model's parameters, so torch's get_state_dict(model, optimizer) "
-                   "raises KeyError (no FQN for them); the checkpoint docs/fsdp2.md describes cannot save it")
+                   "raises KeyError (no FQN for them); acc.state_dict() saves them instead (docs/fsdp2.md)")
 def test_mid_window_resume_bf16_masters_get_state_dict(tmp_path):
     """As ``test_mid_window_resume_bf16_masters``, the model and optimizer saved through ``get_state_dict``."""
     _check_resume("resume-bf16-dcp", _launch(tmp_path, 2, ["resume-bf16-dcp"]))
