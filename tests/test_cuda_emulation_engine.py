@@ -16,17 +16,20 @@ optimizer state after every step, bitwise, as the backend contract says (unscale
 AdamW: the same fp32 operations). The gradient norm is the exception the contract makes: CUDA sums fp32 squares
 per 4096- or 16384-element chunk, the CPU sums in fp64, so ``grad_norm`` is checked against an fp64 oracle within
 ``tests/tolerances.py``'s ``sum_sq_rtol`` on both backends, and a clipped window against the clip coefficient the
-run itself computed (``scale_`` is one fp32 multiply, bitwise equal to torch's). Then the double-arrival,
-stale-gradient and 2-rank gloo tests of ``tests/test_double_arrival.py`` / ``tests/test_stale_gradients.py`` /
-``tests/test_distributed.py`` run again on the emulated backend, and the ops' contracts raise their named errors.
-Skipped only when no C++ compiler is found; the build takes about 1 to 3 minutes on 2 cores the first time.
+run itself computed (``scale_`` is one fp32 multiply, bitwise equal to torch's). The ops' contracts raise their named
+errors. Skipped only when no C++ compiler is found; the build (``tests/conftest.py``'s ``emulated_cuda_module``) takes
+about 1 to 3 minutes on 2 cores the first time.
+
+Other files run their own cases on the emulated backend too (``tests/emulated_cuda.py`` or the ``cuda-emu`` id of
+``tests/conftest.py``'s backends): the double-arrival, stale-gradient, source-norm and 2-rank gloo tests
+(``tests/test_double_arrival.py``, ``tests/test_stale_gradients.py``, ``tests/test_source_norms.py``,
+``tests/test_hot_path.py``, ``tests/test_distributed.py``), ZeRO (``tests/test_zero_backends.py``) and the noise scale
+(``tests/test_noise_scale.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
 import os
 import subprocess
 import sys
@@ -38,35 +41,22 @@ from torch import nn
 import gaengine
 from gaengine import backends
 from gaengine.optim import FusedAdamW
-from tests import ranks, test_distributed, test_hot_path, test_stale_gradients
-from tests.oracle_hooks import hooks_selected, use_hooks
+from tests import emulated_cuda
+from tests.oracle_hooks import hooks_selected
 from tests.tolerances import assert_bitwise_equal, dot_rtol, gemm_bound, rel_diff, sum_sq_rtol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "cuda_emu"))
 import build as emu_build  # noqa: E402
-import engine as emu_engine  # noqa: E402
 
 pytestmark = pytest.mark.skipif(emu_build.find_cxx() is None,
                                 reason="no C++ compiler ($CXX, g++, c++, clang++) to build the emulation")
 
-@pytest.fixture(scope="session")
-def emulated_module():
-    try:
-        module, seconds = emu_engine.build()
-    except Exception as exc:  # noqa: BLE001 - a compile error: the report is the compiler's stderr
-        pytest.fail(f"the emulated build of gaengine._C failed:\n{str(exc)[-8000:]}")
-    print(f"\n{emu_engine.MODULE_NAME}: built or loaded in {seconds:.1f} s")
-    return module
-
 
 @pytest.fixture
-def emu(emulated_module, monkeypatch):
+def emu(request, monkeypatch):
     """The cuda backend on CPU tensors, from the emulated build; native hooks; no GAENGINE_BACKEND."""
-    emu_engine.use(monkeypatch, emulated_module)
-    use_hooks(monkeypatch, "native")
-    monkeypatch.delenv("GAENGINE_BACKEND", raising=False)
-    return emulated_module
+    return emulated_cuda.install(request, monkeypatch, as_default=False)
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -403,78 +393,6 @@ def test_fused_adamw_skips_a_non_finite_window(emu):
     _assert_runs_bitwise(runs["cuda"], runs["cpu"])
 
 
-# --------------------------------------------------------------------------- the existing tests, on the emulation
-# (tests/test_double_arrival.py runs on the emulation itself: its cuda-emu-native and cuda-emu-python ids.)
-
-def test_source_rows_without_gradient_on_the_emulated_backend(emu, monkeypatch):
-    """tests/test_hot_path.py's unused-parameter source rows on backend "cuda", native hooks: the parts of each
-    micro-batch's per-chunk table that no launch wrote are zeroed. (tests/test_source_norms.py runs its own cases on
-    the emulated backend.)"""
-    test_hot_path.check_source_rows_without_gradient(backends.get_backend("cuda", "cpu"), monkeypatch)
-
-
-def _stale_cases():
-    """Every test of tests/test_stale_gradients.py with its parametrizations (by name, one argument each)."""
-    cases = []
-    for name, fn in inspect.getmembers(test_stale_gradients, inspect.isfunction):
-        if not name.startswith("test_"):
-            continue
-        grid = [{}]
-        for mark in getattr(fn, "pytestmark", []):
-            if mark.name != "parametrize":
-                continue
-            argname, values = mark.args[0], mark.args[1]
-            assert "," not in argname, f"{name}: only one-argument parametrizations are replayed"
-            values = [v.values[0] if hasattr(v, "values") else v for v in values]
-            grid = [{**g, argname: v} for g in grid for v in values]
-        for kwargs in grid:
-            case_id = "-".join([name.removeprefix("test_")] + [f"{k}={v}" for k, v in kwargs.items()])
-            cases.append(pytest.param(name, kwargs, id=case_id))
-    return cases
-
-
-@pytest.mark.parametrize("name, kwargs", _stale_cases())
-def test_stale_gradients_on_the_emulated_backend(emu, monkeypatch, name, kwargs):
-    """tests/test_stale_gradients.py on backend "auto" with GAENGINE_BACKEND=cuda (its accumulators take the
-    default backend) and the native hooks."""
-    monkeypatch.setenv("GAENGINE_BACKEND", "cuda")
-    fn = getattr(test_stale_gradients, name)
-    params = inspect.signature(fn).parameters
-    if "hot_path" in params:
-        kwargs = {**kwargs, "hot_path": "native"}
-    if "monkeypatch" in params:
-        kwargs = {**kwargs, "monkeypatch": monkeypatch}
-    probe = backends.get_backend("auto", "cpu")
-    assert probe.name == "cuda" and probe._C is emu
-    fn(**kwargs)
-
-
-def _emulated_worker(*args):
-    """A gloo rank of tests/test_distributed.py (``tests.ranks.launch_scenario``'s), on the emulated cuda backend:
-    the module loaded from the session's build (a no-op ninja run), the hook set in this process;
-    GAENGINE_BACKEND=cuda comes from the parent."""
-    module, _ = emu_engine.build()
-    backends._EMULATED_CUDA_MODULE = module  # this process is the test's alone
-    chosen = backends.get_backend("auto", "cpu")  # what the scenarios' accumulators get
-    assert chosen.name == "cuda" and chosen._C is module, chosen.name
-    ranks._scenario_rank(*args)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("scenario", ["equivalence", "items-unused", "double-arrival"])
-def test_distributed_on_the_emulated_backend(emu, monkeypatch, tmp_path, scenario):
-    """tests/test_distributed.py's gloo scenarios (2 ranks) on backend "cuda": armed last micro-batches call
-    on_bucket_ready from HotPath on the CUDA kernels, a late second arrival raises on every rank."""
-    monkeypatch.setenv("GAENGINE_BACKEND", "cuda")  # the spawned ranks inherit it (native hooks)
-    monkeypatch.setattr(ranks, "_scenario_rank", _emulated_worker)
-    if scenario == "equivalence":
-        test_distributed.test_ranks_equal_one_process_and_ddp(tmp_path, 2)
-    elif scenario == "items-unused":
-        test_distributed.test_item_mode_unused_and_tied_params(tmp_path)
-    else:
-        test_distributed.test_double_arrival_on_several_ranks_equals_one_process(tmp_path, 2, "native", monkeypatch)
-
-
 # ------------------------------------------------------------------------------------------ the backend's ops
 # ------------------------------------------------------------------------------------------------ the contracts
 def _cuda_kernels(module):
@@ -655,7 +573,7 @@ except RuntimeError as exc:
 """
 
 
-def test_an_old_driver_is_refused_before_a_multi_tensor_launch(emulated_module):
+def test_an_old_driver_is_refused_before_a_multi_tensor_launch(emulated_cuda_module):
     """cudaDriverGetVersion below 12010: check_driver_for_multi_tensor raises naming the driver's CUDA version and
     12.1 (a child process: the version is read once per process)."""
     code = OLD_DRIVER.format(emu_dir=os.path.join(HERE, "cuda_emu"))

@@ -1,8 +1,14 @@
-"""Multi-rank accumulation as real processes on CPU with gloo, against one process and torch DDP + no_sync()."""
+"""Multi-rank accumulation as real processes on CPU with gloo, against one process and torch DDP + no_sync().
+
+The ranks' accumulators take the default backend (``backend="auto"``); the ``cuda-emu`` cases make it the cuda backend
+over the emulated build (``tests/cuda_emu``: csrc/cuda's kernels and the native hot path on CPU tensors, armed last
+micro-batches calling the reducer from ``HotPath``), in every rank (``tests/emulated_cuda.py``).
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 import time
@@ -12,7 +18,9 @@ import torch
 from torch import nn
 
 import gaengine
+from gaengine import backends
 from gaengine.reduce import BucketReducer
+from tests import emulated_cuda
 from tests.models import D, Net, SharedCheckpointed
 from tests.oracle_hooks import use_hooks
 from tests.ranks import launch_scenario
@@ -179,15 +187,39 @@ SCENARIOS = {"equivalence": _scenario_equivalence, "items_unused": _scenario_ite
              "rank_fails": _scenario_rank_fails, "double_arrival": _scenario_double_arrival}
 
 
-def _launch(tmp_path, world, name, **kw):
-    """The scenario ``SCENARIOS[name]`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``)."""
-    return launch_scenario(tmp_path, world, SCENARIOS[name], abandons_group=name == "rank_fails", **kw)
+def _on_backend(backend_id, scenario, rank, world, out):
+    """In a rank: ``scenario`` with the default backend of ``backend_id`` ("default": whatever ``backend="auto"``
+    picks; "cuda-emu": the emulated cuda build, installed here, with ``GAENGINE_BACKEND=cuda`` from the parent)."""
+    if backend_id == "cuda-emu":
+        module = emulated_cuda.install_in_rank()
+        chosen = backends.get_backend("auto", "cpu")  # what the scenarios' accumulators get
+        assert chosen.name == "cuda" and chosen._C is module, chosen.name
+    return scenario(rank, world, out)
+
+
+def _launch(tmp_path, world, name, backend_id="default", **kw):
+    """The scenario ``SCENARIOS[name]`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``) on the default
+    backend of ``backend_id`` (``_use_backend`` chose it in this process)."""
+    scenario = functools.partial(_on_backend, backend_id, SCENARIOS[name])
+    return launch_scenario(tmp_path, world, scenario, abandons_group=name == "rank_fails", **kw)
+
+
+def _use_backend(request, monkeypatch, backend_id):
+    """In the test: ``backend_id``'s default backend for the ranks it starts (they inherit the environment);
+    "cuda-emu" builds or loads the emulated build first (the test skips without a C++ compiler)."""
+    if backend_id == "cuda-emu":
+        emulated_cuda.install(request, monkeypatch, as_default=True)
+
+
+BACKEND_IDS = [pytest.param("default", id="default"), pytest.param("cuda-emu", id="cuda-emu")]
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_equal_one_process_and_ddp(tmp_path, world):
-    codes, results = _launch(tmp_path, world, "equivalence")
+@pytest.mark.parametrize("world,backend_id", [pytest.param(2, "default", id="2"), pytest.param(3, "default", id="3"),
+                                              pytest.param(2, "cuda-emu", id="2-cuda-emu")])
+def test_ranks_equal_one_process_and_ddp(tmp_path, world, backend_id, request, monkeypatch):
+    _use_backend(request, monkeypatch, backend_id)
+    codes, results = _launch(tmp_path, world, "equivalence", backend_id)
     assert codes == [0] * world
     # One process over world*K micro-batches, plain recipe (fp32).
     torch.manual_seed(0)
@@ -227,9 +259,11 @@ def test_ranks_equal_one_process_and_ddp(tmp_path, world):
             assert bucket_ready >= 1 or step == 0
 
 
-def test_item_mode_unused_and_tied_params(tmp_path):
+@pytest.mark.parametrize("backend_id", BACKEND_IDS)
+def test_item_mode_unused_and_tied_params(tmp_path, backend_id, request, monkeypatch):
     world = 2
-    codes, results = _launch(tmp_path, world, "items_unused")
+    _use_backend(request, monkeypatch, backend_id)
+    codes, results = _launch(tmp_path, world, "items_unused", backend_id)
     assert codes == [0] * world
     torch.manual_seed(0)
     ref = Net()
@@ -272,11 +306,15 @@ def test_rank_failing_mid_window_raises_on_the_others(tmp_path):
     assert results[0]["elapsed"] < 60
 
 
-@pytest.mark.parametrize("world,hot_path", [(2, "native"), (3, "native"), (2, "python")])
-def test_double_arrival_on_several_ranks_equals_one_process(tmp_path, world, hot_path, monkeypatch):
+@pytest.mark.parametrize("world,hot_path,backend_id", [
+    pytest.param(2, "native", "default", id="2-native"), pytest.param(3, "native", "default", id="3-native"),
+    pytest.param(2, "python", "default", id="2-python"), pytest.param(2, "native", "cuda-emu", id="2-cuda-emu-native")])
+def test_double_arrival_on_several_ranks_equals_one_process(tmp_path, world, hot_path, backend_id, request,
+                                                            monkeypatch):
     use_hooks(monkeypatch, hot_path)  # the spawned ranks inherit it
+    _use_backend(request, monkeypatch, backend_id)  # cuda-emu: the native hooks (hot_path), on the emulated build
 
-    codes, results = _launch(tmp_path, world, "double_arrival")
+    codes, results = _launch(tmp_path, world, "double_arrival", backend_id)
     assert codes == [0] * world
     for phase, k_steps in (("k1", 1), ("graph-change", 2)):
         torch.manual_seed(0)

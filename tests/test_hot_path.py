@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import gaengine
+from tests.conftest import backend_params
 from tests.oracle_hooks import use_hooks
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
 
@@ -212,15 +213,17 @@ def test_window_of_empty_parameters_has_norm_zero(hot_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ source norms
-def check_source_rows_without_gradient(backend, monkeypatch) -> None:
+@pytest.mark.parametrize("backend", backend_params("cpu", "cuda-emu"), indirect=True)
+def test_source_rows_count_zero_without_gradient(backend, monkeypatch):
     """Native hooks measuring sources, on a model whose ``extra`` and ``nested`` parameters get no gradient: their
     buckets are launched incomplete at ``end()`` (one bucket) or not at all (a bucket per parameter), and their part
     of each micro-batch's table is zeroed, so every row equals the fp64 plain recipe's (tests/test_source_norms.py
-    for the reference). backend: a ``gaengine.backends.Backend`` with native hooks; also run on the emulated cuda
-    backend (tests/test_cuda_emulation_engine.py)."""
+    for the reference). On the cpu backend and on the emulated cuda backend (``tests/cuda_emu``: the CUDA kernels'
+    per-chunk tables on CPU tensors; tests/test_source_norms.py runs its own cases there too)."""
     from tests.helpers import hooks_backward, source_norm_hooks  # noqa: PLC0415
     from tests.models import SharedCheckpointed, shared_batches  # noqa: PLC0415
 
+    backend = gaengine.backends.get_backend(backend, "cpu")
     torch.manual_seed(0)
     model = SharedCheckpointed()
     batches = shared_batches(3, torch.float32)
@@ -243,10 +246,6 @@ def check_source_rows_without_gradient(backend, monkeypatch) -> None:
                 assert abs(got - exact) <= sum_sq_rtol(n_params) * exact, (bucket_size_mb, rows, want)
         finally:
             hooks.close()
-
-
-def test_source_rows_count_zero_without_gradient(monkeypatch):
-    check_source_rows_without_gradient(gaengine.backends.get_backend("cpu", "cpu"), monkeypatch)
 
 
 # ------------------------------------------------------------------- every backend behind the one hot path

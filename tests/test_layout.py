@@ -1,5 +1,6 @@
-"""The rooms: the library (``gaengine/``) never imports the tools built on it (``gaengine/tools/``), and the
-``gaengine`` command named in ``pyproject.toml`` and ``python -m gaengine`` resolve to the tools' CLI."""
+"""The rooms: the library (``gaengine/``) never imports the tools built on it (``gaengine/tools/``), the
+``gaengine`` command named in ``pyproject.toml`` and ``python -m gaengine`` resolve to the tools' CLI, and no module
+of ``tests/`` imports a test file (what several test files share lives in a helper module there)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gaengine"
+TESTS = ROOT / "tests"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -68,6 +70,61 @@ def test_the_checker_sees_tool_imports(tmp_path):
               "def h():\n    from . import tools\n")
     names = _imported(ast.parse(source), "gaengine.engine", is_package=False)
     assert {"gaengine.tools.cli", "gaengine.tools", "gaengine.tools.bench", "gaengine.tools.train"} <= names
+
+
+def _is_test_file(path: Path) -> bool:
+    """A file pytest collects tests from (``test_*.py``, pytest's default ``python_files``, as pyproject.toml keeps)."""
+    return path.name.startswith("test_") and path.suffix == ".py"
+
+
+def _test_file_imports(files: list[Path], root: Path = ROOT) -> list[str]:
+    """``"<file> imports <module>"`` for each import, at any depth, by one of ``files`` of a test file among them
+    other than itself (its own module imported in a child process is allowed)."""
+    test_modules = {_module_name(p, root): p for p in files if _is_test_file(p)}
+    offenders = []
+    for path in files:
+        own = _module_name(path, root)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name in sorted(_imported(tree, own, path.name == "__init__.py")):
+            if name in test_modules and name != own:
+                offenders.append(f"{path.relative_to(root)} imports {name}")
+    return offenders
+
+
+def test_no_test_file_imports_another():
+    """Each test file stands alone: a test's helpers, models, scenarios and oracles live in a module of ``tests/``
+    that is not a test file (``tests/zero_scenarios.py``, ``tests/emulated_cuda.py``, ``tests/models.py``...), and a
+    case that runs on another backend is a parametrization of the test itself, not a replay from another file."""
+    files = sorted(TESTS.rglob("*.py"))
+    assert sum(_is_test_file(p) for p in files) > 20, f"expected the test files under {TESTS}, found {files}"
+    offenders = _test_file_imports(files)
+    assert not offenders, ("a module of tests/ imports a test file (move what it shares into a helper module of "
+                           "tests/, or parametrize the test itself):\n" + "\n".join(offenders))
+
+
+def test_the_checker_sees_test_file_imports(tmp_path):
+    """Every spelling of importing a test file is caught, lazy and relative ones included, from a test file or a
+    helper; a helper, a conftest and a file's own module are not test files."""
+    files = {
+        "tests/__init__.py": "",
+        "tests/helper.py": "import torch\nfrom tests import conftest\n",
+        "tests/conftest.py": "from tests.helper import x\n",
+        "tests/test_a.py": "from tests import helper, test_b as tb\n",
+        "tests/test_b.py": "import tests.test_c as c\nfrom tests.helper import y\n",
+        "tests/test_c.py": "def f():\n    from .test_a import g\n    from tests.test_c import h\n",
+        "tests/ops/__init__.py": "",
+        "tests/ops/test_d.py": "from ..test_b import z\nfrom tests.ops import test_e\n",
+        "tests/ops/test_e.py": "from tests.conftest import q\nfrom tests.helper import r\n",
+        "tests/scenarios.py": "from tests.test_c import f\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    offenders = _test_file_imports(sorted(tmp_path.rglob("*.py")), root=tmp_path)
+    assert sorted(offenders) == ["tests/ops/test_d.py imports tests.ops.test_e",
+                                 "tests/ops/test_d.py imports tests.test_b", "tests/scenarios.py imports tests.test_c",
+                                 "tests/test_a.py imports tests.test_b", "tests/test_b.py imports tests.test_c",
+                                 "tests/test_c.py imports tests.test_a"], offenders
 
 
 def test_cli_entry_point_resolves():

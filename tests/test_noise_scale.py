@@ -25,6 +25,7 @@ from torch import nn
 
 import gaengine
 from gaengine.schedules import Adaptive
+from tests import emulated_cuda
 from tests.conftest import seeded_randn
 from tests.oracle_hooks import use_hooks
 from tests.ranks import spawn_ranks
@@ -505,18 +506,11 @@ def test_bench_accumulate_times_the_noise_scale_on_and_off(capsys):
 
 
 # ---------------------------------------------------------------- the emulated CUDA backend (CUDA kernels on CPU)
-try:  # its session fixtures build and load the emulated extension (tests/cuda_emu), here as there
-    import tests.test_cuda_emulation_engine as _EMULATION
-    from tests.test_cuda_emulation_engine import emu, emulated_module  # noqa: F401 - fixtures
-except Exception:  # noqa: BLE001 - the emulation's own test module reports why
-    _EMULATION = None
-
 @pytest.mark.parametrize("mode", ["mean", "items"])
-def test_matches_fp64_oracle_on_the_emulated_cuda_backend(request, mode):
+def test_matches_fp64_oracle_on_the_emulated_cuda_backend(request, monkeypatch, mode):
     """backend="cuda" with csrc/cuda's kernels run on CPU tensors (tests/cuda_emu, native hooks): the source norms
-    come from the bucket kernel's per-chunk partials; the estimates match the oracle as on the other backends."""
-    if _EMULATION is None or _EMULATION.emu_build.find_cxx() is None:
-        pytest.skip("no emulated CUDA build here (tests/cuda_emu needs a C++ compiler)")
-    request.getfixturevalue("emu")
+    come from the bucket kernel's per-chunk partials; the estimates match the oracle as on the other backends.
+    Skipped where no C++ compiler builds the emulation (tests/conftest.py's ``emulated_cuda_module``)."""
+    emulated_cuda.install(request, monkeypatch, as_default=False)
     worst = _check_against_oracle([_run(mode, backend="cuda", resume_at=(2, 1))], mode)
     print(f"oracle, emulated cuda, {mode}: max relative error {worst:.2e}")

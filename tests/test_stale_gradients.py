@@ -2,7 +2,9 @@
 
 What a new user hits: a ``.grad`` left from a ``loss.backward()`` before the accumulator was built, a failed window
 followed by ``close()`` and a new accumulator, a model converted after construction, ``num_items=0``. Each test
-compares against the plain recipe on a fresh copy of the model (fp32 ``.grad`` accumulated by autograd).
+compares against the plain recipe on a fresh copy of the model (fp32 ``.grad`` accumulated by autograd), on the
+default backend with the native hooks and with the Python oracle (``tests/oracle_hooks.py``), and on the emulated
+cuda backend (``tests/cuda_emu``: csrc/cuda's kernels and the native hot path on CPU tensors) as the default backend.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ import torch
 from torch import nn
 
 import gaengine
+from gaengine import backends
+from tests import emulated_cuda
 from tests.oracle_hooks import use_hooks
 from tests.tolerances import assert_bitwise_equal, rel_diff, split_batch_rtol
 
 K = 4
 
-HOT_PATHS = [pytest.param("native", id="native"), pytest.param("python", id="python")]
+# (backend id of tests/conftest.py's BACKENDS, hooks): "default" takes whatever backend="auto" picks here.
+HOT_PATHS = [pytest.param(("default", "native"), id="native"), pytest.param(("default", "python"), id="python"),
+             pytest.param(("cuda-emu", "native"), id="cuda-emu-native")]
 
 
 def _model():
@@ -64,8 +70,16 @@ def _assert_grads(model, expected, what, rtol=None):
 
 @pytest.fixture(params=HOT_PATHS)
 def hot_path(request, monkeypatch):
-    use_hooks(monkeypatch, request.param)
-    return request.param
+    """The hooks the test's accumulators take (``backend="auto"``); with ``cuda-emu``, backend "auto" is the cuda
+    backend over the emulated build (``GAENGINE_BACKEND=cuda``, ``tests/emulated_cuda.py``)."""
+    backend_id, hooks = request.param
+    if backend_id == "cuda-emu":
+        module = emulated_cuda.install(request, monkeypatch, as_default=True)
+        chosen = backends.get_backend("auto", "cpu")
+        assert chosen.name == "cuda" and chosen._C is module, chosen.name
+    else:
+        use_hooks(monkeypatch, hooks)
+    return hooks
 
 
 def test_grad_present_at_construction_is_dropped_with_one_warning(hot_path):

@@ -1,6 +1,7 @@
 """ZeRO stages 1 and 2 (gaengine.zero) as real gloo processes, against the plain recipe in one process.
 
-The reference (``_reference``) is the plain PyTorch recipe with fp32 master weights over the same global micro-
+The reference (``tests/zero_scenarios.py``'s ``plain_recipe``, shared with ``tests/test_zero_backends.py``) is the plain
+PyTorch recipe with fp32 master weights over the same global micro-
 batches in one process: each micro-batch's gradient of the low-precision model (unscaled mean loss, or loss sum
 in item mode; times the loss scale for fp16) summed into fp32, divided by the window's denominator, clipped by
 ``torch.nn.utils.clip_grad_norm_``, a torch optimizer on the fp32 masters, the masters rounded into the model.
@@ -10,7 +11,6 @@ file stays fast on two cores.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -22,62 +22,19 @@ import torch.distributed as dist
 from torch import nn
 
 import gaengine
-import gaengine.optim
 from gaengine.zero import STAGING_SLOTS, ShardLayout, pad_unit, zero_order
 from tests.helpers import forbid_host_reads
 from tests.models import TINY, Net, SharedCheckpointed
 from tests.models import D as SharedCheckpointed_D
 from tests.ranks import launch_scenario as launch_ranks
 from tests.ranks import free_port
-from tests.tolerances import (clip_coef_rtol, recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol,
-                              unit_roundoff, update_rtol)
+from tests.tolerances import rel_diff, split_batch_rtol, update_rtol
+from tests.zero_scenarios import (BASE, K, STEPS, is_poisoned, launch, make_optimizer, masters_rtol, micro_batch,
+                                  micro_loss, plain_recipe, token_data, window_sizes)
 
 pytestmark = pytest.mark.multiproc
 
-K, B, STEPS, MAX_NORM, LR = 3, 2, 3, 0.05, 1e-2
-
-
-def _data(world):
-    g = torch.Generator().manual_seed(321)
-    tokens = torch.randint(0, 11, (STEPS, world * K * B, 5), generator=g)
-    labels = torch.randint(0, 11, (STEPS, world * K * B, 5), generator=g)
-    for step in range(STEPS):  # a different number of real tokens in every micro-batch (item mode)
-        for row in range(world * K * B):
-            labels[step, row, (step + row) % 5 + 1:] = -100
-    return tokens, labels
-
-
-def _micro(data, step, rank, k):
-    tokens, labels = data
-    lo = (rank * K + k) * B
-    return tokens[step, lo:lo + B], labels[step, lo:lo + B]
-
-
-def _loss(model, tokens, labels, item_mode, use_side):
-    logits = model(tokens, use_side=use_side).float().reshape(-1, 11)
-    if item_mode:
-        return nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="sum")
-    return nn.functional.cross_entropy(logits, labels.reshape(-1).clamp_min(0))
-
-
-def _optimizer(name, params):
-    groups = [{"params": [p for p in params if p.dim() > 1]},
-              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": LR / 2}]
-    if name == "adamw-fused":
-        return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1, fused=True)
-    if name == "fused-adamw":
-        return gaengine.optim.FusedAdamW(groups, lr=LR, weight_decay=0.1)
-    if name == "adam":
-        return torch.optim.Adam(groups, lr=LR, weight_decay=0.01)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
-    raise AssertionError(name)
-
-
-# Each configuration: (name, dict). Defaults: stage 1, mean mode, fp32, fused torch AdamW, clipping, 3 full windows.
-_BASE = dict(stage=1, items=False, dtype=torch.float32, opt="adamw-fused", clip=MAX_NORM, masters=True,
-             partial=False, nonfinite=False, scheduler=False, reduce_dtype=torch.float32, overlap=False,
-             dropped=False, schedule=None)
+# Each configuration: (name, the settings it changes in tests/zero_scenarios.py's BASE).
 CONFIGS = {
     "s1-mean": {},
     "s2-mean": dict(stage=2),
@@ -107,26 +64,14 @@ WORLD_CONFIGS = {  # every configuration at 2 ranks; the main ones at 3 and 4
 
 
 def _cfg(name):
-    return {**_BASE, **CONFIGS[name]}
-
-
-def _windows(cfg):
-    """Micro-batches of each window: K, or the schedule's, and the last one partial (K - 1, stepped with
-    force=True)."""
-    if cfg["schedule"] is not None:
-        return list(cfg["schedule"])
-    return [K - 1 if cfg["partial"] and w == STEPS - 1 else K for w in range(STEPS)]
-
-
-def _poisoned(cfg, step, rank, k):
-    return cfg["nonfinite"] and step == 1 and rank == 1 and k == 0
+    return {**BASE, **CONFIGS[name]}
 
 
 # ---------------------------------------------------------------- worker side
 def _run_config(rank, world, cfg):
     torch.manual_seed(0)
     model = Net().to(cfg["dtype"])
-    opt = _optimizer(cfg["opt"], list(model.parameters()))
+    opt = make_optimizer(cfg["opt"], list(model.parameters()))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if cfg["scheduler"] else None
     schedule = cfg["schedule"]
     steps = K if schedule is None else (lambda update, items: schedule[update])
@@ -134,19 +79,19 @@ def _run_config(rank, world, cfg):
                                        lr_scheduler=sched, bucket_size_mb=0.0005, zero_stage=cfg["stage"],
                                        master_weights=cfg["masters"], reduce_dtype=cfg["reduce_dtype"],
                                        overlap_param_gather=cfg["overlap"])
-    data = _data(world)
+    data = token_data(world)
     skipped, pending = [], []
-    for step, k_steps in enumerate(_windows(cfg)):
+    for step, k_steps in enumerate(window_sizes(cfg)):
         if cfg["dropped"] and step == 1:
             for k in range(2):  # a window dropped mid-way (stage 2: its reductions in flight)
-                t, l = _micro(data, step, rank, k)
-                acc.backward(_loss(model, t, l, cfg["items"], use_side=rank == 0),
+                t, l = micro_batch(data, step, rank, k)
+                acc.backward(micro_loss(model, t, l, cfg["items"], use_side=rank == 0),
                              num_items=torch.tensor(int((l != -100).sum())) if cfg["items"] else None)
             acc.zero_grad()
         for k in range(k_steps):
-            t, l = _micro(data, step, rank, k)
-            loss = _loss(model, t, l, cfg["items"], use_side=rank == 0)
-            if _poisoned(cfg, step, rank, k):
+            t, l = micro_batch(data, step, rank, k)
+            loss = micro_loss(model, t, l, cfg["items"], use_side=rank == 0)
+            if is_poisoned(cfg, step, rank, k):
                 loss = loss * float("inf")
             acc.backward(loss, num_items=torch.tensor(int((l != -100).sum())) if cfg["items"] else None)
         r = acc.step(force=k_steps < K)
@@ -251,98 +196,10 @@ def _scenario_bytes_and_syncs(rank, world, names):
     return out
 
 
-def _launch(tmp_path, world, scenario, arg=None):
-    """``scenario(rank, world, arg)`` on ``world`` gloo ranks (``tests.ranks.launch_scenario``): every result."""
-    codes, results = launch_ranks(tmp_path, world, functools.partial(_with_arg, scenario, arg), join_s=240)
-    assert codes == [0] * world, f"{scenario.__name__}: a rank failed (see the captured stderr)"
-    return results
-
-
-def _with_arg(scenario, arg, rank, world, out):
-    return scenario(rank, world, arg)
-
-
-# ---------------------------------------------------------------- the reference: plain recipe, one process
-def _reference(world, cfg):
-    """The plain recipe in one process over all ranks' micro-batches. Optimizer: torch's (``torch.optim.AdamW(fused=
-    True)`` stands for ``gaengine.optim.FusedAdamW``). Without master weights, a torch optimizer updates the bf16/
-    fp16 parameters from the gradient rounded to their dtype; FusedAdamW's in-place update is AdamW on fp32
-    copies of p, m and v, each rounded back to the parameter's dtype after the step."""
-    torch.manual_seed(0)
-    model = Net().to(cfg["dtype"])
-    params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
-    low_no_masters = not cfg["masters"] and cfg["dtype"] != torch.float32
-    on_model = low_no_masters and cfg["opt"] != "fused-adamw"  # a torch optimizer on the bf16/fp16 parameters
-    opt = _optimizer("adamw-fused" if cfg["opt"] == "fused-adamw" else cfg["opt"], params if on_model else masters)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if cfg["scheduler"] else None
-    data = _data(world)
-    scale = 2.0**16 if cfg["dtype"] == torch.float16 else 1.0  # GradScaler's initial scale
-    skipped = []
-    for step, k_steps in enumerate(_windows(cfg)):
-        sums = [None] * len(params)
-        items, poisoned = 0, False
-        for rank in range(world):
-            for k in range(k_steps):
-                t, l = _micro(data, step, rank, k)
-                poisoned |= _poisoned(cfg, step, rank, k)
-                items += int((l != -100).sum())
-                model.zero_grad(set_to_none=True)
-                (_loss(model, t, l, cfg["items"], use_side=rank == 0) * scale).backward()
-                for i, p in enumerate(params):
-                    if p.grad is not None:
-                        sums[i] = p.grad.float() if sums[i] is None else sums[i] + p.grad.float()
-        denom = (items if cfg["items"] else world * k_steps) * scale
-        found_inf = poisoned or not all(torch.isfinite(s).all() for s in sums if s is not None)
-        skipped.append(found_inf)
-        if found_inf:
-            scale /= 2 if cfg["dtype"] == torch.float16 else 1
-            continue
-        for m, s in zip(masters, sums):
-            m.grad = None if s is None else s / denom
-        if cfg["clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(masters, cfg["clip"])
-        if on_model:
-            for p, m in zip(params, masters):
-                p.grad = None if m.grad is None else m.grad.to(p.dtype)
-        opt.step()
-        if sched is not None:
-            sched.step()
-        with torch.no_grad():
-            if on_model:
-                for p, m in zip(params, masters):
-                    m.copy_(p)
-            elif low_no_masters:  # p, m, v rounded to the parameter's dtype after every step
-                for m in masters:
-                    for t in [m] + [v for v in opt.state[m].values() if v.dim() > 0]:
-                        t.copy_(t.to(cfg["dtype"]))
-            for p, m in zip(params, masters):
-                p.copy_(m)
-    return {n: m.detach() for (n, _), m in zip(model.named_parameters(), masters)}, skipped, \
-        [g["lr"] for g in opt.param_groups]
-
-
-def _masters_rtol(cfg, world, expected, n):
-    """The masters of ``cfg`` on ``world`` ranks against ``_reference``: the same micro-batch gradients summed over
-    the ranks in another order, each side's clip coefficient (n elements), a bf16/fp16 wire's rounding of each
-    rank's sum and its sum over the ranks; the updates (fp32 SGD at lr 0.1, or AdamW/Adam at LR); without masters
-    a bf16/fp16 parameter and its moments are rounded after every update, where a last-bit difference may flip a
-    rounding: one ulp (2 u) per update."""
-    windows = _windows(cfg)
-    grad_rtol = split_batch_rtol(world * max(windows)) + (2 * clip_coef_rtol(n) if cfg["clip"] else 0.0)
-    if cfg["reduce_dtype"] != torch.float32:
-        grad_rtol += unit_roundoff(cfg["reduce_dtype"]) + sum_rtol(world, cfg["reduce_dtype"])
-    sgd = cfg["opt"] == "sgd"
-    rtol = recipe_param_rtol(expected, "sgd" if sgd else "adamw", 0.1 if sgd else LR, len(windows), grad_rtol,
-                             grad_norm_max=cfg["clip"])
-    if not cfg["masters"] and cfg["dtype"] != torch.float32:
-        rtol += len(windows) * 2 * unit_roundoff(cfg["dtype"])
-    return rtol
-
-
+# ---------------------------------------------------------------- against the plain recipe in one process
 def _check_config(results, world, name):
     cfg = _cfg(name)
-    ref, ref_skipped, ref_lr = _reference(world, cfg)
+    ref, ref_skipped, ref_lr = plain_recipe(world, cfg)
     runs = [r[name] for r in results]
     for rank, run in enumerate(runs):
         assert run["skipped"] == ref_skipped, f"{name} rank {rank}: skip decisions"
@@ -360,7 +217,7 @@ def _check_config(results, world, name):
                 assert bool(flat[lo:hi].isnan().all()), f"{name} {pname}: two ranks own [{lo}, {hi})"
                 flat[lo:hi] = values
         assert not bool(flat.isnan().any()), f"{name} {pname}: a range no rank owns"
-        tol = _masters_rtol(cfg, world, expected, sum(t.numel() for t in ref.values()))
+        tol = masters_rtol(cfg, world, expected, sum(t.numel() for t in ref.values()))
         assert rel_diff(flat, expected.reshape(-1)) <= tol, f"{name} {pname}: masters vs one process"
         model_param = runs[0]["params"][pname]
         assert torch.equal(model_param.reshape(-1), flat.to(model_param.dtype)), \
@@ -373,14 +230,14 @@ def _check_config(results, world, name):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_stages_match_one_process(tmp_path, world):
     names = WORLD_CONFIGS[world]
-    results = _launch(tmp_path, world, _scenario_configs, names)
+    results = launch(tmp_path, world, _scenario_configs, names)
     for name in names:
         _check_config(results, world, name)
 
 
 def test_bytes_per_window_and_no_host_sync(tmp_path):
     world = 2
-    results = _launch(tmp_path, world, _scenario_bytes_and_syncs)
+    results = launch(tmp_path, world, _scenario_bytes_and_syncs)
     for res in results:
         for dtype in ("torch.float32", "torch.bfloat16"):
             s0, s1, s2 = (res[(dtype, s)] for s in (0, 1, 2))
@@ -435,7 +292,7 @@ def test_stage2_double_arrival_and_unused_match_one_process(tmp_path):
     scattered every micro-batch) against the plain recipe in one process: fp32 ``.grad`` summed by autograd over
     the world's K micro-batches per window, divided by their count, ``torch.optim.SGD``."""
     world = 2
-    results = _launch(tmp_path, world, _scenario_double_arrival)
+    results = launch(tmp_path, world, _scenario_double_arrival)
     torch.manual_seed(0)
     ref = SharedCheckpointed()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -467,10 +324,10 @@ def _scenario_rank_fails(rank, world, out):
     """Stage 2 (a reduce-scatter every micro-batch): rank 1 stops after the first micro-batch of a window."""
     torch.manual_seed(0)
     model = Net()
-    acc = gaengine.GradientAccumulator(model, _optimizer("adamw-fused", list(model.parameters())),
+    acc = gaengine.GradientAccumulator(model, make_optimizer("adamw-fused", list(model.parameters())),
                                        accumulation_steps=K, bucket_size_mb=0.0005, zero_stage=2)
-    data = _data(world)
-    acc.backward(_loss(model, *_micro(data, 0, rank, 0), False, rank == 0))
+    data = token_data(world)
+    acc.backward(micro_loss(model, *micro_batch(data, 0, rank, 0), False, rank == 0))
     if rank == 1:
         sys.stdout.flush()
         os._exit(3)  # this rank stops mid-window
@@ -478,7 +335,7 @@ def _scenario_rank_fails(rank, world, out):
     result = {"error": None}
     try:
         for k in range(1, K):
-            acc.backward(_loss(model, *_micro(data, 0, rank, k), False, rank == 0))
+            acc.backward(micro_loss(model, *micro_batch(data, 0, rank, k), False, rank == 0))
         acc.step()
     except RuntimeError as exc:
         result = {"error": str(exc), "elapsed": time.perf_counter() - start}
@@ -499,16 +356,16 @@ def test_world_of_one_accepts_zero_stage_and_shards_nothing():
     ref = Net()
     model = Net()
     model.load_state_dict(ref.state_dict())
-    acc0 = gaengine.GradientAccumulator(ref, _optimizer("adamw-fused", list(ref.parameters())), accumulation_steps=K)
-    acc2 = gaengine.GradientAccumulator(model, _optimizer("adamw-fused", list(model.parameters())),
+    acc0 = gaengine.GradientAccumulator(ref, make_optimizer("adamw-fused", list(ref.parameters())), accumulation_steps=K)
+    acc2 = gaengine.GradientAccumulator(model, make_optimizer("adamw-fused", list(model.parameters())),
                                         accumulation_steps=K, zero_stage=2)
     assert acc2.zero_stage == 2 and not acc2.sharding.sharded
-    data = _data(1)
+    data = token_data(1)
     for step in range(2):
         for k in range(K):
-            t, l = _micro(data, step, 0, k)
-            acc0.backward(_loss(ref, t, l, False, False))
-            acc2.backward(_loss(model, t, l, False, False))
+            t, l = micro_batch(data, step, 0, k)
+            acc0.backward(micro_loss(ref, t, l, False, False))
+            acc2.backward(micro_loss(model, t, l, False, False))
         acc0.step()
         acc2.step()
     for p, q in zip(model.parameters(), ref.parameters()):

@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2 on every backend's hooks, and ``overlap_param_gather`` at stage 2, as real gloo ranks against the
-plain PyTorch recipe in one process (``tests/test_zero.py``'s ``_reference``: fp32 gradients summed over the world's
-micro-batches, divided by their count or the items, ``clip_grad_norm_``, a torch optimizer on fp32 masters).
+plain PyTorch recipe in one process (``tests/zero_scenarios.py``'s ``plain_recipe``: fp32 gradients summed over the
+world's micro-batches, divided by their count or the items, ``clip_grad_norm_``, a torch optimizer on fp32 masters).
 
 ``tests/test_zero.py`` runs its configurations on the default backend (``cpu``, the native hooks); here each backend
 id of ``tests/conftest.py`` that the stages had never run on: ``triton`` (the interpreter on CPU tensors), ``cuda-emu``
@@ -16,11 +16,13 @@ import pytest
 import torch
 
 import gaengine
-from tests import test_zero as tz
+from tests import emulated_cuda
 from tests.conftest import backend_name, backend_params
 from tests.models import Net
 from tests.oracle_hooks import use_hooks
 from tests.tolerances import rel_diff
+from tests.zero_scenarios import (BASE, K, launch, make_optimizer, masters_rtol, micro_batch, micro_loss, plain_recipe,
+                                  token_data, window_sizes)
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,20 +37,7 @@ HOOKS = {"triton": "python", "cuda-emu": "native", "cpu": "python"}
 
 
 def _cfg(name):
-    return {**tz._BASE, **CONFIGS[name]}
-
-
-def _install_emulated_build():
-    """In a rank process: the emulated build of gaengine._C (the session's, loaded: a no-op ninja run) as the cuda
-    backend's extension, as the parent's ``emulated_cuda_module`` fixture does."""
-    import os  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
-    import engine as emu_engine  # noqa: PLC0415
-
-    module, _ = emu_engine.build()
-    emu_engine.use(pytest.MonkeyPatch(), module)  # this process is the test's alone: never undone
+    return {**BASE, **CONFIGS[name]}
 
 
 def _run_config(rank, world, backend, name):
@@ -56,18 +45,18 @@ def _run_config(rank, world, backend, name):
     cfg = _cfg(name)
     torch.manual_seed(0)
     model = Net().to(cfg["dtype"])
-    opt = tz._optimizer(cfg["opt"], list(model.parameters()))
-    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=tz.K, max_grad_norm=cfg["clip"],
+    opt = make_optimizer(cfg["opt"], list(model.parameters()))
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=cfg["clip"],
                                        bucket_size_mb=0.0005, zero_stage=cfg["stage"],
                                        overlap_param_gather=cfg["overlap"], backend=backend)
-    data = tz._data(world)
+    data = token_data(world)
     skipped = []
-    for step, k_steps in enumerate(tz._windows(cfg)):
+    for step, k_steps in enumerate(window_sizes(cfg)):
         for k in range(k_steps):
-            t, l = tz._micro(data, step, rank, k)
-            acc.backward(tz._loss(model, t, l, cfg["items"], use_side=rank == 0),
+            t, l = micro_batch(data, step, rank, k)
+            acc.backward(micro_loss(model, t, l, cfg["items"], use_side=rank == 0),
                          num_items=torch.tensor(int((l != -100).sum())) if cfg["items"] else None)
-        skipped.append(bool(acc.step(force=k_steps < tz.K).skipped))
+        skipped.append(bool(acc.step(force=k_steps < K).skipped))
     if cfg["overlap"]:
         model(data[0][0, :1], use_side=True)  # the next forward: every module's pre-hook waits for its gather
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "skipped": skipped,
@@ -80,13 +69,13 @@ def _scenario(rank, world, arg):
     """``arg``: (backend id, configuration names); each configuration's result on this rank."""
     backend_id, names = arg
     if backend_id == "cuda-emu":
-        _install_emulated_build()
+        emulated_cuda.install_in_rank()
     return {name: _run_config(rank, world, backend_name(backend_id), name) for name in names}
 
 
 def _check(results, name):
     cfg = _cfg(name)
-    ref, ref_skipped, _ = tz._reference(WORLD, cfg)
+    ref, ref_skipped, _ = plain_recipe(WORLD, cfg)
     n = sum(t.numel() for t in ref.values())
     for rank, res in enumerate(results):
         run = res[name]
@@ -95,7 +84,7 @@ def _check(results, name):
             got = run["params"].get(pname)
             if got is None:  # out.weight: tied to emb.weight, one parameter
                 continue
-            assert rel_diff(got, expected) <= tz._masters_rtol(cfg, WORLD, expected, n), \
+            assert rel_diff(got, expected) <= masters_rtol(cfg, WORLD, expected, n), \
                 f"{name} rank {rank} {pname}: vs the plain recipe in one process"
             assert torch.equal(got, results[0][name]["params"][pname]), f"{name} rank {rank} {pname}: ranks differ"
 
@@ -105,7 +94,7 @@ def test_zero_stages_on_each_backends_hooks_match_one_process(tmp_path, monkeypa
     if backend_id == "cuda-emu":
         request.getfixturevalue("emulated_cuda_module")  # built once, here: the ranks load it; skips without a compiler
     use_hooks(monkeypatch, HOOKS[backend_id])  # the spawned ranks inherit it
-    results = tz._launch(tmp_path, WORLD, _scenario, (backend_id, list(CONFIGS)))
+    results = launch(tmp_path, WORLD, _scenario, (backend_id, list(CONFIGS)))
     hooks = {res[name]["hooks"] for res in results for name in CONFIGS}
     assert len(hooks) == 1, hooks
     for name in CONFIGS:
@@ -116,5 +105,5 @@ def test_overlap_param_gather_at_stage2_on_the_default_backend(tmp_path, monkeyp
     """Stage 2 with the gathers left in flight after ``step()`` on the default backend and hooks (``auto``)."""
     use_hooks(monkeypatch, "native")
     monkeypatch.delenv("GAENGINE_BACKEND", raising=False)
-    results = tz._launch(tmp_path, WORLD, _scenario, ("auto", ["s2-overlap"]))
+    results = launch(tmp_path, WORLD, _scenario, ("auto", ["s2-overlap"]))
     _check(results, "s2-overlap")
