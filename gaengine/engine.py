@@ -727,13 +727,15 @@ class GradientAccumulator:
     def state_dict(self) -> dict:
         """Everything needed to resume, mid-window included: the window's fp32 sums and counts, the fp32 masters,
         the optimizer's state and param groups, the ``lr_scheduler``, the loss scale, the bucket order and the
-        schedule's position. One format for every ``zero_stage`` (``gaengine.checkpoint.accumulator_state_dict``), in
+        schedule's position. One format for every ``zero_stage`` and FSDP2 models
+        (``gaengine.checkpoint.accumulator_state_dict``), in
         ``torch.distributed.checkpoint``'s form: one ``gaengine.checkpoint.FlatShard`` per flattened parameter, each
         rank holding its range. Save it with ``dcp.save({"model": model.state_dict(), "acc": acc.state_dict()}, ...)``
         or, where a rank holds every value whole (``zero_stage=0``, one rank), ``torch.save`` (plain CPU tensors,
         ``torch.load(..., weights_only=True)``). Saved between windows it loads on any world size and ``zero_stage``,
-        mid-window on the same ones, bit-identically (docs/checkpoints.md). Every rank calls it. Raises
-        ``RuntimeError`` between the window's last ``backward`` and ``step()``.
+        mid-window on the same ones, bit-identically (docs/checkpoints.md; an FSDP2 model's with
+        ``get_model_state_dict``, docs/fsdp2.md). Every rank calls it. Raises ``RuntimeError`` between the window's
+        last ``backward`` and ``step()``; on an FSDP2 model, ``ValueError`` for an optimizer that is not elementwise.
         """
         self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)
