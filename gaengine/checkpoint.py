@@ -576,9 +576,10 @@ def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int 
     start, size = (e.lo if start is None else start), (e.numel if size is None else size)
     if isinstance(value, FlatShard):
         if value.start != start or value.local.numel() != e.hi - e.lo or value.shape[0] != size:
-            raise ValueError(f"{what}[{e.key!r}] holds elements [{value.start}, {value.start + value.local.numel()}) of "
-                             f"{value.shape[0]}, this rank owns [{start}, {start + e.hi - e.lo}) of {size}: take the "
-                             "state dict from this run's accumulator (acc.state_dict()) before dcp.load")
+            held = f"[{value.start}, {value.start + value.local.numel()}) of {value.shape[0]}"
+            raise ValueError(f"{what}[{e.key!r}] holds elements {held}, this rank owns [{start}, "
+                             f"{start + e.hi - e.lo}) of {size}: take the state dict from this run's accumulator "
+                             "(acc.state_dict()) before dcp.load")
         return value.local
     if not isinstance(value, torch.Tensor) or value.numel() != e.numel:
         got = f"{value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -840,9 +841,10 @@ def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
       flat layout before ``gaengine.store`` moved into the store's) and returns ``acc.state_dict()``: views of
       ``acc``'s buffers, to ``torch.save`` (or ``dcp.save``) at once; loading it into ``acc`` again changes nothing.
 
-    Raises ``ValueError`` (``acc`` unchanged) for a format gaengine never wrote, a ``PLAIN_FORMAT`` state without
-    ``acc`` or with a sharded one (load it replicated, save, then load that anywhere), or of another model or
-    world size."""
+    Raises ``ValueError`` (``acc`` unchanged) for a format gaengine never wrote, an ``FSDP2_FORMAT`` state (it held
+    no optimizer state: refused as ``acc.load_state_dict`` refuses it, saying what to do), a ``PLAIN_FORMAT`` state
+    without ``acc`` or with a sharded one (load it replicated, save, then load that anywhere), or of another model
+    or world size."""
     fmt = state.get("format") if isinstance(state, dict) else None
     if fmt == STATE_FORMAT:
         return state
@@ -857,6 +859,8 @@ def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
     if fmt == PLAIN_FORMAT:
         _load_plain_state(acc, state)
         return acc.state_dict()
+    if fmt == FSDP2_FORMAT:
+        _check_format(state)  # raises: not convertible, and what to do instead
     got = fmt if isinstance(state, dict) else type(state).__name__
     raise ValueError(f"state has format {got!r}, none that gaengine wrote ({', '.join((STATE_FORMAT, *OLD_FORMATS))}):"
                      " pass a state dict gaengine saved")

@@ -355,13 +355,27 @@ def _refusals(rank: int, world: int) -> dict:
         m._load = {"format": FSDP2_FORMAT, "main_grad": torch.zeros(3), "master": None}
         return m, {"accumulation_steps": K}
 
+    def other_model():  # acc.state_dict() of another model (l0.weight frozen there): refused, the window kept
+        torch.manual_seed(0)
+        other = _shard(Net(), world)
+        other.l0.weight.requires_grad_(False)
+        saver = gaengine.GradientAccumulator(other, torch.optim.AdamW(other.parameters(), lr=LR),
+                                             accumulation_steps=K)
+        state = saver.state_dict()
+        saver.close()
+        torch.manual_seed(0)
+        m = _shard(Net(), world)
+        m._load = state
+        return m, {"accumulation_steps": K}
+
     import gaengine.optim  # noqa: F401
 
     out = {name: attempt(build) for name, build in [
         ("fsdp1", fsdp1), ("foreign-dtensor", foreign_dtensor), ("root-not-fsdp", child_only), ("mixed", mixed),
         ("cpu-offload", offload), ("zero-stage", zero), ("reduce-dtype", reduce_dtype),
         ("fused-adamw", fused_adamw), ("sync-off", sync_off), ("full-export", full_export),
-        ("non-elementwise-state", non_elementwise_state), ("old-format", old_format)]}
+        ("non-elementwise-state", non_elementwise_state), ("old-format", old_format),
+        ("other-model", other_model)]}
     return out
 
 
@@ -742,7 +756,8 @@ def _check_refusals(results: list[dict]) -> None:
               "sync-off": ("RuntimeError", "set_requires_gradient_sync(True)"),
               "full-export": ("TypeError", "get_optimizer_state_dict"),
               "non-elementwise-state": ("ValueError", "needs an elementwise optimizer"),
-              "old-format": ("ValueError", "gaengine.GradientAccumulator/fsdp2/1 state dict, saved per rank")}
+              "old-format": ("ValueError", "gaengine.GradientAccumulator/fsdp2/1 state dict, saved per rank"),
+              "other-model": ("ValueError", "state was saved for another model or optimizer")}
     for rank, res in enumerate(results):
         for name, (kind, words) in expect.items():
             got = res["refusals"][name]
@@ -830,9 +845,9 @@ def test_mid_window_resume_noise_scale(tmp_path):
 
 def test_mid_window_resume_bf16_masters(tmp_path):
     """bf16 sharded parameters with fp32 masters (``master_weights=True``), saved mid-window on 2 ranks (DCP of the
-    model's state dict and ``acc.state_dict()``, which holds the masters and the optimizer's moments) and resumed by a fresh model, optimizer and accumulator: the
-    masters' fp32 bits (not the bf16 model's rounding) come back. The reference is the uninterrupted run: parameters
-    and masters equal bit for bit."""
+    model's state dict and ``acc.state_dict()``, which holds the masters and the optimizer's moments) and resumed by
+    a fresh model, optimizer and accumulator: the masters' fp32 bits (not the bf16 model's rounding) come back. The
+    reference is the uninterrupted run: parameters and masters equal bit for bit."""
     _check_resume("resume-bf16", _launch(tmp_path, 2, ["resume-bf16"]))
 
 

@@ -20,6 +20,7 @@ import torch
 
 import gaengine
 from gaengine.checkpoint import PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT, upgrade
+from gaengine.formats import FSDP2_FORMAT
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "plain_state_5fe3dd9_parent.pt")
 
@@ -85,6 +86,8 @@ def test_load_state_dict_refuses_an_old_format_naming_it_and_upgrade():
         upgrade(saved["acc"])
     with pytest.raises(ValueError, match="none that gaengine wrote"):
         upgrade({"format": "something else"}, acc)
+    with pytest.raises(ValueError, match=f"{FSDP2_FORMAT} state dict.*does not convert it. To go on"):
+        upgrade({"format": FSDP2_FORMAT, "main_grad": torch.zeros(3), "master": None}, acc)
     assert torch.equal(acc.main_grad.data, before) and acc.num_micro_batches == 0
 
 
