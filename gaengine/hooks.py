@@ -144,8 +144,4 @@ def make_hooks(params: list[torch.Tensor], main_grad: FlatBuffer, backend, bucke
     Raises ``RuntimeError`` when the hooks cannot run (``check_native_hooks``).
     """
     check_native_hooks(backend)
-    if acquire is not None:
-        return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire)
-    if fusion:
-        return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, fusion=True)
-    return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources)
+    return NativeHooks(params, main_grad, backend, buckets, reducer, measure_sources, acquire=acquire, fusion=fusion)

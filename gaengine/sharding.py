@@ -220,13 +220,8 @@ class ShardingStrategy(ABC):
             expected = {id(p): n for p, n in zip(old.params, old.expected_arrivals)}
             stale = old.take_stale()
             old.close()
-        options: dict[str, Any] = {"measure_sources": True} if self.measure_sources else {}
-        acquire = self._acquire(reducer)
-        if acquire is not None:
-            options["acquire"] = acquire
-        if self.fusion:
-            options["fusion"] = True
-        hooks = make_hooks(list(order), main_grad, self.backend, buckets, reducer, **options)
+        hooks = make_hooks(list(order), main_grad, self.backend, buckets, reducer,
+                           measure_sources=self.measure_sources, acquire=self._acquire(reducer), fusion=self.fusion)
         if expected:  # arrivals per backward learned so far (a hook firing twice: reentrant checkpointing)
             hooks.set_expected_arrivals([expected.get(id(p), 1) for p in order])  # 1: a joined one
         if not learning:

@@ -83,18 +83,16 @@ def plant_engine_bug(monkeypatch, bug):
 
 
 def source_norm_hooks(model, backend, hot_path, bucket_size_mb, measure, monkeypatch):
-    """``make_hooks`` over ``model``'s trainable parameters (one fp32 CPU ``main_grad``), on ``hot_path`` (set in
-    the environment through ``monkeypatch``), measuring the source norms when ``measure``; skips the test where
-    the native hooks cannot measure them."""
+    """``make_hooks`` over ``model``'s trainable parameters (one fp32 CPU ``main_grad``), on ``hot_path``'s hooks
+    (``tests.oracle_hooks.use_hooks``: "native" the library's, "python" the oracle), measuring the source norms
+    when ``measure``."""
     use_hooks(monkeypatch, hot_path)
     params = [p for p in model.parameters() if p.requires_grad]
     layout = FlatLayout.build(params)
     main_grad = FlatBuffer(layout, torch.float32, torch.device("cpu"))
     hooks = make_hooks(params, main_grad, backend, build_buckets(layout, bucket_size_mb), None,
                        measure_sources=measure)
-    if hooks.native != (hot_path == "native"):
-        hooks.close()
-        pytest.skip("the native hooks of this gaengine._C do not measure source norms yet")
+    assert hooks.native == (hot_path == "native"), f"{type(hooks).__name__} built for hot_path={hot_path!r}"
     return hooks
 
 
