@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 
-import pytest
 import torch
 
 from gaengine.backends import ReferenceBackend
