@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import gb_per_s, print_table, time_interleaved, write_json  # noqa: E402
 
 from gaengine import GradientAccumulator, ops  # noqa: E402
+from gaengine.tools.bench import plausible  # noqa: E402
 from gaengine.optim import FusedAdamW  # noqa: E402
 
 K = 4  # micro-batches per window
@@ -93,11 +94,24 @@ def bench(numel: int, n_params: int, device: torch.device, warmup: int, repeats:
         for grads in micro_grads:
             acc.backward(sum((p * g).sum() for p, g in zip(model_a, grads)))
 
-    def fused_step_alone() -> None:  # on the engine's state: the masters keep their main_grad views as .grad
-        fused.grad_scale = torch.tensor(2.0, device=device)
-        fused.found_inf = torch.tensor(0.0, device=device)
-        fused.step()
-        del fused.grad_scale, fused.found_inf
+    # FusedAdamW.step() alone, on its own fp32 masters whose .grad holds the window's fp32 gradient, each attached
+    # to a bf16 model parameter: the pass acc.step() runs (the engine's masters hold no .grad outside acc.step(),
+    # so stepping the engine's optimizer here would update nothing: a no-op, as the first GPU run timed).
+    g0 = torch.Generator().manual_seed(1)
+    model_c = [torch.randn(n, generator=g0).to(device=device, dtype=torch.bfloat16) for n in sizes]
+    masters_c = [nn.Parameter(p.float()) for p in model_c]
+    for m, *gs in zip(masters_c, *micro_grads):
+        m.grad = sum(g.float() for g in gs) / K
+    fused_c = FusedAdamW(masters_c, lr=LR, weight_decay=WEIGHT_DECAY)
+    fused_c.attach_model_params(zip(masters_c, model_c))
+    grad_scale, found_inf = torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)
+
+    def fused_step_alone() -> None:
+        fused_c.grad_scale, fused_c.found_inf = grad_scale, found_inf
+        try:
+            fused_c.step()
+        finally:
+            del fused_c.grad_scale, fused_c.found_inf
 
     # (b) the standard recipe: fp32 masters with fp32 grads (the accumulated window, made once, untimed).
     g0 = torch.Generator().manual_seed(1)
@@ -129,18 +143,25 @@ def bench(numel: int, n_params: int, device: torch.device, warmup: int, repeats:
             engine_window, acc.step, ENGINE_BYTES, "b"),
         "    l2norm_sq(main_grad) + non-finite flag (only when a param misses the last micro-batch)": (None, lambda: ops.l2norm_sq(acc.main_grad.data), NORM_BYTES,
                                                        None),
-        "    FusedAdamW.step() (grad_scale, found_inf, bf16 write)": (None, fused_step_alone, FUSED_ADAMW_STEP_BYTES,
-                                                                     "torch-step"),
+        "    FusedAdamW.step() on fp32 masters with .grad (grad_scale, found_inf, bf16 write)": (
+            None, fused_step_alone, FUSED_ADAMW_STEP_BYTES, "torch-step"),
         "peak: fp32 a.add_(b)": (None, lambda: a.add_(b), PEAK_BYTES, None),
     }
+    # Each timed update must change the parameters it updates (a no-op would not): the two that only one row
+    # touches are compared before and after the rounds.
+    updated = {names: [t.detach().clone() for t in ts] for names, ts in (("engine", model_a), ("fused", model_c))}
     # In their order each round (not shuffled), each with its untimed setup right before it.
     samples = time_interleaved({k: (v[0], v[1]) for k, v in variants.items()}, device=device, warmup=warmup,
                                repeats=repeats, shuffle=False)
     acc.close()
+    unchanged = {k for k, ts in (("engine", model_a), ("fused", model_c))
+                 if all(torch.equal(a, b) for a, b in zip(updated[k], ts))}
     names = list(variants)
     baselines = {"b": names[0], "torch-step": names[2]}
     peak_name = names[-1]
     peak_gbs = gb_per_s(numel, PEAK_BYTES, statistics.median(samples[peak_name]))
+    bound = plausible.bandwidth_bound([("fp32 a.add_(b)", numel, PEAK_BYTES, samples[peak_name])], device)
+    no_op = {names[4]: "engine", names[6]: "fused"}
     rows = []
     for name, (_, _, nbytes, base) in variants.items():
         if name == peak_name:
@@ -153,9 +174,24 @@ def bench(numel: int, n_params: int, device: torch.device, warmup: int, repeats:
             speedup = statistics.median(x / y for x, y in zip(samples[baselines[base]], samples[name]))
         rows.append({"device": str(device), "variant": name, "bytes_per_param": nbytes, "ms": ms,
                      "min_ms": min(samples[name]), "max_ms": max(samples[name]), "gb_s": gbs, "speedup": speedup,
-                     "pct_of_peak": 100.0 * gbs / peak_gbs})
+                     "pct_of_peak": 100.0 * gbs / peak_gbs, "baseline": baselines.get(base)})
+
+    def check(row: dict) -> str | None:
+        if no_op.get(row["variant"]) in unchanged:
+            return ("a no-op: the parameters it updates are bit for bit what they were before "
+                    f"{warmup + repeats} calls")
+        reason = plausible.check_bandwidth(row["gb_s"], bound, working_set_bytes=numel * row["bytes_per_param"])
+        if reason is None and row["baseline"] in invalid:
+            reason = f"its baseline ({row['baseline'].strip()}) is an invalid measurement"
+        return reason
+
+    invalid: set[str] = set()
+    for row in rows:  # baselines come first: a ratio to an invalid baseline is invalid too
+        if plausible.mark([row], check):
+            invalid.add(row["variant"])
     info = {"device": str(device), "peak_op": "fp32 a.add_(b)", "peak_ms": statistics.median(samples[peak_name]),
-            "peak_gb_s": peak_gbs, "engine_writes_model_in_optimizer": writes_model, "param_sizes": sizes}
+            "peak_gb_s": peak_gbs, "bound_gb_s": bound.value, "bound_margin": plausible.MARGIN,
+            "engine_writes_model_in_optimizer": writes_model, "param_sizes": sizes}
     return rows, info
 
 
@@ -182,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("variant", "variant", "s"), ("bytes_per_param", "B/param", "d"), ("ms", "ms (median)", ".1f"),
                        ("min_ms", "ms (min)", ".1f"), ("gb_s", "GB/s", ".1f"), ("speedup", "speedup", ".2f"),
                        ("pct_of_peak", "% of peak", ".0f")], title)
+    for line in plausible.invalid_note(rows):
+        print(line)
+    print(f"\nplausibility: every GB/s against {plausible.MARGIN}x the best round of the peak "
+          f"({info['bound_gb_s']:.1f} GB/s); an invalid row shows no figure.")
     print("\nspeedup: median of per-round ratios; (a) against (b) the recipe, FusedAdamW.step() against torch "
           "AdamW(fused=True).step(). Indented rows: each pass alone.")
     if args.json:

@@ -35,6 +35,15 @@ def sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
+def _events(device: torch.device | str | None) -> tuple | None:
+    """A start and an end ``torch.cuda.Event`` (timing enabled) on ``device``'s current stream when it is a CUDA
+    device, else None: a CUDA call is timed by events recorded around it, inside a region synchronized before and
+    after (the host clock alone would read the launches of an asynchronous call, not its kernels)."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
 class Elapsed(float):
     """Seconds a benchmark function measured itself, returned by it to :func:`time_rounds` in place of the wall
     time of the whole call: for a call that holds untimed work between its timed parts (the host benchmark's
@@ -45,7 +54,8 @@ class Elapsed(float):
 class Rounds:
     """What :func:`time_rounds` measured: name -> one entry per timed round, in round order.
 
-    ``ms``: wall milliseconds of each call (``time.perf_counter``), or what the function returned as
+    ``ms``: wall milliseconds of each call (``time.perf_counter``; on a CUDA device the elapsed time of CUDA events
+    recorded around it), or what the function returned as
     :class:`Elapsed`; ``cpu_ms``: this process's CPU milliseconds over the same call (``time.process_time``:
     every thread of the process; time spent descheduled is left out), None for an :class:`Elapsed` call.
     """
@@ -64,7 +74,8 @@ def time_rounds(fns: Mapping[Hashable, Timed], *, device: torch.device | str | N
     ``repeats`` timed ones, so that all of them see the same machine.
 
     fns: name -> ``fn`` or ``(setup, fn)`` (:data:`Timed`); ``setup()`` runs untimed before each call of ``fn``.
-    The device is synchronized before and after each timed call when ``device`` is a CUDA device. A function
+    On a CUDA ``device`` the device is synchronized before and after each timed call, and the call is timed by CUDA
+    events recorded right before and after it (its ``ms``: the events' elapsed time). A function
     that times only part of its call returns :class:`Elapsed` seconds, taken instead of the call's wall time.
     On a shared machine the bandwidth one process gets drifts by 2x from one second to the next; per-round
     ratios cancel that drift. With ``shuffle`` (the default) the order is shuffled each round (seeded: the same
@@ -86,13 +97,19 @@ def time_rounds(fns: Mapping[Hashable, Timed], *, device: torch.device | str | N
             if setup is not None:
                 setup()
             sync(device)
+            events = _events(device)
             t0, c0 = time.perf_counter(), time.process_time()
+            if events:
+                events[0].record()
             out = fn()
+            if events:
+                events[1].record()
             sync(device)
             t1, c1 = time.perf_counter(), time.process_time()
             if r >= warmup:
                 own = isinstance(out, Elapsed)
-                wall[name].append((float(out) if own else t1 - t0) * 1e3)
+                seconds = events[0].elapsed_time(events[1]) * 1e-3 if events else t1 - t0
+                wall[name].append((float(out) if own else seconds) * 1e3)
                 cpu[name].append(None if own else (c1 - c0) * 1e3)
     return Rounds(wall, cpu)
 
