@@ -38,6 +38,11 @@ MIN_CUDA = (12, 1)
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-lineinfo"]  # no fast math: the numerics are the contract
 LINK_FLAGS = ["-fopenmp"]
+# The torch versions gaengine supports (pyproject.toml's dependency, docs/install.md): the oldest a GPU image is
+# likely to ship, up to the newest whose headers `make torch-range` compiles csrc/ against.
+TORCH_FLOOR = (2, 9)
+TORCH_CEILING = (2, 15)  # exclusive
+TORCH_SPEC = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]},<{TORCH_CEILING[0]}.{TORCH_CEILING[1]}"
 # Seconds between two progress lines while the build is silent (a file compiling, the link): 30 at most, so
 # that a build that takes minutes per file never looks hung.
 HEARTBEAT_S = 30.0
@@ -93,6 +98,21 @@ def cuda_build_decision(torch_cuda, cuda_home, nvcc_output, build_cuda="1"):
     if runtime is None or runtime < MIN_CUDA:
         return False, f"without CUDA kernels: torch is built with CUDA {torch_cuda}; {why_needed}"
     return True, f"with CUDA kernels (toolkit {toolkit[0]}.{toolkit[1]}, torch built with CUDA {torch_cuda})"
+
+
+def torch_version_problem(version):
+    """Why gaengine cannot be built against torch ``version`` (``torch.__version__``, e.g. ``2.13.0+cpu`` or
+    ``2.10.0a0+git1234``): a message for a torch older than :data:`TORCH_FLOOR` or unreadable, None otherwise. A
+    torch at or past :data:`TORCH_CEILING` is built against (the caller warns): only the older one is refused."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if match is None:
+        return f"gaengine: cannot read torch's version {version!r}; gaengine supports {TORCH_SPEC}"
+    found = (int(match.group(1)), int(match.group(2)))
+    if found < TORCH_FLOOR:
+        return (f"gaengine needs {TORCH_SPEC}, found torch {version}: its compiled extension and its FSDP2, "
+                "collective and autograd paths use APIs older torch releases lack. Install a supported torch first "
+                f"(pip install '{TORCH_SPEC}', from the CUDA wheel index for a GPU build), then gaengine again")
+    return None
 
 
 def build_with_fallback(attempts, strict, log=print):
@@ -247,6 +267,12 @@ def main():
         sys.exit(f"gaengine: torch is not importable at build time ({exc}); gaengine._C is compiled against it. "
                  "Install torch first, then gaengine with `pip install --no-build-isolation -e .` (without "
                  "--no-build-isolation pip builds in a fresh environment that has no torch)")
+    problem = torch_version_problem(torch.__version__)
+    if problem:
+        sys.exit(problem)
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= TORCH_CEILING:
+        print(f"gaengine: warning: torch {torch.__version__} is newer than the versions gaengine is tested with "
+              f"({TORCH_SPEC}); building against it anyway")
     sources = sorted(glob.glob("csrc/*.cpp"))
     with_cuda, why = cuda_build_decision(torch.version.cuda, CUDA_HOME, nvcc_version_output(CUDA_HOME),
                                          os.environ.get("GAENGINE_BUILD_CUDA", "1"))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import gb_per_s, print_table, time_ms, write_json  # noqa: E402
 
 from gaengine.backends import get_backend  # noqa: E402
+from gaengine.tools.bench import plausible  # noqa: E402
 from tests.reference import eager_accumulate_  # noqa: E402
 
 ACCUMULATE_BYTES_PER_ELEMENT = 10  # read bf16 grad 2 + read fp32 main_grad 4 + write fp32 main_grad 4
@@ -50,6 +51,7 @@ def bench_device(device: torch.device, numel: int, warmup: int, repeats: int) ->
     a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
     peak = time_ms(lambda: a.add_(b), device=device, warmup=warmup, repeats=repeats)
     peak_gbs = gb_per_s(numel, PEAK_BYTES_PER_ELEMENT, peak["median_ms"])
+    bound = plausible.bandwidth_bound([("fp32 a.add_(b)", numel, PEAK_BYTES_PER_ELEMENT, [peak["min_ms"]])], device)
     del a, b
 
     variants = {"eager: main_grad.add_(grad.float())": lambda: eager_accumulate_(main_grad, grad)}
@@ -70,8 +72,10 @@ def bench_device(device: torch.device, numel: int, warmup: int, repeats: int) ->
         rows.append({"device": str(device), "backend": label, "ms": t["median_ms"], "min_ms": t["min_ms"],
                      "max_ms": t["max_ms"], "gb_s": gbs, "speedup_vs_eager": eager_ms / t["median_ms"],
                      "pct_of_peak": 100.0 * gbs / peak_gbs})
+    plausible.mark(rows, lambda r: plausible.check_bandwidth(r["gb_s"], bound,
+                                                             working_set_bytes=numel * ACCUMULATE_BYTES_PER_ELEMENT))
     peak_info = {"device": str(device), "op": "fp32 a.add_(b)", "ms": peak["median_ms"], "gb_s": peak_gbs,
-                 "bytes_per_element": PEAK_BYTES_PER_ELEMENT}
+                 "bytes_per_element": PEAK_BYTES_PER_ELEMENT, "bound_gb_s": bound.value}
     return rows, peak_info
 
 
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{peak['gb_s']:.1f} GB/s at {PEAK_BYTES_PER_ELEMENT} B/element, {peak['ms']:.2f} ms)")
         print_table(rows, [("backend", "backend", "s"), ("ms", "ms (median)", ".2f"), ("gb_s", "GB/s", ".1f"),
                            ("speedup_vs_eager", "vs eager", ".2f"), ("pct_of_peak", "% of peak", ".0f")], title)
+        for line in plausible.invalid_note(rows, "backend"):
+            print(line)
 
     if args.json:
         params = {"numel": args.numel, "src_dtype": "bfloat16", "dst_dtype": "float32",

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from gaengine import compat
 from gaengine.contract import (
     OPS,
     Backend,
@@ -312,7 +313,7 @@ MIN_CUDA_DRIVER = 12010
 def _cuda_driver_version() -> int | None:
     """The CUDA version the installed driver supports, as ``cudaDriverGetVersion`` encodes it (12040 for 12.4),
     or ``None`` when this torch cannot say (a CPU build, or the query failed)."""
-    query = getattr(torch._C, "_cuda_getDriverVersion", None)  # CUDA builds of torch only
+    query = compat.cuda_driver_version_query()
     try:
         return int(query()) if query is not None else None
     except (RuntimeError, TypeError, ValueError):

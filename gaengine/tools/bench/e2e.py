@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from gaengine import compat
 from gaengine.engine import GradientAccumulator
 from gaengine.optim import FusedAdamW
 from gaengine.tools.bench.common import (MIN_ROUNDS, PACKAGE_ROOT, RATIO_NOTE, display_rows, median_ratio, print_note,
@@ -234,7 +235,7 @@ def _plain_variant(cfg: E2EConfig, model: torch.nn.Module) -> _Variant:
 def _native_fp32_variant(cfg: E2EConfig, model: torch.nn.Module) -> _Variant:
     """``native-fp32``: autograd accumulates in fp32 (``Tensor.grad_dtype``, torch >= 2.10), clip and
     ``AdamW(fused=True)`` on fp32 masters copied back into the model. Raises ``RuntimeError`` on an older torch."""
-    if not hasattr(torch.Tensor, "grad_dtype"):
+    if not compat.has_grad_dtype():
         raise RuntimeError(f"torch {torch.__version__} has no Tensor.grad_dtype (added in 2.10): no native "
                            "fp32 accumulation of bf16 gradients to compare with")
     params = list(model.parameters())

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gaengine.backends import get_backend
+from gaengine.tools.bench import plausible
 from gaengine.tools.bench.common import (RATIO_NOTE, display_rows, gb_per_s, print_note, print_table, ratio_stats,
                                          time_interleaved)
 
@@ -172,9 +173,14 @@ def bench_kernels(device: torch.device, numel: int, which: Sequence[str], *, war
     samples = time_interleaved(fns, device=device, warmup=warmup, repeats=repeats)
 
     peak_ms = statistics.median(samples[peak_name])
+    bound = plausible.bandwidth_bound([("fp32 dst.copy_(src)", numel, PEAK_BYTES_PER_ELEMENT, samples[peak_name])],
+                                      device)
     peak = {"op": "fp32 dst.copy_(src)", "ms": peak_ms, "numel": numel, "bytes_per_element": PEAK_BYTES_PER_ELEMENT,
-            "gb_s": gb_per_s(numel, PEAK_BYTES_PER_ELEMENT, peak_ms)}
-    return _kernel_rows(plan, samples, peak, device), peak
+            "gb_s": gb_per_s(numel, PEAK_BYTES_PER_ELEMENT, peak_ms), "bound_gb_s": bound.value}
+    rows = _kernel_rows(plan, samples, peak, device)
+    plausible.mark(rows, lambda r: plausible.check_bandwidth(r["gb_s"], bound,
+                                                             working_set_bytes=numel * r["bytes_per_element"]))
+    return rows, peak
 
 
 KERNEL_COLUMNS = [("variant", "variant", "s"), ("ms", "ms", ".3f"), ("gb_s", "GB/s", ".1f"),
@@ -201,7 +207,9 @@ def print_tables(rows: Sequence[dict], peak: dict, repeats: int) -> None:
                 print_note(f"measure_noise_scale, {r['variant'].split(':')[0]}: on / off = {r['noise_on_off']:.3f}x "
                            f"the time [{r['noise_on_off_p25']:.3f}-{r['noise_on_off_p75']:.3f}] (median per-round "
                            "ratio of the accumulate_bucket_ with the source norms to the one without)")
-    above = [r for r in rows if r["pct_of_copy"] > 100.0]
+    for line in plausible.invalid_note(rows):
+        print_note(line)
+    above = [r for r in rows if r["valid"] and r["pct_of_copy"] > 100.0]
     print_note(f"kernels: ms = median of {repeats} interleaved rounds; GB/s by the benchmark's bytes model "
                f"(accumulate {ACCUMULATE_BYTES_PER_ELEMENT}, l2norm {L2NORM_BYTES_PER_ELEMENT}, scale "
                f"{SCALE_BYTES_PER_ELEMENT} B/element); % of copy = GB/s / the GB/s of {peak['op']} timed in the same "

@@ -203,6 +203,8 @@ def _stored_bound(params: dict, device: str) -> Bound | None:
         if torch.device(peak.get("device", device)).type != device_type or not peak.get("gb_s"):
             continue
         counted = peak.get("bytes_per_element")
+        if peak.get("bound_gb_s"):
+            return Bound(float(peak["bound_gb_s"]), "GB/s", str(peak["op"]), device_type)
         factor = moved_bytes_per_element(peak["op"], counted, device_type) / counted if counted else 1.0
         return Bound(float(peak["gb_s"]) * factor, "GB/s", f"{peak['op']} (median)", device_type)
     return None
