@@ -36,4 +36,17 @@ from gaengine.tools.bench.common import (  # noqa: E402
 )
 
 __all__ = ["REPO_ROOT", "Elapsed", "device_name", "environment", "gb_per_s", "git_sha", "print_table",
-           "time_interleaved", "time_ms", "time_rounds", "write_json"]
+           "time_interleaved", "time_ms", "time_rounds", "tiny_e2e_config", "write_json"]
+
+
+def tiny_e2e_config(device: str, dtype: str | None = None):
+    """The smallest end-to-end configuration that runs every code path (``run_gpu.sh``'s dry run): a 1-layer,
+    32-wide GPT, 2 sequences of 16 tokens, K = 2, one warm-up and one timed update; ``dtype`` (``bf16`` | ``fp32``)
+    or the machine's choice (:func:`gaengine.tools.bench.e2e_config`)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from gaengine.tools.bench import e2e_config  # noqa: PLC0415
+
+    base = e2e_config(device, quick=True)
+    return replace(base, n_layers=1, d_model=32, n_heads=2, seq_len=16, micro_batch_size=2, accumulation_steps=2,
+                   warmup_updates=1, timed_updates=1, dtype=dtype or base.dtype)

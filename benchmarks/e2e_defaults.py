@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, time_rounds, write_json  # noqa: E402
+from common import print_table, time_rounds, tiny_e2e_config, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -47,8 +47,7 @@ VARIANTS = ("gaengine", "gaengine-fusion", "plain", "native-fp32")
 
 def _config(device: str, model: str, tiny: bool) -> e2e.E2EConfig:
     if tiny:
-        return e2e.E2EConfig(device=device, n_layers=1, d_model=32, n_heads=2, seq_len=16, micro_batch_size=2,
-                             accumulation_steps=2, warmup_updates=1, timed_updates=1, dtype="bf16")
+        return tiny_e2e_config(device, dtype="bf16")
     layers, width, heads = MODELS[model]
     seq, mb = (1024, 8) if device == "cuda" else (128, 2)
     return e2e.E2EConfig(device=device, n_layers=layers, d_model=width, n_heads=heads, seq_len=seq,

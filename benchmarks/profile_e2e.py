@@ -1,7 +1,7 @@
 """Where one end-to-end update goes: host vs device time, per variant of ``gaengine bench``'s e2e benchmark.
 
     python benchmarks/profile_e2e.py [--device cpu|cuda] [--quick] [--variants plain gaengine-fused native-fp32]
-                                     [--rounds 8] [--json PATH] [--trace-dir DIR]
+                                     [--tiny] [--rounds 8] [--json PATH] [--trace-dir DIR]
 
 The variants of :data:`gaengine.tools.bench.E2E_VARIANTS`, each on its own model with the same micro-batches,
 are timed interleaved (one update of each per round, ``--rounds`` rounds after 3 warm-up updates; on CUDA by
@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+from dataclasses import asdict
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, time_rounds, write_json  # noqa: E402
+from common import print_table, time_rounds, tiny_e2e_config, write_json  # noqa: E402
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -35,11 +36,10 @@ HOST_EVENTS = ("torch::autograd::AccumulateGrad", "Optimizer.step")
 """Host events whose time is summed per variant (a prefix match: ``Optimizer.step#AdamW.step``)."""
 
 
-def profile_e2e(device: str, quick: bool, variants: list[str], rounds: int,
-                trace_dir: Path | None = None) -> list[dict]:
+def profile_e2e(cfg: e2e.E2EConfig, variants: list[str], rounds: int, trace_dir: Path | None = None) -> list[dict]:
     """One row per variant: ``ms`` (median update), ``ratio`` (median per-round speedup over ``variants[0]``),
     ``profiled_wall_ms``, ``kernel_ms``, ``kernels``, ``host_ms`` (event name -> ms)."""
-    cfg = e2e.e2e_config(device, quick)
+    device = cfg.device
     built = {v: e2e._build_variant(v, cfg) for v in variants}
     windows = e2e._e2e_windows(cfg, 2)
 
@@ -79,7 +79,8 @@ def profile_e2e(device: str, quick: bool, variants: list[str], rounds: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="the tiny e2e model (smoke runs)")
+    parser.add_argument("--quick", action="store_true", help="the quick e2e model of `gaengine bench --quick`")
+    parser.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model, K = 2 (dry runs)")
     parser.add_argument("--variants", nargs="+", choices=list(E2E_VARIANTS),
                         default=["plain", "gaengine-fused", "native-fp32"])
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds (default 8)")
@@ -88,14 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
-    rows = profile_e2e(args.device, args.quick, args.variants, args.rounds, args.trace_dir)
+    cfg = tiny_e2e_config(args.device) if args.tiny else e2e.e2e_config(args.device, args.quick)
+    rows = profile_e2e(cfg, args.variants, args.rounds, args.trace_dir)
     print_table(rows, [("variant", "variant", "s"), ("ms", "ms/update", ".1f"), ("ratio", f"vs {args.variants[0]}", ".2f"),
                        ("profiled_wall_ms", "wall ms (profiled)", ".1f"), ("kernel_ms", "kernel ms", ".1f"),
                        ("kernels", "kernels", "d")]
                 + [(f"host_ms {n}", f"host ms {n.split('::')[-1]}", ".1f") for n in HOST_EVENTS],
                 f"one e2e update on {args.device}, {args.rounds} interleaved rounds, then one profiled update each")
     if args.json:
-        write_json(args.json, "profile_e2e", {"device": args.device, "quick": args.quick, "rounds": args.rounds},
+        write_json(args.json, "profile_e2e", {"device": args.device, "config": asdict(cfg), "rounds": args.rounds},
                    rows, [args.device])
     return 0
 

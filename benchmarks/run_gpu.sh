@@ -100,14 +100,15 @@ if [[ "$DRY_RUN" == "1" ]]; then
     kernels=(--quick --numel 65536 --repeats 2)
     host=(--quick --host-params 4 8 --repeats 2)
     fusion=(--quick --repeats 2)
-    e2e=(--quick --e2e-updates 1)
+    e2e=(--n-layers 1 --d-model 32 --n-heads 2 --seq-len 16 --micro-batch-size 2 --accumulation-steps 2
+         --warmup-updates 1 --timed-updates 1)
     memory=(--quick)
     accumulate=(--numel 65536 --warmup 1 --repeats 2)
     update=(--numel 65536 --params 3 --warmup 1 --repeats 2)
     defaults=(--tiny)
     train=(--steps 2 --n-layers 1 --d-model 32 --n-heads 2 --seq-len 16 --micro-batch-size 2
            --accumulation-steps 2 --eval-interval 0 --threads 1)
-    profile=(--quick --rounds 1)
+    profile=(--tiny --rounds 1)
 else
     kernels=() host=() fusion=() e2e=() memory=() accumulate=() update=() defaults=() profile=()
     train=(--steps 50)
@@ -118,7 +119,8 @@ mkdir -p "$j"
 step bench-kernels "$j/kernels.json" "${bench[@]}" --only accumulate l2norm scale "${kernels[@]}" --json "$j/kernels.json"
 step bench-host "$j/host.json" "${bench[@]}" --only host "${host[@]}" --json "$j/host.json"
 step bench-fusion "$j/fusion.json" "${bench[@]}" --only fusion "${fusion[@]}" --json "$j/fusion.json"
-step bench-e2e "$j/e2e.json" "${bench[@]}" --only e2e "${e2e[@]}" --json "$j/e2e.json"
+# The e2e rows of `gaengine bench` (the same bench_e2e and configuration; its script takes the dry run's sizes).
+step bench-e2e "$j/e2e.json" "$PYTHON" benchmarks/bench_e2e.py --device "$device" "${e2e[@]}" --json "$j/e2e.json"
 step bench-memory "$j/memory.json" "${bench[@]}" --only memory "${memory[@]}" --json "$j/memory.json"
 step bench-accumulate "$j/accumulate.json" "$PYTHON" benchmarks/bench_accumulate.py --device "$device" \
     "${accumulate[@]}" --json "$j/accumulate.json"
