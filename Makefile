@@ -3,14 +3,19 @@
 # Everything goes into a project virtualenv, $(VENV) (created with `$(PY) -m venv`); `make` never installs
 # into the Python it finds on PATH. Steps, each skipped when its inputs have not changed:
 #   1. $(VENV)              the virtualenv
-#   2. $(DEPS_STAMP)        torch ($(TORCH_SPEC)) and the build tools; redone when TORCH_SPEC changes
-#   3. $(BUILD_STAMP)       `pip install -e ".[dev]"`: compiles gaengine._C from csrc/ (1-3 minutes, its
-#                           progress shown: a line per file compiled and, while one still compiles, one every
-#                           30 s; the whole log in $(BUILD_LOG)); redone when csrc/, setup.py,
-#                           pyproject.toml or torch changed, or when the compiled module is missing
-#   4. `gaengine info`      what was built and what loads: gaengine._C, CPU ops, CUDA kernels, hooks, triton
+#   2. $(DEPS_STAMP)        torch ($(TORCH_SPEC)) and the build tools ($(BUILD_TOOLS), the range
+#                           pyproject.toml's build-system requires); redone when TORCH_SPEC changes
+#   3. $(BUILD_STAMP)       `pip install -e .`: gaengine, its base dependencies (numpy, tqdm, matplotlib) and
+#                           gaengine._C compiled from csrc/ (the CPU ops alone on a CPU build of torch), MAX_JOBS
+#                           files at once (default: one per core), its progress shown: a line per file compiled and,
+#                           while one still compiles, one every 30 s; the whole log in $(BUILD_LOG). Redone when
+#                           csrc/, setup.py, pyproject.toml or torch changed, or when the compiled module is missing.
+#                           All that `make demo` installs (`gaengine train` needs nothing more)
+#   4. $(DEV_STAMP)         `make test` only: the `dev` extra (pytest, hypothesis, triton, transformers, Lightning,
+#                           ...) from pyproject.toml, without rebuilding gaengine._C; redone when pyproject.toml changed
+#   5. `gaengine info`      what was built and what loads: gaengine._C, CPU ops, CUDA kernels, hooks, triton
 # TORCH_SPEC pins the torch build; override it for a CUDA machine, e.g.
-#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+#   make test TORCH_SPEC="torch==2.13.0 --index-url <the CUDA wheel index>"
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 
@@ -19,8 +24,15 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check
+# The build tools, in the tested range of pyproject.toml's [build-system] requires (tests/test_packaging.py checks
+# that the two lists agree).
+BUILD_TOOLS := "setuptools>=77.0.3,<85" "wheel>=0.45,<0.49" "ninja>=1.11,<1.14" "pybind11>=2.13,<3.2"
+# Compiler processes at once (torch's cpp_extension passes it to ninja as -j): one per core.
+MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 DEPS_STAMP := $(VENV)/.gaengine-deps
 BUILD_STAMP := $(VENV)/.gaengine-built
+DEV_STAMP := $(VENV)/.gaengine-dev
+DEV_REQUIREMENTS := $(VENV)/dev-requirements.txt
 BUILD_LOG := $(VENV)/build.log
 SPEC_FILE := $(VENV)/.torch-spec
 EXT_SOURCES := setup.py pyproject.toml $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null)
@@ -51,7 +63,7 @@ demo: install
 # tests first and leave a few-test, minutes-long file to run alone at the end). TEST_WORKERS=0 runs it in this
 # process.
 TEST_WORKERS ?= auto
-test: install
+test: $(DEV_STAMP) install
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
@@ -68,22 +80,33 @@ $(SPEC_FILE): FORCE | $(VPY)
 $(DEPS_STAMP): $(SPEC_FILE)
 	@echo "== installing $(TORCH_SPEC) and the build tools into $(VENV)"
 	$(PIP) $(TORCH_SPEC)
-	$(PIP) -q "setuptools>=64" wheel ninja pybind11
+	$(PIP) -q $(BUILD_TOOLS)
 	@touch $@
 
 # The build's progress, as it happens (sed -u): ninja's [k/n] line per source file, setup.py's own
 # "gaengine: ..." lines (each once: setup.py runs twice; among them its "still compiling <files> (1 min 30 s;
 # ...)" line every 30 s while the compiler is silent), compiler errors; everything in $(BUILD_LOG).
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
-	@echo "== building gaengine._C from csrc/ and installing gaengine (editable) into $(VENV): 1-3 minutes"
+	@echo "== building gaengine._C from csrc/ ($(MAX_JOBS) files at once) and installing gaengine (editable) into $(VENV)"
 	@echo "   compiler progress below (a line every 30 s at least); the whole log: $(BUILD_LOG)"
 	@rm -f gaengine/_C*.so  # so that a failed build cannot leave an older module looking current
-	@$(PIP) --no-build-isolation -v -e ".[dev]" 2>&1 | tee $(BUILD_LOG) \
+	@MAX_JOBS=$(MAX_JOBS) $(PIP) --no-build-isolation -v -e . 2>&1 | tee $(BUILD_LOG) \
 	  | sed -nuE -e 's#$(CURDIR)/##g' \
 	      -e '/^ *gaengine: /{s/^ *//;x;G;/^(.*)\n\1$$/!s/.*\n/   /p;d}' \
 	      -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) -o .*/   \1 \2/p' \
 	      -e 's/^ *[^ ]+ .* -shared .*/   linked gaengine._C/p' \
 	      -e '/ error: |^ *FAILED: |^ *error: /p'
+	@touch $@
+
+# The dev extra's requirements, read from pyproject.toml (tomllib; pip's own copy of tomli on Python 3.10) and
+# installed as requirements: `pip install -e ".[dev]"` would build gaengine._C again.
+$(DEV_STAMP): $(BUILD_STAMP) pyproject.toml
+	@echo "== installing the test suite's dependencies (pyproject.toml's dev extra) into $(VENV)"
+	@$(VPY) -c 'import sys; \
+	  exec("try: import tomllib\nexcept ImportError: from pip._vendor import tomli as tomllib"); \
+	  sys.stdout.write("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]) + "\n")' \
+	  > $(DEV_REQUIREMENTS)
+	$(PIP) -r $(DEV_REQUIREMENTS)
 	@touch $@
 
 FORCE:

@@ -74,7 +74,7 @@ def quickstart(model: nn.Module, loader, epochs: int, log=print_update) -> None:
         result = acc.step(force=True)                # end of epoch: the partial window, exactly normalized
         if result is not None:
             log(result.loss, result.grad_norm, result.skipped)
-    acc.close()
+    acc.close()                                  # end of training: the hooks removed (warns if a window is left)
 
 
 def main(argv: list[str] | None = None) -> None:

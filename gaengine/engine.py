@@ -28,7 +28,7 @@ from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.norm import WindowNorm, clip_coefficient
 from gaengine.reduce import check_ranks_agree, wait_quietly
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
-                             choose_loss_scaler, guard_grad_scaler)
+                             choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
@@ -227,10 +227,16 @@ class GradientAccumulator:
         Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``,
         ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the model
         moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd leaves
-        the window failed and no ``.grad`` behind: ``zero_grad()`` drops it.
+        the window failed and no ``.grad`` behind: ``zero_grad()`` drops it. Warns
+        (``gaengine.scaler.LossDividedByKWarning``, once per accumulator) when a window's first ``loss`` in mean mode
+        was divided by K (``loss / K``, ``loss * (1 / K)``): gaengine divides by K itself.
         """
         num_items = self._check_micro_batch(loss, num_items)
         window = self.window
+        if window.num_micro_batches == 0 and num_items is None and not getattr(self, "_divided_warned", False):
+            # The plain recipe's `loss / K` (mean mode; the window's K, asked of a schedule once per window):
+            # LossDividedByKWarning once per accumulator, before anything is accumulated. O(1) per window.
+            self._divided_warned = warn_if_divided_by_k(loss, self.accumulation_steps)
         if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
             self._adopt_changes()
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))

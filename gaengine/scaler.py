@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from gaengine.reduce import HostMailbox
 
-__all__ = ["DEFAULT_MIN_LOSS_SCALE", "ConsecutiveSkips", "LossScaler", "autocast_loss_scaler", "check_loss",
-           "check_min_loss_scale", "choose_loss_scaler", "guard_grad_scaler", "scaled_by_grad_scaler"]
+__all__ = ["DEFAULT_MIN_LOSS_SCALE", "ConsecutiveSkips", "LossDividedByKWarning", "LossScaler", "autocast_loss_scaler",
+           "check_loss", "check_min_loss_scale", "choose_loss_scaler", "constant_divisor", "guard_grad_scaler",
+           "scaled_by_grad_scaler", "warn_if_divided_by_k"]
 
 _GRAD_SCALER_MARK = "_gaengine_scaled_by_grad_scaler"
 
@@ -161,6 +163,78 @@ def check_loss(loss: Any) -> None:
             "is dynamic for fp16) and folds the inverse scale into its update, so a second scale would make every "
             "window overflow and the updates 65536x too large. Pass the unscaled loss, acc.backward(loss), and "
             "delete the GradScaler and its unscale_/step/update calls; nothing was accumulated")
+
+
+class LossDividedByKWarning(UserWarning):
+    """The loss given to ``GradientAccumulator.backward`` was divided by K, the window's accumulation steps: the
+    plain recipe's ``loss = loss / K`` (every accumulation tutorial, HF Trainer's ``training_step``), which under
+    gaengine makes the gradient K times smaller (gaengine divides each window's sum itself). Raised as a warning
+    once per accumulator (``warn_if_divided_by_k``). When the division is meant (a loss term weighted by 1/K
+    that happens to equal K's inverse), silence it by its category::
+
+        warnings.filterwarnings("ignore", category=gaengine.scaler.LossDividedByKWarning)
+    """
+
+
+_DIVISION_NODES = {"DivBackward0": False, "DivBackward1": False, "MulBackward0": True, "MulBackward1": True}
+# Relative slack for K read back from a multiplication by 1 / K: the factor is rounded once (to fp64 for a Python
+# float, fp32 for a float tensor: 2^-24), so its inverse lands within a few fp32 ulps of K; a different
+# divisor (K - 1, K + 1 for K < 2^20) is far outside.
+_K_RTOL = 2.0**-20
+
+
+def _constant_factor(node: Any, name: str) -> float | None:
+    """The value of ``node``'s saved operand ``name`` (``_saved_other`` / ``_saved_self``) when it is a constant: a
+    Python number, or a one-element CPU tensor that needs no gradient (torch wraps a Python scalar operand so);
+    else None. A CPU tensor is read without a device sync; any other tensor is not read."""
+    try:
+        value = getattr(node, name)
+    except (AttributeError, RuntimeError):  # not saved by this torch version, or freed
+        return None
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu"
+            and not value.requires_grad and not value.is_complex()):
+        return float(value.item())
+    return None
+
+
+def constant_divisor(loss: torch.Tensor) -> float | None:
+    """The constant ``d`` that ``loss``'s last autograd node divides it by, ``loss = x / d`` (``DivBackward``) or
+    ``loss = x * (1 / d)`` (``MulBackward``, either operand), or None: another last node, an operand that needs a
+    gradient or lives on a device (never read: no sync), or a torch that does not expose the node's saved operands
+    (``grad_fn._saved_other``, read as torch 2.x names it). O(1): one attribute read, one CPU scalar."""
+    node = loss.grad_fn
+    multiplies = _DIVISION_NODES.get(type(node).__name__)
+    if multiplies is None:
+        return None
+    names = ("_saved_other", "_saved_self") if multiplies else ("_saved_other",)
+    for name in names:
+        factor = _constant_factor(node, name)
+        if factor is not None and factor != 0.0 and math.isfinite(factor):
+            return 1.0 / factor if multiplies else factor
+    return None
+
+
+def warn_if_divided_by_k(loss: torch.Tensor, k: int, stacklevel: int = 3) -> bool:
+    """Warn (:class:`LossDividedByKWarning`) when ``loss``'s last operation divides it by ``k`` (``k`` >= 2, the
+    window's accumulation steps; :func:`constant_divisor`), the plain recipe's ``loss / K``; returns whether it
+    warned. ``GradientAccumulator.backward`` calls it at a window's first micro-batch, in mean mode, until it
+    has warned once."""
+    divisor = constant_divisor(loss) if k >= 2 else None
+    if divisor is None or abs(divisor - k) > _K_RTOL * k:
+        return False
+    warnings.warn(
+        f"acc.backward(loss): the loss was divided by {k}, this window's accumulation steps K (the plain recipe's "
+        f"`loss = loss / K`, as in HF Trainer's training_step). gaengine divides each window's gradient sum by its "
+        f"micro-batches itself, so this gradient is K = {k} times smaller than the window's mean (and the "
+        f"updates, the clipping and the logged grad_norm change with it). Pass the micro-batch mean as it is, "
+        f"acc.backward(loss), and delete the division. If the division is meant, silence this warning with "
+        f"warnings.filterwarnings('ignore', category=gaengine.scaler.LossDividedByKWarning). Warned once per "
+        f"accumulator", LossDividedByKWarning, stacklevel=stacklevel)
+    return True
 
 
 class ConsecutiveSkips:

@@ -186,6 +186,16 @@ def _short(dtype: torch.dtype) -> str:
         dtype, str(dtype).replace("torch.", ""))
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _result(d: "ParameterDiff") -> str:
+    """A row's ``result``: ``FAIL``, ``ok``, or for a bf16 / fp16 parameter ``ok: 1 bf16 rounding`` (``_ROUNDED``)."""
+    if not d.passed:
+        return "FAIL"
+    return _ROUNDED.format(dtype=_short(d.dtype)) if d.dtype in _LOW_PRECISION else "ok"
+
+
 def _tol(x: float) -> str:
     """``2^-3`` for a power of two, else ``1.0e-05``."""
     m, e = math.frexp(x)
@@ -202,6 +212,13 @@ _LEGEND = (
     "result: ok when both ratios are <= 1, the most that rounding explains. In bf16 and fp16 the engine's",
     "  one rounding of its fp32 sum errs up to u*|sum| by itself, so the worst element sits near 1: that",
     "  is rounding, and passes; a dropped micro-batch or a wrong denominator is many times over.",
+)
+# The result cell of a passing bf16 / fp16 row: there engine/bound is the engine's gap in units of the most one
+# rounding of its fp32 sum to the parameter's dtype can err (u*|sum|), so 0.996 reads as that one rounding.
+_ROUNDED = "ok: 1 {dtype} rounding"
+_ROUNDED_LEGEND = (
+    "ok: 1 {dtype} rounding: a {dtype} row's engine/bound is its gap in units of what one rounding of the fp32",
+    "  sum to {dtype} can err (u*|sum|): up to 1 is that rounding, which every {dtype} gradient has.",
 )
 
 
@@ -265,20 +282,23 @@ class EquivalenceReport:
 
         Columns: parameter, shape, dtype; the setup comparison's ``max |diff|`` (``max_abs``), its ``abs bound``
         (``bound``) and their ratio ``setup/bound`` (``setup_badness``); the engine comparison's ``engine/bound``
-        (``engine_badness``); ``result``, ``ok`` when both ratios are at most 1, else ``FAIL``. Ratios are given
-        to 3 significant digits, the gradient differences and bounds in gradient units.
+        (``engine_badness``); ``result``, ``ok`` when both ratios are at most 1 (``ok: 1 bf16 rounding`` for a
+        bf16 or fp16 parameter, whose ``engine/bound`` near 1 is the one rounding of its fp32 sum, explained under
+        the legend), else ``FAIL``. Ratios are given to 3 significant digits, the gradient differences and bounds in
+        gradient units.
         """
         header = ("parameter", "shape", "dtype", "max |diff|", "abs bound", "setup/bound", "engine/bound", "result")
         rows = [header] + [
             (d.name, "x".join(map(str, d.shape)) or "scalar", _short(d.dtype), f"{d.max_abs:.3e}", f"{d.bound:.3e}",
-             f"{d.setup_badness:.3g}", f"{d.engine_badness:.3g}", "ok" if d.passed else "FAIL")
+             f"{d.setup_badness:.3g}", f"{d.engine_badness:.3g}", _result(d))
             for d in self.parameters
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         align = ["<", "<", "<", ">", ">", ">", ">", "<"]
         lines = ["  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(r, align, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
-        return "\n".join(lines + list(_LEGEND))
+        rounded = dict.fromkeys(_short(d.dtype) for d in self.parameters if d.dtype in _LOW_PRECISION)
+        return "\n".join(lines + list(_LEGEND) + [line.format(dtype=dt) for dt in rounded for line in _ROUNDED_LEGEND])
 
     def summary(self) -> str:
         """The verdict and its reason, then each comparison with its worst parameter and the bound it used."""

@@ -351,7 +351,10 @@ def test_host_quick_prints_rows_and_target(host_run):
         assert f"  {label}" in text.splitlines()
     for dtype in ("bf16", "fp32"):
         line = _note(text, f"host {dtype}: gaengine adds ")
-        assert "per parameter per micro-batch" in line and f"CPU target <= {bench.HOST_TARGET_US:g} us" in line
+        assert "per parameter per micro-batch" in line and f"CPU target <= {bench.HOST_TARGET_US:g} us (1 torch " \
+            "thread, idle CPUs): " in line
+        assert re.search(r": (met|NOT met) \(load average [0-9.]+ over \d+ CPUs\)|: not judged, the machine was "
+                         r"loaded \(load average [0-9.]+ over \d+ CPUs", line), line
     assert "accumulate bf16->fp32" not in text and "e2e:" not in text  # --only host
 
 
@@ -468,3 +471,21 @@ def test_time_rounds_is_the_one_timing_loop():
     assert all(sorted(first[i:i + 4]) == list("abcd") for i in range(0, 16, 4))  # each round: every function once
     with pytest.raises(ValueError, match="repeats >= 1"):
         bench.common.time_rounds({"a": lambda: None}, warmup=0, repeats=0)
+
+
+@pytest.mark.parametrize("slope, threads, load, cpus, verdict", [
+    (0.04, 1, 0.9, 2, ": met (load average 0.9 over 2 CPUs)"),
+    (1.67, 1, 1.5, 2, ": NOT met (load average 1.5 over 2 CPUs)"),
+    (1.67, 1, 6.6, 2, ": not judged, the machine was loaded (load average 6.6 over 2 CPUs"),
+    (0.04, 2, 6.6, 2, ": not judged, the machine was loaded"),  # a loaded machine is not judged either way
+    (1.67, 4, float("nan"), 8, ": NOT met (load unknown)"),
+])
+def test_host_target_line_states_its_conditions_and_the_load(slope, threads, load, cpus, verdict):
+    """The CPU target holds for the benchmark's threads on idle CPUs: the line names both, and on a machine with
+    more runnable threads than CPUs says the target was not judged rather than "NOT met"."""
+    from gaengine.tools.bench.host import target_verdict  # noqa: PLC0415
+
+    line = target_verdict(slope, threads, load, cpus)
+    plural = "s" if threads != 1 else ""
+    assert line.startswith(f"CPU target <= {bench.HOST_TARGET_US:g} us ({threads} torch thread{plural}, idle CPUs)")
+    assert verdict in line, line

@@ -68,6 +68,23 @@ def test_an_avx2_cpu_trains_in_fp32():
     dtype, reason = out.splitlines()[:2]
     assert dtype == "fp32", reason
     assert reason.startswith("fp32 params: this CPU has no fast bf16 matmul (AVX2")
+    # The line names the caps: the CPU's flags may carry AVX512_BF16 that oneDNN was told not to use.
+    assert "oneDNN capped by ONEDNN_MAX_CPU_ISA=AVX2, ATen capped by ATEN_CPU_CAPABILITY=avx2;" in reason, reason
+
+
+def test_the_capability_line_names_each_cap_the_environment_sets(monkeypatch):
+    """Without a cap the line is the ISA and the flags alone; each variable set adds its library and value."""
+    for name, _ in capability.CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = capability.cpu_capability()
+    assert "capped" not in plain and capability.environment_caps() == []
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert capability.cpu_capability() == plain + ", oneDNN capped by ONEDNN_MAX_CPU_ISA=AVX2"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert capability.cpu_capability() == plain + (", oneDNN capped by ONEDNN_MAX_CPU_ISA=AVX2, ATen capped by "
+                                                   "ATEN_CPU_CAPABILITY=default")
+    monkeypatch.setattr(capability, "bf16_matmul_slowdown", lambda: 28.0)
+    assert "ATen capped by ATEN_CPU_CAPABILITY=default; bf16 28x slower" in capability.choose_param_dtype("cpu").reason
 
 
 @pytest.mark.parametrize("forced", [None, "bf16", "fp32"])

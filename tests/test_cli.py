@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -514,3 +515,33 @@ def test_gradient_accumulation_fusion(tmp_path, capsys):
               "--out", str(tmp_path / "run2")])
     assert exc.value.code == 2
     assert "gradient_accumulation_fusion" in capsys.readouterr().err
+
+
+_SHOWN = [arg for arg in TINY if arg != "--quiet"]  # TINY with its progress shown
+
+
+def test_progress_off_a_terminal_is_periodic_lines(tmp_path, capsys):
+    """With stderr a file or a pipe (capsys: not a terminal) the progress is a status line every tenth of the
+    updates and one at the last, each tqdm's own meter with the loss, never a bar redrawn in place with ``\r``."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "15", *_SHOWN, "--dtype", "fp32", "--threads", "1", "--eval-interval", "0",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("gaengine")]
+    assert [int(re.search(r" (\d+)/15 ", line).group(1)) for line in lines] == [2, 4, 6, 8, 10, 12, 14, 15], err
+    losses = [r["loss"] for r in _records(out) if r["kind"] == "train"]
+    for line in lines:  # each line's loss is that update's, as metrics.jsonl has it
+        step = int(re.search(r" (\d+)/15 ", line).group(1))
+        assert f"loss={losses[step - 1]:.3f}" in line and "upd" in line and len(line) <= 100, line
+
+
+def test_progress_on_a_terminal_is_tqdms_bar(tmp_path, capsys, monkeypatch):
+    """On a terminal the bar is tqdm's, redrawn in place (``\r``); ``--quiet`` prints neither bar nor lines."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["train", "--steps", "3", *_SHOWN, "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path / "a")]) == 0
+    assert "\r" in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert main(["train", "--steps", "3", *TINY, "--dtype", "fp32", "--threads", "1", "--quiet",
+                 "--out", str(tmp_path / "b")]) == 0
+    assert "upd" not in capsys.readouterr().err

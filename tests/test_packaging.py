@@ -82,3 +82,65 @@ def test_the_accumulator_without_the_extension_says_how_to_build_it(monkeypatch)
         with pytest.raises(RuntimeError, match=rf"cannot run for backend '{backend}': .*not built.*"
                                                r"pip install --no-build-isolation -e \."):
             gaengine.GradientAccumulator(torch.nn.Linear(2, 2), None, accumulation_steps=2, backend=backend)
+
+
+# ------------------------------------------------------------------------------ the build keeps working
+# The PEP 517 metadata step (what pip runs first): pyproject.toml and setup.py read and checked, nothing compiled.
+# Every warning is recorded, then the deprecations printed, one a line, and the step's own output kept.
+_METADATA_STEP = """
+import sys, warnings
+from setuptools import build_meta
+from setuptools.warnings import SetuptoolsDeprecationWarning
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    name = build_meta.prepare_metadata_for_build_wheel(sys.argv[1])
+deprecated = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, SetuptoolsDeprecationWarning)
+for w in caught:
+    if issubclass(w.category, deprecated):
+        print("DEPRECATION", w.category.__name__, str(w.message).splitlines()[0])
+print("DIST-INFO", name)
+"""
+
+
+def test_the_build_metadata_step_prints_no_deprecation_warning(tmp_path):
+    """setuptools announces what it will stop reading (``project.license`` as a TOML table: unsupported from
+    2027-02-18) as a deprecation warning in the build log; any such warning fails here, while there is time to fix
+    it. The metadata step runs ``setup.py`` as pip does (about 5 s: it imports torch), in a copy of the sources so
+    that nothing is written into the clone; the metadata says the license as the SPDX expression."""
+    import shutil  # noqa: PLC0415
+
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    shutil.copytree(os.path.join(ROOT, "gaengine"), tmp_path / "gaengine",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "csrc"), tmp_path / "csrc")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    (tmp_path / "metadata").mkdir()
+    done = subprocess.run([sys.executable, "-c", _METADATA_STEP, str(tmp_path / "metadata")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert "DEPRECATION" not in log and "deprecat" not in log.lower(), log[-3000:]
+    dist_info = done.stdout.split("DIST-INFO ")[-1].strip()
+    metadata = (tmp_path / "metadata" / dist_info / "METADATA").read_text()
+    assert "License-Expression: BSD-3-Clause" in metadata and "License-File: LICENSE" in metadata, metadata[:1500]
+
+
+def test_the_makefile_installs_the_build_tools_pyproject_requires():
+    """``make``'s build tools (``BUILD_TOOLS``) are pyproject.toml's ``[build-system] requires`` less torch (which
+    ``TORCH_SPEC`` pins): the same tested ranges, so that ``make`` and ``pip wheel .`` build with the same tools."""
+    import re  # noqa: PLC0415
+    import shlex  # noqa: PLC0415
+
+    try:
+        import tomllib  # noqa: PLC0415
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib  # noqa: PLC0415
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        requires = tomllib.load(f)["build-system"]["requires"]
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    match = re.search(r"^BUILD_TOOLS := (.*)$", makefile, re.M)
+    assert match, "the Makefile defines no BUILD_TOOLS"
+    assert shlex.split(match.group(1)) == [r for r in requires if r != "torch"]
+    for r in requires:  # each tool pinned to a range: a lower and an upper bound
+        assert r == "torch" or re.fullmatch(r"[a-z0-9]+>=[0-9.]+,<[0-9.]+", r), r

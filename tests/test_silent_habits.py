@@ -5,13 +5,15 @@ error, checked against the plain fp64 large-batch recipe (one batch of all the w
 * ``lr_scheduler=`` given to the accumulator and also stepped by the user (its learning rate decayed twice as fast);
 * ``acc.backward(loss, retain_graph=True)`` twice through one graph (counted as two micro-batches);
 * a window left open at the end (``acc.close()`` and garbage collection dropped its micro-batches without a word);
-* an optimizer over ``model.parameters()`` with a frozen layer (refused; torch and Lightning accept it).
+* an optimizer over ``model.parameters()`` with a frozen layer (refused; torch and Lightning accept it);
+* ``loss / K`` kept from the plain recipe (a gradient K times smaller): ``LossDividedByKWarning`` once.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import re
 import warnings
 
 import pytest
@@ -287,3 +289,105 @@ def test_optimizer_over_another_models_parameters_is_still_refused():
     opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=LR)
     with pytest.raises(ValueError, match=r"optimizer holds 4 parameter\(s\) that are not parameters of model"):
         gaengine.GradientAccumulator(model, opt, accumulation_steps=K)
+
+
+# ---------------------------------------------------------------- the plain recipe's `loss / K`
+_DIVIDED = r"divided by {k}, this window's accumulation steps K.*`loss = loss / K`.*{k} times smaller.*delete the division.*LossDividedByKWarning"
+
+
+def _divided_window(acc, model, divide, first=0):
+    """One window of ``acc`` whose every micro-batch loss goes through ``divide``, the warnings recorded."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(acc.accumulation_steps):
+            acc.backward(divide(_loss(model, first + i)))
+        acc.step()
+    return [w for w in caught if issubclass(w.category, gaengine.scaler.LossDividedByKWarning)]
+
+
+class _TrainerLike:
+    """HF Trainer's training_step as transformers writes it without num_items_in_batch: the micro-batch mean
+    divided by ``self.current_gradient_accumulation_steps`` (an int), then the backward."""
+
+    def __init__(self, acc, k):
+        self.acc, self.current_gradient_accumulation_steps = acc, k
+
+    def training_step(self, model, i):
+        loss = _loss(model, i)
+        loss = loss / self.current_gradient_accumulation_steps
+        self.acc.backward(loss)
+        return loss.detach()
+
+
+@pytest.mark.parametrize("divide", [lambda loss: loss / K, lambda loss: loss * (1 / K), lambda loss: (1 / K) * loss,
+                                    lambda loss: loss.div(float(K)), lambda loss: loss / torch.tensor(float(K))],
+                         ids=["loss / K", "loss * (1 / K)", "(1 / K) * loss", "loss.div(K)", "loss / tensor(K)"])
+def test_loss_divided_by_k_warns_once_naming_habit_effect_and_fix(divide):
+    model, start, opt, sched, acc = _setup(scheduler=False)
+    caught = _divided_window(acc, model, divide)
+    assert len(caught) == 1 and caught[0].filename == __file__  # the user's line (stacklevel)
+    assert re.search(_DIVIDED.format(k=K), str(caught[0].message), re.S)
+    assert _divided_window(acc, model, divide, first=K) == []  # once per accumulator
+    # What the warning says is so: the window's gradient is K times smaller than the plain recipe's, the fp64
+    # mean of the window's micro-batches' losses (one backward, no accumulator).
+    plain = copy.deepcopy(start).double()
+    nn.functional.mse_loss(plain(torch.cat([_micro_batch(i, torch.float64)[0] for i in range(K)])),
+                           torch.cat([_micro_batch(i, torch.float64)[1] for i in range(K)])).backward()
+    acc.close()
+    model = _mlp()
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=None)
+    for i in range(K):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gaengine.scaler.LossDividedByKWarning)
+            acc.backward(divide(_loss(model, i)))
+    acc.step()  # optimizer=None: the window's gradient is left in .grad
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert rel_diff(p.grad.double() * K, q.grad) <= PLAIN_RTOL, name
+    acc.close()
+
+
+def test_loss_divided_by_accumulation_steps_as_hf_trainer_writes_it_warns():
+    model, start, opt, sched, acc = _setup(scheduler=False)
+    trainer = _TrainerLike(acc, K)
+    with pytest.warns(gaengine.scaler.LossDividedByKWarning, match=r"divided by 3, this window's"):
+        trainer.training_step(model, 0)
+    acc.zero_grad()
+    acc.close()
+
+
+@pytest.mark.parametrize("divide", [lambda loss: loss / (K + 1), lambda loss: loss / (K - 1), lambda loss: loss * K,
+                                    lambda loss: loss * (1 / (K + 1)), lambda loss: loss, lambda loss: loss.mean() * 2,
+                                    lambda loss: loss / loss.detach().abs().clamp_min(1.0) * 1.0],
+                         ids=["/(K+1)", "/(K-1)", "*K", "*1/(K+1)", "as is", "*2", "/tensor then *1"])
+def test_loss_divided_by_another_number_does_not_warn(divide):
+    model, start, opt, sched, acc = _setup(scheduler=False)
+    assert _divided_window(acc, model, divide) == []
+
+
+def test_loss_divided_by_k_is_silenced_by_its_category_and_not_checked_in_item_mode():
+    model, start, opt, sched, acc = _setup(scheduler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=gaengine.scaler.LossDividedByKWarning)
+        for i in range(K):
+            acc.backward(_loss(model, i) / K)
+        acc.step()
+    acc.close()
+    # Item mode: the loss is a sum and gaengine divides by num_items (a trainer may divide a sum by its ranks).
+    model, start, opt, sched, acc = _setup(scheduler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(K):
+            acc.backward(_loss(model, i) * 4 / K, num_items=4)
+        acc.zero_grad()
+        acc.close()
+
+
+def test_loss_divided_by_the_scheduled_k_warns_at_that_window():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    acc = gaengine.GradientAccumulator(model, opt, max_grad_norm=None,
+                                       accumulation_steps=gaengine.schedules.Milestones({0: 2, 1: 4}, unit="update"))
+    assert _divided_window(acc, model, lambda loss: loss / 4) == []  # K = 2 in the first window: 4 is not K
+    caught = _divided_window(acc, model, lambda loss: loss / 4, first=2)  # K = 4 now
+    assert len(caught) == 1 and "divided by 4" in str(caught[0].message)

@@ -428,6 +428,27 @@ def test_table_names_every_column_and_says_what_ok_is_held_to():
         assert f"{column}:" in text, column  # each measured column and the verdict explained
     assert "result: ok when both ratios are <= 1, the most that rounding explains" in text
     assert all(len(line) <= 100 for line in legend)
+    assert "rounding:" not in text  # fp32: no rounding line
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+def test_low_precision_rows_say_their_ratio_is_one_rounding(dtype, name):
+    """A bf16 / fp16 row's engine/bound near 1 is the engine's one rounding of its fp32 sum (u*|sum| at most): each
+    passing row's result says so, and a line under the legend says what the ratio measures. The one-rounding claim
+    is checked on the numbers: the engine's gap over the fp64 sum is at most u*|sum| plus the fp32 work, which is
+    what engine/bound <= 1 measures (``engine_badness``), and a row at 1 is not a FAIL."""
+    torch.manual_seed(0)
+    report = verify_equivalence(MLP().to(dtype), _mse, tuple(t.to(dtype) for t in _regression(8)), 2,
+                                backend="torch")
+    lines = report.table().splitlines()
+    rows = lines[2:2 + len(report.parameters)]
+    for d, row in zip(report.parameters, rows):
+        cells = re.split(r"\s{2,}", row)
+        assert cells[2] == name
+        assert cells[7] == (f"ok: 1 {name} rounding" if d.passed else "FAIL"), row
+    legend = "\n".join(lines[2 + len(report.parameters):])
+    assert f"ok: 1 {name} rounding: a {name} row's engine/bound is its gap in units of what one rounding" in legend
+    assert all(len(line) <= 100 for line in lines[2 + len(report.parameters):])
 
 
 # ---------------------------------------------------------------- bad input

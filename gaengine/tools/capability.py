@@ -10,12 +10,20 @@ milliseconds of matmul in each dtype at start.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 import torch
 
-__all__ = ["BF16_SLOWDOWN_LIMIT", "DtypeChoice", "bf16_matmul_slowdown", "choose_param_dtype", "cpu_capability"]
+__all__ = ["BF16_SLOWDOWN_LIMIT", "CAP_VARIABLES", "DtypeChoice", "bf16_matmul_slowdown", "choose_param_dtype",
+           "cpu_capability", "environment_caps"]
+
+CAP_VARIABLES = (("ONEDNN_MAX_CPU_ISA", "oneDNN"), ("DNNL_MAX_CPU_ISA", "oneDNN"), ("ATEN_CPU_CAPABILITY", "ATen"))
+"""The environment variables that cap the instruction set a library uses, read at its first use (oneDNN: the
+matmuls, whatever the CPU's flags say; ``DNNL_`` is its older name. ATen: its vectorized kernels): ``(variable,
+library)``."""
 
 BF16_SLOWDOWN_LIMIT = 2.0
 """A CPU trains in bf16 by default when its bf16 matmul takes at most this many times fp32's time: a native bf16
@@ -33,18 +41,29 @@ class DtypeChoice:
     slower than fp32)``."""
 
 
+def environment_caps(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """``["oneDNN capped by ONEDNN_MAX_CPU_ISA=AVX2", ...]``: each :data:`CAP_VARIABLES` set (non-empty) in
+    ``environ`` (default ``os.environ``), in that order; empty when none is."""
+    environ = os.environ if environ is None else environ
+    return [f"{library} capped by {name}={environ[name]}" for name, library in CAP_VARIABLES
+            if environ.get(name, "").strip()]
+
+
 def cpu_capability() -> str:
     """The vector instruction set ATen dispatches its CPU kernels to (``torch.backends.cpu.get_cpu_capability()``:
     ``DEFAULT``, ``AVX2``, ``AVX512``, ...) and whether the CPU's flags carry a bf16 dot product (AVX512_BF16 or AMX,
-    as torch detects them), e.g. ``AVX2, no bf16 instructions``. Whether the matmul uses them is measured by
-    :func:`bf16_matmul_slowdown`."""
+    as torch detects them), e.g. ``AVX2, no bf16 instructions``, then the caps the environment sets
+    (:func:`environment_caps`), e.g. ``AVX2, AVX512_BF16 in the CPU's flags, oneDNN capped by
+    ONEDNN_MAX_CPU_ISA=AVX2``: the flags say what the CPU has, a cap what the libraries may use of it. Whether the
+    matmul uses them is measured by :func:`bf16_matmul_slowdown`."""
     capability = torch.backends.cpu.get_cpu_capability()
     native = []
     if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         native.append("AVX512_BF16")
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         native.append("AMX")
-    return f"{capability}, " + (f"{' + '.join(native)} in the CPU's flags" if native else "no bf16 instructions")
+    flags = f"{' + '.join(native)} in the CPU's flags" if native else "no bf16 instructions"
+    return ", ".join([capability, flags, *environment_caps()])
 
 
 def bf16_matmul_slowdown(size: int = 128, repeats: int = 5) -> float:

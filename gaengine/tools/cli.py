@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import gaengine
 from gaengine import backends
 from gaengine.config import AccumulatorConfig, field_help
-from gaengine.tools import bench, fill
+from gaengine.tools import WIDTH, bench, fill
 from gaengine.tools.capability import DtypeChoice, bf16_matmul_slowdown, choose_param_dtype, cpu_capability
 from gaengine.tools.data import load_corpus, sample_batch
 from gaengine.tools.train import (SCHEDULE_FORMS, TrainConfig, accumulation_schedule, build_model, choose_threads,
@@ -426,15 +426,41 @@ class _Reporter:
             out_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(out_dir / "metrics.jsonl", "w") if enabled else None
         self._bar = None
+        self._lines = None  # off a terminal: the progress lines' state (start_run)
 
     def print(self, text: str = "") -> None:
         if self.enabled:
             print(text, flush=True)
 
+    LINES = 10
+    """Off a terminal (output to a file or a pipe), the progress is this many lines per run, one every tenth of
+    the updates, instead of a bar redrawn in place (``\r``: one line of every redraw in a file)."""
+
     def start_run(self, recipe: str, total: int) -> None:
+        """The progress of one run of ``total`` updates, on stderr: tqdm's bar on a terminal; elsewhere
+        :attr:`LINES` lines, each tqdm's own status line (``format_meter``) as the bar would show it."""
         from tqdm import tqdm
 
+        self._lines = None
+        if not self.quiet and not sys.stderr.isatty():
+            self._lines = {"recipe": recipe, "total": total, "start": time.monotonic(), "postfix": "",
+                           "every": max(1, math.ceil(total / self.LINES))}
+            return
         self._bar = tqdm(total=total, desc=recipe, unit="upd", disable=self.quiet, file=sys.stderr, dynamic_ncols=True)
+
+    def _progress_line(self, record: dict) -> None:
+        """Off a terminal: after update ``record['step']``, a status line every ``every`` updates and at the last."""
+        from tqdm import tqdm
+
+        state = self._lines
+        step = record["step"]
+        if step % state["every"] and step != state["total"]:
+            return
+        line = tqdm.format_meter(step, state["total"], time.monotonic() - state["start"], ncols=WIDTH,
+                                 prefix=state["recipe"], unit="upd",
+                                 postfix=f"loss={record['loss']:.3f}, tok_s={record['tokens_per_s']:,.0f}")
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -448,6 +474,12 @@ class _Reporter:
             (self._bar.write if self._bar is not None else print)(fill(message, "    "))
             return
         if self._bar is None:
+            if self._lines is None:
+                return
+            if record["kind"] == "train":
+                self._progress_line(record)
+            elif record["kind"] == "eval":
+                print(f"  [{record['recipe']}] update {record['step']}: val loss {record['val_loss']:.4f}", flush=True)
             return
         if record["kind"] == "train":
             self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
@@ -456,6 +488,7 @@ class _Reporter:
             self._bar.write(f"  [{record['recipe']}] update {record['step']}: val loss {record['val_loss']:.4f}")
 
     def end_run(self) -> None:
+        self._lines = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

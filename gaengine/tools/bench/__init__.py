@@ -50,7 +50,9 @@ order: the wall time of its K = 8 backward calls (forward and update untimed; on
 synchronized before the first and after the last). ``added us/param/mb`` = the median per-round ``(t_a -
 t_b) / (P * K)``; the per-parameter figure is the least-squares slope of ``(t_a - t_b) / K`` over P (the
 intercept, a fixed cost per micro-batch, printed beside it), against the CPU target of
-:data:`HOST_TARGET_US` (1.0 us). ``launches/mb`` over micro-batch 1's backward (the steady state): on CUDA
+:data:`HOST_TARGET_US` (1.0 us), which holds for the benchmark's torch threads on CPUs no other process takes:
+on a loaded machine (load average over the CPUs) the line says so instead of judging it
+(:func:`gaengine.tools.bench.host.target_verdict`). ``launches/mb`` over micro-batch 1's backward (the steady state): on CUDA
 kernel launches from ``torch.profiler`` (``cudaLaunchKernel``/``cuLaunchKernel`` calls, or the kernels seen
 when more), the model's own fill and mul included, for both variants; on CPU the plain recipe's data-touching
 ATen ops inside AccumulateGrad (one ``aten::add_`` per parameter) and gaengine's own count,
