@@ -20,7 +20,7 @@ from torch import nn
 
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine import ownership
+from gaengine import ownership, state_checks
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
@@ -809,19 +809,19 @@ class GradientAccumulator:
             raise bad("accumulation_steps_set", "None or an int >= 1")
         Window.check_state(state, k, n_params)
         for key in ("update_index", "items_seen", "consecutive_skips"):
-            value = state.get(key, 0)
+            value = state.get(key, 0 if key != "consecutive_skips" else None)  # read by load_scalars_state
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(key, "an int >= 0")
-        if sorted(state.get("layout_order") or []) != list(range(n_params)):
+        order = state.get("layout_order")
+        if not isinstance(order, (list, tuple)) or not all(type(i) is int for i in order) or (
+                sorted(order) != list(range(n_params))):
             raise bad("layout_order", f"a permutation of range({n_params}) (the parameters' registration indices)")
-        for key in ("written", "expected_arrivals"):
-            value = state.get(key)
-            if (value is not None or key == "written") and (
-                    not isinstance(value, (list, tuple)) or len(value) != n_params):
-                raise bad(key, f"a list of {n_params} entries, one per parameter")
+        state_checks.check_hooks_state(state, n_params)  # written, expected_arrivals, arrival, window_used
         self._resumed_k(state)  # ValueError naming both Ks
-        if (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
+        if "scaler" not in state or (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("state['scaler'] and this accumulator disagree on loss scaling (loss_scale differs)")
+        if state["scaler"] is not None:
+            state_checks.check_scaler_state(state["scaler"])
         if self._noise is not None:
             self._noise.check_state(state.get("noise_scale"), int(state["num_micro_batches"]))
 
