@@ -684,14 +684,14 @@ def _check_model(acc: Any, meta: dict[str, Any], entries: list[_Entry]) -> None:
     if [tuple(p) for p in meta["params"]] != mine:
         diff = next((a, b) for a, b in zip([tuple(p) for p in meta["params"]] + [None] * len(mine),
                                            mine + [None] * len(meta["params"])) if a != b)
-        raise ValueError(f"state was saved for another model or optimizer: (key, shape, dtype, optimized, master "
-                         f"weights) {diff[0]} in the state, {diff[1]} here. Build the model, the optimizer's param "
-                         "groups and master_weights as the saved run did")
+        raise ValueError(f"state was saved for another model or optimizer (state['meta']['params']): (key, shape, "
+                         f"dtype, optimized, master weights) {diff[0]} in the state, {diff[1]} here. Build the model, "
+                         "the optimizer's param groups and master_weights as the saved run did")
     optimizer = acc.optimizer
     n_groups = 0 if optimizer is None else len(optimizer.param_groups)
     if len(meta["param_groups"]) != n_groups:
-        raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this accumulator's "
-                         f"optimizer {n_groups}: build the optimizer with the saved run's groups")
+        raise ValueError(f"state['meta']['param_groups'] holds {len(meta['param_groups'])} optimizer param groups, "
+                         f"this accumulator's optimizer {n_groups}: build the optimizer with the saved run's groups")
     _check_optimizer(meta, optimizer)
     state_checks.check_param_groups(meta["param_groups"], optimizer)
 
@@ -715,8 +715,9 @@ def _resume_scalars(acc: Any, meta: dict[str, Any]) -> tuple[dict[str, Any], lis
     rank = dist.get_rank(acc.process_group) if world > 1 else 0
     ranks = meta["ranks"]
     if mid_window and len(ranks) != world:
-        raise ValueError(f"state saved mid-window holds the window counters of {len(ranks)} rank(s), this run has "
-                         f"{world}: save it with every rank calling acc.state_dict()")
+        raise ValueError(f"state['meta']['ranks'] of a state saved mid-window holds the window counters of "
+                         f"{len(ranks)} rank(s), this run has {world}: save it with every rank calling "
+                         "acc.state_dict()")
     scalars = dict(ranks[rank if mid_window else 0]["scalars"])
     if mid_window and scalars.get("window_used") is None and "window_used" in ranks[rank]:
         scalars["window_used"] = ranks[rank]["window_used"]  # saved beside the scalars before gaengine.window
@@ -796,7 +797,10 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
     moments = {}
     for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
         value = saved.get(k)
-        t = _take(value, e, f"state['optimizer'][{e.key!r}]")
+        if not isinstance(value, torch.Tensor):
+            raise state_checks.corrupt(f"state['optimizer'][{e.key!r}][{k!r}]", "the moment saved with it (a tensor)",
+                                       "missing" if k not in saved else type(value).__name__)
+        t = _take(value, e, "state['optimizer']")
         moments[k] = _shaped_like(e.piece, t if isinstance(value, FlatShard) else t.clone())
     return {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
 

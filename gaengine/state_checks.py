@@ -64,7 +64,8 @@ def read_meta(state: Mapping[str, Any], key: str = "state['meta']") -> dict[str,
     try:
         with zipfile.ZipFile(io.BytesIO(bytes(blob))) as archive:
             bad = archive.testzip()  # reads every record and checks its CRC-32
-            dirs = [info.filename for info in archive.infolist() if info.is_dir() or info.external_attr & _DIRECTORY_ATTR]
+            dirs = [info.filename for info in archive.infolist()
+                    if info.is_dir() or info.external_attr & _DIRECTORY_ATTR]
     except Exception as exc:  # zipfile raises BadZipFile, EOFError, ValueError, NotImplementedError ... on bad bytes
         raise ValueError(f"{key} does not decode ({len(blob)} bytes: {type(exc).__name__}: {exc}); it is truncated "
                          f"or damaged: {_FIX}") from None
@@ -163,12 +164,21 @@ def check_tensor(value: Any, key: str, dtype: torch.dtype | None = None) -> None
         raise corrupt(key, f"a {dtype} tensor", value.dtype)
 
 
+# The scalars load_scalars_state reads without a default (the others are absent from some earlier states).
+_SCALAR_KEYS = ("num_micro_batches", "accumulation_steps", "item_mode", "items_host", "items_dev", "loss_sum",
+                "failed_backward", "consecutive_skips", "layout_order", "arrival", "written", "scaler")
+
+
 def check_hooks_state(state: Mapping[str, Any], n_params: int) -> None:
-    """``ValueError`` naming the key unless the hooks' part of the scalars is in range: ``written`` ``n_params``
+    """``ValueError`` naming the key unless the scalars hold every key ``load_scalars_state`` reads
+    (``_SCALAR_KEYS``) and the hooks' part is in range: ``written`` ``n_params``
     bools, ``expected_arrivals`` None (a state saved before it was learned) or ``n_params`` ints >= 1, ``arrival``
     None or layout indices in ``[0, n_params)``, ``window_used`` None or ``n_params`` bools. A state saved
     mid-window must have a parameter written or used: a window of micro-batches none of whose gradients reached a
     parameter is one whose flags were cleared (loading it would drop the saved window's sums)."""
+    for name in _SCALAR_KEYS:
+        if name not in state:
+            raise ValueError(f"state[{name!r}] is missing: {_FIX}")
     written = state.get("written")
     if not isinstance(written, (list, tuple)) or len(written) != n_params or not all(
             isinstance(w, bool) for w in written):
@@ -178,8 +188,6 @@ def check_hooks_state(state: Mapping[str, Any], n_params: int) -> None:
             _is_int(v) and v >= 1 for v in expected)):
         raise corrupt("state['expected_arrivals']", f"None or a list of {n_params} ints >= 1 (gradient arrivals per "
                       "backward)", expected)
-    if "arrival" not in state:
-        raise ValueError(f"state['arrival'] is missing: {_FIX}")
     arrival = state["arrival"]
     if arrival is not None and (not isinstance(arrival, (list, tuple)) or not all(
             _is_int(i) and 0 <= i < n_params for i in arrival)):
