@@ -33,7 +33,8 @@ from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
 from gaengine.update import expose_grads
-from gaengine.window import FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items
+from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
+                             foreign_gradient_error)
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -253,7 +254,7 @@ class GradientAccumulator:
                 self._noise.add_micro_batch(counted)
             if self.sharding.reduction.end_backward(armed, last):
                 self._launch_window_stats()
-        except BaseException:
+        except BaseException as exc:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
             # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
             # drops it and training goes on.
@@ -261,6 +262,9 @@ class GradientAccumulator:
             window.fail()
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
+            foreign = foreign_gradient_error(exc, loss, self)  # another accumulator's parameter reached (a GAN)
+            if foreign is not None:
+                raise foreign from exc
             raise
 
     def _check_micro_batch(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> int | torch.Tensor | None:
