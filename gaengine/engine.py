@@ -27,6 +27,7 @@ from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.norm import WindowNorm, clip_coefficient
 from gaengine.reduce import check_ranks_agree, wait_quietly
+from gaengine.replaced import ReplacedParams
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
@@ -199,6 +200,7 @@ class GradientAccumulator:
         self._fusion = LinearFusion(module, self.backend.extension()[0].OP_NAMESPACE) if (
             config.gradient_accumulation_fusion) else None
         self._model = _watch_model(self.sharding, self.device)
+        self._replaced = ReplacedParams(module, self.params)  # parameters replaced in the model: refused
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -273,6 +275,7 @@ class GradientAccumulator:
         the last window's per-rank counts (several ranks), and ``num_items`` (returned checked, or None)."""
         check_loss(loss)
         self._model.check()
+        self._replaced.check(self.window.num_micro_batches == 0)  # ValueError naming a parameter replaced
         self._check_scheduler()
         window = self.window
         if window.failed:
@@ -353,6 +356,7 @@ class GradientAccumulator:
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
         self._model = _watch_model(self.sharding, self.device)
+        self._replaced = ReplacedParams(self._members.module, self.params)
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
