@@ -228,9 +228,12 @@ class GradientAccumulator:
         backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
 
         Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``,
-        ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the model
-        moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd leaves
-        the window failed and no ``.grad`` behind: ``zero_grad()`` drops it.
+        or a parameter replaced in the model (``gaengine.replaced``: ``load_state_dict(assign=True)``, a layer
+        swapped), ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the
+        model moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd
+        leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose graph reaches another
+        accumulator's parameters (a GAN's generator loss through the discriminator) raises ``RuntimeError`` naming
+        one and the two ways on (docs/pitfalls.md).
         """
         num_items = self._check_micro_batch(loss, num_items)
         window = self.window
@@ -785,8 +788,10 @@ class GradientAccumulator:
 
         Raises ``ValueError`` naming the key, before anything is changed, if it is of another format, was made for
         other parameters (names, shapes, dtypes), another optimizer type or param-group keys, other master weights
-        or loss scaling, saved mid-window on another world size or sharding strategy (naming both), or holds
-        counters out of range (a corrupt state)."""
+        or loss scaling, saved mid-window on another world size or sharding strategy (naming both), or is corrupt:
+        a meta blob that does not decode (truncated, a flipped bit: its records' CRC-32), a key missing, a value of
+        another type or out of range (counters, written flags, arrivals, tensors' sizes and dtypes;
+        ``gaengine.state_checks``)."""
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")
