@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from gaengine import optimizers
+from gaengine import optimizers, state_checks
 from gaengine.buffer import FlatLayout
 from gaengine.compat import all_gather_single
 from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
@@ -569,11 +569,14 @@ def _meta_blob(acc: Any, entries: list[_Entry], whole_state: dict[str, Any], ran
     return blob.getvalue()
 
 
-def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int | None = None) -> torch.Tensor:
+def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int | None = None,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
     """The loaded values of ``e``'s range from ``value``: a ``FlatShard`` whose chunk is ``[start, start + hi - lo)``
     of ``size`` elements (default: ``[lo, hi)`` of ``numel``), or a whole tensor of ``numel`` elements (a plain
-    state, ``torch.load``)."""
+    state, ``torch.load``); floating point, of ``dtype`` where given (``ValueError`` naming the key otherwise)."""
     start, size = (e.lo if start is None else start), (e.numel if size is None else size)
+    if isinstance(value, torch.Tensor):
+        state_checks.check_tensor(value.local if isinstance(value, FlatShard) else value, f"{what}[{e.key!r}]", dtype)
     if isinstance(value, FlatShard):
         if value.start != start or value.local.numel() != e.hi - e.lo or value.shape[0] != size:
             held = f"[{value.start}, {value.start + value.local.numel()}) of {value.shape[0]}"
@@ -594,8 +597,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _read_meta(state: dict[str, Any]) -> dict[str, Any]:
-    """The meta blob of a ``STATE_FORMAT`` state."""
-    return torch.load(io.BytesIO(state["meta"]), weights_only=True)  # plain containers, numbers, CPU tensors
+    """The meta blob of a state (``gaengine.state_checks.read_meta``: ``ValueError`` naming ``state['meta']`` for
+    bytes that do not decode)."""
+    return state_checks.read_meta(state)  # plain containers, numbers, CPU tensors
 
 
 def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
@@ -609,14 +613,19 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
     param groups, or saved mid-window on another world size or strategy (naming both)."""
     _check_format(state)
     meta = _read_meta(state)
+    state_checks.check_meta(meta, list(acc.sharding.state_meta()))
     entries = _entries(acc)
     _check_model(acc, meta, entries)
     scalars, ranks, mid_window = _resume_scalars(acc, meta)
+    state_checks.check_parts(state, mid_window)
+    state_checks.check_lr_scheduler(meta["lr_scheduler"], acc.lr_scheduler)
     order = acc.sharding.layout_to_resume(list(scalars["layout_order"]), _layout_order(acc))
     adopt = order != _layout_order(acc)
     _remap_layout(scalars, order, mid_window)
     masters, loaded, grads = _checked_values(acc, state, meta, entries, mid_window)
-    # Write.
+    # Write. The lr_scheduler first: its own load_state_dict is the one write not checked above, so a failure
+    # puts its state back and changes nothing else.
+    _load_lr_scheduler(acc.lr_scheduler, meta["lr_scheduler"])
     sharding = acc.sharding
     if adopt:  # a new main_grad in the saved layout (the loaded sums are views of the old one: copied below)
         sharding.set_layout([acc.registered_params[i] for i in order])
@@ -631,9 +640,22 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
         if masters and sharding.store is not None:
             sharding.store.copy_to_model()
     _load_optimizer(acc, meta, entries, loaded)
-    if acc.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        acc.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     acc.load_scalars_state(scalars)
+
+
+def _load_lr_scheduler(scheduler: Any, saved: dict[str, Any] | None) -> None:
+    """``scheduler.load_state_dict(saved)`` (None: nothing saved), put back as it was and ``ValueError`` naming
+    ``state['meta']['lr_scheduler']`` when it raises (a scheduler of another type whose loader misses a key)."""
+    if scheduler is None or saved is None:
+        return
+    before = scheduler.state_dict()
+    try:
+        scheduler.load_state_dict(dict(saved))
+    except Exception as exc:
+        scheduler.load_state_dict(before)
+        raise ValueError(f"state['meta']['lr_scheduler'] does not load into this {type(scheduler).__name__} "
+                         f"({type(exc).__name__}: {exc}): the state was saved with another lr_scheduler, or is "
+                         "corrupt; build the lr_scheduler the saved run used") from None
 
 
 def _check_format(state: Any) -> None:
@@ -662,15 +684,16 @@ def _check_model(acc: Any, meta: dict[str, Any], entries: list[_Entry]) -> None:
     if [tuple(p) for p in meta["params"]] != mine:
         diff = next((a, b) for a, b in zip([tuple(p) for p in meta["params"]] + [None] * len(mine),
                                            mine + [None] * len(meta["params"])) if a != b)
-        raise ValueError(f"state was saved for another model or optimizer: (key, shape, dtype, optimized, master "
-                         f"weights) {diff[0]} in the state, {diff[1]} here. Build the model, the optimizer's param "
-                         "groups and master_weights as the saved run did")
+        raise ValueError(f"state was saved for another model or optimizer (state['meta']['params']): (key, shape, "
+                         f"dtype, optimized, master weights) {diff[0]} in the state, {diff[1]} here. Build the model, "
+                         "the optimizer's param groups and master_weights as the saved run did")
     optimizer = acc.optimizer
     n_groups = 0 if optimizer is None else len(optimizer.param_groups)
     if len(meta["param_groups"]) != n_groups:
-        raise ValueError(f"state has {len(meta['param_groups'])} optimizer param groups, this accumulator's "
-                         f"optimizer {n_groups}: build the optimizer with the saved run's groups")
+        raise ValueError(f"state['meta']['param_groups'] holds {len(meta['param_groups'])} optimizer param groups, "
+                         f"this accumulator's optimizer {n_groups}: build the optimizer with the saved run's groups")
     _check_optimizer(meta, optimizer)
+    state_checks.check_param_groups(meta["param_groups"], optimizer)
 
 
 def _resume_scalars(acc: Any, meta: dict[str, Any]) -> tuple[dict[str, Any], list[dict], bool]:
@@ -692,12 +715,20 @@ def _resume_scalars(acc: Any, meta: dict[str, Any]) -> tuple[dict[str, Any], lis
     rank = dist.get_rank(acc.process_group) if world > 1 else 0
     ranks = meta["ranks"]
     if mid_window and len(ranks) != world:
-        raise ValueError(f"state saved mid-window holds the window counters of {len(ranks)} rank(s), this run has "
-                         f"{world}: save it with every rank calling acc.state_dict()")
+        raise ValueError(f"state['meta']['ranks'] of a state saved mid-window holds the window counters of "
+                         f"{len(ranks)} rank(s), this run has {world}: save it with every rank calling "
+                         "acc.state_dict()")
     scalars = dict(ranks[rank if mid_window else 0]["scalars"])
     if mid_window and scalars.get("window_used") is None and "window_used" in ranks[rank]:
         scalars["window_used"] = ranks[rank]["window_used"]  # saved beside the scalars before gaengine.window
     acc.check_scalars_state(scalars)
+    if mid_window:  # every saving rank's written flags are read (ShardingStrategy.load_window_state)
+        for r, entry in enumerate(ranks):
+            written = entry["scalars"].get("written")
+            if not isinstance(written, (list, tuple)) or len(written) != len(acc.registered_params) or not all(
+                    isinstance(w, bool) for w in written):
+                raise state_checks.corrupt(f"state['meta']['ranks'][{r}]['scalars']['written']",
+                                           f"a list of {len(acc.registered_params)} bools", written)
     return scalars, ranks, mid_window
 
 
@@ -734,7 +765,8 @@ def _checked_values(acc: Any, state: dict[str, Any], meta: dict[str, Any], entri
     for e in entries:
         owned = e.piece is not None
         if e.master and owned:
-            masters.append((_flat(e.piece.data, e.key), _take(state["master"].get(e.key), e, "state['master']")))
+            saved = _take(state["master"].get(e.key), e, "state['master']", dtype=torch.float32)
+            masters.append((_flat(e.piece.data, e.key), saved))
         if e.optimized and owned and not elementwise:
             if e.key in whole_state:
                 loaded[id(e.piece)] = dict(whole_state[e.key])
@@ -747,7 +779,7 @@ def _checked_values(acc: Any, state: dict[str, Any], meta: dict[str, Any], entri
             if grad is None:
                 raise ValueError(f"state['window_grad'][{e.key!r}] is missing for a state saved mid-window")
             chunk = where[e.layout_index]
-            grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.shape[0])
+            grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.shape[0], torch.float32)
     return masters, loaded, grads
 
 
@@ -765,7 +797,10 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
     moments = {}
     for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
         value = saved.get(k)
-        t = _take(value, e, f"state['optimizer'][{e.key!r}]")
+        if not isinstance(value, torch.Tensor):
+            raise state_checks.corrupt(f"state['optimizer'][{e.key!r}][{k!r}]", "the moment saved with it (a tensor)",
+                                       "missing" if k not in saved else type(value).__name__)
+        t = _take(value, e, "state['optimizer']")
         moments[k] = _shaped_like(e.piece, t if isinstance(value, FlatShard) else t.clone())
     return {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
 
@@ -850,6 +885,11 @@ def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
         return state
     if fmt == ZERO_FORMAT:
         meta = _read_meta(state)
+        for key, ok in (("zero_stage", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                        ("sharded", lambda v: isinstance(v, bool))):
+            if key not in meta or not ok(meta[key]):
+                raise state_checks.corrupt(f"state['meta'][{key!r}]", "what a zero_stage state saved (an int >= 0 "
+                                           "for zero_stage, a bool for sharded)", meta.get(key, "missing"))
         meta["mode"] = f"zero_stage={meta['zero_stage']}" if meta["sharded"] else None  # one rank: replicated
         meta["window_rows"] = False
         meta["optimizer_state"] = {}
@@ -877,11 +917,12 @@ def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "
                          f"{where}. Upgrade it there, then save acc.state_dict() (it loads at any zero_stage)")
+    state_checks.check_plain_state(state)
     sharding = acc.sharding
     registration = acc.registered_params
     shapes = [list(p.shape) for p in registration]
     dtypes = [str(p.dtype) for p in registration]
-    if state["param_shapes"] != shapes or state["param_dtypes"] != dtypes:
+    if [list(s) for s in state["param_shapes"]] != shapes or state["param_dtypes"] != dtypes:
         raise ValueError(
             f"state was saved for {len(state['param_shapes'])} parameters of shapes/dtypes "
             f"{list(zip(state['param_shapes'], state['param_dtypes']))[:4]}..., but this accumulator has "
@@ -895,9 +936,10 @@ def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
     if (master is None) != (buffer is None) or (buffer is not None and master.numel() != buffer.data.numel()):
         raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
     acc.check_scalars_state(state)
-    sharding.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_scalars_state
     if state["main_grad"].numel() != sharding.main_grad.data.numel():
-        raise ValueError("state's main_grad buffer does not match the layout")  # unreachable for equal shapes
+        raise ValueError(f"state['main_grad'] has {state['main_grad'].numel()} elements, this accumulator's main_grad "
+                         f"{sharding.main_grad.data.numel()}: it belongs to another model or layout")
+    sharding.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_scalars_state
     with torch.no_grad():
         sharding.main_grad.data.copy_(state["main_grad"])
         if buffer is not None:

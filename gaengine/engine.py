@@ -20,20 +20,22 @@ from torch import nn
 
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine import ownership
+from gaengine import ownership, state_checks
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.norm import WindowNorm, clip_coefficient
 from gaengine.reduce import check_ranks_agree, wait_quietly
+from gaengine.replaced import ReplacedParams
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
 from gaengine.update import expose_grads
-from gaengine.window import FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items
+from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
+                             foreign_gradient_error)
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -198,6 +200,7 @@ class GradientAccumulator:
         self._fusion = LinearFusion(module, self.backend.extension()[0].OP_NAMESPACE) if (
             config.gradient_accumulation_fusion) else None
         self._model = _watch_model(self.sharding, self.device)
+        self._replaced = ReplacedParams(module, self.params)  # parameters replaced in the model: refused
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -225,11 +228,14 @@ class GradientAccumulator:
         backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
 
         Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``,
-        ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the model
-        moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd leaves
-        the window failed and no ``.grad`` behind: ``zero_grad()`` drops it. Warns
-        (``gaengine.scaler.LossDividedByKWarning``, once per accumulator) when a window's first ``loss`` in mean mode
-        was divided by K (``loss / K``, ``loss * (1 / K)``): gaengine divides by K itself.
+        or a parameter replaced in the model (``gaengine.replaced``: ``load_state_dict(assign=True)``, a layer
+        swapped), ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the
+        model moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd
+        leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose graph reaches another
+        accumulator's parameters (a GAN's generator loss through the discriminator) raises ``RuntimeError`` naming
+        one and the two ways on (docs/pitfalls.md). Warns (``gaengine.scaler.LossDividedByKWarning``, once per
+        accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
+        gaengine divides by K itself.
         """
         num_items = self._check_micro_batch(loss, num_items)
         window = self.window
@@ -259,7 +265,7 @@ class GradientAccumulator:
                 self._noise.add_micro_batch(counted)
             if self.sharding.reduction.end_backward(armed, last):
                 self._launch_window_stats()
-        except BaseException:
+        except BaseException as exc:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
             # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
             # drops it and training goes on.
@@ -267,6 +273,9 @@ class GradientAccumulator:
             window.fail()
             for p in self.params:  # what autograd left in .grad before it stopped belongs to the failed window
                 p.grad = None
+            foreign = foreign_gradient_error(exc, loss, self)  # another accumulator's parameter reached (a GAN)
+            if foreign is not None:
+                raise foreign from exc
             raise
 
     def _check_micro_batch(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> int | torch.Tensor | None:
@@ -275,6 +284,7 @@ class GradientAccumulator:
         the last window's per-rank counts (several ranks), and ``num_items`` (returned checked, or None)."""
         check_loss(loss)
         self._model.check()
+        self._replaced.check(self.window.num_micro_batches == 0)  # ValueError naming a parameter replaced
         self._check_scheduler()
         window = self.window
         if window.failed:
@@ -355,6 +365,7 @@ class GradientAccumulator:
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
         self._model = _watch_model(self.sharding, self.device)
+        self._replaced = ReplacedParams(self._members.module, self.params)
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
@@ -783,8 +794,10 @@ class GradientAccumulator:
 
         Raises ``ValueError`` naming the key, before anything is changed, if it is of another format, was made for
         other parameters (names, shapes, dtypes), another optimizer type or param-group keys, other master weights
-        or loss scaling, saved mid-window on another world size or sharding strategy (naming both), or holds
-        counters out of range (a corrupt state)."""
+        or loss scaling, saved mid-window on another world size or sharding strategy (naming both), or is corrupt:
+        a meta blob that does not decode (truncated, a flipped bit: its records' CRC-32), a key missing, a value of
+        another type or out of range (counters, written flags, arrivals, tensors' sizes and dtypes;
+        ``gaengine.state_checks``)."""
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")
@@ -815,19 +828,19 @@ class GradientAccumulator:
             raise bad("accumulation_steps_set", "None or an int >= 1")
         Window.check_state(state, k, n_params)
         for key in ("update_index", "items_seen", "consecutive_skips"):
-            value = state.get(key, 0)
+            value = state.get(key, 0 if key != "consecutive_skips" else None)  # read by load_scalars_state
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(key, "an int >= 0")
-        if sorted(state.get("layout_order") or []) != list(range(n_params)):
+        order = state.get("layout_order")
+        if not isinstance(order, (list, tuple)) or not all(type(i) is int for i in order) or (
+                sorted(order) != list(range(n_params))):
             raise bad("layout_order", f"a permutation of range({n_params}) (the parameters' registration indices)")
-        for key in ("written", "expected_arrivals"):
-            value = state.get(key)
-            if (value is not None or key == "written") and (
-                    not isinstance(value, (list, tuple)) or len(value) != n_params):
-                raise bad(key, f"a list of {n_params} entries, one per parameter")
+        state_checks.check_hooks_state(state, n_params)  # written, expected_arrivals, arrival, window_used
         self._resumed_k(state)  # ValueError naming both Ks
-        if (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("state and this accumulator disagree on loss scaling (loss_scale differs)")
+        if "scaler" not in state or (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("state['scaler'] and this accumulator disagree on loss scaling (loss_scale differs)")
+        if state["scaler"] is not None:
+            state_checks.check_scaler_state(state["scaler"])
         if self._noise is not None:
             self._noise.check_state(state.get("noise_scale"), int(state["num_micro_batches"]))
 

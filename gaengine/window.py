@@ -21,7 +21,7 @@ MEMBERSHIP_SETTING = "trainable parameters changed in the window"
 """The window setting (``GradientAccumulator._window_settings``) that tells ranks which changed their trainable
 parameters in the middle of a window from those which did not."""
 
-__all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items"]
+__all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items", "foreign_gradient_error"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                  "micro-batches; call acc.zero_grad() to drop it, then go on")
@@ -243,6 +243,46 @@ def _graph_nodes(root: Any) -> list[Any]:
         nodes.append(node)
         stack.extend(child for child, _ in node.next_functions)
     return nodes
+
+
+# What the hooks say when a gradient reaches a parameter of theirs outside its accumulator's backward (csrc).
+OUTSIDE_BACKWARD = "managed by GradientAccumulator outside acc.backward()"
+
+
+def foreign_gradient_error(exc: BaseException, loss: torch.Tensor, acc: Any) -> RuntimeError | None:
+    """The error of ``acc.backward(loss)`` whose autograd pass reached a parameter of another live accumulator
+    (``exc``: what the other accumulator's hook raised, ``OUTSIDE_BACKWARD``), naming that parameter and the two
+    ways on; None when ``exc`` is another error. Two accumulators on one graph: a GAN's generator loss through the
+    discriminator (docs/pitfalls.md). Walks the loss's graph for the parameters' ``AccumulateGrad`` nodes (host
+    only, on this error path only)."""
+    from gaengine.clip import OWNER_ATTR  # noqa: PLC0415 - the mark every accumulator leaves on its parameters
+
+    if not isinstance(exc, RuntimeError) or OUTSIDE_BACKWARD not in str(exc):
+        return None
+    found, seen, stack = None, set(), [loss.grad_fn]
+    while stack and found is None:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        owner = getattr(variable, OWNER_ATTR, None) if isinstance(variable, torch.Tensor) else None
+        other = owner() if owner is not None else None
+        if other is not None and other is not acc:
+            found = (variable, other)
+        stack.extend(child for child, _ in node.next_functions)
+    if found is None:
+        return None
+    p, other = found
+    name = next((n for n, q in other.named_params if q is p), f"of shape {tuple(p.shape)}")
+    return RuntimeError(
+        f"acc.backward(loss): this loss's graph reaches parameter {name!r} of another GradientAccumulator (B), so "
+        f"autograd produced a gradient of accumulator B's parameters inside this accumulator's (A's) backward, as a "
+        f"GAN's generator loss does through the discriminator. Neither accumulator adds it: B's window is as it "
+        f"was, and this micro-batch's backward stopped part way, so A's window failed (acc.zero_grad() on A drops "
+        f"it). Two ways on: freeze B's parameters for A's windows (p.requires_grad_(False) for each, between B's "
+        f"windows; requires_grad_(True) again before B's next backward), or let autograd compute A's gradients only: "
+        f"acc.backward(loss, inputs=[...A's parameters...]). See docs/pitfalls.md (two accumulators on one graph)")
 
 
 # The dtypes of a tensor num_items: integers, and floats that count exactly up to 2**24 items or more (fp16 and
