@@ -297,16 +297,25 @@ class HotPath {
 
   // Gradient accumulation fusion on (register the parameters: fused_linear's backward hands their gradients to
   // fuse()) or off (unregister them). Off is idempotent; close() turns it off.
-  void set_fusion(bool on) {
-    TORCH_CHECK_VALUE(!on || !external_, "gradient accumulation fusion needs the parameters' own AccumulateGrad hooks, ",
-                      "which a HotPath built with external=True does not have");
-    TORCH_CHECK_VALUE(!on || wgrad_op_.has_value(), "gradient accumulation fusion needs wgrad_accumulate_ in the ",
+  void set_fusion(bool on) { set_fused(std::vector<bool>(params_.size(), on)); }
+
+  // Gradient accumulation fusion per parameter: which[i] registers parameter i (fused_linear's backward hands its
+  // gradient to fuse()), false unregisters it (fused_linear's backward returns its ordinary gradient to autograd,
+  // which runs the parameter's tensor and post-accumulate hooks before this HotPath's AccumulateGrad hook takes it:
+  // the unfused path, gaengine.fusion.FusionHooks). Takes effect at the next backward.
+  void set_fused(const std::vector<bool>& which) {
+    TORCH_CHECK_VALUE(which.size() == params_.size(), "set_fused needs one flag per parameter (", params_.size(),
+                      "), got ", which.size());
+    const bool any = std::find(which.begin(), which.end(), true) != which.end();
+    TORCH_CHECK_VALUE(!any || !external_, "gradient accumulation fusion needs the parameters' own AccumulateGrad ",
+                      "hooks, which a HotPath built with external=True does not have");
+    TORCH_CHECK_VALUE(!any || wgrad_op_.has_value(), "gradient accumulation fusion needs wgrad_accumulate_ in the ",
                       "namespace of this HotPath's kernels, which has none (the compiled backends' namespace has it)");
     std::lock_guard<std::mutex> registry(fusion_mutex());
     auto& owners = fusion_owners();
     for (size_t i = 0; i < params_.size(); ++i) {
       const c10::TensorImpl* key = params_[i].unsafeGetTensorImpl();
-      if (on) {
+      if (which[i]) {
         owners[key] = {this, static_cast<int64_t>(i)};
       } else {
         auto it = owners.find(key);
@@ -860,6 +869,9 @@ void register_hot_path(py::module_& m) {
       .def("set_fusion", &HotPath::set_fusion,
            "gradient accumulation fusion: fused_linear's backward writes these parameters' gradients into main_grad",
            py::arg("on"), py::call_guard<py::gil_scoped_release>())
+      .def("set_fused", &HotPath::set_fused,
+           "gradient accumulation fusion per parameter: which[i] False gives parameter i its ordinary gradient",
+           py::arg("which"), py::call_guard<py::gil_scoped_release>())
       .def("set_acquire", &HotPath::set_acquire, "write each bucket into acquire(b) (None: into main_grad)",
            py::arg("acquire"), py::arg("bucket_base"));
 }

@@ -57,6 +57,11 @@ class Accumulation:
         cleared); the engine then clears the ``.grad`` autograd left."""
         return self.hooks.take_stale()
 
+    def set_fused(self, which: list[bool]) -> None:
+        """Gradient accumulation fusion per parameter (layout order): ``which[i]`` False gives parameter i its
+        ordinary gradient from ``fused_linear``'s backward (``NativeHooks.set_fused``; ``gaengine.fusion``)."""
+        self.hooks.set_fused(which)
+
     def begin(self, last: bool, armed: bool) -> None:
         """Right before a micro-batch's autograd call (``last``: the window's last micro-batch; ``armed``: the
         reduction's ``begin_backward`` armed the reducer): the hooks start the micro-batch (``Hooks.begin``),

@@ -21,6 +21,7 @@ from torch import nn
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership, state_checks
+from gaengine.protocol import REDUCTIONS
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
@@ -199,6 +200,8 @@ class GradientAccumulator:
             gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self._fusion = LinearFusion(module, self.backend.extension()[0].OP_NAMESPACE) if (
             config.gradient_accumulation_fusion) else None
+        if self._fusion is not None:  # a layer whose weight or bias holds a user hook is not fused
+            self._fusion.follow_hooks(self.sharding.accumulation, self.params)
         self._model = _watch_model(self.sharding, self.device)
         self._replaced = ReplacedParams(module, self.params)  # parameters replaced in the model: refused
 
@@ -245,6 +248,10 @@ class GradientAccumulator:
             self._divided_warned = warn_if_divided_by_k(loss, self.accumulation_steps)
         if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
             self._adopt_changes()
+            if self._fusion is not None:  # hooks registered or removed since: fused or not from this window on
+                self._fusion.follow_hooks(self.sharding.accumulation, self.params)
+        if self._ranks_members is not None and window.num_micro_batches == self.accumulation_steps - 1:
+            self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
         if self.sharding.accumulation.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
@@ -316,6 +323,8 @@ class GradientAccumulator:
         rank must hold alike and the noise-scale terms), kept in the window (``Window.stats``)."""
         self.window.settings = self._window_settings()
         self.window.stats = self.sharding.reduction.launch_window_stats(self.window, self._noise_terms())
+        if self._ranks_members is not None:
+            self._ranks_members.protocol.reducing = False
 
     def _window_settings(self) -> tuple[tuple[str, object], ...]:
         """What every rank must have set alike for this window, compared in its stats all-reduce
@@ -339,7 +348,8 @@ class GradientAccumulator:
         ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once
         (FSDP2), for an optimizer that writes the model itself, or an fp16 parameter without a loss scale."""
         joined, left = self._members.changes(self.params)
-        if self._ranks_members is not None and not self._ranks_members.check(joined, left):
+        window_id = self.schedule.update_index  # the window's header (gaengine.protocol)
+        if self._ranks_members is not None and not self._ranks_members.check(joined, left, window_id):
             return  # the ranks differ: this window runs in the layout every rank has; step() raises on every rank
         if not joined and not left:
             return
@@ -492,6 +502,8 @@ class GradientAccumulator:
             if error is not None:
                 raise error
         self._refuse_unmanaged_grads()
+        if self._fusion is not None:  # a hook registered mid-window on a fused parameter: RuntimeError
+            self._fusion.check_window(self.params, {id(p): n for n, p in self.named_params})
         return k
 
     def _complete_reductions(self, k: int) -> bool:
@@ -500,6 +512,7 @@ class GradientAccumulator:
         returns whether it was."""
         partial = self.distributed and self.window.stats is None
         if partial:
+            self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
             self.sharding.reduction.end_partial_window(self.accumulation_steps - k)
             self._launch_window_stats()
         if self.distributed:
@@ -728,6 +741,8 @@ class GradientAccumulator:
         several ranks it first waits for the all-reduces a failed last micro-batch had launched). It cannot
         undo moving or converting the model after construction: then build a new accumulator.
         """
+        if self._ranks_members is not None and self._ranks_members.protocol.reducing:
+            self._drop_reductions()  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
         self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
         self.sharding.accumulation.drop()  # the hooks' window and what they hold
         if self.window.stats is not None:
@@ -740,6 +755,21 @@ class GradientAccumulator:
             self._ranks_members.drop()
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
+
+    def _drop_reductions(self) -> None:
+        """``zero_grad()`` on several ranks after this rank opened its window's reductions (``gaengine.protocol``)
+        without launching its stats all-reduce (its last micro-batch's backward raised): the buckets not launched
+        and the stats all-reduce are launched, its count marked dropped, so the other ranks' collectives are matched
+        and their ``step()`` raises naming this rank. The window is dropped either way: errors are ignored (a peer
+        that failed too), the waits are ``zero_grad()``'s."""
+        self._ranks_members.protocol.reducing = False
+        if self.window.stats is not None:
+            return
+        self.window.fail()  # its stats carry gaengine.reduce.DROPPED_COUNT
+        try:
+            self._launch_window_stats()
+        except Exception:  # noqa: BLE001 - the window is dropped either way
+            pass
 
     def state_dict(self) -> dict:
         """Everything needed to resume, mid-window included: the window's fp32 sums and counts, the fp32 masters,

@@ -32,6 +32,17 @@ micro-batch goes into an fp32 tensor that the hook holds and its bucket adds and
 ``torch.autocast`` the op's Autocast kernel casts input, weight and bias to the autocast dtype inside the autograd
 Function (as autocast casts ``F.linear``'s operands): the GEMM operands are the casts, the fp32 ``main_grad`` is
 written from their products accumulated in fp32.
+
+Hooks (``LinearFusion.follow_hooks``): a routed layer's weight or bias holding a hook of the user's, a tensor hook
+(``param.register_hook``: ``param._backward_hooks``) or a post-accumulate-grad hook
+(``param.register_post_accumulate_grad_hook``: ``param._post_accumulate_grad_hooks``), is not fused: its
+``fused_linear`` backward returns its ordinary gradient to autograd, which runs the hooks, then the accumulator's
+AccumulateGrad hook takes it (the unfused path, exactly). Checked at construction and at every window's first
+``backward()``: a Python pass over the routed layers' parameters, once per window. A hook registered in the middle of
+a window, on a parameter fused at its start, makes ``step()`` refuse (``RuntimeError`` naming the parameter and the
+hook, nothing applied). gaengine's own gradient hooks are C++ hooks on the AccumulateGrad nodes (in neither
+dictionary); a Python hook that observes gradients and knows the fusion (``gaengine verify``'s) is marked with
+``observes_fusion`` and does not count.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from torch import nn
 
 from gaengine.hooks import native_hooks_problem
 
-__all__ = ["LinearFusion", "check_fusion", "register_triton_wgrad"]
+__all__ = ["LinearFusion", "check_fusion", "observes_fusion", "register_triton_wgrad", "user_hooks"]
 
 OPTION = "gradient_accumulation_fusion"
 
@@ -108,6 +119,31 @@ def check_fusion(model: Any, backend, device: torch.device) -> None:
                              f"triton cannot be imported ({exc}): pip install triton, or set {OPTION}=False") from exc
 
 
+_OBSERVER = "_gaengine_observes_fusion"
+
+
+def observes_fusion(hook):
+    """Mark ``hook`` (a tensor or post-accumulate-grad hook of gaengine's own that only reads gradients and knows that
+    a fused parameter's arrive as None: ``gaengine verify``'s) so that ``user_hooks`` leaves it out: the parameter
+    stays fused. Returns ``hook``."""
+    setattr(hook, _OBSERVER, True)
+    return hook
+
+
+def user_hooks(param: torch.Tensor) -> list[str]:
+    """The user's hooks on ``param`` (those not marked by ``observes_fusion``), described for an error message: its
+    tensor hooks (``param._backward_hooks``, an OrderedDict or None) and its post-accumulate-grad hooks
+    (``param._post_accumulate_grad_hooks``). Empty when it has none."""
+    found = []
+    for what, hooks in (("tensor hook (register_hook)", param._backward_hooks),
+                        ("post-accumulate-grad hook (register_post_accumulate_grad_hook)",
+                         getattr(param, "_post_accumulate_grad_hooks", None))):
+        for hook in (hooks or {}).values():
+            if not getattr(hook, _OBSERVER, False):
+                found.append(f"{what} {getattr(hook, '__qualname__', type(hook).__name__)}")
+    return found
+
+
 def _conv1d_class() -> type | None:
     """``transformers.pytorch_utils.Conv1D`` when transformers has loaded it (no import here), else None."""
     module = sys.modules.get("transformers.pytorch_utils")
@@ -151,6 +187,37 @@ class LinearFusion:
             module.forward = types.MethodType(lambda m, x, f=forward: f(m, x, op=op), module)
             self.modules.append(module)
         self._forwards = [m.__dict__["forward"] for m in self.modules]
+
+    def _routed(self) -> set[int]:
+        """``id`` of the routed layers' weights and biases (read now: a layer's parameter may have been replaced)."""
+        return {id(p) for m in self.modules for p in (m.weight, getattr(m, "bias", None)) if p is not None}
+
+    def follow_hooks(self, accumulation, params: list[torch.Tensor]) -> None:
+        """At construction and at every window's first ``backward()``: the routed layers' parameters among
+        ``params`` (the accumulator's, layout order) that hold a user hook (``user_hooks``) are not fused from this
+        backward on, the others are (``accumulation.set_fused``: a C++ call only when that changes). One Python pass
+        over the parameters per window; nothing per micro-batch."""
+        routed = self._routed()
+        which = [not (id(p) in routed and bool(user_hooks(p))) for p in params]
+        accumulation.set_fused(which)
+        self._unfused = {id(p) for p, fused in zip(params, which) if not fused}
+
+    def check_window(self, params: list[torch.Tensor], names: dict[int, str]) -> None:
+        """``step()``, before anything is applied: ``RuntimeError`` naming a routed parameter that was fused at this
+        window's start and holds a user hook now (registered in the middle of the window: the micro-batches since
+        then wrote its gradient into main_grad without running the hook). ``names``: ``id(p)`` -> its name."""
+        routed, unfused = self._routed(), getattr(self, "_unfused", set())
+        for i, p in enumerate(params):
+            if id(p) in routed and id(p) not in unfused:
+                found = user_hooks(p)
+                if found:
+                    raise RuntimeError(
+                        f"gaengine: parameter {names.get(id(p), f'param[{i}]')!r} got a {found[0]} in the middle of "
+                        f"this accumulation window, while gradient_accumulation_fusion wrote its gradient straight "
+                        f"into main_grad: the micro-batches of this window did not run that hook, so nothing was "
+                        f"applied (the window stays open). A layer whose weight or bias holds a hook when a window's "
+                        f"first acc.backward() runs takes the unfused path for it, hooks included: register hooks "
+                        f"between windows (after acc.step()). To go on: acc.zero_grad() drops this window")
 
     def close(self) -> None:
         for module, forward in zip(self.modules, self._forwards):

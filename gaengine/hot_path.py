@@ -88,8 +88,19 @@ class NativeHooks:
         self._hot.set_measure_sources(bool(measure_sources))
         if fusion:
             self._hot.set_fusion(True)
+        self._fused = [bool(fusion)] * len(self.params)
         self.measure_sources = bool(measure_sources)
         self.num_buckets = len(buckets)
+
+    def set_fused(self, which: list[bool]) -> None:
+        """Gradient accumulation fusion per parameter: ``which[i]`` False unregisters parameter i, whose
+        ``fused_linear`` gradient then goes through autograd (its hooks, then this HotPath's AccumulateGrad hook) as
+        unfused; True registers it again (``HotPath.set_fused``, called only when ``which`` changed). Takes effect at
+        the next backward; ``ValueError`` for a length other than the parameters'."""
+        which = [bool(w) for w in which]
+        if which != self._fused:
+            self._hot.set_fused(which)
+            self._fused = which
 
     def arrive(self, index: int, grad: torch.Tensor) -> None:
         """``external=True``: parameter ``index``'s gradient (shaped as ``params[index]``, on its device), handed over

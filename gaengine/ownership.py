@@ -20,11 +20,11 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gaengine.clip import OWNER_ATTR
-from gaengine.reduce import Collective, HostMailbox, setting_terms
+from gaengine.protocol import WINDOW_START, RankProtocol, payload_numel
+from gaengine.reduce import HostMailbox, setting_terms
 from gaengine.update import check_optimizer_step
 from gaengine.zero import check_zero_optimizer
 
@@ -222,11 +222,18 @@ class RankMembership:
     on every rank, naming each rank's change (``take``), before anything is applied; the error stays until
     ``acc.zero_grad()`` drops the window (``drop``).
 
-    members: the accumulator's ``Membership``. world_size, rank, device, group: the ranks'.
+    The all-reduce is the header of the window's first phase of collectives (``gaengine.protocol``, ``WINDOW_START``):
+    a rank at another of gaengine's collectives makes every rank raise ``gaengine.protocol.ProtocolError`` there.
+
+    members: the accumulator's ``Membership``. world_size, rank, device, group: the ranks'. protocol: the
+    accumulator's ``gaengine.protocol.RankProtocol`` (default: one of its own).
     """
 
-    def __init__(self, members: Membership, world_size: int, rank: int, device: torch.device, group) -> None:
+    def __init__(self, members: Membership, world_size: int, rank: int, device: torch.device, group,
+                 protocol: RankProtocol | None = None) -> None:
         self.members, self.world_size, self.rank, self.device, self.group = members, world_size, rank, device, group
+        self.protocol = protocol if protocol is not None else RankProtocol(world_size, rank, device, group)
+        assert _TERMS + _SLOT * world_size == payload_numel(world_size), "gaengine.protocol's payload is this check's"
         self.fingerprint = members.fingerprint()  # of the parameters the accumulator trains now
         self._mailbox = HostMailbox(1 + _SLOT * world_size, torch.float64, device)
         self._posted = False
@@ -234,11 +241,14 @@ class RankMembership:
         self._error: ValueError | None = None
         self._unchanged: torch.Tensor | None = None  # this rank's values when nothing changed
 
-    def check(self, joined: list[tuple[str, torch.Tensor]], left: list[tuple[str, torch.Tensor]]) -> bool:
+    def check(self, joined: list[tuple[str, torch.Tensor]], left: list[tuple[str, torch.Tensor]],
+              window: int = 0) -> bool:
         """At a window boundary, on every rank, before anything of the window is collective: launch the all-reduce
-        of what this rank would train from now (``joined``, ``left``: ``Membership.changes``). Returns whether this
-        rank may adopt its change: True with no change (no host read); with one, whether every rank asked for the
-        same parameters (a host read)."""
+        of what this rank would train from now (``joined``, ``left``: ``Membership.changes``), the header of window
+        ``window`` (the updates so far). Returns whether this rank may adopt its change: True with no change (no
+        host read); with one, whether every rank asked for the same parameters (a host read). Raises
+        ``gaengine.protocol.ProtocolError`` when a rank is at another collective of gaengine's (CPU), nothing
+        changed."""
         changed = bool(joined or left)
         if changed:
             position = {id(p): i for i, (_, p) in enumerate(self.members.candidates)}
@@ -249,9 +259,8 @@ class RankMembership:
             if self._unchanged is None:
                 self._unchanged = self._vector(self.fingerprint, [0] * _SLOT)
             host = self._unchanged.clone()  # the all-reduce writes into it (on CPU, .to() below is the same tensor)
-        data = host.to(self.device, non_blocking=True)
-        own = data[:_TERMS] * self.world_size
-        Collective(dist.all_reduce, data, group=self.group).wait()
+        own = host[:_TERMS].to(self.device, non_blocking=True) * self.world_size
+        data = self.protocol.open(WINDOW_START, window, host.to(self.device, non_blocking=True))
         differ = data[:_TERMS].ne(own).any().to(torch.float64).reshape(1)
         self._mailbox.post(torch.cat([differ, data[_TERMS:]]))
         self._posted, self._values, self._error = True, None, None
@@ -276,9 +285,14 @@ class RankMembership:
         self.fingerprint = self.members.fingerprint()
         self._unchanged = None
 
-    def take(self) -> ValueError | None:
+    def take(self) -> Exception | None:
         """``step()``, before anything is applied: the error to raise when the ranks asked for different parameters
-        at this window's boundary (every rank gets it at the same call), else None."""
+        at this window's boundary (``ValueError``; every rank gets it at the same call), or, on CUDA, when a header of
+        this window met another phase (``gaengine.protocol.ProtocolError``, read here: no host wait per window),
+        else None."""
+        mismatch = self.protocol.take()
+        if mismatch is not None:
+            return mismatch
         if self._error is None and (self._posted or self._values is not None) and self._read()[0]:
             self._error = ValueError(self._message())
         return self._error

@@ -39,10 +39,11 @@ from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.compat import BACKWARD_TLS, BACKWARD_TLS_KEY, tensor_use_count
 from gaengine.norm import WindowNorm, window_norm
 
-__all__ = ["BackwardStart", "BucketReducer", "Collective", "HostMailbox", "Reduction", "WindowStats",
+__all__ = ["DROPPED_COUNT", "BackwardStart", "BucketReducer", "Collective", "HostMailbox", "Reduction", "WindowStats",
            "broadcast_from_first_rank", "check_ranks_agree", "count_mismatch_message", "launch_window_stats",
            "setting_terms", "settle", "wait_for", "wait_quietly"]
 
+DROPPED_COUNT = -1  # the micro-batch count a rank that dropped its window sends in the stats all-reduce
 SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
 _SETTLE_POLL_S = 5e-5
 
@@ -211,16 +212,25 @@ def wait_quietly(work) -> None:
         pass
 
 
+def _failed(what: str) -> str:
+    return (f"gaengine: {what} failed: another rank failed, stopped mid-window, or is out of step with this one "
+            "(every rank must call acc.backward() the same number of times per window and acc.step() together). "
+            "The wait is bounded by the process group's timeout: torch.distributed.init_process_group(timeout=...).")
+
+
 def wait_for(work, what: str) -> None:
     """``work.wait()``, turning a peer's failure or a timeout into an error that says what happened."""
     try:
         work.wait()
     except Exception as exc:
-        raise RuntimeError(
-            f"gaengine: {what} failed: another rank failed, stopped mid-window, or is out of step with this one "
-            "(every rank must call acc.backward() the same number of times per window and acc.step() together). "
-            "The wait is bounded by the process group's timeout: torch.distributed.init_process_group(timeout=...)."
-        ) from exc
+        raise RuntimeError(_failed(what)) from exc
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the group's collectives take their tensors: CUDA (the current device) when its backend is NCCL, else
+    CPU (gloo)."""
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
 @dataclass
@@ -361,6 +371,14 @@ def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str
 
     counts: every rank's micro-batch count in the window (group rank order); rank: this rank's index in the group;
     found: where it was found, when that was not the step that raises."""
+    dropped = [r for r, c in enumerate(counts) if c == DROPPED_COUNT]
+    if dropped:
+        return (f"gaengine: rank(s) {', '.join(map(str, dropped[:8]))} dropped this accumulation window{found} "
+                f"(acc.zero_grad() after an error in its last micro-batch, on that rank only) while this rank (rank "
+                f"{rank} of {len(counts)}) completed it: no rank applied this update (the parameters, the optimizer "
+                "state, the lr_scheduler and the loss scale are unchanged on every rank) and the window is dropped "
+                "here too. Every rank must drop a window together: catch the error on every rank (or none), call "
+                "acc.zero_grad() on every rank and go on together")
     shown = ", ".join(f"{r}: {c}" for r, c in enumerate(counts[:16])) + (", ..." if len(counts) > 16 else "")
     hi, lo = max(counts), min(counts)
     fewest = [r for r, c in enumerate(counts) if c == lo]
@@ -451,7 +469,8 @@ def broadcast_from_first_rank(tensors: Iterable[torch.Tensor], group: dist.Proce
     src = _first_rank(group)
     with torch.no_grad():
         for t in tensors:
-            Collective(dist.broadcast, t, src=src, group=group).wait()
+            wait_for(Collective(dist.broadcast, t, src=src, group=group), f"broadcast from rank {src} of the "
+                     "parameters and buffers at construction")
 
 
 def check_ranks_agree(settings: dict, group: dist.ProcessGroup | None) -> None:
@@ -460,9 +479,15 @@ def check_ranks_agree(settings: dict, group: dist.ProcessGroup | None) -> None:
     equal, or the collectives that follow disagree on sizes (gloo aborts the process: ``EnforceNotMet``) or the
     ranks train apart (another ``max_grad_norm``). One ``all_gather_object``; ``ValueError`` on every rank naming
     the first setting that differs and each rank's value."""
+    from gaengine.protocol import CONSTRUCTION, open_phase  # noqa: PLC0415 - the protocol builds on this module
+
     world = dist.get_world_size(group)
+    open_phase(CONSTRUCTION, 0, world, dist.get_rank(group), _group_device(group), group)  # ProtocolError first
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, settings, group=group)
+    try:
+        dist.all_gather_object(gathered, settings, group=group)
+    except Exception as exc:
+        raise RuntimeError(_failed("all_gather_object of the accumulators' settings at construction")) from exc
     for name in settings:
         values = [g.get(name) for g in gathered]
         if any(v != values[0] for v in values):
@@ -541,9 +566,13 @@ class Reduction:
         each rank's micro-batch count, ``extra`` terms such as the noise scale's), returned (the engine keeps it in
         ``window.stats``; ``window`` is a ``gaengine.window.Window``, read only). The slices this rank never wrote are
         zeroed and count as written (the all-reduce fills them)."""
+        if window.failed and self.reducer is not None and not self.reducer.armed and not any(
+                b.work is not None for b in self.reducer.buckets):  # acc.zero_grad() of a window whose reductions
+            self.reducer.begin()  # began on this rank (gaengine.protocol): every bucket, then the stats
         return launch_window_stats(self.reducer, self.accumulation.main_grad, self._locally_unused(window),
                                    window.loss_sum, window.items(), self.group, extra=extra,
-                                   count=window.num_micro_batches, settings=window.settings)
+                                   count=DROPPED_COUNT if window.failed else window.num_micro_batches,
+                                   settings=window.settings)
 
     def _locally_unused(self, window) -> list[int]:
         """Layout indices of the parameters this rank wrote no gradient for in ``window``."""

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gaengine.clip import OWNER_ATTR as _OWNER_ATTR
+from gaengine.fusion import observes_fusion
 from gaengine.utils import MicroBatches, split_batch
 
 __all__ = ["verify_equivalence", "engine_bound", "EquivalenceReport", "ParameterDiff", "GRAD_RTOL"]
@@ -455,7 +456,7 @@ class _MicroBatchSums:
                 return
             g = grad.detach().to(torch.float64, copy=True)  # never alias the tensor autograd goes on with
             self.add(key, g, g.abs(), 1)
-        return hook
+        return observes_fusion(hook)  # a fused layer's terms come from capture_fused: its weight stays fused
 
     def capture_fused(self, module: nn.Module) -> Callable[..., None]:
         """The micro-batch terms of a fused layer's weight and bias (module forward hook, then an output hook)."""

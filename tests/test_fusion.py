@@ -708,3 +708,126 @@ def test_two_gloo_ranks_equal_the_plain_recipe_in_one_process(tmp_path):
     for p, q, other in zip(results[0]["params"], ref.parameters(), results[1]["params"]):
         assert torch.equal(p, other), "the ranks disagree"
         assert rel_diff(p, q) <= recipe_param_rtol(q, "adamw", RANK_LR, RANK_STEPS, grad_rtol)
+
+
+# ------------------------------------------------------------------------------------------------ user hooks (issue 41)
+HOOK_K, HOOK_STEPS, HOOK_LR, HOOK_B = 3, 2, 1e-2, 4
+
+
+def _hook_model() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _hook_batch(step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + k)
+    return torch.randn(HOOK_B, 8, generator=g), torch.randn(HOOK_B, 3, generator=g)
+
+
+def _register_mask(weight: nn.Parameter, mask: torch.Tensor, kind: str):
+    """A gradient mask on ``weight``: a tensor hook returning the masked gradient, or a post-accumulate-grad hook
+    masking ``.grad`` in place (both raise on a None gradient, as a user's would)."""
+    if kind == "tensor":
+        return weight.register_hook(lambda grad: grad * mask)
+
+    def mask_grad(param: torch.Tensor) -> None:
+        param.grad.mul_(mask)
+    return weight.register_post_accumulate_grad_hook(mask_grad)
+
+
+def _plain_masked(mask: torch.Tensor, kind: str) -> nn.Module:
+    """The plain recipe with the same mask: (loss / K).backward() per micro-batch, AdamW (no weight decay)."""
+    model = _hook_model()
+    _register_mask(model[0].weight, mask, kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=HOOK_LR, weight_decay=0.0)
+    for step in range(HOOK_STEPS):
+        for k in range(HOOK_K):
+            x, y = _hook_batch(step, k)
+            (F.mse_loss(model(x), y) / HOOK_K).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+@pytest.mark.parametrize("when", ["before", "after"], ids=["registered-before", "registered-after"])
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+def test_fused_weight_with_a_user_hook_trains_as_the_plain_recipe(kind, when):
+    """N1: a gradient mask on a fused Linear weight (a tensor hook, or a post-accumulate-grad hook), registered
+    before or after the accumulator is built, is applied as without fusion: the layer takes the unfused path for that
+    weight. Masked weights do not move (bitwise); every parameter within ``recipe_param_rtol`` of the plain recipe's
+    2 AdamW updates. Before: the hook got None (fusion bypassed it) and backward raised."""
+    mask = (torch.rand(6, 8, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+    model = _hook_model()
+    start = model[0].weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=HOOK_LR, weight_decay=0.0)
+    if when == "before":
+        _register_mask(model[0].weight, mask, kind)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=HOOK_K, max_grad_norm=None, backend="cpu",
+                                       gradient_accumulation_fusion=True)
+    if when == "after":
+        _register_mask(model[0].weight, mask, kind)
+    for step in range(HOOK_STEPS):
+        for k in range(HOOK_K):
+            x, y = _hook_batch(step, k)
+            acc.backward(F.mse_loss(model(x), y))
+        acc.step()
+    acc.close()
+    masked = mask == 0
+    assert torch.equal(model[0].weight.detach()[masked], start[masked]), "masked weights moved"
+    ref = _plain_masked(mask, kind)
+    grad_rtol = recipe_grad_rtol(HOOK_K * HOOK_B, 3, 8)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_diff(p, q) <= recipe_param_rtol(q, "adamw", HOOK_LR, HOOK_STEPS, grad_rtol), rel_diff(p, q)
+
+
+def test_hook_registered_mid_window_on_a_fused_weight_is_refused_at_step():
+    """A hook registered between two micro-batches of a window, on a weight fused at the window's start: step()
+    raises RuntimeError naming the parameter and the hook, with nothing applied (parameters and window sums bitwise
+    as before); zero_grad() drops the window, and the next window takes the unfused path for that weight (its mask
+    holds)."""
+    mask = (torch.rand(6, 8, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+    model = _hook_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=HOOK_LR, weight_decay=0.0)
+    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2, max_grad_norm=None, backend="cpu",
+                                       gradient_accumulation_fusion=True)
+    x, y = _hook_batch(0, 0)
+    acc.backward(F.mse_loss(model(x), y))
+    # a mask that lets a None gradient through (one that does not raises in this backward: the window fails)
+    model[0].weight.register_hook(lambda grad: None if grad is None else grad * mask)
+    acc.backward(F.mse_loss(model(x), y))  # still fused: the hook is seen at step()
+    params = [p.detach().clone() for p in model.parameters()]
+    sums = acc.main_grad.data.clone()
+    with pytest.raises(RuntimeError, match=r"'0\.weight' got a tensor hook \(register_hook\).*in the middle"):
+        acc.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert torch.equal(acc.main_grad.data, sums) and acc.num_micro_batches == 2
+    acc.zero_grad()
+    start = model[0].weight.detach().clone()
+    for k in range(2):
+        acc.backward(F.mse_loss(model(x), y))
+    assert acc.step() is not None
+    assert torch.equal(model[0].weight.detach()[mask == 0], start[mask == 0])
+    acc.close()
+
+
+def test_removed_hook_fuses_the_weight_again():
+    """A hook removed between windows: the next window fuses the weight again (its window sum is the fused one,
+    within fp32 rounding of the fp64 sum, where the unfused bf16 path is off by bf16 roundings: at least 50x
+    apart)."""
+    torch.manual_seed(1)
+    lin = nn.Linear(96, 64).bfloat16()
+    handle = lin.weight.register_hook(lambda grad: grad)
+    acc = accumulator(lin, accumulation_steps=4, gradient_accumulation_fusion=True)
+    xs = [torch.randn(16, 96).bfloat16() for _ in range(4)]
+    gs = [torch.randn(16, 64).bfloat16() for _ in range(4)]
+    ref = sum(g.double().t() @ x.double() for x, g in zip(xs, gs))
+    errors = []
+    for window in range(2):
+        for x, g in zip(xs, gs):
+            acc.backward((lin(x).float() * g.float()).sum())
+        errors.append(rel_diff(window_sum(acc, lin.weight), ref))
+        acc.step()
+        handle.remove()
+    acc.close()
+    assert errors[1] <= _fp32_sum_rtol(4 * 16), errors
+    assert errors[0] >= 50 * errors[1], errors

@@ -1,0 +1,244 @@
+"""gaengine's collectives on 2 gloo ranks as one protocol (issue 41, N8, N9; ``gaengine.protocol``).
+
+A rank that dies at any of gaengine's collectives, or drops a window the other rank goes on with, gives gaengine's
+own error (``RuntimeError`` starting "gaengine:") on every surviving rank within the process group's timeout (30 s
+here), never a signal and never a raw gloo message. Before: a rank that dropped a window mid-way made gloo abort a
+process (SIGABRT, mismatched sizes); a death at the construction agreement or at the window's parameter-change
+all-reduce surfaced as gloo's "Connection closed by peer"; a window applied on one rank and dropped on the other
+went unnoticed. Where both ranks live, the test also goes on: every rank calls ``acc.zero_grad()`` and one more
+window trains alike on both (their parameters bitwise equal).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gaengine
+from tests.ranks import launch_scenario
+
+pytestmark = pytest.mark.multiproc
+
+K = 3
+TIMEOUT_S = 30.0
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _build(model: nn.Module) -> gaengine.GradientAccumulator:
+    return gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=K,
+                                        max_grad_norm=None, bucket_size_mb=1e-6)  # a bucket per parameter
+
+
+def _loss(model: nn.Module, rank: int, window: int, k: int) -> torch.Tensor:
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * window + 10 * k + rank))
+    return model(x).square().mean()
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os._exit(3)
+
+
+def _outcome(fn) -> str | None:
+    """Run ``fn``; the error it raised as "Type: message" (any RuntimeError as "RuntimeError"), or None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test asserts what it was
+        return f"{'RuntimeError' if isinstance(exc, RuntimeError) else type(exc).__name__}: {exc}"
+    return None
+
+
+def _window(acc, model, rank: int, window: int) -> None:
+    for k in range(K):
+        acc.backward(_loss(model, rank, window, k))
+    acc.step()
+
+
+def _go_on(acc, model, rank: int) -> bool:
+    """Both ranks drop what they hold and train one more window: their parameters equal afterwards."""
+    acc.zero_grad()
+    _window(acc, model, rank, 9)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    return torch.equal(gathered[0], gathered[1])
+
+
+# ------------------------------------------------------------------------------------------------ a rank dies
+def _dies_at_construction_header(rank, world, out):
+    if rank == 1:
+        _die()
+    return _outcome(lambda: _build(_model()))
+
+
+def _dies_at_construction_agreement(rank, world, out):
+    if rank == 1:  # past the header, dies in the settings' all_gather_object
+        dist.all_gather_object = lambda *args, **kwargs: _die()
+    return _outcome(lambda: _build(_model()))
+
+
+def _dies_at_window_start(rank, world, out):
+    model = _model()
+    acc = _build(model)
+    _window(acc, model, rank, 0)
+    if rank == 1:  # dies before the next window's parameter-change all-reduce
+        _die()
+    return _outcome(lambda: _window(acc, model, rank, 1))
+
+
+def _dies_at_reductions(rank, world, out):
+    model = _model()
+    acc = _build(model)
+    if rank == 1:  # dies before its last micro-batch (the reductions' header)
+        for k in range(K - 1):
+            acc.backward(_loss(model, rank, 0, k))
+        _die()
+    return _outcome(lambda: _window(acc, model, rank, 0))
+
+
+def _dies_at_stats(rank, world, out):
+    model = _model()
+    acc = _build(model)
+    if rank == 1:  # dies where its last backward launches the remaining buckets and the stats all-reduce
+        import gaengine.reduce  # noqa: PLC0415
+        gaengine.reduce.launch_window_stats = lambda *args, **kwargs: _die()
+    return _outcome(lambda: _window(acc, model, rank, 0))
+
+
+DEATHS = {"construction_header": _dies_at_construction_header,
+          "construction_agreement": _dies_at_construction_agreement,
+          "window_start": _dies_at_window_start, "reductions": _dies_at_reductions, "stats": _dies_at_stats}
+
+
+@pytest.mark.parametrize("where", list(DEATHS))
+def test_a_rank_dying_at_a_collective_gives_gaengines_error(tmp_path, where):
+    codes, results = launch_scenario(tmp_path, 2, DEATHS[where], timeout_s=TIMEOUT_S, join_s=60,
+                                     abandons_group=True)
+    assert codes[0] == 0 and codes[1] == 3, f"exit codes {codes} (negative: killed by a signal)"
+    error = results[0]
+    assert error is not None and error.startswith("RuntimeError: gaengine:"), error
+    assert "Connection closed" not in error and "gloo" not in error.lower(), error
+
+
+# ------------------------------------------------------------------------------------------------ a rank drops
+def _drops_before_last(rank, world, out):
+    """N8: rank 1 catches an error in micro-batch 1 of a window, calls zero_grad() and goes on; rank 0 goes on with
+    the window. Rank 0's reductions header meets rank 1's next window-start header."""
+    model = _model()
+    acc = _build(model)
+    errors = []
+    if rank == 1:
+        acc.backward(_loss(model, rank, 0, 0))
+        acc.zero_grad()  # "an error in micro-batch 1": the window is dropped on this rank only
+        errors.append(_outcome(lambda: _window(acc, model, rank, 1)))
+    else:
+        errors.append(_outcome(lambda: _window(acc, model, rank, 0)))
+    return errors, _go_on(acc, model, rank)
+
+
+class _Boom(Exception):
+    pass
+
+
+def _raise_in_backward(grad):
+    raise _Boom("an error inside backward")
+
+
+def _drops_in_last(rank, world, out):
+    """Rank 1's last micro-batch raises inside backward (after the reductions' header, some buckets launched);
+    it calls zero_grad() and goes on. Its zero_grad() completes the reductions, so rank 0's step() raises naming
+    it."""
+    model = _model()
+    acc = _build(model)
+    _window(acc, model, rank, 0)  # the first window learned the layout: the reducer launches during backward
+    errors = []
+    if rank == 1:
+        for k in range(K - 1):
+            acc.backward(_loss(model, rank, 1, k))
+        handle = model[0].weight.register_hook(_raise_in_backward)  # the last bucket to arrive
+        errors.append(_outcome(lambda: acc.backward(_loss(model, rank, 1, K - 1))))
+        handle.remove()
+        acc.zero_grad()
+        errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
+    else:
+        errors.append(_outcome(lambda: _window(acc, model, rank, 1)))
+        acc.zero_grad()
+        errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
+    return errors, _go_on(acc, model, rank)
+
+
+def _raise_before_update():
+    raise _Boom("an error in before_update")
+
+
+def _drops_after_stats(rank, world, out, first_window: bool = False):
+    """Rank 1's step() raises in before_update (its reductions and stats done) and it drops the window: rank 0
+    applied it. The next window's first header carries each rank's update count: both raise there. In the first
+    window (``first_window``) rank 0's step() then broadcasts the layout it learned: its header meets rank 1's
+    window-start header, and both raise there."""
+    model = _model()
+    acc = _build(model)
+    if not first_window:
+        _window(acc, model, rank, 0)
+    errors = []
+    for k in range(K):
+        acc.backward(_loss(model, rank, 1, k))
+    if rank == 1:
+        errors.append(_outcome(lambda: acc.step(before_update=_raise_before_update)))
+        acc.zero_grad()
+    else:
+        errors.append(_outcome(acc.step))
+    errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
+    return [e for e in errors if e is not None], None
+
+
+def _drops_after_stats_in_first_window(rank, world, out):
+    return _drops_after_stats(rank, world, out, first_window=True)
+
+
+def _drops_at_construction(rank, world, out):
+    """Rank 1 closes its accumulator after a window and builds a new one, while rank 0 goes on to its next window:
+    rank 1's construction header meets rank 0's window-start header."""
+    model = _model()
+    acc = _build(model)
+    _window(acc, model, rank, 0)
+    if rank == 1:
+        acc.close()
+        return [_outcome(lambda: _build(model))], None
+    return [_outcome(lambda: _window(acc, model, rank, 1))], None
+
+
+DROPS = {"before_last": _drops_before_last, "in_last": _drops_in_last, "after_stats": _drops_after_stats,
+         "after_stats_first_window": _drops_after_stats_in_first_window, "construction": _drops_at_construction}
+
+
+def _every_drop(rank, world, out):
+    """Every case of ``DROPS`` in turn, each with its own model and accumulator (one launch)."""
+    return {where: scenario(rank, world, out) for where, scenario in DROPS.items()}
+
+
+def test_a_rank_dropping_a_window_gives_gaengines_error_on_every_rank(tmp_path):
+    codes, results = launch_scenario(tmp_path, 2, _every_drop, timeout_s=TIMEOUT_S, join_s=90)
+    assert codes == [0, 0], f"exit codes {codes} (negative: killed by a signal)"
+    for where in DROPS:
+        for rank in range(2):
+            errors, went_on = results[rank][where]
+            gaengine_errors = [e for e in errors if e is not None and e.startswith("RuntimeError: gaengine:")]
+            # in_last: the rank that dropped its window completed its reductions; only the other one has an error
+            assert gaengine_errors or (where == "in_last" and rank == 1), f"{where}, rank {rank}: {errors}"
+            assert all(e is None or e.startswith(("RuntimeError: gaengine:", "_Boom")) for e in errors), errors
+            assert went_on in (None, True), f"{where}, rank {rank}: the ranks differ after going on together"
+        first = results[0][where][0][0]
+        if where == "in_last":  # rank 0's step() names the rank that dropped
+            assert "rank(s) 1 dropped this accumulation window" in first, first
+        else:
+            assert "different collectives of gaengine's" in first, first
