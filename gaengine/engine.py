@@ -438,9 +438,9 @@ class GradientAccumulator:
             without ``before_update`` by fp32 rounding only (normalization and clip are two multiplications). Calling
             ``step``, ``begin_step``, ``zero_grad``, ``close``, ``backward``, ``state_dict`` or ``load_state_dict``
             from inside it raises ``RuntimeError`` naming the call, nothing changed. If it raises, ``main_grad`` is
-            multiplied back (the
-            window's sums within one fp32 rounding of what they were, edits in place of fp32 ``.grad`` included),
-            nothing is applied and the window stays open. Replicated accumulators only (``zero_stage=0``, not
+            multiplied back (the window's sums within one fp32 rounding of what they were, exactly for a power-of-two
+            denominator; edits in place of fp32 ``.grad`` stay, scaled back), nothing is applied and the window
+            stays open. Replicated accumulators only (``zero_stage=0``, not
             FSDP2): other ones raise ``ValueError`` before touching the window. The trainer integrations use it to
             run their frameworks' "before the optimizer step" hooks; ``begin_step()`` lends the same ``.grad``
             until ``step()`` (Accelerate's loop).
@@ -868,7 +868,8 @@ class GradientAccumulator:
         ``get_model_state_dict``, docs/fsdp2.md). Every rank calls it. Raises ``RuntimeError`` between the window's
         last ``backward`` and ``step()``; on an FSDP2 model, ``ValueError`` for an optimizer that is not elementwise.
         """
-        self._refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as its sums")
+        self._refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
+                                      "its sums")
         self._refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
         self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)

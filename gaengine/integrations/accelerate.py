@@ -487,7 +487,7 @@ class GaengineAccelerator(Accelerator):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self.accumulator is None or not params:
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        ours = {id(p) for p in self.accumulator.registered_params}
+        ours = {id(p) for p in self.accumulator.params}
         if not any(id(p) in ours for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         if float(norm_type) != 2.0:
