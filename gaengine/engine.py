@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,7 @@ from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.norm import WindowNorm, clip_coefficient
+from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import check_ranks_agree, wait_quietly
 from gaengine.replaced import ReplacedParams
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
@@ -34,7 +35,7 @@ from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler,
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
-from gaengine.update import expose_grads
+from gaengine.update import WindowGrads, expose_grads
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
                              foreign_gradient_error)
 
@@ -65,6 +66,27 @@ def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.
 WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
 """The names of what every rank must hold alike in a window, compared in its stats all-reduce
 (``GradientAccumulator._window_settings``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
+
+
+@dataclass
+class _LentWindow:
+    """A complete window on its way to the update (``step()``; ``begin_step()`` keeps it between the two calls): its
+    micro-batch count ``k``, whether ``step()`` launched its reductions (``partial``), ``Window.totals``, the
+    parameters without a gradient (``unwritten``), the denominator of its raw sums (``grad_denom``, 0-d fp32) and
+    the item-mode flags (``invalid_items``, ``no_items``: 0-d bool, or None); ``grads``: the gradient lent in
+    ``.grad`` (``main_grad`` normalized in place by ``divisor``), or None; ``keep``: lent by ``begin_step()``, so
+    ``.grad`` holds the applied gradient after ``step()`` too."""
+
+    k: int
+    partial: bool
+    totals: tuple
+    unwritten: list[int]
+    grad_denom: torch.Tensor
+    invalid_items: torch.Tensor | None
+    no_items: torch.Tensor | None
+    grads: WindowGrads | None = None
+    divisor: torch.Tensor | None = None
+    keep: bool = False
 
 
 class GradientAccumulator:
@@ -173,6 +195,8 @@ class GradientAccumulator:
         elif module is not None:
             warn_batchnorm(module, self.accumulation_steps)
         self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
+        self._lent: _LentWindow | None = None  # the window's gradient lent in .grad (begin_step, before_update)
+        self._in_before_update = False  # step(before_update=fn) is running fn: the calls that change the window refuse
 
     def _init_sharding(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                        module: nn.Module | None) -> None:
@@ -240,6 +264,8 @@ class GradientAccumulator:
         accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
         gaengine divides by K itself.
         """
+        self._refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
+        self._refuse_lent("acc.backward()")
         num_items = self._check_micro_batch(loss, num_items)
         window = self.window
         if window.num_micro_batches == 0 and num_items is None and not getattr(self, "_divided_warned", False):
@@ -430,14 +456,21 @@ class GradientAccumulator:
             ranks) and before it is clipped and applied, with every parameter's ``.grad`` holding the window's
             normalized gradient: for an fp32 parameter a view of ``main_grad``, normalized in place (one pass over
             the buffer, 8 B/element, no extra memory); for a bf16/fp16 one its rounding to the parameter's dtype (a
-            copy, 2 B/element while the call runs); None for a parameter no micro-batch reached. The ``.grad`` are
-            released when it returns. It may set ``max_grad_norm`` (the clip then uses it) and must not change the
-            gradients. The update then differs from one without ``before_update`` by fp32 rounding only (the
-            normalization is a separate multiplication instead of being folded into the clip coefficient). If it
-            raises, ``main_grad`` is multiplied back (the window's sums within one fp32 rounding of what they were),
-            nothing is applied and the window stays open. Replicated accumulators only (``zero_stage=0``, not
+            copy, 2 B/element while the call runs); None for a parameter no micro-batch reached. It may read them,
+            edit them (in place, or by setting ``.grad``; None: that parameter is not updated) and set
+            ``max_grad_norm``: the edited gradient, whatever the dtype, is what is clipped and applied (an element a
+            bf16/fp16 edit left equal to its rounding keeps its fp32 value; ``gaengine.update.WindowGrads``), and
+            ``grad_norm``, the skip flag and the clip coefficient are the edited gradient's (one more pass over
+            ``main_grad``). The ``.grad`` are released when it returns. Without an edit the update differs from one
+            without ``before_update`` by fp32 rounding only (normalization and clip are two multiplications). Calling
+            ``step``, ``begin_step``, ``zero_grad``, ``close``, ``backward``, ``state_dict`` or ``load_state_dict``
+            from inside it raises ``RuntimeError`` naming the call, nothing changed. If it raises, ``main_grad`` is
+            multiplied back (the window's sums within one fp32 rounding of what they were, exactly for a power-of-two
+            denominator; edits in place of fp32 ``.grad`` stay, scaled back), nothing is applied and the window
+            stays open. Replicated accumulators only (``zero_stage=0``, not
             FSDP2): other ones raise ``ValueError`` before touching the window. The trainer integrations use it to
-            run their frameworks' "before the optimizer step" hooks.
+            run their frameworks' "before the optimizer step" hooks; ``begin_step()`` lends the same ``.grad``
+            until ``step()`` (Accelerate's loop).
 
         Item mode whose tensor ``num_items`` add up to 0 over the window: nothing to normalize by, so the update is
         skipped on the device (``result.skipped``; ``grad_norm`` and ``loss`` inf or NaN; the window dropped; the
@@ -452,15 +485,23 @@ class GradientAccumulator:
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
-        k = self._window_to_step(force, before_update)
-        if k is None:
-            return None
+        self._refuse_in_before_update("acc.step()", "apply the window twice")
+        lent = self._lent  # begin_step() lent it already
+        if lent is None:
+            k = self._window_to_step(force, before_update is not None)
+            if k is None:
+                return None
+            lent = self._complete_window(k)
+            if before_update is not None:
+                self._lend(lent, keep=False)
+        if before_update is not None:
+            self._run_before_update(lent, before_update)
         window = self.window
-        partial = self._complete_reductions(k)
-        loss_sum, denom, num_items, mismatch = window.totals(self.world_size)
-        unwritten = self.sharding.accumulation.unwritten(window)
-        self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
-        norm, skipped, grad_norm, invalid_items = self._step_norm(denom, mismatch, unwritten, before_update)
+        k, partial = lent.k, lent.partial
+        loss_sum, denom, num_items, mismatch = lent.totals
+        norm, skipped, grad_norm = self._step_norm(lent, mismatch)
+        unwritten, invalid_items = lent.unwritten, lent.invalid_items
+        self._lent = None
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
@@ -472,6 +513,9 @@ class GradientAccumulator:
         else:
             self.sharding.update.apply(norm.coef, skipped, unwritten, self.lr_scheduler)
             self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        if lent.keep:  # begin_step(): .grad holds the gradient as applied (edited, clipped) until the next backward
+            lent.grads.lend()
+            self._grads_left = True
         result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
                             invalid_num_items=invalid_items,
@@ -481,12 +525,14 @@ class GradientAccumulator:
         self._end_step(result, partial, mismatch, norm.skipped)
         return result
 
-    def _window_to_step(self, force: bool, before_update: Callable[[], None] | None) -> int | None:
+    def _window_to_step(self, force: bool, lends: bool) -> int | None:
         """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
-        window is incomplete (or empty) and not forced."""
-        if before_update is not None and not isinstance(self.sharding, Replicated):
-            raise ValueError(f"step(before_update=...) needs the whole window gradient on every rank, which "
-                             f"{self.sharding.name} does not hold; use zero_stage=0, or read StepResult.grad_norm")
+        window is incomplete (or empty) and not forced. lends: the window's gradient is to be lent in ``.grad``
+        (``before_update``, ``begin_step``), which needs the whole gradient on every rank."""
+        if lends and not isinstance(self.sharding, Replicated):
+            raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
+                             f"which {self.sharding.name} does not hold; use zero_stage=0, or read "
+                             "StepResult.grad_norm")
         self._check_scheduler()
         window = self.window
         k = window.num_micro_batches
@@ -519,19 +565,19 @@ class GradientAccumulator:
             self.sharding.reduction.wait()
         return partial
 
-    def _step_norm(self, denom: torch.Tensor, mismatch: torch.Tensor | None, unwritten: list[int],
-                   before_update: Callable[[], None] | None) -> tuple[WindowNorm, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor | None]:
-        """The window's norm (``Reduction.norm``, or ``_norm_around`` with ``before_update``) over ``denom`` (the
-        window's, ``Window.totals``), and what ``StepResult`` reports of it: ``(norm, skipped, grad_norm,
-        invalid_items)``, 0-d on the device. skipped: a non-finite gradient, the ranks' counts differ
-        (``mismatch``) or the items are invalid; invalid_items: item mode's count is negative, NaN or inf (None
-        where the counts are host ints)."""
+    def _complete_window(self, k: int) -> _LentWindow:
+        """The window of ``k`` micro-batches made complete for its update: its reductions (``_complete_reductions``),
+        its totals, the parameters no micro-batch reached (their gradient zeroed) and the denominator of its raw
+        sums. A negative, NaN or inf num_items tensor made the window's item count NaN (``gaengine.window.Window.add``;
+        on several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
+        update is skipped, on the device, and the sums are taken as they are (denominator 1), so that the skip flag
+        says whether the gradient itself overflowed (what the loss scale and max_consecutive_skips follow)."""
         window = self.window
-        # A negative, NaN or inf num_items tensor made the window's item count NaN (gaengine.window.Window.add; on
-        # several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
-        # update is skipped, on the device. The norm is taken over the raw sums then, so that its skip flag says
-        # whether the gradient itself overflowed (what the loss scale and max_consecutive_skips follow).
+        partial = self._complete_reductions(k)
+        totals = window.totals(self.world_size)
+        denom = totals[1]
+        unwritten = self.sharding.accumulation.unwritten(window)
+        self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
         invalid_items = no_items = None
         norm_denom = denom
         if window.item_mode and (self.distributed or window.items_dev is not None):
@@ -539,17 +585,25 @@ class GradientAccumulator:
             norm_denom = torch.where(invalid_items | no_items, torch.ones_like(denom), denom)
         # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
         grad_denom = norm_denom if self.scaler is None else norm_denom * self.scaler.scale
-        if before_update is None:
-            norm = self.sharding.reduction.norm(grad_denom, self.max_grad_norm)
+        return _LentWindow(k, partial, totals, unwritten, grad_denom, invalid_items, no_items)
+
+    def _step_norm(self, lent: _LentWindow, mismatch: torch.Tensor | None) -> tuple[WindowNorm, torch.Tensor,
+                                                                                   torch.Tensor]:
+        """The window's norm (``Reduction.norm`` over the raw sums, or ``_norm_of_lent`` where the gradient was
+        lent) and what ``StepResult`` reports of it: ``(norm, skipped, grad_norm)``, 0-d on the device. skipped: a
+        non-finite gradient, the ranks' counts differ (``mismatch``) or the items are invalid."""
+        if lent.grads is None:
+            norm = self.sharding.reduction.norm(lent.grad_denom, self.max_grad_norm)
         else:
-            norm = self._norm_around(before_update, grad_denom, unwritten)
+            norm = self._norm_of_lent(lent)
         skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
         grad_norm = norm.grad_norm
+        invalid_items, no_items = lent.invalid_items, lent.no_items
         if invalid_items is not None:  # grad_norm as the denominator makes it: NaN, or inf for no items
             skipped = skipped | invalid_items | no_items
             grad_norm = torch.where(invalid_items, torch.full_like(grad_norm, float("nan")),
                                     torch.where(no_items, torch.full_like(grad_norm, float("inf")), grad_norm))
-        return norm, skipped, grad_norm, invalid_items
+        return norm, skipped, grad_norm
 
     def _end_step(self, result: StepResult, partial: bool, mismatch: torch.Tensor | None,
                   overflow: torch.Tensor) -> None:
@@ -582,28 +636,101 @@ class GradientAccumulator:
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
 
-    def _norm_around(self, before_update: Callable[[], None], grad_denom: torch.Tensor,
-                     unwritten: list[int]) -> WindowNorm:
-        """``step(before_update=...)``: the window's norm and skip flag from the raw sums, then ``main_grad``
-        normalized in place, exposed in ``.grad`` while ``before_update`` runs, and the clip coefficient from the
-        ``max_grad_norm`` it leaves; ``coef`` is then the clip alone (the normalization is done)."""
-        norm = self.sharding.reduction.norm(grad_denom, None)
+    # ------------------------------------------------------------------ the window's gradient lent in .grad
+    def begin_step(self, force: bool = False) -> bool:
+        """The first half of ``step()``: complete the window and lend its normalized gradient in ``.grad``, for code
+        that reads or edits ``.grad`` between the last ``backward()`` and the update (a plain Accelerate loop's
+        ``torch.nn.utils.clip_grad_norm_``, a gradient mask). The next ``step()`` applies what ``.grad`` holds then.
+
+        force: as ``step()``'s (a partial window). Returns True when the gradient is lent (or was already), False
+        (nothing done) while the window is incomplete and not forced, or empty.
+
+        ``.grad`` is what ``step(before_update=fn)`` gives ``fn`` (docs/accumulator.md, "Reading and editing the
+        window's gradient"): an fp32 parameter's is its view of ``main_grad`` (zero-copy), a bf16/fp16 one's its
+        rounding (a copy, 2 B/element), None where no micro-batch reached it; edits of any dtype reach the update
+        (``gaengine.update.WindowGrads``), and the norm, the skip flag and the clip are those of the edited gradient.
+        Unlike ``before_update``'s, these ``.grad`` stay after ``step()``, holding the gradient as applied (edited,
+        times the clip coefficient: what ``torch.nn.utils.clip_grad_norm_`` leaves), until the next ``backward()``
+        or ``zero_grad()``. Meanwhile ``backward()``, ``state_dict()`` and ``load_state_dict()`` raise
+        ``RuntimeError`` (nothing changed); ``zero_grad()`` drops the window. On several ranks every rank calls it
+        (a partial window's reductions are launched here). Raises what ``step()`` raises before applying anything,
+        and ``ValueError`` where the strategy does not hold the whole gradient (``zero_stage`` >= 1, FSDP2).
+        """
+        self._refuse_in_before_update("acc.begin_step()", "lend the window again")
+        if self._lent is not None:
+            return True
+        k = self._window_to_step(force, True)
+        if k is None:
+            return False
+        self._lend(self._complete_window(k), keep=True)
+        return True
+
+    def _lend(self, lent: _LentWindow, keep: bool) -> None:
+        """``main_grad`` normalized in place (one pass; a denominator of 0 items: nothing to undo) and lent in
+        ``.grad`` (``gaengine.update.WindowGrads``)."""
         data = self.main_grad.data
-        divisor = torch.where(grad_denom > 0, grad_denom, torch.ones_like(grad_denom))  # 0 items: nothing to undo
-        self.backend.scale_(data, divisor.reciprocal())
+        lent.divisor = torch.where(lent.grad_denom > 0, lent.grad_denom, torch.ones_like(lent.grad_denom))
+        self.backend.scale_(data, lent.divisor.reciprocal())
+        names = {id(p): n for n, p in self.named_params}
+        lent.grads = WindowGrads(self.params, [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)],
+                                 self.main_grad, lent.unwritten)
+        lent.keep = keep
+        self._lent = lent
+
+    def _unlend(self) -> None:
+        """``_lend`` undone: ``.grad`` released and ``main_grad`` multiplied back (the raw sums within one fp32
+        rounding; exactly where the denominator is a power of two)."""
+        lent, self._lent = self._lent, None
+        lent.grads.release()
+        self.backend.scale_(self.main_grad.data, lent.divisor)
+
+    def _run_before_update(self, lent: _LentWindow, before_update: Callable[[], None]) -> None:
+        """``before_update()`` with the gradient lent; the window-changing calls refuse meanwhile
+        (``_refuse_in_before_update``). If it raises: a window lent by ``step()`` itself is given back (``_unlend``:
+        nothing applied, the window open), one lent by ``begin_step()`` stays lent."""
+        self._in_before_update = True
         try:
-            expose_grads(self.params, self.main_grad, unwritten)
             before_update()
         except BaseException:
-            self.backend.scale_(data, divisor)  # the window's raw sums again: it stays open, nothing applied
+            if not lent.keep:
+                self._unlend()
             raise
         finally:
-            for p in self.params:
-                p.grad = None
-        one = torch.ones((), dtype=torch.float32, device=data.device)
-        clip = one if self.max_grad_norm is None else clip_coefficient(norm.grad_norm, self.max_grad_norm)
-        return WindowNorm(grad_norm=norm.grad_norm, skipped=norm.skipped, clip_coef=clip,
-                          coef=torch.where(norm.skipped, one, clip))
+            self._in_before_update = False
+
+    def _norm_of_lent(self, lent: _LentWindow) -> WindowNorm:
+        """The lent gradient taken back (``WindowGrads.take_back``), then its norm, skip flag and clip
+        coefficient from one pass over the normalized, edited ``main_grad``. ``coef`` is the clip alone (the
+        normalization is done); a window lent by ``begin_step()`` is clipped here (one pass) so that its ``.grad``
+        holds the clipped gradient after the update, and ``coef`` is 1."""
+        lent.unwritten = lent.grads.take_back()
+        if not lent.keep:
+            lent.grads.release()
+        one = torch.ones((), dtype=torch.float32, device=self.device)
+        norm = window_norm(self.sharding.accumulation.chunks, one, self.max_grad_norm, self.backend)
+        coef = torch.where(norm.skipped, one, norm.clip_coef)
+        if lent.keep and self.max_grad_norm is not None:
+            self.backend.scale_(self.main_grad.data, coef)
+            coef = one
+        return WindowNorm(grad_norm=norm.grad_norm, skipped=norm.skipped, clip_coef=norm.clip_coef, coef=coef)
+
+    def _refuse_in_before_update(self, call: str, effect: str) -> None:
+        """``RuntimeError`` naming ``call`` when it is made from inside ``step(before_update=fn)``'s ``fn``: it would
+        ``effect`` in the middle of the window's update. Nothing is changed by the refused call."""
+        if getattr(self, "_in_before_update", False):
+            raise RuntimeError(
+                f"{call} was called from inside acc.step(before_update=...), while the window is being applied: it "
+                f"would {effect}. Refused; nothing was changed (the window and its .grad are as they were). "
+                f"before_update may read and edit .grad and set acc.max_grad_norm; call {call} after step() returns")
+
+    def _refuse_lent(self, call: str) -> None:
+        """``RuntimeError`` naming ``call`` while ``begin_step()`` lends the window's gradient in ``.grad`` (its
+        ``main_grad`` is normalized and being edited). Nothing is changed by the refused call."""
+        if self._lent is not None:
+            raise RuntimeError(
+                f"{call} was called while the window's gradient is lent in .grad (acc.begin_step(), or inside "
+                f"step(before_update=...)): call acc.step() to apply it, or acc.zero_grad() to drop it, first. "
+                f"Nothing was changed")
 
     def _reads_skip_flag(self) -> bool:
         """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
@@ -739,8 +866,12 @@ class GradientAccumulator:
 
         Always returns the accumulator to a clean window, after any error of ``backward()`` or ``step()`` (on
         several ranks it first waits for the all-reduces a failed last micro-batch had launched). It cannot
-        undo moving or converting the model after construction: then build a new accumulator.
+        undo moving or converting the model after construction: then build a new accumulator. A window whose
+        gradient ``begin_step()`` lent is dropped likewise. ``RuntimeError`` from inside
+        ``step(before_update=...)`` (nothing changed).
         """
+        self._refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
+        self._lent = None
         if self._ranks_members is not None and self._ranks_members.protocol.reducing:
             self._drop_reductions()  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
         self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
@@ -784,6 +915,9 @@ class GradientAccumulator:
         ``get_model_state_dict``, docs/fsdp2.md). Every rank calls it. Raises ``RuntimeError`` between the window's
         last ``backward`` and ``step()``; on an FSDP2 model, ``ValueError`` for an optimizer that is not elementwise.
         """
+        self._refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
+                                      "its sums")
+        self._refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
         self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return self.sharding.state_dict(self)
 
@@ -828,6 +962,8 @@ class GradientAccumulator:
         a meta blob that does not decode (truncated, a flipped bit: its records' CRC-32), a key missing, a value of
         another type or out of range (counters, written flags, arrivals, tensors' sizes and dtypes;
         ``gaengine.state_checks``)."""
+        self._refuse_in_before_update("acc.load_state_dict()", "replace the window being applied")
+        self._refuse_lent("acc.load_state_dict()")
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")
@@ -913,7 +1049,9 @@ class GradientAccumulator:
         A window still holding micro-batches is dropped with one ``UserWarning`` naming how many (garbage collection
         of an open accumulator warns the same way): call ``step(force=True)`` first to apply them.
         """
+        self._refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
         self._warn_dropped_window("acc.close()")
+        self._lent = None
         for p in self.params:
             p.grad = None
         self._release()

@@ -14,6 +14,8 @@ pieces and the update; this module holds what it runs and decides with:
   dtype.
 * ``expose_grads``: without an optimizer, leave the final gradients in ``p.grad`` (views of main_grad for
   fp32 params, rounded copies for bf16/fp16).
+* ``WindowGrads``: the window's normalized gradient lent to the user in ``.grad`` (``acc.begin_step()``,
+  ``acc.step(before_update=...)``) and what the user left there taken back into ``main_grad``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from gaengine import optimizers
 from gaengine.buffer import FlatBuffer
 
-__all__ = ["LOW_PRECISION", "check_optimizer_step", "convert_state", "expose_grads", "merge_model_write",
+__all__ = ["LOW_PRECISION", "WindowGrads", "check_optimizer_step", "convert_state", "expose_grads", "merge_model_write",
            "param_versions", "step_optimizer", "step_scheduler"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes that get fp32 master weights
@@ -131,3 +133,56 @@ def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: l
                 view = main_grad.views[i]
                 grad = view if p.dtype == torch.float32 else view.to(p.dtype)
                 p.grad = grad if wrap is None else wrap(p, grad)
+
+
+class WindowGrads:
+    """The window's normalized gradient lent to the user in ``.grad`` and taken back (docs/accumulator.md).
+
+    Lent (``expose_grads``): an fp32 parameter's ``.grad`` is its view of ``main_grad`` (zero-copy: an edit in place
+    is an edit of the window); a bf16/fp16 parameter's is the rounding of that view to the parameter's dtype (a
+    copy: torch requires a ``.grad`` of the parameter's dtype); None for a parameter in ``unwritten``.
+
+    Taken back (``take_back``), per parameter, what its ``.grad`` holds then:
+
+    * its fp32 view itself: nothing to do, the edits made in place are in ``main_grad`` already;
+    * any other tensor of the parameter's shape (the bf16/fp16 copy, edited in place or not; a ``.grad`` replaced):
+      merged into ``main_grad`` element by element (``merge_model_write``'s rule): an element equal to the rounding
+      of what ``main_grad`` holds keeps its fp32 value, any other takes the edited value. So an unedited gradient
+      loses nothing, and an edit reaches the update for every dtype, as in the plain recipe;
+    * None: the parameter gets no update (torch's optimizers skip a ``.grad`` of None): it joins ``unwritten`` and
+      its slice of ``main_grad`` is zeroed.
+
+    params: the layout's parameters (``main_grad``'s order); names: their names, for errors; unwritten: the layout
+    indices with no gradient in the window.
+    """
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], main_grad: FlatBuffer,
+                 unwritten: list[int]) -> None:
+        self.params, self.names, self.main_grad = params, names, main_grad
+        self.unwritten = list(unwritten)
+        self.lend()
+
+    def lend(self) -> None:
+        """``.grad`` = the window's gradient as ``main_grad`` holds it now (see the class docstring)."""
+        expose_grads(self.params, self.main_grad, self.unwritten)
+
+    def take_back(self) -> list[int]:
+        """Take what ``.grad`` holds into ``main_grad`` (the class docstring) and return the parameters without a
+        gradient now (layout indices). A ``.grad`` of another shape, dtype or device cannot be there: torch refuses
+        to set one."""
+        unwritten = []
+        with torch.no_grad():
+            for i, (p, view) in enumerate(zip(self.params, self.main_grad.views)):
+                g = p.grad
+                if g is None:
+                    view.zero_()
+                    unwritten.append(i)
+                elif g is not view:
+                    merge_model_write(view, g)
+        self.unwritten = unwritten
+        return unwritten
+
+    def release(self) -> None:
+        """``.grad`` = None for every parameter."""
+        for p in self.params:
+            p.grad = None

@@ -62,6 +62,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
 import gaengine
+from gaengine.checkpoint import FlatShard
 from gaengine.config import AccumulatorConfig
 
 __all__ = ["GaengineAccelerator", "GaengineOptimizer", "GaengineScheduler"]
@@ -145,16 +146,11 @@ class GaengineOptimizer(AcceleratedOptimizer):
         self._window_applied = False  # clip_grad_norm_ ran this window's step(); optimizer.step() is then a no-op
         self._skipped: bool | None = None  # host copy of last_result.skipped, read on first access
         self._num_skipped = 0
-        self.window_grads: list[torch.Tensor] = []  # parameters whose .grad holds the window's gradient now
 
     def apply_window(self) -> gaengine.StepResult | None:
-        """End the accumulation window now: ``accumulator.step(force=True)``; None if it held no micro-batch."""
-        exposed = [p.grad for p in self.window_grads]  # the update hands fp32 parameters other .grad and drops it
+        """End the accumulation window now: ``accumulator.step(force=True)`` (it applies what ``.grad`` holds where
+        ``accumulator.begin_step()`` lent the window's gradient there); None if it held no micro-batch."""
         result = self.accumulator.step(force=True)
-        with torch.no_grad():
-            for p, grad in zip(self.window_grads, exposed):
-                # what the window's .grad is after clipping, as torch's clip_grad_norm_ leaves it
-                p.grad = grad if result is None else grad.mul_(result.clip_coef.to(grad.dtype))
         if result is not None:
             self._settle()  # the previous window's skip flag into num_skipped (computed long ago: no wait)
             self.last_result = result
@@ -186,16 +182,18 @@ class GaengineOptimizer(AcceleratedOptimizer):
         self._window_applied = False
 
     def release_grads(self) -> None:
-        """Drop the window's gradient from ``.grad`` (``GaengineAccelerator.backward`` put it there)."""
-        for p in self.window_grads:
+        """``.grad`` = None for the accumulator's parameters (the applied window's gradient left there by
+        ``accumulator.begin_step()``)."""
+        for p in self.accumulator.params:
             p.grad = None
-        self.window_grads = []
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        if self.gradient_state.sync_gradients:
+        if not self.gradient_state.sync_gradients:
+            return
+        if not self._window_applied and self.accumulator.num_micro_batches:
+            self.accumulator.zero_grad()  # the window dropped, its lent .grad with it
+        else:
             self.release_grads()
-        if self.gradient_state.sync_gradients and not self._window_applied and self.accumulator.num_micro_batches:
-            self.accumulator.zero_grad()
 
     @property
     def step_was_skipped(self) -> bool:
@@ -205,6 +203,10 @@ class GaengineOptimizer(AcceleratedOptimizer):
         return self._skipped
 
     def state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict()`` (``state``, ``param_groups``: the keys of plain Accelerate's)
+        with gaengine's state under ``"gaengine"``: ``accumulator.state_dict()`` as plain tensors (``_plain_state``),
+        which alias the live state as torch's optimizer state dicts do. Raises ``RuntimeError`` at ``zero_stage`` >=
+        1 and mid-window on several ranks (one file cannot hold what differs per rank)."""
         acc = self.accumulator
         if acc.config.zero_stage > 0:
             raise RuntimeError(
@@ -217,15 +219,32 @@ class GaengineOptimizer(AcceleratedOptimizer):
                 f"save between windows on several ranks (this window holds {acc.num_micro_batches} micro-batch(es) "
                 "whose sums differ per rank, and one file is written): call save_state after optimizer.step() at a "
                 "synchronizing step")
-        return {_OPTIMIZER_KEY: self.optimizer.state_dict(), _STATE_KEY: acc.state_dict()}
+        return {**self.optimizer.state_dict(), _STATE_KEY: _plain_state(acc.state_dict())}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """A ``state_dict()`` of this class (its ``"gaengine"`` entry loaded last: it restores the fp32 masters and
+        the window), one of an earlier gaengine (``{"optimizer": ..., "gaengine": ...}``), or a plain optimizer
+        state dict (no ``"gaengine"`` key: the wrapped optimizer alone)."""
         if _STATE_KEY not in state_dict:
             self.optimizer.load_state_dict(state_dict)
             return
-        self.optimizer.load_state_dict(state_dict[_OPTIMIZER_KEY])
+        plain = state_dict.get(_OPTIMIZER_KEY) if "state" not in state_dict else {
+            k: v for k, v in state_dict.items() if k != _STATE_KEY}
+        self.optimizer.load_state_dict(plain)
         self.accumulator.load_state_dict(state_dict[_STATE_KEY])  # last: it restores the fp32 masters and the window
         self._window_applied = False
+
+
+def _plain_state(value: Any) -> Any:
+    """``accumulator.state_dict()`` with each ``gaengine.checkpoint.FlatShard`` (a placeholder for DCP that refuses
+    tensor operations) replaced by its data: ``local``, where this rank's chunk is the whole value (one rank at
+    ``zero_stage=0``, which ``state_dict`` checks), or None for a template (the window's gradient between windows:
+    ``load_state_dict`` takes None there, as after ``dcp.load``)."""
+    if isinstance(value, FlatShard):
+        return None if value.template else value.local
+    if isinstance(value, dict):
+        return {k: _plain_state(v) for k, v in value.items()}
+    return value
 
 
 class GaengineScheduler(AcceleratedScheduler):
@@ -414,11 +433,17 @@ class GaengineAccelerator(Accelerator):
         for opt in self._optimizers:
             if isinstance(opt, GaengineOptimizer):
                 return opt
-        raise RuntimeError("no optimizer was prepared: call accelerator.prepare(model, optimizer, ...) before "
-                           "accelerator.backward()")
+        models = "a model was" if self._models else "nothing was"
+        raise RuntimeError(f"accelerator.backward() needs the optimizer: {models} prepared without one, which serves "
+                           "evaluation, unwrap_model and saving, but gaengine accumulates the gradients into the "
+                           "optimizer's update. Pass the optimizer to prepare (accelerator.prepare(model, optimizer, "
+                           "...), or prepare(optimizer) after the model) before accelerator.backward()")
 
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **kwargs: Any) -> None:
-        """Backward of one micro-batch into gaengine's fp32 window: ``accumulator.backward(loss, num_items)``.
+        """Backward of one micro-batch into gaengine's fp32 window: ``accumulator.backward(loss, num_items)``; at a
+        synchronizing step (``window_grads``, ``zero_stage=0``) then ``accumulator.begin_step(force=True)``: the
+        window's gradient lent in ``.grad`` for the loop to read and edit before ``optimizer.step()`` or
+        ``clip_grad_norm_`` applies it.
 
         loss: 0-d floating tensor, the micro-batch's mean loss, or its sum over items with ``num_items``. Not divided
             by K: the window is normalized once, by the micro-batches it holds, or by its items over all micro-batches
@@ -426,36 +451,26 @@ class GaengineAccelerator(Accelerator):
         kwargs: passed to ``torch.Tensor.backward`` (``retain_graph``, ...); ``learning_rate`` (LOMO) is refused.
 
         Raises what ``GradientAccumulator.backward`` raises (``ValueError`` for a bad loss or ``num_items``, nothing
-        accumulated), and ``RuntimeError`` before ``prepare``.
+        accumulated; ``RuntimeError`` for a second ``backward`` at a synchronizing step, whose window's gradient is
+        lent: call ``optimizer.step()`` or ``optimizer.zero_grad()`` first), and ``RuntimeError`` naming the missing
+        optimizer before one is prepared.
         """
         if "learning_rate" in kwargs:
             raise ValueError("learning_rate: LOMO's fused backward-update is not supported by gaengine")
-        opt = self._gaengine_optimizer()
-        opt.release_grads()  # autograd would add into a .grad left there
-        opt.accumulator.backward(loss, num_items=num_items, **kwargs)
-        if self.window_grads and self.sync_gradients:
-            self._expose_window_grads(opt)
+        acc = self._gaengine_optimizer().accumulator
+        acc.backward(loss, num_items=num_items, **kwargs)
+        if self.window_grads and acc.config.zero_stage == 0 and self._ends_window(acc):
+            acc.begin_step(force=True)
 
-    def _expose_window_grads(self, opt: GaengineOptimizer) -> None:
-        """``.grad`` = the window's gradient, normalized (a copy of gaengine's fp32 sums times 1 / the window's
-        denominator, in each parameter's dtype), None for a parameter no micro-batch of the window reached."""
-        acc = opt.accumulator
-        if acc.config.zero_stage > 0 or acc.num_micro_batches == 0:
-            return
-        if acc.world_size > 1 and acc.window.stats is None:  # a partial window of several ranks: not reduced yet
-            return
-        sharding = acc.sharding
-        sharding.reduction.wait()
-        _, denom, _, _ = acc.window.totals(acc.world_size)
-        if acc.scaler is not None:  # the sums are loss-scaled
-            denom = denom * acc.scaler.scale
-        inv = denom.reciprocal().to(torch.float32)
-        unused = set(sharding.accumulation.unwritten(acc.window))
-        with torch.no_grad():
-            for i, (p, g) in enumerate(zip(sharding.params, sharding.main_grad.views)):
-                if i not in unused:
-                    p.grad = (g * inv).to(p.dtype)
-                    opt.window_grads.append(p)
+    def _ends_window(self, acc: gaengine.GradientAccumulator) -> bool:
+        """Whether this micro-batch ends gaengine's window: a synchronizing step (``sync_gradients``) where the
+        window holds K micro-batches, the dataloader ends, or the caller marks the windows' ends itself (Accelerate's
+        ``gradient_accumulation_steps`` is not gaengine's K: the Trainer's). A loop without ``accumulate()`` keeps
+        ``sync_gradients`` set at every micro-batch: its window ends with K."""
+        if not self.sync_gradients:
+            return False
+        return (acc.num_micro_batches >= acc.accumulation_steps or self.gradient_state.end_of_dataloader
+                or self.gradient_accumulation_steps != acc.accumulation_steps)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2) -> torch.Tensor | None:
@@ -472,7 +487,7 @@ class GaengineAccelerator(Accelerator):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self.accumulator is None or not params:
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        ours = {id(p) for p in self.accumulator.registered_params}
+        ours = {id(p) for p in self.accumulator.params}
         if not any(id(p) in ours for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         if float(norm_type) != 2.0:
