@@ -25,14 +25,14 @@ from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.norm import WindowNorm, clip_coefficient
+from gaengine.norm import WindowNorm, clip_coefficient, window_norm
 from gaengine.reduce import check_ranks_agree, wait_quietly
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
-from gaengine.update import expose_grads
+from gaengine.update import expose_grads, take_grad_writes
 from gaengine.window import FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items
 
 __all__ = ["GradientAccumulator", "StepResult"]
@@ -404,8 +404,11 @@ class GradientAccumulator:
             normalized gradient: for an fp32 parameter a view of ``main_grad``, normalized in place (one pass over
             the buffer, 8 B/element, no extra memory); for a bf16/fp16 one its rounding to the parameter's dtype (a
             copy, 2 B/element while the call runs); None for a parameter no micro-batch reached. The ``.grad`` are
-            released when it returns. It may set ``max_grad_norm`` (the clip then uses it) and must not change the
-            gradients. The update then differs from one without ``before_update`` by fp32 rounding only (the
+            released when it returns. It may set ``max_grad_norm`` (the clip then uses it) and may change the
+            gradients, in place or by giving ``.grad`` a tensor of the parameter's shape (a clamp in a
+            ``configure_gradient_clipping`` hook): the update applies what it left, and ``grad_norm`` and the clip
+            are then that gradient's (one more pass over the buffer; a bf16/fp16 ``.grad`` is merged back where it
+            differs from the fp32 sum's rounding: ``gaengine.update.take_grad_writes``). The update then differs from one without ``before_update`` by fp32 rounding only (the
             normalization is a separate multiplication instead of being folded into the clip coefficient). If it
             raises, ``main_grad`` is multiplied back (the window's sums within one fp32 rounding of what they were),
             nothing is applied and the window stays open. Replicated accumulators only (``zero_stage=0``, not
@@ -563,7 +566,10 @@ class GradientAccumulator:
         self.backend.scale_(data, divisor.reciprocal())
         try:
             expose_grads(self.params, self.main_grad, unwritten)
+            exposed = [p.grad for p in self.params]
+            versions = [None if g is None else g._version for g in exposed]
             before_update()
+            written = take_grad_writes(self.params, self.main_grad, exposed, versions)
         except BaseException:
             self.backend.scale_(data, divisor)  # the window's raw sums again: it stays open, nothing applied
             raise
@@ -571,6 +577,10 @@ class GradientAccumulator:
             for p in self.params:
                 p.grad = None
         one = torch.ones((), dtype=torch.float32, device=data.device)
+        if written:  # the hook changed the gradient (a clamp): the norm and the clip are the changed gradient's
+            again = window_norm([data], one, None, self.backend)
+            norm = WindowNorm(grad_norm=again.grad_norm, skipped=norm.skipped | again.skipped,
+                              clip_coef=norm.clip_coef, coef=norm.coef)
         clip = one if self.max_grad_norm is None else clip_coefficient(norm.grad_norm, self.max_grad_norm)
         return WindowNorm(grad_norm=norm.grad_norm, skipped=norm.skipped, clip_coef=clip,
                           coef=torch.where(norm.skipped, one, clip))

@@ -117,6 +117,35 @@ def step_scheduler(lr_scheduler, applied: bool | None, skipped: torch.Tensor) ->
         lr_scheduler.step()
 
 
+def take_grad_writes(params: list[torch.Tensor], main_grad: FlatBuffer, exposed: list[torch.Tensor | None],
+                     versions: list[int | None]) -> bool:
+    """After a ``step(before_update=...)`` hook, the writes it made to the ``.grad`` that ``expose_grads`` gave
+    (``exposed``, with their ``_version`` counters then, ``versions``) reach ``main_grad``: an fp32 parameter's
+    ``.grad`` written in place is ``main_grad``'s view already; a bf16/fp16 parameter's rounded copy written in place
+    is merged back (``merge_model_write``: the fp32 sum takes the copy's value wherever it differs from the sum's own
+    rounding, elsewhere it keeps its fp32 bits); a ``.grad`` replaced by another tensor of the parameter's shape is
+    copied in. A ``.grad`` set to None is not a write. Returns whether anything may have changed (the norm is then
+    taken again). ``ValueError`` for a replacement of another shape."""
+    changed = False
+    with torch.no_grad():
+        for i, (p, old, version) in enumerate(zip(params, exposed, versions)):
+            grad = p.grad
+            if old is None or grad is None:
+                continue
+            if grad is not old:
+                if grad.shape != old.shape:
+                    raise ValueError(f"a before-the-update hook set .grad of a parameter of shape {tuple(old.shape)} "
+                                     f"to a tensor of shape {tuple(grad.shape)}: write the window's gradient in place "
+                                     "(p.grad.clamp_(...)) or with a tensor of the parameter's shape")
+                main_grad.views[i].copy_(grad.reshape(old.shape))
+            elif old._version == version:
+                continue
+            elif p.dtype != torch.float32:
+                merge_model_write(main_grad.views[i], grad)
+            changed = True
+    return changed
+
+
 def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int], wrap=None) -> None:
     """No optimizer: ``p.grad`` = the final gradient (the view of main_grad for fp32 params, a rounded copy for
     bf16/fp16), None for the params in ``unwritten`` (no gradient in the window). wrap: ``wrap(p, grad)`` is what
