@@ -69,7 +69,8 @@ class GradientAccumulator:
 
     Args:
         model: an ``nn.Module`` or an iterable of Parameters, all on one device, fp32 | bf16 | fp16.
-            Parameters with ``requires_grad=False`` are skipped. Must not be wrapped in DDP. A ``.grad`` already
+            Parameters with ``requires_grad=False`` are skipped. No DDP (or other gradient-reducing
+            wrapper) anywhere in its module tree: ``TypeError`` naming its path. A ``.grad`` already
             on a parameter (a ``loss.backward()`` before construction) is dropped with one ``UserWarning`` naming
             how many: a window holds only its own micro-batches (Megatron-Core and torch DDP start from zeroed
             gradients too).
