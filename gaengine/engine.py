@@ -35,7 +35,7 @@ from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler,
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
-from gaengine.update import WindowGrads, expose_grads
+from gaengine.update import WindowGrads
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
                              foreign_gradient_error)
 
@@ -94,7 +94,8 @@ class GradientAccumulator:
 
     Args:
         model: an ``nn.Module`` or an iterable of Parameters, all on one device, fp32 | bf16 | fp16.
-            Parameters with ``requires_grad=False`` are skipped. Must not be wrapped in DDP. A ``.grad`` already
+            Parameters with ``requires_grad=False`` are skipped. No DDP (or other gradient-reducing
+            wrapper) anywhere in its module tree: ``TypeError`` naming its path. A ``.grad`` already
             on a parameter (a ``loss.backward()`` before construction) is dropped with one ``UserWarning`` naming
             how many: a window holds only its own micro-batches (Megatron-Core and torch DDP start from zeroed
             gradients too).

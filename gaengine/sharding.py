@@ -701,17 +701,43 @@ def _refuse_sharded(model: nn.Module | None, params: list[torch.Tensor]) -> None
                         "FSDP2 (fully_shard) data-parallel sharding, passed as the module. " + _SHARDED_ADVICE)
 
 
+# Gradient-reducing wrappers found by class name (their packages are not imported here): Megatron-Core's and apex's
+# DistributedDataParallel, DeepSpeed's engine. torch's DDP (and its subclasses) by type; FSDP1: _refuse_sharded.
+_REDUCING_WRAPPERS = {"DistributedDataParallel", "DeepSpeedEngine"}
+
+
+def _refuse_reducing_wrappers(model: nn.Module) -> None:
+    """``TypeError`` naming the module path of the first gradient-reducing wrapper anywhere in ``model``'s tree (the
+    root included): torch's ``DistributedDataParallel`` and subclasses, and modules of that class name or
+    ``DeepSpeedEngine``. Its reducer would all-reduce the gradients gaengine frees in its hooks (zeros, or
+    twice-reduced ones), silently; gaengine reduces across ranks itself. Lightning Fabric's ``_FabricModule`` keeps
+    the DDP of ``strategy="ddp"`` in ``_forward_module``: the message then names ``gaengine.integrations.fabric``."""
+    for name, module in model.named_modules():
+        if not (isinstance(module, nn.parallel.DistributedDataParallel)
+                or type(module).__name__ in _REDUCING_WRAPPERS):
+            continue
+        where = f"model.{name}" if name else "model"
+        kind = f"{type(module).__module__}.{type(module).__name__}"
+        fabric = type(model).__name__ == "_FabricModule"
+        raise TypeError(
+            f"{where} is a {kind}, a wrapper that reduces gradients across ranks in its own hooks: gaengine frees each "
+            "gradient in its hook as soon as it is accumulated and reduces the window across ranks itself, so both "
+            "reductions would run (or DDP's on freed gradients), silently training off the recipe. "
+            + ("This is Lightning Fabric's model set up under a DDP strategy: use "
+               "Fabric(strategy=gaengine.integrations.fabric.GaengineStrategy(accumulation_steps=K)) "
+               "(docs/integrations/fabric.md), or leave the model out of fabric.setup (Fabric for the launch and the "
+               "data only) and give GradientAccumulator the bare model"
+               if fabric else
+               f"Pass the module it wraps ({where}.module) instead, unwrapped, or the model built around it without "
+               "the wrapper"))
+
+
 def trainable_params(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The parameters of ``model`` (a module or an iterable of tensors) that require grad, in registration order,
-    checked: one device, fp32 | bf16 | fp16, no sparse gradients, no DDP wrapper, no sharded model (``TypeError``
-    or ``ValueError`` naming what was found and what to do)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            "model is wrapped in torch.nn.parallel.DistributedDataParallel: pass the bare module. "
-            "gaengine frees each gradient in its hook as soon as it is accumulated, so DDP's reducer would "
-            "all-reduce freed (zero) gradients; gaengine reduces across ranks itself."
-        )
+    checked: one device, fp32 | bf16 | fp16, no sparse gradients, no gradient-reducing wrapper (DDP) anywhere in the
+    module tree, no sharded model (``TypeError`` or ``ValueError`` naming what was found and what to do)."""
     if isinstance(model, nn.Module):
+        _refuse_reducing_wrappers(model)
         for name, module in model.named_modules():
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
                 raise ValueError(

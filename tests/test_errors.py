@@ -91,6 +91,35 @@ def test_ddp_wrapped_model(tmp_path):
         dist.destroy_process_group()
 
 
+class _Holder(nn.Module):
+    """A plain module holding a DDP-wrapped layer inside (as Lightning Fabric's ``_FabricModule`` holds one)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.body = nn.Sequential(inner)
+
+    def forward(self, x):
+        return self.body(self.head(x))
+
+
+def test_ddp_nested_in_a_plain_module(tmp_path):
+    """A DDP anywhere in the module tree is refused with its module path and what to pass instead (before, only a
+    DDP at the top was: this one was accepted and both reductions ran)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = _Holder(nn.parallel.DistributedDataParallel(_model()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match=r"model\.body\.0 is a torch\.nn\.parallel\.distributed\."
+                                            r"DistributedDataParallel.*Pass the module it wraps \(model\.body\.0\.module\)"):
+            gaengine.GradientAccumulator(model, opt)
+        gaengine.GradientAccumulator(model.body[0].module, torch.optim.SGD(model.body[0].module.parameters(), lr=0.1)).close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_second_accumulator_on_same_params(started):
     acc, model, ref = started
     with pytest.raises(RuntimeError, match="already belongs to another GradientAccumulator"):

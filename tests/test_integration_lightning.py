@@ -134,12 +134,18 @@ def _rows_two_ranks(b: int) -> list[torch.Tensor]:
     return [torch.tensor([4 * b + r, 4 * b + 2 + r]) for r in range(2)]
 
 
+def _micro_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``Regression`` module's loss in the model's dtype (``training_step``)."""
+    return nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+
+
 def reference(x, y, windows: list[list[int]], clip: float | None = None, dtype=torch.float32,
-              rows=_rows_one_process):
+              rows=_rows_one_process, loss=_micro_loss):
     """The plain single-process large-batch recipe, no gaengine: per window, the mean loss over the window's
     samples, one backward (bf16: each micro-batch's gradient from the bf16 model, summed in fp64, divided by the
     micro-batches), torch's ``clip_grad_norm_``, ``SGD`` on fp32 (master) weights and a ``LambdaLR`` stepped once per
-    update. ``rows(b)``: the micro-batches (row indices) of batch ``b``. Returns the fp32 parameters after every
+    update. ``rows(b)``: the micro-batches (row indices) of batch ``b``; ``loss(model, x, y, dtype)``: a bf16
+    micro-batch's loss. Returns the fp32 parameters after every
     update and the learning rate each update used."""
     masters = [p.detach().to(dtype).float() for p in _net().parameters()]  # bf16: the converted model's values
     model = _net().to(dtype)
@@ -160,7 +166,7 @@ def reference(x, y, windows: list[list[int]], clip: float | None = None, dtype=t
             grads = [torch.zeros_like(m, dtype=torch.float64) for m in masters]
             for r in micro:
                 model.zero_grad()
-                nn.functional.mse_loss(model(x[r].to(dtype)), y[r].to(dtype)).backward()
+                loss(model, x[r], y[r], dtype).backward()
                 for g, p in zip(grads, model.parameters()):
                     g += p.grad.double()
             grads = [g / len(micro) for g in grads]
@@ -959,3 +965,65 @@ def test_two_gloo_processes(tmp_path):
             want = sum(float(nn.functional.mse_loss(net(x[b].to(dtype)), y[b].to(dtype)).float()) for b in rows)
             want /= len(rows)  # each batch's mse in the model's dtype, as validation_step computes it: fp32 order only
             assert abs(res[name]["val_mse"] - want) <= RTOL * want, (name, r, res[name]["val_mse"], want)
+
+
+# ---------------------------------------------------------------- configure_gradient_clipping and closures
+
+
+class Clamped(Regression):
+    """A user's own clamp of every ``.grad`` in ``configure_gradient_clipping``, then Lightning's norm clip."""
+
+    CLAMP = 0.02
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        for p in self.parameters():
+            p.grad.clamp_(-self.CLAMP, self.CLAMP)
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS), ids=["fp32", "bf16"])
+def test_clamp_in_configure_gradient_clipping(precision):
+    """``.grad`` holds the window's gradient in an overridden ``configure_gradient_clipping`` (without
+    ``on_before_optimizer_step`` overridden: before, it was None there and the clamp raised ``AttributeError``),
+    and the user's clamp changes the update as in plain Lightning, the norm clip (active) then taken over the
+    clamped gradient. K = 3 over 9 batches (full windows), plain Lightning in the same test: fp32 every update within
+    RTOL; bf16 (``bf16-true``) the first update within one bf16 rounding (plain Lightning updates bf16 weights
+    without fp32 masters, so later ones drift apart by that)."""
+    dtype = PRECISIONS[precision]
+    x, y = _data(18)
+    runs = {}
+    for strategy in ("auto", "gaengine"):
+        model = Clamped(dtype)
+        _trainer(strategy=strategy, accumulate_grad_batches=3, gradient_clip_val=0.03, precision=precision).fit(
+            model, _loader(x, y))
+        runs[strategy] = model.after_batch
+    plain, ours = runs["auto"], runs["gaengine"]
+    unclamped = Regression(dtype)
+    _trainer(accumulate_grad_batches=3, gradient_clip_val=0.03, precision=precision).fit(unclamped, _loader(x, y))
+    assert max(rel_diff(a, b) for a, b in zip(unclamped.after_batch[2], plain[2])) > 1e-2  # the clamp matters
+    if dtype != torch.float32:
+        for i, (a, b) in enumerate(zip(ours[2], plain[2])):
+            assert rel_diff(a, b) <= DTYPE_RTOL[torch.bfloat16], f"bf16 update 0, parameter {i}"
+        return
+    for b in (2, 5, 8):
+        _assert_params_close(ours[b], plain[b], f"after batch {b}")
+
+
+class LBFGSRegression(Regression):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
+def test_closure_optimizer_refused_at_fit_start():
+    """An optimizer whose ``step()`` requires a closure (``torch.optim.LBFGS``) is refused when ``fit`` starts (the
+    strategy's set-up builds the accumulator), before any ``training_step``, with the message docs/integrations/
+    lightning.md documents; the model is untouched and the next plain fit trains it."""
+    x, y = _data(8)
+    model = LBFGSRegression()
+    with pytest.raises(TypeError, match=r"LBFGS\.step\(\) requires 'closure'.*closure optimizer"):
+        _trainer(accumulate_grad_batches=2).fit(model, _loader(x, y))
+    assert model.backward_calls == 0 and not model.after_batch
+    assert all(torch.equal(a, b) for a, b in zip(model.net.parameters(), _net().parameters()))
+    _trainer(strategy="auto", accumulate_grad_batches=2).fit(model, _loader(x, y))
+    assert model.after_batch

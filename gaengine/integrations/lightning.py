@@ -21,7 +21,8 @@ both are on the device, and closes when ``fit`` ends:
 * ``optimizer_step`` (once per update, inside ``LightningModule.optimizer_step``'s ``optimizer.step(closure)``): the
   closure (the window's last ``training_step`` and backward), then ``acc.step(force=True)``, which runs
   ``on_before_optimizer_step`` and ``configure_gradient_clipping`` with the window's normalized gradient in the
-  parameters' ``.grad`` (when a hook of that name is overridden), then clips and updates on fp32 gradients.
+  parameters' ``.grad`` (when either hook is overridden; what they write to it reaches the update), then clips and
+  updates on fp32 gradients.
 * ``clip_gradients``: ``gradient_clip_val`` (through ``configure_gradient_clipping``, Lightning's hook) becomes the
   window's ``max_grad_norm``; gaengine clips the normalized fp32 window gradient by its L2 norm.
 
@@ -58,7 +59,8 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("gaengine.integrations.lightning needs Lightning (the `lightning` package 2.6.x): "
                       "pip install 'gaengine[lightning]'") from exc
 
-from gaengine import AccumulatorConfig, GradientAccumulator, StepResult
+from gaengine import GradientAccumulator
+from gaengine.integrations.fabric import InnerPrecision, check_strategy_options
 
 __all__ = ["GaenginePrecision", "GaengineStrategy"]
 
@@ -80,7 +82,7 @@ def _hook_overridden(trainer: pl.Trainer, model: pl.LightningModule, name: str) 
     return is_overridden(name, model) or any(is_overridden(name, cb, pl.Callback) for cb in trainer.callbacks)
 
 
-class GaenginePrecision(Precision):
+class GaenginePrecision(InnerPrecision, Precision):
     """Lightning ``Precision`` plugin whose ``backward``, ``optimizer_step`` and ``clip_gradients`` go through a
     ``gaengine.GradientAccumulator`` (built and attached by ``GaengineStrategy``; used alone it raises).
 
@@ -90,11 +92,14 @@ class GaenginePrecision(Precision):
         ``HalfPrecision`` and ``MixedPrecision`` (its ``GradScaler`` is dropped: gaengine scales fp16 losses
         itself, dynamically). Any other plugin raises ``ValueError`` naming it.
 
-    In ``on_before_optimizer_step`` (the module's and the callbacks'), the parameters' ``.grad`` hold the window's
-    gradient, normalized and before clipping, as under plain Lightning (``lightning.pytorch.utilities.grad_norm(self)``
-    works): for fp32 parameters views of gaengine's fp32 ``main_grad``, normalized in place (one pass over the buffer,
-    no memory); for bf16/fp16 ones a copy rounded to their dtype (2 B/parameter while the hook runs). Only when a hook
-    of that name is overridden; released when it returns (``GradientAccumulator.step(before_update=...)``).
+    In ``on_before_optimizer_step`` (the module's and the callbacks') and ``configure_gradient_clipping``, the
+    parameters' ``.grad`` hold the window's gradient, normalized and before clipping, as under plain Lightning
+    (``lightning.pytorch.utilities.grad_norm(self)`` works): for fp32 parameters views of gaengine's fp32
+    ``main_grad``, normalized in place (one pass over the buffer, no memory); for bf16/fp16 ones a copy rounded to
+    their dtype (2 B/parameter while the hooks run). Only when a hook of those names is overridden; released when
+    they return (``GradientAccumulator.step(before_update=...)``). A hook that changes them (a clamp in
+    ``configure_gradient_clipping``) changes the update, as in plain Lightning; the clip's norm is then the changed
+    gradient's.
 
     After every applied window, ``last_result`` holds gaengine's ``StepResult`` (``grad_norm``, ``clip_coef``,
     ``skipped``, ``loss``; 0-d tensors on the device). A window with a non-finite gradient (or, under
@@ -104,80 +109,13 @@ class GaenginePrecision(Precision):
     schedulers.
     """
 
+    composable = (Precision, HalfPrecision, MixedPrecision)
+    double = DoublePrecision
+
     def __init__(self, inner: Precision | None = None) -> None:
-        super().__init__()
-        if inner is None:
-            inner = Precision()
-        if isinstance(inner, GaenginePrecision):
-            inner = inner.inner
-        if type(inner) not in (Precision, HalfPrecision, MixedPrecision):
-            raise ValueError(
-                f"GaengineStrategy cannot compose with the precision plugin {type(inner).__name__} "
-                f"(precision={getattr(inner, 'precision', '?')!r}): gaengine owns the backward, the fp32 gradient sum, "
-                "the loss scale and the update, which that plugin also wants to own. Use Trainer(precision=...) with "
-                "'32-true', 'bf16-true', '16-true', 'bf16-mixed' or '16-mixed'"
-                + (" (gaengine keeps fp32 master weights and fp32 gradient sums itself; 64-bit parameters are not "
-                   "supported)" if isinstance(inner, DoublePrecision) else ""))
-        if isinstance(inner, MixedPrecision):
-            inner.scaler = None  # gaengine's own dynamic loss scale replaces torch.amp.GradScaler
-        self.inner = inner
-        self.precision = inner.precision
-        self.accumulator: GradientAccumulator | None = None
-        self.last_result: StepResult | None = None
+        super().__init__(inner)
         self._clip_val: float | None = None
         self._pending_state: dict | None = None
-        self._closed = True  # no open accumulator
-        self._skipped: bool | None = None  # host copy of last_result.skipped, read on first access
-        self._num_skipped = 0
-
-    # ------------------------------------------------------------------ skipped updates
-    def _settle(self) -> None:
-        if self._skipped is None and self.last_result is not None:
-            self._skipped = bool(self.last_result.skipped)  # host read: once per update, after its step
-            self._num_skipped += self._skipped
-
-    @property
-    def update_was_skipped(self) -> bool:
-        """Whether the last update was skipped for a non-finite window gradient (False before the first)."""
-        self._settle()
-        return bool(self._skipped)
-
-    @property
-    def num_skipped(self) -> int:
-        """Updates skipped so far (non-finite window gradients), over every fit with this plugin."""
-        self._settle()
-        return self._num_skipped
-
-    # ------------------------------------------------------------------ dtypes: the inner plugin's
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return self.inner.convert_module(module)
-
-    def convert_input(self, data: Any) -> Any:
-        return self.inner.convert_input(data)
-
-    def convert_output(self, data: Any) -> Any:
-        return self.inner.convert_output(data)
-
-    def tensor_init_context(self):
-        return self.inner.tensor_init_context()
-
-    def module_init_context(self):
-        return self.inner.module_init_context()
-
-    def forward_context(self):
-        return self.inner.forward_context()
-
-    @property
-    def loss_scale(self) -> str | None:
-        """gaengine's ``loss_scale`` for this precision: ``"dynamic"`` for ``"16-mixed"`` (the backward runs outside
-        the autocast region, where gaengine's ``"auto"`` would not see fp16), else ``"auto"``."""
-        return "dynamic" if self.precision == "16-mixed" else "auto"
-
-    # ------------------------------------------------------------------ the accumulator
-    def attach(self, accumulator: GradientAccumulator) -> None:
-        """Route backward/step/clip through ``accumulator`` (called by ``GaengineStrategy.setup``)."""
-        self.accumulator = accumulator
-        self._closed = False
 
     def _acc(self) -> GradientAccumulator:
         if self.accumulator is None:
@@ -237,14 +175,13 @@ class GaenginePrecision(Precision):
             self._after_closure(model, optimizer)
             acc.max_grad_norm = self._clip_val
 
-        if _hook_overridden(model.trainer, model, "on_before_optimizer_step"):
-            result = acc.step(force=True, before_update=before_update)  # .grad: the window's gradient, in the hook
+        if _hook_overridden(model.trainer, model, "on_before_optimizer_step") or is_overridden(
+                "configure_gradient_clipping", model):
+            result = acc.step(force=True, before_update=before_update)  # .grad: the window's gradient, in the hooks
         else:
             before_update()  # nobody reads .grad there: no pass over the buffer
             result = acc.step(force=True)
-        if result is not None:
-            self._settle()  # the previous update's flag into num_skipped (computed long ago: no wait)
-            self.last_result, self._skipped = result, None
+        self._record(result)
         return closure_result
 
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
@@ -278,17 +215,6 @@ class GaenginePrecision(Precision):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._acc().load_state_dict(state)
-
-    def close(self) -> None:
-        """Close the accumulator (its hooks leave the parameters, which plain PyTorch or another accumulator may
-        then train); it stays readable as ``accumulator`` (``state_dict()``, counters) until the next fit."""
-        if self.accumulator is not None and not self._closed:
-            self.accumulator.close()
-        self._closed = True
-
-    def teardown(self) -> None:
-        self.close()
-        self.inner.teardown()
 
 
 class GaengineStrategy(DDPStrategy):
@@ -332,16 +258,7 @@ class GaengineStrategy(DDPStrategy):
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  start_method: str = "popen", **accumulator_options: Any) -> None:
-        for name, owner in _TRAINER_OWNS.items():
-            if name in accumulator_options:
-                raise ValueError(f"GaengineStrategy({name}=...): set it through {owner}, not the strategy")
-        if accumulator_options.get("zero_stage", 0) != 0:
-            raise ValueError(
-                f"GaengineStrategy(zero_stage={accumulator_options['zero_stage']!r}): only zero_stage=0 is supported "
-                "inside Lightning (a sharded accumulator's state dict is saved with torch.distributed.checkpoint, which "
-                "Lightning's checkpoint does not use); drop zero_stage, or drive gaengine yourself with manual "
-                "optimization")
-        AccumulatorConfig(accumulation_steps=1, max_grad_norm=None, **accumulator_options)  # checked once, here
+        check_strategy_options("GaengineStrategy", accumulator_options, _TRAINER_OWNS)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
