@@ -59,12 +59,18 @@ syntax() {
     inc="$(headers_of "$version")"
     local pyinc
     pyinc="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+    local std  # the standard setup.py builds with against this torch (setup.cxx_standard)
+    std="$("$PYTHON" -c 'import importlib.util, sys
+spec = importlib.util.spec_from_file_location("gaengine_setup", "setup.py")
+setup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup)
+print(setup.cxx_standard(sys.argv[1]))' "$version")"
     local t0=$SECONDS
     printf '%s\n' csrc/*.cpp | xargs -P "$jobs" -I{} sh -c \
-        'g++ -fsyntax-only -std=c++17 -fopenmp -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+        'g++ -fsyntax-only -std=$4 -fopenmp -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
              -D_GLIBCXX_USE_CXX11_ABI=1 -isystem "$1" -isystem "$1/torch/csrc/api/include" -isystem "$2" "$3" \
-         || { echo "FAILED: $3 against torch $0 headers" >&2; exit 255; }' "$version" "$inc" "$pyinc" {}
-    echo "torch $version: csrc/*.cpp compile against its headers ($((SECONDS - t0)) s)"
+         || { echo "FAILED: $3 against torch $0 headers" >&2; exit 255; }' "$version" "$inc" "$pyinc" {} "$std"
+    echo "torch $version: csrc/*.cpp compile (-std=$std) against its headers ($((SECONDS - t0)) s)"
 }
 
 mode="${1:-headers}"
