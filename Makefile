@@ -110,3 +110,14 @@ $(DEV_STAMP): $(BUILD_STAMP) pyproject.toml
 	@touch $@
 
 FORCE:
+
+# The torch range gaengine claims (docs/install.md): csrc/*.cpp compiled against the headers of the oldest and the
+# newest supported torch, then torch 2.14.1 installed in a scratch virtualenv, the extension built against it and the
+# smoke subset run (.ci/torch_range.sh full; several GB on first use). Run it before each submission that touches
+# csrc/ or gaengine/compat.py. `make torch-headers` is the part CI runs: the oldest torch's headers alone.
+.PHONY: torch-range torch-headers
+torch-range:
+	PYTHON=$(PY) bash .ci/torch_range.sh full
+
+torch-headers:
+	PYTHON=$(PY) bash .ci/torch_range.sh headers 2.9.1

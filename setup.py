@@ -35,7 +35,7 @@ from setuptools import setup
 # The multi-tensor kernels' parameter structs (20.5 KB bucket, 27.7 KB AdamW) need the 32764-byte kernel
 # parameter limit of CUDA 12.1, in the toolkit that compiles them and the driver that launches them.
 MIN_CUDA = (12, 1)
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+CXX_FLAGS = ["-O3", "-fopenmp"]  # + "-std=" + cxx_standard(torch.__version__)
 NVCC_FLAGS = ["-O3", "-lineinfo"]  # no fast math: the numerics are the contract
 LINK_FLAGS = ["-fopenmp"]
 # The torch versions gaengine supports (pyproject.toml's dependency, docs/install.md): the oldest a GPU image is
@@ -113,6 +113,14 @@ def torch_version_problem(version):
                 "collective and autograd paths use APIs older torch releases lack. Install a supported torch first "
                 f"(pip install '{TORCH_SPEC}', from the CUDA wheel index for a GPU build), then gaengine again")
     return None
+
+
+def cxx_standard(version):
+    """The C++ standard gaengine._C is compiled with against torch ``version``: ``c++20`` from torch 2.14 (its
+    headers stop with ``#error C++20 or later compatible compiler is required``), ``c++17`` before (as built and
+    tested since the extension exists)."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    return "c++20" if match and (int(match.group(1)), int(match.group(2))) >= (2, 14) else "c++17"
 
 
 def build_with_fallback(attempts, strict, log=print):
@@ -273,17 +281,18 @@ def main():
     if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= TORCH_CEILING:
         print(f"gaengine: warning: torch {torch.__version__} is newer than the versions gaengine is tested with "
               f"({TORCH_SPEC}); building against it anyway")
+    cxx_flags = CXX_FLAGS + [f"-std={cxx_standard(torch.__version__)}"]
     sources = sorted(glob.glob("csrc/*.cpp"))
     with_cuda, why = cuda_build_decision(torch.version.cuda, CUDA_HOME, nvcc_version_output(CUDA_HOME),
                                          os.environ.get("GAENGINE_BUILD_CUDA", "1"))
     print(f"gaengine: building gaengine._C {why}")
-    cpu_only = CppExtension("gaengine._C", sources, extra_compile_args={"cxx": list(CXX_FLAGS)},
+    cpu_only = CppExtension("gaengine._C", sources, extra_compile_args={"cxx": list(cxx_flags)},
                             extra_link_args=list(LINK_FLAGS))
     extension = cpu_only
     if with_cuda:  # the same module, plus the cuda backend's kernels (csrc/cuda/README.md)
         extension = CUDAExtension("gaengine._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
                                   define_macros=[("GAENGINE_WITH_CUDA", None)],
-                                  extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+                                  extra_compile_args={"cxx": list(cxx_flags), "nvcc": list(NVCC_FLAGS)},
                                   extra_link_args=list(LINK_FLAGS))
     build_ext = fallback_build_ext(BuildExtension, cpu_only if with_cuda else None, strict=build_ext_mode == "1")
     ext_modules, cmdclass = [extension], {"build_ext": build_ext.with_options(use_ninja=True)}

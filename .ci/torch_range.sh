@@ -7,8 +7,9 @@
 #                                                   # scratch virtualenv, the extension built against it there and
 #                                                   # the smoke subset run (`make torch-range`)
 #
-# Headers: only torch 2.13 has a CPU wheel on the development machine; any other version is a CUDA wheel (900 MB
-# for 2.9.1, Python 3.11, x86_64), downloaded once with `pip download --no-deps`, its torch/include (60 MB)
+# Headers: only torch 2.13 has a CPU wheel on the development machine; on x86_64 any other version is a CUDA wheel
+# (900 MB for 2.9.1, Python 3.11). The headers come from the version's Linux aarch64 wheel instead (a CPU build, 104
+# MB; TORCH_HEADERS_PLATFORM to change it), downloaded once with `pip download --no-deps`, its torch/include (60 MB)
 # extracted into $TORCH_HEADERS_CACHE (default ~/.cache/gaengine/torch-headers/VERSION) and the wheel deleted; later
 # runs compile at once. The compile is the real build's (setup.py's flags, torch's extension defines, Python's
 # headers), without code generation. Environment: PYTHON (default python3), TORCH_HEADERS_CACHE, SCRATCH (the full
@@ -18,6 +19,11 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 cache="${TORCH_HEADERS_CACHE:-$HOME/.cache/gaengine/torch-headers}"
 jobs="${JOBS:-$(nproc)}"
+# The headers are the same on every platform but for the build's configuration (ATen/Config.h, caffe2's macros.h,
+# sleef.h) and the CUDA, ITT and fbgemm headers, none of which csrc/*.cpp includes: the Linux aarch64 wheel, a CPU
+# build (2.9.1: 104 MB, 27 s here), carries them in a ninth of the x86_64 CUDA wheel's bytes (900 MB, 170 s).
+platform="${TORCH_HEADERS_PLATFORM:-manylinux_2_28_aarch64}"
+pyver="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 
 # headers_of VERSION: the folder holding torch VERSION's include/ (downloaded and extracted once).
 headers_of() {
@@ -27,7 +33,8 @@ headers_of() {
         tmp="$(mktemp -d)"
         local t0=$SECONDS
         echo "torch $version: downloading its wheel (pip download --no-deps) for the headers" >&2
-        "$PYTHON" -m pip download --disable-pip-version-check -q --no-deps "torch==$version" -d "$tmp" >&2
+        "$PYTHON" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+            --platform "$platform" --python-version "$pyver" "torch==$version" -d "$tmp" >&2
         local wheel
         wheel="$(ls "$tmp"/torch-*.whl)"
         echo "torch $version: $(du -m "$wheel" | cut -f1) MB wheel in $((SECONDS - t0)) s; extracting torch/include" >&2
@@ -52,12 +59,18 @@ syntax() {
     inc="$(headers_of "$version")"
     local pyinc
     pyinc="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+    local std  # the standard setup.py builds with against this torch (setup.cxx_standard)
+    std="$("$PYTHON" -c 'import importlib.util, sys
+spec = importlib.util.spec_from_file_location("gaengine_setup", "setup.py")
+setup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup)
+print(setup.cxx_standard(sys.argv[1]))' "$version")"
     local t0=$SECONDS
     printf '%s\n' csrc/*.cpp | xargs -P "$jobs" -I{} sh -c \
-        'g++ -fsyntax-only -std=c++17 -fopenmp -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+        'g++ -fsyntax-only -std=$4 -fopenmp -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
              -D_GLIBCXX_USE_CXX11_ABI=1 -isystem "$1" -isystem "$1/torch/csrc/api/include" -isystem "$2" "$3" \
-         || { echo "FAILED: $3 against torch $0 headers" >&2; exit 255; }' "$version" "$inc" "$pyinc" {}
-    echo "torch $version: csrc/*.cpp compile against its headers ($((SECONDS - t0)) s)"
+         || { echo "FAILED: $3 against torch $0 headers" >&2; exit 255; }' "$version" "$inc" "$pyinc" {} "$std"
+    echo "torch $version: csrc/*.cpp compile (-std=$std) against its headers ($((SECONDS - t0)) s)"
 }
 
 mode="${1:-headers}"

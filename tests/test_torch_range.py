@@ -26,6 +26,13 @@ def test_torch_version_problem(setup_py, version, refused):
         assert setup_py.TORCH_SPEC in problem and repr(version) in problem or f"torch {version}" in problem
 
 
+@pytest.mark.parametrize("version, standard", [("2.9.1", "c++17"), ("2.13.0+cpu", "c++17"), ("2.14.1", "c++20"),
+                                               ("2.15.0a0+git", "c++20")])
+def test_cxx_standard(setup_py, version, standard):
+    """torch 2.14's headers stop below C++20 (``#error C++20 or later compatible compiler is required``)."""
+    assert setup_py.cxx_standard(version) == standard
+
+
 def test_the_range_is_declared_once(setup_py):
     pyproject = (ROOT / "pyproject.toml").read_text()
     spec = re.search(r'dependencies = \[\s*"(torch[^"]*)"', pyproject).group(1)
