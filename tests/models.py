@@ -9,11 +9,12 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import seeded_randn
 
-# The arguments of `gaengine train` (gaengine.tools.cli) for a tiny language model that trains in seconds on CPU.
+# The arguments of `gaengine train` (gaengine.tools.cli) for a tiny language model that trains in seconds on CPU, one
+# run (--no-benefit: tests/test_cli.py tests the benefit runs with TINY less that flag).
 TINY = [
     "--micro-batch-size", "2", "--accumulation-steps", "2", "--seq-len", "16", "--n-layers", "1",
     "--d-model", "32", "--n-heads", "2", "--eval-batches", "1", "--eval-interval", "2",
-    "--max-data-mb", "0.1", "--quiet",
+    "--max-data-mb", "0.1", "--quiet", "--no-benefit",
 ]  # fmt: skip
 
 

@@ -356,6 +356,11 @@ def test_train_help_states_defaults_plainly(capsys):
     assert "--threads N|auto" in text and "OMP_NUM_THREADS" in text and "(default: auto)" in text
     assert "(default: auto)" in text and "(default: 120)" in text
     assert "bf16 on a GPU that supports it" in " ".join(text.split())  # --dtype auto says what it picks
+    flat = " ".join(text.split())
+    # --gradient-accumulation-fusion says its CPU cost; --benefit what it trains and shows.
+    assert "Its CPU cost: with bf16 params about 14% slower training on a CPU with native bf16" in flat
+    assert "with fp32 params no slower" in flat
+    assert "--benefit, --no-benefit show what gaengine buys" in flat and "(default: on)" in flat
 
 
 def test_verify_help_shows_defaults(capsys):
@@ -545,3 +550,88 @@ def test_progress_on_a_terminal_is_tqdms_bar(tmp_path, capsys, monkeypatch):
     assert main(["train", "--steps", "3", *TINY, "--dtype", "fp32", "--threads", "1", "--quiet",
                  "--out", str(tmp_path / "b")]) == 0
     assert "upd" not in capsys.readouterr().err
+
+
+_BENEFIT = [arg for arg in TINY if arg != "--no-benefit"]  # TINY with the benefit shown
+
+
+def test_benefit_where_bf16_is_fast_trains_three_runs_and_plots_their_distance(tmp_path, capsys, monkeypatch):
+    """A machine that runs bf16 fast (the capability monkeypatched: a 0.8x bf16 matmul): ``gaengine train`` trains
+    the fp32 reference (plain recipe), then the bf16 model through gaengine and through the plain recipe; each bf16
+    run's distance from the fp32 run is recorded at its updates, in the table and the verdict line. The last
+    distances are checked against the parameters of the three runs trained again here through the library's own
+    loops (``watch`` keeps each final model's parameters), the norm taken in fp64."""
+    import torch
+
+    from gaengine.tools import capability
+    from gaengine.tools.data import load_corpus
+    from gaengine.tools.train import TrainConfig, train_gaengine, train_reference
+
+    monkeypatch.setattr(capability, "bf16_matmul_slowdown", lambda: 0.8)
+    out = tmp_path / "run"
+    steps = 4
+    assert main(["train", "--steps", str(steps), *_BENEFIT, "--threads", "1", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.startswith("gaengine train: bf16 params: this CPU multiplies bf16 about as fast as fp32")
+    records = _records(out)
+    for recipe in ("fp32 reference", "gaengine", "torch"):
+        assert [r["step"] for r in records if r["kind"] == "train" and r["recipe"] == recipe] == list(range(1, 5))
+    assert (out / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+    # The same three runs, their final parameters kept.
+    final = {}
+
+    def keeper(name):
+        def watch(step, model):
+            if step == steps:
+                final[name] = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+        return watch
+
+    args = build_parser().parse_args(["train", "--steps", str(steps), *_BENEFIT])
+    config = TrainConfig(steps=steps, micro_batch_size=args.micro_batch_size, accumulation_steps=args.accumulation_steps,
+                         seq_len=args.seq_len, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+                         eval_batches=args.eval_batches, eval_interval=args.eval_interval, dtype="bf16")
+    corpus = load_corpus(None, max_bytes=int(args.max_data_mb * 2**20), min_split_bytes=args.seq_len + 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the command ran them (--threads 1): the same reductions, the same roundings
+    try:
+        train_reference(TrainConfig(**{**config.__dict__, "dtype": "fp32"}), corpus, watch=keeper("fp32"))
+        train_gaengine(config, corpus, watch=keeper("gaengine"))
+        train_reference(config, corpus, watch=keeper("torch"))
+    finally:
+        torch.set_num_threads(threads)
+    expected = {name: float((final[name] - final["fp32"]).norm() / final["fp32"].norm()) for name in ("gaengine", "torch")}
+    row = next(line for line in stdout.splitlines() if line.startswith("distance from fp32, last"))
+    shown = row.split()[-3:]
+    # fp32 sums of fp32 terms against fp64 ones: a relative difference of at most n * 2^-24 (n parameters), and the
+    # table's 4 significant digits.
+    for cell, name in zip(shown, ("gaengine", "torch")):
+        assert float(cell) == pytest.approx(expected[name], rel=5e-4), (name, row)
+    assert shown[2] == "-"
+    assert expected["gaengine"] < expected["torch"]  # gaengine's fp32 sums and masters stay closer to fp32
+    ratio = expected["torch"] / expected["gaengine"]
+    line = " ".join(stdout.split())
+    assert re.search(rf"bf16 benefit: after 4 updates gaengine's bf16 parameters are \S+ from the fp32 run's, the "
+                     rf"plain bf16 recipe's \S+: {ratio:.1f}x closer", line), line
+
+
+def test_benefit_where_only_fp32_is_fast_says_so_and_runs_verify(tmp_path, capsys, monkeypatch):
+    """A machine without fast bf16 (an AVX2-only CPU: a 28x bf16 matmul): one fp32 run, then a line saying the
+    benefit is bf16's and gaengine verify's summary on the run's model, passing; ``--no-benefit`` and a forced
+    ``--dtype fp32`` print neither."""
+    from gaengine.tools import capability
+
+    monkeypatch.setattr(capability, "bf16_matmul_slowdown", lambda: 28.0)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", *_BENEFIT, "--threads", "1", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert {r["recipe"] for r in _records(out)} == {"gaengine"}
+    text = " ".join(stdout.split())
+    assert "bf16 benefit: not shown here, this machine runs fp32 only (this CPU has no fast bf16 matmul" in text
+    assert "What gaengine buys is bf16's" in text and "(gaengine verify, 4 rows as 2 micro-batches):" in text
+    assert "\n  gradient equivalence PASSED\n" in stdout
+    assert "engine vs the micro-batch gradients summed in fp64: ok" in stdout
+    assert all(len(line) <= 100 for line in stdout.splitlines()), stdout
+    for extra in (["--no-benefit"], ["--dtype", "fp32"]):
+        assert main(["train", "--steps", "1", *_BENEFIT, *extra, "--threads", "1", "--out", str(tmp_path / "b")]) == 0
+        assert "bf16 benefit" not in capsys.readouterr().out

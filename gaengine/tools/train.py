@@ -44,6 +44,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Parameter dtypes accepted by ``TrainConfig.dtype``."""
 
 LogFn = Callable[[dict], None]
+WatchFn = Callable[[int, torch.nn.Module], None]
+"""Called after each update with its number (1-based) and the model, e.g. to compare its parameters with another
+run's (``gaengine train``'s bf16 benefit); it must not change the model."""
 
 
 SCHEDULE_FORMS = ("rampup:START,INCREMENT,RAMP_SAMPLES", "adaptive:K_MIN,K_MAX[,EVERY[,linear|sqrt]]")
@@ -294,6 +297,10 @@ class TrainResult:
     """The gradient noise scale ``B_simple`` after each update, in sequences (empty when not measured)."""
     evals: list[tuple[int, float]] = field(default_factory=list)
     """``(update, validation loss)`` pairs."""
+    distances: list[tuple[int, float]] = field(default_factory=list)
+    """``(update, distance)``: the relative L2 distance of the model's parameters from an fp32 reference run's at the
+    same update, ``||p - p_fp32|| / ||p_fp32||`` over all parameters (filled by ``gaengine train``'s bf16
+    benefit; empty otherwise)."""
     peak_memory_bytes: int = 0
     """Peak memory, see ``peak_memory_kind``."""
     peak_memory_kind: str = ""
@@ -444,6 +451,7 @@ def _run(
     corpus: ByteCorpus,
     make_update: _MakeUpdate,
     log: Optional[LogFn],
+    watch: Optional[WatchFn] = None,
 ) -> TrainResult:
     """The loop both recipes share: data, model, optimizer, scheduler, evaluation and bookkeeping."""
     start = time.perf_counter()
@@ -483,6 +491,8 @@ def _run(
             values = dict(zip(stats, torch.stack([s.float() for s in stats.values()]).tolist()))
             result.train_s += time.perf_counter() - t0
             log(_record_update(result, config, step, k, world, lr, values, start))
+            if watch is not None:
+                watch(step, model)
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
                 run_eval(step)
     finally:
@@ -492,8 +502,9 @@ def _run(
     return result
 
 
-def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None) -> TrainResult:
-    """Train through :class:`gaengine.GradientAccumulator`; see the module docstring.
+def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None,
+                   watch: Optional[WatchFn] = None) -> TrainResult:
+    """Train through :class:`gaengine.GradientAccumulator`; see the module docstring. ``watch``: :data:`WatchFn`.
 
     Raises what the accumulator raises for a bad configuration (``ValueError``, or ``RuntimeError`` for a
     backend asked for by name that cannot load).
@@ -526,7 +537,7 @@ def train_gaengine(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn]
 
         return update, acc.close
 
-    return _run("gaengine", config, corpus, make_update, log)
+    return _run("gaengine", config, corpus, make_update, log, watch)
 
 
 def _halve_micro_batch(acc: GradientAccumulator, log: Optional[LogFn]) -> None:
@@ -543,8 +554,10 @@ def _halve_micro_batch(acc: GradientAccumulator, log: Optional[LogFn]) -> None:
              "effective_batch_size": acc.effective_batch_size})
 
 
-def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None) -> TrainResult:
+def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn] = None,
+                    watch: Optional[WatchFn] = None, recipe: str = "torch") -> TrainResult:
     """Train with the plain PyTorch recipe on the same data, initialization and optimizer configuration.
+    ``watch``: :data:`WatchFn`; ``recipe``: the run's name in its result and records.
 
     ``.grad`` accumulates in the parameter dtype over ``K`` micro-batches of ``(loss / K).backward()``;
     then ``clip_grad_norm_`` (or only the norm when clipping is off), ``optimizer.step()``,
@@ -578,4 +591,4 @@ def train_reference(config: TrainConfig, corpus: ByteCorpus, log: Optional[LogFn
 
         return update, lambda: None
 
-    return _run("torch", config, corpus, make_update, log)
+    return _run(recipe, config, corpus, make_update, log, watch)
