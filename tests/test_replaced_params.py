@@ -124,12 +124,18 @@ def test_swapped_layer_is_refused_mid_window_with_the_window_kept():
     acc.close()
 
 
-def test_swapped_layer_at_a_window_boundary_is_refused():
+def _after_one_window():
+    """A model and its accumulator one window in (a window boundary), and the next micro-batch."""
     model, acc = _setup()
     batches = _batches(K + 1)
     for b in batches[:K]:
         acc.backward(_loss(model, b))
-    acc.step()
+    assert acc.step() is not None
+    return model, acc, batches
+
+
+def test_swapped_layer_at_a_window_boundary_is_refused():
+    model, acc, batches = _after_one_window()
     model.fc2 = nn.Linear(8, 8)
     with pytest.raises(ValueError, match=r"parameter 'fc2\.weight'"):
         acc.backward(_loss(model, batches[K]))
@@ -138,11 +144,7 @@ def test_swapped_layer_at_a_window_boundary_is_refused():
 
 
 def test_parameter_data_of_another_shape_is_refused_at_the_window_start():
-    model, acc = _setup()
-    batches = _batches(K + 1)
-    for b in batches[:K]:
-        acc.backward(_loss(model, b))
-    acc.step()
+    model, acc, batches = _after_one_window()
     with torch.no_grad():
         model.head.bias.data = torch.zeros(5)
     model.head.weight.data = torch.zeros(5, 8)

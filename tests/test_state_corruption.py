@@ -33,9 +33,9 @@ CLIP = 0.5
 LOSS_SCALE = 1024.0  # static, a power of two: scaling and unscaling are exact, so the plain recipe has none
 
 
-def _build(seed: int):
+def _build(seed: int, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    model = MLP(6, 8, 3)
+    model = MLP(6, 8, 3).to(dtype)  # bf16: fp32 master weights (the default master_weights)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=CLIP, lr_scheduler=sched,
@@ -60,11 +60,10 @@ def _run(model, acc, batches) -> None:
         acc.step()
 
 
-@pytest.fixture(scope="module")
-def saved():
+def _save(dtype: torch.dtype):
     """A state saved one micro-batch into the second window (the optimizer, the scheduler and the loss scaler have
     state), as a file holds it (``torch.save`` bytes), with the source model's initial values and its batches."""
-    model, acc = _build(0)
+    model, acc = _build(0, dtype)
     initial = copy.deepcopy(model)
     batches = _batches(2 * K, seed=1)
     _run(model, acc, batches[:K + 1])
@@ -75,6 +74,16 @@ def saved():
     acc.zero_grad()
     acc.close()
     return blob.getvalue(), initial, batches, params
+
+
+@pytest.fixture(scope="module")
+def saved():
+    return _save(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def saved_bf16():
+    return _save(torch.bfloat16)
 
 
 def _fresh(blob: bytes) -> dict:
@@ -181,6 +190,12 @@ def corruptions(state: dict) -> list[tuple[str, str, str, object]]:
         lambda s: s["optimizer"][key0].pop("initialized"))
     add("missing key", "optimizer.exp_avg", "['exp_avg']", lambda s: s["optimizer"][key0].pop("exp_avg"))
     add("missing key", "window_grad entry", "['window_grad']", lambda s: s["window_grad"].pop(key0))
+    if state["master"]:  # bf16/fp16 parameters with fp32 master weights
+        add("missing key", "master entry", "['master']", lambda s: s["master"].pop(key0))
+        add("wrong type", "master bf16", "['master']", lambda s: s["master"].__setitem__(
+            key0, s["master"][key0].bfloat16()))
+        add("out of range", "master short", "['master']", lambda s: s["master"].__setitem__(
+            key0, s["master"][key0][:-1]))
     # wrong types
     typed = [
         ("meta is a str", m, lambda s: s.__setitem__("meta", "meta")),
@@ -285,16 +300,16 @@ def _window(acc, model) -> dict:
     """Everything a refused load must leave alone, copied."""
     return copy.deepcopy({
         "main_grad": acc.main_grad.data, "params": list(model.state_dict().values()),
-        "masters": None if acc.master_buffer is None else acc.master_buffer,
+        "masters": None if acc.master_buffer is None else acc.master_buffer.data,
         "scalars": acc.scalars_state_dict(), "optimizer": acc.optimizer.state_dict(),
         "lr_scheduler": acc.lr_scheduler.state_dict(), "k": acc.accumulation_steps,
         "grads": [p.grad for p in model.parameters()],
     })
 
 
-def _target():
+def _target(dtype: torch.dtype = torch.float32):
     """Another run, mid-window (two micro-batches into its second window): what a refused load must keep."""
-    model, acc = _build(7)
+    model, acc = _build(7, dtype)
     _run(model, acc, _batches(K + 2, seed=5))
     assert acc.num_micro_batches == 2
     return model, acc
@@ -316,9 +331,11 @@ def _plain_reference(initial, batches) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def test_every_corruption_is_refused_naming_the_key_with_the_window_kept(saved):
-    blob, initial, batches, params = saved
-    model, acc = _target()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master-weights"])
+def test_every_corruption_is_refused_naming_the_key_with_the_window_kept(dtype, request):
+    blob, initial, batches, params = request.getfixturevalue("saved" if dtype == torch.float32 else "saved_bf16")
+    model, acc = _target(dtype)
+    assert (acc.master_buffer is not None) == (dtype == torch.bfloat16)
     before = _window(acc, model)
     cases = corruptions(_fresh(blob))
     assert len(cases) >= 54, len(cases)
@@ -363,6 +380,14 @@ def test_every_corruption_is_refused_naming_the_key_with_the_window_kept(saved):
     # The state itself loads, and the window goes on as the plain recipe's.
     model.load_state_dict(params)
     acc.load_state_dict(_fresh(blob))
+    if dtype == torch.bfloat16:  # the file is the reference: the masters and the window's sums as saved, bit for bit
+        saved_state = _fresh(blob)
+        for (name, p), g in zip(model.named_parameters(), _sums_by_name(acc, model)):
+            master = acc.optimizer.param_groups[0]["params"][list(dict(model.named_parameters())).index(name)]
+            assert _same(master.detach().reshape(-1), saved_state["master"][name]), name
+            assert _same(g, saved_state["window_grad"][name]), name
+        acc.close()
+        return
     for b in batches[K + 1:]:
         acc.backward(_loss(model, b))
     assert acc.step() is not None
@@ -375,6 +400,12 @@ def test_every_corruption_is_refused_naming_the_key_with_the_window_kept(saved):
         tol = 64 * RTOL[torch.float32] * (steps * LR + float(e.abs().max()))
         err = float((p.detach().double() - e).abs().max())
         assert err <= tol, f"{name}: {err:.3e} > {tol:.3e} after resuming"
+
+
+def _sums_by_name(acc, model) -> list[torch.Tensor]:
+    """The window's fp32 sums per parameter, in the model's order (``acc.params`` is in layout order)."""
+    where = {id(p): i for i, p in enumerate(acc.params)}
+    return [acc.main_grad.flat_views[where[id(p)]] for p in model.parameters()]
 
 
 def test_every_flipped_bit_of_the_meta_blob_is_refused_or_harmless(saved):
