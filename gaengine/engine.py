@@ -550,7 +550,7 @@ class GradientAccumulator:
                 raise error
         self._refuse_unmanaged_grads()
         if self._fusion is not None:  # a hook registered mid-window on a fused parameter: RuntimeError
-            self._fusion.check_window(self.params, {id(p): n for n, p in self.named_params})
+            self._fusion.check_window(self.params, self.named_params)
         return k
 
     def _complete_reductions(self, k: int) -> bool:

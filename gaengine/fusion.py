@@ -134,10 +134,12 @@ def user_hooks(param: torch.Tensor) -> list[str]:
     """The user's hooks on ``param`` (those not marked by ``observes_fusion``), described for an error message: its
     tensor hooks (``param._backward_hooks``, an OrderedDict or None) and its post-accumulate-grad hooks
     (``param._post_accumulate_grad_hooks``). Empty when it has none."""
+    tensor_hooks, post_hooks = param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None)
+    if not tensor_hooks and not post_hooks:  # the usual parameter: no hook at all
+        return []
     found = []
-    for what, hooks in (("tensor hook (register_hook)", param._backward_hooks),
-                        ("post-accumulate-grad hook (register_post_accumulate_grad_hook)",
-                         getattr(param, "_post_accumulate_grad_hooks", None))):
+    for what, hooks in (("tensor hook (register_hook)", tensor_hooks),
+                        ("post-accumulate-grad hook (register_post_accumulate_grad_hook)", post_hooks)):
         for hook in (hooks or {}).values():
             if not getattr(hook, _OBSERVER, False):
                 found.append(f"{what} {getattr(hook, '__qualname__', type(hook).__name__)}")
@@ -202,17 +204,19 @@ class LinearFusion:
         accumulation.set_fused(which)
         self._unfused = {id(p) for p, fused in zip(params, which) if not fused}
 
-    def check_window(self, params: list[torch.Tensor], names: dict[int, str]) -> None:
+    def check_window(self, params: list[torch.Tensor], named_params: list[tuple[str, torch.Tensor]]) -> None:
         """``step()``, before anything is applied: ``RuntimeError`` naming a routed parameter that was fused at this
         window's start and holds a user hook now (registered in the middle of the window: the micro-batches since
-        then wrote its gradient into main_grad without running the hook). ``names``: ``id(p)`` -> its name."""
+        then wrote its gradient into main_grad without running the hook). ``named_params``: ``(name, p)`` pairs
+        (the accumulator's ``named_params``) for the message."""
         routed, unfused = self._routed(), getattr(self, "_unfused", set())
         for i, p in enumerate(params):
             if id(p) in routed and id(p) not in unfused:
                 found = user_hooks(p)
                 if found:
+                    name = next((n for n, q in named_params if q is p), f"param[{i}]")
                     raise RuntimeError(
-                        f"gaengine: parameter {names.get(id(p), f'param[{i}]')!r} got a {found[0]} in the middle of "
+                        f"gaengine: parameter {name!r} got a {found[0]} in the middle of "
                         f"this accumulation window, while gradient_accumulation_fusion wrote its gradient straight "
                         f"into main_grad: the micro-batches of this window did not run that hook, so nothing was "
                         f"applied (the window stays open). A layer whose weight or bias holds a hook when a window's "

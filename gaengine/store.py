@@ -48,7 +48,7 @@ from torch.autograd.graph import increment_version
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single
 from gaengine.optimizers import keeps_step, moment_keys, takes_grad_scale, writes_model_params
-from gaengine.reduce import Collective
+from gaengine.reduce import Collective, wait_for
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 from gaengine.zero import ShardLayout, zero_order
 
@@ -495,7 +495,8 @@ def _known_states(old: ParameterStore, states: dict[int, dict], device: torch.de
             if torch.is_tensor(state.get("step")) or isinstance(state.get("step"), (int, float)):
                 known[n + j] = float(state["step"])  # a host read, once per adoption
     known = known.to(device)
-    Collective(dist.all_reduce, known, op=dist.ReduceOp.MAX, group=group).wait()
+    wait_for(Collective(dist.all_reduce, known, op=dist.ReduceOp.MAX, group=group),
+             "all-reduce of the optimizer state known for the parameters (adoption)")
     known_host = known.tolist()  # a host read, once per adoption
     return known_host[:n], known_host[n:]
 

@@ -197,7 +197,8 @@ def _drops_after_stats(rank, world, out, first_window: bool = False):
         acc.zero_grad()
     else:
         errors.append(_outcome(acc.step))
-    errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
+    if not errors[-1] or not errors[-1].startswith("RuntimeError"):  # rank 0's step() raised: it stops there
+        errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
     return [e for e in errors if e is not None], None
 
 
