@@ -832,3 +832,26 @@ def test_prepare_without_an_optimizer_serves_evaluation_and_saving(tmp_path):
     assert torch.equal(g_out, p_out) and g_sd.keys() == p_sd.keys()
     assert all(torch.equal(g_sd[k], p_sd[k]) for k in p_sd)
     assert sorted(os.listdir(tmp_path / "GaengineAccelerator")) == sorted(os.listdir(tmp_path / "Accelerator"))
+
+
+def test_overflow_flag_set_by_a_caller_holds_the_scheduler_as_in_accelerate():
+    """Accelerate's test_scheduler.py marks a skipped step by setting the prepared optimizer's ``_is_overflow`` (what
+    plain Accelerate's ``step_was_skipped`` returns): the scheduler then holds, under gaengine as in plain
+    Accelerate (the learning rates after each ``scheduler.step()`` compared between the two). Before the change
+    gaengine ignored the flag and the scheduler stepped."""
+    def run(cls):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = cls(cpu=True)
+        model = torch.nn.Linear(2, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda n: 1 - n / 10)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        lrs = []
+        for overflow in (False, True, False):
+            opt._is_overflow = overflow
+            sched.step()
+            lrs.append(sched.get_last_lr()[0])
+        return lrs
+
+    assert run(GaengineAccelerator) == run(Accelerator) == [0.9, 0.9, 0.8]

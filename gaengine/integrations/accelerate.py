@@ -124,9 +124,9 @@ class GaengineOptimizer(AcceleratedOptimizer):
     * ``step()``: when ``sync_gradients`` is set, ``accumulator.step(force=True)`` (a partial window is normalized by
       what it holds) unless ``accelerator.clip_grad_norm_`` already applied this window; otherwise nothing.
       ``last_result`` is the ``gaengine.StepResult`` of the last applied window (None before the first).
-    * ``step_was_skipped``: the last window's update was skipped (a non-finite gradient), read from the device on
-      first access after each update (one host sync), so Accelerate's scheduler and the Trainer do not step on it;
-      ``num_skipped`` counts them.
+    * ``step_was_skipped``: the last window's update was skipped (a non-finite gradient; or Accelerate's
+      ``_is_overflow`` set by a caller), read from the device on first access after each update (one host sync),
+      so Accelerate's scheduler and the Trainer do not step on it; ``num_skipped`` counts them.
     * ``zero_grad()``: at a synchronizing step, drops what the window holds (Accelerate's ``zero_grad`` drops the
       ``.grad`` there) and the window's gradient from ``.grad``; elsewhere nothing. ``set_to_none`` is accepted and
       ignored.
@@ -197,6 +197,11 @@ class GaengineOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
+        """The last window's update was skipped (a non-finite gradient), or Accelerate's own flag ``_is_overflow``
+        is set (gaengine leaves it False: only a caller setting it, as Accelerate's scheduler tests do, makes it
+        count, as in plain Accelerate, whose ``step_was_skipped`` is that flag)."""
+        if self._is_overflow:
+            return True
         if self.last_result is None:
             return False
         self._settle()
