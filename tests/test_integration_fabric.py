@@ -2,8 +2,8 @@
 it (``fabric.setup``, ``fabric.no_backward_sync(model, enabled=is_accumulating)`` around the forward and
 ``fabric.backward(loss / K)``, ``fabric.clip_gradients``, ``optimizer.step()``, ``optimizer.zero_grad()``, the user's
 scheduler stepped after each update), the one line switched being ``Fabric(strategy=...)``. Each case runs plain
-Fabric in the same test, and the plain single-process large-batch recipe (``tests.test_integration_lightning.
-reference``: one backward over the window's samples, torch's clip and optimizer, no gaengine, no Lightning).
+Fabric in the same test, and the plain single-process large-batch recipe (``tests.lightning_recipe.reference``: one
+backward over the window's samples, torch's clip and optimizer, no gaengine, no Lightning).
 
 Tolerances as in tests/test_integration_lightning.py: fp32 within 1e-5 relative (fp32 rounding order only); bf16
 masters (``bf16-true``) within 1e-5 of the recipe's own bf16 computation (each micro-batch's gradient from the
@@ -22,9 +22,9 @@ L = pytest.importorskip("lightning")
 import gaengine  # noqa: E402
 from gaengine.integrations.fabric import GaenginePrecision, GaengineStrategy  # noqa: E402
 from tests.ranks import free_port, spawn_ranks, torchrun_rank  # noqa: E402
-from tests.test_integration_lightning import (LR, MOMENTUM, RTOL, _assert_model_close, _assert_params_close,  # noqa: E402
-                                              _data, _lr_lambda, _net, _restore_environ, _rows_one_process,
-                                              _rows_two_ranks, _windows, reference)
+from tests.lightning_recipe import (LR, MOMENTUM, RTOL, _assert_model_close, _assert_params_close, _data,  # noqa: E402
+                                    _lr_lambda, _net, _restore_environ, _rows_one_process, _rows_two_ranks,
+                                    _windows, reference)
 from tests.tolerances import rel_diff  # noqa: E402
 
 __all__ = ["_restore_environ"]  # the autouse fixture: Fabric sets launch variables in this process
@@ -150,33 +150,6 @@ def test_setup_module_then_setup_optimizers():
     ref, _ = reference(x, y, _windows(n, [k]))
     _assert_params_close(list(model.parameters()), ref[-1], "after the last update")
     fabric.strategy.close()
-
-
-def test_zero_grad_in_the_middle_of_a_window_drops_it():
-    """``optimizer.zero_grad()`` after a window's first micro-batch drops it, as plain Fabric's drops the ``.grad``
-    accumulated so far: the next two micro-batches make the window, the update as plain Fabric's and the recipe's
-    over them; after ``close()`` the optimizer's own ``zero_grad`` is back."""
-    k = 2
-    x, y = _data(6)
-    got = {}
-    for name in ("plain", "gaengine"):
-        fabric = L.Fabric(accelerator="cpu", devices=1,
-                          strategy=GaengineStrategy(accumulation_steps=k) if name == "gaengine" else "auto")
-        fabric.launch()
-        net = _net()
-        model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
-        for b in range(3):
-            fabric.backward(nn.functional.mse_loss(model(x[2 * b:2 * b + 2]), y[2 * b:2 * b + 2]) / k)
-            if b == 0:
-                opt.zero_grad()
-        opt.step()
-        got[name] = [p.detach().clone() for p in model.parameters()]
-        if name == "gaengine":
-            fabric.strategy.close()
-            assert "zero_grad" not in vars(opt.optimizer)
-    ref, _ = reference(x, y, [[1, 2]])
-    _assert_params_close(got["gaengine"], ref[0], "the window after zero_grad")
-    _assert_params_close(got["gaengine"], got["plain"], "against plain Fabric")
 
 
 # ---------------------------------------------------------------- refusals

@@ -20,8 +20,8 @@ micro-batch loss over K (or the micro-batch loss itself, Fabric's docs' sum: eit
 loop's and gaengine divides each window by the micro-batches it really holds, so a full window is plain Fabric's
 gradient and a partial one, the epoch's last, is the full window's normalization of what it holds: the large-batch
 mean). ``fabric.clip_gradients(..., max_norm=c)`` sets the window's clip; ``optimizer.step()`` is
-``acc.step(force=True)``: normalize, clip, update, in fp32; ``optimizer.zero_grad()`` drops a window it finds open,
-as plain Fabric's drops the ``.grad`` accumulated so far (after a step it changes nothing). ``fabric.no_backward_sync`` is accepted and checked against K.
+``acc.step(force=True)``: normalize, clip, update, in fp32; ``optimizer.zero_grad()`` after it changes nothing
+(the parameters hold no ``.grad``); in the middle of a window it does not drop it: ``accumulator.zero_grad()`` does. ``fabric.no_backward_sync`` is accepted and checked against K.
 
 This module also holds what the Trainer's plugin (``gaengine.integrations.lightning``) shares with Fabric's:
 ``InnerPrecision`` (the dtype parts of Lightning's plugin, the skipped updates) and ``check_strategy_options``.
@@ -402,23 +402,7 @@ class GaengineStrategy(DDPStrategy):
         acc = GradientAccumulator(self._module, optimizer, accumulation_steps=self.accumulation_steps,
                                   max_grad_norm=None, **{"loss_scale": precision.loss_scale, **self.accumulator_options})
         precision.attach(acc)
-        self._hold_zero_grad(optimizer, acc)
         return optimizer
-
-    def _hold_zero_grad(self, optimizer: torch.optim.Optimizer, acc: GradientAccumulator) -> None:
-        """``optimizer.zero_grad()`` in the middle of a window drops it (``acc.zero_grad()``), as plain Fabric's
-        drops the ``.grad`` accumulated so far; after ``optimizer.step()`` the window is empty and it changes
-        nothing. The optimizer's own method comes back when the accumulator is closed."""
-        zero_grad = optimizer.zero_grad
-        precision = self.precision
-
-        def zero_grad_drops_the_window(set_to_none: bool = True) -> None:
-            if precision.accumulator is acc and not precision._closed and acc.num_micro_batches:
-                acc.zero_grad()
-            zero_grad(set_to_none=set_to_none)
-
-        optimizer.zero_grad = zero_grad_drops_the_window
-        self._held_optimizer = optimizer
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], Any]:
@@ -443,12 +427,8 @@ class GaengineStrategy(DDPStrategy):
                          "fabric.clip_gradients(model, optimizer, max_norm=...)")
 
     def close(self) -> None:
-        """Close the accumulator now (its hooks leave the parameters, the optimizer's ``zero_grad`` is its own
-        again); it stays readable as ``accumulator``."""
+        """Close the accumulator now (its hooks leave the parameters); it stays readable as ``accumulator``."""
         self.precision.close()
-        optimizer, self._held_optimizer = getattr(self, "_held_optimizer", None), None
-        if optimizer is not None:
-            vars(optimizer).pop("zero_grad", None)
 
     def teardown(self) -> None:
         self.close()
