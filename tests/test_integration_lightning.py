@@ -606,6 +606,19 @@ class GradLogger(Regression):
         self.grad_left_after.append(any(p.grad is not None for p in self.parameters()))
 
 
+def _fit_plain_and_gaengine(module_cls, precision: str, n_samples: int, clip: float) -> tuple:
+    """``module_cls(dtype)`` fitted by plain Lightning and by gaengine (K = 3, ``gradient_clip_val=clip``) on the
+    first ``n_samples`` of ``_data``: the two modules, plain first."""
+    x, y = _data(n_samples)
+    runs = []
+    for strategy in ("auto", "gaengine"):
+        model = module_cls(PRECISIONS[precision])
+        _trainer(strategy=strategy, accumulate_grad_batches=3, gradient_clip_val=clip, precision=precision).fit(
+            model, _loader(x, y))
+        runs.append(model)
+    return tuple(runs)
+
+
 @pytest.mark.parametrize("precision", list(PRECISIONS), ids=["fp32", "bf16"])
 def test_grad_norm_in_on_before_optimizer_step(precision):
     """``grad_norm(self)`` in ``on_before_optimizer_step`` returns plain Lightning's norms: the window's gradient,
@@ -617,14 +630,7 @@ def test_grad_norm_in_on_before_optimizer_step(precision):
     fp32 masters). gaengine releases ``.grad`` right after the update (plain Lightning keeps it until the next
     window's ``zero_grad``: a documented difference)."""
     dtype = PRECISIONS[precision]
-    x, y = _data(20)
-    runs = {}
-    for strategy in ("auto", "gaengine"):
-        model = GradLogger(dtype)
-        _trainer(strategy=strategy, accumulate_grad_batches=3, gradient_clip_val=0.05, precision=precision).fit(
-            model, _loader(x, y))
-        runs[strategy] = model
-    plain, ours = runs["auto"], runs["gaengine"]
+    plain, ours = _fit_plain_and_gaengine(GradLogger, precision, 20, clip=0.05)
     assert len(ours.norms) == len(plain.norms) == 4
     assert all(set(o) == set(p) and o for o, p in zip(ours.norms, plain.norms))
     assert not any(ours.grad_left_after)
@@ -877,13 +883,7 @@ def test_clamp_in_configure_gradient_clipping(precision):
     without fp32 masters, so later ones drift apart by that)."""
     dtype = PRECISIONS[precision]
     x, y = _data(18)
-    runs = {}
-    for strategy in ("auto", "gaengine"):
-        model = Clamped(dtype)
-        _trainer(strategy=strategy, accumulate_grad_batches=3, gradient_clip_val=0.03, precision=precision).fit(
-            model, _loader(x, y))
-        runs[strategy] = model.after_batch
-    plain, ours = runs["auto"], runs["gaengine"]
+    plain, ours = (m.after_batch for m in _fit_plain_and_gaengine(Clamped, precision, 18, clip=0.03))
     unclamped = Regression(dtype)
     _trainer(accumulate_grad_batches=3, gradient_clip_val=0.03, precision=precision).fit(unclamped, _loader(x, y))
     assert max(rel_diff(a, b) for a, b in zip(unclamped.after_batch[2], plain[2])) > 1e-2  # the clamp matters
