@@ -21,7 +21,9 @@ loop's and gaengine divides each window by the micro-batches it really holds, so
 gradient and a partial one, the epoch's last, is the full window's normalization of what it holds: the large-batch
 mean). ``fabric.clip_gradients(..., max_norm=c)`` sets the window's clip; ``optimizer.step()`` is
 ``acc.step(force=True)``: normalize, clip, update, in fp32; ``optimizer.zero_grad()`` after it changes nothing
-(the parameters hold no ``.grad``); in the middle of a window it does not drop it: ``accumulator.zero_grad()`` does. ``fabric.no_backward_sync`` is accepted and checked against K.
+(the parameters hold no ``.grad``); in the middle of a window it does not drop it: ``accumulator.zero_grad()`` does.
+``fabric.no_backward_sync`` is accepted and, on several processes, checked against K (on one device Fabric makes it
+a no-op, and asks no ``fabric.launch()``, as for its own one-device strategy).
 
 This module also holds what the Trainer's plugin (``gaengine.integrations.lightning``) shares with Fabric's:
 ``InnerPrecision`` (the dtype parts of Lightning's plugin, the skipped updates) and ``check_strategy_options``.
@@ -31,6 +33,7 @@ switch, what changes in the numbers and what is refused.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator
@@ -41,7 +44,7 @@ from torch import Tensor
 try:
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-    from lightning.fabric.strategies import DDPStrategy
+    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("gaengine.integrations.fabric needs Lightning (the `lightning` package 2.6.x): "
@@ -373,6 +376,14 @@ class GaengineStrategy(DDPStrategy):
         return self.precision.accumulator
 
     # ------------------------------------------------------------------ launch; no DDP wrap
+    def _configure_launcher(self) -> None:
+        """Fabric's launcher; on one process (known once Fabric set the devices) the strategy also counts as a
+        ``SingleDeviceStrategy``, for which Fabric asks no ``fabric.launch()`` (and makes ``no_backward_sync`` a
+        no-op) as for its own one-device strategy. Every method stays this class's."""
+        super()._configure_launcher()
+        if self.num_nodes * self.num_processes == 1 and not isinstance(self, SingleDeviceStrategy):
+            self.__class__ = _one_device(type(self))
+
     def setup_environment(self) -> None:
         """Several processes: Fabric's DDP set-up (ranks, process group). One process: no process group (an
         initialized one of size 1 would outlive the Fabric and stand in the way of the next
@@ -433,3 +444,10 @@ class GaengineStrategy(DDPStrategy):
     def teardown(self) -> None:
         self.close()
         super().teardown()
+
+
+@functools.cache
+def _one_device(cls: type) -> type:
+    """``cls`` that Fabric also takes for a ``SingleDeviceStrategy`` (no ``launch()`` needed); ``cls``'s methods
+    first in the MRO."""
+    return type(cls.__name__, (cls, SingleDeviceStrategy), {"__module__": cls.__module__, "__doc__": cls.__doc__})
