@@ -391,6 +391,56 @@ def test_cpu_free_norm_from_the_last_accumulate(monkeypatch, skip_in_last):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_before_update_writes_reach_the_update(dtype):
+    """A ``before_update`` that clamps every ``.grad`` in place (a ``configure_gradient_clipping`` hook) and sets the
+    clip changes the update as the plain recipe does (fp64 oracle: the window's mean gradient from plain backward on
+    the same parameters, clamped, its L2 norm, ``clip_grad_norm_``'s coefficient, one SGD step from the same fp32
+    weights): ``result.grad_norm`` is the clamped gradient's norm and the parameters the recipe's, within the mean's
+    rounding (bf16: one bf16 rounding of the gradient more). The clamp threshold is a bf16 value (both sides clamp
+    at the same number) below the largest gradient, so it clamps part of each parameter (before, the bf16 copies'
+    writes were lost, and the norm and clip ignored the clamp)."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    torch.manual_seed(1)
+    net = nn.Linear(6, 5).to(dtype)
+    masters = [p.detach().double() for p in net.parameters()]  # the converted weights, the update's start
+    oracle = [torch.zeros(p.shape, dtype=torch.float64) for p in net.parameters()]
+    for x in xs:
+        net.zero_grad()
+        net(x.to(dtype)).float().square().mean().backward()
+        for o, p in zip(oracle, net.parameters()):
+            o += p.grad.double()
+    oracle = [o / 3 for o in oracle]
+    clamp = float(torch.tensor(0.5 * max(float(o.abs().max()) for o in oracle)).to(torch.bfloat16))
+    clamped = [o.clamp(-clamp, clamp) for o in oracle]
+    assert all(bool((o.abs() > clamp).any()) for o in oracle)
+    norm = float(torch.sqrt(sum((c * c).sum() for c in clamped)))
+    max_norm = 0.5 * norm
+    expected = [m - 0.1 * (max_norm / (norm + 1e-6)) * c for m, c in zip(masters, clamped)]
+    net.zero_grad()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    acc = gaengine.GradientAccumulator(net, opt, accumulation_steps=3, max_grad_norm=None)
+    for x in xs:
+        acc.backward(net(x.to(dtype)).float().square().mean())
+
+    def fn():
+        for p in net.parameters():
+            p.grad.clamp_(-clamp, clamp)
+        acc.max_grad_norm = max_norm
+
+    result = acc.step(before_update=fn)
+    grad_rtol = split_batch_rtol(3) / 2 + (RTOL[torch.bfloat16] if dtype == torch.bfloat16 else 0.0)
+    assert rel_diff(result.grad_norm.double(), torch.tensor(norm, dtype=torch.float64)) <= grad_rtol + norm_rtol(35)
+    got = opt.param_groups[0]["params"]  # fp32 (the masters, for bf16)
+    n_params = sum(p.numel() for p in got)
+    for a, b in zip(got, expected):
+        bound = recipe_param_rtol(b.float(), "sgd", 0.1, 1, grad_rtol + clipped_grad_rtol(n_params),
+                                  grad_norm_max=max_norm, momentum=0.0)
+        assert rel_diff(a, b) <= bound, (rel_diff(a, b), bound)
+    acc.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_step_before_update_sees_the_normalized_window_gradient(dtype):
     """``step(force=True, before_update=fn)`` on a partial window of 3 micro-batches (K = 4), one parameter unused:
     inside ``fn`` every used parameter's ``.grad`` is the window's mean gradient (fp64 oracle: plain backward per

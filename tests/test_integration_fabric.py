@@ -2,8 +2,8 @@
 it (``fabric.setup``, ``fabric.no_backward_sync(model, enabled=is_accumulating)`` around the forward and
 ``fabric.backward(loss / K)``, ``fabric.clip_gradients``, ``optimizer.step()``, ``optimizer.zero_grad()``, the user's
 scheduler stepped after each update), the one line switched being ``Fabric(strategy=...)``. Each case runs plain
-Fabric in the same test, and the plain single-process large-batch recipe (``tests.test_integration_lightning.
-reference``: one backward over the window's samples, torch's clip and optimizer, no gaengine, no Lightning).
+Fabric in the same test, and the plain single-process large-batch recipe (``tests.lightning_recipe.reference``: one
+backward over the window's samples, torch's clip and optimizer, no gaengine, no Lightning).
 
 Tolerances as in tests/test_integration_lightning.py: fp32 within 1e-5 relative (fp32 rounding order only); bf16
 masters (``bf16-true``) within 1e-5 of the recipe's own bf16 computation (each micro-batch's gradient from the
@@ -22,9 +22,9 @@ L = pytest.importorskip("lightning")
 import gaengine  # noqa: E402
 from gaengine.integrations.fabric import GaenginePrecision, GaengineStrategy  # noqa: E402
 from tests.ranks import free_port, spawn_ranks, torchrun_rank  # noqa: E402
-from tests.test_integration_lightning import (LR, MOMENTUM, RTOL, _assert_model_close, _assert_params_close,  # noqa: E402
-                                              _data, _lr_lambda, _net, _restore_environ, _rows_one_process,
-                                              _rows_two_ranks, _windows, reference)
+from tests.lightning_recipe import (LR, MOMENTUM, RTOL, _assert_model_close, _assert_params_close, _data,  # noqa: E402
+                                    _lr_lambda, _net, _restore_environ, _rows_one_process, _rows_two_ranks,
+                                    _windows, reference)
 from tests.tolerances import rel_diff  # noqa: E402
 
 __all__ = ["_restore_environ"]  # the autouse fixture: Fabric sets launch variables in this process
@@ -130,6 +130,24 @@ def test_bf16_closer_to_the_fp32_run_than_plain_fabric(precision):
     _close(ours)
 
 
+def test_one_device_needs_no_launch():
+    """On one device the strategy is set up without ``fabric.launch()``, as Fabric's own one-device strategy is
+    (Fabric asks ``launch()`` of every strategy but its one-device ones: this one counts as one there), and
+    its window's update is the recipe's."""
+    k = 2
+    x, y = _data(2 * k)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=GaengineStrategy(accumulation_steps=k))
+    net = _net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+    assert isinstance(fabric.strategy, GaengineStrategy)
+    for b in range(k):
+        fabric.backward(nn.functional.mse_loss(model(x[2 * b:2 * b + 2]), y[2 * b:2 * b + 2]) / k)
+    opt.step()
+    ref, _ = reference(x, y, [list(range(k))])
+    _assert_params_close(list(model.parameters()), ref[0], "the update")
+    fabric.strategy.close()
+
+
 def test_setup_module_then_setup_optimizers():
     """``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)`` builds the accumulator as
     ``fabric.setup(model, optimizer)`` does: the same updates as the large-batch recipe."""
@@ -150,33 +168,6 @@ def test_setup_module_then_setup_optimizers():
     ref, _ = reference(x, y, _windows(n, [k]))
     _assert_params_close(list(model.parameters()), ref[-1], "after the last update")
     fabric.strategy.close()
-
-
-def test_zero_grad_in_the_middle_of_a_window_drops_it():
-    """``optimizer.zero_grad()`` after a window's first micro-batch drops it, as plain Fabric's drops the ``.grad``
-    accumulated so far: the next two micro-batches make the window, the update as plain Fabric's and the recipe's
-    over them; after ``close()`` the optimizer's own ``zero_grad`` is back."""
-    k = 2
-    x, y = _data(6)
-    got = {}
-    for name in ("plain", "gaengine"):
-        fabric = L.Fabric(accelerator="cpu", devices=1,
-                          strategy=GaengineStrategy(accumulation_steps=k) if name == "gaengine" else "auto")
-        fabric.launch()
-        net = _net()
-        model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
-        for b in range(3):
-            fabric.backward(nn.functional.mse_loss(model(x[2 * b:2 * b + 2]), y[2 * b:2 * b + 2]) / k)
-            if b == 0:
-                opt.zero_grad()
-        opt.step()
-        got[name] = [p.detach().clone() for p in model.parameters()]
-        if name == "gaengine":
-            fabric.strategy.close()
-            assert "zero_grad" not in vars(opt.optimizer)
-    ref, _ = reference(x, y, [[1, 2]])
-    _assert_params_close(got["gaengine"], ref[0], "the window after zero_grad")
-    _assert_params_close(got["gaengine"], got["plain"], "against plain Fabric")
 
 
 # ---------------------------------------------------------------- refusals
@@ -216,18 +207,16 @@ def test_two_optimizers_refused():
 
 
 def test_refusals_keep_the_window():
-    """Each refusal at a window's end (clip by value, another norm, a closure, a loop window longer than K inside
-    ``no_backward_sync``) raises naming what to do, with the window's micro-batches still accumulated and the
-    parameters unchanged; the window then completes as the recipe's."""
+    """Each refusal at a window's end (clip by value, another norm, a closure) raises naming what to do, with the
+    window's micro-batches still accumulated and the parameters unchanged; the window then completes as the
+    recipe's. (A loop window longer than K inside ``no_backward_sync``: ``test_two_gloo_ranks``; on one device
+    Fabric makes ``no_backward_sync`` a no-op, and the engine refuses the K+1-th backward.)"""
     k = 2
     fabric, model, opt, x, y = _started(k)
     acc = fabric.strategy.accumulator
     before = [p.detach().clone() for p in model.parameters()]
     with fabric.no_backward_sync(model, enabled=True):
         fabric.backward(nn.functional.mse_loss(model(x[:2]), y[:2]) / k)
-    with pytest.raises(ValueError, match=r"loop accumulates more micro-batches than the strategy's K"):
-        with fabric.no_backward_sync(model, enabled=True):
-            fabric.backward(nn.functional.mse_loss(model(x[2:4]), y[2:4]) / k)
     with pytest.raises(ValueError, match="clip_val=0.5.*max_norm"):
         fabric.clip_gradients(model, opt, clip_val=0.5)
     with pytest.raises(ValueError, match="norm_type=inf.*norm_type=2"):
@@ -286,6 +275,17 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
                     results[name]["refusal"] = str(exc)
             else:
                 _close(res)
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=GaengineStrategy(accumulation_steps=2))
+        fabric.launch()
+        net = _net()
+        model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+        for b in range(2):  # a loop window longer than K = 2: refused at its second backward, nothing accumulated
+            try:
+                with fabric.no_backward_sync(model, enabled=True):
+                    fabric.backward(nn.functional.mse_loss(model(x[2 * b:2 * b + 2]), y[2 * b:2 * b + 2]) / 2)
+            except ValueError as exc:
+                results["longer-window"] = (str(exc), fabric.strategy.accumulator.num_micro_batches)
+        fabric.strategy.close()
         torch.save(results, f"{out}.{rank}")
 
 
@@ -298,7 +298,8 @@ def test_two_gloo_ranks(tmp_path):
     ``bf16-true`` within RTOL of the bf16 recipe, and in ``bf16-mixed`` closer to the fp32 recipe than the ranks'
     bf16 weights would be without masters. Plain Fabric's ``strategy="ddp"`` model given to
     ``GradientAccumulator`` is refused, naming ``model._forward_module`` and the Fabric integration (before, it
-    was accepted, and both reductions trained it off the recipe)."""
+    was accepted, and both reductions trained it off the recipe). A loop window longer than K inside
+    ``no_backward_sync(enabled=True)`` is refused at its K-th backward, the window kept."""
     out = str(tmp_path / "res")
     assert spawn_ranks(_rank_main, 2, (free_port(), out), join_s=300) == [0, 0]
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
@@ -322,6 +323,8 @@ def test_two_gloo_ranks(tmp_path):
         for u in range(3):  # the full windows
             _assert_params_close(ours["masters"][u], plain["masters"][u], f"rank {r}, update {u} against plain DDP")
             assert abs(ours["norms"][u] - plain["norms"][u]) <= RTOL * plain["norms"][u], (r, u)
+        message, held = res["longer-window"]
+        assert "loop accumulates more micro-batches than the strategy's K" in message and held == 1
         refusal = plain["refusal"]
         assert refusal is not None, "a DDP inside Fabric's _FabricModule was accepted"
         assert "model._forward_module is a torch.nn.parallel.distributed.DistributedDataParallel" in refusal

@@ -20,8 +20,10 @@ micro-batch loss over K (or the micro-batch loss itself, Fabric's docs' sum: eit
 loop's and gaengine divides each window by the micro-batches it really holds, so a full window is plain Fabric's
 gradient and a partial one, the epoch's last, is the full window's normalization of what it holds: the large-batch
 mean). ``fabric.clip_gradients(..., max_norm=c)`` sets the window's clip; ``optimizer.step()`` is
-``acc.step(force=True)``: normalize, clip, update, in fp32; ``optimizer.zero_grad()`` drops a window it finds open,
-as plain Fabric's drops the ``.grad`` accumulated so far (after a step it changes nothing). ``fabric.no_backward_sync`` is accepted and checked against K.
+``acc.step(force=True)``: normalize, clip, update, in fp32; ``optimizer.zero_grad()`` after it changes nothing
+(the parameters hold no ``.grad``); in the middle of a window it does not drop it: ``accumulator.zero_grad()`` does.
+``fabric.no_backward_sync`` is accepted and, on several processes, checked against K (on one device Fabric makes it
+a no-op, and asks no ``fabric.launch()``, as for its own one-device strategy).
 
 This module also holds what the Trainer's plugin (``gaengine.integrations.lightning``) shares with Fabric's:
 ``InnerPrecision`` (the dtype parts of Lightning's plugin, the skipped updates) and ``check_strategy_options``.
@@ -31,6 +33,7 @@ switch, what changes in the numbers and what is refused.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator
@@ -41,7 +44,7 @@ from torch import Tensor
 try:
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-    from lightning.fabric.strategies import DDPStrategy
+    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("gaengine.integrations.fabric needs Lightning (the `lightning` package 2.6.x): "
@@ -373,6 +376,14 @@ class GaengineStrategy(DDPStrategy):
         return self.precision.accumulator
 
     # ------------------------------------------------------------------ launch; no DDP wrap
+    def _configure_launcher(self) -> None:
+        """Fabric's launcher; on one process (known once Fabric set the devices) the strategy also counts as a
+        ``SingleDeviceStrategy``, for which Fabric asks no ``fabric.launch()`` (and makes ``no_backward_sync`` a
+        no-op) as for its own one-device strategy. Every method stays this class's."""
+        super()._configure_launcher()
+        if self.num_nodes * self.num_processes == 1 and not isinstance(self, SingleDeviceStrategy):
+            self.__class__ = _one_device(type(self))
+
     def setup_environment(self) -> None:
         """Several processes: Fabric's DDP set-up (ranks, process group). One process: no process group (an
         initialized one of size 1 would outlive the Fabric and stand in the way of the next
@@ -402,23 +413,7 @@ class GaengineStrategy(DDPStrategy):
         acc = GradientAccumulator(self._module, optimizer, accumulation_steps=self.accumulation_steps,
                                   max_grad_norm=None, **{"loss_scale": precision.loss_scale, **self.accumulator_options})
         precision.attach(acc)
-        self._hold_zero_grad(optimizer, acc)
         return optimizer
-
-    def _hold_zero_grad(self, optimizer: torch.optim.Optimizer, acc: GradientAccumulator) -> None:
-        """``optimizer.zero_grad()`` in the middle of a window drops it (``acc.zero_grad()``), as plain Fabric's
-        drops the ``.grad`` accumulated so far; after ``optimizer.step()`` the window is empty and it changes
-        nothing. The optimizer's own method comes back when the accumulator is closed."""
-        zero_grad = optimizer.zero_grad
-        precision = self.precision
-
-        def zero_grad_drops_the_window(set_to_none: bool = True) -> None:
-            if precision.accumulator is acc and not precision._closed and acc.num_micro_batches:
-                acc.zero_grad()
-            zero_grad(set_to_none=set_to_none)
-
-        optimizer.zero_grad = zero_grad_drops_the_window
-        self._held_optimizer = optimizer
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], Any]:
@@ -443,13 +438,16 @@ class GaengineStrategy(DDPStrategy):
                          "fabric.clip_gradients(model, optimizer, max_norm=...)")
 
     def close(self) -> None:
-        """Close the accumulator now (its hooks leave the parameters, the optimizer's ``zero_grad`` is its own
-        again); it stays readable as ``accumulator``."""
+        """Close the accumulator now (its hooks leave the parameters); it stays readable as ``accumulator``."""
         self.precision.close()
-        optimizer, self._held_optimizer = getattr(self, "_held_optimizer", None), None
-        if optimizer is not None:
-            vars(optimizer).pop("zero_grad", None)
 
     def teardown(self) -> None:
         self.close()
         super().teardown()
+
+
+@functools.cache
+def _one_device(cls: type) -> type:
+    """``cls`` that Fabric also takes for a ``SingleDeviceStrategy`` (no ``launch()`` needed); ``cls``'s methods
+    first in the MRO."""
+    return type(cls.__name__, (cls, SingleDeviceStrategy), {"__module__": cls.__module__, "__doc__": cls.__doc__})
