@@ -1039,7 +1039,28 @@ class GradientAccumulator:
         return [(names.get(id(p), f"param[{i}]"), bool(torch.isfinite(g).all()))
                 for i, (p, g) in enumerate(zip(self.params, self.sharding.accumulation.grad_views))]
 
-    def close(self) -> None:
+    def masters_to_model(self) -> None:
+        """Round the fp32 master weights into the model's bf16/fp16 parameters now (one copy per dtype, on the
+        device; nothing without masters).
+
+        The update does this after every ``optimizer.step()``, and so do the optimizer methods gaengine knows write
+        parameters (``gaengine.store.PARAM_WRITERS``: schedule-free's ``optimizer.eval()`` / ``train()``). Call it
+        after any other call that writes the parameters the re-pointed optimizer holds (the fp32 masters), e.g. a
+        hand-written weight averaging over ``optimizer.param_groups``, so that the model holds their rounding, as it
+        would in plain training. A write into the model itself needs nothing: the next update merges it into the
+        masters. Raises ``RuntimeError`` when the model was moved or converted since construction, and at
+        ``zero_stage`` >= 1 on several ranks (each rank holds a shard of the masters).
+        """
+        store = self.sharding.store
+        if store is None or store.master_buffer is None:
+            return
+        if not store.shaped:
+            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
+                               "the fp32 masters; the update gathers them into the model")
+        store.pull_model_writes()  # a model write since the last update is kept, not overwritten
+        store.copy_to_model()
+
+    def close(self, *, release_optimizer: bool = False) -> None:
         """Remove the hooks, drop the ``.grad`` the accumulator left on the parameters, and release them
         (another accumulator may then take them, and its first window holds only its own micro-batches).
 
@@ -1047,12 +1068,27 @@ class GradientAccumulator:
         (kept alive by them), until another accumulator re-points them into its own. With ``optimizer=None``,
         read (or ``.clone()``) the gradients ``step()`` left in ``.grad`` before calling ``close()``.
 
+        release_optimizer: False (default): the optimizer stays re-pointed at the fp32 masters (the closed
+            accumulator's ``state_dict()`` still reads them). True: the optimizer is given back to the model, as
+            plain training of the model would hold it: its param groups hold the model's parameters again, their
+            state keyed by them in their dtype (bf16/fp16 moments rounded once, as ``Optimizer.load_state_dict``
+            casts), the model holding the masters' rounding; plain ``loss.backward()`` / ``optimizer.step()`` then
+            train on. ``ValueError`` (before anything is closed) at ``zero_stage`` >= 1 on several ranks, where the
+            optimizer holds 1-D shards.
+
         A window still holding micro-batches is dropped with one ``UserWarning`` naming how many (garbage collection
         of an open accumulator warns the same way): call ``step(force=True)`` first to apply them.
         """
         self._refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
+        store = self.sharding.store if release_optimizer else None
+        if store is not None and not store.shaped:
+            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
+                             "1-D shards of the parameters; gather its state with "
+                             "gaengine.full_optimizer_state_dict first, or close() without it")
         self._warn_dropped_window("acc.close()")
         self._lent = None
+        if store is not None:
+            store.release_to_model()
         for p in self.params:
             p.grad = None
         self._release()

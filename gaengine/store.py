@@ -33,6 +33,13 @@ gives it, ``ParamShard``; the replicated case is the one-shard case, d = 1: ever
   (one multi-tensor copy; ``FusedAdamW`` writes the rounding in its own pass). The gradients exist only for that
   call: outside it no piece holds a ``.grad`` (or ``main_grad``), so a leftover ``optimizer.step()`` /
   ``optimizer.zero_grad()`` after ``acc.step()`` changes nothing (torch's optimizers skip a parameter without one).
+* **Methods that write parameters** (``PARAM_WRITERS``): an optimizer method other than ``step()`` that moves the
+  parameters it holds (schedule-free's ``eval()`` / ``train()``, which swap the parameters between the averaged
+  point and the training point) moves the fp32 masters of a re-pointed optimizer, not the model. While the store
+  holds the optimizer, those methods of the instance are wrapped (``_wrap_writers``): when the call wrote a master
+  (the master buffer's version counter moved), the masters are rounded into the model at once, as plain training
+  leaves the model. A method gaengine does not know writes parameters needs ``GradientAccumulator.masters_to_model()``
+  after it (docs/accumulator.md).
 """
 
 from __future__ import annotations
@@ -52,7 +59,13 @@ from gaengine.reduce import Collective, wait_for
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 from gaengine.zero import ShardLayout, zero_order
 
-__all__ = ["DTensorShards", "ParamSlot", "ParameterStore", "reshard_state"]
+__all__ = ["PARAM_WRITERS", "DTensorShards", "ParamSlot", "ParameterStore", "reshard_state"]
+
+PARAM_WRITERS = ("eval", "train")
+"""Optimizer methods known to write the parameters the optimizer holds outside ``step()``: the schedule-free
+convention (``schedulefree.AdamWScheduleFree.eval()`` sets each parameter to the averaged point x, ``train()`` back
+to the interpolation y; Defazio et al., *The Road Less Scheduled*, 2024), which HF's Trainer and Accelerate call
+around training and evaluation. torch's own optimizers define neither."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,39 @@ class ParameterStore:
         if self.optimizer_writes_model:
             optimizer.attach_model_params([(piece, view) for _, piece, _, view in self._mastered])
         self._versions = param_versions(self._version_tensors())
+        self._wrapped: dict[str, object] = {}
+        self._wrap_writers()
+
+    def _wrap_writers(self) -> None:
+        """Wrap the optimizer instance's ``PARAM_WRITERS`` methods (those its class defines) so that a call that
+        wrote the fp32 masters rounds them into the model (``copy_to_model``; one host-side integer compared, no
+        device work when nothing was written). Nothing without masters: the optimizer then writes the model itself."""
+        if self.master_buffer is None:
+            return
+        optimizer = self.optimizer
+        for name in PARAM_WRITERS:
+            method = getattr(type(optimizer), name, None)
+            if not callable(method) or name in vars(optimizer):
+                continue
+            bound = getattr(optimizer, name)
+
+            def wrapper(*args, _bound=bound, **kwargs):
+                before = self.master_buffer.data._version
+                out = _bound(*args, **kwargs)
+                if self.master_buffer.data._version != before:
+                    self.copy_to_model()
+                return out
+
+            wrapper.__doc__ = bound.__doc__
+            setattr(optimizer, name, wrapper)
+            self._wrapped[name] = wrapper
+
+    def _unwrap_writers(self) -> None:
+        """The optimizer's own ``PARAM_WRITERS`` methods again (``release``)."""
+        for name, wrapper in self._wrapped.items():
+            if vars(self.optimizer).get(name) is wrapper:
+                delattr(self.optimizer, name)
+        self._wrapped = {}
 
     def _lay_out_params(self, laid: list[torch.Tensor]) -> None:
         """The parameter buffers: the laid-out parameters re-pointed at views of one flat buffer per dtype."""
@@ -287,6 +333,7 @@ class ParameterStore:
         store, ``shaped``): each piece in its param group is its model parameter again, the state kept on a master
         piece is keyed by the parameter again (fp32, as it is: the new store's ``convert_state`` to fp32 is then
         exact). Returns the fp32 masters, copies keyed by ``id`` of their parameter (``keep_masters``)."""
+        self._unwrap_writers()
         param_of = {id(piece): p for p, piece in zip(self.params, self.pieces) if piece is not None}
         for group in self.optimizer.param_groups:
             group["params"] = [param_of.get(id(q), q) for q in group["params"]]
@@ -295,11 +342,27 @@ class ParameterStore:
                 self.optimizer.state[p] = self.optimizer.state.pop(piece)
         return {id(p): master.detach().clone() for p, _, master, _ in self._mastered}
 
+    def release_to_model(self) -> None:
+        """Give the optimizer back to the model for good (one rank's store, ``shaped``; ``GradientAccumulator.close``
+        with ``release_optimizer=True``): the model's writes since the last update reach the masters, the masters'
+        rounding is in the model, then ``release``; each re-keyed state takes its parameter's dtype (moments rounded to
+        bf16/fp16 once, as ``torch.optim.Optimizer.load_state_dict`` casts them), so the optimizer is the one plain
+        training of the model would hold."""
+        self.pull_model_writes()
+        if self.master_buffer is not None and not self.optimizer_writes_model:
+            self.copy_to_model()
+        self.release()
+        for p in self.params:
+            state = self.optimizer.state.get(p)
+            if state and p.dtype in LOW_PRECISION:
+                convert_state(state, p, p.dtype)
+
     def release_shards(self) -> dict[int, dict]:
         """Undo the constructor's re-pointing of the optimizer on several ranks (a store over other parameters
         follows, ``reshard_state``): the param groups the optimizer had when this store was built hold their model
         parameters again (groups added since hold theirs already), and the state of this rank's pieces leaves the
         optimizer, returned keyed by ``id`` of the piece's model parameter."""
+        self._unwrap_writers()
         for group, params in zip(self.optimizer.param_groups, self.group_params):
             group["params"] = list(params)
         states = {}

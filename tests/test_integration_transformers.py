@@ -557,3 +557,32 @@ def test_docs_switching_diff_runs_on_cpu(tmp_path, monkeypatch):
     GradientState._reset_state()
     exec(compile(code.replace("trainer.train()", ""), "transformers.md", "exec"), namespace)
     assert namespace["args"].bf16 and isinstance(namespace["trainer"], GaengineTrainer)
+
+
+# ---------------------------------------------------------------- closed at train end
+@pytest.mark.parametrize("after", ["gaengine_trainer", "plain_trainer", "plain_torch"])
+def test_train_end_closes_the_accumulator(tmp_path, after):
+    """When ``train()`` returns, the accumulator is closed (hooks removed, the optimizer holding the model's
+    parameters again): a second ``GaengineTrainer``, a plain ``Trainer`` or plain ``loss.backward()`` with the first
+    trainer's optimizer trains the model next, ending where the same sequence of plain runs does (fp32, within
+    ``recipe_param_rtol`` of their AdamW updates). Before, the second trainer raised "already belongs to another
+    GradientAccumulator" and the plain ones "outside acc.backward()"."""
+    data = RegressionDataset(32)
+    steps = 4  # 32 samples at batch 8, K = 1, per train()
+    final = {}
+    for first in (Trainer, GaengineTrainer):
+        model = RegressionModel()
+        trainer = _train(first, model, _args(tmp_path, f"{first.__name__}1", per_device_train_batch_size=8), data)
+        if after == "plain_torch":
+            opt = trainer.optimizer.optimizer  # the torch optimizer the Trainer built
+            for i in range(0, 32, 8):
+                batch = data[slice(i, i + 8)]
+                model(batch["input_x"], batch["labels"])[0].backward()
+                opt.step()
+                opt.zero_grad()
+        else:
+            second = GaengineTrainer if after == "gaengine_trainer" and first is GaengineTrainer else Trainer
+            _train(second, model, _args(tmp_path, f"{first.__name__}2", per_device_train_batch_size=8), data)
+        final[first] = _params(model)
+    _assert_params_within(final[GaengineTrainer], final[Trainer], "adamw", 1e-2, 2 * steps,
+                          _regression_grad_rtol(8))

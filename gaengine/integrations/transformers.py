@@ -32,6 +32,15 @@ gaengine's dynamic loss scaling instead of a ``GradScaler``). What changes:
   gradient once, overlapped with the last micro-batch's backward. ``accumulator_options={"zero_stage": 1}`` shards
   the optimizer state (checkpoints through the Trainer are refused there: use ``torch.distributed.checkpoint``).
 
+* **Any Trainer subclass** (TRL's ``SFTTrainer``, ``DPOTrainer``, ...): ``gaengine_trainer(SFTTrainer)`` returns
+  ``GaengineSFTTrainer``, the same as writing ``class GaengineSFTTrainer(GaengineTrainer, SFTTrainer): pass`` (or
+  the bases the other way round): the subclass's own ``training_step`` and
+  ``compute_loss`` run as they do without gaengine (TRL's activation-offloading context, DPO's paired loss), since
+  gaengine replaces only what ``Trainer.training_step`` hands to ``accelerator.backward`` (docs/integrations/trl.md).
+* **Closed when ``train()`` returns** (errors included): hooks removed, the optimizer given back to the model's
+  parameters (``GradientAccumulator.close(release_optimizer=True)``), the model holding the masters' rounding; a
+  second trainer, a plain ``Trainer`` or plain PyTorch trains the model next.
+
 Refused with ``ValueError`` naming the ``TrainingArguments`` field: ``deepspeed``, ``fsdp`` / ``fsdp_config``,
 ``parallelism_config``, layer-wise optimizers (``optim="*_layerwise"``, ``"lomo"``, ``"adalomo"``: they update inside
 backward, with no gradient to accumulate), and several GPUs in one process (``n_gpu > 1``, torch ``DataParallel``).
@@ -39,8 +48,11 @@ backward, with no gradient to accumulate), and several GPUs in one process (``n_
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +62,7 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from gaengine.integrations.accelerate import GaengineAccelerator, GaengineOptimizer, check_accumulator_options
 
-__all__ = ["GaengineTrainer"]
+__all__ = ["GaengineTrainer", "gaengine_trainer"]
 
 _IGNORE_INDEX = -100  # transformers' label for "no target" (loss_utils.fixed_cross_entropy)
 _LAYERWISE = ("lomo", "adalomo")
@@ -79,6 +91,38 @@ def _refuse_arguments(args: Any) -> None:
                          "them) or set CUDA_VISIBLE_DEVICES to one GPU")
 
 
+_OPTIONS = ("item_mode", "accumulator_options")  # gaengine's own keywords of a Gaengine trainer's constructor
+
+
+@dataclass
+class _MicroBatch:
+    """One ``training_step`` in flight: what ``Trainer.training_step``'s ``accelerator.backward(loss)`` is to do."""
+
+    items: torch.Tensor | None  # the labels this micro-batch's loss covers, or None (mean mode)
+    counted: bool  # compute_loss was handed a count
+    count: torch.Tensor | None  # the first micro-batch's count, a 0-d fp32 tensor that requires grad
+    num_items_in_batch: Any  # the Trainer's own count of the window's items
+    logged: torch.Tensor | None = None  # what training_step returns, set by the backward
+
+
+class _TrainerAccelerator(GaengineAccelerator):
+    """The ``GaengineAccelerator`` of a Gaengine trainer: ``backward(loss)`` called from ``Trainer.training_step``
+    (under any subclass's own ``training_step``) runs the trainer's micro-batch backward
+    (``GaengineTrainer._backward_micro_batch``); any other call is ``GaengineAccelerator.backward``."""
+
+    def __init__(self, *args: Any, trainer: Trainer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trainer = weakref.ref(trainer)
+
+    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        step = getattr(trainer, "_micro_batch", None)
+        if step is None or step.logged is not None or num_items is not None:
+            super().backward(loss, num_items=num_items, **kwargs)
+            return
+        trainer._backward_micro_batch(step, loss, kwargs)
+
+
 class GaengineTrainer(Trainer):
     """``transformers.Trainer`` whose accumulation, clipping and update run through ``gaengine.GradientAccumulator``.
 
@@ -101,6 +145,19 @@ class GaengineTrainer(Trainer):
     already updated the parameters in ``on_pre_optimizer_step`` when it clips (the update comes with the norm).
     Elsewhere, mid-window, ``.grad`` is None.
 
+    **As a mixin** for any ``Trainer`` subclass, in either base order: ``class GaengineSFTTrainer(GaengineTrainer,
+    SFTTrainer): pass`` or ``(SFTTrainer, GaengineTrainer)``, or ``gaengine_trainer(SFTTrainer)``. ``item_mode`` and
+    ``accumulator_options`` are taken before any base's ``__init__`` runs (``__init_subclass__`` wraps each subclass's
+    ``__init__``), so a base that refuses unknown keywords never sees them. ``training_step`` calls the next
+    ``training_step`` of the MRO (the subclass's own, e.g. TRL's activation-offloading context, which runs
+    ``Trainer.training_step``): gaengine changes only the count ``compute_loss`` is handed (item mode) and what
+    ``Trainer.training_step``'s ``accelerator.backward(loss)`` does, so a subclass's ``compute_loss`` (DPO's paired
+    loss) runs as it does without gaengine. ``loss_is_scaled_for_ga`` is set True on the instance (``DPOTrainer``'s
+    class attribute False would divide the loss by K a second time).
+
+    The accumulator is closed when ``train()`` returns or raises (``close(release_optimizer=True)``): hooks removed,
+    the optimizer holding the model's parameters again, the model holding the masters' rounding.
+
     Raises ``ValueError`` naming the ``TrainingArguments`` field for what cannot compose (see the module docstring),
     ``TypeError`` / ``ValueError`` for bad ``accumulator_options``.
     """
@@ -108,8 +165,23 @@ class GaengineTrainer(Trainer):
     # gaengine normalizes the window itself: the Trainer must not divide the loss by gradient_accumulation_steps.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, item_mode: bool | None = None,
-                 accumulator_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__init__
+        if getattr(init, "_gaengine_takes_options", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if not getattr(self, "_gaengine_options_taken", False):
+                GaengineTrainer._take_options(self, **{k: kwargs.pop(k) for k in _OPTIONS if k in kwargs})
+            init(self, *args, **kwargs)
+
+        __init__._gaengine_takes_options = True
+        cls.__init__ = __init__
+
+    def _take_options(self, item_mode: bool | None = None, accumulator_options: Mapping[str, Any] | None = None) -> None:
+        """Check and keep gaengine's constructor keywords (``TypeError`` / ``ValueError`` as the class says)."""
         if item_mode not in (None, True, False):
             raise TypeError(f"item_mode must be None (automatic), True or False, got {item_mode!r}")
         options = check_accumulator_options(accumulator_options)
@@ -117,9 +189,17 @@ class GaengineTrainer(Trainer):
             if name in options:
                 raise TypeError(f"accumulator_options must not hold {name!r}: set TrainingArguments.{field} instead")
         self._item_mode = item_mode
+        self._accumulator_options = options
+        self._gaengine_options_taken = True
+
+    def __init__(self, *args: Any, item_mode: bool | None = None,
+                 accumulator_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        if not getattr(self, "_gaengine_options_taken", False):
+            self._take_options(item_mode, accumulator_options)
+        self.loss_is_scaled_for_ga = True  # over a base's class attribute (DPOTrainer's False)
+        self._micro_batch: _MicroBatch | None = None
         self._loss_divides_by_items: bool | None = None  # settled on the first micro-batch of each train()
         self._shift_settled = False  # whether the labels the loss uses are (_get_num_items_in_batch)
-        self._accumulator_options = options
         self._logged_skips = 0
         super().__init__(*args, **kwargs)
         model = self.model
@@ -145,8 +225,8 @@ class GaengineTrainer(Trainer):
             raise ValueError("DeepSpeed / FSDP (from the accelerate config or the environment) cannot be combined with "
                              "gaengine: launch without them, e.g. with torchrun")
         max_norm = self.args.max_grad_norm
-        self.accelerator = GaengineAccelerator(
-            **self._accelerator_args, accumulation_steps=self.args.gradient_accumulation_steps,
+        self.accelerator = _TrainerAccelerator(
+            **self._accelerator_args, trainer=self, accumulation_steps=self.args.gradient_accumulation_steps,
             max_grad_norm=max_norm if max_norm and max_norm > 0 else None,
             accumulator_options=self._accumulator_options)
         gather = self.gather_function
@@ -161,7 +241,24 @@ class GaengineTrainer(Trainer):
         self._shift_settled = False
         if isinstance(self.accelerator, GaengineAccelerator):
             self.accelerator.window_grads = self._callbacks_read_grads()
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_accumulator()
+
+    def _close_accumulator(self) -> None:
+        """The accumulator closed as ``train()`` returns or raises: its hooks removed, the optimizer given back to
+        the model's parameters (``close(release_optimizer=True)``; at ``zero_stage`` >= 1 on several ranks, where the
+        optimizer holds shards, only closed), the window's ``.grad`` dropped. ``trainer.accelerator.accumulator``
+        stays readable (``state_dict()``); the next ``train()`` builds a new one."""
+        acc = getattr(self.accelerator, "accumulator", None)
+        if acc is None:
+            return
+        opt = self.optimizer
+        if isinstance(opt, GaengineOptimizer):
+            opt.release_grads()
+        sharded = acc.config.zero_stage > 0 and acc.world_size > 1
+        acc.close(release_optimizer=not sharded)
 
     def _callbacks_read_grads(self) -> bool:
         """Whether a callback overrides ``on_pre_optimizer_step`` or ``on_optimizer_step`` (where the plain Trainer's
@@ -239,63 +336,68 @@ class GaengineTrainer(Trainer):
             return self.accelerator.num_processes
         return 1
 
-    def _first_loss(self, model: nn.Module, inputs: dict[str, Any], items: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The first micro-batch's loss, and whether it is divided by ``num_items_in_batch``.
-
-        The loss is computed with ``num_items_in_batch`` = this micro-batch's own item count, as a 0-d fp32 tensor
-        that requires grad: a loss normalized by it (transformers' ``fixed_cross_entropy``, the label smoother, a
-        ``compute_loss_func`` honouring it) is its sum over the items divided by that count and depends on the tensor;
-        a loss that ignores it (a mean computed by the model, ``**kwargs`` swallowing the count) does not. Either way
-        the value is the micro-batch's mean. Returned: the summed loss (the mean times the count) and True, or the
-        mean and False. One extra autograd pass from the loss to that tensor, once per ``train()``.
-        """
-        count = items.clamp_min(1).to(device=self.args.device, dtype=torch.float32).requires_grad_()
-        loss = self.compute_loss(model, inputs, num_items_in_batch=count)
-        divides = loss.requires_grad and torch.autograd.grad(
-            loss, count, retain_graph=True, allow_unused=True)[0] is not None
-        return (loss * count.detach() if divides else loss), divides
-
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        """Forward and gaengine's backward of one micro-batch; returns its share of the window's loss (detached),
-        what the Trainer adds up and logs.
+        """One micro-batch: the next ``training_step`` of the class's MRO (a subclass's own, then
+        ``Trainer.training_step``: ``model.train()``, ``_prepare_inputs``, ``compute_loss``, ``accelerator.backward``)
+        with gaengine's count handed to ``compute_loss`` and gaengine's backward (``_backward_micro_batch``); returns
+        the micro-batch's share of the window's loss (detached), what the Trainer adds up and logs.
 
         Item mode (the loss is the Trainer's token mean: normalized by the ``num_items_in_batch`` it passes):
-        ``compute_loss`` with ``num_items_in_batch=1`` gives the micro-batch's summed loss, handed to
-        ``accelerator.backward(loss_sum, num_items=n)``. Mean mode: the model's micro-batch mean,
-        ``accelerator.backward(loss)``. Which one is settled on the first micro-batch (``_first_loss``). The window's
-        end (``clip_grad_norm_`` at the Trainer's synchronizing step) normalizes, clips and updates.
+        ``compute_loss`` gets ``num_items_in_batch=1``, so its loss is the micro-batch's sum, handed to
+        ``accelerator.backward(loss_sum, num_items=n)``. Mean mode: ``compute_loss`` without a count, the model's
+        micro-batch mean, ``accelerator.backward(loss)``. Which one is settled on the first micro-batch of ``train()``
+        (``_backward_micro_batch``). The window's end (``clip_grad_norm_`` at the Trainer's synchronizing step)
+        normalizes, clips and updates. ``RuntimeError`` when the MRO's ``training_step`` never called
+        ``accelerator.backward`` (nothing was accumulated).
         """
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
         items = self._micro_batch_items(inputs, num_items_in_batch)
         counted = items is not None and self._loss_divides_by_items is not False  # compute_loss gets a count
-        with self.compute_loss_context_manager():
-            if not counted:
-                loss = self.compute_loss(model, inputs)
-            elif self._loss_divides_by_items is None:
-                loss, divides = self._first_loss(model, inputs, items)
-                if not divides and self._item_mode:
-                    raise ValueError("item_mode=True, but the loss does not depend on the num_items_in_batch the "
-                                     "Trainer passes (the model returns a mean of its own): use item_mode=None")
-                self._loss_divides_by_items = divides
-            else:
-                one = torch.ones((), device=self.args.device)
-                loss = self.compute_loss(model, inputs, num_items_in_batch=one)
-        if self.args.n_gpu > 1:  # refused at construction; kept for subclasses that relax it
-            loss = loss.mean()
+        count = None
+        if counted and self._loss_divides_by_items is None:
+            count = items.clamp_min(1).to(device=self.args.device, dtype=torch.float32).requires_grad_()
+        passed = count if count is not None else torch.ones((), device=self.args.device) if counted else None
+        step = self._micro_batch = _MicroBatch(items, counted, count, num_items_in_batch)
+        try:
+            super().training_step(model, inputs, num_items_in_batch=passed)
+        finally:
+            self._micro_batch = None
+        if step.logged is None:
+            raise RuntimeError(f"{type(self).__name__}.training_step returned without calling "
+                               "accelerator.backward(loss): nothing was accumulated for this micro-batch")
+        return step.logged
+
+    def _backward_micro_batch(self, step: _MicroBatch, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """``Trainer.training_step``'s ``accelerator.backward(loss)`` for the micro-batch ``step``: gaengine's
+        backward, with the micro-batch's item count in item mode; sets ``step.logged``.
+
+        On the first micro-batch of ``train()`` in item mode, ``compute_loss`` was handed a 0-d fp32 count that
+        requires grad: a loss normalized by it (transformers' ``fixed_cross_entropy``, TRL's SFT loss, the label
+        smoother, a ``compute_loss_func`` honouring it) depends on it, a loss that ignores it (a mean computed by the
+        model, ``**kwargs`` swallowing the count) does not; one autograd pass from the loss to that tensor tells
+        which, once per ``train()``. Either way the value is the micro-batch's mean: a dependent loss becomes its sum
+        (the mean times the count), item mode; else mean mode from here on.
+        """
+        if step.count is not None:
+            divides = loss.requires_grad and torch.autograd.grad(
+                loss, step.count, retain_graph=True, allow_unused=True)[0] is not None
+            if not divides and self._item_mode:
+                raise ValueError("item_mode=True, but the loss does not depend on the num_items_in_batch the "
+                                 "Trainer passes (the model returns a mean of its own): use item_mode=None")
+            self._loss_divides_by_items = divides
+            if divides:
+                loss = loss * step.count.detach()
         # compute_loss multiplies a loss it passed a count to by num_processes (the Trainer's count is all-gathered
         # over the ranks, and DDP averages them); gaengine sums over the ranks and counts the items itself.
-        factor = self._loss_factor(counted)
-        if not self._loss_divides_by_items:
-            items = None
-        self.accelerator.backward(loss if factor == 1 else loss / factor, num_items=items)
+        factor = self._loss_factor(step.counted)
+        items = step.items if self._loss_divides_by_items else None
+        GaengineAccelerator.backward(self.accelerator, loss if factor == 1 else loss / factor, num_items=items,
+                                     **kwargs)
         # What the Trainer sums over the window and averages over ranks: the window's loss, as its own recipe logs.
         if items is None:
-            return loss.detach() / factor / self.current_gradient_accumulation_steps
-        return loss.detach() / num_items_in_batch
+            step.logged = loss.detach() / factor / self.current_gradient_accumulation_steps
+        else:
+            step.logged = loss.detach() / step.num_items_in_batch
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -306,3 +408,24 @@ class GaengineTrainer(Trainer):
             logs["skipped_updates"] = opt.num_skipped - self._logged_skips
             self._logged_skips = opt.num_skipped
         super().log(logs, start_time)
+
+
+def gaengine_trainer(trainer_class: type) -> type:
+    """``trainer_class`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with gaengine's
+    accumulation: ``type("Gaengine" + name, (GaengineTrainer, trainer_class), {})``, the class's own
+    ``training_step`` / ``compute_loss`` kept (``GaengineTrainer``'s docstring: a mixin in either base order). Its constructor takes the class's own
+    arguments plus ``item_mode`` and ``accumulator_options`` (``GaengineTrainer``'s). ``trainer_class`` itself
+    (``Trainer``) gives ``GaengineTrainer``; a class that already has the mixin is returned as it is.
+
+    Raises ``TypeError`` when ``trainer_class`` is not a ``transformers.Trainer`` subclass.
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"trainer_class must be a transformers.Trainer subclass (e.g. trl.SFTTrainer), got "
+                        f"{trainer_class!r}")
+    if issubclass(trainer_class, GaengineTrainer):
+        return trainer_class
+    if trainer_class is Trainer:
+        return GaengineTrainer
+    name = trainer_class.__name__
+    return type(f"Gaengine{name}", (GaengineTrainer, trainer_class),
+                {"__module__": trainer_class.__module__, "__qualname__": f"Gaengine{name}"})
