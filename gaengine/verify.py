@@ -191,10 +191,11 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _result(d: "ParameterDiff") -> str:
-    """A row's ``result``: ``FAIL``, ``ok``, or for a bf16 / fp16 parameter ``ok: 1 bf16 rounding`` (``_ROUNDED``)."""
+    """A row's ``result``: ``FAIL``, ``ok``, or for a bf16 / fp16 parameter ``ok*`` (``_ROUNDED``: its ratio is one
+    rounding's, a legend line says)."""
     if not d.passed:
         return "FAIL"
-    return _ROUNDED.format(dtype=_short(d.dtype)) if d.dtype in _LOW_PRECISION else "ok"
+    return _ROUNDED if d.dtype in _LOW_PRECISION else "ok"
 
 
 def _tol(x: float) -> str:
@@ -214,12 +215,13 @@ _LEGEND = (
     "  one rounding of its fp32 sum errs up to u*|sum| by itself, so the worst element sits near 1: that",
     "  is rounding, and passes; a dropped micro-batch or a wrong denominator is many times over.",
 )
-# The result cell of a passing bf16 / fp16 row: there engine/bound is the engine's gap in units of the most one
-# rounding of its fp32 sum to the parameter's dtype can err (u*|sum|), so 0.996 reads as that one rounding.
-_ROUNDED = "ok: 1 {dtype} rounding"
+# The result cell of a passing bf16 / fp16 row (short: the table fits in 100 columns), and the legend's line for it:
+# there engine/bound is the engine's gap in units of the most one rounding of its fp32 sum to the parameter's dtype
+# can err (u*|sum|), so 0.996 reads as that one rounding.
+_ROUNDED = "ok*"
 _ROUNDED_LEGEND = (
-    "ok: 1 {dtype} rounding: a {dtype} row's engine/bound is its gap in units of what one rounding of the fp32",
-    "  sum to {dtype} can err (u*|sum|): up to 1 is that rounding, which every {dtype} gradient has.",
+    "ok*: a {dtype} row's engine/bound is its gap in units of what one rounding of the fp32 sum to {dtype}",
+    "  can err (u*|sum|): up to 1 is that one rounding, which every {dtype} gradient has.",
 )
 
 
@@ -283,9 +285,9 @@ class EquivalenceReport:
 
         Columns: parameter, shape, dtype; the setup comparison's ``max |diff|`` (``max_abs``), its ``abs bound``
         (``bound``) and their ratio ``setup/bound`` (``setup_badness``); the engine comparison's ``engine/bound``
-        (``engine_badness``); ``result``, ``ok`` when both ratios are at most 1 (``ok: 1 bf16 rounding`` for a
-        bf16 or fp16 parameter, whose ``engine/bound`` near 1 is the one rounding of its fp32 sum, explained under
-        the legend), else ``FAIL``. Ratios are given to 3 significant digits, the gradient differences and bounds in
+        (``engine_badness``); ``result``, ``ok`` when both ratios are at most 1 (``ok*`` for a bf16 or fp16
+        parameter, whose ``engine/bound`` near 1 is the one rounding of its fp32 sum, a line under the legend
+        says), else ``FAIL``. Ratios are given to 3 significant digits, the gradient differences and bounds in
         gradient units.
         """
         header = ("parameter", "shape", "dtype", "max |diff|", "abs bound", "setup/bound", "engine/bound", "result")

@@ -627,7 +627,7 @@ def test_benefit_where_only_fp32_is_fast_says_so_and_runs_verify(tmp_path, capsy
     stdout = capsys.readouterr().out
     assert {r["recipe"] for r in _records(out)} == {"gaengine"}
     text = " ".join(stdout.split())
-    assert "bf16 benefit: not shown here, this machine runs fp32 only (this CPU has no fast bf16 matmul" in text
+    assert "bf16 benefit: not shown here, this machine runs fp32 only: this CPU has no fast bf16 matmul" in text
     assert "What gaengine buys is bf16's" in text and "(gaengine verify, 4 rows as 2 micro-batches):" in text
     assert "\n  gradient equivalence PASSED\n" in stdout
     assert "engine vs the micro-batch gradients summed in fp64: ok" in stdout

@@ -859,11 +859,12 @@ def _fp32_benefit(config: TrainConfig, corpus, dtype: DtypeChoice) -> str:
     model = build_model(dataclasses.replace(config, dtype="fp32"))
     batch = sample_batch(corpus.train, rows, config.seq_len, torch.Generator().manual_seed(config.seed))
     report = verify_equivalence(model, lambda m, b: m(*b), batch, config.accumulation_steps, backend=config.backend)
-    head = fill(f"bf16 benefit: not shown here, this machine runs fp32 only ({dtype.reason.split(': ', 1)[-1]}). "
+    head = fill(f"bf16 benefit: not shown here, this machine runs fp32 only: {dtype.reason.split(': ', 1)[-1]}. "
                 "What gaengine buys is bf16's: the plain bf16 recipe sums each window's gradients in bf16 and drifts "
-                "from an fp32 run several times further than gaengine's fp32 sums (on a machine with fast bf16, "
-                "gaengine train plots it). In fp32 both recipes train alike; what holds here is the equivalence, "
-                f"checked on this model (gaengine verify, {rows} rows as {config.accumulation_steps} micro-batches):")
+                "further from an fp32 run than gaengine's fp32 sums and master weights do (on a machine with fast "
+                "bf16, gaengine train plots both distances). In fp32 both recipes train alike; what holds here is "
+                f"the equivalence, checked on this model (gaengine verify, {rows} rows as "
+                f"{config.accumulation_steps} micro-batches):")
     return head + "\n" + "\n".join("  " + line for line in report.summary().splitlines())
 
 
