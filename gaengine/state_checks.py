@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 __all__ = ["check_hooks_state", "check_lr_scheduler", "check_meta", "check_param_groups", "check_parts",
-           "check_plain_state", "check_scaler_state", "corrupt", "read_meta"]
+           "check_plain_state", "check_scaler_state", "check_tensor", "corrupt", "read_meta"]
 
 _FIX = "the state dict is corrupt or not an acc.state_dict(); load another checkpoint"
 
