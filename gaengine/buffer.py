@@ -86,13 +86,8 @@ def learned_order(arrival: Sequence[int], num_params: int, device: torch.device,
     seen = set(arrival)
     order = arrival + [i for i in range(num_params) if i not in seen]
     if distributed:
-        # the broadcast opens a phase of gaengine's collectives (gaengine.protocol): a header first, gaengine's errors
-        from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase  # noqa: PLC0415 - it imports this module
-        from gaengine.reduce import Collective, wait_for  # noqa: PLC0415 - it imports this module
-
         t = torch.tensor(order, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
-        open_phase(LAYOUT, ANY_WINDOW, dist.get_world_size(group), dist.get_rank(group), t.device, group)
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        wait_for(Collective(dist.broadcast, t, src=src, group=group), f"broadcast of rank {src}'s layout order")
+        dist.broadcast(t, src=src, group=group)
         order = t.tolist()
     return order

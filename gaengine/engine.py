@@ -22,13 +22,13 @@ from torch import nn
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership, state_checks
-from gaengine.protocol import REDUCTIONS
+from gaengine.protocol import CONSTRUCTION, REDUCTIONS, open_phase
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.noise import NoiseEstimate, WindowNoise
 from gaengine.norm import WindowNorm, window_norm
-from gaengine.reduce import check_ranks_agree, wait_quietly
+from gaengine.reduce import check_ranks_agree, group_device, wait_quietly
 from gaengine.replaced import ReplacedParams
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
@@ -172,7 +172,9 @@ class GradientAccumulator:
         self.world_size = dist.get_world_size(process_group) if (
             process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
         self.distributed = self.world_size > 1
-        if self.distributed:
+        if self.distributed:  # the construction's header first (gaengine.protocol), then the agreement
+            open_phase(CONSTRUCTION, 0, self.world_size, dist.get_rank(process_group), group_device(process_group),
+                       process_group)
             check_ranks_agree(_rank_settings(self.config, self.named_params or
                                              [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
                               process_group)

@@ -8,15 +8,15 @@ another size aborts the process (``EnforceNotMet``, SIGABRT), one of the same si
 So every phase of gaengine's collectives on several ranks opens with a header all-reduce of one fixed size,
 ``header_numel(W)`` fp64 values, whatever the phase:
 
-* ``CONSTRUCTION``: the accumulator's construction (``gaengine.reduce.check_ranks_agree``), before the settings'
-  ``all_gather_object`` and the parameters' broadcast;
+* ``CONSTRUCTION``: the accumulator's construction (``GradientAccumulator._join_ranks``), before the settings'
+  ``all_gather_object`` (``gaengine.reduce.check_ranks_agree``) and the parameters' broadcast;
 * ``WINDOW_START``: a window's first ``backward()``, carrying the parameter-change check's values
   (``gaengine.ownership.RankMembership``: the header is that all-reduce, no collective of its own);
 * ``REDUCTIONS``: the window's reductions, before the backward of its last micro-batch (``step(force=True)``: before
   a partial window's), which launches the bucket all-reduces and the stats all-reduce;
 * ``LAYOUT``: the end of a ``step()`` whose window learned the gradient arrival order (the first window, and the
   first after parameters join or leave), before the broadcast of the first rank's order
-  (``gaengine.buffer.learned_order``).
+  (``Replicated._relearn_layout``, ``gaengine.buffer.learned_order``).
 
 In the header each rank writes its own slot (the phase and the window: the updates so far, ``update_index``) and
 zeros elsewhere, so the sum gives every rank every rank's slot exactly. Every header meets a header of the same size

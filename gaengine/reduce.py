@@ -41,7 +41,7 @@ from gaengine.norm import WindowNorm, window_norm
 
 __all__ = ["DROPPED_COUNT", "BackwardStart", "BucketReducer", "Collective", "HostMailbox", "Reduction", "WindowStats",
            "broadcast_from_first_rank", "check_ranks_agree", "count_mismatch_message", "launch_window_stats",
-           "setting_terms", "settle", "wait_for", "wait_quietly"]
+           "collective_failed", "group_device", "setting_terms", "settle", "wait_for", "wait_quietly"]
 
 DROPPED_COUNT = -1  # the micro-batch count a rank that dropped its window sends in the stats all-reduce
 SETTLE_TIMEOUT_S = 1.0  # the longest Collective.wait() waits for a backend thread to let go of the tensors
@@ -212,7 +212,8 @@ def wait_quietly(work) -> None:
         pass
 
 
-def _failed(what: str) -> str:
+def collective_failed(what: str) -> str:
+    """gaengine's message for a collective (``what``) that failed: a peer died, left, or the group's timeout."""
     return (f"gaengine: {what} failed: another rank failed, stopped mid-window, or is out of step with this one "
             "(every rank must call acc.backward() the same number of times per window and acc.step() together). "
             "The wait is bounded by the process group's timeout: torch.distributed.init_process_group(timeout=...).")
@@ -223,10 +224,10 @@ def wait_for(work, what: str) -> None:
     try:
         work.wait()
     except Exception as exc:
-        raise RuntimeError(_failed(what)) from exc
+        raise RuntimeError(collective_failed(what)) from exc
 
 
-def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the group's collectives take their tensors: CUDA (the current device) when its backend is NCCL, else
     CPU (gloo)."""
     backend = str(dist.get_backend(group)).lower()
@@ -479,15 +480,13 @@ def check_ranks_agree(settings: dict, group: dist.ProcessGroup | None) -> None:
     equal, or the collectives that follow disagree on sizes (gloo aborts the process: ``EnforceNotMet``) or the
     ranks train apart (another ``max_grad_norm``). One ``all_gather_object``; ``ValueError`` on every rank naming
     the first setting that differs and each rank's value."""
-    from gaengine.protocol import CONSTRUCTION, open_phase  # noqa: PLC0415 - the protocol builds on this module
-
     world = dist.get_world_size(group)
-    open_phase(CONSTRUCTION, 0, world, dist.get_rank(group), _group_device(group), group)  # ProtocolError first
     gathered: list = [None] * world
     try:
         dist.all_gather_object(gathered, settings, group=group)
     except Exception as exc:
-        raise RuntimeError(_failed("all_gather_object of the accumulators' settings at construction")) from exc
+        raise RuntimeError(collective_failed("all_gather_object of the accumulators' settings at construction")
+                           ) from exc
     for name in settings:
         values = [g.get(name) for g in gathered]
         if any(v != values[0] for v in values):

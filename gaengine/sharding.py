@@ -55,7 +55,8 @@ from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
 from gaengine.compat import composable_apis, reduce_scatter_single
 from gaengine.formats import STATE_FORMAT
 from gaengine.hooks import make_hooks
-from gaengine.reduce import BucketReducer, Collective, Reduction, broadcast_from_first_rank
+from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase
+from gaengine.reduce import BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed
 from gaengine.store import ParameterStore, ParamSlot, reshard_state
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardedReduction, ShardLayout, ShardReducer,
@@ -463,8 +464,16 @@ class Replicated(ShardingStrategy):
     def _relearn_layout(self) -> bool:
         arrival = self.hooks.arrival
         self.hooks.stop_learning()
-        order = learned_order(arrival, len(self.params), self.device, distributed=self.distributed,
-                              group=self.process_group)
+        if self.distributed:  # the broadcast opens a phase of gaengine's collectives: its header first
+            open_phase(LAYOUT, ANY_WINDOW, dist.get_world_size(self.process_group), dist.get_rank(self.process_group),
+                       self.device if self.device.type == "cuda" else torch.device("cpu"), self.process_group)
+        try:
+            order = learned_order(arrival, len(self.params), self.device, distributed=self.distributed,
+                                  group=self.process_group)
+        except RuntimeError as exc:
+            if not self.distributed:
+                raise
+            raise RuntimeError(collective_failed("broadcast of the first rank's layout order")) from exc
         if order == list(range(len(self.params))):
             return False
         return self._lay_out([self.params[i] for i in order])
