@@ -61,10 +61,10 @@ def _reference(dtype, max_norm):
     return [p.detach() for p in params], float(norm), min(1.0, max_norm / (float(norm) + 1e-6))
 
 
-def _gaengine(dtype, max_norm, how):
-    """The same under gaengine, the edit made in ``before_update`` (``how="before_update"``) or between
-    ``begin_step()`` and ``step()`` (``how="begin_step"``). Returns the optimizer's parameters (fp32 masters for
-    bf16), the initial ones and the step's result."""
+def _gaengine(dtype, max_norm, how, edit=_edit):
+    """The same under gaengine, ``edit(params)`` made in ``before_update`` (``how="before_update"``) or between
+    ``begin_step()`` and ``step()`` (``how="begin_step"``). Returns the optimizer's parameters after the update (fp32
+    masters for bf16) and the step's result."""
     params = _params(dtype)
     opt = torch.optim.SGD(params, lr=LR)
     acc = gaengine.GradientAccumulator(params, opt, accumulation_steps=K, max_grad_norm=max_norm, backend="torch")
@@ -72,10 +72,10 @@ def _gaengine(dtype, max_norm, how):
     for xs in _inputs():
         acc.backward(_loss(params, xs))
     if how == "before_update":
-        result = acc.step(before_update=lambda: _edit(params))
+        result = acc.step(before_update=lambda: edit(params))
     else:
         assert acc.begin_step()
-        _edit(params)
+        edit(params)
         result = acc.step()
     acc.close()
     return [m.detach() for m in masters], result
@@ -116,14 +116,8 @@ def test_torch_clip_grad_norm_inside_before_update_is_applied():
     """``torch.nn.utils.clip_grad_norm_`` called on ``.grad`` inside ``before_update`` (the habit of a framework's
     hook) clips what is applied, fp32 and bf16 alike: the update is the fp64 recipe's clipped one."""
     for dtype in (torch.float32, torch.bfloat16):
-        params = _params(dtype)
-        opt = torch.optim.SGD(params, lr=LR)
-        acc = gaengine.GradientAccumulator(params, opt, accumulation_steps=K, max_grad_norm=None, backend="torch")
-        masters = [p for g in opt.param_groups for p in g["params"]]
-        for xs in _inputs():
-            acc.backward(_loss(params, xs))
-        acc.step(before_update=lambda: torch.nn.utils.clip_grad_norm_(params, 0.25))
-        acc.close()
+        masters, _ = _gaengine(dtype, None, "before_update",
+                               edit=lambda params: torch.nn.utils.clip_grad_norm_(params, 0.25))
         ref = [torch.nn.Parameter(p.detach().double()) for p in _params(dtype)]
         for xs in _inputs():
             (_loss(ref, xs) / K).backward()
