@@ -148,6 +148,19 @@ def test_one_device_needs_no_launch():
     fabric.strategy.close()
 
 
+def test_one_device_keeps_the_data_order():
+    """``fabric.setup_dataloaders`` on one device keeps the user's shuffling sampler, as plain Fabric's one-device
+    strategy does: the same order of samples (a ``DistributedSampler`` of one replica would reshuffle)."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(16.0))
+    orders = []
+    for strategy in ("auto", GaengineStrategy(accumulation_steps=2)):
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True))
+        torch.manual_seed(5)
+        orders.append([float(v) for batch in loader for v in batch[0]])
+    assert orders[0] == orders[1]
+
+
 def test_setup_module_then_setup_optimizers():
     """``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)`` builds the accumulator as
     ``fabric.setup(model, optimizer)`` does: the same updates as the large-batch recipe."""

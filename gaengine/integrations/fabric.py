@@ -384,6 +384,15 @@ class GaengineStrategy(DDPStrategy):
         if self.num_nodes * self.num_processes == 1 and not isinstance(self, SingleDeviceStrategy):
             self.__class__ = _one_device(type(self))
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Several processes: DDP's (``fabric.setup_dataloaders`` gives each rank a ``DistributedSampler``). One
+        process: None, so your sampler is kept, as under Fabric's one-device strategy (a ``DistributedSampler`` of
+        one replica would reshuffle with its own seed: another data order than plain Fabric's)."""
+        if self.num_nodes * self.num_processes == 1:
+            return None
+        return super().distributed_sampler_kwargs
+
     def setup_environment(self) -> None:
         """Several processes: Fabric's DDP set-up (ranks, process group). One process: no process group (an
         initialized one of size 1 would outlive the Fabric and stand in the way of the next
