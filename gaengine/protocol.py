@@ -92,6 +92,16 @@ def _message(slots: list[tuple[int, int]], rank: int) -> str:
             f"build the accumulators again on every rank) and go on together.{apart}")
 
 
+def read_header_slots(slots: torch.Tensor) -> list[float]:
+    """The ranks' header slots, ``(_SLOT * world_size,)`` fp64 on the CPU, as floats: host memory the all-reduce
+    just wrote (its wait already blocked the host), so reading it is no device sync (STYLE 7's written reason; the
+    tests' host-read guard allows this one read of a CPU tensor). On CUDA the slots are never read here
+    (``RankProtocol`` reads them at ``step()`` from a host mailbox)."""
+    if slots.device.type != "cpu":
+        raise ValueError(f"read_header_slots reads CPU slots only, got a tensor on {slots.device}")
+    return slots.tolist()
+
+
 def open_phase(phase: int, window: int, world_size: int, rank: int, device: torch.device, group,
                payload: torch.Tensor | None = None, what: str | None = None) -> tuple[torch.Tensor, list]:
     """Launch and wait for one header all-reduce (``header_numel(world_size)`` fp64 on ``device``): this rank's
@@ -110,7 +120,7 @@ def open_phase(phase: int, window: int, world_size: int, rank: int, device: torc
     wait_for(work, what or f"header all-reduce of {PHASES[phase]}")
     slots: list = []
     if data.device.type == "cpu":
-        values = data[:_SLOT * world_size].tolist()
+        values = read_header_slots(data[:_SLOT * world_size])
         slots = [(int(values[_SLOT * r]), int(values[_SLOT * r + 1])) for r in range(world_size)]
         if _differ(slots, rank):
             raise ProtocolError(_message(slots, rank))

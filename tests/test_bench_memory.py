@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gaengine.engine import WINDOW_SETTINGS
+from gaengine.protocol import header_numel
 from gaengine.tools.bench import memory
 from gaengine.zero import STAGING_SLOTS
 
@@ -78,9 +79,11 @@ def test_bytes_on_the_wire_per_window(table):
         # B/param of the window's few-float all-reduces, as ring all-reduces of fp64: the statistics
         # (gaengine.reduce.launch_window_stats: the loss and the items, a used flag per parameter tensor, a
         # micro-batch count per rank, 8 agreement terms for each setting the ranks must agree on), and at most as many
-        # again for the norm's and the skip flag's (on 2 ranks: 36 floats of statistics).
+        # again for the norm's and the skip flag's (on 2 ranks: 36 floats of statistics); plus gaengine.protocol's
+        # two headers a window (the window start's, carried by the parameter-change all-reduce, and the reductions').
         stats_floats = 2 + tensors + d + 8 * len(WINDOW_SETTINGS)
-        small = 2 * share * 8 * 2 * stats_floats / info["numel"]
+        header_floats = 2 * header_numel(d)
+        small = 2 * share * 8 * (2 * stats_floats + header_floats) / info["numel"]
         assert rows["torch DDP", d]["wire"] == pytest.approx(2 * share * 2, abs=small)
         assert rows["gaengine stage 0", d]["wire"] == pytest.approx(2 * share * 4, abs=small)
         assert rows["gaengine stage 1", d]["wire"] == pytest.approx(share * (4 + 2), abs=small)
