@@ -15,15 +15,14 @@ Switching is one line, the strategy, in the loop Fabric's docs write::
 
 ``fabric.setup`` (``setup_module_and_optimizers``) builds one ``gaengine.GradientAccumulator`` over the converted,
 moved module and its one optimizer, the model never wrapped in DDP (gaengine all-reduces the window's gradient
-itself, in its last micro-batch). ``fabric.backward(loss)`` is ``acc.backward(loss * K)``: the loop's loss is the
-micro-batch loss over K (or the micro-batch loss itself, Fabric's docs' sum: either way the factor K undoes the
-loop's and gaengine divides each window by the micro-batches it really holds, so a full window is plain Fabric's
-gradient and a partial one, the epoch's last, is the full window's normalization of what it holds: the large-batch
-mean). ``fabric.clip_gradients(..., max_norm=c)`` sets the window's clip; ``optimizer.step()`` is
-``acc.step(force=True)``: normalize, clip, update, in fp32; ``optimizer.zero_grad()`` after it changes nothing
-(the parameters hold no ``.grad``); in the middle of a window it does not drop it: ``accumulator.zero_grad()`` does.
-``fabric.no_backward_sync`` is accepted and, on several processes, checked against K (on one device Fabric makes it
-a no-op, and asks no ``fabric.launch()``, as for its own one-device strategy).
+itself, in its K-th micro-batch, or at ``optimizer.step()`` for a shorter window). ``fabric.backward(loss)`` is
+``acc.backward(loss, num_items=...)`` with one item per window, so the window's gradient is the sum of the gradients
+of the losses the loop passed (averaged over the ranks), exactly plain Fabric's ``.grad`` whatever the loop does:
+``loss / K`` or Fabric's docs' unscaled sum, a partial last window, a loop whose windows are shorter than the
+strategy's K, a mid-window ``optimizer.zero_grad()`` (which drops the window, as plain Fabric's drops the
+``.grad``). A loop window longer than K is refused at its K+1-th backward (inside ``no_backward_sync(enabled=True)``
+on several processes: at its K-th), naming ``accumulation_steps``, nothing accumulated by it. ``fabric.clip_gradients
+(..., max_norm=c)`` sets the window's clip; ``optimizer.step()`` is ``acc.step(force=True)``: clip, update, in fp32.
 
 This module also holds what the Trainer's plugin (``gaengine.integrations.lightning``) shares with Fabric's:
 ``InnerPrecision`` (the dtype parts of Lightning's plugin, the skipped updates) and ``check_strategy_options``.
@@ -209,6 +208,8 @@ class GaenginePrecision(InnerPrecision, Precision):
         self.accumulation_steps = 1
         self._clip: tuple[float, bool, Tensor] | None = None  # this window's clip_gradients: max_norm, raise, norm
         self._no_sync: bool | None = None  # inside fabric.no_backward_sync: its `enabled`
+        self._no_items: Tensor | None = None  # 0-d fp64 zero on the device: num_items of a window's later micro-batches
+        self._kept_class: tuple[torch.optim.Optimizer, type] | None = None  # keep_optimizer_class: (optimizer, class)
 
     def _acc(self) -> GradientAccumulator:
         if self.accumulator is None:
@@ -229,18 +230,58 @@ class GaenginePrecision(InnerPrecision, Precision):
             self._no_sync = None
 
     def backward(self, tensor: Tensor, model: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """``acc.backward(tensor * K)`` (K: ``GaengineStrategy(accumulation_steps=K)``). Raises ``ValueError``, the
-        window untouched, inside ``fabric.no_backward_sync(model, enabled=True)`` when this backward would be the
-        window's K-th (the loop accumulates more micro-batches than K: the strategy's K is not the loop's)."""
+        """``fabric.backward(loss)``: ``acc.backward(loss, num_items=...)`` in gaengine's item mode with one item
+        per window (1 for the window's first micro-batch, 0 for the others), so the window's gradient is the sum of
+        the gradients of the losses the loop passed, as plain Fabric's ``.grad`` is (averaged over the ranks, as
+        DDP's), however many micro-batches the loop put in it: a loop window of K (``loss / K``), a shorter one (the
+        epoch's last, or a loop whose K is smaller than the strategy's), or one after a mid-window
+        ``optimizer.zero_grad()``. ``args``: ``torch.Tensor.backward``'s (``gradient``, ``retain_graph``, ...).
+
+        Raises ``ValueError``, nothing accumulated and the window kept, when the window already holds K micro-batches
+        (K: ``GaengineStrategy(accumulation_steps=K)``), or inside ``fabric.no_backward_sync(model, enabled=True)``
+        when this backward would be the window's K-th: the loop accumulates more micro-batches than K."""
         acc = self._acc()
-        k = self.accumulation_steps
-        if self._no_sync and acc.num_micro_batches + 1 >= k:
+        self.restore_optimizer_class()
+        k, n = self.accumulation_steps, acc.num_micro_batches
+        if n >= k or (self._no_sync and n + 1 >= k):
+            where = (f"inside fabric.no_backward_sync(model, enabled=True) at the window's micro-batch {n + 1}"
+                     if n < k else f"with {n} micro-batches in the window and no optimizer.step() since")
             raise ValueError(
-                f"fabric.backward inside fabric.no_backward_sync(model, enabled=True) at the window's micro-batch "
-                f"{acc.num_micro_batches + 1}, but GaengineStrategy(accumulation_steps={k}): the loop accumulates more "
-                f"micro-batches than the strategy's K. Give the strategy your loop's K (the K your loss is divided "
-                "by); nothing was accumulated by this call")
-        acc.backward(tensor * k if k != 1 else tensor, *args, **kwargs)
+                f"fabric.backward {where}, but GaengineStrategy(accumulation_steps={k}): the loop accumulates more "
+                f"micro-batches than the strategy's K. Give the strategy your loop's K (the fabric.backward calls "
+                f"between two optimizer.step() calls; a larger K is fine); nothing was accumulated by this call and "
+                f"the window's {n} micro-batch(es) are kept (optimizer.step() applies them)")
+        for name, value in zip(("gradient", "retain_graph", "create_graph", "inputs"), args):
+            kwargs[name] = value
+        if n == 0:
+            acc.backward(tensor, num_items=1, **kwargs)
+            return
+        if self._no_items is None or self._no_items.device != acc.device:
+            self._no_items = torch.zeros((), dtype=torch.float64, device=acc.device)
+        acc.backward(tensor, num_items=self._no_items, **kwargs)
+
+    def drop_window(self) -> None:
+        """``optimizer.zero_grad()`` (Fabric's wrapper, or the optimizer set up): in the middle of a window it drops
+        the window (``acc.zero_grad()``), as plain Fabric's drops the ``.grad`` accumulated so far; between windows
+        (after ``optimizer.step()``) nothing is held and nothing changes."""
+        acc = self.accumulator
+        if acc is not None and not self._closed and acc.num_micro_batches:
+            acc.zero_grad()
+
+    def keep_optimizer_class(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give ``optimizer`` (set up, its accumulator built) the class ``_DroppingZeroGrad(type(optimizer))`` until
+        Fabric has wrapped it: Fabric's wrapper subclasses the optimizer's class at that moment, so its
+        ``zero_grad()`` then reaches ``drop_window``. The optimizer gets its own class back at the next call into
+        the strategy (``restore_optimizer_class``: every gaengine type check sees the user's class)."""
+        self._kept_class = (optimizer, type(optimizer))
+        optimizer.__class__ = _dropping_zero_grad(type(optimizer))
+
+    def restore_optimizer_class(self) -> None:
+        """Undo ``keep_optimizer_class`` (idempotent)."""
+        if self._kept_class is not None:
+            optimizer, cls = self._kept_class
+            optimizer.__class__ = cls
+            self._kept_class = None
 
     def clip_gradients_norm(self, optimizer: Any, max_norm: float, norm_type: float,
                             error_if_nonfinite: bool) -> Tensor:
@@ -263,6 +304,7 @@ class GaenginePrecision(InnerPrecision, Precision):
 
     def _check_optimizer(self, optimizer: Any) -> None:
         acc = self._acc()
+        self.restore_optimizer_class()
         if optimizer is not acc.optimizer:
             raise ValueError(f"optimizer {type(optimizer).__name__} is not the one set up with this model "
                              "(fabric.setup(model, optimizer)): GaengineStrategy drives one optimizer")
@@ -316,8 +358,10 @@ class GaengineStrategy(DDPStrategy):
     (``GaenginePrecision``).
 
     Args:
-        accumulation_steps: K, the micro-batches per window of your loop (an int >= 1): the K your loss is divided
-            by, whose multiple ends ``no_backward_sync``. ``fabric.backward(loss)`` is ``acc.backward(loss * K)``.
+        accumulation_steps: K, the micro-batches per window of your loop (an int >= 1): the ``fabric.backward``
+            calls between two ``optimizer.step()`` calls, whose multiple ends ``no_backward_sync``. The window's
+            all-reduce overlaps its K-th backward; a shorter loop window trains the same (reduced at
+            ``optimizer.step()``), a longer one is refused (``ValueError`` at its K+1-th backward).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
             timeout, start_method: as Fabric's ``DDPStrategy`` (which this subclasses for its launch and process
             group).
@@ -422,6 +466,7 @@ class GaengineStrategy(DDPStrategy):
         acc = GradientAccumulator(self._module, optimizer, accumulation_steps=self.accumulation_steps,
                                   max_grad_norm=None, **{"loss_scale": precision.loss_scale, **self.accumulator_options})
         precision.attach(acc)
+        precision.keep_optimizer_class(optimizer)  # Fabric's wrapper, built next, takes its zero_grad
         return optimizer
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -448,11 +493,38 @@ class GaengineStrategy(DDPStrategy):
 
     def close(self) -> None:
         """Close the accumulator now (its hooks leave the parameters); it stays readable as ``accumulator``."""
+        self.precision.restore_optimizer_class()
         self.precision.close()
+
+    def get_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` through Fabric's wrapper (``fabric.save``), the optimizer's own class back first."""
+        self.precision.restore_optimizer_class()
+        return super().get_optimizer_state(optimizer)
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """``fabric.save``: Fabric's, the optimizer's own class back first (the accumulator's state names it)."""
+        self.precision.restore_optimizer_class()
+        return super().save_checkpoint(*args, **kwargs)
 
     def teardown(self) -> None:
         self.close()
         super().teardown()
+
+
+@functools.cache
+def _dropping_zero_grad(cls: type) -> type:
+    """``cls`` (an optimizer class) whose ``zero_grad`` first calls the Fabric strategy's ``drop_window`` when it
+    is called on Fabric's wrapper (which holds the strategy as ``_strategy``), then ``cls``'s own. Named as ``cls``
+    (its module and qualified name too), so Fabric's wrapper class is named as before."""
+
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        strategy = self.__dict__.get("_strategy")
+        if isinstance(strategy, GaengineStrategy):
+            strategy.precision.drop_window()
+        return cls.zero_grad(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 @functools.cache
