@@ -586,3 +586,80 @@ def test_train_end_closes_the_accumulator(tmp_path, after):
         final[first] = _params(model)
     _assert_params_within(final[GaengineTrainer], final[Trainer], "adamw", 1e-2, 2 * steps,
                           _regression_grad_rtol(8))
+
+
+# ---------------------------------------------------------------- schedule-free through the Trainer
+class _EvalPoints(TrainerCallback):
+    """At every evaluation (after the Trainer's ``optimizer.eval()``): the model's parameters, in fp32, and the
+    optimizer's (gaengine: the fp32 masters; plain: the model's own); at every update's end (before any
+    evaluation): the model's, the training point."""
+
+    def __init__(self):
+        self.model, self.optimizer, self.training = [], [], []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.training.append(_params(model))
+
+    def on_evaluate(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.model.append(_params(model))
+        self.optimizer.append([p.detach().clone() for g in optimizer.param_groups for p in g["params"]])
+
+
+def _schedule_free_run(cls, tmp_path, name, dtype):
+    """``optim="schedule_free_adamw"``, K = 2, an evaluation every 2 updates and a checkpoint after the one of
+    update 4 (the Trainer evaluates, then saves), ``trainer.evaluate()`` once more after ``train()``."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    points = _EvalPoints()
+    args = _args(tmp_path, name, optim="schedule_free_adamw", learning_rate=5e-2, gradient_accumulation_steps=2,
+                 lr_scheduler_type="constant", eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                 save_steps=4, per_device_eval_batch_size=8)
+    trainer = cls(model=RegressionModel(dtype), args=args, train_dataset=RegressionDataset(48),
+                  eval_dataset=RegressionDataset(16, seed=3), callbacks=[points])
+    trainer.train()
+    final = trainer.evaluate()
+    from safetensors.torch import load_file
+    saved = load_file(str(Path(args.output_dir) / "checkpoint-4" / "model.safetensors"))
+    return dict(points=points, training=points.training[-1], final=final, saved=[saved["a"].float(), saved["b"].float()],
+                evals=_logs(trainer, "eval_loss"), trainer=trainer)
+
+
+def test_schedule_free_evaluation_and_checkpoints_use_the_averaged_point(tmp_path):
+    """``TrainingArguments(optim="schedule_free_adamw")``: the Trainer calls ``optimizer.eval()`` before every
+    evaluation (``optimizer.train()`` at the next training step), so evaluations and the checkpoint saved right
+    after one hold the averaged point x, not the training point y.
+
+    fp32: every evaluation point, evaluation loss and the checkpoint's weights equal the plain Trainer's within
+    ``recipe_param_rtol`` of its 6 updates (rounding order only). bf16 model (fp32 masters): at every evaluation the
+    model holds the bf16 rounding of the optimizer's averaged fp32 point, bit for bit (what plain master-weight
+    training leaves; before, ``optimizer.eval()`` moved the masters only and the model evaluated the training
+    point), within one bf16 rounding (2^-8) plus ``RTOL[bf16]`` (the bf16 forward's gradient) of the plain fp32
+    Trainer's x, and so do the checkpoint and ``trainer.evaluate()`` after ``train()``; the evaluation point lies
+    farther than that from the training point (the check can fail)."""
+    plain = _schedule_free_run(Trainer, tmp_path, "plain", torch.float32)
+    ga = _schedule_free_run(GaengineTrainer, tmp_path, "ga", torch.float32)
+    steps = plain["trainer"].state.global_step
+    assert steps == ga["trainer"].state.global_step == 6 and len(plain["points"].model) == 4  # 3 in train, 1 after
+    tol = [recipe_param_rtol(q, "adamw", 5e-2, steps, _regression_grad_rtol(8)) for q in plain["training"]]
+
+    def within(got, want, what, extra=0.0):
+        for i, (p, q) in enumerate(zip(got, want, strict=True)):
+            assert rel_diff(p, q) <= tol[i] + extra, f"{what}, param {i}: {rel_diff(p, q):.3e}"
+
+    for e, (p, q) in enumerate(zip(ga["points"].model, plain["points"].model, strict=True)):
+        within(p, q, f"evaluation {e}")
+    within(ga["saved"], plain["saved"], "checkpoint-4")
+    within(ga["saved"], plain["points"].model[1], "plain checkpoint-4 is the evaluation point")
+    for a, b in zip(ga["evals"], plain["evals"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert _max_rel(plain["points"].model[-1], plain["training"]) > 10 * max(tol)  # x is not y
+    assert all(torch.equal(p, q) for p, q in zip(plain["points"].model[-1], plain["points"].model[-2]))
+
+    bf16 = _schedule_free_run(GaengineTrainer, tmp_path, "bf16", torch.bfloat16)
+    one_rounding = RTOL[torch.bfloat16] + RTOL[torch.bfloat16]  # the gradient's bf16 forward, then the rounding of x
+    for e, (model, masters) in enumerate(zip(bf16["points"].model, bf16["points"].optimizer, strict=True)):
+        for p, m in zip(model, masters):
+            assert torch.equal(p, m.to(torch.bfloat16).float()), f"evaluation {e}: not the rounding of the masters"
+        within(model, plain["points"].model[e], f"bf16 evaluation {e}", extra=one_rounding)
+    within(bf16["saved"], plain["saved"], "bf16 checkpoint-4", extra=one_rounding)
+    assert _max_rel(bf16["points"].model[-1], bf16["training"]) > 2 * (max(tol) + one_rounding)
