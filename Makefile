@@ -121,3 +121,11 @@ torch-range:
 
 torch-headers:
 	PYTHON=$(PY) bash .ci/torch_range.sh headers 2.9.1
+
+# The frameworks' own accumulation tests, plainly and through gaengine (tests/external/run_framework_tests.py): give
+# the checkouts, e.g. make framework-tests FRAMEWORKS="--transformers ../transformers@v5.24.0 --lightning
+# ../pytorch-lightning@2.6.5". Slow (minutes); not part of `make test`.
+.PHONY: framework-tests
+FRAMEWORKS ?=
+framework-tests: $(DEV_STAMP) install
+	$(VPY) tests/external/run_framework_tests.py $(FRAMEWORKS)

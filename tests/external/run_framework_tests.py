@@ -1,0 +1,213 @@
+"""Run the frameworks' own accumulation tests plainly and through gaengine, and count pass / fail / skip.
+
+Not collected by pytest (its name is not ``test_*.py``): the frameworks' test files are not part of gaengine. They are copied at run time from checkouts given on the command line (a work tree, or a git directory and
+a ref, read with ``git archive``), into a scratch directory, and run there twice, each in its own pytest process
+(one process, ``-p no:cacheprovider``, only the selected tests):
+
+* plainly;
+* through gaengine: a pytest plugin written next to them swaps the framework's class for gaengine's before the test
+  modules import it. Transformers: ``transformers.Trainer`` becomes ``GaengineTrainer``. Lightning: every
+  ``lightning.pytorch.Trainer(strategy="auto" | "ddp" | "ddp_spawn")`` gets ``GaengineStrategy()``.
+
+Usage (``make framework-tests`` runs it with the checkouts in ``FRAMEWORKS``)::
+
+    python tests/external/run_framework_tests.py --transformers ~/src/transformers@v5.24.0 \\
+        --lightning ~/src/pytorch-lightning@2.6.5 [--json results.json] [--keep DIR]
+
+Each path is a checkout's root; ``PATH@REF`` reads REF from the git directory at PATH (a bare mirror works).
+Prints a table of counts per file and mode, and every test that passes plainly but fails through gaengine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Suite:
+    """One framework's selection: the tree to copy (``root``, relative to the checkout), the test files in it with
+    their ``-k`` expressions (None: the whole file), the package root to put on ``sys.path``, and the plugin that
+    swaps in gaengine."""
+
+    name: str
+    root: str
+    files: dict[str, str | None]
+    plugin: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# Written next to the copied tests as the pytest plugin ``gaengine_swap``; ``_BUILT`` counts the gaengine objects the
+# tests built (printed at the end: the swap took effect).
+_COUNT = '''
+_BUILT = [0]
+
+
+def _counted(cls):
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        _BUILT[0] += 1
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"gaengine objects built: {_BUILT[0]}")
+'''
+
+_TRANSFORMERS_PLUGIN = _COUNT + '''
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("GAENGINE_SWAP") == "1":
+    import transformers
+    import transformers.trainer
+    from gaengine.integrations.transformers import GaengineTrainer
+    _counted(GaengineTrainer)
+    transformers.trainer.Trainer = GaengineTrainer
+    vars(transformers)["Trainer"] = GaengineTrainer
+'''
+
+_LIGHTNING_PLUGIN = _COUNT + '''
+import functools
+import os
+if os.environ.get("GAENGINE_SWAP") == "1":
+    import lightning.pytorch as pl
+    from gaengine.integrations.lightning import GaengineStrategy
+    _counted(GaengineStrategy)
+    _init = pl.Trainer.__init__
+
+    @functools.wraps(_init)
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("strategy", "auto") in ("auto", "ddp", "ddp_spawn"):
+            kwargs["strategy"] = GaengineStrategy()
+        _init(self, *args, **kwargs)
+
+    pl.Trainer.__init__ = __init__
+'''
+
+SUITES = {
+    "transformers": Suite(
+        "transformers", "tests", {
+            "tests/trainer/test_trainer.py": "grad_accum or gradient_accumulation",
+            "tests/trainer/test_trainer_resume.py": None,
+        }, _TRANSFORMERS_PLUGIN, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}),
+    "lightning": Suite(
+        "lightning", "tests/tests_pytorch", {
+            "tests/tests_pytorch/trainer/optimization/test_manual_optimization.py": "accumulat",
+            "tests/tests_pytorch/trainer/test_trainer.py": "accumulat",
+            "tests/tests_pytorch/callbacks/test_gradient_accumulation_scheduler.py": None,
+            "tests/tests_pytorch/trainer/optimization/test_backward_calls.py": None,
+            "tests/tests_pytorch/models/test_hooks.py": None,
+            "tests/tests_pytorch/core/test_lightning_module.py": None,
+        }, _LIGHTNING_PLUGIN, {"PL_RUN_CUDA_TESTS": "0"}),
+}
+
+
+def copy_tree(source: str, subdir: str, dest: Path) -> None:
+    """``subdir`` of ``source`` (a work tree, or ``GITDIR@REF``) into ``dest / subdir``."""
+    path, _, ref = source.partition("@")
+    if ref:
+        archive = subprocess.run(["git", f"--git-dir={_git_dir(Path(path))}", "archive", ref, subdir],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "x", "-C", str(dest)], input=archive, check=True)
+    else:
+        shutil.copytree(Path(path) / subdir, dest / subdir)
+
+
+def _git_dir(path: Path) -> Path:
+    return path / ".git" if (path / ".git").exists() else path
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """test id -> "pass" / "fail" / "skip" from pytest's JUnit XML."""
+    result = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        tags = {child.tag for child in case}
+        result[name] = "fail" if tags & {"failure", "error"} else "skip" if "skipped" in tags else "pass"
+    return result
+
+
+def run_suite(suite: Suite, source: str, work: Path, timeout: int) -> dict:
+    """Copy, then run each file plainly and through gaengine; per file and mode, each test's outcome."""
+    copy_tree(source, suite.root, work)
+    plugin_dir = work / "_gaengine_swap"
+    plugin_dir.mkdir(exist_ok=True)
+    (plugin_dir / "gaengine_swap.py").write_text(suite.plugin)
+    results: dict = {}
+    for path, select in suite.files.items():
+        if not (work / path).exists():
+            results[path] = {"missing": True}
+            continue
+        results[path] = {}
+        for mode in ("plain", "gaengine"):
+            junit = work / f"junit-{suite.name}-{Path(path).stem}-{mode}.xml"
+            env = {**os.environ, **suite.env, "GAENGINE_SWAP": "1" if mode == "gaengine" else "0",
+                   "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(work / Path(suite.root).parent), str(REPO),
+                                                  os.environ.get("PYTHONPATH", "")])}
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gaengine_swap", "-n", "0",
+                   "--rootdir", str(work), f"--junitxml={junit}", str(work / path)]
+            if select:
+                cmd += ["-k", select]
+            try:
+                out = subprocess.run(cmd, cwd=work, env=env, timeout=timeout, capture_output=True, text=True).stdout
+            except subprocess.TimeoutExpired:
+                out = ""
+            results[path][mode] = outcomes(junit) if junit.exists() else {}
+            built = [line.split(":")[1] for line in out.splitlines() if line.startswith("gaengine objects built:")]
+            results[path][f"{mode}_built"] = int(built[-1]) if built else None
+    return results
+
+
+def counts(tests: dict[str, str]) -> str:
+    return "/".join(str(sum(v == k for v in tests.values())) for k in ("pass", "fail", "skip"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transformers", help="a transformers checkout root, or GITDIR@REF")
+    parser.add_argument("--lightning", help="a pytorch-lightning checkout root, or GITDIR@REF")
+    parser.add_argument("--json", help="write every test's outcome per mode here")
+    parser.add_argument("--keep", help="copy the frameworks' tests here (kept) instead of a temporary directory")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per pytest process")
+    args = parser.parse_args(argv)
+    chosen = {name: getattr(args, name) for name in SUITES if getattr(args, name)}
+    if not chosen:
+        parser.error("give --transformers and/or --lightning")
+    all_results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(args.keep) if args.keep else Path(tmp)
+        for name, source in chosen.items():
+            work = base / name
+            work.mkdir(parents=True, exist_ok=True)
+            all_results[name] = run_suite(SUITES[name], source, work, args.timeout)
+    print(f"{'file':<72} {'plain p/f/s':>12} {'gaengine p/f/s':>15}")
+    for name, files in all_results.items():
+        for path, modes in files.items():
+            if modes.get("missing"):
+                print(f"{path:<72} {'(not in this checkout)':>28}")
+                continue
+            print(f"{path:<72} {counts(modes['plain']):>12} {counts(modes['gaengine']):>15}   "
+                  f"gaengine objects built: {modes.get('gaengine_built')}")
+            for test, outcome in sorted(modes["gaengine"].items()):
+                if outcome == "fail" and modes["plain"].get(test) == "pass":
+                    print(f"    gaengine only: {test}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(all_results, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
