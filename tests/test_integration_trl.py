@@ -195,3 +195,47 @@ def test_subclass_training_step_runs_and_options_pass(tmp_path, order):
 def test_factory_refuses_what_is_not_a_trainer():
     with pytest.raises(TypeError, match="trainer_class must be a transformers.Trainer subclass"):
         gaengine_trainer(torch.nn.Module)
+
+
+# ---------------------------------------------------------------- two gloo ranks
+def _sft_rank(rank, world, port, out):
+    """One rank: plain ``SFTTrainer`` (DDP, gloo) then ``gaengine_trainer(SFTTrainer)`` on the same data and config;
+    each one's logged losses and gradient norms and its trained weights, saved for the test."""
+    from pathlib import Path
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from tests.ranks import torchrun_rank
+
+    with torchrun_rank(rank, world, port):
+        results = {}
+        for name, cls, kw in (("plain", SFTTrainer, {}),
+                              ("gaengine", gaengine_trainer(SFTTrainer), {"accumulator_options": {"backend": "cpu"}})):
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            trainer = _run(Path(out) / f"rank{rank}", "sft", cls, **kw)
+            results[name] = {"loss": _logs(trainer, "loss"), "grad_norm": _logs(trainer, "grad_norm"),
+                             "trained": _trained(trainer), "world": trainer.args.world_size}
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_equal_plain_trl(tmp_path):
+    """SFT on 2 gloo ranks launched as torchrun does, batch 2 and K = 2 per rank, clip 1.0, 2 AdamW updates: the
+    loss scaling over the ranks (TRL's token count gathered over both ranks, gaengine's item mode with the global
+    token count) gives the losses and gradient norms plain TRL logs within ``LOG_RTOL`` on every rank, and the same
+    trained weights within 1e-3 relative (the one-process full-model bound of
+    ``test_fp32_equals_the_plain_trl_trainer``); both ranks end equal."""
+    from tests.ranks import free_port, spawn_ranks
+
+    assert spawn_ranks(_sft_rank, 2, (free_port(), str(tmp_path)), join_s=240) == [0, 0]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, res in enumerate(ranks):
+        plain, ours = res["plain"], res["gaengine"]
+        assert plain["world"] == ours["world"] == 2
+        for key in ("loss", "grad_norm"):
+            assert len(ours[key]) == len(plain[key]) == STEPS
+            assert max(abs(a / b - 1) for a, b in zip(ours[key], plain[key])) <= LOG_RTOL, (r, key, ours, plain)
+        assert max(rel_diff(ours["trained"][n], plain["trained"][n]) for n in plain["trained"]) <= 1e-3, r
+    for n, p in ranks[0]["gaengine"]["trained"].items():
+        assert torch.equal(p, ranks[1]["gaengine"]["trained"][n]), n

@@ -140,14 +140,18 @@ def outcomes(junit: Path) -> dict[str, str]:
     return result
 
 
-def run_suite(suite: Suite, source: str, work: Path, timeout: int) -> dict:
-    """Copy, then run each file plainly and through gaengine; per file and mode, each test's outcome."""
-    copy_tree(source, suite.root, work)
+def run_suite(suite: Suite, source: str, work: Path, timeout: int, only: str | None = None) -> dict:
+    """Copy, then run each file (those whose path holds ``only``, if given) plainly and through gaengine; per file
+    and mode, each test's outcome."""
+    if not (work / suite.root).exists():
+        copy_tree(source, suite.root, work)
     plugin_dir = work / "_gaengine_swap"
     plugin_dir.mkdir(exist_ok=True)
     (plugin_dir / "gaengine_swap.py").write_text(suite.plugin)
     results: dict = {}
     for path, select in suite.files.items():
+        if only and only not in path:
+            continue
         if not (work / path).exists():
             results[path] = {"missing": True}
             continue
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every test's outcome per mode here")
     parser.add_argument("--keep", help="copy the frameworks' tests here (kept) instead of a temporary directory")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per pytest process")
+    parser.add_argument("--only", help="run only the selected files whose path contains this")
     args = parser.parse_args(argv)
     chosen = {name: getattr(args, name) for name in SUITES if getattr(args, name)}
     if not chosen:
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, source in chosen.items():
             work = base / name
             work.mkdir(parents=True, exist_ok=True)
-            all_results[name] = run_suite(SUITES[name], source, work, args.timeout)
+            all_results[name] = run_suite(SUITES[name], source, work, args.timeout, args.only)
     print(f"{'file':<72} {'plain p/f/s':>12} {'gaengine p/f/s':>15}")
     for name, files in all_results.items():
         for path, modes in files.items():
