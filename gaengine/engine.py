@@ -230,7 +230,7 @@ class GradientAccumulator:
         if self._fusion is not None:  # a layer whose weight or bias holds a user hook is not fused
             self._fusion.follow_hooks(self.sharding.accumulation, self.params)
         self._model = _watch_model(self.sharding, self.device)
-        self._replaced = ReplacedParams(module, self.params)  # parameters replaced in the model: refused
+        self._replaced = ReplacedParams(module, self.params, self.optimizer, self.sharding)  # adopted or refused
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -320,7 +320,7 @@ class GradientAccumulator:
         the last window's per-rank counts (several ranks), and ``num_items`` (returned checked, or None)."""
         check_loss(loss)
         self._model.check()
-        self._replaced.check(self.window.num_micro_batches == 0)  # ValueError naming a parameter replaced
+        self._replaced.check(self.window.num_micro_batches == 0)  # replaced parameters: adoptable, else ValueError
         self._check_scheduler()
         window = self.window
         if window.failed:
@@ -376,6 +376,8 @@ class GradientAccumulator:
         (``gaengine.ownership.RankMembership``); where they differ no rank adopts and ``step()`` raises on every rank.
         ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once
         (FSDP2), for an optimizer that writes the model itself, or an fp16 parameter without a loss scale."""
+        if self._replaced.pending:  # parameters replaced in the model (gaengine.replaced): they join, the old leave
+            self._members.rescan()
         joined, left = self._members.changes(self.params)
         window_id = self.schedule.update_index  # the window's header (gaengine.protocol)
         if self._ranks_members is not None and not self._ranks_members.check(joined, left, window_id):
@@ -404,7 +406,7 @@ class GradientAccumulator:
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
         self._model = _watch_model(self.sharding, self.device)
-        self._replaced = ReplacedParams(self._members.module, self.params)
+        self._replaced = ReplacedParams(self._members.module, self.params, self.optimizer, self.sharding)
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()

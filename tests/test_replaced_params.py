@@ -1,10 +1,14 @@
-"""A parameter replaced in the model after the accumulator was built is noticed (issue 41, N2).
+"""A parameter replaced in the model after the accumulator was built is noticed (issue 41, N2 and point 2).
 
 ``model.load_state_dict(sd, assign=True)``, a layer swapped for a new one, or ``p.data`` of another shape: the
-model then computes with tensors the accumulator and the optimizer do not hold (the new ones kept autograd's raw
-``.grad`` and never trained). gaengine refuses the next ``acc.backward()`` with a ``ValueError`` naming the
-parameter, the window as it was; going on as the message says (values loaded in place, the layer put back) trains as
-the plain recipe does in fp64.
+model then computes with tensors the accumulator does not hold (before, the new ones kept autograd's raw ``.grad``
+and never trained). The plain recipe trains the new objects only once the optimizer is pointed at them (it steps the
+objects it holds), with no optimizer state for them. gaengine does the same: between windows, in the replicated mode,
+a replacement the optimizer holds is adopted at the next window's first ``backward()`` and trains as the plain fp64
+recipe with the same swap and the same optimizer edit (fp32, and bf16 with fp32 masters; SGD with momentum: the new
+objects start with no momentum buffer, the others keep theirs); a replacement the optimizer does not hold (the plain
+recipe would silently not train it), one in the middle of a window, or one under ZeRO on several ranks, raises
+``ValueError`` naming the parameter, the window as it was.
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ def test_load_state_dict_assign_is_refused_naming_the_parameter(dtype):
     model.load_state_dict(copy.deepcopy(other), assign=True)
     assert all(p is not q for p, q in zip(model.parameters(), held))
     before = _window(acc)
-    with pytest.raises(ValueError, match=r"parameter 'fc1\.weight' is another tensor.*assign=True"):
+    with pytest.raises(ValueError, match=r"parameter 'fc1\.weight' is another tensor.*assign=True.*the "
+                                         r"optimizer still holds the old object.*plain recipe would not train it"):
         acc.backward(_loss(model, batches[K]))
     assert _same_window(before, _window(acc))
     # the way on the message gives: the held parameters back, the checkpoint's values loaded in place
@@ -113,7 +118,8 @@ def test_swapped_layer_is_refused_mid_window_with_the_window_kept():
     before = _window(acc)
     old = model.head
     model.head = nn.Linear(8, 3)
-    with pytest.raises(ValueError, match=r"parameter 'head\.weight' is another tensor.*layer replaced"):
+    with pytest.raises(ValueError, match=r"parameter 'head\.weight' is another tensor.*layer replaced.*in the "
+                                         r"middle of an accumulation window"):
         acc.backward(_loss(model, batches[1]))
     assert _same_window(before, _window(acc))
     assert all(p.grad is None for p in model.head.parameters())
@@ -164,4 +170,122 @@ def test_an_unrelated_model_built_meanwhile_is_not_a_replacement():
     acc.backward(_loss(model, batches[1]))
     assert acc.step() is not None and unrelated is not None
     _assert_close(model, expected, RTOL[torch.float32], "window with another model built in it")
+    acc.close()
+
+
+MOMENTUM = 0.9
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _swap(how: str, model, optimizer, dtype, source) -> None:
+    """Between windows, the same on the accumulator's model and the reference: ``assign``: a checkpoint's values
+    loaded with ``assign=True`` and the optimizer's group pointed at the new objects; ``layer``: the head replaced by a
+    new ``nn.Linear`` given to the optimizer with ``add_param_group`` (the old head stays in its group, gradient-less:
+    skipped). The new values are drawn in ``source`` (the run's dtype: the reference gets the same values)."""
+    torch.manual_seed(3)
+    if how == "assign":
+        other = MLP(6, 8, 3).to(source)
+        model.load_state_dict({k: v.to(dtype) for k, v in other.state_dict().items()}, assign=True)
+        optimizer.param_groups[0]["params"] = list(model.parameters())
+    else:
+        head = nn.Linear(8, 3).to(source)
+        model.head = head.to(dtype)
+        optimizer.add_param_group({"params": list(model.head.parameters())})
+
+
+@pytest.mark.parametrize("how", ["assign", "layer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master-weights"])
+def test_replacement_the_optimizer_holds_trains_as_the_plain_recipe(how, dtype):
+    """Replaced between windows 2 and 3 and given to the optimizer as the plain recipe needs: adopted at window 3's
+    first backward, every window after matches the plain fp64 recipe that does the same (the new objects start with
+    no momentum buffer, the others keep theirs). Before: refused (and, before that, the new ones never trained)."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(dtype)
+    ref = copy.deepcopy(model).double()
+    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    windows = 5
+    batches = _batches(windows * K)
+    at_swap = None
+    for w in range(windows):
+        if w == 2:
+            _swap(how, model, optimizer, dtype, dtype)
+            _swap(how, ref, ref_opt, torch.float64, dtype)
+            at_swap = [p.detach().clone() for p in ref.parameters()]
+        window = batches[w * K:(w + 1) * K]
+        for b in window:
+            acc.backward(_loss(model, b))
+        assert acc.step() is not None
+        ref_opt.zero_grad()
+        for b in window:
+            (_loss(ref, b) / K).backward()
+        ref_opt.step()
+        moved = 0.0 if at_swap is None else max(float((q.detach() - a).abs().max())
+                                                for q, a in zip(ref.parameters(), at_swap))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            e = q.detach()
+            if dtype == torch.float32:  # a few fp32 roundings of the forward, backward, sum and update
+                tol = 64 * RTOL[torch.float32] * (1.0 + float(e.abs().max()))
+            else:  # the bf16 rounding of the masters, and the bf16 forward's gradient error in each update since
+                tol = RTOL[torch.bfloat16] * (float(e.abs().max()) + 4 * moved)
+            err = float((p.detach().double() - e).abs().max())
+            assert err <= tol, f"{how}, {dtype}, window {w}: {name} off by {err:.3e} > {tol:.3e}"
+    if at_swap is not None:  # the replacement trained: it moved by far more than the bound
+        assert moved > 10 * RTOL[torch.bfloat16] * max(float(q.detach().abs().max()) for q in ref.parameters())
+    assert {id(p) for p in acc.params} == {id(p) for p in model.parameters()}
+    acc.close()
+
+
+def test_replaced_layer_without_optimizer_gets_the_window_gradient():
+    """No optimizer: ``step()`` leaves the window's mean gradient in ``.grad``; a head swapped between windows gets it
+    as the plain recipe's ``loss / K`` backward gives it (fp64), and the old head gets none."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3)
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    batches = _batches(2 * K)
+    for b in batches[:K]:
+        acc.backward(_loss(model, b))
+    acc.step()
+    old = model.head
+    model.head = nn.Linear(8, 3)
+    ref = copy.deepcopy(model).double()
+    for b in batches[K:]:
+        acc.backward(_loss(model, b))
+        (_loss(ref, b) / K).backward()
+    acc.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        tol = 64 * RTOL[torch.float32] * (1.0 + float(q.grad.abs().max()))
+        assert p.grad is not None, f"{name}: no gradient"
+        err = float((p.grad.double() - q.grad).abs().max())
+        assert err <= tol, f"{name}: .grad off by {err:.3e} > {tol:.3e}"
+    assert old.weight.grad is None and old.bias.grad is None
+    acc.close()
+
+
+def test_refused_replacement_leaves_the_accumulator_as_it_was():
+    """A refusal at a window start (the optimizer holds the old head) changes nothing: the same parameters, layout and
+    optimizer; the head put back, the window trains as the plain recipe's."""
+    model, acc = _setup()
+    batches = _batches(2 * K)
+    for b in batches[:K]:
+        acc.backward(_loss(model, b))
+    acc.step()
+    params, groups = list(acc.params), [list(g["params"]) for g in acc.optimizer.param_groups]
+    old = model.head
+    model.head = nn.Linear(8, 3)
+    for _ in range(2):  # refused again, not half adopted by the first refusal
+        with pytest.raises(ValueError, match=r"'head\.weight'.*optimizer still holds the old object"):
+            acc.backward(_loss(model, batches[K]))
+    assert [id(p) for p in acc.params] == [id(p) for p in params]
+    assert [[id(q) for q in g["params"]] for g in acc.optimizer.param_groups] == [[id(q) for q in g] for g in groups]
+    assert acc.num_micro_batches == 0
+    model.head = old
+    expected = _plain(model, [batches[K:]])
+    for b in batches[K:]:
+        acc.backward(_loss(model, b))
+    acc.step()
+    _assert_close(model, expected, RTOL[torch.float32], "after the head was put back")
     acc.close()
