@@ -95,7 +95,12 @@ class ReplacedParams:
         that are no longer the ones the accumulator holds (another object in their slot, their layer replaced). At a
         window start, where ``adopts()`` and the optimizer (if any) holds every new trainable object, their names go
         to ``pending`` (adopted by the accumulator at this micro-batch). Else ``ValueError`` naming the first, and one
-        naming a parameter whose shape or dtype changed in place (checked at a window start): nothing changed."""
+        naming a parameter whose shape or dtype changed in place (checked at a window start): nothing changed. A
+        replacement found adoptable at this window's start and not adopted (several ranks that replaced differently:
+        no rank adopts, and ``step()`` raises on every rank, ``gaengine.ownership.RankMembership``) is not refused
+        again in the window: the ranks' collectives stay matched up to that ``step()``."""
+        if self.pending and not window_start:
+            return
         self.pending = []
         if self._seen != _generation:
             replaced = self._replaced_slots()

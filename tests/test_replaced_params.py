@@ -289,3 +289,73 @@ def test_refused_replacement_leaves_the_accumulator_as_it_was():
     acc.step()
     _assert_close(model, expected, RTOL[torch.float32], "after the head was put back")
     acc.close()
+
+
+def _rank_case(rank: int, stage: int, swap_on: tuple[int, ...]) -> dict:
+    """2 ranks, ``zero_stage=stage``: one window, then the ranks in ``swap_on`` swap the head (the same new values
+    on every rank) and give it to the optimizer with ``add_param_group``; two more windows. Returns each window's
+    outcome and the parameters after each, beside the plain fp64 recipe over both ranks' micro-batches (the mean of
+    every rank's micro-batch means) with the same swap."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3)
+    ref = copy.deepcopy(model).double()
+    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch",
+                                       zero_stage=stage)
+    world = torch.distributed.get_world_size()
+    out = {"outcomes": [], "errors": [], "kept": []}
+    for w in range(3):
+        every = [_batches(K, seed=100 * w + r) for r in range(world)]
+        if w == 1:
+            _swap("layer", ref, ref_opt, torch.float64, torch.float32)
+            if rank in swap_on:
+                _swap("layer", model, optimizer, torch.float32, torch.float32)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            for b in every[rank]:
+                acc.backward(_loss(model, b))
+            acc.step()
+            out["outcomes"].append("applied")
+        except ValueError as exc:
+            out["outcomes"].append(str(exc))
+            out["kept"].append(all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before)))
+            return out
+        ref_opt.zero_grad()
+        for r in range(world):
+            for b in every[r]:
+                (_loss(ref, b) / (K * world)).backward()
+        ref_opt.step()
+        out["errors"].append(max(float((p.detach().double() - q.detach()).abs().max())
+                                 / (64 * RTOL[torch.float32] * (1.0 + float(q.detach().abs().max())))
+                                 for p, q in zip(model.parameters(), ref.parameters())))
+    acc.close()
+    return out
+
+
+def _on_two_ranks(rank, world, out):
+    return {"adopted": _rank_case(rank, 0, (0, 1)), "one rank": _rank_case(rank, 0, (0,)),
+            "zero1": _rank_case(rank, 1, (0, 1))}
+
+
+@pytest.mark.multiproc
+def test_replacement_on_two_ranks(tmp_path):
+    """2 gloo ranks. ``zero_stage=0``, both ranks swapping alike: adopted, every window matches the plain fp64 recipe
+    over both ranks' micro-batches. Only rank 0 swapping: no rank adopts and both ranks' ``step()`` raise (before the
+    fingerprint counted replacements, rank 0 alone would adopt: its broadcast meeting rank 1's all-reduce).
+    ``zero_stage=1``: refused naming the parameter on both ranks, nothing applied."""
+    from tests.ranks import launch_scenario  # noqa: PLC0415
+
+    codes, results = launch_scenario(tmp_path, 2, _on_two_ranks, timeout_s=30, join_s=90)
+    assert codes == [0, 0], f"exit codes {codes}"
+    for rank, res in enumerate(results):
+        adopted = res["adopted"]
+        assert adopted["outcomes"] == ["applied"] * 3, (rank, adopted["outcomes"])
+        assert max(adopted["errors"]) <= 1.0, f"rank {rank}: error / bound per window {adopted['errors']}"
+        one = res["one rank"]
+        assert one["outcomes"][0] == "applied" and "changed their trainable parameters differently" in (
+            one["outcomes"][1]), (rank, one["outcomes"])
+        assert one["kept"] == [True], f"rank {rank}: the disagreeing window was applied"
+        zero1 = res["zero1"]
+        assert "'head.weight'" in zero1["outcomes"][1] and "zero_stage=1 does not adopt" in zero1["outcomes"][1], (
+            rank, zero1["outcomes"])
+        assert zero1["kept"] == [True]
