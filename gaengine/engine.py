@@ -279,8 +279,11 @@ class GradientAccumulator:
             self._adopt_changes()
             if self._fusion is not None:  # hooks registered or removed since: fused or not from this window on
                 self._fusion.follow_hooks(self.sharding.accumulation, self.params)
-        if self._ranks_members is not None and window.num_micro_batches == self.accumulation_steps - 1:
-            self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
+        if self._ranks_members is not None:  # the headers of the reductions (gaengine.protocol)
+            self._ranks_members.protocol.before_backward(
+                self.schedule.update_index, window.num_micro_batches,
+                window.num_micro_batches == self.accumulation_steps - 1,
+                self.sharding.reduction.reduces_every_micro_batch)
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
         if self.sharding.accumulation.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
@@ -1090,6 +1093,8 @@ class GradientAccumulator:
                              "1-D shards of the parameters; gather its state with "
                              "gaengine.full_optimizer_state_dict first, or close() without it")
         self._warn_dropped_window("acc.close()")
+        if self._ranks_members is not None and (self.window.failed or self._ranks_members.protocol.reducing):
+            self.zero_grad()  # a failed micro-batch's reductions complete first: the other ranks' are matched
         self._lent = None
         if store is not None:
             store.release_to_model()
