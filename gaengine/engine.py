@@ -549,6 +549,7 @@ class GradientAccumulator:
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
         self._model.check()
+        self._replaced.follow_storage()  # p.data = x of a parameter laid out in a flat buffer (gaengine.replaced)
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
         if self._ranks_members is not None:  # the ranks changed their parameters differently at this window's start

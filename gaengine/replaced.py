@@ -81,6 +81,14 @@ class ReplacedParams:
                         self._slots.append((f"{prefix}.{leaf}" if prefix else leaf, owner, leaf, p))
         self._seen = _generation
         self.pending: list[str] = []
+        # The parameters re-pointed at views of a flat parameter buffer (``gaengine.store``: bf16/fp16 with fp32
+        # masters, every parameter under ZeRO): (index, the view, its data_ptr). ``p.data = x`` leaves the buffer.
+        store = getattr(sharding, "store", None)
+        buffers = {dt: buf.untyped_storage().data_ptr() for dt, buf in store.param_buffers.items()} if (
+            store is not None) else {}
+        self._views = [(i, p.data, p.data_ptr()) for i, p in enumerate(self.params)
+                       if p.dtype in buffers and not _is_dtensor(p)
+                       and p.untyped_storage().data_ptr() == buffers[p.dtype]]
 
     def adopts(self) -> bool:
         """Whether the accumulator adopts a replaced parameter at a window boundary: the replicated mode (one rank, or
@@ -99,6 +107,7 @@ class ReplacedParams:
         replacement found adoptable at this window's start and not adopted (several ranks that replaced differently:
         no rank adopts, and ``step()`` raises on every rank, ``gaengine.ownership.RankMembership``) is not refused
         again in the window: the ranks' collectives stay matched up to that ``step()``."""
+        self.follow_storage()
         if self.pending and not window_start:
             return
         self.pending = []
@@ -117,6 +126,32 @@ class ReplacedParams:
                                       f"accumulator laid it out as {tuple(shape)} {dtype} (p.data = ... of another "
                                       "shape or dtype: the parameter's optimizer state and fp32 master would not fit "
                                       "it, in the plain recipe too)"))
+
+    def follow_storage(self) -> None:
+        """Before every micro-batch's backward and ``step()``: a parameter laid out in a flat parameter buffer whose
+        storage was replaced (``p.data = x``, same shape and dtype: the same object, so the plain recipe's optimizer
+        steps it from ``x`` with its state and the gradient it holds) is put back into its place in the buffer with
+        ``x``'s values, in place (the store's version counters see the write: its fp32 master takes them at the
+        next update, ``ParameterStore.pull_model_writes``), in the replicated mode; elsewhere ``ValueError`` naming
+        it, nothing changed. Left alone, the updates would go into the buffer, which the model no longer reads: the
+        parameter would silently never train again. One ``data_ptr()`` per laid-out parameter."""
+        if not self._views or all(self.params[i].data_ptr() == ptr for i, _, ptr in self._views):
+            return
+        moved = [(i, view) for i, view, ptr in self._views if self.params[i].data_ptr() != ptr]
+        if not self.adopts():
+            i = moved[0][0]
+            name = next((n for n, _, _, q in self._slots if q is self.params[i]), f"params[{i}]")
+            raise ValueError(_refused(name, "has another storage (p.data = ...) than the flat parameter buffer the "
+                                            f"accumulator laid it out in, and {self.sharding.name} does not adopt it "
+                                            "(write values in place: with torch.no_grad(): p.copy_(x))",
+                                      adoptable=False))
+        with torch.no_grad():
+            for i, view in moved:
+                p = self.params[i]
+                view.copy_(p.detach())  # not through p: autograd may hold p at its version (a forward since)
+                p.data = view
+        if self.sharding.store is not None:
+            self.sharding.store.merge_params([self.params[i] for i, _ in moved])  # the fp32 masters take them
 
     def _replaced_slots(self) -> list[tuple[str, torch.Tensor | None]]:
         """``(name, the model's parameter in that slot now, or None where it was removed)`` of every slot whose

@@ -359,3 +359,41 @@ def test_replacement_on_two_ranks(tmp_path):
         assert "'head.weight'" in zero1["outcomes"][1] and "zero_stage=1 does not adopt" in zero1["outcomes"][1], (
             rank, zero1["outcomes"])
         assert zero1["kept"] == [True]
+
+
+def test_parameter_data_replaced_in_a_flat_buffer_trains_as_the_plain_recipe():
+    """bf16 parameters with fp32 masters live in a flat parameter buffer; ``p.data = x`` (same shape and dtype, the
+    same object) gives one another storage, between windows and in the middle of one. The plain recipe's optimizer
+    steps the same object from ``x`` (its momentum and the gradient it holds kept): so does gaengine, every window
+    against the plain fp64 recipe doing the same. Before: the updates went into the buffer the model no longer read,
+    and the parameter silently never trained again."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(torch.bfloat16)
+    ref = copy.deepcopy(model).double()
+    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    batches = _batches(4 * K)
+    g = torch.Generator().manual_seed(5)
+    at_change = None
+    for w in range(4):
+        ref_opt.zero_grad()
+        for k, b in enumerate(batches[w * K:(w + 1) * K]):
+            if (w, k) in ((1, 0), (2, 1)):  # between windows, and in the middle of one
+                layer, ref_layer = (model.fc1, ref.fc1) if w == 1 else (model.head, ref.head)
+                new = torch.randn(layer.weight.shape, generator=g).to(torch.bfloat16)
+                layer.weight.data = new.clone()
+                ref_layer.weight.data = new.double()
+                at_change = at_change or [p.detach().clone() for p in ref.parameters()]
+            acc.backward(_loss(model, b))
+            (_loss(ref, b) / K).backward()
+        assert acc.step() is not None
+        ref_opt.step()
+        moved = 0.0 if at_change is None else max(float((q.detach() - a).abs().max())
+                                                  for q, a in zip(ref.parameters(), at_change))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            e = q.detach()
+            tol = RTOL[torch.bfloat16] * (float(e.abs().max()) + 4 * moved)  # as the replacement test above
+            err = float((p.detach().double() - e).abs().max())
+            assert err <= tol, f"window {w}: {name} off by {err:.3e} > {tol:.3e}"
+    assert moved > 10 * RTOL[torch.bfloat16] * max(float(q.detach().abs().max()) for q in ref.parameters())
+    acc.close()
