@@ -24,10 +24,17 @@ that, and nothing silently:
   layouts are not rebuilt for a replacement), for a parameter removed from the model, or for a shape or dtype changed
   in place (``p.data = x`` of another shape: the optimizer state and fp32 master of the object would not fit it).
 
+``p.data = x`` of the same shape and dtype keeps the object (the plain recipe's optimizer steps it from ``x``, its
+state and ``.grad`` kept) and only matters where the accumulator laid the parameter out in a flat parameter buffer
+(bf16/fp16 with fp32 masters; every parameter under ZeRO): the updates would go into the buffer, which the model no
+longer reads. ``ReplacedParams.follow_storage`` (every backward and ``step()``) puts it back in its place with
+``x``'s values, its master taking them, in the replicated mode, at any micro-batch; elsewhere it refuses naming it.
+
 Cost: the module's slots are read again only when a parameter or a submodule was registered anywhere since the last
 check (``torch.nn`` calls the global registration hooks installed here, an int increment each, from
 ``Module.__setattr__``: ``load_state_dict(assign=True)`` and a layer swap go through it), so an ordinary micro-batch
-pays one int comparison; the shapes and dtypes are compared once per window (one list comparison).
+pays one int comparison and one ``data_ptr()`` per parameter laid out in a flat buffer; the shapes and dtypes are
+compared once per window (one list comparison).
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ class ReplacedParams:
         self._views = [(i, p.data, p.data_ptr()) for i, p in enumerate(self.params)
                        if p.dtype in buffers and not _is_dtensor(p)
                        and p.untyped_storage().data_ptr() == buffers[p.dtype]]
+        self._laid = [self.params[i] for i, _, _ in self._views]
+        self._ptrs = [ptr for _, _, ptr in self._views]
 
     def adopts(self) -> bool:
         """Whether the accumulator adopts a replaced parameter at a window boundary: the replicated mode (one rank, or
@@ -135,7 +144,7 @@ class ReplacedParams:
         next update, ``ParameterStore.pull_model_writes``), in the replicated mode; elsewhere ``ValueError`` naming
         it, nothing changed. Left alone, the updates would go into the buffer, which the model no longer reads: the
         parameter would silently never train again. One ``data_ptr()`` per laid-out parameter."""
-        if not self._views or all(self.params[i].data_ptr() == ptr for i, _, ptr in self._views):
+        if [p.data_ptr() for p in self._laid] == self._ptrs:
             return
         moved = [(i, view) for i, view, ptr in self._views if self.params[i].data_ptr() != ptr]
         if not self.adopts():
