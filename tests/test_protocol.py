@@ -163,6 +163,16 @@ def _raise_in_backward(grad):
     raise _Boom("an error inside backward")
 
 
+def _failing_backward(acc, model, rank: int, window: int, k: int) -> str | None:
+    """Micro-batch ``k`` of ``window`` whose backward raises at ``model[0].weight`` (the last bucket to arrive: the
+    buckets before it reduced); its outcome."""
+    handle = model[0].weight.register_hook(_raise_in_backward)
+    try:
+        return _outcome(lambda: acc.backward(_loss(model, rank, window, k)))
+    finally:
+        handle.remove()
+
+
 def _drops_in_last(rank, world, out):
     """Rank 1's last micro-batch raises inside backward (after the reductions' header, some buckets launched);
     it calls zero_grad() and goes on. Its zero_grad() completes the reductions, so rank 0's step() raises naming
@@ -174,9 +184,7 @@ def _drops_in_last(rank, world, out):
     if rank == 1:
         for k in range(K - 1):
             acc.backward(_loss(model, rank, 1, k))
-        handle = model[0].weight.register_hook(_raise_in_backward)  # the last bucket to arrive
-        errors.append(_outcome(lambda: acc.backward(_loss(model, rank, 1, K - 1))))
-        handle.remove()
+        errors.append(_failing_backward(acc, model, rank, 1, K - 1))
         acc.zero_grad()
         errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
     else:
@@ -286,9 +294,7 @@ def _sharded_drop(rank, kind: str, inside: bool):
     if rank == 1:
         acc.backward(_loss(model, rank, 1, 0))
         if inside:
-            handle = model[0].weight.register_hook(_raise_in_backward)  # the last bucket to arrive
-            errors.append(_outcome(lambda: acc.backward(_loss(model, rank, 1, 1))))
-            handle.remove()
+            errors.append(_failing_backward(acc, model, rank, 1, 1))
         acc.zero_grad()
         errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
     else:
@@ -326,9 +332,7 @@ def _close_after_failed_last(rank, world, out):
     if rank == 1:
         for k in range(K - 1):
             acc.backward(_loss(model, rank, 1, k))
-        handle = model[0].weight.register_hook(_raise_in_backward)
-        errors = [_outcome(lambda: acc.backward(_loss(model, rank, 1, K - 1)))]
-        handle.remove()
+        errors = [_failing_backward(acc, model, rank, 1, K - 1)]
         acc.close()
         return errors, all(b.work is None for b in acc.reducer.buckets) and acc.window.stats is None
     errors = [_outcome(lambda: _window(acc, model, rank, 1))]
