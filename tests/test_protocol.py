@@ -282,6 +282,17 @@ def _full(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
+def _sharded_go_on(acc, model: nn.Module, rank: int) -> bool:
+    """``_go_on`` for a sharded model (its parameters compared whole), then ``acc.close()``."""
+    acc.zero_grad()
+    _window(acc, model, rank, 9)
+    flat = _full(model)
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    acc.close()
+    return torch.equal(gathered[0], gathered[1])
+
+
 def _sharded_drop(rank, kind: str, inside: bool):
     """zero_stage=2 or FSDP2, where every micro-batch reduces: after a window, rank 1 drops the next one after its
     first micro-batch (``inside``: its second micro-batch's backward raises after some buckets were reduce-scattered)
@@ -299,13 +310,23 @@ def _sharded_drop(rank, kind: str, inside: bool):
         errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
     else:
         errors.append(_outcome(lambda: _window(acc, model, rank, 1)))
-    acc.zero_grad()
-    _window(acc, model, rank, 9)
-    flat = _full(model)
-    gathered = [torch.empty_like(flat) for _ in range(2)]
-    dist.all_gather(gathered, flat)
-    acc.close()
-    return errors, torch.equal(gathered[0], gathered[1])
+    return errors, _sharded_go_on(acc, model, rank)
+
+
+def _uneven_zero2(rank, world, out):
+    """zero_stage=2, K=3: rank 0's window ends after one micro-batch (``step(force=True)``, an epoch's end) while rank
+    1's holds three. Rank 0's reductions header meets rank 1's micro-batch header: both raise, nothing applied, and
+    after ``zero_grad()`` on both they train on alike. Before the micro-batch header, rank 0's header met rank 1's
+    reduce-scatter."""
+    model = _model()
+    acc = _sharded(model, "zero2")
+    _window(acc, model, rank, 0)
+    if rank == 0:
+        acc.backward(_loss(model, rank, 1, 0))
+        errors = [_outcome(lambda: acc.step(force=True))]
+    else:
+        errors = [_outcome(lambda: _window(acc, model, rank, 1))]
+    return errors, _sharded_go_on(acc, model, rank)
 
 
 def _checkpoint_mid_window(rank, world, out):
@@ -344,6 +365,7 @@ def _every_sharded_case(rank, world, out):
     return {"zero2": _sharded_drop(rank, "zero2", inside=False),
             "zero2_inside_backward": _sharded_drop(rank, "zero2", inside=True),
             "fsdp2": _sharded_drop(rank, "fsdp2", inside=False),
+            "zero2_uneven": _uneven_zero2(rank, world, out),
             "checkpoint": _checkpoint_mid_window(rank, world, out),
             "close": _close_after_failed_last(rank, world, out)}
 

@@ -332,9 +332,26 @@ def _rank_case(rank: int, stage: int, swap_on: tuple[int, ...]) -> dict:
     return out
 
 
+def _zero_data_case(rank: int) -> str:
+    """``zero_stage=1``: every parameter lives in the flat parameter buffer; ``p.data = x`` on every rank is refused
+    naming it at the next backward (ZeRO does not adopt it), nothing accumulated."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3)
+    acc = gaengine.GradientAccumulator(model, _sgd(model.parameters()), accumulation_steps=K, max_grad_norm=None,
+                                       backend="torch", zero_stage=1)
+    for b in _batches(K, seed=7 + rank):
+        acc.backward(_loss(model, b))
+    acc.step()
+    model.fc1.weight.data = model.fc1.weight.detach().clone()
+    with pytest.raises(ValueError) as refused:  # not raising fails this rank, and the test
+        acc.backward(_loss(model, _batches(1, seed=9)[0]))
+    acc.close()
+    return f"{refused.value}|{acc.num_micro_batches}"
+
+
 def _on_two_ranks(rank, world, out):
     return {"adopted": _rank_case(rank, 0, (0, 1)), "one rank": _rank_case(rank, 0, (0,)),
-            "zero1": _rank_case(rank, 1, (0, 1))}
+            "zero1": _rank_case(rank, 1, (0, 1)), "zero1 data": _zero_data_case(rank)}
 
 
 @pytest.mark.multiproc
@@ -342,7 +359,8 @@ def test_replacement_on_two_ranks(tmp_path):
     """2 gloo ranks. ``zero_stage=0``, both ranks swapping alike: adopted, every window matches the plain fp64 recipe
     over both ranks' micro-batches. Only rank 0 swapping: no rank adopts and both ranks' ``step()`` raise (before the
     fingerprint counted replacements, rank 0 alone would adopt: its broadcast meeting rank 1's all-reduce).
-    ``zero_stage=1``: refused naming the parameter on both ranks, nothing applied."""
+    ``zero_stage=1``: refused naming the parameter on both ranks, nothing applied; ``p.data = x`` there too (every
+    parameter lives in ZeRO's flat parameter buffer)."""
     from tests.ranks import launch_scenario  # noqa: PLC0415
 
     codes, results = launch_scenario(tmp_path, 2, _on_two_ranks, timeout_s=30, join_s=90)
@@ -359,6 +377,9 @@ def test_replacement_on_two_ranks(tmp_path):
         assert "'head.weight'" in zero1["outcomes"][1] and "zero_stage=1 does not adopt" in zero1["outcomes"][1], (
             rank, zero1["outcomes"])
         assert zero1["kept"] == [True]
+        data = res["zero1 data"]
+        assert "'fc1.weight' has another storage" in data and "zero_stage=1 does not adopt" in data, data
+        assert data.endswith("|0"), data
 
 
 def test_parameter_data_replaced_in_a_flat_buffer_trains_as_the_plain_recipe():
