@@ -260,9 +260,9 @@ class GradientAccumulator:
         Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``,
         or a parameter replaced in the model and not adopted (``gaengine.replaced``: ``load_state_dict(assign=True)``,
         a layer swapped), ``RuntimeError`` when the window is complete (call ``step()``), failed (call
-        ``zero_grad()``) or the model moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd
-        leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose graph reaches another
-        accumulator's parameters (a GAN's generator loss through the discriminator) raises ``RuntimeError`` naming
+        ``zero_grad()``) or the model moved (build a new accumulator): nothing accumulated, the window as it was. An
+        error during autograd leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose
+        graph reaches another accumulator's parameters (a GAN's generator loss through the discriminator) raises ``RuntimeError`` naming
         one and the two ways on (docs/pitfalls.md). Warns (``gaengine.scaler.LossDividedByKWarning``, once per
         accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
         gaengine divides by K itself.
