@@ -262,8 +262,8 @@ class GradientAccumulator:
         a layer swapped), ``RuntimeError`` when the window is complete (call ``step()``), failed (call
         ``zero_grad()``) or the model moved (build a new accumulator): nothing accumulated, the window as it was. An
         error during autograd leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose
-        graph reaches another accumulator's parameters (a GAN's generator loss through the discriminator) raises ``RuntimeError`` naming
-        one and the two ways on (docs/pitfalls.md). Warns (``gaengine.scaler.LossDividedByKWarning``, once per
+        graph reaches another accumulator's parameters (a GAN's generator loss through the discriminator) raises
+        ``RuntimeError`` naming one and the two ways on (docs/pitfalls.md). Warns (``gaengine.scaler.LossDividedByKWarning``, once per
         accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
         gaengine divides by K itself.
         """
