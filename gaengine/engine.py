@@ -263,9 +263,9 @@ class GradientAccumulator:
         ``zero_grad()``) or the model moved (build a new accumulator): nothing accumulated, the window as it was. An
         error during autograd leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose
         graph reaches another accumulator's parameters (a GAN's generator loss through the discriminator) raises
-        ``RuntimeError`` naming one and the two ways on (docs/pitfalls.md). Warns (``gaengine.scaler.LossDividedByKWarning``, once per
-        accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
-        gaengine divides by K itself.
+        ``RuntimeError`` naming one and the two ways on (docs/pitfalls.md). Warns
+        (``gaengine.scaler.LossDividedByKWarning``, once per accumulator) when a window's first ``loss`` in mean mode
+        was divided by K (``loss / K``, ``loss * (1 / K)``): gaengine divides by K itself.
         """
         self._refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
         self._refuse_lent("acc.backward()")
