@@ -44,7 +44,8 @@ from gaengine import optimizers, state_checks
 from gaengine.buffer import FlatLayout
 from gaengine.compat import all_gather_single
 from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
-from gaengine.reduce import Collective
+from gaengine.protocol import gather_objects
+from gaengine.reduce import Collective, wait_for
 from gaengine.store import DTensorShards
 
 __all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
@@ -273,7 +274,8 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     if world > 1:
         gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
         # returns with no backend thread holding them
-        Collective(all_gather_single(), gathered, shard.contiguous(), group=group).wait()
+        wait_for(Collective(all_gather_single(), gathered, shard.contiguous(), group=group),
+                 f"all-gather of a flat shard ({world} x {shard.numel()} elements)")
         rows = gathered.view(world, shard.numel())
     else:
         rows = shard.reshape(1, -1)
@@ -348,8 +350,8 @@ def _gather_moments(acc: Any, optimizer: torch.optim.Optimizer, shards, device) 
             steps[i] = float(state["step"]) if "step" in state else 0.0  # host read: an export
     gathered = [(steps, sorted(moment_keys))]
     if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (steps, sorted(moment_keys)), group=acc.process_group)
+        gathered = gather_objects((steps, sorted(moment_keys)), acc.schedule.update_index, acc.process_group,
+                                  "the optimizer state's steps (full_optimizer_state_dict)")
     ready = {i: s for d, _ in gathered for i, s in d.items()}
     full: dict[str, list[torch.Tensor]] = {}
     for key in sorted({k for _, keys in gathered for k in keys}):
@@ -513,8 +515,8 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
     per_rank: dict[str, Any] = {"scalars": acc.scalars_state_dict()}  # with the window's (gaengine.window)
     ranks = [per_rank]
     if mid_window and world > 1:  # each rank resumes its own window counters
-        ranks = [None] * world
-        dist.all_gather_object(ranks, per_rank, group=group)
+        ranks = gather_objects(per_rank, acc.schedule.update_index, group, "the ranks' window counters "
+                               "(acc.state_dict() mid-window)")
     masters, opt_state, window, whole_state = {}, {}, {}, {}
     window_shards = sharding.window_state(mid_window)  # per layout index (mid-window at stage 1: a collective)
     for e in entries:

@@ -230,7 +230,7 @@ class GradientAccumulator:
         if self._fusion is not None:  # a layer whose weight or bias holds a user hook is not fused
             self._fusion.follow_hooks(self.sharding.accumulation, self.params)
         self._model = _watch_model(self.sharding, self.device)
-        self._replaced = ReplacedParams(module, self.params)  # parameters replaced in the model: refused
+        self._replaced = ReplacedParams(module, self.params, self.optimizer, self.sharding)  # adopted or refused
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -258,14 +258,14 @@ class GradientAccumulator:
         backward_kwargs: passed to ``torch.Tensor.backward`` (e.g. ``retain_graph``).
 
         Raises ``ValueError`` for a bad ``loss`` (one scaled by ``torch.amp.GradScaler.scale`` too) or ``num_items``,
-        or a parameter replaced in the model (``gaengine.replaced``: ``load_state_dict(assign=True)``, a layer
-        swapped), ``RuntimeError`` when the window is complete (call ``step()``), failed (call ``zero_grad()``) or the
-        model moved (build a new accumulator): nothing accumulated, the window as it was. An error during autograd
-        leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose graph reaches another
-        accumulator's parameters (a GAN's generator loss through the discriminator) raises ``RuntimeError`` naming
-        one and the two ways on (docs/pitfalls.md). Warns (``gaengine.scaler.LossDividedByKWarning``, once per
-        accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
-        gaengine divides by K itself.
+        or a parameter replaced in the model and not adopted (``gaengine.replaced``: ``load_state_dict(assign=True)``,
+        a layer swapped), ``RuntimeError`` when the window is complete (call ``step()``), failed (call
+        ``zero_grad()``) or the model moved (build a new accumulator): nothing accumulated, the window as it was. An
+        error during autograd leaves the window failed and no ``.grad`` behind: ``zero_grad()`` drops it; a loss whose
+        graph reaches another accumulator's parameters (a GAN's generator loss through the discriminator) raises
+        ``RuntimeError`` naming one and the two ways on (docs/pitfalls.md). Warns
+        (``gaengine.scaler.LossDividedByKWarning``, once per accumulator) when a window's first ``loss`` in mean mode
+        was divided by K (``loss / K``, ``loss * (1 / K)``): gaengine divides by K itself.
         """
         self._refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
         self._refuse_lent("acc.backward()")
@@ -279,8 +279,11 @@ class GradientAccumulator:
             self._adopt_changes()
             if self._fusion is not None:  # hooks registered or removed since: fused or not from this window on
                 self._fusion.follow_hooks(self.sharding.accumulation, self.params)
-        if self._ranks_members is not None and window.num_micro_batches == self.accumulation_steps - 1:
-            self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
+        if self._ranks_members is not None:  # the headers of the reductions (gaengine.protocol)
+            self._ranks_members.protocol.before_backward(
+                self.schedule.update_index, window.num_micro_batches,
+                window.num_micro_batches == self.accumulation_steps - 1,
+                self.sharding.reduction.reduces_every_micro_batch)
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
         if self.sharding.accumulation.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
@@ -320,7 +323,7 @@ class GradientAccumulator:
         the last window's per-rank counts (several ranks), and ``num_items`` (returned checked, or None)."""
         check_loss(loss)
         self._model.check()
-        self._replaced.check(self.window.num_micro_batches == 0)  # ValueError naming a parameter replaced
+        self._replaced.check(self.window.num_micro_batches == 0)  # replaced parameters: adoptable, else ValueError
         self._check_scheduler()
         window = self.window
         if window.failed:
@@ -376,6 +379,8 @@ class GradientAccumulator:
         (``gaengine.ownership.RankMembership``); where they differ no rank adopts and ``step()`` raises on every rank.
         ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once
         (FSDP2), for an optimizer that writes the model itself, or an fp16 parameter without a loss scale."""
+        if self._replaced.pending:  # parameters replaced in the model (gaengine.replaced): they join, the old leave
+            self._members.rescan()
         joined, left = self._members.changes(self.params)
         window_id = self.schedule.update_index  # the window's header (gaengine.protocol)
         if self._ranks_members is not None and not self._ranks_members.check(joined, left, window_id):
@@ -404,7 +409,7 @@ class GradientAccumulator:
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
         self._model = _watch_model(self.sharding, self.device)
-        self._replaced = ReplacedParams(self._members.module, self.params)
+        self._replaced = ReplacedParams(self._members.module, self.params, self.optimizer, self.sharding)
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
@@ -544,6 +549,7 @@ class GradientAccumulator:
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
         self._model.check()
+        self._replaced.follow_storage()  # p.data = x of a parameter laid out in a flat buffer (gaengine.replaced)
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
         if self._ranks_members is not None:  # the ranks changed their parameters differently at this window's start
@@ -1088,6 +1094,8 @@ class GradientAccumulator:
                              "1-D shards of the parameters; gather its state with "
                              "gaengine.full_optimizer_state_dict first, or close() without it")
         self._warn_dropped_window("acc.close()")
+        if self._ranks_members is not None and (self.window.failed or self._ranks_members.protocol.reducing):
+            self.zero_grad()  # a failed micro-batch's reductions complete first: the other ranks' are matched
         self._lent = None
         if store is not None:
             store.release_to_model()

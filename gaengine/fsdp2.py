@@ -351,6 +351,8 @@ class FullyShardedReduction(Reduction):
     divided every reduced gradient by (``FullyShardedGrads._divide_factor``).
     """
 
+    reduces_every_micro_batch = True
+
     def __init__(self, accumulation: Accumulation, backend, group, world_size: int, groups: list,
                  divide_factor) -> None:
         super().__init__(None, accumulation, backend, group, world_size)

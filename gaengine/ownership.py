@@ -151,6 +151,7 @@ class Membership:
         self._initial = list(params)
         self._num_groups = 0
         self.candidates: list[tuple[str, torch.Tensor]] = []
+        self.replacements = 0  # rescans that found other parameter objects in the module (fingerprint)
         self._scan(0)
 
     def _scan(self, first_group: int) -> None:
@@ -171,15 +172,30 @@ class Membership:
         self.candidates = named + extra
         self._num_groups = len(groups)
 
+    def rescan(self) -> None:
+        """Read the module's parameters again (``gaengine.replaced``: parameters replaced in the model since the
+        last scan, ``load_state_dict(assign=True)`` or a layer swapped); the optimizer's param groups are read as
+        ``changes`` reads them (those added since). A scan that finds other parameter objects counts in
+        ``replacements`` (part of the ``fingerprint``: ranks that replaced parameters differently differ)."""
+        before = [id(p) for _, p in self.candidates]
+        self._scan(self._num_groups)
+        if [id(p) for _, p in self.candidates] != before:
+            self.replacements += 1
+
     def changes(self, managed: list[torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]],
                                                              list[tuple[str, torch.Tensor]]]:
         """``(joined, left)``: the candidates that require grad and are not in ``managed`` (the accumulator's
-        parameters), and those in ``managed`` that no longer require grad, each as ``(name, parameter)``."""
+        parameters), and those in ``managed`` that no longer require grad or are no longer candidates (replaced in the
+        module, found by ``rescan``), each as ``(name, parameter)`` (a replaced one named ``replaced[i]``, its index
+        in ``managed``)."""
         if self.optimizer is not None and len(self.optimizer.param_groups) != self._num_groups:
             self._scan(self._num_groups)
         ids = {id(p) for p in managed}
         joined = [(n, p) for n, p in self.candidates if p.requires_grad and id(p) not in ids]
         left = [(n, p) for n, p in self.candidates if not p.requires_grad and id(p) in ids]
+        if self.replacements:  # a rescan found other objects: a managed parameter may no longer be a candidate
+            known = {id(p) for _, p in self.candidates}
+            left += [(f"replaced[{i}]", p) for i, p in enumerate(managed) if id(p) not in known]
         return joined, left
 
     def trainable(self) -> list[torch.Tensor]:
@@ -195,7 +211,9 @@ class Membership:
         """A 52-bit digest of the trainable candidates (name, shape, dtype, in ``candidates``' order): equal on two
         ranks exactly when they train the same parameters (barring a digest collision, about 2^-52), and exact as
         an fp64 value (``gaengine.reduce.setting_terms``). Host only."""
-        trainable = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.candidates if p.requires_grad]
+        trainable: list = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.candidates if p.requires_grad]
+        if self.replacements:
+            trainable.append(self.replacements)
         return int.from_bytes(hashlib.blake2b(repr(trainable).encode(), digest_size=8).digest(), "little") >> 12
 
 
@@ -254,7 +272,7 @@ class RankMembership:
             position = {id(p): i for i, (_, p) in enumerate(self.members.candidates)}
             host = self._vector(self.members.fingerprint(), [
                 len(joined), len(left), position[id(joined[0][1])] + 1 if joined else 0,
-                position[id(left[0][1])] + 1 if left else 0])
+                position.get(id(left[0][1]), -1) + 1 if left else 0])  # 0: none, or replaced (not a candidate)
         else:  # the usual window: the same values as the last one
             if self._unchanged is None:
                 self._unchanged = self._vector(self.fingerprint, [0] * _SLOT)

@@ -14,6 +14,11 @@ So every phase of gaengine's collectives on several ranks opens with a header al
   (``gaengine.ownership.RankMembership``: the header is that all-reduce, no collective of its own);
 * ``REDUCTIONS``: the window's reductions, before the backward of its last micro-batch (``step(force=True)``: before
   a partial window's), which launches the bucket all-reduces and the stats all-reduce;
+* ``MICRO_BATCH``: where every micro-batch reduces (``zero_stage=2``'s reduce-scatters, FSDP2's own), before the
+  backward of each micro-batch between the window's first and its last (``RankProtocol.before_backward``), so that
+  a rank that dropped the window after a micro-batch meets a header, never another rank's reduce-scatter;
+* ``CHECKPOINT``: a checkpoint's agreement (``gather_objects``: ``acc.state_dict()`` mid-window, the export of a
+  sharded optimizer's state, ``gaengine.checkpoint``), before its ``all_gather_object`` and the collectives after it;
 * ``LAYOUT``: the end of a ``step()`` whose window learned the gradient arrival order (the first window, and the
   first after parameters join or leave), before the broadcast of the first rank's order
   (``Replicated._relearn_layout``, ``gaengine.buffer.learned_order``).
@@ -38,16 +43,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gaengine.reduce import DROPPED_COUNT, Collective, HostMailbox, wait_for
+from gaengine.reduce import DROPPED_COUNT, Collective, HostMailbox, collective_failed, group_device, wait_for
 
-__all__ = ["ANY_WINDOW", "CONSTRUCTION", "DROPPED_COUNT", "LAYOUT", "PHASES", "REDUCTIONS", "WINDOW_START",
+__all__ = ["ANY_WINDOW", "CHECKPOINT", "CONSTRUCTION", "DROPPED_COUNT", "LAYOUT", "MICRO_BATCH", "PHASES",
+           "REDUCTIONS", "WINDOW_START", "gather_objects",
            "ProtocolError", "RankProtocol", "header_numel", "open_phase", "payload_numel"]
 
-CONSTRUCTION, WINDOW_START, REDUCTIONS, LAYOUT = 1, 2, 3, 4
+CONSTRUCTION, WINDOW_START, REDUCTIONS, LAYOUT, MICRO_BATCH, CHECKPOINT = 1, 2, 3, 4, 5, 6
 PHASES = {CONSTRUCTION: "building its GradientAccumulator (the construction agreement)",
           WINDOW_START: "a window's first acc.backward() (the parameter-change all-reduce)",
           REDUCTIONS: "a window's reductions (the last micro-batch's bucket and stats all-reduces)",
-          LAYOUT: "the end of a step() whose window learned the layout (the layout's broadcast)"}
+          LAYOUT: "the end of a step() whose window learned the layout (the layout's broadcast)",
+          MICRO_BATCH: "a micro-batch's reductions inside a window (zero_stage=2's or FSDP2's reduce-scatters)",
+          CHECKPOINT: "a checkpoint (acc.state_dict() mid-window, or full_optimizer_state_dict)"}
 ANY_WINDOW = -1  # a header's window where the phase does not know it (LAYOUT): not compared
 _SLOT = 2  # per rank: its phase, its window (update_index)
 
@@ -127,6 +135,29 @@ def open_phase(phase: int, window: int, world_size: int, rank: int, device: torc
     return data, slots
 
 
+def gather_objects(obj, window: int, group, what: str) -> list:
+    """``dist.all_gather_object`` of ``obj`` (picklable) as a phase of its own (``CHECKPOINT``): its header first,
+    then the gather. Returns every rank's object, in group rank order. ``window``: the accumulator's updates so far
+    (compared: a rank saving after another number of updates is out of step). Raises ``ProtocolError`` on every
+    rank when a rank is at another of gaengine's collectives (nothing gathered; on CUDA the header's slots are read
+    after its wait, one copy to host: the gather that follows is a host sync anyway), ``RuntimeError`` naming
+    ``what`` when a peer died or the group's timeout passed (never gloo's or NCCL's own error)."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    data, slots = open_phase(CHECKPOINT, window, world_size, rank, group_device(group), group,
+                             what=f"header all-reduce of {what}")
+    if data.device.type != "cpu":
+        values = read_header_slots(data[:_SLOT * world_size].cpu())
+        slots = [(int(values[_SLOT * r]), int(values[_SLOT * r + 1])) for r in range(world_size)]
+        if _differ(slots, rank):
+            raise ProtocolError(_message(slots, rank))
+    gathered: list = [None] * world_size
+    try:
+        dist.all_gather_object(gathered, obj, group=group)
+    except Exception as exc:
+        raise RuntimeError(collective_failed(f"all_gather_object of {what}")) from exc
+    return gathered
+
+
 class RankProtocol:
     """One accumulator's headers on several ranks (module docstring): ``open`` at a window's first backward and
     before its reductions; on CUDA the last header's slots wait in host memory for ``take`` (``step()``).
@@ -139,7 +170,7 @@ class RankProtocol:
         self.reducing = False  # this rank opened the window's reductions and has not launched its stats all-reduce
         # CUDA: each phase's last header slots, copied to host memory behind the device's queue, read by take().
         self._mailboxes = {phase: HostMailbox(_SLOT * world_size, torch.float64, device)
-                           for phase in (WINDOW_START, REDUCTIONS)} if device.type != "cpu" else {}
+                           for phase in (WINDOW_START, REDUCTIONS, MICRO_BATCH)} if device.type != "cpu" else {}
         self._posted: set[int] = set()
 
     def open(self, phase: int, window: int, payload: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,6 +183,16 @@ class RankProtocol:
             self._posted.add(phase)
         self.reducing = phase == REDUCTIONS
         return data[_SLOT * self.world_size:]
+
+    def before_backward(self, window: int, index: int, last: bool, every: bool) -> None:
+        """Before the backward of micro-batch ``index`` (0-based) of window ``window`` (the updates so far): its
+        last (``last``) opens ``REDUCTIONS``; one between the first and the last opens ``MICRO_BATCH`` where every
+        micro-batch reduces (``every``: ``Reduction.reduces_every_micro_batch``); the first opened ``WINDOW_START``
+        already (``gaengine.ownership.RankMembership.check``). ``ProtocolError`` / ``RuntimeError`` as ``open``."""
+        if last:
+            self.open(REDUCTIONS, window)
+        elif every and index > 0:
+            self.open(MICRO_BATCH, window)
 
     def take(self) -> ProtocolError | None:
         """``step()`` on CUDA: the error of a header of this window whose ranks differed (read from host memory),

@@ -529,6 +529,8 @@ class Reduction:
     # The norm's sum over the ranks (``gaengine.norm.window_norm``'s ``over_ranks``): None where every rank holds the
     # whole reduced gradient; a method where each holds a shard (``gaengine.zero.ShardedReduction.over_ranks``).
     over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Every micro-batch's backward reduces (zero_stage=2, FSDP2): each opens a header (gaengine.protocol.MICRO_BATCH).
+    reduces_every_micro_batch = False
 
     def __init__(self, reducer: BucketReducer | None, accumulation, backend, group: dist.ProcessGroup | None,
                  world_size: int) -> None:

@@ -1,20 +1,40 @@
 """Parameters replaced in the model after the accumulator was built: noticed before the next micro-batch's
-backward, and refused naming the parameter.
+backward, adopted at a window boundary where the plain recipe would train them, refused naming them elsewhere.
 
 The accumulator, its hooks and the optimizer hold parameter objects. ``model.load_state_dict(sd, assign=True)``
 puts new ``Parameter`` objects in the model, ``model.fc = nn.Linear(...)`` a new layer, ``p.data = x`` may give a
 parameter another shape or dtype: from then on the model computes with tensors the accumulator does not hold. Left
-alone, the new ones would keep autograd's raw ``.grad`` and never be updated (the optimizer steps the old objects),
-and the old ones would get no gradient: a silently frozen layer.
+alone, the new ones would keep autograd's raw ``.grad`` and never be updated, and the old ones would get no gradient.
 
-gaengine does not adopt a replaced parameter (the optimizer, its state and the fp32 masters belong to the old one);
-``ReplacedParams.check`` raises ``ValueError`` naming it, before anything of the micro-batch is accumulated, and
-says how to go on (docs/accumulator.md).
+What the plain recipe (``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``) does then: the optimizer
+holds the old objects, so the new ones never train either, unless the user points the optimizer at them
+(``optimizer.param_groups[g]["params"] = list(model.parameters())``, or ``optimizer.add_param_group`` with the new
+layer's parameters); the new ones then start with no optimizer state (torch keys it by the parameter object: the old
+one's state stays with the old object, which the optimizer skips while it gets no gradient). gaengine does exactly
+that, and nothing silently:
+
+* at a window's first ``backward()``, in the replicated mode (``zero_stage=0``, or one rank; an optimizer that
+  rounds its masters into the model itself excepted), a replaced parameter is adopted like a joining parameter
+  (``gaengine.ownership.Membership``; the strategy lays everything out again, its value wins, on several ranks the
+  first rank's, broadcast) when there is no optimizer or the optimizer holds the new object; its optimizer state is
+  what the optimizer holds for the new object (none, unless the user put some there), as in the plain recipe;
+* ``ValueError`` naming it, nothing of the micro-batch accumulated and the window as it was, when the optimizer
+  still holds only the old object (the plain recipe would silently not train the new one), in the middle of a
+  window (part of the window's gradient belongs to the old object), under ZeRO on several ranks or FSDP2 (their
+  layouts are not rebuilt for a replacement), for a parameter removed from the model, or for a shape or dtype changed
+  in place (``p.data = x`` of another shape: the optimizer state and fp32 master of the object would not fit it).
+
+``p.data = x`` of the same shape and dtype keeps the object (the plain recipe's optimizer steps it from ``x``, its
+state and ``.grad`` kept) and only matters where the accumulator laid the parameter out in a flat parameter buffer
+(bf16/fp16 with fp32 masters; every parameter under ZeRO): the updates would go into the buffer, which the model no
+longer reads. ``ReplacedParams.follow_storage`` (every backward and ``step()``) puts it back in its place with
+``x``'s values, its master taking them, in the replicated mode, at any micro-batch; elsewhere it refuses naming it.
 
 Cost: the module's slots are read again only when a parameter or a submodule was registered anywhere since the last
 check (``torch.nn`` calls the global registration hooks installed here, an int increment each, from
 ``Module.__setattr__``: ``load_state_dict(assign=True)`` and a layer swap go through it), so an ordinary micro-batch
-pays one int comparison; the shapes and dtypes are compared once per window (one list comparison).
+pays one int comparison and one ``data_ptr()`` per parameter laid out in a flat buffer; the shapes and dtypes are
+compared once per window (one list comparison).
 """
 
 from __future__ import annotations
@@ -46,11 +66,17 @@ class ReplacedParams:
     """The watch over the accumulator's parameters (``params``, layout order) in ``module`` (None: a model given as
     an iterable of parameters, whose slots are not watched). A DTensor parameter (an FSDP2 model, whose parameters
     FSDP2 itself swaps in and out of the modules around forward and backward) is watched for shape and dtype only.
-    Build a new one after the accumulator lays its parameters out again (``adopt``)."""
+    ``optimizer``: the accumulator's (or None); ``sharding``: its ``gaengine.sharding.ShardingStrategy``, read at each
+    check (whether it adopts a replacement: ``adopts``). Build a new one after the accumulator lays its parameters
+    out again.
 
-    def __init__(self, module: nn.Module | None, params: list[torch.Tensor]) -> None:
+    ``pending``: the names of the parameters replaced that the last ``check`` found adoptable (empty: none); the
+    accumulator adopts them at that micro-batch (``gaengine.ownership.Membership.rescan``)."""
+
+    def __init__(self, module: nn.Module | None, params: list[torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None = None, sharding=None) -> None:
         _install()
-        self.module = module
+        self.module, self.optimizer, self.sharding = module, optimizer, sharding
         self.params = list(params)
         self._kinds = [(p.shape, p.dtype) for p in self.params]
         held = {id(p) for p in self.params if not _is_dtensor(p)}
@@ -61,33 +87,118 @@ class ReplacedParams:
                     if p is not None and id(p) in held:
                         self._slots.append((f"{prefix}.{leaf}" if prefix else leaf, owner, leaf, p))
         self._seen = _generation
+        self.pending: list[str] = []
+        # The parameters re-pointed at views of a flat parameter buffer (``gaengine.store``: bf16/fp16 with fp32
+        # masters, every parameter under ZeRO): (index, the view, its data_ptr). ``p.data = x`` leaves the buffer.
+        store = getattr(sharding, "store", None)
+        buffers = {dt: buf.untyped_storage().data_ptr() for dt, buf in store.param_buffers.items()} if (
+            store is not None) else {}
+        self._views = [(i, p.data, p.data_ptr()) for i, p in enumerate(self.params)
+                       if p.dtype in buffers and not _is_dtensor(p)
+                       and p.untyped_storage().data_ptr() == buffers[p.dtype]]
+        self._laid = [self.params[i] for i, _, _ in self._views]
+        self._ptrs = [ptr for _, _, ptr in self._views]
+
+    def adopts(self) -> bool:
+        """Whether the accumulator adopts a replaced parameter at a window boundary: the replicated mode (one rank, or
+        ``zero_stage=0``), whose layout, store and hooks are built again for joining parameters, with an optimizer
+        that does not round its masters into the model itself."""
+        sharding = self.sharding
+        return (sharding is not None and sharding.adopts_params and sharding.zero_stage == 0
+                and not sharding.update.writes_model)
 
     def check(self, window_start: bool) -> None:
-        """Before a micro-batch's backward: ``ValueError`` naming the first parameter of the model that is no longer
-        the one the accumulator holds (another object in its slot, its layer replaced) or whose shape or dtype
-        changed (``window_start``: checked at a window's first micro-batch only). Nothing changed either way."""
+        """Before a micro-batch's backward (``window_start``: the window's first): find the parameters of the model
+        that are no longer the ones the accumulator holds (another object in their slot, their layer replaced). At a
+        window start, where ``adopts()`` and the optimizer (if any) holds every new trainable object, their names go
+        to ``pending`` (adopted by the accumulator at this micro-batch). Else ``ValueError`` naming the first, and one
+        naming a parameter whose shape or dtype changed in place (checked at a window start): nothing changed. A
+        replacement found adoptable at this window's start and not adopted (several ranks that replaced differently:
+        no rank adopts, and ``step()`` raises on every rank, ``gaengine.ownership.RankMembership``) is not refused
+        again in the window: the ranks' collectives stay matched up to that ``step()``."""
+        self.follow_storage()
+        if self.pending and not window_start:
+            return
+        self.pending = []
         if self._seen != _generation:
-            self._check_slots()
-            self._seen = _generation
+            replaced = self._replaced_slots()
+            if not replaced:
+                self._seen = _generation
+            else:  # looked at again at every micro-batch until adopted (the accumulator then builds a new watch)
+                self._refuse_or_adopt(replaced, window_start)
         if window_start and [(p.shape, p.dtype) for p in self.params] != self._kinds:
             i = next(i for i, p in enumerate(self.params) if (p.shape, p.dtype) != self._kinds[i])
             name = next((n for n, _, _, q in self._slots if q is self.params[i]), f"params[{i}]")
             shape, dtype = self._kinds[i]
+            self.pending = []
             raise ValueError(_refused(name, f"is now {tuple(self.params[i].shape)} {self.params[i].dtype}, the "
                                       f"accumulator laid it out as {tuple(shape)} {dtype} (p.data = ... of another "
-                                      "shape or dtype)"))
+                                      "shape or dtype: the parameter's optimizer state and fp32 master would not fit "
+                                      "it, in the plain recipe too)"))
 
-    def _check_slots(self) -> None:
+    def follow_storage(self) -> None:
+        """Before every micro-batch's backward and ``step()``: a parameter laid out in a flat parameter buffer whose
+        storage was replaced (``p.data = x``, same shape and dtype: the same object, so the plain recipe's optimizer
+        steps it from ``x`` with its state and the gradient it holds) is put back into its place in the buffer with
+        ``x``'s values, in place (the store's version counters see the write: its fp32 master takes them at the
+        next update, ``ParameterStore.pull_model_writes``), in the replicated mode; elsewhere ``ValueError`` naming
+        it, nothing changed. Left alone, the updates would go into the buffer, which the model no longer reads: the
+        parameter would silently never train again. One ``data_ptr()`` per laid-out parameter."""
+        if [p.data_ptr() for p in self._laid] == self._ptrs:
+            return
+        moved = [(i, view) for i, view, ptr in self._views if self.params[i].data_ptr() != ptr]
+        if not self.adopts():
+            i = moved[0][0]
+            name = next((n for n, _, _, q in self._slots if q is self.params[i]), f"params[{i}]")
+            raise ValueError(_refused(name, "has another storage (p.data = ...) than the flat parameter buffer the "
+                                            f"accumulator laid it out in, and {self.sharding.name} does not adopt it "
+                                            "(write values in place: with torch.no_grad(): p.copy_(x))",
+                                      adoptable=False))
+        with torch.no_grad():
+            for i, view in moved:
+                p = self.params[i]
+                view.copy_(p.detach())  # not through p: autograd may hold p at its version (a forward since)
+                p.data = view
+        if self.sharding.store is not None:
+            self.sharding.store.merge_params([self.params[i] for i, _ in moved])  # the fp32 masters take them
+
+    def _replaced_slots(self) -> list[tuple[str, torch.Tensor | None]]:
+        """``(name, the model's parameter in that slot now, or None where it was removed)`` of every slot whose
+        parameter is not the one the accumulator holds."""
+        out = []
         for name, owner, leaf, p in self._slots:
             try:
                 now = self.module.get_parameter(name)
             except AttributeError:
                 now = None
             if now is not p or owner._parameters.get(leaf) is not p:
-                what = "was removed from the model" if now is None else "is another tensor than the one the " \
-                       "accumulator holds (model.load_state_dict(..., assign=True), or its layer replaced: " \
-                       "model.layer = nn.Linear(...))"
-                raise ValueError(_refused(name, what))
+                out.append((name, now))
+        return out
+
+    def _refuse_or_adopt(self, replaced: list[tuple[str, torch.Tensor | None]], window_start: bool) -> None:
+        name, now = replaced[0]
+        if now is None:
+            raise ValueError(_refused(name, "was removed from the model", adoptable=False))
+        what = ("is another tensor than the one the accumulator holds (model.load_state_dict(..., assign=True), or "
+                "its layer replaced: model.layer = nn.Linear(...))")
+        if not window_start:
+            raise ValueError(_refused(name, f"{what}, in the middle of an accumulation window (its micro-batches so "
+                                            "far are the old parameter's)"))
+        if not self.adopts():
+            raise ValueError(_refused(name, f"{what}, and {self.sharding.name} does not adopt a replaced parameter",
+                                      adoptable=False))
+        if self.optimizer is not None:
+            held = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
+            missing = [(n, p) for n, p in replaced if p is not None and p.requires_grad and id(p) not in held]
+            if missing:
+                raise ValueError(_refused(missing[0][0], f"{what}, and the optimizer still holds the old object, not "
+                                                          "the new one: the plain recipe would not train it either "
+                                                          "(optimizer.step() updates the old one, which gets no "
+                                                          "gradient)"))
+        removed = [n for n, p in replaced if p is None]
+        if removed:
+            raise ValueError(_refused(removed[0], "was removed from the model", adoptable=False))
+        self.pending = [n for n, _ in replaced]
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -96,11 +207,14 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
-def _refused(name: str, what: str) -> str:
-    return (f"parameter {name!r} {what}. The accumulator, its hooks and the optimizer hold the parameter as it was "
-            f"at construction, so the new one would keep autograd's raw .grad and never be updated, and the old one "
-            f"would get no gradient; gaengine does not adopt a replaced parameter. Nothing of this micro-batch was "
-            f"accumulated: the window is as it was. To go on: put the parameter back, or load values in place "
-            f"(model.load_state_dict(sd) without assign=True copies into the parameters the accumulator holds); or "
-            f"acc.step(force=True) (or acc.zero_grad()), acc.close(), then build the optimizer and a new "
-            f"GradientAccumulator over the model as it is now (docs/accumulator.md)")
+def _refused(name: str, what: str, adoptable: bool = True) -> str:
+    way = ("Replace parameters between windows (after acc.step()), and point the optimizer at the new ones as the "
+           "plain recipe must (optimizer.param_groups[g][\"params\"] = list(model.parameters()), or "
+           "optimizer.add_param_group({\"params\": list(new_layer.parameters())})): the next window's first backward() adopts them "
+           "(the replicated mode, zero_stage=0). Or " if adoptable else "")
+    return (f"parameter {name!r} {what}. The accumulator, its hooks and the optimizer hold the parameter as it was, "
+            f"so the new one would keep autograd's raw .grad and never be updated, and the old one would get no "
+            f"gradient. Nothing of this micro-batch was accumulated: the window is as it was. To go on: {way}put the "
+            f"parameter back, or load values in place (model.load_state_dict(sd) without assign=True copies into the "
+            f"parameters the accumulator holds); or acc.step(force=True) (or acc.zero_grad()), acc.close(), then build "
+            f"the optimizer and a new GradientAccumulator over the model as it is now (docs/accumulator.md)")

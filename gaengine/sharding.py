@@ -56,7 +56,8 @@ from gaengine.compat import composable_apis, reduce_scatter_single
 from gaengine.formats import STATE_FORMAT
 from gaengine.hooks import make_hooks
 from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase
-from gaengine.reduce import BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed
+from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed,
+                             wait_for)
 from gaengine.store import ParameterStore, ParamSlot, reshard_state
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardedReduction, ShardLayout, ShardReducer,
@@ -610,8 +611,8 @@ class ZeroStage1(_Zero):
                 if not written[i]:
                     o = layout.layout.offsets[i] - b.start
                     tmp[o:o + layout.layout.numels[i]].zero_()
-            Collective(reduce_scatter_single(), out[b.shard_offset:b.shard_offset + b.shard_numel], tmp,
-                       group=self.process_group).wait()
+            wait_for(Collective(reduce_scatter_single(), out[b.shard_offset:b.shard_offset + b.shard_numel], tmp,
+                                group=self.process_group), f"reduce-scatter of the window's sums to save ({b.index})")
         return [out[s.shard_offset:s.shard_offset + s.numel] for s in layout.param_shards(self.rank)]
 
     def load_window_state(self, sums: list[torch.Tensor], written: list[bool],

@@ -416,6 +416,16 @@ class ParameterStore:
                 merge_model_write(master, view)
         self._versions = versions
 
+    def merge_params(self, params: Sequence[torch.Tensor]) -> None:
+        """The fp32 masters of ``params`` (model parameters with masters, one rank's store) take the values those
+        hold now, written where their version counters do not tell (``gaengine.replaced``: a parameter whose
+        ``p.data = x`` was put back into its place in the parameter buffer, ``x``'s values copied there): as
+        ``pull_model_writes`` merges a write (``merge_model_write``)."""
+        ids = {id(p) for p in params}
+        for p, _, master, view in self._mastered:
+            if id(p) in ids:
+                merge_model_write(master, p.detach() if view is None else view)
+
     def model_written(self) -> None:
         """The masters' rounding is in the model now: the version counters ``pull_model_writes`` compares with."""
         self._versions = param_versions(self._version_tensors())

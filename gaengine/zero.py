@@ -84,7 +84,7 @@ from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatLayout
 from gaengine.compat import all_gather_single, reduce_scatter_single
 from gaengine.optimizers import elementwise_names, is_elementwise
-from gaengine.reduce import BackwardStart, BucketReducer, Collective, Reduction, wait_for, wait_quietly
+from gaengine.reduce import BackwardStart, BucketReducer, Collective, Reduction, WindowStats, wait_for, wait_quietly
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout", "ShardReducer",
            "ShardedReduction", "StagedReduction", "check_zero_optimizer", "pad_unit", "zero_order"]
@@ -419,6 +419,11 @@ class StagedReduction(ShardedReduction):
     """``zero_stage=2``'s reduction: every micro-batch's buckets are staged in a ring, reduce-scattered and added
     into the rank's fp32 gradient shard (``ShardReducer`` with ``grad_shard`` and ``staging_slots``)."""
 
+    reduces_every_micro_batch = True
+    # A micro-batch's backward began (begin_backward) and has not launched all its buckets (end_backward, or the
+    # window's stats): whether the reducer was armed for it; None: no such micro-batch (drain).
+    _round: bool | None = None
+
     def begin_backward(self, first: bool, last: bool, overlap: bool) -> BackwardStart:
         """The previous micro-batch's reductions complete into the gradient shard (the staging buffers are about to
         be written again); every parameter's next write overwrites its staging slice, so the hooks' written flags
@@ -431,11 +436,13 @@ class StagedReduction(ShardedReduction):
         armed = overlap and not self.accumulation.learning  # every micro-batch reduces
         if armed:
             self.reducer.begin()
+        self._round = armed
         return BackwardStart(armed, used)
 
     def end_backward(self, armed: bool, last: bool) -> bool:
         """Launch the buckets not launched yet (the hooks' ``end()`` staged every bucket, zeroing the slices no
         gradient reached)."""
+        self._round = None
         if not armed:
             self.reducer.begin()
         self.reducer.flush()
@@ -461,6 +468,31 @@ class StagedReduction(ShardedReduction):
     def complete_for_state(self) -> None:
         """The last micro-batch's reduce-scatters complete into the gradient shard."""
         self.reducer.wait()
+
+    def launch_window_stats(self, window, extra: torch.Tensor | None) -> WindowStats:
+        """``Reduction.launch_window_stats``: the buckets not launched yet go with the stats (a dropped last
+        micro-batch's too), so no micro-batch is left for ``drain`` to complete."""
+        self._round = None
+        return super().launch_window_stats(window, extra)
+
+    def drain(self) -> None:
+        """Drop the window (``acc.zero_grad()``). A micro-batch whose backward failed after it began launches its
+        buckets not launched yet first, as zeros and in order (on the other ranks that micro-batch's backward
+        reduce-scatters every bucket: those are matched one to one, never met by this rank's next header; their
+        window goes on and meets this rank's next header, ``gaengine.protocol``, raising there on every rank). Then
+        every reduction in flight is waited for, errors ignored (a peer that failed too)."""
+        if self._round is not None:
+            armed, self._round = self._round, None
+            reducer = self.reducer
+            try:
+                if not armed:
+                    reducer.begin()
+                for b in reducer.buckets[reducer.next_to_launch:]:
+                    reducer.acquire(b.index).zero_()
+                    reducer.bucket_ready(b.index)  # launched at once, in order: every bucket before it was
+            except Exception:  # noqa: BLE001 - the window is dropped either way
+                pass
+        super().drain()
 
     def zero_unused(self, unwritten: list[int]) -> None:
         """Nothing to do: the staging zeroes the slices no gradient reached before every reduce-scatter."""

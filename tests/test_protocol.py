@@ -114,9 +114,19 @@ def _dies_at_stats(rank, world, out):
     return _outcome(lambda: _window(acc, model, rank, 0))
 
 
+def _dies_at_checkpoint(rank, world, out):
+    model = _model()
+    acc = _build(model)
+    acc.backward(_loss(model, rank, 0, 0))
+    if rank == 1:  # dies before the mid-window state_dict()'s agreement (its header, then all_gather_object)
+        _die()
+    return _outcome(acc.state_dict)
+
+
 DEATHS = {"construction_header": _dies_at_construction_header,
           "construction_agreement": _dies_at_construction_agreement,
-          "window_start": _dies_at_window_start, "reductions": _dies_at_reductions, "stats": _dies_at_stats}
+          "window_start": _dies_at_window_start, "reductions": _dies_at_reductions, "stats": _dies_at_stats,
+          "checkpoint": _dies_at_checkpoint}
 
 
 @pytest.mark.parametrize("where", list(DEATHS))
@@ -153,6 +163,16 @@ def _raise_in_backward(grad):
     raise _Boom("an error inside backward")
 
 
+def _failing_backward(acc, model, rank: int, window: int, k: int) -> str | None:
+    """Micro-batch ``k`` of ``window`` whose backward raises at ``model[0].weight`` (the last bucket to arrive: the
+    buckets before it reduced); its outcome."""
+    handle = model[0].weight.register_hook(_raise_in_backward)
+    try:
+        return _outcome(lambda: acc.backward(_loss(model, rank, window, k)))
+    finally:
+        handle.remove()
+
+
 def _drops_in_last(rank, world, out):
     """Rank 1's last micro-batch raises inside backward (after the reductions' header, some buckets launched);
     it calls zero_grad() and goes on. Its zero_grad() completes the reductions, so rank 0's step() raises naming
@@ -164,9 +184,7 @@ def _drops_in_last(rank, world, out):
     if rank == 1:
         for k in range(K - 1):
             acc.backward(_loss(model, rank, 1, k))
-        handle = model[0].weight.register_hook(_raise_in_backward)  # the last bucket to arrive
-        errors.append(_outcome(lambda: acc.backward(_loss(model, rank, 1, K - 1))))
-        handle.remove()
+        errors.append(_failing_backward(acc, model, rank, 1, K - 1))
         acc.zero_grad()
         errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
     else:
@@ -243,3 +261,126 @@ def test_a_rank_dropping_a_window_gives_gaengines_error_on_every_rank(tmp_path):
             assert "rank(s) 1 dropped this accumulation window" in first, first
         else:
             assert "different collectives of gaengine's" in first, first
+
+
+# ------------------------------------------------------------------ every micro-batch reduces, checkpoints, close()
+def _sharded(model: nn.Module, kind: str) -> gaengine.GradientAccumulator:
+    """``kind``: "zero2" (zero_stage=2, a bucket per parameter) or "fsdp2" (the model fully sharded first)."""
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=K,
+                                        max_grad_norm=None, bucket_size_mb=1e-6, zero_stage=2 if kind == "zero2" else 0)
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
+
+
+def _sharded_go_on(acc, model: nn.Module, rank: int) -> bool:
+    """``_go_on`` for a sharded model (its parameters compared whole), then ``acc.close()``."""
+    acc.zero_grad()
+    _window(acc, model, rank, 9)
+    flat = _full(model)
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    acc.close()
+    return torch.equal(gathered[0], gathered[1])
+
+
+def _sharded_drop(rank, kind: str, inside: bool):
+    """zero_stage=2 or FSDP2, where every micro-batch reduces: after a window, rank 1 drops the next one after its
+    first micro-batch (``inside``: its second micro-batch's backward raises after some buckets were reduce-scattered)
+    and starts another, while rank 0 goes on with the window. Before: rank 1's next collective met rank 0's
+    reduce-scatter, and gloo aborted a process (SIGABRT, 128 vs 40 bytes)."""
+    model = _model()
+    acc = _sharded(model, kind)
+    _window(acc, model, rank, 0)
+    errors = []
+    if rank == 1:
+        acc.backward(_loss(model, rank, 1, 0))
+        if inside:
+            errors.append(_failing_backward(acc, model, rank, 1, 1))
+        acc.zero_grad()
+        errors.append(_outcome(lambda: _window(acc, model, rank, 2)))
+    else:
+        errors.append(_outcome(lambda: _window(acc, model, rank, 1)))
+    return errors, _sharded_go_on(acc, model, rank)
+
+
+def _uneven_zero2(rank, world, out):
+    """zero_stage=2, K=3: rank 0's window ends after one micro-batch (``step(force=True)``, an epoch's end) while rank
+    1's holds three. Rank 0's reductions header meets rank 1's micro-batch header: both raise, nothing applied, and
+    after ``zero_grad()`` on both they train on alike. Before the micro-batch header, rank 0's header met rank 1's
+    reduce-scatter."""
+    model = _model()
+    acc = _sharded(model, "zero2")
+    _window(acc, model, rank, 0)
+    if rank == 0:
+        acc.backward(_loss(model, rank, 1, 0))
+        errors = [_outcome(lambda: acc.step(force=True))]
+    else:
+        errors = [_outcome(lambda: _window(acc, model, rank, 1))]
+    return errors, _sharded_go_on(acc, model, rank)
+
+
+def _checkpoint_mid_window(rank, world, out):
+    """Rank 0 saves mid-window (``acc.state_dict()``: its agreement gathers every rank's window counters) while
+    rank 1 goes on to the window's last micro-batch. Before: rank 0's all_gather_object met rank 1's header."""
+    model = _model()
+    acc = _build(model)
+    acc.backward(_loss(model, rank, 0, 0))
+    if rank == 0:
+        errors = [_outcome(acc.state_dict)]
+    else:
+        errors = [_outcome(lambda: [acc.backward(_loss(model, rank, 0, k)) for k in range(1, K)])]
+    return errors, _go_on(acc, model, rank)
+
+
+def _close_after_failed_last(rank, world, out):
+    """Rank 1's last micro-batch raises inside backward (some buckets all-reduced) and it calls ``acc.close()``:
+    its reductions are completed (its count marked dropped), so rank 0's step() raises gaengine's count error
+    naming it instead of waiting for buckets that never come; nothing is left in flight on rank 1. Before: rank 0
+    waited out the timeout, and rank 1's next collective (the closing barrier) met its bucket all-reduce."""
+    model = _model()
+    acc = _build(model)
+    _window(acc, model, rank, 0)
+    if rank == 1:
+        for k in range(K - 1):
+            acc.backward(_loss(model, rank, 1, k))
+        errors = [_failing_backward(acc, model, rank, 1, K - 1)]
+        acc.close()
+        return errors, all(b.work is None for b in acc.reducer.buckets) and acc.window.stats is None
+    errors = [_outcome(lambda: _window(acc, model, rank, 1))]
+    acc.close()
+    return errors, True
+
+
+def _every_sharded_case(rank, world, out):
+    return {"zero2": _sharded_drop(rank, "zero2", inside=False),
+            "zero2_inside_backward": _sharded_drop(rank, "zero2", inside=True),
+            "fsdp2": _sharded_drop(rank, "fsdp2", inside=False),
+            "zero2_uneven": _uneven_zero2(rank, world, out),
+            "checkpoint": _checkpoint_mid_window(rank, world, out),
+            "close": _close_after_failed_last(rank, world, out)}
+
+
+def test_drops_where_every_micro_batch_reduces_checkpoints_and_close_give_gaengines_error(tmp_path):
+    codes, results = launch_scenario(tmp_path, 2, _every_sharded_case, timeout_s=TIMEOUT_S, join_s=90)
+    assert codes == [0, 0], f"exit codes {codes} (negative: killed by a signal)"
+    for where in results[0]:
+        for rank in range(2):
+            errors, ok = results[rank][where]
+            assert ok, f"{where}, rank {rank}: the ranks differ after going on together, or a reduction is pending"
+            assert all(e is None or e.startswith(("RuntimeError: gaengine:", "_Boom")) for e in errors), errors
+            if where == "close" and rank == 1:
+                assert errors[0].startswith("_Boom"), errors
+                continue
+            assert any(e is not None and e.startswith("RuntimeError: gaengine:") for e in errors), (where, rank, errors)
+    close_error = results[0]["close"][0][0]
+    assert "rank(s) 1 dropped" in close_error, close_error

@@ -1,10 +1,14 @@
-"""A parameter replaced in the model after the accumulator was built is noticed (issue 41, N2).
+"""A parameter replaced in the model after the accumulator was built is noticed (issue 41, N2 and point 2).
 
 ``model.load_state_dict(sd, assign=True)``, a layer swapped for a new one, or ``p.data`` of another shape: the
-model then computes with tensors the accumulator and the optimizer do not hold (the new ones kept autograd's raw
-``.grad`` and never trained). gaengine refuses the next ``acc.backward()`` with a ``ValueError`` naming the
-parameter, the window as it was; going on as the message says (values loaded in place, the layer put back) trains as
-the plain recipe does in fp64.
+model then computes with tensors the accumulator does not hold (before, the new ones kept autograd's raw ``.grad``
+and never trained). The plain recipe trains the new objects only once the optimizer is pointed at them (it steps the
+objects it holds), with no optimizer state for them. gaengine does the same: between windows, in the replicated mode,
+a replacement the optimizer holds is adopted at the next window's first ``backward()`` and trains as the plain fp64
+recipe with the same swap and the same optimizer edit (fp32, and bf16 with fp32 masters; SGD with momentum: the new
+objects start with no momentum buffer, the others keep theirs); a replacement the optimizer does not hold (the plain
+recipe would silently not train it), one in the middle of a window, or one under ZeRO on several ranks, raises
+``ValueError`` naming the parameter, the window as it was.
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ def test_load_state_dict_assign_is_refused_naming_the_parameter(dtype):
     model.load_state_dict(copy.deepcopy(other), assign=True)
     assert all(p is not q for p, q in zip(model.parameters(), held))
     before = _window(acc)
-    with pytest.raises(ValueError, match=r"parameter 'fc1\.weight' is another tensor.*assign=True"):
+    with pytest.raises(ValueError, match=r"parameter 'fc1\.weight' is another tensor.*assign=True.*the "
+                                         r"optimizer still holds the old object.*plain recipe would not train it"):
         acc.backward(_loss(model, batches[K]))
     assert _same_window(before, _window(acc))
     # the way on the message gives: the held parameters back, the checkpoint's values loaded in place
@@ -113,7 +118,8 @@ def test_swapped_layer_is_refused_mid_window_with_the_window_kept():
     before = _window(acc)
     old = model.head
     model.head = nn.Linear(8, 3)
-    with pytest.raises(ValueError, match=r"parameter 'head\.weight' is another tensor.*layer replaced"):
+    with pytest.raises(ValueError, match=r"parameter 'head\.weight' is another tensor.*layer replaced.*in the "
+                                         r"middle of an accumulation window"):
         acc.backward(_loss(model, batches[1]))
     assert _same_window(before, _window(acc))
     assert all(p.grad is None for p in model.head.parameters())
@@ -164,4 +170,251 @@ def test_an_unrelated_model_built_meanwhile_is_not_a_replacement():
     acc.backward(_loss(model, batches[1]))
     assert acc.step() is not None and unrelated is not None
     _assert_close(model, expected, RTOL[torch.float32], "window with another model built in it")
+    acc.close()
+
+
+MOMENTUM = 0.9
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _swap(how: str, model, optimizer, dtype, source) -> None:
+    """Between windows, the same on the accumulator's model and the reference: ``assign``: a checkpoint's values
+    loaded with ``assign=True`` and the optimizer's group pointed at the new objects; ``layer``: the head replaced by a
+    new ``nn.Linear`` given to the optimizer with ``add_param_group`` (the old head stays in its group, gradient-less:
+    skipped). The new values are drawn in ``source`` (the run's dtype: the reference gets the same values)."""
+    torch.manual_seed(3)
+    if how == "assign":
+        other = MLP(6, 8, 3).to(source)
+        model.load_state_dict({k: v.to(dtype) for k, v in other.state_dict().items()}, assign=True)
+        optimizer.param_groups[0]["params"] = list(model.parameters())
+    else:
+        head = nn.Linear(8, 3).to(source)
+        model.head = head.to(dtype)
+        optimizer.add_param_group({"params": list(model.head.parameters())})
+
+
+@pytest.mark.parametrize("how", ["assign", "layer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master-weights"])
+def test_replacement_the_optimizer_holds_trains_as_the_plain_recipe(how, dtype):
+    """Replaced between windows 2 and 3 and given to the optimizer as the plain recipe needs: adopted at window 3's
+    first backward, every window after matches the plain fp64 recipe that does the same (the new objects start with
+    no momentum buffer, the others keep theirs). Before: refused (and, before that, the new ones never trained)."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(dtype)
+    ref = copy.deepcopy(model).double()
+    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    windows = 5
+    batches = _batches(windows * K)
+    at_swap = None
+    for w in range(windows):
+        if w == 2:
+            _swap(how, model, optimizer, dtype, dtype)
+            _swap(how, ref, ref_opt, torch.float64, dtype)
+            at_swap = [p.detach().clone() for p in ref.parameters()]
+        window = batches[w * K:(w + 1) * K]
+        for b in window:
+            acc.backward(_loss(model, b))
+        assert acc.step() is not None
+        ref_opt.zero_grad()
+        for b in window:
+            (_loss(ref, b) / K).backward()
+        ref_opt.step()
+        moved = 0.0 if at_swap is None else max(float((q.detach() - a).abs().max())
+                                                for q, a in zip(ref.parameters(), at_swap))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            e = q.detach()
+            if dtype == torch.float32:  # a few fp32 roundings of the forward, backward, sum and update
+                tol = 64 * RTOL[torch.float32] * (1.0 + float(e.abs().max()))
+            else:  # the bf16 rounding of the masters, and the bf16 forward's gradient error in each update since
+                tol = RTOL[torch.bfloat16] * (float(e.abs().max()) + 4 * moved)
+            err = float((p.detach().double() - e).abs().max())
+            assert err <= tol, f"{how}, {dtype}, window {w}: {name} off by {err:.3e} > {tol:.3e}"
+    if at_swap is not None:  # the replacement trained: it moved by far more than the bound
+        assert moved > 10 * RTOL[torch.bfloat16] * max(float(q.detach().abs().max()) for q in ref.parameters())
+    assert {id(p) for p in acc.params} == {id(p) for p in model.parameters()}
+    acc.close()
+
+
+def test_replaced_layer_without_optimizer_gets_the_window_gradient():
+    """No optimizer: ``step()`` leaves the window's mean gradient in ``.grad``; a head swapped between windows gets it
+    as the plain recipe's ``loss / K`` backward gives it (fp64), and the old head gets none."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3)
+    acc = gaengine.GradientAccumulator(model, None, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    batches = _batches(2 * K)
+    for b in batches[:K]:
+        acc.backward(_loss(model, b))
+    acc.step()
+    old = model.head
+    model.head = nn.Linear(8, 3)
+    ref = copy.deepcopy(model).double()
+    for b in batches[K:]:
+        acc.backward(_loss(model, b))
+        (_loss(ref, b) / K).backward()
+    acc.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        tol = 64 * RTOL[torch.float32] * (1.0 + float(q.grad.abs().max()))
+        assert p.grad is not None, f"{name}: no gradient"
+        err = float((p.grad.double() - q.grad).abs().max())
+        assert err <= tol, f"{name}: .grad off by {err:.3e} > {tol:.3e}"
+    assert old.weight.grad is None and old.bias.grad is None
+    acc.close()
+
+
+def test_refused_replacement_leaves_the_accumulator_as_it_was():
+    """A refusal at a window start (the optimizer holds the old head) changes nothing: the same parameters, layout and
+    optimizer; the head put back, the window trains as the plain recipe's."""
+    model, acc = _setup()
+    batches = _batches(2 * K)
+    for b in batches[:K]:
+        acc.backward(_loss(model, b))
+    acc.step()
+    params, groups = list(acc.params), [list(g["params"]) for g in acc.optimizer.param_groups]
+    old = model.head
+    model.head = nn.Linear(8, 3)
+    for _ in range(2):  # refused again, not half adopted by the first refusal
+        with pytest.raises(ValueError, match=r"'head\.weight'.*optimizer still holds the old object"):
+            acc.backward(_loss(model, batches[K]))
+    assert [id(p) for p in acc.params] == [id(p) for p in params]
+    assert [[id(q) for q in g["params"]] for g in acc.optimizer.param_groups] == [[id(q) for q in g] for g in groups]
+    assert acc.num_micro_batches == 0
+    model.head = old
+    expected = _plain(model, [batches[K:]])
+    for b in batches[K:]:
+        acc.backward(_loss(model, b))
+    acc.step()
+    _assert_close(model, expected, RTOL[torch.float32], "after the head was put back")
+    acc.close()
+
+
+def _rank_case(rank: int, stage: int, swap_on: tuple[int, ...]) -> dict:
+    """2 ranks, ``zero_stage=stage``: one window, then the ranks in ``swap_on`` swap the head (the same new values
+    on every rank) and give it to the optimizer with ``add_param_group``; two more windows. Returns each window's
+    outcome and the parameters after each, beside the plain fp64 recipe over both ranks' micro-batches (the mean of
+    every rank's micro-batch means) with the same swap."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3)
+    ref = copy.deepcopy(model).double()
+    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch",
+                                       zero_stage=stage)
+    world = torch.distributed.get_world_size()
+    out = {"outcomes": [], "errors": [], "kept": []}
+    for w in range(3):
+        every = [_batches(K, seed=100 * w + r) for r in range(world)]
+        if w == 1:
+            _swap("layer", ref, ref_opt, torch.float64, torch.float32)
+            if rank in swap_on:
+                _swap("layer", model, optimizer, torch.float32, torch.float32)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            for b in every[rank]:
+                acc.backward(_loss(model, b))
+            acc.step()
+            out["outcomes"].append("applied")
+        except ValueError as exc:
+            out["outcomes"].append(str(exc))
+            out["kept"].append(all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before)))
+            return out
+        ref_opt.zero_grad()
+        for r in range(world):
+            for b in every[r]:
+                (_loss(ref, b) / (K * world)).backward()
+        ref_opt.step()
+        out["errors"].append(max(float((p.detach().double() - q.detach()).abs().max())
+                                 / (64 * RTOL[torch.float32] * (1.0 + float(q.detach().abs().max())))
+                                 for p, q in zip(model.parameters(), ref.parameters())))
+    acc.close()
+    return out
+
+
+def _zero_data_case(rank: int) -> str:
+    """``zero_stage=1``: every parameter lives in the flat parameter buffer; ``p.data = x`` on every rank is refused
+    naming it at the next backward (ZeRO does not adopt it), nothing accumulated."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3)
+    acc = gaengine.GradientAccumulator(model, _sgd(model.parameters()), accumulation_steps=K, max_grad_norm=None,
+                                       backend="torch", zero_stage=1)
+    for b in _batches(K, seed=7 + rank):
+        acc.backward(_loss(model, b))
+    acc.step()
+    model.fc1.weight.data = model.fc1.weight.detach().clone()
+    with pytest.raises(ValueError) as refused:  # not raising fails this rank, and the test
+        acc.backward(_loss(model, _batches(1, seed=9)[0]))
+    acc.close()
+    return f"{refused.value}|{acc.num_micro_batches}"
+
+
+def _on_two_ranks(rank, world, out):
+    return {"adopted": _rank_case(rank, 0, (0, 1)), "one rank": _rank_case(rank, 0, (0,)),
+            "zero1": _rank_case(rank, 1, (0, 1)), "zero1 data": _zero_data_case(rank)}
+
+
+@pytest.mark.multiproc
+def test_replacement_on_two_ranks(tmp_path):
+    """2 gloo ranks. ``zero_stage=0``, both ranks swapping alike: adopted, every window matches the plain fp64 recipe
+    over both ranks' micro-batches. Only rank 0 swapping: no rank adopts and both ranks' ``step()`` raise (before the
+    fingerprint counted replacements, rank 0 alone would adopt: its broadcast meeting rank 1's all-reduce).
+    ``zero_stage=1``: refused naming the parameter on both ranks, nothing applied; ``p.data = x`` there too (every
+    parameter lives in ZeRO's flat parameter buffer)."""
+    from tests.ranks import launch_scenario  # noqa: PLC0415
+
+    codes, results = launch_scenario(tmp_path, 2, _on_two_ranks, timeout_s=30, join_s=90)
+    assert codes == [0, 0], f"exit codes {codes}"
+    for rank, res in enumerate(results):
+        adopted = res["adopted"]
+        assert adopted["outcomes"] == ["applied"] * 3, (rank, adopted["outcomes"])
+        assert max(adopted["errors"]) <= 1.0, f"rank {rank}: error / bound per window {adopted['errors']}"
+        one = res["one rank"]
+        assert one["outcomes"][0] == "applied" and "changed their trainable parameters differently" in (
+            one["outcomes"][1]), (rank, one["outcomes"])
+        assert one["kept"] == [True], f"rank {rank}: the disagreeing window was applied"
+        zero1 = res["zero1"]
+        assert "'head.weight'" in zero1["outcomes"][1] and "zero_stage=1 does not adopt" in zero1["outcomes"][1], (
+            rank, zero1["outcomes"])
+        assert zero1["kept"] == [True]
+        data = res["zero1 data"]
+        assert "'fc1.weight' has another storage" in data and "zero_stage=1 does not adopt" in data, data
+        assert data.endswith("|0"), data
+
+
+def test_parameter_data_replaced_in_a_flat_buffer_trains_as_the_plain_recipe():
+    """bf16 parameters with fp32 masters live in a flat parameter buffer; ``p.data = x`` (same shape and dtype, the
+    same object) gives one another storage, between windows and in the middle of one. The plain recipe's optimizer
+    steps the same object from ``x`` (its momentum and the gradient it holds kept): so does gaengine, every window
+    against the plain fp64 recipe doing the same. Before: the updates went into the buffer the model no longer read,
+    and the parameter silently never trained again."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(torch.bfloat16)
+    ref = copy.deepcopy(model).double()
+    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    batches = _batches(4 * K)
+    g = torch.Generator().manual_seed(5)
+    at_change = None
+    for w in range(4):
+        ref_opt.zero_grad()
+        for k, b in enumerate(batches[w * K:(w + 1) * K]):
+            if (w, k) in ((1, 0), (2, 1)):  # between windows, and in the middle of one
+                layer, ref_layer = (model.fc1, ref.fc1) if w == 1 else (model.head, ref.head)
+                new = torch.randn(layer.weight.shape, generator=g).to(torch.bfloat16)
+                layer.weight.data = new.clone()
+                ref_layer.weight.data = new.double()
+                at_change = at_change or [p.detach().clone() for p in ref.parameters()]
+            acc.backward(_loss(model, b))
+            (_loss(ref, b) / K).backward()
+        assert acc.step() is not None
+        ref_opt.step()
+        moved = 0.0 if at_change is None else max(float((q.detach() - a).abs().max())
+                                                  for q, a in zip(ref.parameters(), at_change))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            e = q.detach()
+            tol = RTOL[torch.bfloat16] * (float(e.abs().max()) + 4 * moved)  # as the replacement test above
+            err = float((p.detach().double() - e).abs().max())
+            assert err <= tol, f"window {w}: {name} off by {err:.3e} > {tol:.3e}"
+    assert moved > 10 * RTOL[torch.bfloat16] * max(float(q.detach().abs().max()) for q in ref.parameters())
     acc.close()
