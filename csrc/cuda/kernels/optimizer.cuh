@@ -106,8 +106,8 @@ __device__ __forceinline__ void load4(const half_t* p, float (&out)[4]) {
 
 // Four values stored: fp32 as one 128-bit store, bf16 | fp16 rounded as one 64-bit store, none for NoModelParam.
 __device__ __forceinline__ void store4(NoModelParam*, const float (&)[4]) {}
-__device__ __forceinline__ void store4(float* out, const float (&p)[4]) {
-  *reinterpret_cast<float4*>(out) = make_float4(p[0], p[1], p[2], p[3]);
+__device__ __forceinline__ void store4(float* out, const float (&p)[4]) {  // __stwb: one st.global.v4 (see below)
+  __stwb(reinterpret_cast<float4*>(out), make_float4(p[0], p[1], p[2], p[3]));
 }
 template <typename half_t>
 __device__ __forceinline__ void store4(half_t* out, const float (&p)[4]) {
