@@ -193,31 +193,13 @@ void cpu_step(const optim::OptimizerLists& l, const typename F::Hyper& h, const 
 }
 
 // optimizer_step_'s CPU kernel (optim/step.h): the functor by name, then cpu_step.
-struct CpuStep {
-  const std::vector<at::Tensor>& params;
-  const std::vector<at::Tensor>& grads;
-  const std::vector<at::Tensor>& states;
-  const std::vector<at::Tensor>& steps;
-  const std::vector<std::optional<at::Tensor>>& model_params;
-  c10::ArrayRef<double> hyper;
-  const std::optional<at::Tensor>& grad_scale;
-  const std::optional<at::Tensor>& found_inf;
-
+struct CpuLaunch {
   template <class F>
-  void visit() {
-    const optim::OptimizerLists l = optim::split_lists<F>(params, grads, states, steps, model_params);
-    cpu_step<F>(l, optim::make_hyper<F>(hyper), grad_scale, found_inf);
+  static void run(const optim::OptimizerLists& l, const typename F::Hyper& h,
+                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+    cpu_step<F>(l, h, grad_scale, found_inf);
   }
 };
-
-void optimizer_step_cpu(c10::string_view optimizer, const std::vector<at::Tensor>& params,
-                        const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& states,
-                        const std::vector<at::Tensor>& steps,
-                        const std::vector<std::optional<at::Tensor>>& model_params, c10::ArrayRef<double> hyper,
-                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  CpuStep visitor{params, grads, states, steps, model_params, hyper, grad_scale, found_inf};
-  optim::dispatch_optimizer(std::string(optimizer), visitor);
-}
 
 }  // namespace
 
@@ -239,6 +221,6 @@ GAENGINE_TORCH_LIBRARY_FRAGMENT(m) {
 }
 #if !defined(GAENGINE_EMULATED_CUDA)
 GAENGINE_TORCH_LIBRARY_IMPL(CPU, m) {
-  m.impl("optimizer_step_", &gaengine::optimizer_step_cpu);
+  m.impl("optimizer_step_", &gaengine::optim::optimizer_step<gaengine::CpuLaunch>);
 }
 #endif

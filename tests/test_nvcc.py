@@ -7,7 +7,8 @@ ptxas's report (no stack frame, no spills, registers within the full-occupancy b
 256 threads).
 Skipped when no ``nvcc`` is found (``PATH``, ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``).
 
-The multi-tensor kernels (``accumulate_bucket_kernel``, ``adamw_multi_kernel``) take their tensor list by value
+The multi-tensor kernels (``accumulate_bucket_kernel``, ``optimizer_multi_kernel`` for every functor of
+``csrc/optim/all.h``: ``adamw-multi``, ``lion-multi``, ...) take their tensor list by value
 as one kernel-parameter struct: the tests also read each kernel's ``.param`` bytes from the PTX and check them
 against the 32764-byte limit of CUDA >= 12.1 on sm_70+ (``static_assert`` in the header too).
 

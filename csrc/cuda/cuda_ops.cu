@@ -365,31 +365,13 @@ void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const s
 }
 
 // optimizer_step_'s CUDA kernel (csrc/optim/step.h): the functor by name, then cuda_step.
-struct CudaStep {
-  const std::vector<at::Tensor>& params;
-  const std::vector<at::Tensor>& grads;
-  const std::vector<at::Tensor>& states;
-  const std::vector<at::Tensor>& steps;
-  const std::vector<std::optional<at::Tensor>>& model_params;
-  c10::ArrayRef<double> hyper;
-  const std::optional<at::Tensor>& grad_scale;
-  const std::optional<at::Tensor>& found_inf;
-
+struct CudaLaunch {
   template <class F>
-  void visit() {
-    const optim::OptimizerLists l = optim::split_lists<F>(params, grads, states, steps, model_params);
-    cuda_step<F>(l, optim::make_hyper<F>(hyper), grad_scale, found_inf);
+  static void run(const optim::OptimizerLists& l, const typename F::Hyper& h,
+                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+    cuda_step<F>(l, h, grad_scale, found_inf);
   }
 };
-
-void optimizer_step_cuda(c10::string_view optimizer, const std::vector<at::Tensor>& params,
-                         const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& states,
-                         const std::vector<at::Tensor>& steps,
-                         const std::vector<std::optional<at::Tensor>>& model_params, c10::ArrayRef<double> hyper,
-                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  CudaStep visitor{params, grads, states, steps, model_params, hyper, grad_scale, found_inf};
-  optim::dispatch_optimizer(std::string(optimizer), visitor);
-}
 
 #if GAENGINE_HAS_CUBLAS
 // ---------------------------------------------------------------------------------------------------------
@@ -504,7 +486,7 @@ GAENGINE_TORCH_LIBRARY_IMPL(GAENGINE_CUDA_DISPATCH_KEY, m) {
   m.impl("scale_", &gaengine::scale_cuda);
   m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_cuda);
   m.impl("adamw_step_", &gaengine::adamw_step_op<gaengine::adamw_step_cuda>);
-  m.impl("optimizer_step_", &gaengine::optimizer_step_cuda);
+  m.impl("optimizer_step_", &gaengine::optim::optimizer_step<gaengine::CudaLaunch>);
 #if GAENGINE_HAS_CUBLAS
   m.impl("wgrad_accumulate_", &gaengine::wgrad_accumulate_cuda);
 #endif

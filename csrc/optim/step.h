@@ -139,5 +139,36 @@ void dispatch_optimizer(const std::string& name, Visitor& visitor) {
               "' (this gaengine._C has: ", optimizer_names(AllOptimizers{}), ")");
 }
 
+// optimizer_step_ on one device: the functor named `optimizer` (dispatch_optimizer), the flat state list split
+// (split_lists) and the hyper list read (make_hyper), then Launch::template run<F>(lists, hyper, grad_scale,
+// found_inf), the device's launcher. The CPU and CUDA kernels of the op are its instantiations.
+template <class Launch>
+struct StepVisitor {
+  const std::vector<at::Tensor>& params;
+  const std::vector<at::Tensor>& grads;
+  const std::vector<at::Tensor>& states;
+  const std::vector<at::Tensor>& steps;
+  const std::vector<std::optional<at::Tensor>>& model_params;
+  c10::ArrayRef<double> hyper;
+  const std::optional<at::Tensor>& grad_scale;
+  const std::optional<at::Tensor>& found_inf;
+
+  template <class F>
+  void visit() {
+    const OptimizerLists l = split_lists<F>(params, grads, states, steps, model_params);
+    Launch::template run<F>(l, make_hyper<F>(hyper), grad_scale, found_inf);
+  }
+};
+
+template <class Launch>
+void optimizer_step(c10::string_view optimizer, const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& states,
+                    const std::vector<at::Tensor>& steps, const std::vector<std::optional<at::Tensor>>& model_params,
+                    c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  StepVisitor<Launch> visitor{params, grads, states, steps, model_params, hyper, grad_scale, found_inf};
+  dispatch_optimizer(std::string(optimizer), visitor);
+}
+
 }  // namespace optim
 }  // namespace gaengine
