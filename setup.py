@@ -292,6 +292,8 @@ def main():
     if with_cuda:  # the same module, plus the cuda backend's kernels (csrc/cuda/README.md)
         extension = CUDAExtension("gaengine._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
                                   define_macros=[("GAENGINE_WITH_CUDA", None)],
+                                  # csrc/cuda/kernels/adamw.cuh includes the AdamW functor as "optim/adamw.h"
+                                  include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
                                   extra_compile_args={"cxx": list(cxx_flags), "nvcc": list(NVCC_FLAGS)},
                                   extra_link_args=list(LINK_FLAGS))
     build_ext = fallback_build_ext(BuildExtension, cpu_only if with_cuda else None, strict=build_ext_mode == "1")

@@ -1,5 +1,7 @@
-// The fused AdamW step of gaengine.optim.FusedAdamW: its arguments, written once, and the CPU kernel (defined in
-// adamw.cpp; registered in module.cpp, the CUDA kernel in csrc/cuda/cuda_ops.cu).
+// The fused AdamW step of gaengine.optim.FusedAdamW, adamw_step_: AdamW's own spelling of
+// optimizer_step_("adamw", ...) (csrc/optim/step.h; the functor csrc/optim/adamw.h), its arguments written once, and
+// the CPU kernel (the CPU launcher, csrc/optimizer_step.cpp; registered in module.cpp, the CUDA kernel, the CUDA
+// launcher, in csrc/cuda/cuda_ops.cu).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,7 +43,7 @@ struct AdamWHyperparams {
 using AdamWKernel = void (*)(const AdamWLists& lists, const AdamWHyperparams& hyper,
                              const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
 
-// The CPU kernel (adamw.cpp): CPU tensors, AVX2 or portable, at::parallel_for.
+// The CPU kernel (csrc/optimizer_step.cpp): CPU tensors, AVX2 or portable, at::parallel_for.
 void adamw_step_cpu(const AdamWLists& lists, const AdamWHyperparams& hyper,
                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
 
@@ -62,13 +64,5 @@ inline constexpr const char* kAdamWStepSchema =
     "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] steps, Tensor(e!)?[] model_params, float lr, float beta1, float beta2, float eps, "
     "float weight_decay, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()";
-
-// The contracts of an AdamW step that do not depend on the device, checked by the CPU and the CUDA kernel
-// (csrc/cuda/cuda_ops.cu) before anything is written; each kernel checks devices and contiguity itself.
-// check_adamw_lengths: every list has params.size() entries. check_adamw_param(i): params[i] fp32 | bf16 | fp16;
-// its moments in its dtype; grads[i] fp32 | bf16 | fp16; all with params[i]'s numel; model_params[i], when
-// given, bf16 | fp16 with that numel and beside an fp32 params[i] only. Raise c10::Error naming the argument.
-void check_adamw_lengths(const AdamWLists& lists);
-void check_adamw_param(const AdamWLists& lists, size_t i);
 
 }  // namespace gaengine

@@ -19,7 +19,8 @@
 //   v  = fma((1 - beta2) * g, g, v * beta2)    torch's source says v * beta2 + (1 - beta2) * g * g; its
 //                                              AVX2 build contracts it to this FMA (objdump of libtorch_cpu)
 //   p  = p + (-step_size * m) / (sqrt(v) / sqrt(bias_correction2) + eps)
-// No other contraction: adamw.cpp is built with fp-contract off, so these are exactly the roundings.
+// No other contraction: optimizer_step.cpp (which runs these for the AdamW functor) is built with fp-contract off,
+// so these are exactly the roundings.
 // Every division is the IEEE one, RN(a / b): the AVX2 path computes the two divisions by a per-call scalar
 // (grad_scale, sqrt(bias_correction2)) with Markstein's correction where that is provably exact, and divides
 // elsewhere (avx2::div_by_scalar): on this CPU-bound loop a vdivps costs as much as ten other instructions.

@@ -1,4 +1,4 @@
-// The run-time choice of the vector ISA, shared by cpu_ops.cpp and adamw.cpp.
+// The run-time choice of the vector ISA, shared by cpu_ops.cpp and optimizer_step.cpp.
 //
 // GAENGINE_CPU_ISA=auto|avx2|portable (read once, at the first call) forces a path, for testing the
 // fallback on an AVX2 machine; auto takes the AVX2 kernels when __builtin_cpu_supports says the CPU has

@@ -26,7 +26,7 @@ def register_fakes(namespace: str = "gaengine", with_cuda: bool = False) -> None
     def _mutates_only(*args, **kwargs):  # writes its (a!) arguments in place: no outputs to allocate
         return None
 
-    for op in ("accumulate_", "scale_", "accumulate_bucket_", "adamw_step_", "wgrad_accumulate_"):
+    for op in ("accumulate_", "scale_", "accumulate_bucket_", "adamw_step_", "optimizer_step_", "wgrad_accumulate_"):
         torch.library.register_fake(f"{namespace}::{op}", _mutates_only)
 
     @torch.library.register_fake(f"{namespace}::l2norm_sq")

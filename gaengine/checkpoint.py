@@ -541,9 +541,10 @@ def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e:
     ``FlatShard`` of this rank's range (zeros where the optimizer has not stepped the piece yet)."""
     moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
     ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
+    step = optimizers.step_key(optimizer)  # None: the optimizer keeps no step count (its row of the table)
     entry: dict[str, Any] = {
         "initialized": torch.tensor(float(ready)),
-        "step": torch.tensor(float(state["step"]) if ready and "step" in state else 0.0,
+        "step": torch.tensor(float(state[step]) if ready and step in state else 0.0,
                              dtype=torch.float64),  # host read: once per checkpoint
     }
     for k in moment_keys:
@@ -804,7 +805,8 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
                                        "missing" if k not in saved else type(value).__name__)
         t = _take(value, e, "state['optimizer']")
         moments[k] = _shaped_like(e.piece, t if isinstance(value, FlatShard) else t.clone())
-    return {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
+    step = optimizers.step_key(optimizer)  # None: the optimizer keeps no step count (its row of the table)
+    return {**({step: torch.tensor(float(saved["step"]), dtype=torch.float32)} if step else {}), **moments}
 
 
 def _load_optimizer(acc: Any, meta: dict[str, Any], entries: list[_Entry], loaded: dict[int, dict[str, Any]]) -> None:

@@ -1,4 +1,10 @@
-"""``FusedAdamW``: torch's AdamW in one pass per parameter, with the clip coefficient, the skip flag and the
+"""gaengine's fused elementwise optimizers: ``FusedAdamW`` and ``FusedLion``, each torch's update (or the paper's) in
+one pass per parameter, with the clip coefficient, the skip flag and the fp32 master -> bf16/fp16 model write folded
+in, and no host sync. Both are ``FusedElementwiseOptimizer``s: an optimizer is its class (with its row of
+``gaengine.optimizers.OPTIMIZERS``), its functor (``csrc/optim/<name>.h``, run by the C++ and CUDA multi-tensor
+launchers through the op ``optimizer_step_``), its Triton kernel (``gaengine.kernels.<name>``) and its test.
+
+``FusedAdamW``: torch's AdamW in one pass per parameter, with the clip coefficient, the skip flag and the
 fp32 master -> bf16/fp16 model write folded in, and no host sync.
 
 AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2), with
@@ -50,7 +56,9 @@ from gaengine.buffer import FlatLayout
 from gaengine.contract import AdamWStep
 from gaengine.optimizers import OptimizerSpec, register_optimizer
 
-__all__ = ["ADAMW_KERNELS", "AdamWKernel", "FusedAdamW", "adamw_kernel", "adamw_step_reference", "flat_moments"]
+__all__ = ["ADAMW_KERNELS", "FusedAdamW", "FusedElementwiseOptimizer", "FusedLion", "LION_KERNELS", "OptimizerKernel",
+           "adamw_kernel", "adamw_step_reference", "compiled_optimizer_step", "flat_moments", "lion_step_reference",
+           "optimizer_kernel"]
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -163,10 +171,12 @@ chosen backend returning ``(step, where)``, ``step`` a callable taking ``*AdamWS
 ``where`` its name."""
 
 
-class AdamWKernel(NamedTuple):
-    """The AdamW kernel ``FusedAdamW`` runs on one device: ``backend`` the kernel family (a backend name, as
-    ``gaengine.backends.get_backend`` chose it), ``step`` the function, called as ``step(*AdamWStep(...))``,
-    ``where`` its name (e.g. ``"torch.ops.gaengine.adamw_step_"``)."""
+class OptimizerKernel(NamedTuple):
+    """The kernel a fused optimizer runs on one device: ``backend`` the kernel family (a backend name, as
+    ``gaengine.backends.get_backend`` chose it), ``step`` the function, ``where`` its name (e.g.
+    ``"torch.ops.gaengine.adamw_step_"``). ``FusedAdamW``'s is called as ``step(*AdamWStep(...))``, every other
+    fused optimizer's as ``step(params, grads, states, steps, model_params, hyper, grad_scale, found_inf)``
+    (``FusedElementwiseOptimizer``)."""
 
     backend: str
     step: KernelFn
@@ -176,17 +186,299 @@ class AdamWKernel(NamedTuple):
         self.step(*args, **kwargs)
 
 
-def adamw_kernel(backend: str, device: torch.device | str) -> AdamWKernel:
-    """The AdamW kernel for ``backend`` (one of ``gaengine.backends.BACKEND_NAMES``) on ``device``: the same choice
-    as the accumulate kernels' (``get_backend``: "auto" is "cuda" on CUDA when ``gaengine._C`` carries its CUDA
-    kernels and the driver can launch them, else "triton"; "cpu" on CPU), mapped to that family's AdamW step
-    (``ADAMW_KERNELS``). Raises what ``get_backend`` raises (``ValueError`` for an unknown name, ``RuntimeError``
-    when a backend asked for by name cannot run on ``device``)."""
+def optimizer_kernel(kernels: dict[str, Callable[[Any], tuple[KernelFn, str]]], backend: str,
+                     device: torch.device | str) -> OptimizerKernel:
+    """The kernel of ``kernels`` (kernel family -> factory, e.g. ``ADAMW_KERNELS``) for ``backend`` (one of
+    ``gaengine.backends.BACKEND_NAMES``) on ``device``: the same choice as the accumulate kernels' (``get_backend``:
+    "auto" is "cuda" on CUDA when ``gaengine._C`` carries its CUDA kernels and the driver can launch them, else
+    "triton"; "cpu" on CPU). Raises what ``get_backend`` raises (``ValueError`` for an unknown name,
+    ``RuntimeError`` when a backend asked for by name cannot run on ``device``)."""
     chosen = get_backend(backend, device)
-    return AdamWKernel(chosen.name, *ADAMW_KERNELS[chosen.name](chosen))
+    return OptimizerKernel(chosen.name, *kernels[chosen.name](chosen))
 
 
-class FusedAdamW(torch.optim.Optimizer):
+def adamw_kernel(backend: str, device: torch.device | str) -> OptimizerKernel:
+    """The AdamW kernel for ``backend`` on ``device`` (``optimizer_kernel`` over ``ADAMW_KERNELS``)."""
+    return optimizer_kernel(ADAMW_KERNELS, backend, device)
+
+
+def compiled_optimizer_step(name: str) -> Callable[[Any], tuple[KernelFn, str]]:
+    """The kernel factory of the fused optimizer ``name`` (a functor of ``csrc/optim/all.h``) in a backend's compiled
+    module: ``torch.ops.<namespace>.optimizer_step_(name, ...)`` (``csrc/optim/step.h``; the CPU and CUDA
+    multi-tensor launchers), its per-state lists flattened state-major as the op takes them."""
+
+    def factory(backend) -> tuple[KernelFn, str]:
+        module = backend.extension()[0]
+        ops = getattr(torch.ops, module.OP_NAMESPACE)
+
+        def step(params, grads, states, steps, model_params, hyper, grad_scale=None, found_inf=None) -> None:
+            ops.optimizer_step_(name, params, grads, [t for state in states for t in state], steps, model_params,
+                                hyper, grad_scale, found_inf)
+
+        return step, f"torch.ops.{module.OP_NAMESPACE}.optimizer_step_({name!r})"
+
+    return factory
+
+
+class FusedElementwiseOptimizer(torch.optim.Optimizer):
+    """What gaengine's fused elementwise optimizers share (``FusedAdamW``, ``FusedLion``): one fused pass per
+    parameter on one multi-tensor kernel per device (the C++/CUDA launchers over the optimizer's functor,
+    ``csrc/optim/``; its Triton kernel; a plain-torch reference), the clip coefficient (``grad_scale``), the skip
+    flag (``found_inf``) and the fp32 master -> bf16/fp16 model write (``attach_model_params``) folded in, no
+    host sync.
+
+    A subclass is the optimizer: ``STATE_KEYS`` (its per-element state tensors, in its functor's order),
+    ``KEEPS_STEP`` (a 0-d fp32 ``step`` per parameter), ``KERNELS`` (kernel family -> ``(step, where)`` factory:
+    ``"torch"``, ``"cpu"``, ``"cuda"``, ``"triton"``), ``_check_hyperparameters(group)`` (``ValueError`` naming the
+    argument) and ``_hyper(group)`` (its functor's hyper list). Its kernels take ``(params, grads, states, steps,
+    model_params, hyper, grad_scale, found_inf)``: per device, ``states[k][i]`` state ``STATE_KEYS[k]`` of
+    ``params[i]``. Its row of ``gaengine.optimizers.OPTIMIZERS`` goes beside it (``register_optimizer``).
+
+    Parameters: fp32 (masters) or bf16/fp16 updated in place (state in their dtype), contiguous. Gradient of ``p``:
+    ``p.main_grad`` when set and not None (fp32 | bf16 | fp16, ``p``'s numel), else ``p.grad``. States created in
+    one ``step()`` (or loaded) are views of one flat buffer per group, device and dtype (``flat_moments``).
+    ``step()`` reads ``self.grad_scale`` / ``self.found_inf`` (torch.amp.GradScaler's protocol,
+    ``_step_supports_amp_scaling``).
+    """
+
+    _step_supports_amp_scaling = True  # step() reads grad_scale / found_inf (torch.amp.GradScaler's protocol)
+    STATE_KEYS: tuple[str, ...] = ()
+    KEEPS_STEP: bool = True
+    KERNELS: dict[str, Callable[[Any], tuple[KernelFn, str]]] = {}
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any],
+                 backend: str) -> None:
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        self._check_hyperparameters(defaults)
+        self.backend = backend
+        self._kernels: dict[torch.device, OptimizerKernel] = {}
+        self._model_params: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, model)
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the argument for a hyper-parameter of ``group`` the kernels cannot use."""
+        raise NotImplementedError
+
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        """``group``'s hyper-parameters as its functor's hyper list (Python floats)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ param groups and state
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the hyper-parameters and parameters validated."""
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._check_hyperparameters(merged)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if isinstance(p, torch.Tensor) and (not p.is_floating_point() or p.is_complex()):
+                raise ValueError(f"params must be floating point tensors, got one of dtype {p.dtype}")
+        super().add_param_group({**param_group, "params": params})
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for p, p_state in self.state.items():
+            if "step" in p_state and not torch.is_tensor(p_state["step"]):
+                p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=p.device)
+        self.__dict__.setdefault("_kernels", {})
+        self.__dict__.setdefault("_model_params", {})
+        self.__dict__.setdefault("backend", "auto")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer (or of the torch optimizer with the same state keys).
+
+        The state is converted to the kernels' layout: ``step`` (``KEEPS_STEP``) a 0-d fp32 tensor on the
+        parameter's device, each of ``STATE_KEYS`` a copy on that device: fp32 for an fp32 parameter; for a
+        bf16/fp16 parameter, in the saved dtype when that is the parameter's or fp32, else fp32 (saved fp32 state
+        of a bf16/fp16 parameter stays fp32: a master-weights checkpoint loaded before ``GradientAccumulator``
+        swaps in the fp32 masters; a ``step()`` on the bf16/fp16 parameter itself refuses it). Raises
+        ``ValueError`` for an invalid hyper-parameter, before anything is loaded.
+        """
+        for group in state_dict["param_groups"]:
+            self._check_hyperparameters({**self.defaults, **group})
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            state = self.state[p]
+            # Copies: the kernels update the state in place, which must not write into the caller's dict.
+            if self.KEEPS_STEP:
+                step = saved["step"]
+                step = step.detach() if torch.is_tensor(step) else torch.tensor(float(step))
+                state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+            for key in self.STATE_KEYS:
+                dtype = saved[key].dtype if saved[key].dtype in (p.dtype, torch.float32) else torch.float32
+                state[key] = saved[key].detach().to(device=p.device, dtype=dtype, copy=True).contiguous()
+        # The loaded states as step() creates them: per group, views of one flat buffer (copied in; states
+        # that do not fit their parameter keep their own copy, for step() to refuse naming them).
+        for group in self.param_groups:
+            fit = [p for p in group["params"] if self.state.get(p) and all(
+                torch.is_tensor(self.state[p].get(k)) and self.state[p][k].numel() == p.numel()
+                and self.state[p][k].device == p.device and self.state[p][k].dtype == _moment_dtype(p)
+                for k in self.STATE_KEYS)]
+            for p, views in zip(fit, flat_moments(fit, len(self.STATE_KEYS))):
+                for key, view in zip(self.STATE_KEYS, views):
+                    view.view(-1).copy_(self.state[p][key].reshape(-1))
+                    self.state[p][key] = view
+
+    def attach_model_params(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After this, each update of ``master`` also writes its bf16/fp16 rounding into ``model_param``.
+
+        pairs: ``(master, model_param)`` tuples. ``master``: an fp32 contiguous parameter of this optimizer.
+            ``model_param``: bf16 | fp16, contiguous, same shape and device; overwritten by the update (in the
+            same pass) with exactly ``master.to(model_param.dtype)``. A skipped update (``found_inf``) or a
+            parameter without a gradient leaves it untouched. Attaching a master again replaces its model param.
+
+        Raises ``ValueError`` naming what is wrong, before anything is attached.
+        """
+        pairs = list(pairs)
+        own = {id(p) for g in self.param_groups for p in g["params"]}
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(f"pairs[{i}] must be a (master, model_param) tuple")
+            master, model = pair
+            if not isinstance(master, torch.Tensor) or id(master) not in own:
+                raise ValueError(f"pairs[{i}]: master is not a parameter of this optimizer")
+            if master.dtype != torch.float32 or not master.is_contiguous():
+                raise ValueError(f"pairs[{i}]: master must be a contiguous float32 tensor, got {master.dtype}")
+            if not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES:
+                got = model.dtype if isinstance(model, torch.Tensor) else type(model).__name__
+                raise ValueError(f"pairs[{i}]: model_param must be a bfloat16 or float16 tensor, got {got}")
+            if model.shape != master.shape or model.device != master.device or not model.is_contiguous():
+                raise ValueError(f"pairs[{i}]: model_param must be contiguous with master's shape "
+                                 f"{tuple(master.shape)} and device {master.device}, got {tuple(model.shape)} "
+                                 f"on {model.device}")
+        for master, model in pairs:
+            self._model_params[id(master)] = (master, model)
+
+    # ------------------------------------------------------------------ update
+    def _kernel(self, device: torch.device) -> OptimizerKernel:
+        kernel = self._kernels.get(device)
+        if kernel is not None:
+            return kernel
+        # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
+        # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
+        # launch for the whole list (Triton launches once per parameter).
+        kernel = self._kernels[device] = optimizer_kernel(self.KERNELS, self.backend, device)
+        return kernel
+
+    def _launch(self, kernel: OptimizerKernel, params: list, grads: list, states: list[list], steps: list,
+                models: list, group: dict[str, Any], grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
+        """One kernel call for one device's lists (``states[k]``: state ``STATE_KEYS[k]`` of each parameter)."""
+        kernel(params, grads, states, steps, models, self._hyper(group), grad_scale, found_inf)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter that has a gradient; returns ``closure()``'s loss, if given.
+
+        Reads ``self.grad_scale`` / ``self.found_inf`` when set (0-d floating tensors, moved to each parameter
+        device without a sync): the gradient used is ``grad / grad_scale`` (``grad``: ``p.main_grad`` when set,
+        else ``p.grad``), and ``found_inf != 0`` skips the update entirely (parameters, moments, step counts and
+        attached model parameters stay bit-identical).
+        No host sync: nothing here reads a tensor on the host.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self._check_step(grad_scale, found_inf)  # every group, before any state is created or written
+        for group in self.param_groups:
+            self._step_group(group, grad_scale, found_inf)
+        return loss
+
+    def _check_step(self, grad_scale: Any, found_inf: Any) -> None:
+        """Everything ``step()`` passes to a kernel, checked in Python before anything is created or written.
+
+        It covers every contract of the C++ launchers (``TORCH_CHECK``s of ``optimizer_step_`` / ``adamw_step_``: a
+        failed one must never be the first line of defence, see ``csrc/README.md``) and the Triton kernels': raises
+        ``ValueError`` (or ``TypeError`` for a non-tensor) naming the parameter and the argument.
+        """
+        for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a 0-d tensor or None, got {type(t).__name__}")
+            if t.numel() != 1 or t.is_complex() or t.is_sparse:
+                raise ValueError(f"{name} must be a 0-d (one-element) real tensor, got shape {tuple(t.shape)} "
+                                 f"{t.dtype}")
+        name = type(self).__name__
+        for g, group in enumerate(self.param_groups):
+            self._check_hyperparameters(group)
+            for i, p in enumerate(group["params"]):
+                grad = _grad_of(p)
+                if grad is None:
+                    continue
+                where = f"param_groups[{g}]['params'][{i}]"
+                if not isinstance(grad, torch.Tensor):
+                    raise TypeError(f"the main_grad of {where} must be a tensor or None, got {type(grad).__name__}")
+                if grad.is_sparse:
+                    raise ValueError(f"{name} does not support sparse gradients ({where})")
+                if p.dtype not in _PARAM_DTYPES:
+                    raise ValueError(
+                        f"{name} updates float32 (master weights), bfloat16 or float16 parameters, got one of "
+                        f"dtype {p.dtype} with a gradient ({where}); use {self._plain_alternative}"
+                    )
+                if not p.is_contiguous():
+                    raise ValueError(f"{where} must be contiguous (the kernels update it in place as a flat "
+                                     "buffer); make the parameter contiguous before building the optimizer")
+                if grad.dtype not in _GRAD_DTYPES:
+                    raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype} ({where})")
+                if grad.numel() != p.numel() or grad.device != p.device:
+                    raise ValueError(f"the gradient of {where} has {grad.numel()} elements on {grad.device}; the "
+                                     f"parameter has {p.numel()} on {p.device}")
+                _check_state(self.state.get(p), p, where, self.STATE_KEYS, self.KEEPS_STEP)
+                attached = self._model_params.get(id(p))
+                if attached is not None and p.dtype != torch.float32:
+                    raise ValueError(f"{where} has an attached model param but is {p.dtype} now: a model param is "
+                                     "written from a float32 master only")
+                if attached is not None:
+                    model = attached[1]
+                    if (not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES
+                            or not model.is_contiguous() or model.numel() != p.numel() or model.device != p.device):
+                        raise ValueError(f"the model param attached to {where} is no longer a contiguous bf16/fp16 "
+                                         f"tensor with the master's {p.numel()} elements on {p.device}; attach it "
+                                         "again (attach_model_params)")
+
+    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None,
+                    found_inf: torch.Tensor | None) -> None:
+        # Arguments checked by _check_step (all groups, before anything is written).
+        n_states = len(self.STATE_KEYS)
+        per_device: dict[torch.device, tuple[list, ...]] = {}
+        # The group's params updated for the first time: their states are views of one flat buffer.
+        new = [p for p in group["params"] if _grad_of(p) is not None and not self.state.get(p)]
+        for p, views in zip(new, flat_moments(new, n_states)):
+            if self.KEEPS_STEP:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            self.state[p].update(zip(self.STATE_KEYS, views))
+        for p in group["params"]:
+            grad = _grad_of(p)
+            if grad is None:
+                continue
+            state = self.state[p]
+            params, grads, steps, models, *states = per_device.setdefault(
+                p.device, tuple([] for _ in range(4 + n_states)))
+            attached = self._model_params.get(id(p))
+            params.append(p)
+            grads.append(grad.contiguous())
+            if self.KEEPS_STEP:
+                steps.append(state["step"])
+            models.append(attached[1] if attached is not None else None)
+            for key, out in zip(self.STATE_KEYS, states):
+                out.append(state[key])
+        for device, (params, grads, steps, models, *states) in per_device.items():
+            self._launch(self._kernel(device), params, grads, states, steps, models, group, _on(grad_scale, device),
+                         _on(found_inf, device))
+            increment_version(params + [m for m in models if m is not None])  # they were written in place
+
+
+class FusedAdamW(FusedElementwiseOptimizer):
     """AdamW with ``torch.optim.AdamW``'s semantics and defaults, one fused pass per parameter, no host sync.
 
     Args:
@@ -237,7 +529,10 @@ class FusedAdamW(torch.optim.Optimizer):
     or written.
     """
 
-    _step_supports_amp_scaling = True  # step() reads grad_scale / found_inf (torch.amp.GradScaler's protocol)
+    STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    KEEPS_STEP = True
+    KERNELS = ADAMW_KERNELS
+    _plain_alternative = "torch.optim.AdamW"
 
     def __init__(
         self,
@@ -251,27 +546,12 @@ class FusedAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         backend: str = "auto",
     ) -> None:
-        if backend not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, **_IMPL_FLAGS)
-        _check_hyperparameters(defaults)
-        self.backend = backend
-        self._kernels: dict[torch.device, AdamWKernel] = {}
-        self._model_params: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, model)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, backend)
 
-    # ------------------------------------------------------------------ param groups and state
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.add_param_group``, with the hyper-parameters and parameters validated."""
-        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        _check_hyperparameters(merged)
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if isinstance(p, torch.Tensor) and (not p.is_floating_point() or p.is_complex()):
-                raise ValueError(f"params must be floating point tensors, got one of dtype {p.dtype}")
-        super().add_param_group({**param_group, "params": params})
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        _check_hyperparameters(group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -279,218 +559,158 @@ class FusedAdamW(torch.optim.Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.update(_IMPL_FLAGS)
-        for p, p_state in self.state.items():
-            if "step" in p_state and not torch.is_tensor(p_state["step"]):
-                p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=p.device)
-        self.__dict__.setdefault("_kernels", {})
-        self.__dict__.setdefault("_model_params", {})
-        self.__dict__.setdefault("backend", "auto")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``FusedAdamW`` or ``torch.optim.AdamW`` state dict.
-
-        The state is converted to FusedAdamW's layout: ``step`` a 0-d fp32 tensor on the parameter's device,
-        ``exp_avg`` / ``exp_avg_sq`` copies on that device: fp32 for an fp32 parameter; for a bf16/fp16
-        parameter, in the saved dtype when that is the parameter's (state of an in-place update, or torch's)
-        or fp32, else fp32. Saved fp32 moments of a bf16/fp16 parameter stay fp32 (a master-weights checkpoint
-        loaded before ``GradientAccumulator`` swaps in the fp32 masters, which then take them unrounded;
-        ``master_weights=False`` rounds them to the parameter's dtype once; a ``step()`` on the bf16/fp16
-        parameter itself refuses them). Raises ``ValueError`` for a group with ``amsgrad=True`` or an invalid
-        hyper-parameter, before anything is loaded.
+        """Load a ``FusedAdamW`` or ``torch.optim.AdamW`` state dict (``FusedElementwiseOptimizer.load_state_dict``:
+        ``step`` a 0-d fp32 tensor, ``exp_avg`` / ``exp_avg_sq`` copies on the parameter's device). Raises
+        ``ValueError`` for a group with ``amsgrad=True`` or an invalid hyper-parameter, before anything is loaded.
         """
-        for group in state_dict["param_groups"]:
-            _check_hyperparameters({**self.defaults, **group})
         super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if not saved:
-                continue
-            state = self.state[p]
-            # Copies: the kernels update the state in place, which must not write into the caller's dict.
-            step = saved["step"]
-            step = step.detach() if torch.is_tensor(step) else torch.tensor(float(step))
-            state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
-            for key in ("exp_avg", "exp_avg_sq"):
-                dtype = saved[key].dtype if saved[key].dtype in (p.dtype, torch.float32) else torch.float32
-                state[key] = saved[key].detach().to(device=p.device, dtype=dtype, copy=True).contiguous()
-            state.pop("max_exp_avg_sq", None)
-        # The loaded moments as step() creates them: per group, views of one flat buffer (copied in; moments
-        # that do not fit their parameter keep their own copy, for step() to refuse naming them).
-        for group in self.param_groups:
-            fit = [p for p in group["params"] if self.state.get(p) and all(
-                torch.is_tensor(self.state[p].get(k)) and self.state[p][k].numel() == p.numel()
-                and self.state[p][k].device == p.device and self.state[p][k].dtype == _moment_dtype(p)
-                for k in ("exp_avg", "exp_avg_sq"))]
-            for p, views in zip(fit, flat_moments(fit)):
-                for key, view in zip(("exp_avg", "exp_avg_sq"), views):
-                    view.view(-1).copy_(self.state[p][key].reshape(-1))
-                    self.state[p][key] = view
+        for p_state in self.state.values():
+            p_state.pop("max_exp_avg_sq", None)
 
-    def attach_model_params(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """After this, each update of ``master`` also writes its bf16/fp16 rounding into ``model_param``.
-
-        pairs: ``(master, model_param)`` tuples. ``master``: an fp32 contiguous parameter of this optimizer.
-            ``model_param``: bf16 | fp16, contiguous, same shape and device; overwritten by the update (in the
-            same pass) with exactly ``master.to(model_param.dtype)``. A skipped update (``found_inf``) or a
-            parameter without a gradient leaves it untouched. Attaching a master again replaces its model param.
-
-        Raises ``ValueError`` naming what is wrong, before anything is attached.
-        """
-        pairs = list(pairs)
-        own = {id(p) for g in self.param_groups for p in g["params"]}
-        for i, pair in enumerate(pairs):
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                raise ValueError(f"pairs[{i}] must be a (master, model_param) tuple")
-            master, model = pair
-            if not isinstance(master, torch.Tensor) or id(master) not in own:
-                raise ValueError(f"pairs[{i}]: master is not a parameter of this optimizer")
-            if master.dtype != torch.float32 or not master.is_contiguous():
-                raise ValueError(f"pairs[{i}]: master must be a contiguous float32 tensor, got {master.dtype}")
-            if not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES:
-                got = model.dtype if isinstance(model, torch.Tensor) else type(model).__name__
-                raise ValueError(f"pairs[{i}]: model_param must be a bfloat16 or float16 tensor, got {got}")
-            if model.shape != master.shape or model.device != master.device or not model.is_contiguous():
-                raise ValueError(f"pairs[{i}]: model_param must be contiguous with master's shape "
-                                 f"{tuple(master.shape)} and device {master.device}, got {tuple(model.shape)} "
-                                 f"on {model.device}")
-        for master, model in pairs:
-            self._model_params[id(master)] = (master, model)
-
-    # ------------------------------------------------------------------ update
-    def _kernel(self, device: torch.device) -> AdamWKernel:
-        kernel = self._kernels.get(device)
-        if kernel is not None:
-            return kernel
-        # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
-        # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
-        # launch for the whole list (Triton launches once per parameter).
-        kernel = self._kernels[device] = adamw_kernel(self.backend, device)
-        return kernel
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss, if given.
-
-        Reads ``self.grad_scale`` / ``self.found_inf`` when set (0-d floating tensors, moved to each parameter
-        device without a sync): the gradient used is ``grad / grad_scale`` (``grad``: ``p.main_grad`` when set,
-        else ``p.grad``), and ``found_inf != 0`` skips the update entirely (parameters, moments, step counts and
-        attached model parameters stay bit-identical).
-        No host sync: nothing here reads a tensor on the host.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        self._check_step(grad_scale, found_inf)  # every group, before any state is created or written
-        for group in self.param_groups:
-            self._step_group(group, grad_scale, found_inf)
-        return loss
-
-    def _check_step(self, grad_scale: Any, found_inf: Any) -> None:
-        """Everything ``step()`` passes to a kernel, checked in Python before anything is created or written.
-
-        It covers every contract of the C++ kernel (``adamw_step_``'s ``TORCH_CHECK``s: a failed one must never
-        be the first line of defence, see ``csrc/README.md``) and the Triton one's: raises ``ValueError`` (or
-        ``TypeError`` for a non-tensor) naming the parameter and the argument.
-        """
-        for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a 0-d tensor or None, got {type(t).__name__}")
-            if t.numel() != 1 or t.is_complex() or t.is_sparse:
-                raise ValueError(f"{name} must be a 0-d (one-element) real tensor, got shape {tuple(t.shape)} "
-                                 f"{t.dtype}")
-        for g, group in enumerate(self.param_groups):
-            _check_hyperparameters(group)
-            for i, p in enumerate(group["params"]):
-                grad = _grad_of(p)
-                if grad is None:
-                    continue
-                where = f"param_groups[{g}]['params'][{i}]"
-                if not isinstance(grad, torch.Tensor):
-                    raise TypeError(f"the main_grad of {where} must be a tensor or None, got {type(grad).__name__}")
-                if grad.is_sparse:
-                    raise ValueError(f"FusedAdamW does not support sparse gradients ({where})")
-                if p.dtype not in _PARAM_DTYPES:
-                    raise ValueError(
-                        f"FusedAdamW updates float32 (master weights), bfloat16 or float16 parameters, got one of "
-                        f"dtype {p.dtype} with a gradient ({where}); use torch.optim.AdamW"
-                    )
-                if not p.is_contiguous():
-                    raise ValueError(f"{where} must be contiguous (the kernels update it in place as a flat "
-                                     "buffer); make the parameter contiguous before building the optimizer")
-                if grad.dtype not in _GRAD_DTYPES:
-                    raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype} ({where})")
-                if grad.numel() != p.numel() or grad.device != p.device:
-                    raise ValueError(f"the gradient of {where} has {grad.numel()} elements on {grad.device}; the "
-                                     f"parameter has {p.numel()} on {p.device}")
-                _check_state(self.state.get(p), p, where)
-                attached = self._model_params.get(id(p))
-                if attached is not None and p.dtype != torch.float32:
-                    raise ValueError(f"{where} has an attached model param but is {p.dtype} now: a model param is "
-                                     "written from a float32 master only")
-                if attached is not None:
-                    model = attached[1]
-                    if (not isinstance(model, torch.Tensor) or model.dtype not in _MODEL_DTYPES
-                            or not model.is_contiguous() or model.numel() != p.numel() or model.device != p.device):
-                        raise ValueError(f"the model param attached to {where} is no longer a contiguous bf16/fp16 "
-                                         f"tensor with the master's {p.numel()} elements on {p.device}; attach it "
-                                         "again (attach_model_params)")
-
-    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None,
-                    found_inf: torch.Tensor | None) -> None:
-        # Arguments checked by _check_step (all groups, before anything is written).
-        per_device: dict[torch.device, tuple[list, ...]] = {}
-        # The group's params updated for the first time: their moments are views of one flat buffer.
-        new = [p for p in group["params"] if _grad_of(p) is not None and not self.state.get(p)]
-        for p, (exp_avg, exp_avg_sq) in zip(new, flat_moments(new)):
-            self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=p.device),
-                                 exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-        for p in group["params"]:
-            grad = _grad_of(p)
-            if grad is None:
-                continue
-            state = self.state[p]
-            lists = per_device.setdefault(p.device, ([], [], [], [], [], []))
-            attached = self._model_params.get(id(p))
-            for out, t in zip(lists, (p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], state["step"],
-                                      attached[1] if attached is not None else None)):
-                out.append(t)
+    def _launch(self, kernel: OptimizerKernel, params: list, grads: list, states: list[list], steps: list,
+                models: list, group: dict[str, Any], grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
-        for device, (params, grads, exp_avgs, exp_avg_sqs, steps, models) in per_device.items():
-            self._kernel(device)(*AdamWStep(
-                params, grads, exp_avgs, exp_avg_sqs, steps, models,
-                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                bool(group["maximize"]), _on(grad_scale, device), _on(found_inf, device),
-            ))
-            increment_version(params + [m for m in models if m is not None])  # they were written in place
+        exp_avgs, exp_avg_sqs = states
+        kernel(*AdamWStep(
+            params, grads, exp_avgs, exp_avg_sqs, steps, models,
+            float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+            bool(group["maximize"]), grad_scale, found_inf,
+        ))
 
 
-# gaengine.optimizers' row: elementwise, Adam's moments (amsgrad is refused), writes the model, always fused.
+# gaengine.optimizers' row: elementwise, Adam's moments (amsgrad is refused), its step on the parameter's device,
+# writes the model, always fused.
 register_optimizer(FusedAdamW, OptimizerSpec(name="gaengine.optim.FusedAdamW", elementwise=True,
-                                             moments=("exp_avg", "exp_avg_sq"), writes_model=True))
+                                             moments=("exp_avg", "exp_avg_sq"), step_device="always",
+                                             writes_model=True))
 
 
-def flat_moments(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(exp_avg, exp_avg_sq)`` for each of ``params``: contiguous, shaped like the parameter, in
-    ``_moment_dtype(p)`` (fp32, or the dtype of a bf16/fp16 parameter updated in place), views of one flat
-    buffer per device and dtype holding ``[exp_avg | exp_avg_sq]``, each half laid out by ``FlatLayout.build``
-    over those params (aligned starts, zero padding that stays zero)."""
-    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+# ------------------------------------------------------------------------------------------------ Lion
+def lion_step_reference(params, grads, states, steps, model_params, hyper, grad_scale=None, found_inf=None) -> None:
+    """One Lion update of every ``params[i]``: the plain-torch reference and fallback of the Lion kernels
+    (``LION_KERNELS["torch"]``), with the arguments of every fused optimizer's kernel (``FusedElementwiseOptimizer``;
+    ``states == [exp_avgs]``, ``steps == []``, ``hyper == [lr, beta1, beta2, weight_decay]``). Several passes per
+    parameter in fp32 (bf16/fp16 ones on fp32 copies, each rounded back by ``copy_``); the skip by ``torch.where``."""
+    (exp_avgs,) = states
+    lr, beta1, beta2, weight_decay = (float(h) for h in hyper)
+    skip = None if found_inf is None else found_inf != 0
+    for p, g, m, model in zip(params, grads, exp_avgs, model_params):
+        grad = g.reshape(p.shape).to(torch.float32)
+        if grad_scale is not None:
+            grad = grad / grad_scale
+        p32, m32 = p.float(), m.float()
+        direction = torch.sign(m32 * beta1 + grad * (1.0 - beta1))
+        new_p = p32 * (1.0 - lr * weight_decay) if weight_decay != 0 else p32.clone()
+        new_p -= lr * direction
+        new_m = m32 * beta2 + grad * (1.0 - beta2)
+        if skip is not None:
+            new_p, new_m = (torch.where(skip, old, new) for old, new in ((p, new_p), (m, new_m)))
+        p.copy_(new_p)
+        m.copy_(new_m)
+        if model is not None:
+            rounded = p.reshape(model.shape).to(model.dtype)
+            model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
+
+
+def _triton_lion(backend) -> tuple[KernelFn, str]:
+    """``gaengine.kernels.lion.lion_step_``: one Triton launch per parameter."""
+    from gaengine.kernels.lion import lion_step_  # noqa: PLC0415 - imports triton
+
+    return lion_step_, "gaengine.kernels.lion.lion_step_"
+
+
+LION_KERNELS: dict[str, Callable[[Any], tuple[KernelFn, str]]] = {
+    "torch": lambda backend: (lion_step_reference, "gaengine.optim.lion_step_reference"),
+    "cpu": compiled_optimizer_step("lion"),
+    "cuda": compiled_optimizer_step("lion"),
+    "triton": _triton_lion,
+}
+"""The Lion step's kernel for each kernel family (as ``ADAMW_KERNELS``)."""
+
+
+class FusedLion(FusedElementwiseOptimizer):
+    """Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023, Algorithm 2: decoupled weight
+    decay), one fused pass per parameter, no host sync (``FusedElementwiseOptimizer``: masters and the bf16/fp16
+    model write, ``grad_scale`` / ``found_inf``, ``p.main_grad``).
+
+    The update of parameter ``p`` with gradient ``g`` (fp32, each operation rounded once; ``csrc/optim/lion.h``):
+    ``g = grad / grad_scale``; ``c = beta1 * m + (1 - beta1) * g``; ``p *= 1 - lr * weight_decay``;
+    ``p -= lr * sign(c)`` (``torch.sign``: 0 for 0 and NaN); ``m = beta2 * m + (1 - beta2) * g``.
+
+    Args:
+        params: an iterable of Parameters or of param-group dicts (each may override any hyper-parameter):
+            floating point; the ones with a gradient fp32, bf16 or fp16 and contiguous at ``step()``.
+        lr: learning rate, a Python float >= 0 (the paper's default 1e-4; it suggests 3-10x smaller than AdamW's).
+        betas: ``(beta1, beta2)``, each in [0, 1): the interpolation of the update direction and the decay of the
+            momentum (the paper's (0.9, 0.99)).
+        weight_decay: decoupled weight decay ``lambda`` >= 0: ``p *= 1 - lr * lambda`` (default 0).
+        backend: the kernel family, as ``FusedAdamW``'s (``LION_KERNELS``).
+
+    Per-parameter state: ``exp_avg`` (the momentum ``m``, the parameter's shape and dtype), created at the
+    parameter's first update; no ``step``. Raises ``ValueError`` naming the argument for a bad hyper-parameter
+    (here, in ``add_param_group``, ``load_state_dict`` and ``step()``), and what ``FusedAdamW.step()`` raises for
+    a parameter its kernels cannot take, before anything is written.
+    """
+
+    STATE_KEYS = ("exp_avg",)
+    KEEPS_STEP = False
+    KERNELS = LION_KERNELS
+    _plain_alternative = "an unfused Lion"
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
+                 backend: str = "auto") -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, weight_decay=weight_decay,
+                        fused=True)
+        super().__init__(params, defaults, backend)
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        _check_float(group["lr"], "lr", FusedLion.__name__)
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}] must be a Python float in [0, 1), got {beta!r}")
+        _check_float(group["weight_decay"], "weight_decay", FusedLion.__name__)
+
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        beta1, beta2 = group["betas"]
+        return [float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"])]
+
+
+def _check_float(value: Any, name: str, owner: str) -> None:
+    """``value`` is a finite Python float >= 0 (``ValueError`` naming ``name`` otherwise)."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a Python float: a tensor {name} is not supported by {owner} (it is passed "
+                         f"to the kernels by value); use {name}.item() once when building the param group")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+
+
+# gaengine.optimizers' row: elementwise, one state (the momentum), no step count, writes the model, always fused.
+register_optimizer(FusedLion, OptimizerSpec(name="gaengine.optim.FusedLion", elementwise=True, moments=("exp_avg",),
+                                            keeps_step=False, writes_model=True))
+
+
+def flat_moments(params: list[torch.Tensor], n_states: int = 2) -> list[tuple[torch.Tensor, ...]]:
+    """``n_states`` zeroed state tensors (AdamW's two: ``(exp_avg, exp_avg_sq)``) for each of ``params``: contiguous,
+    shaped like the parameter, in ``_moment_dtype(p)`` (fp32, or the dtype of a bf16/fp16 parameter updated in
+    place), views of one flat buffer per device and dtype holding ``[state 0 | state 1 | ...]``, each part laid out
+    by ``FlatLayout.build`` over those params (aligned starts, zero padding that stays zero)."""
+    out: dict[int, tuple[torch.Tensor, ...]] = {}
     by_device: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     for i, p in enumerate(params):
         by_device.setdefault((p.device, _moment_dtype(p)), []).append((i, p))
     for (device, dtype), entries in by_device.items():
         layout = FlatLayout.build([p for _, p in entries])
         n = layout.total_numel
-        flat = torch.zeros(2 * n, dtype=dtype, device=device)
+        flat = torch.zeros(n_states * n, dtype=dtype, device=device)
         for (i, p), offset, numel in zip(entries, layout.offsets, layout.numels):
-            out[i] = (flat.narrow(0, offset, numel).view(p.shape), flat.narrow(0, n + offset, numel).view(p.shape))
+            out[i] = tuple(flat.narrow(0, k * n + offset, numel).view(p.shape) for k in range(n_states))
     return [out[i] for i in range(len(params))]
 
 
@@ -505,21 +725,23 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
     return main_grad if main_grad is not None else p.grad
 
 
-def _check_state(state: dict[str, Any] | None, p: torch.Tensor, where: str) -> None:
-    """A parameter's existing AdamW state, as the kernels take it (a missing state is created by ``step``)."""
+def _check_state(state: dict[str, Any] | None, p: torch.Tensor, where: str,
+                 keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq"), keeps_step: bool = True) -> None:
+    """A parameter's existing state (``keys``, and ``step`` when ``keeps_step``), as the kernels take it (a missing
+    state is created by ``step``)."""
     if not state:
         return
-    for key in ("step", "exp_avg", "exp_avg_sq"):
+    for key in (("step",) if keeps_step else ()) + keys:
         if not isinstance(state.get(key), torch.Tensor):
             raise ValueError(f"state[{key!r}] of {where} must be a tensor, got {type(state.get(key)).__name__}; "
                              "load AdamW state with load_state_dict, which converts it")
-    step = state["step"]
+    step = state.get("step")
     # 0-d fp32 on the parameter's device: the C++ / CUDA kernels read it through its pointer.
-    if step.dim() != 0 or step.dtype != torch.float32 or step.device != p.device:
+    if keeps_step and (step.dim() != 0 or step.dtype != torch.float32 or step.device != p.device):
         raise ValueError(f"state['step'] of {where} must be a 0-d float32 tensor on {p.device}, got shape "
                          f"{tuple(step.shape)} {step.dtype} on {step.device}; load AdamW state with load_state_dict")
     name = _DTYPE_NAMES[p.dtype]
-    for key in ("exp_avg", "exp_avg_sq"):
+    for key in keys:
         t = state[key]
         if t.dtype != p.dtype or not t.is_contiguous() or t.numel() != p.numel() or t.device != p.device:
             hint = (f"the moments of a {name} parameter are kept in its dtype (convert them with .to({p.dtype}), or "

@@ -7,15 +7,18 @@ Per optimizer class (``OptimizerSpec``):
   their state per element (``gaengine.checkpoint``). Only the exact class is: a subclass may not be elementwise.
 * **moments**: the state tensors it keeps per parameter besides ``step`` (shaped like the parameter), and those it
   keeps only when a param-group flag is set (``if_group``: key -> flag).
-* **keeps_step**: its state holds a ``step`` counter beside the moments (Adam, AdamW; not SGD).
+* **keeps_step**: its state holds a ``step`` counter beside the moments (Adam, AdamW; not SGD, not Lion), under the
+  key ``STEP_KEY``; **step_device**: where a new one lives (``new_step``): ``"always"`` a 0-d fp32 tensor on the
+  parameter's device (gaengine's fused optimizers), ``"fused"`` there when the param group is fused or capturable,
+  else a CPU scalar of torch's scalar dtype (torch's Adam/AdamW: ``torch.optim.optimizer._get_scalar_dtype``).
 * **writes_model**: it takes the fp32 gradient of a bf16/fp16 parameter as ``p.main_grad`` and writes the rounded
   fp32 master into the model parameter in its own pass (``attach_model_params``; ``gaengine.store``). Subclasses
   inherit it.
 * **grad_scale**: when its ``step()`` takes ``grad_scale``/``found_inf`` (torch.amp.GradScaler's protocol, which
   gaengine uses to fold normalization, clipping and the skip into the update): ``"fused"`` with ``fused=True``.
 
-torch's Adam, AdamW and SGD are listed here; ``gaengine.optim`` adds ``FusedAdamW`` when it is imported
-(``register_optimizer``). Adding an optimizer is one ``register_optimizer`` call beside its class.
+torch's Adam, AdamW and SGD are listed here; ``gaengine.optim`` adds ``FusedAdamW`` and ``FusedLion`` when it is
+imported (``register_optimizer``). Adding an optimizer is one ``register_optimizer`` call beside its class.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "elementwise_names", "is_elementwise", "keeps_step", "moment_keys",
-           "register_optimizer", "takes_grad_scale", "writes_model_params"]
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "STEP_KEY", "elementwise_names", "is_elementwise", "keeps_step",
+           "moment_keys", "new_step", "register_optimizer", "step_key", "takes_grad_scale", "writes_model_params"]
+
+STEP_KEY = "step"
+"""The state key of the step counter of every optimizer that keeps one (``keeps_step``), torch's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +47,8 @@ class OptimizerSpec:
     if_group: dict[str, str] = field(default_factory=dict)
     """State tensor -> the param-group flag under which it is kept (``{"max_exp_avg_sq": "amsgrad"}``)."""
     keeps_step: bool = True
+    step_device: str = "fused"
+    """Where a new step count lives (``new_step``): ``"always"`` on the parameter's device, or ``"fused"``."""
     writes_model: bool = False
     grad_scale: str = "fused"
     """``"fused"``: ``step()`` takes ``grad_scale``/``found_inf`` when built with ``fused=True``."""
@@ -94,6 +102,25 @@ def keeps_step(optimizer: Any) -> bool:
     if spec is None or not spec.elementwise:
         raise KeyError(f"{type(optimizer).__name__} is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS")
     return spec.keeps_step
+
+
+def step_key(optimizer: Any) -> str | None:
+    """The state key of an elementwise ``optimizer``'s step count (``STEP_KEY``), or None when it keeps none.
+    ``KeyError`` for an optimizer that is not elementwise."""
+    return STEP_KEY if keeps_step(optimizer) else None
+
+
+def new_step(optimizer: Any, group: dict[str, Any], device: torch.device, value: float) -> torch.Tensor:
+    """A step count of value ``value`` as ``optimizer`` creates it at a parameter's first update (``step_device``):
+    a 0-d fp32 tensor on ``device`` for a row with ``"always"`` and for a fused or capturable param ``group``
+    (torch: fp64 for a capturable one where the default dtype is fp64); else a CPU scalar of torch's scalar dtype
+    (fp64 where the default dtype is fp64, else fp32: ``torch.optim.optimizer._get_scalar_dtype``)."""
+    spec = _spec(optimizer, exact=False)
+    fused = bool(group.get("fused")) or (spec is not None and spec.step_device == "always")
+    if fused or group.get("capturable"):
+        dtype = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
+        return torch.tensor(value, dtype=dtype, device=device)
+    return torch.tensor(value, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
 
 
 def writes_model_params(optimizer: Any) -> bool:

@@ -54,7 +54,7 @@ from torch.autograd.graph import increment_version
 
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single
-from gaengine.optimizers import keeps_step, moment_keys, takes_grad_scale, writes_model_params
+from gaengine.optimizers import STEP_KEY, keeps_step, moment_keys, new_step, takes_grad_scale, writes_model_params
 from gaengine.reduce import Collective, wait_for
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 from gaengine.zero import ShardLayout, zero_order
@@ -541,13 +541,14 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
         if target is None:
             left.setdefault(id(p), {})
             if uses_step:
-                left[id(p)]["step"] = _step_tensor(optimizer, g, p.device, steps[j])
+                left[id(p)][STEP_KEY] = _step_tensor(optimizer, g, p.device, steps[j])
         elif target.piece is not None and uses_step:
-            fresh.setdefault(id(target.piece), {})["step"] = _step_tensor(optimizer, g, target.piece.device, steps[j])
+            fresh.setdefault(id(target.piece), {})[STEP_KEY] = _step_tensor(optimizer, g, target.piece.device,
+                                                                            steps[j])
     for s in new.slots:  # a parameter that joins again: the state kept while it was frozen, sliced
         state = kept.get(id(s.param))
         if state and s.piece is not None:
-            fresh[id(s.piece)] = {k: v if not torch.is_tensor(v) else v.clone() if k == "step" else
+            fresh[id(s.piece)] = {k: v if not torch.is_tensor(v) else v.clone() if k == STEP_KEY else
                                   v.detach().reshape(-1)[s.lo:s.hi].to(s.piece.dtype).clone()
                                   for k, v in state.items()}
     for piece_id, state in fresh.items():
@@ -565,8 +566,8 @@ def _known_states(old: ParameterStore, states: dict[int, dict], device: torch.de
         state = states.get(id(p))
         if state:
             known[j] = 1.0
-            if torch.is_tensor(state.get("step")) or isinstance(state.get("step"), (int, float)):
-                known[n + j] = float(state["step"])  # a host read, once per adoption
+            if torch.is_tensor(state.get(STEP_KEY)) or isinstance(state.get(STEP_KEY), (int, float)):
+                known[n + j] = float(state[STEP_KEY])  # a host read, once per adoption
     known = known.to(device)
     wait_for(Collective(dist.all_reduce, known, op=dist.ReduceOp.MAX, group=group),
              "all-reduce of the optimizer state known for the parameters (adoption)")
@@ -625,11 +626,6 @@ def _move_buckets(old: ParameterStore, new: ParameterStore, states: dict[int, di
 
 
 def _step_tensor(optimizer: torch.optim.Optimizer, group: dict, device: torch.device, value: float) -> torch.Tensor:
-    """A ``step`` as the optimizer creates it at a parameter's first update: on the parameter's device in fp32 for a
-    fused or capturable torch Adam/AdamW and for ``gaengine.optim.FusedAdamW``; else a CPU scalar of torch's scalar
-    dtype (fp64 where the default dtype is fp64, else fp32: ``torch.optim.optimizer._get_scalar_dtype``)."""
-    fused = bool(group.get("fused")) or writes_model_params(optimizer)
-    if fused or group.get("capturable"):
-        dtype = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
-        return torch.tensor(value, dtype=dtype, device=device)
-    return torch.tensor(value, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
+    """A ``step`` as the optimizer creates it at a parameter's first update (its row of ``gaengine.optimizers``:
+    ``new_step``)."""
+    return new_step(optimizer, group, device, value)

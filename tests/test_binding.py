@@ -41,7 +41,8 @@ def test_the_built_module_binds_only_what_is_not_an_op():
     assert {name for name in dir(_C) if not name.startswith("_")} == {"ABI_VERSION", "HotPath", "OP_NAMESPACE",
                                                                       "WITH_CUDA"}
     assert _C.ABI_VERSION == _source_abi_version() and _C.OP_NAMESPACE == "gaengine"
-    for op in ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "adamw_step_", "wgrad_accumulate_"):
+    for op in ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "adamw_step_", "optimizer_step_",
+               "wgrad_accumulate_"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gaengine::{op}", "CPU"), op
 
 

@@ -7,7 +7,8 @@ ptxas's report (no stack frame, no spills, registers within the full-occupancy b
 256 threads).
 Skipped when no ``nvcc`` is found (``PATH``, ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``).
 
-The multi-tensor kernels (``accumulate_bucket_kernel``, ``adamw_multi_kernel``) take their tensor list by value
+The multi-tensor kernels (``accumulate_bucket_kernel``, ``optimizer_multi_kernel`` for every functor of
+``csrc/optim/all.h``: ``adamw-multi``, ``lion-multi``, ...) take their tensor list by value
 as one kernel-parameter struct: the tests also read each kernel's ``.param`` bytes from the PTX and check them
 against the 32764-byte limit of CUDA >= 12.1 on sm_70+ (``static_assert`` in the header too).
 
@@ -32,13 +33,27 @@ from tests.tolerances import ADAMW_RTOL, assert_bitwise_equal, rel_diff, sum_sq_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS_DIR = os.path.join(ROOT, "csrc", "cuda")
+CSRC_DIR = os.path.join(ROOT, "csrc")  # the optimizer functors: "optim/<name>.h"
+
+
+def _optimizer_functors() -> list[str]:
+    """The functors of csrc/optim/all.h's OptimizerList, in its order (AdamW, Lion, ...)."""
+    with open(os.path.join(CSRC_DIR, "optim", "all.h")) as f:
+        listed = re.search(r"OptimizerList<([^>]*)>", f.read()).group(1)
+    return [name.strip() for name in listed.split(",")]
+
+
+# The multi-tensor optimizer kernels: one per functor and param_t, "adamw-multi" (fp32 masters), "adamw-multi-bf16"
+# and "adamw-multi-fp16" (params updated in place), and the same for every other functor.
+OPTIMIZER_KERNELS = tuple(f"{name.lower()}-multi{suffix}" for name in _optimizer_functors()
+                          for suffix in ("", "-bf16", "-fp16"))
 ARCHS = {"sm80": "sm_80", "sm90": "sm_90"}
 FULL_OCCUPANCY_REGISTERS = 65536 // 2048  # sm_80 / sm_90: 64 K registers and 2048 threads per SM
-# Kernels held to a lower occupancy on purpose (kernels/adamw.cuh), with their register budget: the multi-tensor AdamW
-# runs 4 blocks of 256 threads per SM (kAdamWMinBlocksPerSm), 64 registers: two IEEE divisions, a square root
-# and the double pow of the bias corrections do not fit in 32 without spilling, and 1024 threads per SM, each
-# with four independent 16-byte loads in flight (grad, param, exp_avg, exp_avg_sq), still saturate HBM.
-REGISTER_BUDGET = {k: 65536 // (4 * 256) for k in ("adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16")}
+# Kernels held to a lower occupancy on purpose (kernels/optimizer.cuh), with their register budget: the multi-tensor
+# optimizers run 4 blocks of 256 threads per SM (kOptimizerMinBlocksPerSm), 64 registers: AdamW's two IEEE
+# divisions, square root and the double pow of the bias corrections do not fit in 32 without spilling, and 1024
+# threads per SM, each with its independent 16-byte loads in flight (grad, param, each state), still saturate HBM.
+REGISTER_BUDGET = {k: 65536 // (4 * 256) for k in OPTIMIZER_KERNELS}
 # The bucket accumulate writing both partials tables (values written and sources: the last micro-batch of a window
 # measured for the noise scale, once per window) carries two more accumulators: 4 blocks per SM, 64 registers.
 REGISTER_BUDGET["bucket-accumulate-partials-sources"] = 65536 // (4 * 256)
@@ -67,8 +82,16 @@ cudaError_t (*const keep_launch_sum_partials)(const float*, int64_t, float*, flo
 using LaunchAdamW = cudaError_t (*)(const g::AdamWEntry*, int, const g::AdamWHyper&, const float*, const float*,
                                     unsigned int*, cudaStream_t, int*);
 LaunchAdamW const keep_launch_adamw_multi = g::launch_adamw_multi<float>;  // fp32 masters
-LaunchAdamW const keep_launch_adamw_multi_bf16 = g::launch_adamw_multi<__nv_bfloat16>;  // bf16 params in place
-LaunchAdamW const keep_launch_adamw_multi_fp16 = g::launch_adamw_multi<__half>;  // fp16 params in place
+// Every functor of csrc/optim/all.h, for fp32 masters and bf16 | fp16 params in place.
+#include "optim/all.h"
+template <class... Fs>
+const void* const* keep_optimizers(gaengine::optim::OptimizerList<Fs...>) {
+  static const void* const keep[] = {reinterpret_cast<const void*>(&g::launch_optimizer_multi<Fs, float>)...,
+                                     reinterpret_cast<const void*>(&g::launch_optimizer_multi<Fs, __nv_bfloat16>)...,
+                                     reinterpret_cast<const void*>(&g::launch_optimizer_multi<Fs, __half>)...};
+  return keep;
+}
+const void* const* const keep_all_optimizers = keep_optimizers(gaengine::optim::AllOptimizers{});
 """
 
 
@@ -79,9 +102,9 @@ def _kernel_id(mangled: str) -> str | None:
     if m:  # <kPartials, kSource>: the partials of the values written, of the sources
         return "bucket-accumulate" + ("-partials" if m.group(1) == "1" else "") + (
             "-sources" if m.group(2) == "1" else "")
-    m = re.search(r"adamw_multi_kernelI(f|13__nv_bfloat16|6__half)E", mangled)
-    if m:  # param_t: float (fp32 masters) is "adamw-multi"; bf16 | fp16 params updated in place get a suffix
-        return "adamw-multi" + ("" if m.group(1) == "f" else f"-{types[m.group(1)]}")
+    m = re.search(r"optimizer_multi_kernelINS_5optim\d+([A-Z]\w*?)E(f|13__nv_bfloat16|6__half)E", mangled)
+    if m:  # <F, param_t>: float (fp32 masters) is "adamw-multi"; bf16 | fp16 params updated in place get a suffix
+        return f"{m.group(1).lower()}-multi" + ("" if m.group(2) == "f" else f"-{types[m.group(2)]}")
     m = re.search(r"accumulate_kernelI(f|13__nv_bfloat16|6__half)Lb([01])ELb([01])E", mangled)
     if m:
         return f"accumulate-{types[m.group(1)]}-{'overwrite' if m.group(2) == '1' else 'add'}" + (
@@ -101,9 +124,9 @@ BUCKET_KERNELS = ("bucket-accumulate", "bucket-accumulate-partials", "bucket-acc
 EXPECTED_KERNELS = sorted(
     [f"accumulate-{dt}-{mode}{scaled}" for dt in DTYPES for mode in ("add", "overwrite") for scaled in ("", "-scaled")]
     + [f"norm-partial-{dt}" for dt in DTYPES] + ["norm-finalize", "scale"]
-    + list(BUCKET_KERNELS) + ["adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16"]
+    + list(BUCKET_KERNELS) + list(OPTIMIZER_KERNELS)
 )
-MULTI_TENSOR_KERNELS = (*BUCKET_KERNELS, "adamw-multi", "adamw-multi-bf16", "adamw-multi-fp16")
+MULTI_TENSOR_KERNELS = (*BUCKET_KERNELS, *OPTIMIZER_KERNELS)
 PTX_PARAM_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "b32": 4, "u32": 4, "s32": 4,
                    "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
 
@@ -134,7 +157,7 @@ def _compile(arch: str, workdir) -> dict:
     """{kernel id: {"ptx", "regs", "stack_bytes", "spill_bytes"}} for the harness compiled for ``arch``."""
     harness = workdir / "harness.cu"
     harness.write_text(HARNESS)
-    common = [NVCC, "-std=c++17", "-O3", f"-arch={arch}", "-I", KERNELS_DIR, str(harness)]
+    common = [NVCC, "-std=c++17", "-O3", f"-arch={arch}", "-I", KERNELS_DIR, "-I", CSRC_DIR, str(harness)]
     ptx_path = workdir / f"harness_{arch}.ptx"
     subprocess.run([*common, "-ptx", "-o", str(ptx_path)], check=True, capture_output=True, text=True, timeout=300)
     cubin = str(workdir / f"harness_{arch}.cubin")
@@ -207,15 +230,20 @@ def test_streaming_accesses_are_128_bit(compiled, kernel, arch_id):
         expected_loads, expected_stores = (1 + 1) + 2 * (1 + 2), 1 + 2 * 2
         assert loads >= expected_loads, f"{kernel} {arch_id}: {loads} 128-bit loads, expected {expected_loads}"
         assert stores >= expected_stores, f"{kernel} {arch_id}: {stores} 128-bit stores, expected {expected_stores}"
-    elif kernel == "adamw-multi":
-        # Nine grad x model paths, each with float4 loads and stores of param, exp_avg and exp_avg_sq.
-        assert loads >= 9 * 3 and stores >= 9 * 3, f"{kernel} {arch_id}: {loads} 128-bit loads, {stores} stores"
-    elif kernel.startswith("adamw-multi-"):
-        # bf16 | fp16 params in place, three grad paths: the fp32 gradient as a float4; four 16-bit p, m, v per
+    elif kernel in OPTIMIZER_KERNELS and kernel.endswith("-multi"):
+        # Nine grad x model paths, each with float4 loads and stores of param and each state (AdamW: exp_avg and
+        # exp_avg_sq; every functor has at least one).
+        streams = 3 if kernel.startswith("adamw-") else 2
+        assert loads >= 9 * streams and stores >= 9 * streams, (
+            f"{kernel} {arch_id}: {loads} 128-bit loads, {stores} stores")
+    elif kernel in OPTIMIZER_KERNELS:
+        # bf16 | fp16 params in place, three grad paths: the fp32 gradient as a float4; four 16-bit p and states per
         # thread and step as 64-bit accesses (one ld / st.global.v2.u32 each), loaded and stored on every path.
+        streams = 3 if kernel.startswith("adamw-") else 2
         loads64, stores64 = _vector64_accesses(ptx, "ld"), _vector64_accesses(ptx, "st")
         assert loads >= 1, f"{kernel} {arch_id}: no float4 load of the fp32 gradient"
-        assert loads64 >= 3 * 3 and stores64 >= 3 * 3, f"{kernel} {arch_id}: {loads64} 64-bit loads, {stores64} stores"
+        assert loads64 >= 3 * streams and stores64 >= 3 * streams, (
+            f"{kernel} {arch_id}: {loads64} 64-bit loads, {stores64} stores")
     else:  # scale
         assert loads >= 1 and stores >= 1, f"{kernel} {arch_id}: {loads} 128-bit loads, {stores} stores"
 
@@ -249,9 +277,13 @@ def test_multi_tensor_kernels_are_deterministic_and_ieee(compiled, kernel, arch_
     """No float atomics (each chunk writes its own partials slot); AdamW: one counter atomic, IEEE div / sqrt."""
     ptx = compiled[arch_id][kernel]["ptx"]
     atomics = re.findall(r"(?<![\w.])(?:atom|red)\.[\w.]+", ptx)  # not bar.red (__syncthreads_or)
-    if kernel.startswith("adamw-multi"):
-        assert atomics == ["atom.global.add.u32"], f"{kernel} {arch_id}: {atomics}"
-        assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, f"{kernel} {arch_id}: no IEEE fp32 division / sqrt"
+    if kernel in OPTIMIZER_KERNELS:
+        # AdamW keeps step counts (the last block's counter); a functor without them has no atomic at all.
+        allowed = [["atom.global.add.u32"]] if kernel.startswith("adamw-") else [[], ["atom.global.add.u32"]]
+        assert atomics in allowed, f"{kernel} {arch_id}: {atomics}"
+        assert "div.rn.f32" in ptx, f"{kernel} {arch_id}: no IEEE fp32 division (grad_scale)"
+        if kernel.startswith("adamw-"):
+            assert "sqrt.rn.f32" in ptx, f"{kernel} {arch_id}: no IEEE fp32 sqrt"
         assert not re.search(r"\b(?:div\.(?:approx|full)|sqrt\.approx|rsqrt)\.", ptx), f"{kernel} {arch_id}: fast math"
     else:
         assert atomics == [], f"{kernel} {arch_id}: atomics {atomics}"

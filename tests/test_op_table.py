@@ -139,7 +139,7 @@ def test_ops_dispatch_on_cpu_tensors():
         assert rel_diff(a, b) <= adamw_param_rtol(b, 1e-2, 1, 0.0)
 
 
-TORCH_OPS = ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "adamw_step_")
+TORCH_OPS = ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "adamw_step_", "optimizer_step_")
 
 
 @needs_ops
@@ -178,6 +178,8 @@ def test_fake_implementations_give_shapes_and_dtypes():
         p = torch.empty(3)
         assert ops.adamw_step_([p], [p], [p.clone()], [p.clone()], [torch.empty(())], [None], 1e-3, 0.9, 0.999,
                                1e-8, 0.0, False, None, None) is None
+        assert ops.optimizer_step_("lion", [p], [p], [p.clone()], [], [None], [1e-4, 0.9, 0.99, 0.0], None,
+                                   None) is None
 
 
 @needs_ops

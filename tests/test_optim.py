@@ -395,7 +395,7 @@ def test_attach_model_params_validates():
     assert not opt._model_params
 
 
-# adamw_step_'s TORCH_CHECKs (csrc/adamw.cpp) on gaengine._C directly, in a child process
+# adamw_step_'s TORCH_CHECKs (csrc/optimizer_step.cpp, the CPU launcher) on gaengine._C directly, in a child process
 # (tests/child_contracts.py): skipped where every extension's failed TORCH_CHECK crashes, failed where only ours
 # does. check(): a refused call writes nothing.
 _ADAMW_SETUP = (

@@ -3,7 +3,8 @@
 // accumulate_bucket_'s), compiled in when the extension is built with CUDA (setup.py defines GAENGINE_WITH_CUDA).
 // The kernels are in kernels.cuh; this file holds the contracts (all checked before any launch), the dtype dispatch
 // and the launches on the current stream, and registers them (the end of the file). No op syncs the host or
-// allocates beyond its outputs (adamw_step_: one 4-byte counter per device and stream, allocated at its first use).
+// allocates beyond its outputs (the optimizer steps: one 4-byte counter per device and stream, allocated at its first
+// use).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -36,6 +37,7 @@
 
 #include "../adamw.h"
 #include "../op_library.h"
+#include "../optim/step.h"
 #include "../scratch.h"
 #include "../wgrad.h"
 #include "kernels.cuh"
@@ -262,10 +264,10 @@ void check_device_scalar(const std::optional<at::Tensor>& t, const char* name,
               t->sizes(), " ", t->scalar_type());
 }
 
-// The () u32 completion counter of launch_adamw_multi for (device, stream): zeroed once on that stream, left
+// The () u32 completion counter of launch_optimizer_multi for (device, stream): zeroed once on that stream, left
 // zero by every launch. One per stream, so concurrent steps on different streams never share one. Never
 // freed (the map outlives the CUDA context at exit on purpose).
-unsigned int* adamw_counter(const at::Device& device, cudaStream_t stream) {
+unsigned int* optimizer_counter(const at::Device& device, cudaStream_t stream) {
   static std::mutex mutex;
   static auto* counters = new std::map<std::pair<c10::DeviceIndex, cudaStream_t>, at::Tensor>();
   const std::lock_guard<std::mutex> lock(mutex);
@@ -277,51 +279,55 @@ unsigned int* adamw_counter(const at::Device& device, cudaStream_t stream) {
   return reinterpret_cast<unsigned int*>(it->second.data_ptr<int32_t>());
 }
 
-// The AdamW kernel (csrc/adamw.h) on CUDA tensors, one launch for the whole list per parameter dtype
-// (fp32 masters; bf16 or fp16 parameters updated in place): the same arguments and semantics, found_inf /
-// grad_scale / steps read on the device (no host sync).
-void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf) {
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, steps, model_params] = lists;
-  const size_t n_params = params.size();
-  check_adamw_lengths(lists);
+// The CUDA launcher of the fused elementwise optimizers (csrc/optim/functor.h): functor F on CUDA tensors, one launch
+// for the whole list per parameter dtype (fp32 masters; bf16 or fp16 parameters updated in place), the same
+// arguments and semantics as the CPU launcher (csrc/optimizer_step.cpp), found_inf / grad_scale / steps read on the
+// device (no host sync).
+template <class F>
+void cuda_step(const optim::OptimizerLists& l, const typename F::Hyper& hyper,
+               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  static_assert(optim::kMaxStates == cuda::kMaxOptimizerStates, "one state capacity for both launchers");
+  const size_t n_params = l.params.size();
+  optim::check_lengths<F>(l);
   std::optional<at::Device> device;
   if (n_params > 0) {
-    TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(params[0]), "params[0] must be a CUDA tensor, got device ", params[0].device());
-    device = params[0].device();
+    TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(l.params[0]), "params[0] must be a CUDA tensor, got device ",
+                l.params[0].device());
+    device = l.params[0].device();
   }
   check_device_scalar(grad_scale, "grad_scale", device);
   check_device_scalar(found_inf, "found_inf", device);
   if (n_params == 0) return;
-  std::vector<cuda::AdamWEntry> entries(n_params);
+  std::vector<cuda::OptimizerEntry> entries(n_params);
   std::vector<at::ScalarType> param_dtypes(n_params);
   for (size_t i = 0; i < n_params; ++i) {
-    check_list_tensor(params[i], "params", i, *device);
-    check_list_tensor(grads[i], "grads", i, *device);
-    check_list_tensor(exp_avgs[i], "exp_avgs", i, *device);
-    check_list_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, *device);
-    if (model_params[i].has_value()) check_list_tensor(*model_params[i], "model_params", i, *device);
-    check_adamw_param(lists, i);  // csrc/adamw.h
-    const auto pt = params[i].scalar_type();
-    param_dtypes[i] = pt;
-    const auto gt = grads[i].scalar_type();
-    const int64_t n = params[i].numel();
-    TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(steps[i]) && steps[i].device() == *device && steps[i].dim() == 0 &&
-                    steps[i].scalar_type() == at::kFloat,
-                "steps[", i, "] must be a 0-d float32 tensor on ", *device, ", got ", steps[i].sizes(), " ",
-                steps[i].scalar_type(), " on ", steps[i].device());
-    cuda::AdamWEntry& e = entries[i];
-    e.param = params[i].data_ptr();
-    e.grad = grads[i].data_ptr();
-    e.exp_avg = exp_avgs[i].data_ptr();
-    e.exp_avg_sq = exp_avg_sqs[i].data_ptr();
+    check_list_tensor(l.params[i], "params", i, *device);
+    check_list_tensor(l.grads[i], "grads", i, *device);
+    for (int k = 0; k < F::kStates; ++k) check_list_tensor(l.states[k][i], F::kStateNames[k], i, *device);
+    if (l.model_params[i].has_value()) check_list_tensor(*l.model_params[i], "model_params", i, *device);
+    optim::check_param<F>(l, i);
+    param_dtypes[i] = l.params[i].scalar_type();
+    cuda::OptimizerEntry& e = entries[i];
+    e.param = l.params[i].data_ptr();
+    e.grad = l.grads[i].data_ptr();
+    for (int k = 0; k < cuda::kMaxOptimizerStates; ++k) {
+      e.states[k] = k < F::kStates ? l.states[k][i].data_ptr() : nullptr;
+    }
     e.model = nullptr;
-    e.step = steps[i].data_ptr<float>();
-    e.numel = n;
-    e.grad_dtype = kernel_dtype(gt);
+    e.step = nullptr;
+    if constexpr (F::kStep) {
+      const at::Tensor& step = l.steps[i];
+      TORCH_CHECK(GAENGINE_IS_CUDA_TENSOR(step) && step.device() == *device && step.dim() == 0 &&
+                      step.scalar_type() == at::kFloat,
+                  "steps[", i, "] must be a 0-d float32 tensor on ", *device, ", got ", step.sizes(), " ",
+                  step.scalar_type(), " on ", step.device());
+      e.step = step.data_ptr<float>();
+    }
+    e.numel = l.params[i].numel();
+    e.grad_dtype = kernel_dtype(l.grads[i].scalar_type());
     e.model_dtype = cuda::kDtypeBf16;
-    if (model_params[i].has_value()) {
-      const at::Tensor& model = *model_params[i];
+    if (l.model_params[i].has_value()) {
+      const at::Tensor& model = *l.model_params[i];
       e.model = model.data_ptr();
       e.model_dtype = kernel_dtype(model.scalar_type());
     }
@@ -329,25 +335,43 @@ void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const s
   check_driver_for_multi_tensor();
   const c10::cuda::CUDAGuard guard(*device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cuda::AdamWHyper hyper = cuda::make_adamw_hyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.maximize);
   const float* scale_ptr = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   const float* found_inf_ptr = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
-  unsigned int* counter = adamw_counter(*device, stream);  // launches on one stream run one after another
-  // One launch (per kMaxAdamWEntries) per parameter dtype present, in list order within each.
+  // Launches on one stream run one after another: one counter per stream serves every functor.
+  unsigned int* counter = F::kStep ? optimizer_counter(*device, stream) : nullptr;
+  // One launch (per kMaxOptimizerEntries) per parameter dtype present, in list order within each.
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    std::vector<cuda::AdamWEntry> group;
+    std::vector<cuda::OptimizerEntry> group;
     for (size_t i = 0; i < n_params; ++i) {
       if (param_dtypes[i] == dtype) group.push_back(entries[i]);
     }
     if (group.empty()) continue;
     const int n_group = static_cast<int>(group.size());
-    const auto launch = dtype == at::kBFloat16 ? cuda::launch_adamw_multi<__nv_bfloat16>
-                        : dtype == at::kHalf   ? cuda::launch_adamw_multi<__half>
-                                               : cuda::launch_adamw_multi<float>;
+    const auto launch = dtype == at::kBFloat16 ? cuda::launch_optimizer_multi<F, __nv_bfloat16>
+                        : dtype == at::kHalf   ? cuda::launch_optimizer_multi<F, __half>
+                                               : cuda::launch_optimizer_multi<F, float>;
     const cudaError_t err = launch(group.data(), n_group, hyper, scale_ptr, found_inf_ptr, counter, stream, nullptr);
     CHECK_LAUNCH(err);
   }
 }
+
+// adamw_step_'s CUDA kernel (csrc/adamw.h): the launcher over the AdamW functor.
+void adamw_step_cuda(const AdamWLists& lists, const AdamWHyperparams& h, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf) {
+  const optim::OptimizerLists l{lists.params, lists.grads, {lists.exp_avgs, lists.exp_avg_sqs}, lists.steps,
+                                lists.model_params};
+  cuda_step<optim::AdamW>(l, cuda::make_adamw_hyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.maximize),
+                          grad_scale, found_inf);
+}
+
+// optimizer_step_'s CUDA kernel (csrc/optim/step.h): the functor by name, then cuda_step.
+struct CudaLaunch {
+  template <class F>
+  static void run(const optim::OptimizerLists& l, const typename F::Hyper& h,
+                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+    cuda_step<F>(l, h, grad_scale, found_inf);
+  }
+};
 
 #if GAENGINE_HAS_CUBLAS
 // ---------------------------------------------------------------------------------------------------------
@@ -462,6 +486,7 @@ GAENGINE_TORCH_LIBRARY_IMPL(GAENGINE_CUDA_DISPATCH_KEY, m) {
   m.impl("scale_", &gaengine::scale_cuda);
   m.impl("accumulate_bucket_", &gaengine::accumulate_bucket_cuda);
   m.impl("adamw_step_", &gaengine::adamw_step_op<gaengine::adamw_step_cuda>);
+  m.impl("optimizer_step_", &gaengine::optim::optimizer_step<gaengine::CudaLaunch>);
 #if GAENGINE_HAS_CUBLAS
   m.impl("wgrad_accumulate_", &gaengine::wgrad_accumulate_cuda);
 #endif

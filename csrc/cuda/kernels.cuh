@@ -9,11 +9,12 @@
 //   scale_kernel                                     x *= *coef (coef read on the device)
 //   accumulate_bucket_kernel<kPartials>              a bucket of sources into slices of dst, one launch (+ the
 //                                                    per-chunk free-norm partials of the values written)
-//   adamw_multi_kernel<param_t>                      the fused AdamW step of a list of parameters, one launch:
-//                                                    param_t float (fp32 masters, fp32 m, v, an optional bf16 |
-//                                                    fp16 model write) or bf16 | fp16 (in place, m, v in that dtype)
+//   optimizer_multi_kernel<F, param_t>               a fused elementwise optimizer step (functor F, csrc/optim/) of
+//                                                    a list of parameters, one launch: param_t float (fp32 masters,
+//                                                    fp32 states, an optional bf16 | fp16 model write) or bf16 |
+//                                                    fp16 (in place, states in that dtype); AdamW's is adamw_multi
 // and a host launcher for each (launch_accumulate, launch_l2norm_sq, launch_scale, launch_accumulate_bucket,
-// launch_sum_partials, launch_adamw_multi<param_t>) that returns the launch's cudaError_t. The two multi-tensor kernels
+// launch_sum_partials, launch_optimizer_multi<F, param_t>, launch_adamw_multi<param_t>) that returns the launch's cudaError_t. The two multi-tensor kernels
 // take their tensor list by value as the kernel-parameter struct (kernels/common.cuh, "Multi-tensor kernels").
 //
 // Memory access: 128-bit loads and stores (float4 for fp32, uint4 = eight bf16 | fp16 for 16-bit sources)
@@ -48,7 +49,8 @@
 //                           launch_sum_partials (the bucket's free norm, stage 2)
 //   kernels/scale.cuh       scale_kernel + launch_scale                              (kernels/scale.py)
 //   kernels/bucket.cuh      accumulate_bucket_kernel + launch_accumulate_bucket      (kernels/bucket.py)
-//   kernels/adamw.cuh       adamw_multi_kernel + launch_adamw_multi                  (kernels/adamw.py)
+//   kernels/optimizer.cuh   optimizer_multi_kernel + launch_optimizer_multi          (any functor of csrc/optim/)
+//   kernels/adamw.cuh       launch_adamw_multi: the launcher over the AdamW functor  (kernels/adamw.py)
 #pragma once
 
 #include "kernels/common.cuh"
@@ -56,4 +58,5 @@
 #include "kernels/norm.cuh"
 #include "kernels/scale.cuh"
 #include "kernels/bucket.cuh"
+#include "kernels/optimizer.cuh"
 #include "kernels/adamw.cuh"

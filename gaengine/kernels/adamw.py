@@ -53,14 +53,19 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 @triton.jit
 def _rounded(x, TO_BF16: tl.constexpr):
     """fp32 ``x`` rounded to nearest even to bf16 (TO_BF16) or fp16, as torch's ``.to(dtype)``."""
+    # One return for both (the compiler checks every return of a function against the first, the branch of a
+    # constexpr condition not taken included: two returns of bf16 and fp16 fail to compile for a GPU, though the
+    # interpreter runs them; tests/test_aot.py compiles both).
     if TO_BF16:
         # By integer ops (c10::BFloat16's rule, NaN -> 0x7FC0): the same bits compiled and under the
         # interpreter, whose float casts to bf16 truncate.
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16
         bits = tl.where(x != x, 0x7FC0, bits)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(tl.float16)  # round to nearest even
+        y = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(tl.float16)  # round to nearest even
+    return y
 
 
 @triton.jit

@@ -101,35 +101,35 @@ MUTANTS = [
      "partials columns ignore the launch's chunk_base (split buckets overwrite the "
      "first launch's columns)",
      "const int64_t column = params.chunk_base + c;", "const int64_t column = c;", 0),
-    ("adamw-model-alignment-unchecked", "kernels/adamw.cuh",
-     "adamw_chunk takes its vector path without checking the model "
+    ("adamw-model-alignment-unchecked", "kernels/optimizer.cuh",
+     "optimizer_chunk takes its vector path without checking the model "
      "parameter's 8-byte alignment (64-bit stores)",
      "(!kHasModel || aligned_to(model, 8))) {", "true) {", 0),
-    ("adamw-found-inf-ignored", "kernels/adamw.cuh",
-     "adamw_multi_kernel ignores found_inf",
+    ("adamw-found-inf-ignored", "kernels/optimizer.cuh",
+     "optimizer_multi_kernel ignores found_inf",
      "if (params.found_inf != nullptr && *params.found_inf != 0.f) return;",
      "if (false) return;", 0),
-    ("adamw-first-block-bumps-steps", "kernels/adamw.cuh",
+    ("adamw-first-block-bumps-steps", "kernels/optimizer.cuh",
      "the FIRST block to finish (not the last) increments the step counts",
      "is_last = atomicAdd(params.counter, 1u) == gridDim.x - 1;", "is_last = atomicAdd(params.counter, 1u) == 0;", 0),
-    ("adamw-highest-block-assumed-last", "kernels/adamw.cuh",
+    ("adamw-highest-block-assumed-last", "kernels/optimizer.cuh",
      "the block with the highest index (not the last to finish) increments "
      "the step counts",
      "is_last = atomicAdd(params.counter, 1u) == gridDim.x - 1;",
      "is_last = (atomicAdd(params.counter, 1u), blockIdx.x == gridDim.x - 1);", 0),
-    ("adamw-counter-not-reset", "kernels/adamw.cuh",
+    ("adamw-counter-not-reset", "kernels/optimizer.cuh",
      "the last block does not reset the launch counter",
      "    if (threadIdx.x == 0) *params.counter = 0u;\n", "", 0),
-    ("adamw-model-nan-sign", "kernels/adamw.cuh",
+    ("adamw-model-nan-sign", "kernels/optimizer.cuh",
      "the bf16 model write keeps a NaN's sign and payload (c10 writes 0x7FC0)",
      "return isnan(x) ? 0x7FC0u : rounded;", "return rounded;", 0),
-    ("adamw-missing-threadfence", "kernels/adamw.cuh",
+    ("adamw-missing-threadfence", "kernels/optimizer.cuh",
      "no __threadfence before the last-block atomic (the threadFenceReduction pattern)",
-     "    __threadfence();\n    is_last", "    is_last", 0),
-    ("adamw-no-barrier-before-signal", "kernels/adamw.cuh",
+     "      __threadfence();\n      is_last", "      is_last", 0),
+    ("adamw-no-barrier-before-signal", "kernels/optimizer.cuh",
      "no __syncthreads between a block's chunk work and thread 0's 'done' "
      "atomic: a lagging thread may read a step the last block already bumped",
-     "  __shared__ bool is_last;\n  __syncthreads();\n", "  __shared__ bool is_last;\n", 0),
+     "    __shared__ bool is_last;\n    __syncthreads();\n", "    __shared__ bool is_last;\n", 0),
 ]
 
 STAGES = [

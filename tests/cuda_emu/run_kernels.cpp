@@ -730,8 +730,8 @@ struct Hyper {
 const Hyper kHypers[] = {{1e-3, 0.9, 0.999, 1e-8, 1e-2, false, "default"},
                          {1e-2, 0.3, 0.95, 1e-6, 0.0, true, "lerp-large-maximize"}};
 
-// adamw.cpp's per-call and per-parameter coefficients (written out again here: the reference must not share the
-// kernel's make_adamw_hyper).
+// The CPU launcher's (optimizer_step.cpp) per-call and per-parameter AdamW coefficients (written out again here: the
+// reference must not share the kernel's make_adamw_hyper).
 gaengine::AdamWCoefs cpu_coefs(const Hyper& h, const float* grad_scale, float step_after) {
   gaengine::AdamWCoefs c{};
   const double lerp_weight = 1.0 - h.beta1;
@@ -822,7 +822,7 @@ void cpu_adamw(AdamWParam& p, const gaengine::AdamWCoefs& c) {
   if (p.grad_dtype == kFp16) cpu_adamw_typed<param_t, c10::Half>(p, c);
 }
 
-// The reference step of gaengine::adamw_step_ (adamw.cpp): found_inf skips everything; per parameter step += 1,
+// The reference step of gaengine::adamw_step_ (optimizer_step.cpp): found_inf skips everything; per parameter step += 1,
 // the coefficients, one pass of the CPU kernel.
 void reference_step(std::vector<AdamWParam>& ps, const Hyper& h, const float* grad_scale, const float* found_inf) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;

@@ -179,10 +179,11 @@ def test_found_inf_skips_everything(backend):
 
 
 def _cuda_adamw_entries() -> int:
-    """``kMaxAdamWEntries`` of ``csrc/cuda/kernels/adamw.cuh``: the parameters one cuda AdamW launch takes."""
-    header = Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "kernels" / "adamw.cuh"
-    found = re.search(r"constexpr int kMaxAdamWEntries = (\d+);", header.read_text())
-    assert found, f"no kMaxAdamWEntries in {header}"
+    """``kMaxOptimizerEntries`` of ``csrc/cuda/kernels/optimizer.cuh`` (AdamW's ``kMaxAdamWEntries``): the parameters
+    one cuda AdamW launch takes."""
+    header = Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "kernels" / "optimizer.cuh"
+    found = re.search(r"constexpr int kMaxOptimizerEntries = (\d+);", header.read_text())
+    assert found, f"no kMaxOptimizerEntries in {header}"
     return int(found.group(1))
 
 
