@@ -57,6 +57,20 @@ class Accumulation:
         cleared); the engine then clears the ``.grad`` autograd left."""
         return self.hooks.take_stale()
 
+    def clear_grads(self) -> None:
+        """Drop the ``.grad`` left on the parameters (what ``step()`` without an optimizer, ``begin_step()`` or autograd
+        outside ``acc.backward()`` left there), and the hooks' stale flag with it."""
+        for p in self.params:
+            p.grad = None
+        self.hooks.take_stale()
+
+    def finite_by_param(self, named_params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bool]]:
+        """Per parameter (layout order): its name (from ``named_params``, else ``param[i]``) and whether its window
+        gradient is finite (host reads: the error of ``max_consecutive_skips``)."""
+        names = {id(p): n for n, p in named_params}
+        return [(names.get(id(p), f"param[{i}]"), bool(torch.isfinite(g).all()))
+                for i, (p, g) in enumerate(zip(self.params, self.grad_views))]
+
     def set_fused(self, which: list[bool]) -> None:
         """Gradient accumulation fusion per parameter (layout order): ``which[i]`` False gives parameter i its
         ordinary gradient from ``fused_linear``'s backward (``NativeHooks.set_fused``; ``gaengine.fusion``)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -21,21 +20,22 @@ from torch import nn
 
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine import ownership, state_checks
+from gaengine import ownership
 from gaengine.protocol import CONSTRUCTION, REDUCTIONS, open_phase
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
+from gaengine.lending import CompleteWindow, Lending, step_norm, window_denominator
+from gaengine.membership import adopt_changes, membership_term, refuse_unmanaged_grads, unmanaged_grads
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import check_ranks_agree, group_device, wait_quietly
 from gaengine.replaced import ReplacedParams
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
+from gaengine.stages import AccumulatorParts, StageStates
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
-from gaengine.update import WindowGrads
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
                              foreign_gradient_error)
 
@@ -65,28 +65,7 @@ def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.
 
 WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
 """The names of what every rank must hold alike in a window, compared in its stats all-reduce
-(``GradientAccumulator._window_settings``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
-
-
-@dataclass
-class _LentWindow:
-    """A complete window on its way to the update (``step()``; ``begin_step()`` keeps it between the two calls): its
-    micro-batch count ``k``, whether ``step()`` launched its reductions (``partial``), ``Window.totals``, the
-    parameters without a gradient (``unwritten``), the denominator of its raw sums (``grad_denom``, 0-d fp32) and
-    the item-mode flags (``invalid_items``, ``no_items``: 0-d bool, or None); ``grads``: the gradient lent in
-    ``.grad`` (``main_grad`` normalized in place by ``divisor``), or None; ``keep``: lent by ``begin_step()``, so
-    ``.grad`` holds the applied gradient after ``step()`` too."""
-
-    k: int
-    partial: bool
-    totals: tuple
-    unwritten: list[int]
-    grad_denom: torch.Tensor
-    invalid_items: torch.Tensor | None
-    no_items: torch.Tensor | None
-    grads: WindowGrads | None = None
-    divisor: torch.Tensor | None = None
-    keep: bool = False
+(``GradientAccumulator._launch_window_stats``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
 
 
 class GradientAccumulator:
@@ -197,9 +176,7 @@ class GradientAccumulator:
             self.window_batchnorm = WindowBatchNorm(module)
         elif module is not None:
             warn_batchnorm(module, self.accumulation_steps)
-        self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
-        self._lent: _LentWindow | None = None  # the window's gradient lent in .grad (begin_step, before_update)
-        self._in_before_update = False  # step(before_update=fn) is running fn: the calls that change the window refuse
+        self._lending = Lending(self.backend)  # the window's gradient lent in .grad (begin_step, before_update)
 
     def _init_sharding(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                        module: nn.Module | None) -> None:
@@ -209,9 +186,6 @@ class GradientAccumulator:
         forwards (``gradient_accumulation_fusion``, until ``close()``: ``gaengine.fusion``) and the watch on the
         model being moved."""
         config = self.config
-        # A gradient that gaengine left in .grad (step() without an optimizer, a resumed state) is cleared by the
-        # next backward.
-        self._grads_left = False
         # Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
         # window boundaries, adopted by the strategy (gaengine.ownership.Membership, docs/accumulator.md).
         self._members = ownership.Membership(module, params, optimizer)
@@ -267,8 +241,8 @@ class GradientAccumulator:
         accumulator) when a window's first ``loss`` in mean mode was divided by K (``loss / K``, ``loss * (1 / K)``):
         gaengine divides by K itself.
         """
-        self._refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
-        self._refuse_lent("acc.backward()")
+        self._lending.refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
+        self._lending.refuse_lent("acc.backward()")
         num_items = self._check_micro_batch(loss, num_items)
         window = self.window
         if window.num_micro_batches == 0 and num_items is None and not getattr(self, "_divided_warned", False):
@@ -282,7 +256,7 @@ class GradientAccumulator:
         if self._ranks_members is not None and window.num_micro_batches == self.accumulation_steps - 1:
             self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
-        if self.sharding.accumulation.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
+        if self.sharding.accumulation.take_stale() | self.window.grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = window.num_micro_batches == self.accumulation_steps - 1
         armed = self._begin_backward(last)
@@ -350,57 +324,21 @@ class GradientAccumulator:
     def _launch_window_stats(self) -> None:
         """The window's last reductions and its stats all-reduce (``Reduction.launch_window_stats``, with what every
         rank must hold alike and the noise-scale terms), kept in the window (``Window.stats``)."""
-        self.window.settings = self._window_settings()
+        # What every rank must have set alike for this window, compared in its stats all-reduce
+        # (gaengine.reduce.WindowStats.settings_mismatch): K, max_grad_norm and the parameters joined or left.
+        values = (self.accumulation_steps, self.max_grad_norm, membership_term(self._members, self.params))
+        self.window.settings = tuple(zip(WINDOW_SETTINGS, values, strict=True))
         self.window.stats = self.sharding.reduction.launch_window_stats(self.window, self._noise_terms())
         if self._ranks_members is not None:
             self._ranks_members.protocol.reducing = False
 
-    def _window_settings(self) -> tuple[tuple[str, object], ...]:
-        """What every rank must have set alike for this window, compared in its stats all-reduce
-        (``gaengine.reduce.WindowStats.settings_mismatch``): the settings the user may change at run time, and the
-        parameters made trainable or frozen since the window began (``MEMBERSHIP_SETTING``: 0 where none changed,
-        else the digest of the trainable set, ``Membership.fingerprint``). A rank that unfreezes a parameter in the
-        middle of a window refuses that window's ``step()`` itself (``_refuse_unmanaged_grads``); with this term
-        the other ranks refuse it too, instead of applying a window that rank did not."""
-        joined, left = self._members.changes(self.params)
-        changed = self._members.fingerprint() if joined or left else 0
-        return tuple(zip(WINDOW_SETTINGS, (self.accumulation_steps, self.max_grad_norm, changed), strict=True))
-
     # ------------------------------------------------------------------ parameters joining or leaving
     def _adopt_changes(self) -> None:
-        """At a window boundary (its first ``backward()``): the parameters unfrozen or added with
-        ``optimizer.add_param_group`` since the last window join, the frozen ones leave; the strategy lays everything
-        out again (``ShardingStrategy.adopt``, at every ``zero_stage``), so a joined parameter is accumulated,
-        normalized, clipped and updated like the others from this window on, never on autograd's raw ``.grad``.
-        Several ranks: every rank must change alike, checked first by one small all-reduce every window
-        (``gaengine.ownership.RankMembership``); where they differ no rank adopts and ``step()`` raises on every rank.
-        ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once
-        (FSDP2), for an optimizer that writes the model itself, or an fp16 parameter without a loss scale."""
-        joined, left = self._members.changes(self.params)
-        window_id = self.schedule.update_index  # the window's header (gaengine.protocol)
-        if self._ranks_members is not None and not self._ranks_members.check(joined, left, window_id):
-            return  # the ranks differ: this window runs in the layout every rank has; step() raises on every rank
-        if not joined and not left:
+        """At a window boundary: the parameters joined or left since are adopted (``gaengine.membership.adopt_changes``:
+        ``ValueError`` naming one that cannot join, nothing changed), then claimed and watched like the others."""
+        if not adopt_changes(self._members, self._ranks_members, self.sharding, self.window, self,
+                             self.schedule.update_index, self.scaler is None and self.config.loss_scale == "auto"):
             return
-        if not self.sharding.adopts_params:
-            if joined:
-                raise ValueError(self._join_refused(joined[0][0], f"{self.sharding.name} lays its parameters out once, "
-                                                    "at construction (a plain model adopts it at every zero_stage)"))
-            return  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
-        if self.sharding.update.writes_model:
-            raise ValueError(self._join_refused(
-                (joined or left)[0][0], "an optimizer that writes the model itself (gaengine.optim.FusedAdamW with "
-                "master weights) keeps its pieces for good"))
-        if self.scaler is None and self.config.loss_scale == "auto" and any(p.dtype == torch.float16 for _, p in joined):
-            raise ValueError(self._join_refused(joined[0][0], "an fp16 parameter needs the loss scale that "
-                                                "loss_scale='auto' chose against at construction"))
-        ownership.take([p for _, p in joined], None)  # another accumulator's: RuntimeError; a stale .grad dropped
-        if self.sharding.accumulation.take_stale() | self._grads_left:
-            self._clear_grads()
-        for _, p in left:
-            p.grad = None
-        ownership.release([p for _, p in left], self)
-        self.sharding.adopt(self._members.trainable())
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
         self._model = _watch_model(self.sharding, self.device)
@@ -408,36 +346,6 @@ class GradientAccumulator:
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
-
-    def _join_refused(self, name: str, why: str) -> str:
-        return (f"parameter {name!r} became trainable (requires_grad=True, or in a param group added with "
-                f"optimizer.add_param_group) after the GradientAccumulator was built, but {why}, so gaengine cannot "
-                f"adopt it and will not let it train on autograd's raw .grad. Nothing was accumulated or applied. "
-                f"To go on: acc.step(force=True) (or acc.zero_grad()), acc.close(), then build the optimizer and a new "
-                f"GradientAccumulator with the parameters trainable as you want them")
-
-    def _refuse_unmanaged_grads(self) -> None:
-        """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle
-        of this window (it holds autograd's raw ``.grad`` of part of the window, outside ``main_grad``, the norm and
-        the clip): its window is not the sum of the window's micro-batches, and the optimizer would apply it raw."""
-        raw = [name for name, _ in self._unmanaged_grads()]
-        if raw:
-            raise ValueError(
-                f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation window "
-                f"(and holds a .grad, whether frozen again since or not; the optimizer would apply it): "
-                f"its .grad is autograd's raw sum over part of the window, not gaengine's normalized, clipped window "
-                f"gradient, so nothing was applied (the window stays open). Unfreeze parameters between windows "
-                f"(after acc.step()): they join at the next window. To go on now, either freeze it again "
-                f"(requires_grad_(False) and .grad = None) and call acc.step() again, or drop the window with "
-                f"acc.zero_grad() (which drops that .grad too)")
-
-    def _unmanaged_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters of the model or the optimizer that the accumulator does not manage in this window (frozen
-        at its start) and that hold a ``.grad``: autograd's, from a micro-batch of this window after they were
-        unfrozen. The optimizer would apply such a ``.grad`` raw, frozen again or not (torch's optimizers skip only a
-        ``.grad`` that is None)."""
-        managed = {id(p) for p in self.params}
-        return [(n, p) for n, p in self._members.candidates if p.grad is not None and id(p) not in managed]
 
     def _noise_terms(self) -> torch.Tensor | None:
         """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
@@ -488,23 +396,25 @@ class GradientAccumulator:
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
-        self._refuse_in_before_update("acc.step()", "apply the window twice")
-        lent = self._lent  # begin_step() lent it already
+        self._lending.refuse_in_before_update("acc.step()", "apply the window twice")
+        lent = self._lending.lent  # begin_step() lent it already
         if lent is None:
             k = self._window_to_step(force, before_update is not None)
             if k is None:
                 return None
             lent = self._complete_window(k)
             if before_update is not None:
-                self._lend(lent, keep=False)
+                self._lending.lend(lent, False, self.sharding.accumulation, self.named_params)
         if before_update is not None:
-            self._run_before_update(lent, before_update)
+            self._lending.run_before_update(lent, before_update, self.sharding.accumulation)
         window = self.window
         k, partial = lent.k, lent.partial
         loss_sum, denom, num_items, mismatch = lent.totals
-        norm, skipped, grad_norm = self._step_norm(lent, mismatch)
+        norm = (self.sharding.reduction.norm(lent.grad_denom, self.max_grad_norm) if lent.grads is None else
+                self._lending.norm_of_lent(lent, self.sharding.accumulation, self.max_grad_norm))
+        skipped, grad_norm = step_norm(lent, norm, mismatch)
         unwritten, invalid_items = lent.unwritten, lent.invalid_items
-        self._lent = None
+        self._lending.lent = None
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
@@ -512,13 +422,13 @@ class GradientAccumulator:
             noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
         if self.optimizer is None:
             self.sharding.update.expose_grads(norm.coef, unwritten)
-            self._grads_left = True
+            self.window.grads_left = True
         else:
             self.sharding.update.apply(norm.coef, skipped, unwritten, self.lr_scheduler)
             self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
         if lent.keep:  # begin_step(): .grad holds the gradient as applied (edited, clipped) until the next backward
             lent.grads.lend()
-            self._grads_left = True
+            self.window.grads_left = True
         result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
                             invalid_num_items=invalid_items,
@@ -550,7 +460,7 @@ class GradientAccumulator:
             error = self._ranks_members.take()
             if error is not None:
                 raise error
-        self._refuse_unmanaged_grads()
+        refuse_unmanaged_grads(self._members, self.params)
         if self._fusion is not None:  # a hook registered mid-window on a fused parameter: RuntimeError
             self._fusion.check_window(self.params, self.named_params)
         return k
@@ -568,45 +478,18 @@ class GradientAccumulator:
             self.sharding.reduction.wait()
         return partial
 
-    def _complete_window(self, k: int) -> _LentWindow:
+    def _complete_window(self, k: int) -> CompleteWindow:
         """The window of ``k`` micro-batches made complete for its update: its reductions (``_complete_reductions``),
         its totals, the parameters no micro-batch reached (their gradient zeroed) and the denominator of its raw
-        sums. A negative, NaN or inf num_items tensor made the window's item count NaN (``gaengine.window.Window.add``;
-        on several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
-        update is skipped, on the device, and the sums are taken as they are (denominator 1), so that the skip flag
-        says whether the gradient itself overflowed (what the loss scale and max_consecutive_skips follow)."""
+        sums (``gaengine.lending.window_denominator``)."""
         window = self.window
         partial = self._complete_reductions(k)
         totals = window.totals(self.world_size)
-        denom = totals[1]
         unwritten = self.sharding.accumulation.unwritten(window)
         self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
-        invalid_items = no_items = None
-        norm_denom = denom
-        if window.item_mode and (self.distributed or window.items_dev is not None):
-            invalid_items, no_items = ~torch.isfinite(denom) | (denom < 0), denom == 0
-            norm_denom = torch.where(invalid_items | no_items, torch.ones_like(denom), denom)
-        # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
-        grad_denom = norm_denom if self.scaler is None else norm_denom * self.scaler.scale
-        return _LentWindow(k, partial, totals, unwritten, grad_denom, invalid_items, no_items)
-
-    def _step_norm(self, lent: _LentWindow, mismatch: torch.Tensor | None) -> tuple[WindowNorm, torch.Tensor,
-                                                                                   torch.Tensor]:
-        """The window's norm (``Reduction.norm`` over the raw sums, or ``_norm_of_lent`` where the gradient was
-        lent) and what ``StepResult`` reports of it: ``(norm, skipped, grad_norm)``, 0-d on the device. skipped: a
-        non-finite gradient, the ranks' counts differ (``mismatch``) or the items are invalid."""
-        if lent.grads is None:
-            norm = self.sharding.reduction.norm(lent.grad_denom, self.max_grad_norm)
-        else:
-            norm = self._norm_of_lent(lent)
-        skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
-        grad_norm = norm.grad_norm
-        invalid_items, no_items = lent.invalid_items, lent.no_items
-        if invalid_items is not None:  # grad_norm as the denominator makes it: NaN, or inf for no items
-            skipped = skipped | invalid_items | no_items
-            grad_norm = torch.where(invalid_items, torch.full_like(grad_norm, float("nan")),
-                                    torch.where(no_items, torch.full_like(grad_norm, float("inf")), grad_norm))
-        return norm, skipped, grad_norm
+        grad_denom, invalid_items, no_items = window_denominator(
+            window, totals[1], None if self.scaler is None else self.scaler.scale, self.distributed)
+        return CompleteWindow(k, partial, totals, unwritten, grad_denom, invalid_items, no_items)
 
     def _end_step(self, result: StepResult, partial: bool, mismatch: torch.Tensor | None,
                   overflow: torch.Tensor) -> None:
@@ -629,11 +512,12 @@ class GradientAccumulator:
         self.schedule.observe(result)
         if not differ:
             self.schedule.advance(k, self.world_size, self.micro_batch_size)
-            self._skips.observe(overflow, result.loss_scale, self._finite_by_param)
+            self._skips.observe(overflow, result.loss_scale,
+                               lambda: self.sharding.accumulation.finite_by_param(self.named_params))
         self._reset_window()
         # The hooks' window is reset too; the first window's end lays the buffer out in its arrival order (a
         # collective: every rank gets here).
-        self._grads_left |= self.sharding.end_window()
+        self.window.grads_left |= self.sharding.end_window()
         if differ:
             self._raise_count_mismatch(counts, differ=settings_differ)
         if self.scaler is not None and self.scaler.floor_reached():
@@ -659,81 +543,14 @@ class GradientAccumulator:
         (a partial window's reductions are launched here). Raises what ``step()`` raises before applying anything,
         and ``ValueError`` where the strategy does not hold the whole gradient (``zero_stage`` >= 1, FSDP2).
         """
-        self._refuse_in_before_update("acc.begin_step()", "lend the window again")
-        if self._lent is not None:
+        self._lending.refuse_in_before_update("acc.begin_step()", "lend the window again")
+        if self._lending.lent is not None:
             return True
         k = self._window_to_step(force, True)
         if k is None:
             return False
-        self._lend(self._complete_window(k), keep=True)
+        self._lending.lend(self._complete_window(k), True, self.sharding.accumulation, self.named_params)
         return True
-
-    def _lend(self, lent: _LentWindow, keep: bool) -> None:
-        """``main_grad`` normalized in place (one pass; a denominator of 0 items: nothing to undo) and lent in
-        ``.grad`` (``gaengine.update.WindowGrads``)."""
-        data = self.main_grad.data
-        lent.divisor = torch.where(lent.grad_denom > 0, lent.grad_denom, torch.ones_like(lent.grad_denom))
-        self.backend.scale_(data, lent.divisor.reciprocal())
-        names = {id(p): n for n, p in self.named_params}
-        lent.grads = WindowGrads(self.params, [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)],
-                                 self.main_grad, lent.unwritten)
-        lent.keep = keep
-        self._lent = lent
-
-    def _unlend(self) -> None:
-        """``_lend`` undone: ``.grad`` released and ``main_grad`` multiplied back (the raw sums within one fp32
-        rounding; exactly where the denominator is a power of two)."""
-        lent, self._lent = self._lent, None
-        lent.grads.release()
-        self.backend.scale_(self.main_grad.data, lent.divisor)
-
-    def _run_before_update(self, lent: _LentWindow, before_update: Callable[[], None]) -> None:
-        """``before_update()`` with the gradient lent; the window-changing calls refuse meanwhile
-        (``_refuse_in_before_update``). If it raises: a window lent by ``step()`` itself is given back (``_unlend``:
-        nothing applied, the window open), one lent by ``begin_step()`` stays lent."""
-        self._in_before_update = True
-        try:
-            before_update()
-        except BaseException:
-            if not lent.keep:
-                self._unlend()
-            raise
-        finally:
-            self._in_before_update = False
-
-    def _norm_of_lent(self, lent: _LentWindow) -> WindowNorm:
-        """The lent gradient taken back (``WindowGrads.take_back``), then its norm, skip flag and clip
-        coefficient from one pass over the normalized, edited ``main_grad``. ``coef`` is the clip alone (the
-        normalization is done); a window lent by ``begin_step()`` is clipped here (one pass) so that its ``.grad``
-        holds the clipped gradient after the update, and ``coef`` is 1."""
-        lent.unwritten = lent.grads.take_back()
-        if not lent.keep:
-            lent.grads.release()
-        one = torch.ones((), dtype=torch.float32, device=self.device)
-        norm = window_norm(self.sharding.accumulation.chunks, one, self.max_grad_norm, self.backend)
-        coef = torch.where(norm.skipped, one, norm.clip_coef)
-        if lent.keep and self.max_grad_norm is not None:
-            self.backend.scale_(self.main_grad.data, coef)
-            coef = one
-        return WindowNorm(grad_norm=norm.grad_norm, skipped=norm.skipped, clip_coef=norm.clip_coef, coef=coef)
-
-    def _refuse_in_before_update(self, call: str, effect: str) -> None:
-        """``RuntimeError`` naming ``call`` when it is made from inside ``step(before_update=fn)``'s ``fn``: it would
-        ``effect`` in the middle of the window's update. Nothing is changed by the refused call."""
-        if getattr(self, "_in_before_update", False):
-            raise RuntimeError(
-                f"{call} was called from inside acc.step(before_update=...), while the window is being applied: it "
-                f"would {effect}. Refused; nothing was changed (the window and its .grad are as they were). "
-                f"before_update may read and edit .grad and set acc.max_grad_norm; call {call} after step() returns")
-
-    def _refuse_lent(self, call: str) -> None:
-        """``RuntimeError`` naming ``call`` while ``begin_step()`` lends the window's gradient in ``.grad`` (its
-        ``main_grad`` is normalized and being edited). Nothing is changed by the refused call."""
-        if self._lent is not None:
-            raise RuntimeError(
-                f"{call} was called while the window's gradient is lent in .grad (acc.begin_step(), or inside "
-                f"step(before_update=...)): call acc.step() to apply it, or acc.zero_grad() to drop it, first. "
-                f"Nothing was changed")
 
     def _reads_skip_flag(self) -> bool:
         """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
@@ -849,10 +666,8 @@ class GradientAccumulator:
             scaler.min_scale = self._min_loss_scale
 
     def _clear_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.sharding.accumulation.take_stale()
-        self._grads_left = False
+        self.sharding.accumulation.clear_grads()
+        self.window.grads_left = False
 
     def _reset_window(self) -> None:
         """The engine's part of a new window (the strategy resets the hooks' part: ``end_window``, ``drain``)."""
@@ -873,8 +688,8 @@ class GradientAccumulator:
         gradient ``begin_step()`` lent is dropped likewise. ``RuntimeError`` from inside
         ``step(before_update=...)`` (nothing changed).
         """
-        self._refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
-        self._lent = None
+        self._lending.refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
+        self._lending.lent = None
         if self._ranks_members is not None and self._ranks_members.protocol.reducing:
             self._drop_reductions()  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
         self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
@@ -882,7 +697,7 @@ class GradientAccumulator:
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
         self._clear_grads()
-        for _, p in self._unmanaged_grads():  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
+        for _, p in unmanaged_grads(self._members, self.params):  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
         self._reset_window()
         if self._ranks_members is not None:
@@ -918,34 +733,13 @@ class GradientAccumulator:
         ``get_model_state_dict``, docs/fsdp2.md). Every rank calls it. Raises ``RuntimeError`` between the window's
         last ``backward`` and ``step()``; on an FSDP2 model, ``ValueError`` for an optimizer that is not elementwise.
         """
-        self._refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
+        self._lending.refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
                                       "its sums")
-        self._refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
-        self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
-        return self.sharding.state_dict(self)
+        self._lending.refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
+        from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
-    # The accumulator's own part of every state dict (the strategies' state dicts hold it, gaengine.sharding and
-    # gaengine.checkpoint): what the window, the schedule, the loss scale, the noise scale and the hooks' learned
-    # layout need to resume, as Python scalars and CPU tensors; checked, then restored, after the buffers.
-    def scalars_state_dict(self) -> dict:
-        """This rank's counters and small state: ``state_dict()`` without the buffers and the optimizer."""
-        reg = {id(p): i for i, p in enumerate(self.registered_params)}
-        return {
-            "format": self.sharding.FORMAT,
-            "param_shapes": [list(p.shape) for p in self.registered_params],
-            "param_dtypes": [str(p.dtype) for p in self.registered_params],
-            "accumulation_steps": self.accumulation_steps,
-            "world_size": self.world_size,
-            "layout_order": [reg[id(p)] for p in self.params],
-            **self.sharding.accumulation.state(),  # arrival, written, expected_arrivals
-            **self.window.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "consecutive_skips": self._skips.count,
-            **self.schedule.state_dict(),
-            "noise_scale": (None if self._noise is None else self._noise.state_dict(
-                self.sharding.accumulation.source_norms() if self.window.num_micro_batches else None,
-                self.window.num_micro_batches)),
-        }
+        self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
+        return accumulator_state_dict(self.state_parts())
 
     def load_state_dict(self, state: dict, *, accumulation_steps: str | None = None) -> None:
         """Restore a ``state_dict()`` of any ``zero_stage`` and world size (after ``dcp.load`` into this run's own
@@ -965,67 +759,27 @@ class GradientAccumulator:
         a meta blob that does not decode (truncated, a flipped bit: its records' CRC-32), a key missing, a value of
         another type or out of range (counters, written flags, arrivals, tensors' sizes and dtypes;
         ``gaengine.state_checks``)."""
-        self._refuse_in_before_update("acc.load_state_dict()", "replace the window being applied")
-        self._refuse_lent("acc.load_state_dict()")
+        self._lending.refuse_in_before_update("acc.load_state_dict()", "replace the window being applied")
+        self._lending.refuse_lent("acc.load_state_dict()")
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")
-        self._keep_k = accumulation_steps
-        try:
-            self.sharding.load_state_dict(self, state)
-        finally:
-            self._keep_k = None
+        from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+        load_accumulator_state_dict(self.state_parts(accumulation_steps), state)
         self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)  # the scheduler as restored
 
-    def _resumed_k(self, state: dict) -> int:
-        """The K this accumulator goes on with after loading ``state`` (``WindowSchedule.resolve_load``)."""
-        return self.schedule.resolve_load(state, int(state["num_micro_batches"]), self._keep_k)
-
-    def check_scalars_state(self, state: dict) -> None:
-        """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError`` naming the key,
-        nothing changed): the counters' ranges, the layout's, K (``_resumed_k``), the loss scaling."""
-        def bad(key: str, expected: str) -> ValueError:
-            return ValueError(f"state[{key!r}] must be {expected}, got {state.get(key)!r}: the state dict is corrupt "
-                              "or not an acc.state_dict(); load another checkpoint")
-
-        n_params = len(self.registered_params)
-        k = state.get("accumulation_steps")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise bad("accumulation_steps", "an int >= 1")
-        k_set = state.get("accumulation_steps_set")
-        if k_set is not None and (isinstance(k_set, bool) or not isinstance(k_set, int) or k_set < 1):
-            raise bad("accumulation_steps_set", "None or an int >= 1")
-        Window.check_state(state, k, n_params)
-        for key in ("update_index", "items_seen", "consecutive_skips"):
-            value = state.get(key, 0 if key != "consecutive_skips" else None)  # read by load_scalars_state
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad(key, "an int >= 0")
-        order = state.get("layout_order")
-        if not isinstance(order, (list, tuple)) or not all(type(i) is int for i in order) or (
-                sorted(order) != list(range(n_params))):
-            raise bad("layout_order", f"a permutation of range({n_params}) (the parameters' registration indices)")
-        state_checks.check_hooks_state(state, n_params)  # written, expected_arrivals, arrival, window_used
-        self._resumed_k(state)  # ValueError naming both Ks
-        if "scaler" not in state or (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("state['scaler'] and this accumulator disagree on loss scaling (loss_scale differs)")
-        if state["scaler"] is not None:
-            state_checks.check_scaler_state(state["scaler"])
-        if self._noise is not None:
-            self._noise.check_state(state.get("noise_scale"), int(state["num_micro_batches"]))
-
-    def load_scalars_state(self, state: dict) -> None:
-        """Restore ``scalars_state_dict()``'s part (the layout and the buffers are restored before)."""
-        self.sharding.accumulation.load_state(state)
-        self.window.load_state_dict(state)
-        self._skips.count = int(state["consecutive_skips"])
-        k = self._resumed_k(state)
-        self.schedule.load_state_dict(state, k, self.window.num_micro_batches > 0,
-                                      set_at_run_time=k != self.config.accumulation_steps)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if self._noise is not None:
-            self._noise.load_state_dict(state.get("noise_scale"), self.window.num_micro_batches)
-        self._grads_left = True
+    def state_parts(self, accumulation_steps: str | None = None) -> AccumulatorParts:
+        """The accumulator's parts as ``gaengine.checkpoint`` reads and writes them (``gaengine.stages``): the
+        strategy, the optimizer, the ``lr_scheduler``, the parameters, the process group and the window's stages
+        (``StageStates``, each stage giving and taking its own state items). accumulation_steps: as
+        ``load_state_dict``'s. Built anew for each call (a re-layout or the loss scale chosen at the first
+        ``backward()`` replaces parts); nothing is copied."""
+        stages = StageStates(self.window, self.schedule, self.scaler, self._skips, self._noise, self.sharding,
+                             self.registered_params, self.world_size, self.config.accumulation_steps,
+                             accumulation_steps)
+        return AccumulatorParts(self.sharding, self.optimizer, self.lr_scheduler, self.registered_params,
+                                self.named_params, self.process_group, self.world_size, self.device, stages)
 
     @property
     def effective_batch_size(self) -> int:
@@ -1034,12 +788,6 @@ class GradientAccumulator:
         if self.micro_batch_size is None:
             raise ValueError("effective_batch_size needs GradientAccumulator(..., micro_batch_size=...)")
         return self.micro_batch_size * self.accumulation_steps * self.world_size
-
-    def _finite_by_param(self) -> list[tuple[str, bool]]:
-        """Per parameter (layout order): its name and whether its window gradient is finite (host reads)."""
-        names = {id(p): n for n, p in self.named_params}
-        return [(names.get(id(p), f"param[{i}]"), bool(torch.isfinite(g).all()))
-                for i, (p, g) in enumerate(zip(self.params, self.sharding.accumulation.grad_views))]
 
     def masters_to_model(self) -> None:
         """Round the fp32 master weights into the model's bf16/fp16 parameters now (one copy per dtype, on the
@@ -1081,14 +829,14 @@ class GradientAccumulator:
         A window still holding micro-batches is dropped with one ``UserWarning`` naming how many (garbage collection
         of an open accumulator warns the same way): call ``step(force=True)`` first to apply them.
         """
-        self._refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
+        self._lending.refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
         store = self.sharding.store if release_optimizer else None
         if store is not None and not store.shaped:
             raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
                              "1-D shards of the parameters; gather its state with "
                              "gaengine.full_optimizer_state_dict first, or close() without it")
         self._warn_dropped_window("acc.close()")
-        self._lent = None
+        self._lending.lent = None
         if store is not None:
             store.release_to_model()
         for p in self.params:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gaengine.reduce import HostMailbox, WindowStats, count_mismatch_message
 
 MEMBERSHIP_SETTING = "trainable parameters changed in the window"
-"""The window setting (``GradientAccumulator._window_settings``) that tells ranks which changed their trainable
+"""The window setting (``gaengine.membership.membership_term``) that tells ranks which changed their trainable
 parameters in the middle of a window from those which did not."""
 
 __all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items", "foreign_gradient_error"]
@@ -41,10 +41,13 @@ class Window:
     that a backward of this window retained (``retain_graph=True``), to refuse a second backward through them
     (``claim_graph``). settings: ``(name, value)`` pairs of the settings every rank must share (the window's K,
     ``max_grad_norm``), set by the accumulator before the stats all-reduce carries them (several ranks).
+    grads_left: the accumulator left a gradient in the parameters' ``.grad`` (``step()`` without an optimizer, the
+    gradient ``begin_step()`` lent, a resumed state): the next ``backward()`` clears it. Kept across windows.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.grads_left = False
         self.reset()
 
     def reset(self) -> None:
