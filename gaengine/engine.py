@@ -11,7 +11,6 @@ window's counters are ``gaengine.window``'s, the loss scale ``gaengine.scaler``'
 from __future__ import annotations
 
 from collections.abc import Iterable
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,7 +22,7 @@ from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership
 from gaengine.protocol import CONSTRUCTION, REDUCTIONS, open_phase
 from gaengine.clip import guard_torch_clip_grad_norm
-from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
+from gaengine.config import AccumulatorConfig, CheckedSetting, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
 from gaengine.lending import CompleteWindow, Lending, step_norm, window_denominator
 from gaengine.membership import adopt_changes, membership_term, refuse_unmanaged_grads, unmanaged_grads
@@ -36,24 +35,11 @@ from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.stages import AccumulatorParts, StageStates
 from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
+from gaengine.update import SchedulerWatch
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
-                             foreign_gradient_error)
+                             foreign_gradient_error, warn_dropped_window)
 
 __all__ = ["GradientAccumulator", "StepResult"]
-
-
-def _rank_settings(config: AccumulatorConfig, named_params: list[tuple[str, torch.Tensor]], backend) -> dict:
-    """What every rank's accumulator must agree on (``gaengine.reduce.check_ranks_agree``): the trainable
-    parameters' names, shapes and dtypes in order, and the options that shape the collectives or the update."""
-    steps = config.accumulation_steps
-    return {
-        "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params if p.requires_grad],
-        "accumulation_steps": steps if isinstance(steps, int) else type(steps).__qualname__,
-        "max_grad_norm": config.max_grad_norm, "bucket_size_mb": config.bucket_size_mb,
-        "zero_stage": config.zero_stage, "reduce_dtype": str(config.reduce_dtype), "loss_scale": config.loss_scale,
-        "min_loss_scale": config.min_loss_scale, "master_weights": config.master_weights,
-        "backend": getattr(backend, "name", type(backend).__name__),
-    }
 
 
 def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.ModelWatch:
@@ -61,6 +47,20 @@ def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.
     parameters, with the store's own check (``gaengine.sharding.Update.check_model``, of the strategy's update at
     the time of the check). It holds the strategy, not the accumulator (garbage collection of the accumulator)."""
     return ownership.ModelWatch(sharding.params, device, lambda: sharding.update.check_model())
+
+
+def _join_ranks(config: AccumulatorConfig, process_group: dist.ProcessGroup | None,
+                named_params: list[tuple[str, torch.Tensor]], backend) -> int:
+    """The world size of ``process_group`` (by default the global group when ``torch.distributed`` is initialized);
+    on several ranks, before the first collective (the parameters' broadcast), ``ValueError`` on every rank unless
+    they agree on the parameters and the options (``gaengine.reduce.check_ranks_agree``)."""
+    world_size = dist.get_world_size(process_group) if (
+        process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
+    if world_size > 1:  # the construction's header first (gaengine.protocol), then the agreement
+        open_phase(CONSTRUCTION, 0, world_size, dist.get_rank(process_group), group_device(process_group),
+                   process_group)
+        check_ranks_agree(config.rank_settings(named_params, backend), process_group)
+    return world_size
 
 
 WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
@@ -129,9 +129,12 @@ class GradientAccumulator:
         self.backend = get_backend(backend, self.device)
         if config.gradient_accumulation_fusion:
             check_fusion(model, self.backend, self.device)  # ValueError naming the option
-        self._join_ranks(process_group, params)
+        self.process_group = process_group
+        self.world_size = _join_ranks(config, process_group, self.named_params or [
+            (f"param[{i}]", p) for i, p in enumerate(params)], self.backend)
+        self.distributed = self.world_size > 1
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self._scheduler_epoch: int | None = None  # lr_scheduler.last_epoch after the last update (_check_scheduler)
+        self._scheduler = SchedulerWatch(lr_scheduler)  # stepped outside step(): RuntimeError
         # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
         # micro-batch (gaengine train --auto-micro-batch halves it), the loss scale's floor.
         self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
@@ -142,21 +145,6 @@ class GradientAccumulator:
         ownership.claim(self.params, self)
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
-
-    def _join_ranks(self, process_group: dist.ProcessGroup | None, params: list[torch.Tensor]) -> None:
-        """The process group and its world size (by default the global group when ``torch.distributed`` is
-        initialized); on several ranks, before the first collective (the parameters' broadcast), ``ValueError`` on
-        every rank unless they agree on the parameters and the options (``gaengine.reduce.check_ranks_agree``)."""
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group) if (
-            process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
-        self.distributed = self.world_size > 1
-        if self.distributed:  # the construction's header first (gaengine.protocol), then the agreement
-            open_phase(CONSTRUCTION, 0, self.world_size, dist.get_rank(process_group), group_device(process_group),
-                       process_group)
-            check_ranks_agree(_rank_settings(self.config, self.named_params or
-                                             [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
-                              process_group)
 
     def _init_window(self, accumulation_steps: int | AccumulationSchedule, params: list[torch.Tensor],
                      module: nn.Module | None) -> None:
@@ -259,7 +247,15 @@ class GradientAccumulator:
         if self.sharding.accumulation.take_stale() | self.window.grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = window.num_micro_batches == self.accumulation_steps - 1
-        armed = self._begin_backward(last)
+        # The parameters whole (their all-gathers complete, overlap_param_gather), then the reduction prepares the
+        # micro-batch (Reduction.begin_backward: armed, the hooks launch each bucket's collective as it completes);
+        # where the hooks restart their written flags (zero_stage=2), the window keeps which parameters it reached.
+        self.sharding.update.wait_gathers()
+        start = self.sharding.reduction.begin_backward(window.num_micro_batches == 0, last,
+                                                       self.config.overlap_grad_reduce)
+        if start.used is not None:
+            window.mark_used(start.used)
+        armed = start.armed
         if self._auto_loss_scale:  # the first backward: fp16 autocast makes loss_scale="auto" dynamic
             self.scaler = autocast_loss_scaler(self.device, self.min_loss_scale)
             self._auto_loss_scale = False
@@ -295,31 +291,18 @@ class GradientAccumulator:
         check_loss(loss)
         self._model.check()
         self._replaced.check(self.window.num_micro_batches == 0)  # ValueError naming a parameter replaced
-        self._check_scheduler()
+        self._scheduler.check()
         window = self.window
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
-        if self._counts.pending:  # the last window's per-rank counts, unread by its step()
-            self._report_count_check()
+        if self._counts.pending:  # the last window's per-rank counts, unread by its step(): RankCounts.take_error
+            self._raise_count_mismatch(self._counts.take_error(self.schedule, self.scaler))
         if window.num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
                 "call acc.step() before the next acc.backward()")
         window.check_next(num_items is not None)
         return None if num_items is None else check_num_items(num_items, self.device)
-
-    def _begin_backward(self, last: bool) -> bool:
-        """Before a micro-batch's backward (``last``: the window's last): the parameters whole (their all-gathers
-        complete, ``overlap_param_gather``), then the strategy's reduction prepares it (``Reduction.begin_backward``);
-        where the hooks restart their written flags (``zero_stage=2``), the window keeps which parameters the
-        micro-batches so far reached. Returns whether the reducer is armed (the hooks launch each bucket's
-        collective as it completes)."""
-        self.sharding.update.wait_gathers()
-        start = self.sharding.reduction.begin_backward(self.window.num_micro_batches == 0, last,
-                                                       self.config.overlap_grad_reduce)
-        if start.used is not None:
-            self.window.mark_used(start.used)
-        return start.armed
 
     def _launch_window_stats(self) -> None:
         """The window's last reductions and its stats all-reduce (``Reduction.launch_window_stats``, with what every
@@ -328,7 +311,8 @@ class GradientAccumulator:
         # (gaengine.reduce.WindowStats.settings_mismatch): K, max_grad_norm and the parameters joined or left.
         values = (self.accumulation_steps, self.max_grad_norm, membership_term(self._members, self.params))
         self.window.settings = tuple(zip(WINDOW_SETTINGS, values, strict=True))
-        self.window.stats = self.sharding.reduction.launch_window_stats(self.window, self._noise_terms())
+        self.window.stats = self.sharding.reduction.launch_window_stats(self.window, None if self._noise is None else (
+            self._noise.window_terms(self.sharding.accumulation, self.window, self.scaler)))
         if self._ranks_members is not None:
             self._ranks_members.protocol.reducing = False
 
@@ -346,15 +330,6 @@ class GradientAccumulator:
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
-
-    def _noise_terms(self) -> torch.Tensor | None:
-        """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
-        if self._noise is None:
-            return None
-        accumulation = self.sharding.accumulation
-        return self._noise.terms(accumulation.source_norms(), accumulation.sources_reduced_by(),
-                                 self.window.num_micro_batches, bool(self.window.item_mode),
-                                 None if self.scaler is None else self.scaler.scale)
 
     # ------------------------------------------------------------------ update
     def step(self, force: bool = False, *, before_update: Callable[[], None] | None = None) -> StepResult | None:
@@ -418,14 +393,15 @@ class GradientAccumulator:
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
-            terms = window.stats.extra() if self.distributed else self._noise_terms()
+            terms = (window.stats.extra() if self.distributed else
+                     self._noise.window_terms(self.sharding.accumulation, window, self.scaler))
             noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
         if self.optimizer is None:
             self.sharding.update.expose_grads(norm.coef, unwritten)
             self.window.grads_left = True
         else:
             self.sharding.update.apply(norm.coef, skipped, unwritten, self.lr_scheduler)
-            self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+            self._scheduler.stepped()
         if lent.keep:  # begin_step(): .grad holds the gradient as applied (edited, clipped) until the next backward
             lent.grads.lend()
             self.window.grads_left = True
@@ -446,11 +422,11 @@ class GradientAccumulator:
             raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
                              f"which {self.sharding.name} does not hold; use zero_stage=0, or read "
                              "StepResult.grad_norm")
-        self._check_scheduler()
+        self._scheduler.check()
         window = self.window
         k = window.num_micro_batches
-        if self._counts.pending:  # the last window's per-rank counts, unread by its step()
-            self._report_count_check()
+        if self._counts.pending:  # the last window's per-rank counts, unread by its step(): RankCounts.take_error
+            self._raise_count_mismatch(self._counts.take_error(self.schedule, self.scaler))
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
         self._model.check()
@@ -465,25 +441,19 @@ class GradientAccumulator:
             self._fusion.check_window(self.params, self.named_params)
         return k
 
-    def _complete_reductions(self, k: int) -> bool:
-        """The window's reductions complete (several ranks). ``force=True`` on a partial window of k micro-batches:
-        nothing is launched yet, so its reductions and stats are launched first (``Reduction.end_partial_window``);
-        returns whether it was."""
-        partial = self.distributed and self.window.stats is None
+    def _complete_window(self, k: int) -> CompleteWindow:
+        """The window of ``k`` micro-batches made complete for its update: its reductions complete (several ranks;
+        ``force=True`` on a partial window: nothing is launched yet, so its reductions and stats are launched first,
+        ``Reduction.end_partial_window``, and ``partial`` says so), its totals, the parameters no micro-batch reached
+        (their gradient zeroed) and the denominator of its raw sums (``gaengine.lending.window_denominator``)."""
+        window = self.window
+        partial = self.distributed and window.stats is None
         if partial:
             self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
             self.sharding.reduction.end_partial_window(self.accumulation_steps - k)
             self._launch_window_stats()
         if self.distributed:
             self.sharding.reduction.wait()
-        return partial
-
-    def _complete_window(self, k: int) -> CompleteWindow:
-        """The window of ``k`` micro-batches made complete for its update: its reductions (``_complete_reductions``),
-        its totals, the parameters no micro-batch reached (their gradient zeroed) and the denominator of its raw
-        sums (``gaengine.lending.window_denominator``)."""
-        window = self.window
-        partial = self._complete_reductions(k)
         totals = window.totals(self.world_size)
         unwritten = self.sharding.accumulation.unwritten(window)
         self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
@@ -500,7 +470,10 @@ class GradientAccumulator:
         scale's floor error."""
         k, window = result.num_micro_batches, self.window
         counts = None if mismatch is None else self._counts.read(
-            window.stats, now=partial or window.stats.host_counts is not None or self._reads_skip_flag(),
+            # read now where step() reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on
+            # the device), an lr_scheduler (it runs on the host) or max_consecutive_skips
+            window.stats, now=partial or window.stats.host_counts is not None or self.lr_scheduler is not None or (
+                self.optimizer is not None and not takes_grad_scale(self.optimizer)) or self._skips.limit is not None,
             saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
                            self.scaler.dynamic else (self.scaler.scale.clone(), self.scaler.growth_tracker.clone())))
         counts, settings_differ = counts if counts is not None else (None, [])
@@ -514,12 +487,14 @@ class GradientAccumulator:
             self.schedule.advance(k, self.world_size, self.micro_batch_size)
             self._skips.observe(overflow, result.loss_scale,
                                lambda: self.sharding.accumulation.finite_by_param(self.named_params))
-        self._reset_window()
+        self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
+        if self._noise is not None:
+            self._noise.reset()
         # The hooks' window is reset too; the first window's end lays the buffer out in its arrival order (a
         # collective: every rank gets here).
         self.window.grads_left |= self.sharding.end_window()
         if differ:
-            self._raise_count_mismatch(counts, differ=settings_differ)
+            self._raise_count_mismatch(self._counts.error(counts, differ=settings_differ))
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
 
@@ -552,63 +527,15 @@ class GradientAccumulator:
         self._lending.lend(self._complete_window(k), True, self.sharding.accumulation, self.named_params)
         return True
 
-    def _reads_skip_flag(self) -> bool:
-        """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
-        device), an ``lr_scheduler`` (it runs on the host) or ``max_consecutive_skips``."""
-        return ((self.optimizer is not None and not takes_grad_scale(self.optimizer)) or self.lr_scheduler is not None
-                or self._skips.limit is not None)
-
-    def _check_scheduler(self) -> None:
-        """``RuntimeError`` when ``lr_scheduler`` was stepped outside ``step()`` since the accumulator's last update
-        (its ``last_epoch`` moved): stepped twice per update, its learning rate would decay twice as fast. Armed by
-        the first update (a scheduler resumed before it is fine) and by ``load_state_dict``."""
-        if self._scheduler_epoch is None:
+    def _raise_count_mismatch(self, error: Exception | None) -> None:
+        """Raise ``error``, that of a window whose ranks held different micro-batch counts or settings
+        (``gaengine.window.RankCounts``); without an optimizer, the gradients ``step()`` left in ``.grad`` are
+        dropped first. Nothing for None."""
+        if error is None:
             return
-        epoch = getattr(self.lr_scheduler, "last_epoch", None)
-        if epoch is not None and epoch != self._scheduler_epoch:
-            raise RuntimeError(
-                f"lr_scheduler ({type(self.lr_scheduler).__name__}) was stepped outside acc.step(): its last_epoch is "
-                f"{epoch}, but acc.step() left it at {self._scheduler_epoch}. The accumulator was given it as "
-                f"GradientAccumulator(..., lr_scheduler=...) and steps it once per applied update, so your own "
-                f"scheduler.step() would decay the learning rate {epoch - self._scheduler_epoch + 1} times as fast. "
-                f"Remove your scheduler.step() (or pass lr_scheduler=None and step it yourself when acc.step() "
-                f"returns a result whose skipped is False); to restore the scheduler's state, load it through "
-                f"acc.load_state_dict(). Nothing was accumulated or applied by this call")
-
-    def _warn_dropped_window(self, how: str) -> None:
-        """One ``UserWarning`` when the accumulator is closed (``how``) with micro-batches in its window."""
-        window = getattr(self, "window", None)  # None: the constructor raised before building it
-        k = 0 if window is None or window.failed else window.num_micro_batches
-        if k > 0 and not getattr(self, "_dropped_warned", False):
-            self._dropped_warned = True
-            warnings.warn(
-                f"{how} dropped the {k} micro-batch(es) of an unfinished accumulation window: they were never "
-                f"applied. Call acc.step(force=True) before acc.close() (and "
-                f"at the end of every epoch) to apply a partial window, exactly normalized by what it holds; "
-                f"acc.zero_grad() drops it without this warning", UserWarning, stacklevel=3)
-
-    def _report_count_check(self) -> None:
-        """Read the last window's per-rank counts (``gaengine.window.RankCounts``); when they differed, restore what
-        its ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise
-        ``RuntimeError``. Called first thing by ``backward()`` and ``step()``: the window since is empty."""
-        (counts, settings_differ), (update_index, items_seen, scaler_state) = self._counts.take()
-        if all(c == counts[0] for c in counts) and not settings_differ:
-            return
-        self.schedule.update_index, self.schedule.items_seen = update_index, items_seen
-        if scaler_state is not None:
-            self.scaler.scale.copy_(scaler_state[0])
-            self.scaler.growth_tracker.copy_(scaler_state[1])
-        self._raise_count_mismatch(counts, f" in the last window (after {update_index} updates: its step() skipped the "
-                                           "update on the device without reading the counts, this call read them)",
-                                   differ=settings_differ)
-
-    def _raise_count_mismatch(self, counts: list[int], found: str = "", differ: list[str] = ()) -> None:
-        """Raise the error of a window whose ranks held different micro-batch counts (``RuntimeError``) or settings
-        (``ValueError`` naming them: ``differ``); without an optimizer, the gradients ``step()`` left in ``.grad``
-        are dropped first."""
         if self.optimizer is None:
             self._clear_grads()
-        raise self._counts.error(counts, found, differ)
+        raise error
 
     @property
     def accumulation_steps(self) -> int:
@@ -630,50 +557,22 @@ class GradientAccumulator:
         self.schedule.set_k(value)
 
     # The accumulator's own settings, checked on assignment with the constructor's check and message
-    # (gaengine.config): a bad value is refused where it is set, not at the next step().
-    @property
-    def max_grad_norm(self) -> float | None:
-        """The clip threshold the next ``step()`` uses (a positive finite float), or None: no clipping. Set it
-        between or during windows (the trainer integrations do); ``ValueError`` naming ``max_grad_norm`` for 0, a
-        negative, NaN, inf, a bool or a non-number, as ``GradientAccumulator(max_grad_norm=...)`` (the value kept)."""
-        return self._max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float | None) -> None:
-        self._max_grad_norm = check_max_grad_norm(value)
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch (an int >= 1), or None; ``gaengine train --auto-micro-batch`` halves it.
-        ``ValueError`` naming ``micro_batch_size`` for anything else, as the constructor (the value kept)."""
-        return self._micro_batch_size
-
-    @micro_batch_size.setter
-    def micro_batch_size(self, value: int | None) -> None:
-        self._micro_batch_size = check_optional_count("micro_batch_size", value)
-
-    @property
-    def min_loss_scale(self) -> float:
-        """The dynamic loss scale's floor (a positive finite float), applied from the next update on.
-        ``ValueError`` naming ``min_loss_scale`` for anything else, as the constructor (the value kept)."""
-        return self._min_loss_scale
-
-    @min_loss_scale.setter
-    def min_loss_scale(self, value: float) -> None:
-        self._min_loss_scale = check_min_loss_scale(value)
-        scaler = getattr(self, "scaler", None)
-        if scaler is not None:
-            scaler.min_scale = self._min_loss_scale
+    # (gaengine.config.CheckedSetting): a bad value is refused where it is set, not at the next step().
+    max_grad_norm = CheckedSetting(check_max_grad_norm, doc=(
+        "The clip threshold the next ``step()`` uses (a positive finite float), or None: no clipping. Set it between "
+        "or during windows (the trainer integrations do); ``ValueError`` naming ``max_grad_norm`` for 0, a negative, "
+        "NaN, inf, a bool or a non-number, as ``GradientAccumulator(max_grad_norm=...)`` (the value kept)."))
+    micro_batch_size = CheckedSetting(lambda value: check_optional_count("micro_batch_size", value), doc=(
+        "Samples per micro-batch (an int >= 1), or None; ``gaengine train --auto-micro-batch`` halves it. "
+        "``ValueError`` naming ``micro_batch_size`` for anything else, as the constructor (the value kept)."))
+    min_loss_scale = CheckedSetting(check_min_loss_scale, doc=(
+        "The dynamic loss scale's floor (a positive finite float), applied from the next update on. ``ValueError`` "
+        "naming ``min_loss_scale`` for anything else, as the constructor (the value kept)."),
+        then=lambda acc, value: setattr(acc.scaler, "min_scale", value) if getattr(acc, "scaler", None) else None)
 
     def _clear_grads(self) -> None:
         self.sharding.accumulation.clear_grads()
         self.window.grads_left = False
-
-    def _reset_window(self) -> None:
-        """The engine's part of a new window (the strategy resets the hooks' part: ``end_window``, ``drain``)."""
-        self.window.reset()
-        if self._noise is not None:
-            self._noise.reset()
 
     # ------------------------------------------------------------------ lifecycle
     num_micro_batches = property(lambda self: self.window.num_micro_batches,
@@ -699,7 +598,9 @@ class GradientAccumulator:
         self._clear_grads()
         for _, p in unmanaged_grads(self._members, self.params):  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
-        self._reset_window()
+        self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
+        if self._noise is not None:
+            self._noise.reset()
         if self._ranks_members is not None:
             self._ranks_members.drop()
         if self.window_batchnorm is not None:
@@ -767,7 +668,7 @@ class GradientAccumulator:
         from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
         load_accumulator_state_dict(self.state_parts(accumulation_steps), state)
-        self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)  # the scheduler as restored
+        self._scheduler.stepped()  # the scheduler as restored
 
     def state_parts(self, accumulation_steps: str | None = None) -> AccumulatorParts:
         """The accumulator's parts as ``gaengine.checkpoint`` reads and writes them (``gaengine.stages``): the
@@ -835,7 +736,7 @@ class GradientAccumulator:
             raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
                              "1-D shards of the parameters; gather its state with "
                              "gaengine.full_optimizer_state_dict first, or close() without it")
-        self._warn_dropped_window("acc.close()")
+        warn_dropped_window(self.window, "acc.close()")
         self._lending.lent = None
         if store is not None:
             store.release_to_model()
@@ -856,7 +757,7 @@ class GradientAccumulator:
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
-            self._warn_dropped_window("garbage collection of the GradientAccumulator")
+            warn_dropped_window(getattr(self, "window", None), "garbage collection of the GradientAccumulator")
             self._release()  # garbage collection leaves .grad alone: only an explicit close() drops it
         except Exception:
             pass
