@@ -143,14 +143,14 @@ class Accumulation:
 
     # ------------------------------------------------------------------ state dict
     def state(self) -> dict[str, Any]:
-        """The hooks' part of ``acc.scalars_state_dict()``: ``arrival`` (the first-arrival order while the layout is
-        learned, else None), ``written`` (per parameter, layout order: its slice holds a sum) and
+        """The hooks' part of ``gaengine.stages.StageStates.state_items``: ``arrival`` (the first-arrival order while
+        the layout is learned, else None), ``written`` (per parameter, layout order: its slice holds a sum) and
         ``expected_arrivals`` (per parameter: arrivals per backward, learned)."""
         return {"arrival": self.hooks.arrival, "written": self.hooks.accumulated,
                 "expected_arrivals": self.hooks.expected_arrivals}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore ``state()``'s part of ``state`` (checked before, ``acc.check_scalars_state``); with
+        """Restore ``state()``'s part of ``state`` (checked before, ``StageStates.check_state_items``); with
         ``measure_sources`` the hooks' window is reset first (no source norms of their own: a resumed window's
         are the noise scale's). ``expected_arrivals`` is absent from states saved before it was learned."""
         if self.measure_sources:

@@ -23,7 +23,8 @@ They take the accumulator's parts (``gaengine.stages.AccumulatorParts``: the str
 ``lr_scheduler``, the parameters and the window's stages, whose ``StageStates`` gives and takes their items) and
 never call back into the accumulator; the strategy is reached through its methods only (``param_slots``,
 ``finish_collectives``, ``state_meta``, ``window_sums``, ``load_window_state``, ``layout_to_resume``, ``set_layout``,
-``optimizer_shards``, ``check_saveable``), never a flag of it: what differs per mode is the strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+``optimizer_shards``, ``check_saveable``, ``holds_whole_grad``), never a mode flag: what differs per mode is the
+strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
 ``upgrade`` brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
@@ -332,7 +333,8 @@ def full_optimizer_state_dict(acc: GradientAccumulator, device: torch.device | s
     return _number_like_torch(acc, optimizer, full, ready, copy)
 
 
-def _gather_moments(acc: AccumulatorParts, optimizer: torch.optim.Optimizer, shards, device) -> tuple[dict, dict[int, float]]:
+def _gather_moments(acc: AccumulatorParts, optimizer: torch.optim.Optimizer, shards,
+                    device) -> tuple[dict, dict[int, float]]:
     """Every moment of a sharded optimizer gathered whole (``gather_full``), per key a list over the parameters in
     layout order, and the step of each parameter some rank has updated (a host read: an export)."""
     per_rank, shard_numel = shards
@@ -698,8 +700,8 @@ def _check_model(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_Ent
 
 
 def _resume_scalars(acc: AccumulatorParts, meta: dict[str, Any]) -> tuple[dict[str, Any], list[dict], bool]:
-    """This rank's saved scalars (checked, ``StageStates.check_state_items``), every saving rank's entries, and whether the
-    state was saved mid-window; ``ValueError`` for a window saved on another world size or strategy."""
+    """This rank's saved scalars (checked, ``StageStates.check_state_items``), every saving rank's entries, and
+    whether the state was saved mid-window; ``ValueError`` for a window saved on another world size or strategy."""
     sharding = acc.sharding
     saved_world, world = int(meta["world_size"]), acc.world_size
     saved_scalars = meta["ranks"][0]["scalars"]
@@ -806,7 +808,8 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
     return {"step": torch.tensor(float(saved["step"]), dtype=torch.float32), **moments}
 
 
-def _load_optimizer(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_Entry], loaded: dict[int, dict[str, Any]]) -> None:
+def _load_optimizer(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_Entry],
+                    loaded: dict[int, dict[str, Any]]) -> None:
     """The optimizer's state and param groups as saved (``Optimizer.load_state_dict``); the state of a parameter the
     accumulator does not train is kept."""
     optimizer = acc.optimizer
@@ -911,9 +914,9 @@ def _load_plain_state(acc: AccumulatorParts | None, state: dict[str, Any]) -> No
     """Load a ``PLAIN_FORMAT`` state into ``acc`` (``upgrade``): ``main_grad`` and ``master`` whole CPU tensors in
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
-    # The format of a replicated run: it loads where the strategy's own checkpoints record an unsharded state (whole
-    # buffers in one flat layout, ShardingStrategy.state_meta).
-    if acc is None or acc.sharding.state_meta()["sharded"]:
+    # The format of a replicated run: it loads where every rank holds the whole buffers in one flat layout
+    # (ShardingStrategy.holds_whole_grad).
+    if acc is None or not acc.sharding.holds_whole_grad:
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "

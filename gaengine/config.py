@@ -69,9 +69,10 @@ class AccumulatorConfig:
 
     One of ``gaengine.backends.BACKEND_NAMES``: "auto" (default; reads ``GAENGINE_BACKEND``, then picks ``cuda``
     or ``triton`` for CUDA parameters and ``cpu`` or ``torch`` for CPU ones), "torch", "cpu", "triton", "cuda"
-    (``gaengine.backends``). The hooks are native for "cpu" and "cuda", Python for "triton" and "torch"
-    (``gaengine.hooks``). A backend asked for by name that cannot load raises ``RuntimeError`` at construction; an
-    unknown name ``ValueError`` naming ``backend``."""
+    (``gaengine.backends``). The per-parameter hooks are native (``gaengine._C``, ``gaengine.hot_path``) for every
+    backend: "triton" and "torch" run their bucket kernel from them, once per complete bucket (``gaengine.hooks``), so
+    every backend needs the compiled extension. A backend asked for by name that cannot load raises ``RuntimeError``
+    at construction; an unknown name ``ValueError`` naming ``backend``."""
 
     master_weights: bool = True
     """Keep fp32 master weights for bf16/fp16 parameters (4 B/param; the optimizer and its state work in fp32).

@@ -33,7 +33,7 @@ from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler,
                              choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.stages import AccumulatorParts, StageStates
-from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
+from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
 from gaengine.update import SchedulerWatch
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
@@ -418,7 +418,7 @@ class GradientAccumulator:
         """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
         window is incomplete (or empty) and not forced. lends: the window's gradient is to be lent in ``.grad``
         (``before_update``, ``begin_step``), which needs the whole gradient on every rank."""
-        if lends and not isinstance(self.sharding, Replicated):
+        if lends and not self.sharding.holds_whole_grad:
             raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
                              f"which {self.sharding.name} does not hold; use zero_stage=0, or read "
                              "StepResult.grad_norm")
@@ -596,7 +596,8 @@ class GradientAccumulator:
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
         self._clear_grads()
-        for _, p in unmanaged_grads(self._members, self.params):  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
+        # unfrozen mid-window (frozen again or not): autograd's raw .grad,
+        for _, p in unmanaged_grads(self._members, self.params):
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
         self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
         if self._noise is not None:
@@ -637,7 +638,7 @@ class GradientAccumulator:
         self._lending.refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
                                       "its sums")
         self._lending.refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
-        from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
+        from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports DCP (about 2 s)
 
         self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return accumulator_state_dict(self.state_parts())
@@ -665,7 +666,7 @@ class GradientAccumulator:
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")
-        from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
+        from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415 - imports DCP
 
         load_accumulator_state_dict(self.state_parts(accumulation_steps), state)
         self._scheduler.stepped()  # the scheduler as restored
@@ -702,14 +703,7 @@ class GradientAccumulator:
         masters. Raises ``RuntimeError`` when the model was moved or converted since construction, and at
         ``zero_stage`` >= 1 on several ranks (each rank holds a shard of the masters).
         """
-        store = self.sharding.store
-        if store is None or store.master_buffer is None:
-            return
-        if not store.shaped:
-            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
-                               "the fp32 masters; the update gathers them into the model")
-        store.pull_model_writes()  # a model write since the last update is kept, not overwritten
-        store.copy_to_model()
+        self.sharding.update.masters_to_model()
 
     def close(self, *, release_optimizer: bool = False) -> None:
         """Remove the hooks, drop the ``.grad`` the accumulator left on the parameters, and release them
@@ -731,15 +725,13 @@ class GradientAccumulator:
         of an open accumulator warns the same way): call ``step(force=True)`` first to apply them.
         """
         self._lending.refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
-        store = self.sharding.store if release_optimizer else None
-        if store is not None and not store.shaped:
-            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
-                             "1-D shards of the parameters; gather its state with "
-                             "gaengine.full_optimizer_state_dict first, or close() without it")
+        update = self.sharding.update if release_optimizer else None
+        if update is not None:
+            update.check_release()  # ValueError: the optimizer holds 1-D shards
         warn_dropped_window(self.window, "acc.close()")
         self._lending.lent = None
-        if store is not None:
-            store.release_to_model()
+        if update is not None:
+            update.release_to_model()
         for p in self.params:
             p.grad = None
         self._release()

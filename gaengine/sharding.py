@@ -123,6 +123,33 @@ class Update:
         if self.store is not None:
             self.store.check_model()
 
+    def masters_to_model(self) -> None:
+        """``GradientAccumulator.masters_to_model``: the model's writes since the last update reach the masters, then
+        the masters' rounding goes into the model (nothing without masters). ``RuntimeError`` where the store holds
+        1-D shards of the masters (``zero_stage`` >= 1 on several ranks: the update gathers them into the model)."""
+        store = self.store
+        if store is None or store.master_buffer is None:
+            return
+        if not store.shaped:
+            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
+                               "the fp32 masters; the update gathers them into the model")
+        store.pull_model_writes()  # a model write since the last update is kept, not overwritten
+        store.copy_to_model()
+
+    def check_release(self) -> None:
+        """``ValueError`` unless the optimizer can be given back to the model (``close(release_optimizer=True)``): not
+        where it holds 1-D shards (``zero_stage`` >= 1 on several ranks)."""
+        if self.store is not None and not self.store.shaped:
+            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
+                             "1-D shards of the parameters; gather its state with "
+                             "gaengine.full_optimizer_state_dict first, or close() without it")
+
+    def release_to_model(self) -> None:
+        """The optimizer given back to the model (``gaengine.store.ParameterStore.release_to_model``); nothing
+        without one."""
+        if self.store is not None:
+            self.store.release_to_model()
+
     def wait_gathers(self) -> None:
         """Wait for the parameters' all-gathers still in flight (``overlap_param_gather``): the parameters whole."""
         if self.gather is not None:
@@ -160,6 +187,7 @@ class ShardingStrategy(ABC):
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
+    holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
     sharded = False
     reduction_type: type[Reduction] = Reduction
 
@@ -396,6 +424,7 @@ class Replicated(ShardingStrategy):
 
     name = "replicated (zero_stage=0)"
     adopts_params = True
+    holds_whole_grad = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
