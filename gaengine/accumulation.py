@@ -57,6 +57,20 @@ class Accumulation:
         cleared); the engine then clears the ``.grad`` autograd left."""
         return self.hooks.take_stale()
 
+    def clear_grads(self) -> None:
+        """Drop the ``.grad`` left on the parameters (what ``step()`` without an optimizer, ``begin_step()`` or autograd
+        outside ``acc.backward()`` left there), and the hooks' stale flag with it."""
+        for p in self.params:
+            p.grad = None
+        self.hooks.take_stale()
+
+    def finite_by_param(self, named_params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bool]]:
+        """Per parameter (layout order): its name (from ``named_params``, else ``param[i]``) and whether its window
+        gradient is finite (host reads: the error of ``max_consecutive_skips``)."""
+        names = {id(p): n for n, p in named_params}
+        return [(names.get(id(p), f"param[{i}]"), bool(torch.isfinite(g).all()))
+                for i, (p, g) in enumerate(zip(self.params, self.grad_views))]
+
     def set_fused(self, which: list[bool]) -> None:
         """Gradient accumulation fusion per parameter (layout order): ``which[i]`` False gives parameter i its
         ordinary gradient from ``fused_linear``'s backward (``NativeHooks.set_fused``; ``gaengine.fusion``)."""
@@ -129,14 +143,14 @@ class Accumulation:
 
     # ------------------------------------------------------------------ state dict
     def state(self) -> dict[str, Any]:
-        """The hooks' part of ``acc.scalars_state_dict()``: ``arrival`` (the first-arrival order while the layout is
-        learned, else None), ``written`` (per parameter, layout order: its slice holds a sum) and
+        """The hooks' part of ``gaengine.stages.StageStates.state_items``: ``arrival`` (the first-arrival order while
+        the layout is learned, else None), ``written`` (per parameter, layout order: its slice holds a sum) and
         ``expected_arrivals`` (per parameter: arrivals per backward, learned)."""
         return {"arrival": self.hooks.arrival, "written": self.hooks.accumulated,
                 "expected_arrivals": self.hooks.expected_arrivals}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore ``state()``'s part of ``state`` (checked before, ``acc.check_scalars_state``); with
+        """Restore ``state()``'s part of ``state`` (checked before, ``StageStates.check_state_items``); with
         ``measure_sources`` the hooks' window is reset first (no source norms of their own: a resumed window's
         are the noise scale's). ``expected_arrivals`` is absent from states saved before it was learned."""
         if self.measure_sources:

@@ -91,3 +91,9 @@ def learned_order(arrival: Sequence[int], num_params: int, device: torch.device,
         dist.broadcast(t, src=src, group=group)
         order = t.tolist()
     return order
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` unless ``src`` is ``dst`` already (``dcp.load`` wrote the chunk in place)."""
+    if src.data_ptr() != dst.data_ptr() or src.device != dst.device or src.dtype != dst.dtype:
+        dst.copy_(src)

@@ -18,12 +18,13 @@ write items, the load planner for its chunks, and both read or write the chunk t
 The functions here are plain: a rank's flat shard and its ``Piece`` list in, per-parameter ``FlatShard``
 views out (``shard_state_dict``), back (``load_shard_state_dict``), or gathered whole on every rank
 (``gather_full``). ``accumulator_state_dict`` / ``load_accumulator_state_dict`` are
-``GradientAccumulator.state_dict`` / ``load_state_dict`` (through ``ShardingStrategy.state_dict``): they reach the
-accumulator through its documented names (``sharding``, ``params``, ``registered_params``, ``named_params``,
-``optimizer``, ``lr_scheduler``, ``window``, ``scalars_state_dict`` ...) and the strategy through its methods only
-(``param_slots``, ``finish_collectives``, ``state_meta``, ``window_state``, ``load_window_state``,
-``layout_to_resume``, ``set_layout``, ``optimizer_shards``), never a flag of the strategy: what differs per mode is
-the strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+``GradientAccumulator.state_dict`` / ``load_state_dict``: an adapter between the stages' own state items and DCP.
+They take the accumulator's parts (``gaengine.stages.AccumulatorParts``: the strategy, the optimizer, the
+``lr_scheduler``, the parameters and the window's stages, whose ``StageStates`` gives and takes their items) and
+never call back into the accumulator; the strategy is reached through its methods only (``param_slots``,
+``finish_collectives``, ``state_meta``, ``window_sums``, ``load_window_state``, ``layout_to_resume``, ``set_layout``,
+``optimizer_shards``, ``check_saveable``, ``holds_whole_grad``), never a mode flag: what differs per mode is the
+strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
 ``upgrade`` brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,16 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from gaengine import optimizers, state_checks
-from gaengine.buffer import FlatLayout
+from gaengine.buffer import FlatLayout, copy_into
 from gaengine.compat import all_gather_single
 from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
 from gaengine.protocol import gather_objects
 from gaengine.reduce import Collective, wait_for
+from gaengine.stages import AccumulatorParts
 from gaengine.store import DTensorShards
+
+if TYPE_CHECKING:  # annotations only: the accumulator calls this module, never the other way round
+    from gaengine.engine import GradientAccumulator
 
 __all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
            "full_optimizer_state_dict", "gather_full", "load_accumulator_state_dict", "load_shard_state_dict",
@@ -293,7 +298,7 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     return [t.view(s) for t, s in zip(out, shapes)]
 
 
-def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu") -> dict[str, Any]:
+def full_optimizer_state_dict(acc: GradientAccumulator, device: torch.device | str | None = "cpu") -> dict[str, Any]:
     """Gather ``acc``'s optimizer state into the state dict of an unsharded optimizer over the model's parameters.
 
     acc: a ``GradientAccumulator`` with an optimizer, at any ``zero_stage``. Sharded (``zero_stage >= 1`` on
@@ -312,6 +317,7 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     optimizer = getattr(acc, "optimizer", None)
     if optimizer is None:
         raise ValueError("full_optimizer_state_dict: acc has no optimizer (GradientAccumulator(..., optimizer=None))")
+    acc = acc.state_parts()  # the strategy, the parameters and the process group
 
     def copy(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -329,7 +335,8 @@ def full_optimizer_state_dict(acc: Any, device: torch.device | str | None = "cpu
     return _number_like_torch(acc, optimizer, full, ready, copy)
 
 
-def _gather_moments(acc: Any, optimizer: torch.optim.Optimizer, shards, device) -> tuple[dict, dict[int, float]]:
+def _gather_moments(acc: AccumulatorParts, optimizer: torch.optim.Optimizer, shards,
+                    device) -> tuple[dict, dict[int, float]]:
     """Every moment of a sharded optimizer gathered whole (``gather_full``), per key a list over the parameters in
     layout order, and the step of each parameter some rank has updated (a host read: an export)."""
     per_rank, shard_numel = shards
@@ -364,7 +371,7 @@ def _gather_moments(acc: Any, optimizer: torch.optim.Optimizer, shards, device) 
     return full, ready
 
 
-def _number_like_torch(acc: Any, optimizer: torch.optim.Optimizer, full: dict, ready: dict[int, float],
+def _number_like_torch(acc: AccumulatorParts, optimizer: torch.optim.Optimizer, full: dict, ready: dict[int, float],
                        copy) -> dict[str, Any]:
     """The gathered state numbered as ``torch.optim.Optimizer.state_dict`` numbers the user's param groups as built
     (a frozen parameter: the whole state the optimizer kept for it), with the groups' hyper-parameters."""
@@ -427,7 +434,7 @@ class _Entry:
     shard_offset: int
 
 
-def _param_keys(acc: Any) -> dict[int, str]:
+def _param_keys(acc: AccumulatorParts) -> dict[int, str]:
     """id(parameter) -> its checkpoint key: its name in the model (the first, for a tied parameter), else
     ``param<i>`` with i its registration order."""
     names: dict[int, str] = {}
@@ -436,7 +443,7 @@ def _param_keys(acc: Any) -> dict[int, str]:
     return {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(acc.registered_params)}
 
 
-def _entries(acc: Any) -> list[_Entry]:
+def _entries(acc: AccumulatorParts) -> list[_Entry]:
     """The ``_Entry`` of every trainable parameter, in registration order (the same on every rank and world)."""
     keys = _param_keys(acc)
     optimizer = acc.optimizer
@@ -473,7 +480,7 @@ def _cpu_copy(value: Any) -> Any:
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def accumulator_state_dict(acc: Any) -> dict[str, Any]:
+def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
     """``acc.state_dict()`` for every sharding strategy (see ``GradientAccumulator.state_dict``).
 
     Returns ``{"format": STATE_FORMAT, "meta": bytes, "master": {key: FlatShard}, "optimizer": {key: {...}},
@@ -485,7 +492,7 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
       fp64, <moment>: FlatShard (numel,) in the state's dtype}`` for ``torch.optim.Adam``/``AdamW``/``SGD`` and
       ``gaengine.optim.FusedAdamW`` (views of the optimizer's state); any other optimizer (unsharded strategies
       only) keeps its whole state as CPU copies in the meta blob (``optimizer_state``).
-    * ``window_grad``: the window's fp32 gradient sum, as the strategy places it (``ShardingStrategy.window_state``).
+    * ``window_grad``: the window's fp32 gradient sum, as the strategy places it (``ShardingStrategy.window_sums``).
       Between windows a template (``FlatShard.template``: DCP saves ``None``). Mid-window this rank's range of the
       sum over the ranks (``(numel,)``; sharded strategies, and one rank), or, for a replicated run on several
       ranks, this rank's own unreduced sum as its row of a ``(world x numel,)`` tensor (``FlatShard.own``), so the
@@ -494,31 +501,33 @@ def accumulator_state_dict(acc: Any) -> dict[str, Any]:
       name as ``mode``, whether it is sharded and keeps rows), each parameter's (key, shape, dtype, optimized, master
       weights), the param groups'
       hyper-parameters, the ``lr_scheduler``'s state, and ``ranks``: the accumulator's scalars
-      (``acc.scalars_state_dict()``) of every rank mid-window on several ranks, else of this rank only.
+      (``gaengine.stages.StageStates.state_items``) of every rank mid-window on several ranks, else of this rank only.
 
     Every rank must call it mid-window on several ranks (an all-gather of the scalars; at ``zero_stage=1`` also a
     reduce-scatter of the window's sums); between windows it runs no collective. ``RuntimeError`` between the
     window's last ``acc.backward()`` and ``acc.step()`` (the window's reductions are in flight).
     """
+    acc.sharding.check_saveable(acc.optimizer)
     if acc.window.stats is not None:
         raise RuntimeError("state_dict() was called after the window's last acc.backward() and before acc.step(): "
                            "the window's reductions are in flight; call acc.step() first, then save")
     sharding = acc.sharding
     world = acc.world_size
     group = acc.process_group
-    mid_window = acc.num_micro_batches > 0
+    mid_window = acc.window.num_micro_batches > 0
     sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
     optimizer = acc.optimizer
     elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
 
-    per_rank: dict[str, Any] = {"scalars": acc.scalars_state_dict()}  # with the window's (gaengine.window)
+    per_rank: dict[str, Any] = {"scalars": acc.stages.state_items()}  # with the window's (gaengine.window)
     ranks = [per_rank]
     if mid_window and world > 1:  # each rank resumes its own window counters
         ranks = gather_objects(per_rank, acc.schedule.update_index, group, "the ranks' window counters "
                                "(acc.state_dict() mid-window)")
     masters, opt_state, window, whole_state = {}, {}, {}, {}
-    window_shards = sharding.window_state(mid_window)  # per layout index (mid-window at stage 1: a collective)
+    window_shards = [FlatShard(c.local, c.numel, c.start, template=not mid_window, own=c.own)  # per layout index
+                     for c in sharding.window_sums(mid_window)]  # mid-window at stage 1: a collective
     for e in entries:
         owned = e.piece is not None
         if e.master:
@@ -554,7 +563,7 @@ def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e:
     return entry
 
 
-def _meta_blob(acc: Any, entries: list[_Entry], whole_state: dict[str, Any], ranks: list) -> bytes:
+def _meta_blob(acc: AccumulatorParts, entries: list[_Entry], whole_state: dict[str, Any], ranks: list) -> bytes:
     """The ``torch.save`` bytes of a checkpoint's meta (``accumulator_state_dict``'s docstring)."""
     optimizer = acc.optimizer
     meta = {
@@ -593,19 +602,13 @@ def _take(value: Any, e: _Entry, what: str, start: int | None = None, size: int 
     return value.detach().reshape(-1)[e.lo:e.hi]
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` unless ``src`` is ``dst`` already (``dcp.load`` wrote the chunk in place)."""
-    if src.data_ptr() != dst.data_ptr() or src.device != dst.device or src.dtype != dst.dtype:
-        dst.copy_(src)
-
-
 def _read_meta(state: dict[str, Any]) -> dict[str, Any]:
     """The meta blob of a state (``gaengine.state_checks.read_meta``: ``ValueError`` naming ``state['meta']`` for
     bytes that do not decode)."""
     return state_checks.read_meta(state)  # plain containers, numbers, CPU tensors
 
 
-def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
+def load_accumulator_state_dict(acc: AccumulatorParts, state: dict[str, Any]) -> None:
     """``acc.load_state_dict(state)`` of what ``accumulator_state_dict`` returned, on any sharding strategy (see
     ``GradientAccumulator.load_state_dict``): after ``dcp.load`` into this run's own ``acc.state_dict()`` (any world
     size and strategy), or ``torch.load`` of one rank's ``torch.save`` (FlatShards whose chunk is this rank's whole
@@ -643,7 +646,7 @@ def load_accumulator_state_dict(acc: Any, state: dict[str, Any]) -> None:
         if masters and sharding.store is not None:
             sharding.store.copy_to_model()
     _load_optimizer(acc, meta, entries, loaded)
-    acc.load_scalars_state(scalars)
+    acc.stages.load_state_items(scalars)
 
 
 def _load_lr_scheduler(scheduler: Any, saved: dict[str, Any] | None) -> None:
@@ -680,7 +683,7 @@ def _check_format(state: Any) -> None:
                          "acc.state_dict() returns (after dcp.load or torch.load)")
 
 
-def _check_model(acc: Any, meta: dict[str, Any], entries: list[_Entry]) -> None:
+def _check_model(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_Entry]) -> None:
     """``ValueError`` when the state was saved for another model, optimizer layout, ``master_weights`` or number of
     param groups, or another optimizer type (``_check_optimizer``)."""
     mine = [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries]
@@ -699,9 +702,9 @@ def _check_model(acc: Any, meta: dict[str, Any], entries: list[_Entry]) -> None:
     state_checks.check_param_groups(meta["param_groups"], optimizer)
 
 
-def _resume_scalars(acc: Any, meta: dict[str, Any]) -> tuple[dict[str, Any], list[dict], bool]:
-    """This rank's saved scalars (checked, ``acc.check_scalars_state``), every saving rank's entries, and whether the
-    state was saved mid-window; ``ValueError`` for a window saved on another world size or strategy."""
+def _resume_scalars(acc: AccumulatorParts, meta: dict[str, Any]) -> tuple[dict[str, Any], list[dict], bool]:
+    """This rank's saved scalars (checked, ``StageStates.check_state_items``), every saving rank's entries, and
+    whether the state was saved mid-window; ``ValueError`` for a window saved on another world size or strategy."""
     sharding = acc.sharding
     saved_world, world = int(meta["world_size"]), acc.world_size
     saved_scalars = meta["ranks"][0]["scalars"]
@@ -724,7 +727,7 @@ def _resume_scalars(acc: Any, meta: dict[str, Any]) -> tuple[dict[str, Any], lis
     scalars = dict(ranks[rank if mid_window else 0]["scalars"])
     if mid_window and scalars.get("window_used") is None and "window_used" in ranks[rank]:
         scalars["window_used"] = ranks[rank]["window_used"]  # saved beside the scalars before gaengine.window
-    acc.check_scalars_state(scalars)
+    acc.stages.check_state_items(scalars)
     if mid_window:  # every saving rank's written flags are read (ShardingStrategy.load_window_state)
         for r, entry in enumerate(ranks):
             written = entry["scalars"].get("written")
@@ -754,7 +757,7 @@ def _remap_layout(scalars: dict[str, Any], order: list[int], mid_window: bool) -
     scalars["layout_order"] = order
 
 
-def _checked_values(acc: Any, state: dict[str, Any], meta: dict[str, Any], entries: list[_Entry],
+def _checked_values(acc: AccumulatorParts, state: dict[str, Any], meta: dict[str, Any], entries: list[_Entry],
                     mid_window: bool) -> tuple[list, dict[int, dict[str, Any]], dict[str, torch.Tensor]]:
     """Every value to load, each checked against this rank's range before any is written: ``(master view, saved
     chunk)`` pairs, the optimizer state per piece (``id``), and mid-window the window's sums per key."""
@@ -762,7 +765,7 @@ def _checked_values(acc: Any, state: dict[str, Any], meta: dict[str, Any], entri
     masters: list[tuple[torch.Tensor, torch.Tensor]] = []
     grads: dict[str, torch.Tensor] = {}
     loaded: dict[int, dict[str, Any]] = {}
-    where = acc.sharding.window_state(False) if mid_window else None  # the chunk each saved window sum must hold
+    where = acc.sharding.window_sums(False) if mid_window else None  # the chunk each saved window sum must hold
     whole_state = meta["optimizer_state"]
     elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
     for e in entries:
@@ -782,7 +785,7 @@ def _checked_values(acc: Any, state: dict[str, Any], meta: dict[str, Any], entri
             if grad is None:
                 raise ValueError(f"state['window_grad'][{e.key!r}] is missing for a state saved mid-window")
             chunk = where[e.layout_index]
-            grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.shape[0], torch.float32)
+            grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.numel, torch.float32)
     return masters, loaded, grads
 
 
@@ -809,7 +812,8 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
     return {**({step: torch.tensor(float(saved["step"]), dtype=torch.float32)} if step else {}), **moments}
 
 
-def _load_optimizer(acc: Any, meta: dict[str, Any], entries: list[_Entry], loaded: dict[int, dict[str, Any]]) -> None:
+def _load_optimizer(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_Entry],
+                    loaded: dict[int, dict[str, Any]]) -> None:
     """The optimizer's state and param groups as saved (``Optimizer.load_state_dict``); the state of a parameter the
     accumulator does not train is kept."""
     optimizer = acc.optimizer
@@ -857,7 +861,7 @@ def _check_optimizer(meta: dict[str, Any], optimizer: torch.optim.Optimizer | No
                              "optimizer the saved run used")
 
 
-def _layout_order(acc: Any) -> list[int]:
+def _layout_order(acc: AccumulatorParts) -> list[int]:
     reg = {id(p): i for i, p in enumerate(acc.registered_params)}
     return [reg[id(p)] for p in acc.params]
 
@@ -866,7 +870,7 @@ def _layout_order(acc: Any) -> list[int]:
 # State dicts of earlier gaengine versions
 
 
-def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
+def upgrade(state: dict[str, Any], acc: GradientAccumulator | None = None) -> dict[str, Any]:
     """``state``, a state dict saved by an earlier gaengine, in today's format (``gaengine.formats.STATE_FORMAT``,
     what ``acc.state_dict()`` returns and ``acc.load_state_dict`` loads); a ``STATE_FORMAT`` state as it is.
 
@@ -901,7 +905,7 @@ def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
         torch.save(meta, blob)
         return {**state, "format": STATE_FORMAT, "meta": blob.getvalue()}
     if fmt == PLAIN_FORMAT:
-        _load_plain_state(acc, state)
+        _load_plain_state(None if acc is None else acc.state_parts(), state)
         return acc.state_dict()
     if fmt == FSDP2_FORMAT:
         _check_format(state)  # raises: not convertible, and what to do instead
@@ -910,13 +914,13 @@ def upgrade(state: dict[str, Any], acc: Any = None) -> dict[str, Any]:
                      " pass a state dict gaengine saved")
 
 
-def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
+def _load_plain_state(acc: AccumulatorParts | None, state: dict[str, Any]) -> None:
     """Load a ``PLAIN_FORMAT`` state into ``acc`` (``upgrade``): ``main_grad`` and ``master`` whole CPU tensors in
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
-    # The format of a replicated run: it loads where the strategy's own checkpoints record an unsharded state (whole
-    # buffers in one flat layout, ShardingStrategy.state_meta).
-    if acc is None or acc.sharding.state_meta()["sharded"]:
+    # The format of a replicated run: it loads where every rank holds the whole buffers in one flat layout
+    # (ShardingStrategy.holds_whole_grad).
+    if acc is None or not acc.sharding.holds_whole_grad:
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "
@@ -939,17 +943,17 @@ def _load_plain_state(acc: Any, state: dict[str, Any]) -> None:
         master = _masters_of_flat_layout(sharding.store, buffer.data, master)
     if (master is None) != (buffer is None) or (buffer is not None and master.numel() != buffer.data.numel()):
         raise ValueError("state's master weights do not match this accumulator's (optimizer or master_weights differ)")
-    acc.check_scalars_state(state)
+    acc.stages.check_state_items(state)
     if state["main_grad"].numel() != sharding.main_grad.data.numel():
         raise ValueError(f"state['main_grad'] has {state['main_grad'].numel()} elements, this accumulator's main_grad "
                          f"{sharding.main_grad.data.numel()}: it belongs to another model or layout")
-    sharding.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_scalars_state
+    sharding.set_layout([registration[i] for i in state["layout_order"]])  # .grad left is cleared: load_state_items
     with torch.no_grad():
         sharding.main_grad.data.copy_(state["main_grad"])
         if buffer is not None:
             buffer.data.copy_(master)
             sharding.store.copy_to_model()
-    acc.load_scalars_state(state)
+    acc.stages.load_state_items(state)
 
 
 def _masters_of_flat_layout(store: Any, buffer: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import ast
 import functools
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -35,7 +36,7 @@ from gaengine.scaler import DEFAULT_MIN_LOSS_SCALE, check_min_loss_scale
 from gaengine.schedules import AccumulationSchedule, check_accumulation_steps
 from gaengine.zero import ZERO_STAGES
 
-__all__ = ["AccumulatorConfig", "check_max_grad_norm", "check_optional_count", "field_help"]
+__all__ = ["AccumulatorConfig", "CheckedSetting", "check_max_grad_norm", "check_optional_count", "field_help"]
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,9 +69,10 @@ class AccumulatorConfig:
 
     One of ``gaengine.backends.BACKEND_NAMES``: "auto" (default; reads ``GAENGINE_BACKEND``, then picks ``cuda``
     or ``triton`` for CUDA parameters and ``cpu`` or ``torch`` for CPU ones), "torch", "cpu", "triton", "cuda"
-    (``gaengine.backends``). The hooks are native for "cpu" and "cuda", Python for "triton" and "torch"
-    (``gaengine.hooks``). A backend asked for by name that cannot load raises ``RuntimeError`` at construction; an
-    unknown name ``ValueError`` naming ``backend``."""
+    (``gaengine.backends``). The per-parameter hooks are native (``gaengine._C``, ``gaengine.hot_path``) for every
+    backend: "triton" and "torch" run their bucket kernel from them, once per complete bucket (``gaengine.hooks``), so
+    every backend needs the compiled extension. A backend asked for by name that cannot load raises ``RuntimeError``
+    at construction; an unknown name ``ValueError`` naming ``backend``."""
 
     master_weights: bool = True
     """Keep fp32 master weights for bf16/fp16 parameters (4 B/param; the optimizer and its state work in fp32).
@@ -260,6 +262,19 @@ class AccumulatorConfig:
         """Store the normalized value of a checked field (e.g. ``max_grad_norm=1`` as ``1.0``)."""
         object.__setattr__(self, name, value)
 
+    def rank_settings(self, named_params: list[tuple[str, torch.Tensor]], backend: Any) -> dict[str, Any]:
+        """What every rank's accumulator must agree on (``gaengine.reduce.check_ranks_agree``): the trainable
+        parameters' names, shapes and dtypes in order, and the options that shape the collectives or the update."""
+        steps = self.accumulation_steps
+        return {
+            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params if p.requires_grad],
+            "accumulation_steps": steps if isinstance(steps, int) else type(steps).__qualname__,
+            "max_grad_norm": self.max_grad_norm, "bucket_size_mb": self.bucket_size_mb,
+            "zero_stage": self.zero_stage, "reduce_dtype": str(self.reduce_dtype), "loss_scale": self.loss_scale,
+            "min_loss_scale": self.min_loss_scale, "master_weights": self.master_weights,
+            "backend": getattr(backend, "name", type(backend).__name__),
+        }
+
     def as_kwargs(self) -> dict[str, Any]:
         """The keywords that rebuild this config: ``GradientAccumulator(model, optimizer, **config.as_kwargs())``
         (the values themselves, not copies: a schedule stays the same object)."""
@@ -309,3 +324,26 @@ def field_help(name: str, full: bool = False) -> str:
     paragraphs = _field_docs()[name].split("\n\n")
     text = paragraphs if full else paragraphs[:1]
     return "\n\n".join(" ".join(p.split()).replace("``", "") for p in text)
+
+
+class CheckedSetting:
+    """One of the accumulator's own settings (``GradientAccumulator.max_grad_norm``, ...), a data descriptor checked on
+    assignment with the constructor's check and message: a bad value is refused where it is set (``ValueError`` naming
+    it, the value kept), not at the next ``step()``. check: value -> the checked value (raises); then: called as
+    ``then(obj, value)`` after a set (e.g. to pass the value on to a stage), or None."""
+
+    def __init__(self, check: Callable[[Any], Any], doc: str, then: Callable[[Any, Any], None] | None = None) -> None:
+        self.check, self.then, self.__doc__ = check, then, doc
+        self.attr = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.attr)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        value = self.check(value)
+        setattr(obj, self.attr, value)
+        if self.then is not None:
+            self.then(obj, value)

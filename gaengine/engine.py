@@ -11,8 +11,6 @@ window's counters are ``gaengine.window``'s, the loss scale ``gaengine.scaler``'
 from __future__ import annotations
 
 from collections.abc import Iterable
-import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -21,39 +19,27 @@ from torch import nn
 
 from gaengine.backends import get_backend
 from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
-from gaengine import ownership, state_checks
+from gaengine import ownership
 from gaengine.protocol import CONSTRUCTION, REDUCTIONS, open_phase
 from gaengine.clip import guard_torch_clip_grad_norm
-from gaengine.config import AccumulatorConfig, check_max_grad_norm, check_optional_count
+from gaengine.config import AccumulatorConfig, CheckedSetting, check_max_grad_norm, check_optional_count
 from gaengine.fusion import LinearFusion, check_fusion
+from gaengine.lending import CompleteWindow, Lending, step_norm, window_denominator
+from gaengine.membership import adopt_changes, membership_term, refuse_unmanaged_grads, unmanaged_grads
 from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.norm import WindowNorm, window_norm
 from gaengine.reduce import check_ranks_agree, group_device, wait_quietly
 from gaengine.replaced import ReplacedParams
 from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
                              choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
-from gaengine.sharding import Replicated, ShardingStrategy, make_sharding, trainable_params
+from gaengine.stages import AccumulatorParts, StageStates
+from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
 from gaengine.optimizers import takes_grad_scale
-from gaengine.update import WindowGrads
+from gaengine.update import SchedulerWatch
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
-                             foreign_gradient_error)
+                             foreign_gradient_error, warn_dropped_window)
 
 __all__ = ["GradientAccumulator", "StepResult"]
-
-
-def _rank_settings(config: AccumulatorConfig, named_params: list[tuple[str, torch.Tensor]], backend) -> dict:
-    """What every rank's accumulator must agree on (``gaengine.reduce.check_ranks_agree``): the trainable
-    parameters' names, shapes and dtypes in order, and the options that shape the collectives or the update."""
-    steps = config.accumulation_steps
-    return {
-        "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params if p.requires_grad],
-        "accumulation_steps": steps if isinstance(steps, int) else type(steps).__qualname__,
-        "max_grad_norm": config.max_grad_norm, "bucket_size_mb": config.bucket_size_mb,
-        "zero_stage": config.zero_stage, "reduce_dtype": str(config.reduce_dtype), "loss_scale": config.loss_scale,
-        "min_loss_scale": config.min_loss_scale, "master_weights": config.master_weights,
-        "backend": getattr(backend, "name", type(backend).__name__),
-    }
 
 
 def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.ModelWatch:
@@ -63,30 +49,23 @@ def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.
     return ownership.ModelWatch(sharding.params, device, lambda: sharding.update.check_model())
 
 
+def _join_ranks(config: AccumulatorConfig, process_group: dist.ProcessGroup | None,
+                named_params: list[tuple[str, torch.Tensor]], backend) -> int:
+    """The world size of ``process_group`` (by default the global group when ``torch.distributed`` is initialized);
+    on several ranks, before the first collective (the parameters' broadcast), ``ValueError`` on every rank unless
+    they agree on the parameters and the options (``gaengine.reduce.check_ranks_agree``)."""
+    world_size = dist.get_world_size(process_group) if (
+        process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
+    if world_size > 1:  # the construction's header first (gaengine.protocol), then the agreement
+        open_phase(CONSTRUCTION, 0, world_size, dist.get_rank(process_group), group_device(process_group),
+                   process_group)
+        check_ranks_agree(config.rank_settings(named_params, backend), process_group)
+    return world_size
+
+
 WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
 """The names of what every rank must hold alike in a window, compared in its stats all-reduce
-(``GradientAccumulator._window_settings``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
-
-
-@dataclass
-class _LentWindow:
-    """A complete window on its way to the update (``step()``; ``begin_step()`` keeps it between the two calls): its
-    micro-batch count ``k``, whether ``step()`` launched its reductions (``partial``), ``Window.totals``, the
-    parameters without a gradient (``unwritten``), the denominator of its raw sums (``grad_denom``, 0-d fp32) and
-    the item-mode flags (``invalid_items``, ``no_items``: 0-d bool, or None); ``grads``: the gradient lent in
-    ``.grad`` (``main_grad`` normalized in place by ``divisor``), or None; ``keep``: lent by ``begin_step()``, so
-    ``.grad`` holds the applied gradient after ``step()`` too."""
-
-    k: int
-    partial: bool
-    totals: tuple
-    unwritten: list[int]
-    grad_denom: torch.Tensor
-    invalid_items: torch.Tensor | None
-    no_items: torch.Tensor | None
-    grads: WindowGrads | None = None
-    divisor: torch.Tensor | None = None
-    keep: bool = False
+(``GradientAccumulator._launch_window_stats``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
 
 
 class GradientAccumulator:
@@ -150,9 +129,12 @@ class GradientAccumulator:
         self.backend = get_backend(backend, self.device)
         if config.gradient_accumulation_fusion:
             check_fusion(model, self.backend, self.device)  # ValueError naming the option
-        self._join_ranks(process_group, params)
+        self.process_group = process_group
+        self.world_size = _join_ranks(config, process_group, self.named_params or [
+            (f"param[{i}]", p) for i, p in enumerate(params)], self.backend)
+        self.distributed = self.world_size > 1
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self._scheduler_epoch: int | None = None  # lr_scheduler.last_epoch after the last update (_check_scheduler)
+        self._scheduler = SchedulerWatch(lr_scheduler)  # stepped outside step(): RuntimeError
         # The accumulator's own to change (the config keeps what was asked): the clip threshold, the samples per
         # micro-batch (gaengine train --auto-micro-batch halves it), the loss scale's floor.
         self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
@@ -163,21 +145,6 @@ class GradientAccumulator:
         ownership.claim(self.params, self)
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
-
-    def _join_ranks(self, process_group: dist.ProcessGroup | None, params: list[torch.Tensor]) -> None:
-        """The process group and its world size (by default the global group when ``torch.distributed`` is
-        initialized); on several ranks, before the first collective (the parameters' broadcast), ``ValueError`` on
-        every rank unless they agree on the parameters and the options (``gaengine.reduce.check_ranks_agree``)."""
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group) if (
-            process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
-        self.distributed = self.world_size > 1
-        if self.distributed:  # the construction's header first (gaengine.protocol), then the agreement
-            open_phase(CONSTRUCTION, 0, self.world_size, dist.get_rank(process_group), group_device(process_group),
-                       process_group)
-            check_ranks_agree(_rank_settings(self.config, self.named_params or
-                                             [(f"param[{i}]", p) for i, p in enumerate(params)], self.backend),
-                              process_group)
 
     def _init_window(self, accumulation_steps: int | AccumulationSchedule, params: list[torch.Tensor],
                      module: nn.Module | None) -> None:
@@ -197,9 +164,7 @@ class GradientAccumulator:
             self.window_batchnorm = WindowBatchNorm(module)
         elif module is not None:
             warn_batchnorm(module, self.accumulation_steps)
-        self._keep_k: str | None = None  # load_state_dict(..., accumulation_steps=) while it runs
-        self._lent: _LentWindow | None = None  # the window's gradient lent in .grad (begin_step, before_update)
-        self._in_before_update = False  # step(before_update=fn) is running fn: the calls that change the window refuse
+        self._lending = Lending(self.backend)  # the window's gradient lent in .grad (begin_step, before_update)
 
     def _init_sharding(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                        module: nn.Module | None) -> None:
@@ -209,9 +174,6 @@ class GradientAccumulator:
         forwards (``gradient_accumulation_fusion``, until ``close()``: ``gaengine.fusion``) and the watch on the
         model being moved."""
         config = self.config
-        # A gradient that gaengine left in .grad (step() without an optimizer, a resumed state) is cleared by the
-        # next backward.
-        self._grads_left = False
         # Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
         # window boundaries, adopted by the strategy (gaengine.ownership.Membership, docs/accumulator.md).
         self._members = ownership.Membership(module, params, optimizer)
@@ -267,8 +229,8 @@ class GradientAccumulator:
         (``gaengine.scaler.LossDividedByKWarning``, once per accumulator) when a window's first ``loss`` in mean mode
         was divided by K (``loss / K``, ``loss * (1 / K)``): gaengine divides by K itself.
         """
-        self._refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
-        self._refuse_lent("acc.backward()")
+        self._lending.refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
+        self._lending.refuse_lent("acc.backward()")
         num_items = self._check_micro_batch(loss, num_items)
         window = self.window
         if window.num_micro_batches == 0 and num_items is None and not getattr(self, "_divided_warned", False):
@@ -285,10 +247,18 @@ class GradientAccumulator:
                 window.num_micro_batches == self.accumulation_steps - 1,
                 self.sharding.reduction.reduces_every_micro_batch)
         window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
-        if self.sharding.accumulation.take_stale() | self._grads_left:  # both read: take_stale() clears its flag
+        if self.sharding.accumulation.take_stale() | self.window.grads_left:  # both read: take_stale() clears its flag
             self._clear_grads()
         last = window.num_micro_batches == self.accumulation_steps - 1
-        armed = self._begin_backward(last)
+        # The parameters whole (their all-gathers complete, overlap_param_gather), then the reduction prepares the
+        # micro-batch (Reduction.begin_backward: armed, the hooks launch each bucket's collective as it completes);
+        # where the hooks restart their written flags (zero_stage=2), the window keeps which parameters it reached.
+        self.sharding.update.wait_gathers()
+        start = self.sharding.reduction.begin_backward(window.num_micro_batches == 0, last,
+                                                       self.config.overlap_grad_reduce)
+        if start.used is not None:
+            window.mark_used(start.used)
+        armed = start.armed
         if self._auto_loss_scale:  # the first backward: fp16 autocast makes loss_scale="auto" dynamic
             self.scaler = autocast_loss_scaler(self.device, self.min_loss_scale)
             self._auto_loss_scale = False
@@ -324,12 +294,12 @@ class GradientAccumulator:
         check_loss(loss)
         self._model.check()
         self._replaced.check(self.window.num_micro_batches == 0)  # replaced parameters: adoptable, else ValueError
-        self._check_scheduler()
+        self._scheduler.check()
         window = self.window
         if window.failed:
             raise RuntimeError(FAILED_WINDOW)
-        if self._counts.pending:  # the last window's per-rank counts, unread by its step()
-            self._report_count_check()
+        if self._counts.pending:  # the last window's per-rank counts, unread by its step(): RankCounts.take_error
+            self._raise_count_mismatch(self._counts.take_error(self.schedule, self.scaler))
         if window.num_micro_batches >= self.accumulation_steps:
             raise RuntimeError(
                 f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
@@ -337,75 +307,28 @@ class GradientAccumulator:
         window.check_next(num_items is not None)
         return None if num_items is None else check_num_items(num_items, self.device)
 
-    def _begin_backward(self, last: bool) -> bool:
-        """Before a micro-batch's backward (``last``: the window's last): the parameters whole (their all-gathers
-        complete, ``overlap_param_gather``), then the strategy's reduction prepares it (``Reduction.begin_backward``);
-        where the hooks restart their written flags (``zero_stage=2``), the window keeps which parameters the
-        micro-batches so far reached. Returns whether the reducer is armed (the hooks launch each bucket's
-        collective as it completes)."""
-        self.sharding.update.wait_gathers()
-        start = self.sharding.reduction.begin_backward(self.window.num_micro_batches == 0, last,
-                                                       self.config.overlap_grad_reduce)
-        if start.used is not None:
-            self.window.mark_used(start.used)
-        return start.armed
-
     def _launch_window_stats(self) -> None:
         """The window's last reductions and its stats all-reduce (``Reduction.launch_window_stats``, with what every
         rank must hold alike and the noise-scale terms), kept in the window (``Window.stats``)."""
-        self.window.settings = self._window_settings()
-        self.window.stats = self.sharding.reduction.launch_window_stats(self.window, self._noise_terms())
+        # What every rank must have set alike for this window, compared in its stats all-reduce
+        # (gaengine.reduce.WindowStats.settings_mismatch): K, max_grad_norm and the parameters joined or left.
+        values = (self.accumulation_steps, self.max_grad_norm, membership_term(self._members, self.params))
+        self.window.settings = tuple(zip(WINDOW_SETTINGS, values, strict=True))
+        self.window.stats = self.sharding.reduction.launch_window_stats(self.window, None if self._noise is None else (
+            self._noise.window_terms(self.sharding.accumulation, self.window, self.scaler)))
         if self._ranks_members is not None:
             self._ranks_members.protocol.reducing = False
 
-    def _window_settings(self) -> tuple[tuple[str, object], ...]:
-        """What every rank must have set alike for this window, compared in its stats all-reduce
-        (``gaengine.reduce.WindowStats.settings_mismatch``): the settings the user may change at run time, and the
-        parameters made trainable or frozen since the window began (``MEMBERSHIP_SETTING``: 0 where none changed,
-        else the digest of the trainable set, ``Membership.fingerprint``). A rank that unfreezes a parameter in the
-        middle of a window refuses that window's ``step()`` itself (``_refuse_unmanaged_grads``); with this term
-        the other ranks refuse it too, instead of applying a window that rank did not."""
-        joined, left = self._members.changes(self.params)
-        changed = self._members.fingerprint() if joined or left else 0
-        return tuple(zip(WINDOW_SETTINGS, (self.accumulation_steps, self.max_grad_norm, changed), strict=True))
-
     # ------------------------------------------------------------------ parameters joining or leaving
     def _adopt_changes(self) -> None:
-        """At a window boundary (its first ``backward()``): the parameters unfrozen or added with
-        ``optimizer.add_param_group`` since the last window join, the frozen ones leave; the strategy lays everything
-        out again (``ShardingStrategy.adopt``, at every ``zero_stage``), so a joined parameter is accumulated,
-        normalized, clipped and updated like the others from this window on, never on autograd's raw ``.grad``.
-        Several ranks: every rank must change alike, checked first by one small all-reduce every window
-        (``gaengine.ownership.RankMembership``); where they differ no rank adopts and ``step()`` raises on every rank.
-        ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once
-        (FSDP2), for an optimizer that writes the model itself, or an fp16 parameter without a loss scale."""
-        if self._replaced.pending:  # parameters replaced in the model (gaengine.replaced): they join, the old leave
+        """At a window boundary: the parameters joined or left since, and those replaced in the model
+        (``gaengine.replaced``: they join, the old leave), are adopted (``gaengine.membership.adopt_changes``:
+        ``ValueError`` naming one that cannot join, nothing changed), then claimed and watched like the others."""
+        if self._replaced.pending:
             self._members.rescan()
-        joined, left = self._members.changes(self.params)
-        window_id = self.schedule.update_index  # the window's header (gaengine.protocol)
-        if self._ranks_members is not None and not self._ranks_members.check(joined, left, window_id):
-            return  # the ranks differ: this window runs in the layout every rank has; step() raises on every rank
-        if not joined and not left:
+        if not adopt_changes(self._members, self._ranks_members, self.sharding, self.window, self,
+                             self.schedule.update_index, self.scaler is None and self.config.loss_scale == "auto"):
             return
-        if not self.sharding.adopts_params:
-            if joined:
-                raise ValueError(self._join_refused(joined[0][0], f"{self.sharding.name} lays its parameters out once, "
-                                                    "at construction (a plain model adopts it at every zero_stage)"))
-            return  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
-        if self.sharding.update.writes_model:
-            raise ValueError(self._join_refused(
-                (joined or left)[0][0], "an optimizer that writes the model itself (gaengine.optim.FusedAdamW with "
-                "master weights) keeps its pieces for good"))
-        if self.scaler is None and self.config.loss_scale == "auto" and any(p.dtype == torch.float16 for _, p in joined):
-            raise ValueError(self._join_refused(joined[0][0], "an fp16 parameter needs the loss scale that "
-                                                "loss_scale='auto' chose against at construction"))
-        ownership.take([p for _, p in joined], None)  # another accumulator's: RuntimeError; a stale .grad dropped
-        if self.sharding.accumulation.take_stale() | self._grads_left:
-            self._clear_grads()
-        for _, p in left:
-            p.grad = None
-        ownership.release([p for _, p in left], self)
-        self.sharding.adopt(self._members.trainable())
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
         self._model = _watch_model(self.sharding, self.device)
@@ -413,45 +336,6 @@ class GradientAccumulator:
         ownership.claim(self.params, self)
         if self._ranks_members is not None:
             self._ranks_members.adopted()
-
-    def _join_refused(self, name: str, why: str) -> str:
-        return (f"parameter {name!r} became trainable (requires_grad=True, or in a param group added with "
-                f"optimizer.add_param_group) after the GradientAccumulator was built, but {why}, so gaengine cannot "
-                f"adopt it and will not let it train on autograd's raw .grad. Nothing was accumulated or applied. "
-                f"To go on: acc.step(force=True) (or acc.zero_grad()), acc.close(), then build the optimizer and a new "
-                f"GradientAccumulator with the parameters trainable as you want them")
-
-    def _refuse_unmanaged_grads(self) -> None:
-        """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle
-        of this window (it holds autograd's raw ``.grad`` of part of the window, outside ``main_grad``, the norm and
-        the clip): its window is not the sum of the window's micro-batches, and the optimizer would apply it raw."""
-        raw = [name for name, _ in self._unmanaged_grads()]
-        if raw:
-            raise ValueError(
-                f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation window "
-                f"(and holds a .grad, whether frozen again since or not; the optimizer would apply it): "
-                f"its .grad is autograd's raw sum over part of the window, not gaengine's normalized, clipped window "
-                f"gradient, so nothing was applied (the window stays open). Unfreeze parameters between windows "
-                f"(after acc.step()): they join at the next window. To go on now, either freeze it again "
-                f"(requires_grad_(False) and .grad = None) and call acc.step() again, or drop the window with "
-                f"acc.zero_grad() (which drops that .grad too)")
-
-    def _unmanaged_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters of the model or the optimizer that the accumulator does not manage in this window (frozen
-        at its start) and that hold a ``.grad``: autograd's, from a micro-batch of this window after they were
-        unfrozen. The optimizer would apply such a ``.grad`` raw, frozen again or not (torch's optimizers skip only a
-        ``.grad`` that is None)."""
-        managed = {id(p) for p in self.params}
-        return [(n, p) for n, p in self._members.candidates if p.grad is not None and id(p) not in managed]
-
-    def _noise_terms(self) -> torch.Tensor | None:
-        """This rank's noise-scale terms of the window (``gaengine.noise.WindowNoise.terms``), or None."""
-        if self._noise is None:
-            return None
-        accumulation = self.sharding.accumulation
-        return self._noise.terms(accumulation.source_norms(), accumulation.sources_reduced_by(),
-                                 self.window.num_micro_batches, bool(self.window.item_mode),
-                                 None if self.scaler is None else self.scaler.scale)
 
     # ------------------------------------------------------------------ update
     def step(self, force: bool = False, *, before_update: Callable[[], None] | None = None) -> StepResult | None:
@@ -493,37 +377,40 @@ class GradientAccumulator:
         Raises ``RuntimeError`` if a backward of this window failed (call ``zero_grad()``, then go on), or if
         the model was moved or converted after the accumulator was built (build a new one).
         """
-        self._refuse_in_before_update("acc.step()", "apply the window twice")
-        lent = self._lent  # begin_step() lent it already
+        self._lending.refuse_in_before_update("acc.step()", "apply the window twice")
+        lent = self._lending.lent  # begin_step() lent it already
         if lent is None:
             k = self._window_to_step(force, before_update is not None)
             if k is None:
                 return None
             lent = self._complete_window(k)
             if before_update is not None:
-                self._lend(lent, keep=False)
+                self._lending.lend(lent, False, self.sharding.accumulation, self.named_params)
         if before_update is not None:
-            self._run_before_update(lent, before_update)
+            self._lending.run_before_update(lent, before_update, self.sharding.accumulation)
         window = self.window
         k, partial = lent.k, lent.partial
         loss_sum, denom, num_items, mismatch = lent.totals
-        norm, skipped, grad_norm = self._step_norm(lent, mismatch)
+        norm = (self.sharding.reduction.norm(lent.grad_denom, self.max_grad_norm) if lent.grads is None else
+                self._lending.norm_of_lent(lent, self.sharding.accumulation, self.max_grad_norm))
+        skipped, grad_norm = step_norm(lent, norm, mismatch)
         unwritten, invalid_items = lent.unwritten, lent.invalid_items
-        self._lent = None
+        self._lending.lent = None
         loss_scale = None if self.scaler is None else self.scaler.scale.clone()
         noise: NoiseEstimate | None = None
         if self._noise is not None:  # before the update: main_grad and the scale are still the window's
-            terms = window.stats.extra() if self.distributed else self._noise_terms()
+            terms = (window.stats.extra() if self.distributed else
+                     self._noise.window_terms(self.sharding.accumulation, window, self.scaler))
             noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
         if self.optimizer is None:
             self.sharding.update.expose_grads(norm.coef, unwritten)
-            self._grads_left = True
+            self.window.grads_left = True
         else:
             self.sharding.update.apply(norm.coef, skipped, unwritten, self.lr_scheduler)
-            self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+            self._scheduler.stepped()
         if lent.keep:  # begin_step(): .grad holds the gradient as applied (edited, clipped) until the next backward
             lent.grads.lend()
-            self._grads_left = True
+            self.window.grads_left = True
         result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
                             num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
                             invalid_num_items=invalid_items,
@@ -537,15 +424,15 @@ class GradientAccumulator:
         """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
         window is incomplete (or empty) and not forced. lends: the window's gradient is to be lent in ``.grad``
         (``before_update``, ``begin_step``), which needs the whole gradient on every rank."""
-        if lends and not isinstance(self.sharding, Replicated):
+        if lends and not self.sharding.holds_whole_grad:
             raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
                              f"which {self.sharding.name} does not hold; use zero_stage=0, or read "
                              "StepResult.grad_norm")
-        self._check_scheduler()
+        self._scheduler.check()
         window = self.window
         k = window.num_micro_batches
-        if self._counts.pending:  # the last window's per-rank counts, unread by its step()
-            self._report_count_check()
+        if self._counts.pending:  # the last window's per-rank counts, unread by its step(): RankCounts.take_error
+            self._raise_count_mismatch(self._counts.take_error(self.schedule, self.scaler))
         if k == 0 or (k < self.accumulation_steps and not force):
             return None
         self._model.check()
@@ -556,63 +443,30 @@ class GradientAccumulator:
             error = self._ranks_members.take()
             if error is not None:
                 raise error
-        self._refuse_unmanaged_grads()
+        refuse_unmanaged_grads(self._members, self.params)
         if self._fusion is not None:  # a hook registered mid-window on a fused parameter: RuntimeError
             self._fusion.check_window(self.params, self.named_params)
         return k
 
-    def _complete_reductions(self, k: int) -> bool:
-        """The window's reductions complete (several ranks). ``force=True`` on a partial window of k micro-batches:
-        nothing is launched yet, so its reductions and stats are launched first (``Reduction.end_partial_window``);
-        returns whether it was."""
-        partial = self.distributed and self.window.stats is None
+    def _complete_window(self, k: int) -> CompleteWindow:
+        """The window of ``k`` micro-batches made complete for its update: its reductions complete (several ranks;
+        ``force=True`` on a partial window: nothing is launched yet, so its reductions and stats are launched first,
+        ``Reduction.end_partial_window``, and ``partial`` says so), its totals, the parameters no micro-batch reached
+        (their gradient zeroed) and the denominator of its raw sums (``gaengine.lending.window_denominator``)."""
+        window = self.window
+        partial = self.distributed and window.stats is None
         if partial:
             self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
             self.sharding.reduction.end_partial_window(self.accumulation_steps - k)
             self._launch_window_stats()
         if self.distributed:
             self.sharding.reduction.wait()
-        return partial
-
-    def _complete_window(self, k: int) -> _LentWindow:
-        """The window of ``k`` micro-batches made complete for its update: its reductions (``_complete_reductions``),
-        its totals, the parameters no micro-batch reached (their gradient zeroed) and the denominator of its raw
-        sums. A negative, NaN or inf num_items tensor made the window's item count NaN (``gaengine.window.Window.add``;
-        on several ranks the all-reduced count, so every rank agrees); tensors may also add up to 0. Either way the
-        update is skipped, on the device, and the sums are taken as they are (denominator 1), so that the skip flag
-        says whether the gradient itself overflowed (what the loss scale and max_consecutive_skips follow)."""
-        window = self.window
-        partial = self._complete_reductions(k)
         totals = window.totals(self.world_size)
-        denom = totals[1]
         unwritten = self.sharding.accumulation.unwritten(window)
         self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
-        invalid_items = no_items = None
-        norm_denom = denom
-        if window.item_mode and (self.distributed or window.items_dev is not None):
-            invalid_items, no_items = ~torch.isfinite(denom) | (denom < 0), denom == 0
-            norm_denom = torch.where(invalid_items | no_items, torch.ones_like(denom), denom)
-        # The buffer holds raw sums of (loss-scaled) gradients: one denominator undoes both.
-        grad_denom = norm_denom if self.scaler is None else norm_denom * self.scaler.scale
-        return _LentWindow(k, partial, totals, unwritten, grad_denom, invalid_items, no_items)
-
-    def _step_norm(self, lent: _LentWindow, mismatch: torch.Tensor | None) -> tuple[WindowNorm, torch.Tensor,
-                                                                                   torch.Tensor]:
-        """The window's norm (``Reduction.norm`` over the raw sums, or ``_norm_of_lent`` where the gradient was
-        lent) and what ``StepResult`` reports of it: ``(norm, skipped, grad_norm)``, 0-d on the device. skipped: a
-        non-finite gradient, the ranks' counts differ (``mismatch``) or the items are invalid."""
-        if lent.grads is None:
-            norm = self.sharding.reduction.norm(lent.grad_denom, self.max_grad_norm)
-        else:
-            norm = self._norm_of_lent(lent)
-        skipped = norm.skipped if mismatch is None else norm.skipped | mismatch  # unequal counts: no rank updates
-        grad_norm = norm.grad_norm
-        invalid_items, no_items = lent.invalid_items, lent.no_items
-        if invalid_items is not None:  # grad_norm as the denominator makes it: NaN, or inf for no items
-            skipped = skipped | invalid_items | no_items
-            grad_norm = torch.where(invalid_items, torch.full_like(grad_norm, float("nan")),
-                                    torch.where(no_items, torch.full_like(grad_norm, float("inf")), grad_norm))
-        return norm, skipped, grad_norm
+        grad_denom, invalid_items, no_items = window_denominator(
+            window, totals[1], None if self.scaler is None else self.scaler.scale, self.distributed)
+        return CompleteWindow(k, partial, totals, unwritten, grad_denom, invalid_items, no_items)
 
     def _end_step(self, result: StepResult, partial: bool, mismatch: torch.Tensor | None,
                   overflow: torch.Tensor) -> None:
@@ -623,7 +477,10 @@ class GradientAccumulator:
         scale's floor error."""
         k, window = result.num_micro_batches, self.window
         counts = None if mismatch is None else self._counts.read(
-            window.stats, now=partial or window.stats.host_counts is not None or self._reads_skip_flag(),
+            # read now where step() reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on
+            # the device), an lr_scheduler (it runs on the host) or max_consecutive_skips
+            window.stats, now=partial or window.stats.host_counts is not None or self.lr_scheduler is not None or (
+                self.optimizer is not None and not takes_grad_scale(self.optimizer)) or self._skips.limit is not None,
             saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
                            self.scaler.dynamic else (self.scaler.scale.clone(), self.scaler.growth_tracker.clone())))
         counts, settings_differ = counts if counts is not None else (None, [])
@@ -635,13 +492,16 @@ class GradientAccumulator:
         self.schedule.observe(result)
         if not differ:
             self.schedule.advance(k, self.world_size, self.micro_batch_size)
-            self._skips.observe(overflow, result.loss_scale, self._finite_by_param)
-        self._reset_window()
+            self._skips.observe(overflow, result.loss_scale,
+                               lambda: self.sharding.accumulation.finite_by_param(self.named_params))
+        self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
+        if self._noise is not None:
+            self._noise.reset()
         # The hooks' window is reset too; the first window's end lays the buffer out in its arrival order (a
         # collective: every rank gets here).
-        self._grads_left |= self.sharding.end_window()
+        self.window.grads_left |= self.sharding.end_window()
         if differ:
-            self._raise_count_mismatch(counts, differ=settings_differ)
+            self._raise_count_mismatch(self._counts.error(counts, differ=settings_differ))
         if self.scaler is not None and self.scaler.floor_reached():
             raise self.scaler.floor_error()
 
@@ -665,139 +525,24 @@ class GradientAccumulator:
         (a partial window's reductions are launched here). Raises what ``step()`` raises before applying anything,
         and ``ValueError`` where the strategy does not hold the whole gradient (``zero_stage`` >= 1, FSDP2).
         """
-        self._refuse_in_before_update("acc.begin_step()", "lend the window again")
-        if self._lent is not None:
+        self._lending.refuse_in_before_update("acc.begin_step()", "lend the window again")
+        if self._lending.lent is not None:
             return True
         k = self._window_to_step(force, True)
         if k is None:
             return False
-        self._lend(self._complete_window(k), keep=True)
+        self._lending.lend(self._complete_window(k), True, self.sharding.accumulation, self.named_params)
         return True
 
-    def _lend(self, lent: _LentWindow, keep: bool) -> None:
-        """``main_grad`` normalized in place (one pass; a denominator of 0 items: nothing to undo) and lent in
-        ``.grad`` (``gaengine.update.WindowGrads``)."""
-        data = self.main_grad.data
-        lent.divisor = torch.where(lent.grad_denom > 0, lent.grad_denom, torch.ones_like(lent.grad_denom))
-        self.backend.scale_(data, lent.divisor.reciprocal())
-        names = {id(p): n for n, p in self.named_params}
-        lent.grads = WindowGrads(self.params, [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)],
-                                 self.main_grad, lent.unwritten)
-        lent.keep = keep
-        self._lent = lent
-
-    def _unlend(self) -> None:
-        """``_lend`` undone: ``.grad`` released and ``main_grad`` multiplied back (the raw sums within one fp32
-        rounding; exactly where the denominator is a power of two)."""
-        lent, self._lent = self._lent, None
-        lent.grads.release()
-        self.backend.scale_(self.main_grad.data, lent.divisor)
-
-    def _run_before_update(self, lent: _LentWindow, before_update: Callable[[], None]) -> None:
-        """``before_update()`` with the gradient lent; the window-changing calls refuse meanwhile
-        (``_refuse_in_before_update``). If it raises: a window lent by ``step()`` itself is given back (``_unlend``:
-        nothing applied, the window open), one lent by ``begin_step()`` stays lent."""
-        self._in_before_update = True
-        try:
-            before_update()
-        except BaseException:
-            if not lent.keep:
-                self._unlend()
-            raise
-        finally:
-            self._in_before_update = False
-
-    def _norm_of_lent(self, lent: _LentWindow) -> WindowNorm:
-        """The lent gradient taken back (``WindowGrads.take_back``), then its norm, skip flag and clip
-        coefficient from one pass over the normalized, edited ``main_grad``. ``coef`` is the clip alone (the
-        normalization is done); a window lent by ``begin_step()`` is clipped here (one pass) so that its ``.grad``
-        holds the clipped gradient after the update, and ``coef`` is 1."""
-        lent.unwritten = lent.grads.take_back()
-        if not lent.keep:
-            lent.grads.release()
-        one = torch.ones((), dtype=torch.float32, device=self.device)
-        norm = window_norm(self.sharding.accumulation.chunks, one, self.max_grad_norm, self.backend)
-        coef = torch.where(norm.skipped, one, norm.clip_coef)
-        if lent.keep and self.max_grad_norm is not None:
-            self.backend.scale_(self.main_grad.data, coef)
-            coef = one
-        return WindowNorm(grad_norm=norm.grad_norm, skipped=norm.skipped, clip_coef=norm.clip_coef, coef=coef)
-
-    def _refuse_in_before_update(self, call: str, effect: str) -> None:
-        """``RuntimeError`` naming ``call`` when it is made from inside ``step(before_update=fn)``'s ``fn``: it would
-        ``effect`` in the middle of the window's update. Nothing is changed by the refused call."""
-        if getattr(self, "_in_before_update", False):
-            raise RuntimeError(
-                f"{call} was called from inside acc.step(before_update=...), while the window is being applied: it "
-                f"would {effect}. Refused; nothing was changed (the window and its .grad are as they were). "
-                f"before_update may read and edit .grad and set acc.max_grad_norm; call {call} after step() returns")
-
-    def _refuse_lent(self, call: str) -> None:
-        """``RuntimeError`` naming ``call`` while ``begin_step()`` lends the window's gradient in ``.grad`` (its
-        ``main_grad`` is normalized and being edited). Nothing is changed by the refused call."""
-        if self._lent is not None:
-            raise RuntimeError(
-                f"{call} was called while the window's gradient is lent in .grad (acc.begin_step(), or inside "
-                f"step(before_update=...)): call acc.step() to apply it, or acc.zero_grad() to drop it, first. "
-                f"Nothing was changed")
-
-    def _reads_skip_flag(self) -> bool:
-        """Whether ``step()`` reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on the
-        device), an ``lr_scheduler`` (it runs on the host) or ``max_consecutive_skips``."""
-        return ((self.optimizer is not None and not takes_grad_scale(self.optimizer)) or self.lr_scheduler is not None
-                or self._skips.limit is not None)
-
-    def _check_scheduler(self) -> None:
-        """``RuntimeError`` when ``lr_scheduler`` was stepped outside ``step()`` since the accumulator's last update
-        (its ``last_epoch`` moved): stepped twice per update, its learning rate would decay twice as fast. Armed by
-        the first update (a scheduler resumed before it is fine) and by ``load_state_dict``."""
-        if self._scheduler_epoch is None:
+    def _raise_count_mismatch(self, error: Exception | None) -> None:
+        """Raise ``error``, that of a window whose ranks held different micro-batch counts or settings
+        (``gaengine.window.RankCounts``); without an optimizer, the gradients ``step()`` left in ``.grad`` are
+        dropped first. Nothing for None."""
+        if error is None:
             return
-        epoch = getattr(self.lr_scheduler, "last_epoch", None)
-        if epoch is not None and epoch != self._scheduler_epoch:
-            raise RuntimeError(
-                f"lr_scheduler ({type(self.lr_scheduler).__name__}) was stepped outside acc.step(): its last_epoch is "
-                f"{epoch}, but acc.step() left it at {self._scheduler_epoch}. The accumulator was given it as "
-                f"GradientAccumulator(..., lr_scheduler=...) and steps it once per applied update, so your own "
-                f"scheduler.step() would decay the learning rate {epoch - self._scheduler_epoch + 1} times as fast. "
-                f"Remove your scheduler.step() (or pass lr_scheduler=None and step it yourself when acc.step() "
-                f"returns a result whose skipped is False); to restore the scheduler's state, load it through "
-                f"acc.load_state_dict(). Nothing was accumulated or applied by this call")
-
-    def _warn_dropped_window(self, how: str) -> None:
-        """One ``UserWarning`` when the accumulator is closed (``how``) with micro-batches in its window."""
-        window = getattr(self, "window", None)  # None: the constructor raised before building it
-        k = 0 if window is None or window.failed else window.num_micro_batches
-        if k > 0 and not getattr(self, "_dropped_warned", False):
-            self._dropped_warned = True
-            warnings.warn(
-                f"{how} dropped the {k} micro-batch(es) of an unfinished accumulation window: they were never "
-                f"applied. Call acc.step(force=True) before acc.close() (and "
-                f"at the end of every epoch) to apply a partial window, exactly normalized by what it holds; "
-                f"acc.zero_grad() drops it without this warning", UserWarning, stacklevel=3)
-
-    def _report_count_check(self) -> None:
-        """Read the last window's per-rank counts (``gaengine.window.RankCounts``); when they differed, restore what
-        its ``step()`` counted (the schedule's update count, the items seen, the loss scale) and raise
-        ``RuntimeError``. Called first thing by ``backward()`` and ``step()``: the window since is empty."""
-        (counts, settings_differ), (update_index, items_seen, scaler_state) = self._counts.take()
-        if all(c == counts[0] for c in counts) and not settings_differ:
-            return
-        self.schedule.update_index, self.schedule.items_seen = update_index, items_seen
-        if scaler_state is not None:
-            self.scaler.scale.copy_(scaler_state[0])
-            self.scaler.growth_tracker.copy_(scaler_state[1])
-        self._raise_count_mismatch(counts, f" in the last window (after {update_index} updates: its step() skipped the "
-                                           "update on the device without reading the counts, this call read them)",
-                                   differ=settings_differ)
-
-    def _raise_count_mismatch(self, counts: list[int], found: str = "", differ: list[str] = ()) -> None:
-        """Raise the error of a window whose ranks held different micro-batch counts (``RuntimeError``) or settings
-        (``ValueError`` naming them: ``differ``); without an optimizer, the gradients ``step()`` left in ``.grad``
-        are dropped first."""
         if self.optimizer is None:
             self._clear_grads()
-        raise self._counts.error(counts, found, differ)
+        raise error
 
     @property
     def accumulation_steps(self) -> int:
@@ -819,52 +564,22 @@ class GradientAccumulator:
         self.schedule.set_k(value)
 
     # The accumulator's own settings, checked on assignment with the constructor's check and message
-    # (gaengine.config): a bad value is refused where it is set, not at the next step().
-    @property
-    def max_grad_norm(self) -> float | None:
-        """The clip threshold the next ``step()`` uses (a positive finite float), or None: no clipping. Set it
-        between or during windows (the trainer integrations do); ``ValueError`` naming ``max_grad_norm`` for 0, a
-        negative, NaN, inf, a bool or a non-number, as ``GradientAccumulator(max_grad_norm=...)`` (the value kept)."""
-        return self._max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float | None) -> None:
-        self._max_grad_norm = check_max_grad_norm(value)
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch (an int >= 1), or None; ``gaengine train --auto-micro-batch`` halves it.
-        ``ValueError`` naming ``micro_batch_size`` for anything else, as the constructor (the value kept)."""
-        return self._micro_batch_size
-
-    @micro_batch_size.setter
-    def micro_batch_size(self, value: int | None) -> None:
-        self._micro_batch_size = check_optional_count("micro_batch_size", value)
-
-    @property
-    def min_loss_scale(self) -> float:
-        """The dynamic loss scale's floor (a positive finite float), applied from the next update on.
-        ``ValueError`` naming ``min_loss_scale`` for anything else, as the constructor (the value kept)."""
-        return self._min_loss_scale
-
-    @min_loss_scale.setter
-    def min_loss_scale(self, value: float) -> None:
-        self._min_loss_scale = check_min_loss_scale(value)
-        scaler = getattr(self, "scaler", None)
-        if scaler is not None:
-            scaler.min_scale = self._min_loss_scale
+    # (gaengine.config.CheckedSetting): a bad value is refused where it is set, not at the next step().
+    max_grad_norm = CheckedSetting(check_max_grad_norm, doc=(
+        "The clip threshold the next ``step()`` uses (a positive finite float), or None: no clipping. Set it between "
+        "or during windows (the trainer integrations do); ``ValueError`` naming ``max_grad_norm`` for 0, a negative, "
+        "NaN, inf, a bool or a non-number, as ``GradientAccumulator(max_grad_norm=...)`` (the value kept)."))
+    micro_batch_size = CheckedSetting(lambda value: check_optional_count("micro_batch_size", value), doc=(
+        "Samples per micro-batch (an int >= 1), or None; ``gaengine train --auto-micro-batch`` halves it. "
+        "``ValueError`` naming ``micro_batch_size`` for anything else, as the constructor (the value kept)."))
+    min_loss_scale = CheckedSetting(check_min_loss_scale, doc=(
+        "The dynamic loss scale's floor (a positive finite float), applied from the next update on. ``ValueError`` "
+        "naming ``min_loss_scale`` for anything else, as the constructor (the value kept)."),
+        then=lambda acc, value: setattr(acc.scaler, "min_scale", value) if getattr(acc, "scaler", None) else None)
 
     def _clear_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.sharding.accumulation.take_stale()
-        self._grads_left = False
-
-    def _reset_window(self) -> None:
-        """The engine's part of a new window (the strategy resets the hooks' part: ``end_window``, ``drain``)."""
-        self.window.reset()
-        if self._noise is not None:
-            self._noise.reset()
+        self.sharding.accumulation.clear_grads()
+        self.window.grads_left = False
 
     # ------------------------------------------------------------------ lifecycle
     num_micro_batches = property(lambda self: self.window.num_micro_batches,
@@ -879,8 +594,8 @@ class GradientAccumulator:
         gradient ``begin_step()`` lent is dropped likewise. ``RuntimeError`` from inside
         ``step(before_update=...)`` (nothing changed).
         """
-        self._refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
-        self._lent = None
+        self._lending.refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
+        self._lending.lent = None
         if self._ranks_members is not None and self._ranks_members.protocol.reducing:
             self._drop_reductions()  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
         self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
@@ -888,9 +603,12 @@ class GradientAccumulator:
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
         self._clear_grads()
-        for _, p in self._unmanaged_grads():  # unfrozen mid-window (frozen again or not): autograd's raw .grad,
+        # unfrozen mid-window (frozen again or not): autograd's raw .grad,
+        for _, p in unmanaged_grads(self._members, self.params):
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
-        self._reset_window()
+        self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
+        if self._noise is not None:
+            self._noise.reset()
         if self._ranks_members is not None:
             self._ranks_members.drop()
         if self.window_batchnorm is not None:
@@ -924,34 +642,13 @@ class GradientAccumulator:
         ``get_model_state_dict``, docs/fsdp2.md). Every rank calls it. Raises ``RuntimeError`` between the window's
         last ``backward`` and ``step()``; on an FSDP2 model, ``ValueError`` for an optimizer that is not elementwise.
         """
-        self._refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
+        self._lending.refuse_in_before_update("acc.state_dict()", "save the window's normalized, maybe edited gradient as "
                                       "its sums")
-        self._refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
-        self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
-        return self.sharding.state_dict(self)
+        self._lending.refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
+        from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports DCP (about 2 s)
 
-    # The accumulator's own part of every state dict (the strategies' state dicts hold it, gaengine.sharding and
-    # gaengine.checkpoint): what the window, the schedule, the loss scale, the noise scale and the hooks' learned
-    # layout need to resume, as Python scalars and CPU tensors; checked, then restored, after the buffers.
-    def scalars_state_dict(self) -> dict:
-        """This rank's counters and small state: ``state_dict()`` without the buffers and the optimizer."""
-        reg = {id(p): i for i, p in enumerate(self.registered_params)}
-        return {
-            "format": self.sharding.FORMAT,
-            "param_shapes": [list(p.shape) for p in self.registered_params],
-            "param_dtypes": [str(p.dtype) for p in self.registered_params],
-            "accumulation_steps": self.accumulation_steps,
-            "world_size": self.world_size,
-            "layout_order": [reg[id(p)] for p in self.params],
-            **self.sharding.accumulation.state(),  # arrival, written, expected_arrivals
-            **self.window.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "consecutive_skips": self._skips.count,
-            **self.schedule.state_dict(),
-            "noise_scale": (None if self._noise is None else self._noise.state_dict(
-                self.sharding.accumulation.source_norms() if self.window.num_micro_batches else None,
-                self.window.num_micro_batches)),
-        }
+        self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
+        return accumulator_state_dict(self.state_parts())
 
     def load_state_dict(self, state: dict, *, accumulation_steps: str | None = None) -> None:
         """Restore a ``state_dict()`` of any ``zero_stage`` and world size (after ``dcp.load`` into this run's own
@@ -971,67 +668,27 @@ class GradientAccumulator:
         a meta blob that does not decode (truncated, a flipped bit: its records' CRC-32), a key missing, a value of
         another type or out of range (counters, written flags, arrivals, tensors' sizes and dtypes;
         ``gaengine.state_checks``)."""
-        self._refuse_in_before_update("acc.load_state_dict()", "replace the window being applied")
-        self._refuse_lent("acc.load_state_dict()")
+        self._lending.refuse_in_before_update("acc.load_state_dict()", "replace the window being applied")
+        self._lending.refuse_lent("acc.load_state_dict()")
         if accumulation_steps not in (None, "saved", "current"):
             raise ValueError(f"accumulation_steps must be None, 'saved' or 'current' (how a window saved under another "
                              f"K goes on), got {accumulation_steps!r}")
-        self._keep_k = accumulation_steps
-        try:
-            self.sharding.load_state_dict(self, state)
-        finally:
-            self._keep_k = None
-        self._scheduler_epoch = getattr(self.lr_scheduler, "last_epoch", None)  # the scheduler as restored
+        from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415 - imports DCP
 
-    def _resumed_k(self, state: dict) -> int:
-        """The K this accumulator goes on with after loading ``state`` (``WindowSchedule.resolve_load``)."""
-        return self.schedule.resolve_load(state, int(state["num_micro_batches"]), self._keep_k)
+        load_accumulator_state_dict(self.state_parts(accumulation_steps), state)
+        self._scheduler.stepped()  # the scheduler as restored
 
-    def check_scalars_state(self, state: dict) -> None:
-        """The checks of ``load_state_dict`` on ``scalars_state_dict()``'s part (``ValueError`` naming the key,
-        nothing changed): the counters' ranges, the layout's, K (``_resumed_k``), the loss scaling."""
-        def bad(key: str, expected: str) -> ValueError:
-            return ValueError(f"state[{key!r}] must be {expected}, got {state.get(key)!r}: the state dict is corrupt "
-                              "or not an acc.state_dict(); load another checkpoint")
-
-        n_params = len(self.registered_params)
-        k = state.get("accumulation_steps")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise bad("accumulation_steps", "an int >= 1")
-        k_set = state.get("accumulation_steps_set")
-        if k_set is not None and (isinstance(k_set, bool) or not isinstance(k_set, int) or k_set < 1):
-            raise bad("accumulation_steps_set", "None or an int >= 1")
-        Window.check_state(state, k, n_params)
-        for key in ("update_index", "items_seen", "consecutive_skips"):
-            value = state.get(key, 0 if key != "consecutive_skips" else None)  # read by load_scalars_state
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad(key, "an int >= 0")
-        order = state.get("layout_order")
-        if not isinstance(order, (list, tuple)) or not all(type(i) is int for i in order) or (
-                sorted(order) != list(range(n_params))):
-            raise bad("layout_order", f"a permutation of range({n_params}) (the parameters' registration indices)")
-        state_checks.check_hooks_state(state, n_params)  # written, expected_arrivals, arrival, window_used
-        self._resumed_k(state)  # ValueError naming both Ks
-        if "scaler" not in state or (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("state['scaler'] and this accumulator disagree on loss scaling (loss_scale differs)")
-        if state["scaler"] is not None:
-            state_checks.check_scaler_state(state["scaler"])
-        if self._noise is not None:
-            self._noise.check_state(state.get("noise_scale"), int(state["num_micro_batches"]))
-
-    def load_scalars_state(self, state: dict) -> None:
-        """Restore ``scalars_state_dict()``'s part (the layout and the buffers are restored before)."""
-        self.sharding.accumulation.load_state(state)
-        self.window.load_state_dict(state)
-        self._skips.count = int(state["consecutive_skips"])
-        k = self._resumed_k(state)
-        self.schedule.load_state_dict(state, k, self.window.num_micro_batches > 0,
-                                      set_at_run_time=k != self.config.accumulation_steps)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if self._noise is not None:
-            self._noise.load_state_dict(state.get("noise_scale"), self.window.num_micro_batches)
-        self._grads_left = True
+    def state_parts(self, accumulation_steps: str | None = None) -> AccumulatorParts:
+        """The accumulator's parts as ``gaengine.checkpoint`` reads and writes them (``gaengine.stages``): the
+        strategy, the optimizer, the ``lr_scheduler``, the parameters, the process group and the window's stages
+        (``StageStates``, each stage giving and taking its own state items). accumulation_steps: as
+        ``load_state_dict``'s. Built anew for each call (a re-layout or the loss scale chosen at the first
+        ``backward()`` replaces parts); nothing is copied."""
+        stages = StageStates(self.window, self.schedule, self.scaler, self._skips, self._noise, self.sharding,
+                             self.registered_params, self.world_size, self.config.accumulation_steps,
+                             accumulation_steps)
+        return AccumulatorParts(self.sharding, self.optimizer, self.lr_scheduler, self.registered_params,
+                                self.named_params, self.process_group, self.world_size, self.device, stages)
 
     @property
     def effective_batch_size(self) -> int:
@@ -1040,12 +697,6 @@ class GradientAccumulator:
         if self.micro_batch_size is None:
             raise ValueError("effective_batch_size needs GradientAccumulator(..., micro_batch_size=...)")
         return self.micro_batch_size * self.accumulation_steps * self.world_size
-
-    def _finite_by_param(self) -> list[tuple[str, bool]]:
-        """Per parameter (layout order): its name and whether its window gradient is finite (host reads)."""
-        names = {id(p): n for n, p in self.named_params}
-        return [(names.get(id(p), f"param[{i}]"), bool(torch.isfinite(g).all()))
-                for i, (p, g) in enumerate(zip(self.params, self.sharding.accumulation.grad_views))]
 
     def masters_to_model(self) -> None:
         """Round the fp32 master weights into the model's bf16/fp16 parameters now (one copy per dtype, on the
@@ -1059,14 +710,7 @@ class GradientAccumulator:
         masters. Raises ``RuntimeError`` when the model was moved or converted since construction, and at
         ``zero_stage`` >= 1 on several ranks (each rank holds a shard of the masters).
         """
-        store = self.sharding.store
-        if store is None or store.master_buffer is None:
-            return
-        if not store.shaped:
-            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
-                               "the fp32 masters; the update gathers them into the model")
-        store.pull_model_writes()  # a model write since the last update is kept, not overwritten
-        store.copy_to_model()
+        self.sharding.update.masters_to_model()
 
     def close(self, *, release_optimizer: bool = False) -> None:
         """Remove the hooks, drop the ``.grad`` the accumulator left on the parameters, and release them
@@ -1087,18 +731,16 @@ class GradientAccumulator:
         A window still holding micro-batches is dropped with one ``UserWarning`` naming how many (garbage collection
         of an open accumulator warns the same way): call ``step(force=True)`` first to apply them.
         """
-        self._refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
-        store = self.sharding.store if release_optimizer else None
-        if store is not None and not store.shaped:
-            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
-                             "1-D shards of the parameters; gather its state with "
-                             "gaengine.full_optimizer_state_dict first, or close() without it")
-        self._warn_dropped_window("acc.close()")
+        self._lending.refuse_in_before_update("acc.close()", "release the parameters in the middle of their update")
+        update = self.sharding.update if release_optimizer else None
+        if update is not None:
+            update.check_release()  # ValueError: the optimizer holds 1-D shards
+        warn_dropped_window(self.window, "acc.close()")
         if self._ranks_members is not None and (self.window.failed or self._ranks_members.protocol.reducing):
             self.zero_grad()  # a failed micro-batch's reductions complete first: the other ranks' are matched
-        self._lent = None
-        if store is not None:
-            store.release_to_model()
+        self._lending.lent = None
+        if update is not None:
+            update.release_to_model()
         for p in self.params:
             p.grad = None
         self._release()
@@ -1116,7 +758,7 @@ class GradientAccumulator:
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
-            self._warn_dropped_window("garbage collection of the GradientAccumulator")
+            warn_dropped_window(getattr(self, "window", None), "garbage collection of the GradientAccumulator")
             self._release()  # garbage collection leaves .grad alone: only an explicit close() drops it
         except Exception:
             pass

@@ -319,18 +319,16 @@ class FullyShardedGrads(ShardingStrategy):
                                f"parameter of {p.numel()} (FSDP2's chunks are not torch.chunk's): please report it")
         return start
 
-    def state_dict(self, acc) -> dict:
-        """``acc.state_dict()`` in the one format (``ShardingStrategy.state_dict``): this rank's ranges of the fp32
-        masters, of the optimizer's moments and of the window's sums, saved and resharded by
-        ``torch.distributed.checkpoint`` (docs/fsdp2.md). ``ValueError`` for an optimizer whose update is not
-        elementwise (``gaengine.optimizers.is_elementwise``): its state over the DTensor parameters cannot be cut
-        into ranges; save it with torch's ``get_optimizer_state_dict``."""
-        if acc.optimizer is not None and not is_elementwise(acc.optimizer):
+    def check_saveable(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """``acc.state_dict()`` saves this rank's ranges of the fp32 masters, of the optimizer's moments and of the
+        window's sums, resharded by ``torch.distributed.checkpoint`` (docs/fsdp2.md): ``ValueError`` for an
+        optimizer whose update is not elementwise (``gaengine.optimizers.is_elementwise``): its state over the
+        DTensor parameters cannot be cut into ranges; save it with torch's ``get_optimizer_state_dict``."""
+        if optimizer is not None and not is_elementwise(optimizer):
             raise ValueError(f"acc.state_dict() on an FSDP2 model saves the optimizer's state by ranges of the "
                              f"flattened parameters, which needs an elementwise optimizer ({', '.join(elementwise_names())}); "
-                             f"{type(acc.optimizer).__name__} is not one: save the model and this optimizer with "
+                             f"{type(optimizer).__name__} is not one: save the model and this optimizer with "
                              "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) instead")
-        return super().state_dict(acc)
 
     def optimizer_shards(self):
         """No export through gaengine: the optimizer is the user's, over the DTensor parameters. ``TypeError`` naming

@@ -22,14 +22,16 @@ through ``Hooks``.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
 from gaengine.hot_path import NativeHooks, load_native
-from gaengine.reduce import BucketReducer
+
+if TYPE_CHECKING:  # annotations only: the reducer sits above the hooks, which call it once per complete bucket
+    from gaengine.reduce import BucketReducer
 
 __all__ = ["Hooks", "NativeHooks", "check_native_hooks", "make_hooks", "native_hooks_problem"]
 

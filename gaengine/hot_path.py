@@ -26,13 +26,17 @@ norms of the gradient noise scale, issue 17) into one table per micro-batch, kep
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gaengine import bucket as _bucket
 from gaengine.backends import load_extension
 from gaengine.bucket import Bucket
 from gaengine.buffer import FlatBuffer
-from gaengine.reduce import BucketReducer
+
+if TYPE_CHECKING:  # annotations only: the reducer sits above the hooks, which call it once per complete bucket
+    from gaengine.reduce import BucketReducer
 
 __all__ = ["NativeHooks"]
 

@@ -40,6 +40,7 @@ no host sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -189,6 +190,13 @@ class WindowNoise:
         if self.carry is not None:
             rows = self.carry if rows is None or rows.numel() == 0 else torch.cat([self.carry, rows])
         return rows
+
+    def window_terms(self, accumulation: Any, window: Any, scaler: Any) -> torch.Tensor:
+        """``terms`` of this rank's window: the hooks' source norms (``accumulation``, a
+        ``gaengine.accumulation.Accumulation``, and the factor its sources are reduced by), ``window``'s micro-batch
+        count and item mode (a ``gaengine.window.Window``), the loss scale of ``scaler`` (or None)."""
+        return self.terms(accumulation.source_norms(), accumulation.sources_reduced_by(), window.num_micro_batches,
+                          bool(window.item_mode), None if scaler is None else scaler.scale)
 
     def terms(self, rows: torch.Tensor | None, reduced_by: float | None, num_micro_batches: int, item_mode: bool,
               loss_scale: torch.Tensor | None) -> torch.Tensor:

@@ -28,7 +28,7 @@ each part, never to the hooks, the reducer or the store behind them:
 
 What a strategy itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
 re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
-its part of the state dict (where the window's sums lie in a checkpoint, ``window_state``/``load_window_state``;
+its part of the state dict (where the window's sums lie in a checkpoint, ``window_sums``/``load_window_state``;
 its meta, ``state_meta``; ``layout_to_resume``, ``optimizer_shards``, ``param_slots``) and ``close``;
 ``gaengine.checkpoint`` reads no mode flag of it. What the engine owns: the window (micro-batch count, items, loss
 sum, which parameters it reached), the loss scale, the noise scale and the schedule.
@@ -51,14 +51,14 @@ from torch import nn
 
 from gaengine.accumulation import Accumulation
 from gaengine.bucket import build_buckets
-from gaengine.buffer import FlatBuffer, FlatLayout, initial_order, learned_order
+from gaengine.buffer import FlatBuffer, FlatLayout, copy_into, initial_order, learned_order
 from gaengine.compat import composable_apis, reduce_scatter_single
 from gaengine.formats import STATE_FORMAT
 from gaengine.hooks import make_hooks
 from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase
 from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed,
                              wait_for)
-from gaengine.store import ParameterStore, ParamSlot, reshard_state
+from gaengine.store import ParameterStore, ParamSlot, WindowChunk, reshard_state
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardedReduction, ShardLayout, ShardReducer,
                            StagedReduction, zero_order)
@@ -124,6 +124,33 @@ class Update:
         if self.store is not None:
             self.store.check_model()
 
+    def masters_to_model(self) -> None:
+        """``GradientAccumulator.masters_to_model``: the model's writes since the last update reach the masters, then
+        the masters' rounding goes into the model (nothing without masters). ``RuntimeError`` where the store holds
+        1-D shards of the masters (``zero_stage`` >= 1 on several ranks: the update gathers them into the model)."""
+        store = self.store
+        if store is None or store.master_buffer is None:
+            return
+        if not store.shaped:
+            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
+                               "the fp32 masters; the update gathers them into the model")
+        store.pull_model_writes()  # a model write since the last update is kept, not overwritten
+        store.copy_to_model()
+
+    def check_release(self) -> None:
+        """``ValueError`` unless the optimizer can be given back to the model (``close(release_optimizer=True)``): not
+        where it holds 1-D shards (``zero_stage`` >= 1 on several ranks)."""
+        if self.store is not None and not self.store.shaped:
+            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
+                             "1-D shards of the parameters; gather its state with "
+                             "gaengine.full_optimizer_state_dict first, or close() without it")
+
+    def release_to_model(self) -> None:
+        """The optimizer given back to the model (``gaengine.store.ParameterStore.release_to_model``); nothing
+        without one."""
+        if self.store is not None:
+            self.store.release_to_model()
+
     def wait_gathers(self) -> None:
         """Wait for the parameters' all-gathers still in flight (``overlap_param_gather``): the parameters whole."""
         if self.gather is not None:
@@ -161,6 +188,7 @@ class ShardingStrategy(ABC):
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
+    holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
     sharded = False
     reduction_type: type[Reduction] = Reduction
 
@@ -309,10 +337,10 @@ class ShardingStrategy(ABC):
     # ------------------------------------------------------------------ state dict
     # One format for every strategy (gaengine.checkpoint.accumulator_state_dict): what differs per strategy is what
     # its ranges of the parameters are (param_slots), where the window's sums lie in the checkpoint and how they
-    # load (window_state, load_window_state), which layout a resumed state goes on in (layout_to_resume), what the
+    # load (window_sums, load_window_state), which layout a resumed state goes on in (layout_to_resume), what the
     # meta records of it (state_meta) and where its optimizer's state lies (optimizer_shards). gaengine.checkpoint
     # asks these; it reads no flag of the strategy.
-    FORMAT = STATE_FORMAT  # the tag of scalars_state_dict()
+    FORMAT = STATE_FORMAT  # the tag of a state dict (gaengine.stages.StageStates.state_items)
 
     def finish_collectives(self) -> None:
         """Before a state dict reads the buffers: the parameters' gathers complete (``model.state_dict()`` views
@@ -332,40 +360,27 @@ class ShardingStrategy(ABC):
             out.append(dataclasses.replace(slot, grad=grads[i].view(-1)))
         return out
 
-    def state_dict(self, acc) -> dict:
-        """``acc.state_dict()``: ``gaengine.checkpoint.accumulator_state_dict`` (DCP's form; ``torch.save`` takes it
-        where this rank holds every value whole)."""
-        from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports torch.distributed.checkpoint
-
-        return accumulator_state_dict(acc)
-
-    def load_state_dict(self, acc, state: dict) -> None:
-        """``acc.load_state_dict(state)`` of what ``state_dict`` returned on any strategy and world size
-        (``gaengine.checkpoint.load_accumulator_state_dict``: ``ValueError``, nothing changed, for another format or
-        model, or a window saved on another world size or strategy; an earlier gaengine's format names
-        ``gaengine.checkpoint.upgrade``)."""
-        from gaengine.checkpoint import load_accumulator_state_dict  # noqa: PLC0415
-
-        load_accumulator_state_dict(acc, state)
+    def check_saveable(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Before a state dict is taken (``gaengine.checkpoint.accumulator_state_dict``): ``ValueError`` where this
+        strategy cannot save ``optimizer``'s state by ranges; by default every optimizer saves."""
 
     def state_meta(self) -> dict[str, Any]:
         """This strategy's entries in a checkpoint's meta (``gaengine.checkpoint.accumulator_state_dict``):
         ``mode`` (its ``name``), ``sharded`` (the optimizer state is split over several ranks) and ``window_rows``
-        (mid-window each rank saves its own unreduced sums, one row per rank: ``window_state``). A state saved
+        (mid-window each rank saves its own unreduced sums, one row per rank: ``window_sums``). A state saved
         mid-window resumes only where they and the world size are alike."""
         return {"mode": self.name, "sharded": self.sharded, "window_rows": False}
 
-    def window_state(self, mid_window: bool) -> list[Any]:
-        """Per parameter (layout order), the window's fp32 gradient sum as a checkpoint holds it: a
-        ``gaengine.checkpoint.FlatShard`` over ``param_slots``' range ``[lo, hi)`` of the flattened parameter
-        (``(numel,)``). Mid-window the sums (``_window_sums_to_save``); between windows a template over the
-        gradient views (``dcp.save`` writes None, ``dcp.load`` reads into them). A loading checkpoint takes the
-        chunks where these say (``load_window_state``). Every rank calls it (``ZeroStage1``: a collective)."""
-        from gaengine.checkpoint import FlatShard  # noqa: PLC0415 - imports torch.distributed.checkpoint
-
+    def window_sums(self, mid_window: bool) -> list[WindowChunk]:
+        """Per parameter (layout order), where the window's fp32 gradient sum lies in a checkpoint
+        (``gaengine.store.WindowChunk``; ``gaengine.checkpoint`` wraps each in a ``FlatShard``, a template between
+        windows): by default ``param_slots``' range ``[lo, hi)`` of the flattened parameter (``(numel,)``).
+        Mid-window the sums (``_window_sums_to_save``); between windows the gradient views (``dcp.load`` reads into
+        them). A loading checkpoint takes the chunks where these say (``load_window_state``). Every rank calls it
+        (``ZeroStage1``: a collective)."""
         slots = self.param_slots()
         sums = self._window_sums_to_save() if mid_window else [s.grad for s in slots]
-        return [FlatShard(local, s.param.numel(), s.lo, template=not mid_window) for s, local in zip(slots, sums)]
+        return [WindowChunk(local, s.param.numel(), s.lo) for s, local in zip(slots, sums)]
 
     def _window_sums_to_save(self) -> list[torch.Tensor]:
         """Mid-window, per parameter (layout order): the ``(hi - lo,)`` fp32 sum of the window's gradient over this
@@ -376,11 +391,9 @@ class ShardingStrategy(ABC):
     def load_window_state(self, sums: list[torch.Tensor], written: list[bool],
                           every_rank_written: list[list[bool]]) -> list[bool]:
         """Write a window saved mid-window into the gradient views: ``sums`` per parameter (layout order), the
-        ``(hi - lo,)`` fp32 chunks ``window_state`` placed (a chunk ``dcp.load`` already wrote in place is not
+        ``(hi - lo,)`` fp32 chunks ``window_sums`` placed (a chunk ``dcp.load`` already wrote in place is not
         copied). ``written``: this rank's saved written flags; ``every_rank_written``: every saving rank's, in rank
         order. Returns the written flags (layout order) the hooks resume with: by default this rank's."""
-        from gaengine.checkpoint import copy_into  # noqa: PLC0415
-
         for dst, src in zip(self.accumulation.shard_grads, sums, strict=True):
             copy_into(dst.view(-1), src)
         return written
@@ -412,6 +425,7 @@ class Replicated(ShardingStrategy):
 
     name = "replicated (zero_stage=0)"
     adopts_params = True
+    holds_whole_grad = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -482,17 +496,15 @@ class Replicated(ShardingStrategy):
     def state_meta(self) -> dict[str, Any]:
         return {**super().state_meta(), "window_rows": self.distributed}
 
-    def window_state(self, mid_window: bool) -> list[Any]:
-        """Several ranks: mid-window each rank holds its own unreduced sums of whole parameters, saved as its row of
-        a ``(world x numel,)`` tensor (``FlatShard.own``), so that the window resumes bit-identically on the same
-        world size; one rank: the whole parameters (``ShardingStrategy.window_state``)."""
+    def window_sums(self, mid_window: bool) -> list[WindowChunk]:
+        """Several ranks: each rank holds its own unreduced sums of whole parameters, saved as its row of a
+        ``(world x numel,)`` tensor (``WindowChunk.own``), so that a window resumes bit-identically on the same world
+        size; one rank: the whole parameters (``ShardingStrategy.window_sums``)."""
         if not self.distributed:
-            return super().window_state(mid_window)
-        from gaengine.checkpoint import FlatShard  # noqa: PLC0415 - imports torch.distributed.checkpoint
-
+            return super().window_sums(mid_window)
         rank, world = dist.get_rank(self.process_group), self.world_size
-        return [FlatShard(s.grad, world * s.param.numel(), rank * s.param.numel() + s.lo, template=not mid_window,
-                          own=True) for s in self.param_slots()]
+        return [WindowChunk(s.grad, world * s.param.numel(), rank * s.param.numel() + s.lo, own=True)
+                for s in self.param_slots()]
 
     def layout_to_resume(self, saved: list[int], own: list[int]) -> list[int]:
         return saved  # the layout follows the arrival order: set_layout lays the saved one out

@@ -164,13 +164,14 @@ def check_tensor(value: Any, key: str, dtype: torch.dtype | None = None) -> None
         raise corrupt(key, f"a {dtype} tensor", value.dtype)
 
 
-# The scalars load_scalars_state reads without a default (the others are absent from some earlier states).
+# The scalars gaengine.stages.StageStates.load_state_items reads without a default (the others are absent from some
+# earlier states).
 _SCALAR_KEYS = ("num_micro_batches", "accumulation_steps", "item_mode", "items_host", "items_dev", "loss_sum",
                 "failed_backward", "consecutive_skips", "layout_order", "arrival", "written", "scaler")
 
 
 def check_hooks_state(state: Mapping[str, Any], n_params: int) -> None:
-    """``ValueError`` naming the key unless the scalars hold every key ``load_scalars_state`` reads
+    """``ValueError`` naming the key unless the scalars hold every key ``StageStates.load_state_items`` reads
     (``_SCALAR_KEYS``) and the hooks' part is in range: ``written`` ``n_params``
     bools, ``expected_arrivals`` None (a state saved before it was learned) or ``n_params`` ints >= 1, ``arrival``
     None or layout indices in ``[0, n_params)``, ``window_used`` None or ``n_params`` bools. A state saved
@@ -270,7 +271,7 @@ def check_plain_state(state: Mapping[str, Any]) -> None:
     """``ValueError`` naming the key unless ``state`` holds what a ``PLAIN_FORMAT`` state held: ``param_shapes``
     (lists of ints), ``param_dtypes`` (strs), ``world_size`` (an int >= 1), ``master`` (None or an fp32 tensor),
     ``main_grad`` (an fp32 tensor) and ``layout_order`` (a list); the scalars are checked by
-    ``acc.check_scalars_state`` after."""
+    ``StageStates.check_state_items`` after."""
     for name in _PLAIN_KEYS:
         _need(state, name, "state")
     shapes, dtypes = state["param_shapes"], state["param_dtypes"]

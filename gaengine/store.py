@@ -59,7 +59,7 @@ from gaengine.reduce import Collective, wait_for
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 from gaengine.zero import ShardLayout, zero_order
 
-__all__ = ["PARAM_WRITERS", "DTensorShards", "ParamSlot", "ParameterStore", "reshard_state"]
+__all__ = ["PARAM_WRITERS", "DTensorShards", "ParamSlot", "ParameterStore", "WindowChunk", "reshard_state"]
 
 PARAM_WRITERS = ("eval", "train")
 """Optimizer methods known to write the parameters the optimizer holds outside ``step()``: the schedule-free
@@ -88,6 +88,19 @@ class ParamSlot:
     optimized: bool
     master: bool
     grad: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class WindowChunk:
+    """Where one parameter's window gradient sum lies in a checkpoint (``ShardingStrategy.window_sums``;
+    ``gaengine.checkpoint`` saves it as a ``FlatShard``). local: the ``(length,)`` fp32 sum this rank saves or
+    loads into. numel: elements of the whole saved tensor. start: where ``local`` starts in it. own: ``local`` is
+    this rank's own row of a tensor holding one row per rank (a replicated run's unreduced sums on several ranks)."""
+
+    local: torch.Tensor
+    numel: int
+    start: int
+    own: bool = False
 
 
 class DTensorShards:

@@ -28,7 +28,7 @@ from gaengine import optimizers
 from gaengine.buffer import FlatBuffer
 
 __all__ = ["LOW_PRECISION", "WindowGrads", "check_optimizer_step", "convert_state", "expose_grads", "merge_model_write",
-           "param_versions", "step_optimizer", "step_scheduler"]
+           "param_versions", "step_optimizer", "step_scheduler", "SchedulerWatch"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes that get fp32 master weights
 
@@ -117,6 +117,35 @@ def step_scheduler(lr_scheduler, applied: bool | None, skipped: torch.Tensor) ->
         applied = not bool(skipped)  # host read: the scheduler runs on the host
     if applied:
         lr_scheduler.step()
+
+
+class SchedulerWatch:
+    """The accumulator's ``lr_scheduler`` stepped only by ``step()``: ``check`` raises ``RuntimeError`` when it was
+    stepped outside since the last update (its ``last_epoch`` moved), which would decay its learning rate twice as
+    fast. Armed by the first update (``stepped``: a scheduler resumed before it is fine) and by ``load_state_dict``."""
+
+    def __init__(self, lr_scheduler) -> None:
+        self.lr_scheduler = lr_scheduler
+        self.epoch: int | None = None  # lr_scheduler.last_epoch after the last update
+
+    def stepped(self) -> None:
+        """The accumulator stepped (or restored) the scheduler: its ``last_epoch`` now is the one to keep."""
+        self.epoch = getattr(self.lr_scheduler, "last_epoch", None)
+
+    def check(self) -> None:
+        """``RuntimeError`` when the scheduler was stepped outside ``acc.step()`` since it was last ``stepped``."""
+        if self.epoch is None:
+            return
+        epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        if epoch is not None and epoch != self.epoch:
+            raise RuntimeError(
+                f"lr_scheduler ({type(self.lr_scheduler).__name__}) was stepped outside acc.step(): its last_epoch is "
+                f"{epoch}, but acc.step() left it at {self.epoch}. The accumulator was given it as "
+                f"GradientAccumulator(..., lr_scheduler=...) and steps it once per applied update, so your own "
+                f"scheduler.step() would decay the learning rate {epoch - self.epoch + 1} times as fast. "
+                f"Remove your scheduler.step() (or pass lr_scheduler=None and step it yourself when acc.step() "
+                f"returns a result whose skipped is False); to restore the scheduler's state, load it through "
+                f"acc.load_state_dict(). Nothing was accumulated or applied by this call")
 
 
 def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int], wrap=None) -> None:

@@ -9,6 +9,8 @@ themselves live with the sharding strategy (``gaengine.sharding``), the per-para
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +20,11 @@ import torch.distributed as dist
 from gaengine.reduce import HostMailbox, WindowStats, count_mismatch_message
 
 MEMBERSHIP_SETTING = "trainable parameters changed in the window"
-"""The window setting (``GradientAccumulator._window_settings``) that tells ranks which changed their trainable
+"""The window setting (``gaengine.membership.membership_term``) that tells ranks which changed their trainable
 parameters in the middle of a window from those which did not."""
 
-__all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items", "foreign_gradient_error"]
+__all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items", "foreign_gradient_error",
+           "warn_dropped_window"]
 
 FAILED_WINDOW = ("a backward in this accumulation window raised, so the window is no longer a sum of whole "
                  "micro-batches; call acc.zero_grad() to drop it, then go on")
@@ -41,10 +44,14 @@ class Window:
     that a backward of this window retained (``retain_graph=True``), to refuse a second backward through them
     (``claim_graph``). settings: ``(name, value)`` pairs of the settings every rank must share (the window's K,
     ``max_grad_norm``), set by the accumulator before the stats all-reduce carries them (several ranks).
+    grads_left: the accumulator left a gradient in the parameters' ``.grad`` (``step()`` without an optimizer, the
+    gradient ``begin_step()`` lent, a resumed state): the next ``backward()`` clears it. Kept across windows.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.grads_left = False
+        self.dropped_warned = False  # warn_dropped_window warned once
         self.reset()
 
     def reset(self) -> None:
@@ -290,6 +297,19 @@ def foreign_gradient_error(exc: BaseException, loss: torch.Tensor, acc: Any) -> 
 NUM_ITEMS_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
 
 
+def warn_dropped_window(window: Window | None, how: str) -> None:
+    """One ``UserWarning`` when the accumulator is closed (``how``) with micro-batches in its ``window`` (None: the
+    constructor raised before building it)."""
+    k = 0 if window is None or window.failed else window.num_micro_batches
+    if k > 0 and not window.dropped_warned:
+        window.dropped_warned = True
+        warnings.warn(
+            f"{how} dropped the {k} micro-batch(es) of an unfinished accumulation window: they were never "
+            f"applied. Call acc.step(force=True) before acc.close() (and "
+            f"at the end of every epoch) to apply a partial window, exactly normalized by what it holds; "
+            f"acc.zero_grad() drops it without this warning", UserWarning, stacklevel=3)
+
+
 def check_num_items(num_items: Any, device: torch.device | None = None) -> int | torch.Tensor:
     """``num_items`` as ``Window.add`` takes it: an int >= 1, or a one-element tensor of a ``NUM_ITEMS_DTYPES``
     dtype on the CPU or on ``device`` (the parameters'), reshaped to 0-d and never read on the host. What the host
@@ -400,6 +420,20 @@ class RankCounts:
         values = self._mailbox.read()
         flags = values[self.world_size:]
         return ([int(c) for c in values[:self.world_size]], [n for n, f in zip(self._names, flags) if f]), saved
+
+    def take_error(self, schedule: Any, scaler: Any) -> Exception | None:
+        """Read the last window's counts (``take``; called first thing by ``backward()`` and ``step()``, the window
+        since empty): None where they agreed; else what its ``step()`` counted is restored (``schedule``'s update
+        count and items seen, the loss scale of ``scaler``) and the error returned (``error``)."""
+        (counts, settings_differ), (update_index, items_seen, scaler_state) = self.take()
+        if all(c == counts[0] for c in counts) and not settings_differ:
+            return None
+        schedule.update_index, schedule.items_seen = update_index, items_seen
+        if scaler_state is not None:
+            scaler.scale.copy_(scaler_state[0])
+            scaler.growth_tracker.copy_(scaler_state[1])
+        return self.error(counts, f" in the last window (after {update_index} updates: its step() skipped the update "
+                                  "on the device without reading the counts, this call read them)", settings_differ)
 
     def error(self, counts: list[int], found: str = "", differ: list[str] = ()) -> Exception:
         """The error of a window whose ranks held different counts (``RuntimeError``,

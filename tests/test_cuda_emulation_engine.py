@@ -48,6 +48,7 @@ from tests.tolerances import assert_bitwise_equal, dot_rtol, gemm_bound, rel_dif
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "cuda_emu"))
 import build as emu_build  # noqa: E402
+from tests.models import OddSizesNet as Net, ManySmallParams as Many
 
 pytestmark = pytest.mark.skipif(emu_build.find_cxx() is None,
                                 reason="no C++ compiler ($CXX, g++, c++, clang++) to build the emulation")
@@ -57,29 +58,6 @@ pytestmark = pytest.mark.skipif(emu_build.find_cxx() is None,
 def emu(request, monkeypatch):
     """The cuda backend on CPU tensors, from the emulated build; native hooks; no GAENGINE_BACKEND."""
     return emulated_cuda.install(request, monkeypatch, as_default=False)
-
-
-# ----------------------------------------------------------------------------------------------------- the model
-class Net(nn.Module):
-    """Odd sizes (a 4773-element weight: two bucket chunks; 1, 37, 65, 129 elements), a tied weight (``enc.weight``
-    used twice: AccumulateGrad sums both uses, one arrival), an empty parameter (0 elements, used), and optionally
-    an unused branch (no gradient: its bucket is launched incomplete in ``end()``, the norm needs a pass)."""
-
-    def __init__(self, dtype: torch.dtype, unused: bool):
-        super().__init__()
-        self.enc = nn.Linear(37, 129)
-        self.mid = nn.Linear(129, 65)
-        self.out = nn.Linear(65, 1)
-        self.gain = nn.Parameter(torch.randn(1) * 0.5 + 1)
-        self.empty = nn.Parameter(torch.zeros(0))
-        self.unused = nn.Linear(5, 3) if unused else None
-        self.to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.enc(x))
-        back = h @ self.enc.weight  # the tied use
-        y = self.out(torch.tanh(self.mid(h))) * self.gain + self.empty.sum()
-        return y.float().pow(2).sum(-1) + 0.1 * back.float().pow(2).mean(-1)  # per item
 
 
 def _batches(n: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -277,29 +255,6 @@ def test_clipping_scales_by_the_runs_own_coefficient(emu, unused):
             for i, (view, grad) in enumerate(zip(record["views"], record["grads"], strict=True)):
                 if record["written_by_param"][i]:
                     assert_bitwise_equal(grad, view.view_as(grad) * coef, f"{run.backend} window {w}: grad {i}")
-
-
-class Many(nn.Module):
-    """800 parameters of 1..23 elements, alternately fp32 and bf16: more sources than one bucket launch takes (512:
-    a split launch, its partials columns after the first launch's) and more parameters than one AdamW launch takes
-    (384) in each of its two dtype groups. Plus two pairs used through torch.cat, whose second gradient autograd
-    hands over as a view 3 elements into the cat's gradient (12 or 6 bytes off 16: the bucket kernel's unaligned
-    path)."""
-
-    def __init__(self, n: int = 800):
-        super().__init__()
-        dtypes = (torch.float32, torch.bfloat16)
-        self.ws = nn.ParameterList(nn.Parameter((torch.randn(1 + i % 23) * 0.3).to(dtypes[i % 2])) for i in range(n))
-        self.pairs = nn.ParameterList(nn.Parameter((torch.randn(n_el) * 0.1).to(dtype))
-                                      for dtype in dtypes for n_el in (3, 4097))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.float().mean(-1, keepdim=True)
-        total = sum(torch.tanh(w.float() * s).sum(-1) for w in self.ws)
-        for a, b in zip(self.pairs[0::2], self.pairs[1::2]):
-            c = torch.cat([a, b]).float()
-            total = total + (c * c.roll(1) * s).sum(-1)
-        return total.pow(2)
 
 
 def test_unaligned_gradients_exist():

@@ -11,6 +11,7 @@ from torch import nn
 import gaengine
 from tests.conftest import backend_params
 from tests.tolerances import assert_bitwise_equal, mean_rtol, network_rtol, rel_diff
+from tests.models import HoldsWrapped as _Holder
 
 
 def _model():
@@ -89,18 +90,6 @@ def test_ddp_wrapped_model(tmp_path):
             gaengine.GradientAccumulator(ddp, None)
     finally:
         dist.destroy_process_group()
-
-
-class _Holder(nn.Module):
-    """A plain module holding a DDP-wrapped layer inside (as Lightning Fabric's ``_FabricModule`` holds one)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.head = nn.Linear(4, 4)
-        self.body = nn.Sequential(inner)
-
-    def forward(self, x):
-        return self.body(self.head(x))
 
 
 def test_ddp_nested_in_a_plain_module(tmp_path):

@@ -35,6 +35,7 @@ from tests import poison
 from tests.oracle_hooks import hooks_selected
 from tests.ranks import free_port, spawn_ranks
 from tests.tolerances import recipe_grad_rtol, recipe_param_rtol, rel_diff
+from tests.models import ThreeBlocks
 
 pytestmark = pytest.mark.multiproc
 
@@ -42,21 +43,8 @@ K, B, T, IN, HID, OUT, STEPS, LR, MAX_NORM = 3, 2, 4, 6, 10, 5, 3, 1e-2, 0.05
 BF16_K = 16
 
 
-class Net(nn.Module):
-    """Three blocks (each its own ``fully_shard`` group) and a side head no case calls in ``unused``. OUT = 5 rows
-    shard unevenly over 2, 3 and 4 ranks (a rank may hold none of a bias)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l0 = nn.Linear(IN, HID)
-        self.l1 = nn.Linear(HID, HID)
-        self.head = nn.Linear(HID, OUT)
-        self.side = nn.Linear(HID, OUT)
-
-    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.l1(torch.tanh(self.l0(x))))
-        out = self.head(h)
-        return out + self.side(h) if use_side else out
+def _net() -> ThreeBlocks:
+    return ThreeBlocks(IN, HID, OUT)
 
 
 def _data(world: int, steps: int = STEPS, k: int = K, seed: int = 7):
@@ -144,7 +132,7 @@ def _run_case(rank: int, world: int, cfg: dict) -> dict:
 
 def _run_case_on_hooks(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(0)
-    model = _shard(Net(), world)
+    model = _shard(_net(), world)
     opt = _optimizer(cfg["opt"], model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if cfg["scheduler"] else None
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=_Schedule() if cfg["schedule"] else K,
@@ -174,7 +162,7 @@ def _fsdp2_recipe(rank: int, world: int) -> list[torch.Tensor]:
     """FSDP2's own recipe of the mean case: sync on the last micro-batch only, fp32, clip_grad_norm_ over the
     DTensor gradients."""
     torch.manual_seed(0)
-    model = _shard(Net(), world)
+    model = _shard(_net(), world)
     opt = _optimizer("adamw-fused", model.parameters())
     xs, labels = _data(world)
     for s in range(STEPS):
@@ -197,7 +185,7 @@ def _bf16_windows(rank: int, world: int) -> dict:
     xs, labels = _data(world, steps=3, k=BF16_K, seed=11)
     out = {}
     torch.manual_seed(0)
-    model = _shard(Net().to(torch.bfloat16), world, mp_policy=mp_policy)
+    model = _shard(_net().to(torch.bfloat16), world, mp_policy=mp_policy)
     acc = gaengine.GradientAccumulator(model, _optimizer("adamw-fused", model.parameters()),
                                        accumulation_steps=BF16_K, max_grad_norm=None)
     assert acc.master_buffer is not None
@@ -214,7 +202,7 @@ def _bf16_windows(rank: int, world: int) -> dict:
                                  for m, p in zip(masters, model.parameters()))
     acc.close()
     torch.manual_seed(0)
-    model = _shard(Net().to(torch.bfloat16), world, mp_policy=mp_policy)
+    model = _shard(_net().to(torch.bfloat16), world, mp_policy=mp_policy)
     for j in range(BF16_K):
         _loss(model, xs[0, rank, j].bfloat16(), labels[0, rank, j], False, True).backward()
     out["fsdp2_bf16"] = {i: p.grad.to_local().float().clone() for i, p in enumerate(model.parameters())}
@@ -232,7 +220,7 @@ def _noise_run(rank: int, world: int, mode: str) -> dict:
     """``measure_noise_scale=True`` over ``NOISE_PLAN`` (SGD; a static loss scale of 128 in mean mode): the full
     parameters before each window and each window's (B_simple, tr Sigma, |G|^2)."""
     torch.manual_seed(0)
-    model = _shard(Net(), world)
+    model = _shard(_net(), world)
     acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=K,
                                        max_grad_norm=None, measure_noise_scale=True, noise_scale_ema=NOISE_EMA,
                                        loss_scale=128.0 if mode == "mean" else None)
@@ -289,61 +277,61 @@ def _refusals(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         wrapped = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
         nn.Module.__init__(wrapped)
-        wrapped._fsdp_wrapped_module = Net()
+        wrapped._fsdp_wrapped_module = _net()
         wrapped.training_state = TrainingState.IDLE
         return wrapped, {}
 
     def foreign_dtensor():
         torch.manual_seed(0)
-        m = Net()
+        m = _net()
         m.l0.weight = nn.Parameter(distribute_tensor(m.l0.weight.detach(), mesh, [Shard(0)]))
         return m, {}
 
     def child_only():
         torch.manual_seed(0)
-        m = Net()
+        m = _net()
         fully_shard(m.l0, mesh=mesh)
         return m, {}
 
     def mixed():
         torch.manual_seed(0)
-        m = Net()
+        m = _net()
         fully_shard(m, mesh=mesh, ignored_params={m.side.weight})
         return m, {}
 
     def offload():
         torch.manual_seed(0)
-        return _shard(Net(), world, offload_policy=CPUOffloadPolicy(pin_memory=False)), {}
+        return _shard(_net(), world, offload_policy=CPUOffloadPolicy(pin_memory=False)), {}
 
     def zero():
         torch.manual_seed(0)
-        return _shard(Net(), world), {"zero_stage": 1}
+        return _shard(_net(), world), {"zero_stage": 1}
 
     def reduce_dtype():
         torch.manual_seed(0)
-        return _shard(Net(), world), {"reduce_dtype": torch.bfloat16}
+        return _shard(_net(), world), {"reduce_dtype": torch.bfloat16}
 
     def fused_adamw():
         torch.manual_seed(0)
-        m = _shard(Net(), world)
+        m = _shard(_net(), world)
         return m, {"optimizer": gaengine.optim.FusedAdamW(m.parameters(), lr=LR)}
 
     def sync_off():
         torch.manual_seed(0)
-        m = _shard(Net(), world)
+        m = _shard(_net(), world)
         m.set_requires_gradient_sync(False)
         m._sync_off = True
         return m, {}
 
     def full_export():  # gaengine's flat export has no layout to read here: torch's own export is named
         torch.manual_seed(0)
-        m = _shard(Net(), world)
+        m = _shard(_net(), world)
         m._export = True
         return m, {}
 
     def non_elementwise_state():  # acc.state_dict() cuts the optimizer's state into ranges: elementwise only
         torch.manual_seed(0)
-        m = _shard(Net(), world)
+        m = _shard(_net(), world)
         m._state = True
         return m, {"optimizer": torch.optim.Adagrad(m.parameters(), lr=LR)}
 
@@ -351,20 +339,20 @@ def _refusals(rank: int, world: int) -> dict:
         from gaengine.formats import FSDP2_FORMAT
 
         torch.manual_seed(0)
-        m = _shard(Net(), world)
+        m = _shard(_net(), world)
         m._load = {"format": FSDP2_FORMAT, "main_grad": torch.zeros(3), "master": None}
         return m, {"accumulation_steps": K}
 
     def other_model():  # acc.state_dict() of another model (l0.weight frozen there): refused, the window kept
         torch.manual_seed(0)
-        other = _shard(Net(), world)
+        other = _shard(_net(), world)
         other.l0.weight.requires_grad_(False)
         saver = gaengine.GradientAccumulator(other, torch.optim.AdamW(other.parameters(), lr=LR),
                                              accumulation_steps=K)
         state = saver.state_dict()
         saver.close()
         torch.manual_seed(0)
-        m = _shard(Net(), world)
+        m = _shard(_net(), world)
         m._load = state
         return m, {"accumulation_steps": K}
 
@@ -382,7 +370,7 @@ def _refusals(rank: int, world: int) -> dict:
 def _rank_dies(rank: int, world: int) -> dict:
     """Rank 1 stops after the first micro-batch of a window; rank 0 must raise within the group's timeout."""
     torch.manual_seed(0)
-    model = _shard(Net(), world)
+    model = _shard(_net(), world)
     acc = gaengine.GradientAccumulator(model, _optimizer("adamw", model.parameters()), accumulation_steps=K)
     xs, labels = _data(world)
     acc.backward(_loss(model, xs[0, rank, 0], labels[0, rank, 0], False, True))
@@ -408,7 +396,7 @@ def _checkpoint(rank: int, world: int, out_dir: str) -> dict:
 
     def build():
         torch.manual_seed(0)
-        model = _shard(Net(), world)
+        model = _shard(_net(), world)
         opt = _optimizer("adamw-fused", model.parameters())
         return model, opt, gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=MAX_NORM)
 
@@ -474,13 +462,13 @@ def _resume_run(rank: int, world: int, out_dir: str, what: str) -> dict:
     def build():
         torch.manual_seed(0)
         if bf16:
-            model = _shard(Net().to(torch.bfloat16), world, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+            model = _shard(_net().to(torch.bfloat16), world, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
             opt = _optimizer("adamw-fused", model.parameters())
             acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=MAX_NORM,
                                                master_weights=True)
             assert acc.master_buffer is not None
         else:
-            model = _shard(Net(), world)
+            model = _shard(_net(), world)
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=None,
                                                measure_noise_scale=True, noise_scale_ema=NOISE_EMA)
@@ -577,7 +565,7 @@ def _reference(cfg: dict, world: int, divide_partial_by_k: bool = False) -> dict
     """The plain fp32 large-batch recipe over the global micro-batches (module docstring).
     divide_partial_by_k: the wrong recipe (a partial window divided by K instead of its own count)."""
     torch.manual_seed(0)
-    model = Net()
+    model = _net()
     opt = _optimizer(cfg["opt"], model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if cfg["scheduler"] else None
     xs, labels = _data(world)
@@ -614,7 +602,7 @@ def _param_rtol(q, world: int, opt: str = "adamw-fused", clip: float | None = MA
     """A parameter after ``steps`` windows on ``world`` ranks against the one-process recipe: ``recipe_grad_rtol``
     over the global batch's tokens (Net: 3 layers of width HID; each side's clip coefficient when clipping) through
     ``steps`` updates (tests/tolerances.py)."""
-    n = sum(p.numel() for p in Net().parameters())
+    n = sum(p.numel() for p in _net().parameters())
     grad_rtol = recipe_grad_rtol(world * K * B * T, 3, HID, n if clip is not None else 0)
     sgd = opt == "sgd"
     return recipe_param_rtol(q, "sgd" if sgd else "adamw", 0.1 if sgd else LR, steps, grad_rtol,
@@ -641,7 +629,7 @@ def _check_case(name: str, world: int, results: list[dict]) -> None:
                    for p, q in zip(results[0][name]["params"], wrong["params"]))
     if cfg["unused"]:  # the side head never got a gradient: no update (AdamW's weight decay would move it)
         torch.manual_seed(0)
-        fresh = Net()
+        fresh = _net()
         assert torch.equal(results[0][name]["params"][6], fresh.side.weight.detach())
 
 
@@ -649,7 +637,7 @@ def _bf16_bound(world: int, results: list[dict]) -> None:
     """gaengine's fp32 window sum of bf16 shards within ``_bf16_bound``'s per-element bound of the fp64 sum of the
     exact micro-batch gradients; FSDP2's own bf16 ``.grad`` accumulation outside it."""
     torch.manual_seed(0)
-    model = Net().to(torch.bfloat16)
+    model = _net().to(torch.bfloat16)
     xs, labels = _data(world, steps=3, k=BF16_K, seed=11)
     exact, absum = None, None
     for j in range(BF16_K):  # G_j = (1/d) sum_r g_jr in fp64, g_jr the rank's bf16 gradient (FSDP2's AVG)
@@ -685,7 +673,7 @@ def _noise_oracle(world: int, mode: str, before: list[list[torch.Tensor]], globa
     loss, ``n_k = d``, in mean mode: a rank's micro-batch is the unit, as without FSDP2); the big batch is the
     window, ``sum_k U_k / N``. global_small=False: the wrong recipe, each rank's micro-batch as a small batch."""
     xs, labels = _data(world, steps=len(NOISE_PLAN), seed=5)
-    model = Net().double()
+    model = _net().double()
     traces, grads, out = [], [], []
     for s, k in enumerate(NOISE_PLAN):
         if s != NOISE_POISONED:
@@ -805,7 +793,7 @@ def test_checkpoint_2_ranks_to_3(tmp_path):
             assert torch.equal(a, b), "a mid-window resume is not exact"
     three = _launch(tmp_path, 3, ["checkpoint"])
     torch.manual_seed(0)
-    model = Net()
+    model = _net()
     opt = _optimizer("adamw-fused", model.parameters())
     for s, world in ((0, 2), (1, 3)):
         xs, labels = _data(world)
@@ -940,7 +928,7 @@ def test_shard_hooks_wait_for_a_gradient_from_another_stream(tmp_path):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        plain = Net().cuda()
+        plain = _net().cuda()
         model = copy.deepcopy(plain)
         mesh = init_device_mesh("cuda", (1,))
         for block in (model.l0, model.l1, model.head, model.side):

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import checkpoint
 
 import gaengine
 from tests.ranks import free_port, spawn_ranks, torchrun_rank
 from tests.tolerances import (RTOL, dot_rtol, gemm_bound, low_precision_ulp, network_rtol, recipe_grad_rtol,
                               recipe_param_rtol, rel_diff, split_batch_rtol, sum_rtol)
+from tests.models import TiedLinears as _Tied, CheckpointedLinears as _Checkpointed
 
 _C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
 OPS = getattr(torch.ops, _C.OP_NAMESPACE)
@@ -324,22 +324,6 @@ def _check_window(model, batches, loss_fn, fused_weights, depth, width, **option
     return acc
 
 
-class _Tied(nn.Module):
-    """A tied embedding / LM head (one contribution fused, one through AccumulateGrad) and a Linear used twice."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 8)
-        self.shared = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 11, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx):
-        h = self.emb(idx)
-        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
-        return self.head(h)
-
-
 def _tied_loss(model, batch):
     idx = (batch.abs() * 7).long().clamp_max(10)[:, 0]
     return F.cross_entropy(model(idx).to(batch.dtype), idx.flip(0))
@@ -356,21 +340,6 @@ def test_frozen_weight_with_trainable_bias_and_inputs_without_grad():
     loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731 - x does not require grad
     _check_window(model, [torch.randn(5, 6) for _ in range(2)], loss_fn, [model[0]], depth=2, width=9)
     assert model[2].weight.grad is None
-
-
-class _Checkpointed(nn.Module):
-    def __init__(self, reentrant):
-        super().__init__()
-        self.reentrant = reentrant
-        self.inp = nn.Linear(6, 8)
-        self.shared = nn.Linear(8, 8)  # used by two checkpointed segments: two arrivals per backward when reentrant
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        for _ in range(2):
-            h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=self.reentrant)
-        return self.out(h)
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])

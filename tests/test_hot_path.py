@@ -25,22 +25,10 @@ import gaengine
 from tests.conftest import backend_params
 from tests.oracle_hooks import use_hooks
 from tests.tolerances import assert_bitwise_equal, sum_sq_rtol
+from tests.models import Chain, TiedChain, TwoStreams as _TwoStreams
 
 _C = pytest.importorskip("gaengine._C")
 GAENGINE_DIR = os.path.dirname(os.path.abspath(gaengine.__file__))
-
-
-class Chain(nn.Module):
-    """``n_params`` small parameters (16 elements each, bf16 or fp32), every one used by each forward."""
-
-    def __init__(self, n_params: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(16, dtype=dtype) * 0.1) for _ in range(n_params))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for w in self.weights:
-            x = torch.tanh(x * w + 0.1)
-        return x
 
 
 def _loss(model, seed, dtype=torch.float32):
@@ -108,19 +96,7 @@ def _run(hot_path: str, monkeypatch, dtype=torch.bfloat16, bucket_size_mb=1e-3, 
     use_hooks(monkeypatch, hot_path)
     torch.manual_seed(0)
 
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Linear(16, 16, bias=False)
-            self.body = Chain(12)
-            self.unused = nn.Linear(16, 16)
-
-        def forward(self, x):
-            h = self.emb(x)
-            h = self.body(h)
-            return h @ self.emb.weight  # the tied use: two contributions summed by AccumulateGrad
-
-    model = Tied().to(dtype)
+    model = TiedChain().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=k, max_grad_norm=0.5, backend="cpu",
                                        bucket_size_mb=bucket_size_mb)
@@ -154,28 +130,6 @@ def test_close_removes_the_hooks():
     _loss(ref, 0).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
-
-
-class _TwoStreams(torch.nn.Module):
-    """`side`'s forward (so its backward and its gradients) runs on a side stream, slowed by a sleep kernel, while
-    the rest runs on the caller's stream: a bucket mixes gradients made ready on two streams."""
-
-    def __init__(self, d=256):
-        super().__init__()
-        self.main = torch.nn.Linear(d, d)
-        self.side = torch.nn.Linear(d, d)
-        self.out = torch.nn.Linear(d, 1)
-        self.stream = None
-
-    def forward(self, x):
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            torch.cuda._sleep(1_000_000)  # the side stream runs late
-            s = torch.tanh(self.side(x))
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return self.out(torch.tanh(self.main(x)) + s).float().pow(2).mean()
 
 
 @pytest.mark.cuda

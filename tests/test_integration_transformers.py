@@ -35,24 +35,7 @@ VOCAB, SEQ = 100, 12
 
 
 from tests.accelerate_state import fresh_accelerate_state  # noqa: E402,F401 - autouse: Accelerate's state reset
-
-
-# ---------------------------------------------------------------- models and data
-class RegressionModel(nn.Module):
-    """y = a x + b with an MSE loss: the Trainer test suite's regression model (tests/trainer/test_trainer.py)."""
-
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        self.a = nn.Parameter(torch.zeros((), dtype=dtype))
-        self.b = nn.Parameter(torch.zeros((), dtype=dtype))
-        self.poison = False  # a test sets it to make the loss non-finite
-
-    def forward(self, input_x, labels=None):
-        y = input_x * self.a + self.b
-        if labels is None:
-            return (y,)
-        loss = nn.functional.mse_loss(y.float(), labels)
-        return (loss * float("inf") if self.poison else loss, y)
+from tests.models import RegressionModel
 
 
 class KwargsRegressionModel(RegressionModel):

@@ -189,3 +189,57 @@ def test_the_library_has_no_import_cycle():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_structure.py"), *rev],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "floors" in out.stdout, out.stderr
+
+
+def test_the_library_has_at_most_eight_floors():
+    """The library's longest chain of module-level imports (benchmarks/import_structure.py's floors) is at most 8: an
+    import made only for annotations sits under ``TYPE_CHECKING`` (the hooks name the reducer they call, which sits
+    above them)."""
+    _, library = _import_structure().analyse(None)
+    assert library.num_floors <= 8, {m: f for m, f in library.floors.items() if f == library.num_floors}
+
+
+# A test's nn.Module lives in tests/models.py, one definition each, so that models are found and shared, not copied
+# under another name (``_MLP`` twice, ``Net`` three times before). A module of a framework that skips without its
+# optional package (Lightning's ``LightningModule``) stays with the tests that import that package.
+_FRAMEWORK_MODULES = {"LightningModule"}
+
+
+def _module_classes_outside_models(files: list[Path], root: Path = ROOT) -> list[str]:
+    """``"<file>:<line> <class>"`` for each class of ``files`` (nested ones included) that derives from a name ending
+    in ``Module`` (``nn.Module``, ``torch.nn.Module``, an alias) other than a framework's, outside tests/models.py."""
+    offenders = []
+    for path in files:
+        if path.name == "models.py" and path.parent.name == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+            if any(b.endswith("Module") and b not in _FRAMEWORK_MODULES for b in bases):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    return offenders
+
+
+def test_test_models_live_in_models_py():
+    files = sorted(TESTS.rglob("*.py"))
+    offenders = _module_classes_outside_models(files)
+    assert not offenders, ("an nn.Module defined in a test module: move it into tests/models.py (one definition, "
+                           "parametrized by what differs) and import it from there:\n" + "\n".join(offenders))
+
+
+def test_the_checker_sees_test_models(tmp_path):
+    """Every spelling of a module class is caught outside tests/models.py (nested, aliased base), and tests/models.py
+    itself and a LightningModule are not."""
+    files = {
+        "tests/models.py": "from torch import nn\nclass Net(nn.Module):\n    pass\n",
+        "tests/test_a.py": "import torch\nclass _MLP(torch.nn.Module):\n    pass\n",
+        "tests/test_b.py": "from torch.nn import Module\ndef test():\n    class Tied(Module):\n        pass\n",
+        "tests/helper.py": "import lightning.pytorch as pl\nclass R(pl.LightningModule):\n    pass\n"
+                           "class Plain:\n    pass\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    offenders = _module_classes_outside_models(sorted(tmp_path.rglob("*.py")), root=tmp_path)
+    assert offenders == ["tests/test_a.py:2 _MLP", "tests/test_b.py:3 Tied"], offenders

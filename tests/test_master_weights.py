@@ -16,7 +16,7 @@ from torch import nn
 
 import gaengine
 from gaengine.optim import FusedAdamW
-from tests.models import Deep
+from tests.models import Deep, MixedDtypes as _Mixed
 from tests.oracle_hooks import use_hooks
 from tests.tolerances import clip_coef_rtol, low_precision_ulp, mean_rtol, unit_roundoff
 
@@ -295,23 +295,6 @@ def test_optimizer_over_a_subset_of_low_precision_params(master_weights):
         expected = r.detach().to(dtype)
         diff = (p.double() - expected.double()).abs()
         assert bool((diff <= low_precision_ulp(expected)).all()), float(diff.max())
-
-
-# ---------------------------------------------------------------- the model parameters in one flat buffer per dtype
-class _Mixed(nn.Module):
-    """bf16, fp16 and fp32 parameters. ``head`` is registered first and used last, so the gradients arrive in
-    an order other than the initial layout's (reverse registration) and the layout is re-learned."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Linear(16, 4).to(torch.float16)
-        self.body = nn.Linear(8, 16).to(torch.bfloat16)
-        self.norm = nn.LayerNorm(16)  # fp32
-        self.emb = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
-
-    def forward(self, x):
-        h = torch.tanh(self.body(self.emb(x.bfloat16()))).float()
-        return self.head(self.norm(h).half()).float()
 
 
 def _mixed_batch(w, k):

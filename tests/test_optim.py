@@ -28,6 +28,7 @@ from tests.tolerances import (
     rel_diff,
     unit_roundoff,
 )
+from tests.models import SmallMLP as _MLP
 
 RTOL = 1e-6
 SIZES = [1, 127, 4097]  # one element, a partial vector, one past a CPU block / two Triton blocks
@@ -579,15 +580,6 @@ def test_step_never_reaches_a_failed_torch_check(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------- with the engine
-
-
-class _MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.head = nn.Linear(16, 48), nn.Linear(48, 48), nn.Linear(48, 7)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["no-clip", "clip"])

@@ -10,20 +10,9 @@ import torch
 from torch import nn
 
 import gaengine
-from tests.models import Deep
+from tests.models import Deep, ConvBN, TwoStage
 from tests.tolerances import (adamw_param_rtol, assert_bitwise_equal, clipped_grad_rtol, network_rtol, rel_diff,
                               split_batch_rtol)
-
-
-class ConvBN(nn.Module):
-    def __init__(self, momentum=0.1):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 6, 3, padding=1)
-        self.bn = nn.BatchNorm2d(6, momentum=momentum)
-        self.head = nn.Linear(6, 2)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
 # ---------------------------------------------------------------- BatchNorm
@@ -98,19 +87,9 @@ class _FailOnce(torch.autograd.Function):
         return g
 
 
-class TwoStage(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 2)
-
-    def forward(self, x):
-        return self.b(_FailOnce.apply(torch.tanh(self.a(x))))
-
-
 def test_interrupted_backward_then_zero_grad_recovers():
     torch.manual_seed(0)
-    model = TwoStage()
+    model = TwoStage(_FailOnce.apply)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=2)

@@ -301,7 +301,7 @@ def _window(acc, model) -> dict:
     return copy.deepcopy({
         "main_grad": acc.main_grad.data, "params": list(model.state_dict().values()),
         "masters": None if acc.master_buffer is None else acc.master_buffer.data,
-        "scalars": acc.scalars_state_dict(), "optimizer": acc.optimizer.state_dict(),
+        "scalars": acc.state_parts().stages.state_items(), "optimizer": acc.optimizer.state_dict(),
         "lr_scheduler": acc.lr_scheduler.state_dict(), "k": acc.accumulation_steps,
         "grads": [p.grad for p in model.parameters()],
     })

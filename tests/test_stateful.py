@@ -35,6 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import gaengine
 from tests.tolerances import FP32_EPS
+from tests.models import TinyRegressor as Tiny
 
 LR, MOMENTUM = 0.05, 0.5
 GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's (and gaengine's "dynamic"): never reached by these programs
@@ -55,22 +56,6 @@ COUNT = st.one_of(st.integers(1, 9).map(int), st.integers(0, 9).map(lambda n: ("
                   st.integers(0, 9).map(lambda i: [("bad", -6.0), ("bad", math.nan), ("bad", math.inf)][i] if i < 3
                                         else ("tensor", i)))
 NAN_LOSS = st.integers(0, 49).map(lambda n: n == 0)
-
-
-class Tiny(torch.nn.Module):
-    """4 -> 3 -> 2, tanh; parameters in ``dtype``, the forward in fp32."""
-
-    def __init__(self, dtype: torch.dtype, seed: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w1 = torch.nn.Parameter((torch.randn(3, 4, generator=g) * 0.5).to(dtype))
-        self.b1 = torch.nn.Parameter((torch.randn(3, generator=g) * 0.1).to(dtype))
-        self.w2 = torch.nn.Parameter((torch.randn(2, 3, generator=g) * 0.5).to(dtype))
-        self.b2 = torch.nn.Parameter((torch.randn(2, generator=g) * 0.1).to(dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(F.linear(x, self.w1.float(), self.b1.float()))
-        return F.linear(h, self.w2.float(), self.b2.float())
 
 
 def _loss(model: Tiny, x: torch.Tensor, y: torch.Tensor, item_mode: bool) -> torch.Tensor:

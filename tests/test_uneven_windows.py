@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import gaengine
-from tests.models import Net
+from tests.models import Net, WideMLP as _MLP
 from tests.ranks import launch_scenario as launch_ranks
 from tests.tolerances import recipe_grad_rtol, recipe_param_rtol, rel_diff
 
@@ -41,19 +41,9 @@ CASES = {  # world -> (per-rank micro-batches in the epoch, zero_stage, variant)
 }
 
 
-class _MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(D, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x.to(self.a.weight.dtype)))).float()
-
-
 def _model(kind, dtype):
     torch.manual_seed(0)
-    return (_MLP() if kind == "mlp" else Net()).to(dtype)
+    return (_MLP(D) if kind == "mlp" else Net()).to(dtype)
 
 
 def _loss(kind, model, window, rank, k):

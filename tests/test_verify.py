@@ -17,7 +17,7 @@ from gaengine.utils import split_batch
 from gaengine.verify import GRAD_RTOL, EquivalenceReport, verify_equivalence
 from tests.conftest import seeded_randn
 from tests.helpers import ENGINE_BUGS, plant_engine_bug
-from tests.models import MLP, TinyLM
+from tests.models import MLP, TinyLM, BNNet, TiedPair as _TiedLinears
 from tests.tolerances import RTOL, mean_rtol, network_rtol
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,17 +31,6 @@ def _mse(model, batch):
 def _regression(n_rows=24, d_in=12, d_out=5, dtype=torch.float32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return seeded_randn(n_rows, d_in, generator=gen).to(dtype), seeded_randn(n_rows, d_out, generator=gen).to(dtype)
-
-
-class BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(12, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.head = nn.Linear(16, 5)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.bn(self.fc(x))))
 
 
 class DropNet(MLP):
@@ -264,22 +253,6 @@ def test_engine_bugs_fail_and_rounding_passes(monkeypatch, dtype, bug):
         assert str(report).startswith("gradient equivalence FAILED: the engine's accumulation is wrong (beyond "
                                       "rounding)\n")
         assert report.worst in report.failed
-
-
-# ---------------------------------------------------------------- gradient accumulation fusion
-class _TiedLinears(nn.Module):
-    """Two Linears and a head tied to an embedding (its gradient part fused, part through AccumulateGrad)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 12)
-        self.fc = nn.Linear(12, 16)
-        self.out = nn.Linear(16, 12)
-        self.head = nn.Linear(12, 10, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx):
-        return self.head(torch.tanh(self.out(torch.tanh(self.fc(self.emb(idx))))))
 
 
 def _tied_loss(model, batch):

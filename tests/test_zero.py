@@ -19,12 +19,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import gaengine
 from gaengine.zero import STAGING_SLOTS, ShardLayout, pad_unit, zero_order
 from tests.helpers import forbid_host_reads
-from tests.models import TINY, Net, SharedCheckpointed
+from tests.models import TINY, Net, SharedCheckpointed, FlatParams as _Flat
 from tests.models import D as SharedCheckpointed_D
 from tests.ranks import launch_scenario as launch_ranks
 from tests.ranks import free_port
@@ -117,20 +116,6 @@ def _run_config(rank, world, cfg):
 
 def _scenario_configs(rank, world, names):
     return {name: _run_config(rank, world, _cfg(name)) for name in names}
-
-
-class _Flat(nn.Module):
-    """Parameters whose sizes are multiples of lcm(8 d, 128) for d = 2, 3, 4: no bucket padding, so the bytes of
-    stage 0 and stage 1 compare exactly."""
-
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        self.a = nn.Linear(48, 32, bias=False)  # 1536 elements
-        self.b = nn.Linear(32, 12, bias=False)  # 384
-        self.to(dtype)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x.to(self.a.weight.dtype)))).float()
 
 
 def _count_bytes(log):

@@ -517,10 +517,10 @@ def test_two_rank_replicated_and_zero1_states_load_in_each_other(tmp_path):
 
 
 def test_every_strategy_tags_its_scalars_with_the_one_format():
-    """The strategies' FORMAT (the tag of acc.scalars_state_dict()) is gaengine.checkpoint.STATE_FORMAT."""
+    """The strategies' FORMAT (the tag of the stages' state items) is gaengine.checkpoint.STATE_FORMAT."""
     from gaengine.checkpoint import STATE_FORMAT  # noqa: PLC0415
     from gaengine.sharding import Replicated, ZeroStage1, ZeroStage2  # noqa: PLC0415
 
     assert {Replicated.FORMAT, ZeroStage1.FORMAT, ZeroStage2.FORMAT} == {STATE_FORMAT}
     model, _, acc = _build(2, 1)
-    assert acc.state_dict()["format"] == acc.scalars_state_dict()["format"] == STATE_FORMAT
+    assert acc.state_dict()["format"] == acc.state_parts().stages.state_items()["format"] == STATE_FORMAT
