@@ -112,24 +112,24 @@ deps = [r for r in meta["build-system"]["requires"] + meta["project"]["dependenc
 print("\n".join(["torch==" + sys.argv[1]] + deps + ["pytest", "pytest-xdist>=3.7", "filelock", "hypothesis"]))' "$version")
     if [[ ! -x "$venv/bin/python" ]] || ! printf '%s\n' "${reqs[@]}" | cmp -s - "$venv/.gaengine-smoke-reqs"; then
         rm -rf "$venv"
-        "$PYTHON" -m venv "$venv"
-        "$venv/bin/python" -m pip install --disable-pip-version-check -q "${reqs[@]}"
+        TIMEFORMAT="torch $version: virtualenv installed in %0R s (%0U s user, %0S s sys)"
+        time { "$PYTHON" -m venv "$venv" && "$venv/bin/python" -m pip install --disable-pip-version-check -q "${reqs[@]}"; }
         printf '%s\n' "${reqs[@]}" > "$venv/.gaengine-smoke-reqs"
-        echo "torch $version: virtualenv installed in $((SECONDS - t0)) s ($(du -sm "$venv" | cut -f1) MB)"
+        echo "torch $version: virtualenv $(du -sm "$venv" | cut -f1) MB"
     else
         echo "torch $version: virtualenv reused ($venv)"
     fi
-    local t1=$SECONDS
     rm -rf "$src"
     mkdir -p "$src"
     git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$src"
-    (cd "$src" && PATH="$venv/bin:$PATH" GAENGINE_BUILD_CUDA=0 MAX_JOBS="$jobs" "$venv/bin/python" setup.py -q \
-        build_ext --inplace > build.log 2>&1) || { tail -40 "$src/build.log" >&2; echo "FAILED: building gaengine._C against torch $version (log: $src/build.log)" >&2; exit 1; }
-    echo "torch $version: gaengine._C built against it in $((SECONDS - t1)) s"
-    local t2=$SECONDS
-    (cd "$src" && PATH="$venv/bin:$PATH" PYTHONPATH="$src" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    TIMEFORMAT="torch $version: gaengine._C built against it in %0R s (%0U s user, %0S s sys)"
+    time (cd "$src" && PATH="$venv/bin:$PATH" GAENGINE_BUILD_CUDA=0 MAX_JOBS="$jobs" "$venv/bin/python" setup.py -q \
+        build_ext --inplace > build.log 2>&1) \
+        || { tail -40 "$src/build.log" >&2; echo "FAILED: building gaengine._C against torch $version (log: $src/build.log)" >&2; exit 1; }
+    TIMEFORMAT="torch $version: smoke subset run in %0R s (%0U s user, %0S s sys)"
+    time (cd "$src" && PATH="$venv/bin:$PATH" PYTHONPATH="$src" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
         -n "$jobs" --dist loadfile --durations=10 "${SMOKE_TESTS[@]}")
-    echo "torch $version: smoke subset passed in $((SECONDS - t2)) s; $((SECONDS - t0)) s in all"
+    echo "torch $version: passed, $((SECONDS - t0)) s in all"
 }
 
 mode="${1:-headers}"
