@@ -60,11 +60,11 @@ demo: install
 # The suite on $(TEST_WORKERS) pytest-xdist workers (auto: one per core), a file's tests on one worker (--dist
 # loadfile: a module's fixtures are built once), the files with multi-process or slow tests handed out first
 # (tests/conftest.py; --no-loadscope-reorder keeps that order, where xdist would hand out the files with the most
-# tests first and leave a few-test, minutes-long file to run alone at the end). TEST_WORKERS=0 runs it in this
-# process.
+# tests first and leave a few-test, minutes-long file to run alone at the end), the 25 slowest tests listed at the
+# end (--durations=25: what a CI log needs to see where its time goes). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= auto
 test: $(DEV_STAMP) install
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: install
 	$(VPY) benchmarks/bench_accumulate.py
@@ -111,16 +111,26 @@ $(DEV_STAMP): $(BUILD_STAMP) pyproject.toml
 
 FORCE:
 
-# The torch range gaengine claims (docs/install.md): csrc/*.cpp compiled against the headers of the oldest and the
-# newest supported torch, then torch 2.14.1 installed in a scratch virtualenv, the extension built against it and the
-# smoke subset run (.ci/torch_range.sh full; several GB on first use). Run it before each submission that touches
-# csrc/ or gaengine/compat.py. `make torch-headers` is the part CI runs: the oldest torch's headers alone.
-.PHONY: torch-range torch-headers
+# The torch range gaengine claims (docs/install.md), .ci/torch_range.sh:
+#   make torch-headers  csrc/*.cpp compiled against the oldest supported torch's headers (2.9.1; CI runs it)
+#   make torch-newest   torch 2.14.1 (the newest supported) in a scratch virtualenv, gaengine._C built against it and
+#                       the smoke subset run (CI runs it; the virtualenv, 5.6 GB, is kept and reused)
+#   make torch-oldest   the same for torch 2.9.1 (the oldest supported: a CUDA wheel and its nvidia-* wheels
+#                       downloaded, several GB on first use)
+#   make torch-range    all of it: both versions' headers, then both smoke runs
+# Run `make torch-range` before each submission that touches csrc/ or gaengine/compat.py.
+.PHONY: torch-range torch-headers torch-newest torch-oldest
 torch-range:
 	PYTHON=$(PY) bash .ci/torch_range.sh full
 
 torch-headers:
 	PYTHON=$(PY) bash .ci/torch_range.sh headers 2.9.1
+
+torch-newest:
+	PYTHON=$(PY) bash .ci/torch_range.sh smoke 2.14.1
+
+torch-oldest:
+	PYTHON=$(PY) bash .ci/torch_range.sh smoke 2.9.1
 
 # The frameworks' own accumulation tests, plainly and through gaengine (tests/external/run_framework_tests.py): give
 # the checkouts, e.g. make framework-tests FRAMEWORKS="--transformers ../transformers@v5.24.0 --lightning

@@ -3,17 +3,29 @@
 #
 #   bash .ci/torch_range.sh headers [VERSION ...]   # csrc/*.cpp compiled (g++ -fsyntax-only) against the headers
 #                                                   # of each VERSION's torch (default 2.9.1, the oldest supported)
-#   bash .ci/torch_range.sh full                    # headers of 2.9.1 and 2.14.1, then 2.14.1 installed in a
-#                                                   # scratch virtualenv, the extension built against it there and
-#                                                   # the smoke subset run (`make torch-range`)
+#   bash .ci/torch_range.sh smoke VERSION           # torch VERSION installed in a scratch virtualenv, the extension
+#                                                   # built against it there and the smoke subset run
+#                                                   # (`make torch-newest`: 2.14.1, in CI; `make torch-oldest`: 2.9.1)
+#   bash .ci/torch_range.sh full                    # headers of 2.9.1 and 2.14.1, then smoke 2.14.1 and 2.9.1
+#                                                   # (`make torch-range`)
+#
+# The smoke subset (SMOKE_TESTS below, the one list): the hot path, the ops, ZeRO and FSDP2 basics, the bench's quick
+# rows and their plausibility checks, the range checks themselves.
 #
 # Headers: only torch 2.13 has a CPU wheel on the development machine; on x86_64 any other version is a CUDA wheel
 # (900 MB for 2.9.1, Python 3.11). The headers come from the version's Linux aarch64 wheel instead (a CPU build, 104
 # MB; TORCH_HEADERS_PLATFORM to change it), downloaded once with `pip download --no-deps`, its torch/include (60 MB)
 # extracted into $TORCH_HEADERS_CACHE (default ~/.cache/gaengine/torch-headers/VERSION) and the wheel deleted; later
 # runs compile at once. The compile is the real build's (setup.py's flags, torch's extension defines, Python's
-# headers), without code generation. Environment: PYTHON (default python3), TORCH_HEADERS_CACHE, SCRATCH (the full
-# mode's virtualenv and build copy, default /tmp/gaengine-torch-range), JOBS (parallel compiles, default nproc).
+# headers), without code generation.
+#
+# Smoke: the x86_64 wheel of a torch other than 2.13 is a CUDA build; pip installs it with its nvidia-* wheels (2.14.1:
+# from this machine's disk, 5.6 GB of virtualenv; 2.9.1: downloaded, docs/install.md has the sizes and times). No GPU
+# is needed: the extension is built with the CPU ops alone (GAENGINE_BUILD_CUDA=0) and the tests run on the CPU. The
+# virtualenv is kept in $SCRATCH and reused while it holds the same requirements.
+#
+# Environment: PYTHON (default python3), TORCH_HEADERS_CACHE, SCRATCH (the smoke mode's virtualenvs and build copies,
+# default /tmp/gaengine-torch-range), JOBS (parallel compiles and pytest workers, default nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -73,6 +85,53 @@ print(setup.cxx_standard(sys.argv[1]))' "$version")"
     echo "torch $version: csrc/*.cpp compile (-std=$std) against its headers ($((SECONDS - t0)) s)"
 }
 
+# The smoke subset: the files run against each torch of the range (smoke VERSION), on JOBS pytest workers.
+SMOKE_TESTS=(
+    tests/test_hot_path.py          # the native hot path (csrc/hot_path.cpp) against the Python oracle
+    tests/test_op_table.py tests/ops # gaengine._C's ops against the fp64 references
+    tests/test_zero.py              # ZeRO 1/2 on 2 gloo ranks against the plain recipe
+    tests/test_fsdp2.py             # FSDP2 (torch's fully_shard) on 2 gloo ranks
+    tests/test_plausible.py         # the bench's quick rows and their plausibility checks
+    tests/test_torch_range.py       # the range itself, and no version-dependent access outside gaengine/compat.py
+)
+
+# smoke VERSION: torch VERSION (with what the smoke subset needs) in a scratch virtualenv, gaengine._C built against
+# it in a copy of the working tree, the smoke subset run there.
+smoke() {
+    local version="$1" scratch="${SCRATCH:-/tmp/gaengine-torch-range}"
+    local venv="$scratch/venv-$version" src="$scratch/src-$version" t0=$SECONDS
+    # The build tools of pyproject.toml's [build-system] requires (torch aside), the base dependencies, the test tools.
+    local reqs
+    mapfile -t reqs < <("$PYTHON" -c 'import sys
+try:
+    import tomllib
+except ImportError:
+    from pip._vendor import tomli as tomllib
+meta = tomllib.load(open("pyproject.toml", "rb"))
+deps = [r for r in meta["build-system"]["requires"] + meta["project"]["dependencies"] if not r.startswith("torch")]
+print("\n".join(["torch==" + sys.argv[1]] + deps + ["pytest", "pytest-xdist>=3.7", "filelock", "hypothesis"]))' "$version")
+    if [[ ! -x "$venv/bin/python" ]] || ! printf '%s\n' "${reqs[@]}" | cmp -s - "$venv/.gaengine-smoke-reqs"; then
+        rm -rf "$venv"
+        TIMEFORMAT="torch $version: virtualenv installed in %0R s (%0U s user, %0S s sys)"
+        time { "$PYTHON" -m venv "$venv" && "$venv/bin/python" -m pip install --disable-pip-version-check -q "${reqs[@]}"; }
+        printf '%s\n' "${reqs[@]}" > "$venv/.gaengine-smoke-reqs"
+        echo "torch $version: virtualenv $(du -sm "$venv" | cut -f1) MB"
+    else
+        echo "torch $version: virtualenv reused ($venv)"
+    fi
+    rm -rf "$src"
+    mkdir -p "$src"
+    git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$src"
+    TIMEFORMAT="torch $version: gaengine._C built against it in %0R s (%0U s user, %0S s sys)"
+    time (cd "$src" && PATH="$venv/bin:$PATH" GAENGINE_BUILD_CUDA=0 MAX_JOBS="$jobs" "$venv/bin/python" setup.py -q \
+        build_ext --inplace > build.log 2>&1) \
+        || { tail -40 "$src/build.log" >&2; echo "FAILED: building gaengine._C against torch $version (log: $src/build.log)" >&2; exit 1; }
+    TIMEFORMAT="torch $version: smoke subset run in %0R s (%0U s user, %0S s sys)"
+    time (cd "$src" && PATH="$venv/bin:$PATH" PYTHONPATH="$src" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+        -n "$jobs" --dist loadfile --durations=10 "${SMOKE_TESTS[@]}")
+    echo "torch $version: passed, $((SECONDS - t0)) s in all"
+}
+
 mode="${1:-headers}"
 shift || true
 case "$mode" in
@@ -81,29 +140,17 @@ headers)
         syntax "$version"
     done
     ;;
+smoke)
+    smoke "${1:?usage: bash .ci/torch_range.sh smoke VERSION}"
+    ;;
 full)
     syntax 2.9.1
     syntax 2.14.1
-    scratch="${SCRATCH:-/tmp/gaengine-torch-range}"
-    venv="$scratch/venv-2.14.1"
-    t0=$SECONDS
-    if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.14.1")'; then
-        "$PYTHON" -m venv "$venv"
-        "$venv/bin/python" -m pip install --disable-pip-version-check -q "torch==2.14.1" numpy tqdm matplotlib \
-            pytest hypothesis filelock "setuptools>=64" wheel ninja pybind11
-    fi
-    echo "torch 2.14.1 virtualenv ready after $((SECONDS - t0)) s ($(du -sm "$venv" | cut -f1) MB)"
-    rm -rf "$scratch/src"
-    mkdir -p "$scratch/src"
-    git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch/src/"
-    (cd "$scratch/src" && "$venv/bin/python" setup.py -q build_ext --inplace)
-    (cd "$scratch/src" && PYTHONPATH="$scratch/src" "$venv/bin/python" -m pytest -q -n 0 -x -p no:cacheprovider \
-        tests/test_hot_path.py tests/test_op_table.py tests/test_zero.py tests/test_fsdp2.py tests/test_plausible.py \
-        tests/test_torch_range.py)
-    echo "torch 2.14.1: built and smoke-tested after $((SECONDS - t0)) s"
+    smoke 2.14.1
+    smoke 2.9.1
     ;;
 *)
-    echo "usage: bash .ci/torch_range.sh headers [VERSION ...] | full" >&2
+    echo "usage: bash .ci/torch_range.sh headers [VERSION ...] | smoke VERSION | full" >&2
     exit 2
     ;;
 esac

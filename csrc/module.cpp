@@ -3,7 +3,9 @@
 // csrc/cuda/cuda_ops.cu) and the pybind11 module, which holds what is not an op: HotPath (csrc/hot_path.cpp, the
 // accumulator's per-parameter hooks) and the constants gaengine.backends reads when it loads the extension. Each
 // op's contract is in the header that declares it.
-#include <torch/extension.h>
+// pybind11 as torch configures it (PYBIND11_MODULE below), not <torch/extension.h>: that also parses the C++ frontend
+// (torch/all.h), which nothing here uses.
+#include <torch/csrc/utils/pybind.h>
 
 #include <type_traits>
 

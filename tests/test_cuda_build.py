@@ -93,7 +93,7 @@ COMPILE_TIMEOUT_S = 600
 
 # The flags of setup.py's extension (kept in step with it by hand: setup.py runs setup() at import).
 SETUP_DEFINES = ["-DGAENGINE_WITH_CUDA"]
-SETUP_CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+SETUP_CXX_FLAGS = ["-O3", "-g0", "-std=c++17", "-fopenmp"]
 SETUP_NVCC_FLAGS = ["-O3", "-lineinfo"]
 
 # Headers that torch's CMake build generates for its CUDA configuration and a CPU wheel does not ship

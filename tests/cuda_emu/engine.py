@@ -44,7 +44,7 @@ TORCH_STUBS = os.path.join(HERE, "torch_include")
 KERNELS = os.path.join(CSRC, "cuda", "kernels.cuh")
 BUILD_DIR = os.path.join(ROOT, "build", "cuda_emu_engine")
 MODULE_NAME = "gaengine_emu_C"
-CFLAGS = ["-O1", "-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisibility=hidden",
+CFLAGS = ["-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisibility=hidden",
           "-fsanitize=alignment", "-fno-sanitize-recover=all", "-include",
           os.path.join(TORCH_STUBS, "gaengine_emu_build.h")]
 LDFLAGS = ["-fsanitize=alignment"]
@@ -106,11 +106,26 @@ def _build_locked(build_dir, kernels, verbose, cpp_extension, start):
     # rewritten kernels.cuh, found first, and its "kernels/*.cuh" beside it (a quoted include looks beside its
     # includer first), so no unrewritten header of csrc/cuda is reached.
     includes = [SHIM_INCLUDE, TORCH_STUBS, os.path.join(CSRC, "cuda"), CSRC]
-    module = cpp_extension.load(name=MODULE_NAME, sources=srcs, extra_include_paths=includes, extra_cflags=CFLAGS,
+    module = cpp_extension.load(name=MODULE_NAME, sources=srcs, extra_include_paths=includes,
+                                extra_cflags=CFLAGS + [f"-std={cxx_standard()}"],
                                 extra_ldflags=LDFLAGS, build_directory=build_dir, verbose=verbose)
     if not module.WITH_CUDA:
         raise RuntimeError(f"{MODULE_NAME} was built without its CUDA kernels: GAENGINE_WITH_CUDA did not reach it")
     return module, time.perf_counter() - start
+
+
+def cxx_standard() -> str:
+    """The C++ standard ``setup.py`` builds ``gaengine._C`` with against the torch imported here (``c++17`` before
+    torch 2.14, ``c++20`` from it: its headers refuse C++17), so that the emulated build compiles as the real one does.
+    ``cpp_extension.load`` puts its own ``-std=`` before ``extra_cflags``; this one comes after it and wins."""
+    import importlib.util  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("gaengine_setup_for_emu", os.path.join(ROOT, "setup.py"))
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    return setup.cxx_standard(torch.__version__)
 
 
 def use(monkeypatch, module) -> None:
