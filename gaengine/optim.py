@@ -462,8 +462,10 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
             if grad is None:
                 continue
             state = self.state[p]
-            params, grads, steps, models, *states = per_device.setdefault(
-                p.device, tuple([] for _ in range(4 + n_states)))
+            lists = per_device.get(p.device)
+            if lists is None:  # built once per device: no Python call per parameter (tests/test_step_host_cost.py)
+                lists = per_device[p.device] = tuple([] for _ in range(4 + n_states))
+            params, grads, steps, models, *states = lists
             attached = self._model_params.get(id(p))
             params.append(p)
             grads.append(grad.contiguous())
