@@ -258,11 +258,13 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming the argument for a hyper-parameter of ``group`` the kernels cannot use."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _check_hyperparameters (each fused optimizer "
+                                  "checks its own hyper-parameters, e.g. FusedAdamW's)")
 
     def _hyper(self, group: dict[str, Any]) -> list[float]:
         """``group``'s hyper-parameters as its functor's hyper list (Python floats)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _hyper (the hyper list, in the order of its "
+                                  "functor's csrc/optim/<name>.h)")
 
     # ------------------------------------------------------------------ param groups and state
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -71,6 +71,7 @@ A world of one accepts ``zero_stage`` and shards nothing (stage 0).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Sequence
@@ -484,14 +485,12 @@ class StagedReduction(ShardedReduction):
         if self._round is not None:
             armed, self._round = self._round, None
             reducer = self.reducer
-            try:
+            with contextlib.suppress(Exception):  # the window is dropped either way (a peer that failed too)
                 if not armed:
                     reducer.begin()
                 for b in reducer.buckets[reducer.next_to_launch:]:
                     reducer.acquire(b.index).zero_()
                     reducer.bucket_ready(b.index)  # launched at once, in order: every bucket before it was
-            except Exception:  # noqa: BLE001 - the window is dropped either way
-                pass
         super().drain()
 
     def zero_unused(self, unwritten: list[int]) -> None:
