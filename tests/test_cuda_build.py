@@ -95,6 +95,7 @@ COMPILE_TIMEOUT_S = 600
 SETUP_DEFINES = ["-DGAENGINE_WITH_CUDA"]
 SETUP_CXX_FLAGS = ["-O3", "-g0", "-std=c++17", "-fopenmp"]
 SETUP_NVCC_FLAGS = ["-O3", "-lineinfo"]
+SETUP_INCLUDE_DIRS = [os.path.join(ROOT, "csrc")]  # setup.py's CUDAExtension include_dirs ("optim/adamw.h")
 
 # Headers that torch's CMake build generates for its CUDA configuration and a CPU wheel does not ship
 # (torch/include has c10/cuda/*.h and ATen/cuda/*.h, but not these). c10/cuda/CUDAMacros.h includes the first
@@ -213,7 +214,7 @@ def _write_stubs(stub_dir: str, include_dirs: list[str]) -> list[str]:
 def _commands(out_dir: str) -> dict[str, list[str]]:
     """One compile command per translation unit of the CUDAExtension, keyed by its path under the repo."""
     stub_dir = os.path.join(out_dir, "generated_header_stubs")
-    includes = _extra_includes() + _torch_include_paths() + _python_includes()
+    includes = SETUP_INCLUDE_DIRS + _extra_includes() + _torch_include_paths() + _python_includes()
     _write_stubs(stub_dir, includes)
     inc_flags = [f"-I{d}" for d in includes + [stub_dir]]
     appended = ["-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C"] + _abi_flags()

@@ -9,7 +9,7 @@
 #pragma once
 
 #include "optimizer.cuh"
-#include "../../optim/adamw.h"  // relative: builds that do not put csrc/ on the include path (tests/test_cuda_build.py)
+#include "optim/adamw.h"  // csrc/ on the include path: setup.py's include_dirs, the emulated build, test_cuda_build
 
 namespace gaengine {
 namespace cuda {
