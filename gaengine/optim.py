@@ -390,18 +390,44 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self._check_step(grad_scale, found_inf)  # every group, before any state is created or written
-        for group in self.param_groups:
-            self._step_group(group, grad_scale, found_inf)
+        # Per group, the parameters with a gradient and their states, looked up by id: a dict keyed by the tensors
+        # calls Tensor.__hash__ (Python) once per lookup, and an update issues no Python call per parameter
+        # (tests/test_step_host_cost.py).
+        # Everything checked (every group) before any state is created or written.
+        self._check_scalars(grad_scale, found_inf)
+        states = {id(p): state for p, state in self.state.items()}
+        entries = [_entries(group, states) for group in self.param_groups]
+        if not all([self._fits(group, e) for group, e in zip(self.param_groups, entries)]):
+            self._check_step(grad_scale, found_inf)  # names what does not fit (or finds that it fits after all)
+        for group, (params, grads, group_states) in zip(self.param_groups, entries):
+            self._step_group(group, params, grads, group_states, grad_scale, found_inf)
         return loss
 
-    def _check_step(self, grad_scale: Any, found_inf: Any) -> None:
-        """Everything ``step()`` passes to a kernel, checked in Python before anything is created or written.
+    def _fits(self, group: dict[str, Any], entries: tuple[list, list, list]) -> bool:
+        """Whether ``group``'s parameters, gradients and states fit the kernels, checked list by list (one Python
+        call per group, none per parameter); ``False`` sends ``step()`` to ``_check_step``, which names what does
+        not fit."""
+        self._check_hyperparameters(group)
+        params, grads, states = entries
+        if not all([isinstance(g, torch.Tensor) and not g.is_sparse and p.dtype in _PARAM_DTYPES
+                    and p.is_contiguous() and g.dtype in _GRAD_DTYPES and g.numel() == p.numel()
+                    and g.device == p.device for p, g in zip(params, grads)]):
+            return False
+        held = [(p, s) for p, s in zip(params, states) if s]
+        for key in self.STATE_KEYS:
+            if not all([isinstance(t := s.get(key), torch.Tensor) and t.dtype == p.dtype and t.is_contiguous()
+                        and t.numel() == p.numel() and t.device == p.device for p, s in held]):
+                return False
+        if self.KEEPS_STEP and not all([isinstance(t := s.get("step"), torch.Tensor) and t.dim() == 0
+                                        and t.dtype == torch.float32 and t.device == p.device for p, s in held]):
+            return False
+        attached = [(p, a[1]) for p, a in zip(params, map(self._model_params.get, map(id, params))) if a is not None]
+        return all([p.dtype == torch.float32 and isinstance(m, torch.Tensor) and m.dtype in _MODEL_DTYPES
+                    and m.is_contiguous() and m.numel() == p.numel() and m.device == p.device for p, m in attached])
 
-        It covers every contract of the C++ launchers (``TORCH_CHECK``s of ``optimizer_step_`` / ``adamw_step_``: a
-        failed one must never be the first line of defence, see ``csrc/README.md``) and the Triton kernels': raises
-        ``ValueError`` (or ``TypeError`` for a non-tensor) naming the parameter and the argument.
-        """
+    def _check_scalars(self, grad_scale: Any, found_inf: Any) -> None:
+        """``grad_scale`` and ``found_inf``: each ``None`` or a one-element real tensor (``TypeError`` /
+        ``ValueError`` naming it otherwise)."""
         for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
             if t is None:
                 continue
@@ -410,6 +436,15 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
             if t.numel() != 1 or t.is_complex() or t.is_sparse:
                 raise ValueError(f"{name} must be a 0-d (one-element) real tensor, got shape {tuple(t.shape)} "
                                  f"{t.dtype}")
+
+    def _check_step(self, grad_scale: Any, found_inf: Any) -> None:
+        """Everything ``step()`` passes to a kernel, checked in Python before anything is created or written.
+
+        It covers every contract of the C++ launchers (``TORCH_CHECK``s of ``optimizer_step_`` / ``adamw_step_``: a
+        failed one must never be the first line of defence, see ``csrc/README.md``) and the Triton kernels': raises
+        ``ValueError`` (or ``TypeError`` for a non-tensor) naming the parameter and the argument.
+        """
+        self._check_scalars(grad_scale, found_inf)
         name = type(self).__name__
         for g, group in enumerate(self.param_groups):
             self._check_hyperparameters(group)
@@ -448,38 +483,44 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
                                          f"tensor with the master's {p.numel()} elements on {p.device}; attach it "
                                          "again (attach_model_params)")
 
-    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None,
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    states: list[dict[str, Any] | None], grad_scale: torch.Tensor | None,
                     found_inf: torch.Tensor | None) -> None:
-        # Arguments checked by _check_step (all groups, before anything is written).
+        """One kernel call per device over ``group``'s ``params`` with a gradient (``_entries``), checked by
+        ``_fits`` / ``_check_step``; states created here for the parameters updated for the first time."""
         n_states = len(self.STATE_KEYS)
-        per_device: dict[torch.device, tuple[list, ...]] = {}
         # The group's params updated for the first time: their states are views of one flat buffer.
-        new = [p for p in group["params"] if _grad_of(p) is not None and not self.state.get(p)]
-        for p, views in zip(new, flat_moments(new, n_states)):
-            if self.KEEPS_STEP:
-                self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            self.state[p].update(zip(self.STATE_KEYS, views))
-        for p in group["params"]:
-            grad = _grad_of(p)
-            if grad is None:
-                continue
-            state = self.state[p]
-            lists = per_device.get(p.device)
-            if lists is None:  # built once per device: no Python call per parameter (tests/test_step_host_cost.py)
-                lists = per_device[p.device] = tuple([] for _ in range(4 + n_states))
-            params, grads, steps, models, *states = lists
-            attached = self._model_params.get(id(p))
-            params.append(p)
-            grads.append(grad.contiguous())
-            if self.KEEPS_STEP:
-                steps.append(state["step"])
-            models.append(attached[1] if attached is not None else None)
-            for key, out in zip(self.STATE_KEYS, states):
-                out.append(state[key])
-        for device, (params, grads, steps, models, *states) in per_device.items():
-            self._launch(self._kernel(device), params, grads, states, steps, models, group, _on(grad_scale, device),
-                         _on(found_inf, device))
-            increment_version(params + [m for m in models if m is not None])  # they were written in place
+        new = [p for p, state in zip(params, states) if not state]
+        if new:
+            for p, views in zip(new, flat_moments(new, n_states)):
+                if self.KEEPS_STEP:
+                    self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                self.state[p].update(zip(self.STATE_KEYS, views))
+            states = [state if state else self.state[p] for p, state in zip(params, states)]
+        models = [a[1] if a is not None else None for a in map(self._model_params.get, map(id, params))]
+        grads = [g.contiguous() for g in grads]
+        devices = {p.device for p in params}
+        for device in devices:
+            # One device (the common case): the lists as they are, no Python call per parameter
+            # (tests/test_step_host_cost.py); several: each device's part.
+            on = None if len(devices) == 1 else [p.device == device for p in params]
+            pick = (lambda xs: xs) if on is None else (lambda xs: [x for x, keep in zip(xs, on) if keep])
+            dev_params, dev_models = pick(params), pick(models)
+            steps = pick([s["step"] for s in states]) if self.KEEPS_STEP else []
+            moments = [pick([s[key] for s in states]) for key in self.STATE_KEYS]
+            self._launch(self._kernel(device), dev_params, pick(grads), moments, steps, dev_models, group,
+                         _on(grad_scale, device), _on(found_inf, device))
+            increment_version(dev_params + [m for m in dev_models if m is not None])  # they were written in place
+
+
+def _entries(group: dict[str, Any], states: dict[int, dict[str, Any]]) -> tuple[list, list, list]:
+    """``group``'s parameters that have a gradient, their gradients (``p.main_grad`` when set and not None, else
+    ``p.grad``) and their states (``None`` before the first update), from ``states`` keyed by ``id(p)``."""
+    params = group["params"]
+    mains = [getattr(p, "main_grad", None) for p in params]
+    grads = [m if m is not None else p.grad for p, m in zip(params, mains)]
+    live = [(p, g, states.get(id(p))) for p, g in zip(params, grads) if g is not None]
+    return [e[0] for e in live], [e[1] for e in live], [e[2] for e in live]
 
 
 class FusedAdamW(FusedElementwiseOptimizer):

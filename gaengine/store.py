@@ -487,11 +487,12 @@ class ParameterStore:
             if grad is None:
                 piece.grad = None
             elif piece.dtype == torch.float32:
-                piece.grad = self._wrap(piece, grad)  # the view itself
+                piece.grad = grad if self.dtensors is None else self.dtensors.wrap(piece, grad)  # the view itself
             elif self.reads_main_grad:
                 piece.main_grad = grad  # FusedAdamW reads the fp32 gradient in place, no copy
             else:  # rounded once, at its final scale (normalize_before_rounding)
-                piece.grad = self._wrap(piece, grad.to(piece.dtype))
+                piece.grad = (grad.to(piece.dtype) if self.dtensors is None  # no Python call per parameter
+                              else self.dtensors.wrap(piece, grad.to(piece.dtype)))
         try:
             applied = step_optimizer(optimizer, coef, skipped, scaled)
         finally:
