@@ -375,7 +375,8 @@ def count_mismatch_message(counts: list[int], rank: int, found: str = "") -> str
     dropped = [r for r, c in enumerate(counts) if c == DROPPED_COUNT]
     if dropped:
         return (f"gaengine: rank(s) {', '.join(map(str, dropped[:8]))} dropped this accumulation window{found} "
-                f"(acc.zero_grad() after an error in its last micro-batch, on that rank only) while this rank (rank "
+                f"(acc.zero_grad(), or acc.close(), after an error in its last micro-batch, on that rank only) while "
+                f"this rank (rank "
                 f"{rank} of {len(counts)}) completed it: no rank applied this update (the parameters, the optimizer "
                 "state, the lr_scheduler and the loss scale are unchanged on every rank) and the window is dropped "
                 "here too. Every rank must drop a window together: catch the error on every rank (or none), call "
