@@ -45,7 +45,7 @@ $(shell rm -f $(BUILD_STAMP))
 endif
 endif
 
-.PHONY: install info demo test bench FORCE
+.PHONY: install info demo test test-deps bench FORCE
 
 install: $(BUILD_STAMP)
 	@echo "== gaengine info"
@@ -65,6 +65,9 @@ demo: install
 TEST_WORKERS ?= auto
 test: $(DEV_STAMP) install
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+
+# What `make test` installs first, without running the suite (.ci/run: `make torch-headers` compiles meanwhile).
+test-deps: $(DEV_STAMP) $(BUILD_STAMP)
 
 bench: install
 	$(VPY) benchmarks/bench_accumulate.py
