@@ -5,19 +5,23 @@
 #   1. $(VENV)              the virtualenv
 #   2. $(DEPS_STAMP)        torch ($(TORCH_SPEC)) and the build tools ($(BUILD_TOOLS), the range
 #                           pyproject.toml's build-system requires); redone when TORCH_SPEC changes
-#   3. $(BUILD_STAMP)       `pip install -e .`: gaengine, its base dependencies (numpy, tqdm, matplotlib) and
+#   3. $(DEV_STAMP)         `make test` only: the `dev` extra (pytest, hypothesis, triton, transformers, Lightning,
+#                           ...) from pyproject.toml, without building gaengine._C; redone when pyproject.toml or torch
+#                           changed. Before the build: pip's downloads and unpacking use one core at most, which leaves
+#                           the other to .ci/run's `make torch-headers`, while the build takes both
+#   4. $(BUILD_STAMP)       `pip install -e .`: gaengine, its base dependencies (numpy, tqdm, matplotlib) and
 #                           gaengine._C compiled from csrc/ (the CPU ops alone on a CPU build of torch), MAX_JOBS
 #                           files at once (default: one per core), its progress shown: a line per file compiled and,
 #                           while one still compiles, one every 30 s; the whole log in $(BUILD_LOG). Redone when
 #                           csrc/, setup.py, pyproject.toml or torch changed, or when the compiled module is missing.
 #                           All that `make demo` installs (`gaengine train` needs nothing more)
-#   4. $(DEV_STAMP)         `make test` only: the `dev` extra (pytest, hypothesis, triton, transformers, Lightning,
-#                           ...) from pyproject.toml, without rebuilding gaengine._C; redone when pyproject.toml changed
 #   5. `gaengine info`      what was built and what loads: gaengine._C, CPU ops, CUDA kernels, hooks, triton
 # TORCH_SPEC pins the torch build; override it for a CUDA machine, e.g.
 #   make test TORCH_SPEC="torch==2.13.0 --index-url <the CUDA wheel index>"
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
+# One step at a time, even under `make -j`: every step but the compile (MAX_JOBS) runs pip in the one virtualenv.
+.NOTPARALLEL:
 
 PY ?= python3
 VENV ?= .venv
@@ -45,7 +49,7 @@ $(shell rm -f $(BUILD_STAMP))
 endif
 endif
 
-.PHONY: install info demo test bench FORCE
+.PHONY: install info demo test test-deps bench FORCE
 
 install: $(BUILD_STAMP)
 	@echo "== gaengine info"
@@ -65,6 +69,10 @@ demo: install
 TEST_WORKERS ?= auto
 test: $(DEV_STAMP) install
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+
+# What `make test` installs first, in its order, without running the suite (.ci/run: `make torch-headers` compiles
+# meanwhile).
+test-deps: $(DEV_STAMP) $(BUILD_STAMP)
 
 bench: install
 	$(VPY) benchmarks/bench_accumulate.py
@@ -100,7 +108,7 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
 
 # The dev extra's requirements, read from pyproject.toml (tomllib; pip's own copy of tomli on Python 3.10) and
 # installed as requirements: `pip install -e ".[dev]"` would build gaengine._C again.
-$(DEV_STAMP): $(BUILD_STAMP) pyproject.toml
+$(DEV_STAMP): $(DEPS_STAMP) pyproject.toml
 	@echo "== installing the test suite's dependencies (pyproject.toml's dev extra) into $(VENV)"
 	@$(VPY) -c 'import sys; \
 	  exec("try: import tomllib\nexcept ImportError: from pip._vendor import tomli as tomllib"); \
