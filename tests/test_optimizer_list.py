@@ -348,6 +348,7 @@ def _train(acc, model, batches):
             acc.step()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as documented
 def test_state_dict_round_trips_every_optimizer(newton_schulz, tmp_path):
     """Saved after 2 windows (and mid-window) through DCP, loaded into a fresh accumulator with fresh optimizers
     and schedulers: both go on bit for bit as the run that never stopped."""
