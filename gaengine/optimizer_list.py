@@ -179,12 +179,15 @@ class OptimizerList(torch.optim.Optimizer):
             o.zero_grad(set_to_none)
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def step(self, closure: Any = None) -> Any:
         """Each optimizer's ``step()`` once, in the list's order; ``grad_scale`` / ``found_inf`` set on the list (a
-        fused list) are set on each for its step. ``closure`` must be None (``TypeError``: a closure re-evaluates the
-        loss, which a window of micro-batches cannot)."""
+        fused list) are set on each for its step. ``closure``: called once first, with gradients enabled, its loss
+        returned (torch's convention for the optimizers that take one without needing it, e.g. AdamW: what plain
+        Lightning's automatic optimization passes); the optimizers step without it."""
+        loss = None
         if closure is not None:
-            raise TypeError("OptimizerList.step() takes no closure: each optimizer steps once on the window's gradient")
+            with torch.enable_grad():
+                loss = closure()
         handed = {k: v for k, v in vars(self).items() if k in ("grad_scale", "found_inf")}
         for o in self.optimizers:
             for k, v in handed.items():
@@ -195,6 +198,7 @@ class OptimizerList(torch.optim.Optimizer):
                 for k in handed:
                     if k in vars(o):
                         delattr(o, k)
+        return loss
 
     def _call_all(self, name: str) -> None:
         for o in self.optimizers:
