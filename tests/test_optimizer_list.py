@@ -27,7 +27,7 @@ from torch import nn
 import gaengine
 from tests.models import MuonLM
 from tests.ranks import launch_scenario
-from tests.tolerances import (clipped_grad_rtol, dot_rtol, recipe_grad_rtol, rel_diff, unit_roundoff,
+from tests.tolerances import (adamw_param_rtol, clipped_grad_rtol, dot_rtol, recipe_grad_rtol, rel_diff, unit_roundoff,
                               update_rtol)
 
 K, WINDOWS, MAX_NORM, VOCAB, ROWS, SEQ = 4, 5, 0.05, 17, 3, 5
@@ -540,3 +540,32 @@ def test_muon_adamw_two_ranks_equal_one_process(newton_schulz, tmp_path):
             for p, v in zip(model.parameters(), result):
                 p.copy_(v)
         _assert_matches(model, reference, record, grad_rtol)
+
+
+def test_fused_list_takes_the_clip_coefficient_as_grad_scale(monkeypatch):
+    """A list whose every optimizer is fused takes ``grad_scale``/``found_inf`` (no scaling pass: each fused
+    optimizer divides by the list's ``grad_scale`` in its own kernel) and trains as the same list unfused, whose
+    gradients are scaled first: within AdamW's update error from gradients a few roundings apart (the division
+    against the product by the coefficient, and torch's fused AdamW rounding sqrt(v) / sqrt(bc2) differently)."""
+    def run(fused):
+        model = _model()
+        hidden = {id(p) for p in model.hidden_matrices()}
+        opts = [torch.optim.AdamW(model.hidden_matrices(), lr=1e-2, fused=fused),
+                torch.optim.AdamW([p for p in model.parameters() if id(p) not in hidden], lr=1e-2, fused=fused)]
+        acc = gaengine.GradientAccumulator(model, opts, 2, max_grad_norm=MAX_NORM)
+        scales = []
+        step = torch.optim.AdamW.step
+
+        def spy(self, *args, **kwargs):
+            scales.append(getattr(self, "grad_scale", None) is not None)
+            return step(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+        _train(acc, model, _batches(8))
+        monkeypatch.setattr(torch.optim.AdamW, "step", step)
+        return model, scales
+
+    (fused, scales), (plain, plain_scales) = run(True), run(False)
+    assert scales == [True] * 8 and plain_scales == [False] * 8  # 4 windows x 2 optimizers
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        assert rel_diff(p, q) <= adamw_param_rtol(q, 1e-2, 4, 4 * unit_roundoff(torch.float32))
