@@ -283,10 +283,18 @@ def test_parameter_in_two_optimizers_is_refused():
     muon, _ = model.muon_adamw()
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2 or p is model.hidden[0].weight
                                or p is model.emb.weight or p is model.head.weight])
+    _loss(model, *_batches(1)[0]).backward()  # a .grad left from before: a refusal must not drop it
+    before = _snapshot(model, [muon, adamw])
+    grads = [p.grad.clone() for p in model.parameters()]
+    groups = [[list(g["params"]) for g in o.param_groups] for o in (muon, adamw)]
     with pytest.raises(ValueError, match=r"parameter 'hidden.0.weight' is in optimizer\[0\] and optimizer\[1\].*"
                                          r"exactly one"):
         gaengine.GradientAccumulator(model, [muon, adamw])
-    gaengine.GradientAccumulator(model, model.muon_adamw()).close()  # nothing was taken by the refusal
+    _assert_same(before, _snapshot(model, [muon, adamw]))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert [[list(g["params"]) for g in o.param_groups] for o in (muon, adamw)] == groups  # not re-pointed
+    with pytest.warns(UserWarning, match="9 of 9 trainable parameters already hold a .grad"):  # built now: dropped
+        gaengine.GradientAccumulator(model, model.muon_adamw()).close()  # nothing was taken by the refusal
 
 
 def test_trainable_parameter_in_no_optimizer_is_refused():
