@@ -5,8 +5,8 @@ AdamW for the embedding, head, norm and biases; two optimizers, ``clip_grad_norm
 what is refused (a parameter in two optimizers or in none, closure optimizers, whole-matrix optimizers at
 ``zero_stage`` >= 1) and that a refusal changes nothing; ``state_dict`` round trips of every optimizer.
 
-Newton–Schulz runs in fp64 on both sides here (the ``newton_schulz`` fixture: torch's iteration with its bf16 cast made
-an fp64 one, the same function on both sides; the model, the optimizers' state and the gradients stay fp32): torch's
+Newton–Schulz runs in fp64 on both sides here (the ``newton_schulz`` fixture: torch's iteration with its bf16 cast
+made an fp64 one, the same function on both sides; the model, the optimizers' state and the gradients stay fp32): torch's
 own bf16 iteration turns an fp32 rounding difference of the momentum into a whole bf16 ulp wherever the momentum sits
 near a bf16 rounding boundary, and its five iterations can grow a difference of their input some 800-fold
 (``newton_schulz_gain``), so in bf16 or fp32 their own roundings would hide the window's gradient, which is what is
@@ -27,8 +27,8 @@ from torch import nn
 import gaengine
 from tests.models import MuonLM
 from tests.ranks import launch_scenario
-from tests.tolerances import (adamw_param_rtol, clipped_grad_rtol, dot_rtol, recipe_grad_rtol, rel_diff, unit_roundoff,
-                              update_rtol)
+from tests.tolerances import (adamw_param_rtol, clipped_grad_rtol, dot_rtol, recipe_grad_rtol, recipe_param_rtol,
+                              rel_diff, unit_roundoff, update_rtol)
 
 K, WINDOWS, MAX_NORM, VOCAB, ROWS, SEQ = 4, 5, 0.05, 17, 3, 5
 """Micro-batches per window (a power of two: ``loss / K`` scales each micro-batch's backward exactly, so both sides sum
@@ -577,3 +577,52 @@ def test_fused_list_takes_the_clip_coefficient_as_grad_scale(monkeypatch):
     assert scales == [True] * 8 and plain_scales == [False] * 8  # 4 windows x 2 optimizers
     for p, q in zip(fused.parameters(), plain.parameters()):
         assert rel_diff(p, q) <= adamw_param_rtol(q, 1e-2, 4, 4 * unit_roundoff(torch.float32))
+
+
+def _sharded_list_scenario(rank, world, out, batches):
+    """The same list of elementwise optimizers (SGD with momentum, AdamW) at zero_stage 0 and 1 on ``world`` gloo
+    ranks, each rank its rows of every micro-batch; zero_stage=1 saved after 2 windows and resumed into a fresh
+    accumulator. Returns each run's parameters (zero_stage=1 gathered whole on every rank)."""
+    results = {}
+    for name, stage, resume in (("replicated", 0, False), ("zero1", 1, False), ("zero1-resumed", 1, True)):
+        model = _model()
+        hidden = {id(p) for p in model.hidden_matrices()}
+        opts = [torch.optim.SGD(model.hidden_matrices(), lr=0.1, momentum=0.9),
+                torch.optim.AdamW([p for p in model.parameters() if id(p) not in hidden], lr=1e-2)]
+        acc = gaengine.GradientAccumulator(model, opts, 2, max_grad_norm=MAX_NORM, zero_stage=stage)
+        rows = ROWS * 2 // world
+        for i, (tokens, labels) in enumerate(batches):
+            if resume and i == 4:  # between windows: a fresh model, optimizers and accumulator take the state
+                state = copy.deepcopy({"model": model.state_dict(), "acc": acc.state_dict()})
+                model = _model()
+                opts = [torch.optim.SGD(model.hidden_matrices(), lr=0.1, momentum=0.9),
+                        torch.optim.AdamW([p for p in model.parameters()
+                                           if all(p is not q for q in model.hidden_matrices())], lr=1e-2)]
+                acc = gaengine.GradientAccumulator(model, opts, 2, max_grad_norm=MAX_NORM, zero_stage=stage)
+                model.load_state_dict(state["model"])
+                acc.load_state_dict(state["acc"])
+            acc.backward(_loss(model, tokens[rank * rows:(rank + 1) * rows], labels[rank * rows:(rank + 1) * rows]))
+            if acc.num_micro_batches == 2:
+                acc.step()
+        results[name] = [p.detach().clone() for p in model.parameters()]
+    return results
+
+
+def test_elementwise_list_at_zero_stage_1_on_two_ranks(tmp_path):
+    """SGD + AdamW as a list at zero_stage=1 on 2 gloo ranks (each rank updates its flat range with the optimizer
+    that owns the parameter) against the same list replicated: the same reduced sums, the clip coefficient from a
+    norm summed over the shards (``clipped_grad_rtol``) through each optimizer's update; resumed from a state saved
+    mid-run, bit for bit the uninterrupted zero_stage=1 run."""
+    batches = _batches(2 * 4, rows=2 * ROWS)
+    codes, results = launch_scenario(tmp_path, 2, functools.partial(_sharded_list_scenario, batches=batches))
+    assert codes == [0, 0]
+    model = _model()
+    n = sum(p.numel() for p in model.parameters())
+    hidden = {name for name, p in model.named_parameters() if any(p is q for q in model.hidden_matrices())}
+    for result in results:
+        for (name, _), got, want, resumed in zip(model.named_parameters(), result["zero1"], result["replicated"],
+                                                 result["zero1-resumed"]):
+            rtol = (recipe_param_rtol(want, "sgd", 0.1, 4, clipped_grad_rtol(n), grad_norm_max=MAX_NORM)
+                    if name in hidden else adamw_param_rtol(want, 1e-2, 4, clipped_grad_rtol(n)))
+            assert rel_diff(got, want) <= rtol, name
+            assert torch.equal(resumed, got), name
