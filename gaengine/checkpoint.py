@@ -550,7 +550,7 @@ def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e:
     ``FlatShard`` of this rank's range (zeros where the optimizer has not stepped the piece yet)."""
     moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
     ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
-    step = optimizers.step_key(optimizer)  # None: the optimizer keeps no step count (its row of the table)
+    step = optimizers.step_key(optimizer, optimizer.param_groups[e.group])  # None: keeps no step count
     entry: dict[str, Any] = {
         "initialized": torch.tensor(float(ready)),
         "step": torch.tensor(float(state[step]) if ready and step in state else 0.0,
@@ -808,7 +808,7 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
                                        "missing" if k not in saved else type(value).__name__)
         t = _take(value, e, "state['optimizer']")
         moments[k] = _shaped_like(e.piece, t if isinstance(value, FlatShard) else t.clone())
-    step = optimizers.step_key(optimizer)  # None: the optimizer keeps no step count (its row of the table)
+    step = optimizers.step_key(optimizer, group)  # None: the optimizer keeps no step count (its row of the table)
     return {**({step: torch.tensor(float(saved["step"]), dtype=torch.float32)} if step else {}), **moments}
 
 
@@ -836,7 +836,10 @@ def _load_optimizer(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_
 
 def _optimizer_type(optimizer: torch.optim.Optimizer | None) -> str | None:
     """The optimizer's class as ``module.qualname`` (what a state dict's optimizer part was made by), or None."""
-    return None if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if optimizer is None:
+        return None
+    type_name = getattr(optimizer, "type_name", None)  # a list of optimizers names each one's class
+    return type_name() if callable(type_name) else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _check_optimizer(meta: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:

@@ -34,6 +34,7 @@ from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler,
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.stages import AccumulatorParts, StageStates
 from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
+from gaengine.optimizer_list import check_coverage, combine as combine_optimizers
 from gaengine.optimizers import takes_grad_scale
 from gaengine.update import SchedulerWatch
 from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
@@ -87,7 +88,12 @@ class GradientAccumulator:
             ``model.load_state_dict`` after construction, ``copy.deepcopy`` and ``torch.compile`` is in
             docs/accumulator.md. Build the accumulator last: a model moved or converted afterwards (``.to()`` to
             another device or dtype, ``.float()``) makes ``backward()``/``step()`` raise ``RuntimeError``.
-        lr_scheduler: stepped once after every applied (not skipped) update.
+            Or a list or tuple of optimizers (``torch.optim.Muon`` beside ``torch.optim.AdamW``, as torch documents
+            Muon), each trainable parameter in exactly one (``ValueError`` naming it otherwise): one window's norm,
+            clip coefficient and skip decision, then each steps once, in order; ``acc.optimizer`` is then their
+            ``gaengine.optimizer_list.OptimizerList`` (``.optimizers``: yours). docs/optimizers.md.
+        lr_scheduler: stepped once after every applied (not skipped) update; with a list of optimizers, None or a
+            list of as many schedulers (None entries allowed), each built over the optimizer at its index.
         process_group: reduce gradients across the ranks of this group; by default the global group when
             ``torch.distributed`` is initialized with more than one rank. Parameters (and, with
             ``broadcast_buffers``, buffers) are broadcast from the group's first rank at construction.
@@ -118,9 +124,11 @@ class GradientAccumulator:
         # Every option checked once, before anything touches the model (gaengine.config: ValueError naming it).
         self.config = config = AccumulatorConfig.from_options(
             accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, backend=backend, **options)
+        optimizer, lr_scheduler = combine_optimizers(optimizer, lr_scheduler, config.zero_stage)  # a list: one
         ownership.check_arguments(model, optimizer, config)
         module = model if isinstance(model, nn.Module) else None
         params = trainable_params(model)
+        check_coverage(optimizer, params, module)  # a list: each trainable parameter in exactly one optimizer
         ownership.take(params, optimizer, module)  # another accumulator's parameters raise; a stale .grad is dropped
         # The parameters' names (checkpoint keys) and registration order: the reference frame of state_dict().
         self.named_params = list(module.named_parameters()) if module is not None else []

@@ -69,6 +69,21 @@ def register_optimizer(cls: type, spec: OptimizerSpec) -> None:
     OPTIMIZERS[cls] = spec
 
 
+def _of_group(optimizer: Any, group: dict[str, Any] | None) -> Any:
+    """The optimizer that holds param group ``group``: ``optimizer`` itself, or for a list of optimizers
+    (``gaengine.optimizer_list.OptimizerList``) the one of the list whose groups hold it (``group`` None: the list,
+    when all its optimizers are of one class, else ``KeyError``)."""
+    inner = getattr(optimizer, "optimizer_of_group", None)
+    if inner is None:
+        return optimizer
+    if group is not None:
+        return inner(group)
+    classes = {type(o) for o in optimizer.optimizers}
+    if len(classes) != 1:
+        raise KeyError("a list of optimizers of several classes: name the param group")
+    return optimizer.optimizers[0]
+
+
 def _spec(optimizer: Any, exact: bool) -> OptimizerSpec | None:
     if exact:
         return OPTIMIZERS.get(type(optimizer))
@@ -76,7 +91,9 @@ def _spec(optimizer: Any, exact: bool) -> OptimizerSpec | None:
 
 
 def is_elementwise(optimizer: Any) -> bool:
-    """``optimizer``'s exact class is an elementwise one of ``OPTIMIZERS``."""
+    """``optimizer``'s exact class is an elementwise one of ``OPTIMIZERS`` (a list of optimizers: each one's is)."""
+    if hasattr(optimizer, "optimizer_of_group"):
+        return all(is_elementwise(o) for o in optimizer.optimizers)
     spec = _spec(optimizer, exact=True)
     return spec is not None and spec.elementwise
 
@@ -89,25 +106,27 @@ def elementwise_names() -> list[str]:
 def moment_keys(optimizer: Any, group: dict[str, Any]) -> list[str]:
     """The state tensors an elementwise ``optimizer`` keeps per parameter of param group ``group`` (besides
     ``step``). ``KeyError`` for an optimizer that is not elementwise."""
+    optimizer = _of_group(optimizer, group)
     spec = _spec(optimizer, exact=True)
     if spec is None or not spec.elementwise:
         raise KeyError(f"{type(optimizer).__name__} is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS")
     return list(spec.moments) + [k for k, flag in spec.if_group.items() if group.get(flag)]
 
 
-def keeps_step(optimizer: Any) -> bool:
-    """An elementwise ``optimizer``'s state holds a ``step`` beside its moments (``keeps_step``). ``KeyError`` for an
-    optimizer that is not elementwise."""
+def keeps_step(optimizer: Any, group: dict[str, Any] | None = None) -> bool:
+    """An elementwise ``optimizer``'s state holds a ``step`` beside its moments (``keeps_step``); for a list of
+    optimizers, the one holding param group ``group``. ``KeyError`` for an optimizer that is not elementwise."""
+    optimizer = _of_group(optimizer, group)
     spec = _spec(optimizer, exact=True)
     if spec is None or not spec.elementwise:
         raise KeyError(f"{type(optimizer).__name__} is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS")
     return spec.keeps_step
 
 
-def step_key(optimizer: Any) -> str | None:
-    """The state key of an elementwise ``optimizer``'s step count (``STEP_KEY``), or None when it keeps none.
-    ``KeyError`` for an optimizer that is not elementwise."""
-    return STEP_KEY if keeps_step(optimizer) else None
+def step_key(optimizer: Any, group: dict[str, Any] | None = None) -> str | None:
+    """The state key of an elementwise ``optimizer``'s step count (``STEP_KEY``), or None when it keeps none (a list
+    of optimizers: the one holding param group ``group``). ``KeyError`` for an optimizer that is not elementwise."""
+    return STEP_KEY if keeps_step(optimizer, group) else None
 
 
 def new_step(optimizer: Any, group: dict[str, Any], device: torch.device, value: float) -> torch.Tensor:
@@ -115,6 +134,7 @@ def new_step(optimizer: Any, group: dict[str, Any], device: torch.device, value:
     a 0-d fp32 tensor on ``device`` for a row with ``"always"`` and for a fused or capturable param ``group``
     (torch: fp64 for a capturable one where the default dtype is fp64); else a CPU scalar of torch's scalar dtype
     (fp64 where the default dtype is fp64, else fp32: ``torch.optim.optimizer._get_scalar_dtype``)."""
+    optimizer = _of_group(optimizer, group)
     spec = _spec(optimizer, exact=False)
     fused = bool(group.get("fused")) or (spec is not None and spec.step_device == "always")
     if fused or group.get("capturable"):

@@ -546,12 +546,12 @@ def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, di
     fresh, left, left_masters = _move_buckets(old, new, states, has_state, group_of, group)
     pieces = {id(s.piece): s for s in new.slots if s.piece is not None}
     new_slots = {id(s.param): s for s in new.slots}
-    uses_step = keeps_step(optimizer)
     for j, p in enumerate(old.params):
         if not (has_state[j] and old.optimized[j]):
             continue
         target = new_slots.get(id(p))
         g = optimizer.param_groups[group_of[id(p)]]
+        uses_step = keeps_step(optimizer, g)  # per group: a list of optimizers may mix them
         if target is None:
             left.setdefault(id(p), {})
             if uses_step:

@@ -444,3 +444,33 @@ class TiedChain(nn.Module):
         h = self.emb(x)
         h = self.body(h)
         return h @ self.emb.weight  # the tied use: two contributions summed by AccumulateGrad
+
+
+class MuonLM(nn.Module):
+    """A small language model laid out for torch's Muon + AdamW recipe: an embedding, ``n_hidden`` 2-D hidden weights
+    (``hidden.i.weight``, Muon's) with biases, a LayerNorm and a head (AdamW's). ``muon_adamw(model)`` builds the
+    two optimizers as ``torch.optim.Muon``'s docstring does."""
+
+    def __init__(self, vocab=17, d=8, width=16, n_hidden=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        dims = [d] + [width] * (n_hidden - 1) + [d]
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.head(self.norm(x))
+
+    def hidden_matrices(self):
+        return [layer.weight for layer in self.hidden]
+
+    def muon_adamw(self, muon_lr=0.02, adamw_lr=3e-3):
+        hidden = {id(p) for p in self.hidden_matrices()}
+        muon = torch.optim.Muon(self.hidden_matrices(), lr=muon_lr, momentum=0.95)
+        adamw = torch.optim.AdamW([p for p in self.parameters() if id(p) not in hidden], lr=adamw_lr,
+                                  weight_decay=0.01)
+        return [muon, adamw]

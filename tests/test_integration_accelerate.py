@@ -641,7 +641,7 @@ def test_more_refusals_name_their_argument():
     accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=2, accumulator_options={"zero_stage": 1})
     model = torch.nn.Linear(3, 1)
     model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="a second optimizer"):
+    with pytest.raises(ValueError, match="an optimizer was prepared already; pass every optimizer to one prepare"):
         accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="learning_rate"):
         accelerator.backward(model(torch.ones(1, 3)).sum(), learning_rate=0.1)
@@ -855,3 +855,52 @@ def test_overflow_flag_set_by_a_caller_holds_the_scheduler_as_in_accelerate():
         return lrs
 
     assert run(GaengineAccelerator) == run(Accelerator) == [0.9, 0.9, 0.8]
+
+
+# ---------------------------------------------------------------- several optimizers (issue 44)
+def _two_optimizer_run(accelerator, length=64):
+    """Accelerate's loop with two optimizers, as plain Accelerate takes them (``prepare(model, opt_a, opt_b, ...)``,
+    each stepped and zeroed): SGD with momentum for ``a``, AdamW with a LambdaLR for ``b``; returns the parameters
+    after each synchronizing step."""
+    torch.manual_seed(42)
+    model = RegressionModel()
+    sgd = torch.optim.SGD([model.a], lr=0.1, momentum=0.9)
+    adamw = torch.optim.AdamW([model.b], lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(adamw, lr_lambda=_lam)
+    loader = DataLoader(RegressionDataset(length=length, seed=42), batch_size=BATCH)
+    model, sgd, adamw, sched, loader = accelerator.prepare(model, sgd, adamw, sched, loader)
+    out = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(_mse(model, batch))
+            sgd.step()
+            adamw.step()
+            sched.step()
+            sgd.zero_grad()
+            adamw.zero_grad()
+            if accelerator.sync_gradients:
+                out.append([model.a.detach().clone(), model.b.detach().clone()])
+    return out
+
+
+def test_two_optimizers_train_as_plain_accelerate():
+    """``prepare(model, sgd, adamw, scheduler, loader)`` on GaengineAccelerator trains as plain Accelerate with the
+    same two optimizers, bit for bit: K = 2 (a power of two: Accelerate's ``loss / K`` scales each backward exactly,
+    and gaengine's 1/K of the sum is the same value), full windows only (64 samples, batch 16)."""
+    want = _two_optimizer_run(Accelerator(cpu=True, gradient_accumulation_steps=K))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=K)
+    got = _two_optimizer_run(accelerator)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert torch.equal(a, b), (a, b)
+    assert [type(o).__name__ for o in accelerator.accumulator.optimizer.optimizers] == ["SGD", "AdamW"]
+
+
+def test_two_optimizers_over_one_parameter_are_refused_naming_it():
+    accelerator = GaengineAccelerator(cpu=True, gradient_accumulation_steps=K)
+    model = RegressionModel()
+    with pytest.raises(ValueError, match=r"parameter 'a' is in optimizer\[0\] and optimizer\[1\]"):
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW([model.a]))

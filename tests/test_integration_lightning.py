@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import grad_norm  # noqa: E402
 
 import gaengine  # noqa: E402
 from gaengine.integrations.lightning import GaenginePrecision, GaengineStrategy  # noqa: E402
+from gaengine.optimizer_list import OptimizerList  # noqa: E402
 from tests.lightning_recipe import (BATCH, GAMMA, LR, MOMENTUM, RTOL, _assert_model_close,  # noqa: E402
                                     _assert_params_close, _data, _lr_lambda, _net, _restore_environ,
                                     _rows_one_process, _rows_two_ranks, _windows, reference)
@@ -912,3 +913,51 @@ def test_closure_optimizer_refused_at_fit_start():
     assert all(torch.equal(a, b) for a, b in zip(model.net.parameters(), _net().parameters()))
     _trainer(strategy="auto", accumulate_grad_batches=2).fit(model, _loader(x, y))
     assert model.after_batch
+
+
+# ---------------------------------------------------------------- several optimizers (issue 44)
+class TwoOptimizers(Regression):
+    """SGD with momentum for the first layer, AdamW for the rest, returned as one
+    ``gaengine.optimizer_list.OptimizerList`` (automatic optimization steps one optimizer per update; the list steps
+    each of its own once), with a LambdaLR over the list."""
+
+    def configure_optimizers(self):
+        first = list(self.net[0].parameters())
+        rest = [p for p in self.parameters() if all(p is not q for q in first)]
+        opt = OptimizerList([torch.optim.SGD(first, lr=LR, momentum=MOMENTUM), torch.optim.AdamW(rest, lr=1e-2)])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_optimizer_list_trains_as_plain_lightning():
+    """An ``OptimizerList`` of two optimizers from ``configure_optimizers``: GaengineStrategy trains as plain
+    Lightning with the same list, bit for bit after every batch (K = 4, a power of two: Lightning's ``loss / K``
+    scales each backward exactly, and gaengine's 1/K of the sum is the same value; 12 batches, full windows)."""
+    x, y = _data(12 * BATCH)
+    runs = []
+    for strategy in ("auto", "gaengine"):
+        model = TwoOptimizers()
+        _trainer(strategy=strategy, accumulate_grad_batches=4).fit(model, _loader(x, y))
+        runs.append(model)
+    plain, ours = runs
+    assert len(ours.after_batch) == len(plain.after_batch) == 12
+    for got, want in zip(ours.after_batch, plain.after_batch):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert plain.after_batch[3][0].ne(plain.after_batch[0][0]).any()  # the windows did update
+
+
+class TwoReturned(Regression):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=LR), torch.optim.AdamW(self.net[2].parameters())]
+
+
+def test_two_optimizers_under_automatic_optimization_are_refused_as_lightning_does():
+    """Two optimizers returned under automatic optimization: refused by Lightning itself, under GaengineStrategy as
+    under plain Lightning (it steps several optimizers only under manual optimization), before anything trains."""
+    x, y = _data(4 * BATCH)
+    with pytest.raises(Exception) as plain:
+        _trainer(strategy="auto", accumulate_grad_batches=2).fit(TwoReturned(), _loader(x, y))
+    with pytest.raises(type(plain.value), match=r"manual optimization") as ours:
+        _trainer(accumulate_grad_batches=2).fit(TwoReturned(), _loader(x, y))
+    assert str(ours.value) == str(plain.value)

@@ -646,3 +646,28 @@ def test_schedule_free_evaluation_and_checkpoints_use_the_averaged_point(tmp_pat
         within(model, plain["points"].model[e], f"bf16 evaluation {e}", extra=one_rounding)
     within(bf16["saved"], plain["saved"], "bf16 checkpoint-4", extra=one_rounding)
     assert _max_rel(bf16["points"].model[-1], bf16["training"]) > 2 * (max(tol) + one_rounding)
+
+
+# ---------------------------------------------------------------- several optimizers (issue 44)
+def _two_optimizers(model):
+    """SGD with momentum for ``a``, AdamW for ``b``: one ``OptimizerList``, the one optimizer the Trainer takes."""
+    from gaengine.optimizer_list import OptimizerList
+
+    return OptimizerList([torch.optim.SGD([model.a], lr=0.1, momentum=0.9), torch.optim.AdamW([model.b], lr=1e-2)])
+
+
+def test_optimizer_list_through_optimizers_trains_as_the_plain_trainer(tmp_path):
+    """``Trainer(optimizers=(OptimizerList([sgd, adamw]), None))``: GaengineTrainer trains as the plain Trainer with
+    the same list and its default scheduler over it, bit for bit (K = 2, a power of two: the Trainer's ``loss / K``
+    scales each backward exactly, and gaengine's 1/K of the sum is the same value; no clipping)."""
+    data = RegressionDataset(32)
+    runs = []
+    for cls in (Trainer, GaengineTrainer):
+        model = RegressionModel()
+        runs.append(_train(cls, model, _args(tmp_path, cls.__name__, gradient_accumulation_steps=2,
+                                             max_grad_norm=0.0), data, optimizers=(_two_optimizers(model), None)))
+    plain, ours = runs
+    assert ours.state.global_step == plain.state.global_step == 4
+    for p, q in zip(_params(ours.model), _params(plain.model)):
+        assert torch.equal(p, q)
+    assert _logs(ours, "learning_rate") == _logs(plain, "learning_rate")

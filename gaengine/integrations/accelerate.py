@@ -64,6 +64,7 @@ from accelerate.utils import DistributedType
 import gaengine
 from gaengine.checkpoint import FlatShard
 from gaengine.config import AccumulatorConfig
+from gaengine.optimizer_list import OptimizerList
 
 __all__ = ["GaengineAccelerator", "GaengineOptimizer", "GaengineScheduler"]
 
@@ -326,6 +327,25 @@ class GaengineAccelerator(Accelerator):
         self.accumulator: gaengine.GradientAccumulator | None = None
 
     # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None):
+        """Accelerate's ``prepare``; several optimizers in one call (``prepare(model, muon, adamw)``, as plain
+        Accelerate takes them) become one accumulator over their list (``gaengine.optimizer_list.OptimizerList``:
+        one window's norm, clip coefficient and skip, then each optimizer steps once; docs/optimizers.md), and the
+        one prepared optimizer is returned in each of their places: the first ``step()`` of a window ends it (every
+        optimizer steps), a second one finds the window empty and does nothing, as ``zero_grad()`` twice. Raises what
+        ``GradientAccumulator`` raises for the list (a parameter in two optimizers or a trainable one in none,
+        naming it)."""
+        fresh = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)
+                 and not isinstance(a, AcceleratedOptimizer) and not getattr(a, "_is_accelerate_prepared", False)]
+        if len(fresh) < 2:
+            return super().prepare(*args, device_placement=device_placement)
+        combined = OptimizerList([args[i] for i in fresh])
+        keep = [i for i in range(len(args)) if i not in fresh[1:]]
+        placement = None if device_placement is None else [device_placement[i] for i in keep]
+        out = super().prepare(*[combined if i == fresh[0] else args[i] for i in keep], device_placement=placement)
+        prepared = dict(zip(keep, out if len(keep) > 1 else (out,)))
+        return tuple(prepared[fresh[0]] if i in fresh else prepared[i] for i in range(len(args)))
+
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """Place ``model`` on the device and wrap its forward for mixed precision, as Accelerate does, but never in
@@ -349,8 +369,9 @@ class GaengineAccelerator(Accelerator):
             raise ValueError(f"optimizer: {type(optimizer).__name__} updates the parameters inside backward (no "
                              "gradient is accumulated); use a torch.optim optimizer with gaengine")
         if self.accumulator is not None:
-            raise ValueError("optimizer: GaengineAccelerator drives one accumulator and one optimizer; a second "
-                             "optimizer was passed to prepare()")
+            raise ValueError("optimizer: GaengineAccelerator drives one accumulator, and an optimizer was prepared "
+                             "already; pass every optimizer to one prepare() call (prepare(model, muon, adamw): one "
+                             "accumulator over their list, docs/optimizers.md)")
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         model = next((m for m in self._models if ids <= {id(p) for p in m.parameters()}), None)
         if model is None:

@@ -326,9 +326,11 @@ class GaengineStrategy(DDPStrategy):
         module = self.lightning_module
         if not module.automatic_optimization:
             return
-        if len(self.optimizers) != 1:
+        if len(self.optimizers) != 1:  # Lightning's own rule for automatic optimization (several: manual only)
             raise ValueError(f"GaengineStrategy needs exactly one optimizer from configure_optimizers, got "
-                             f"{len(self.optimizers)}")
+                             f"{len(self.optimizers)}: return gaengine.optimizer_list.OptimizerList([opt_a, opt_b]) "
+                             "(one optimizer that steps each of them once per update, docs/optimizers.md), or use "
+                             f"manual optimization with GradientAccumulator(self, [opt_a, opt_b]); {_MANUAL_RECIPE}")
         precision = self.precision_plugin
         precision.close()  # an earlier fit's, if still open: its hooks leave the parameters
         options = {"loss_scale": precision.loss_scale, **self.accumulator_options}
