@@ -21,7 +21,8 @@ that, and nothing silently:
 * ``ValueError`` naming it, nothing of the micro-batch accumulated and the window as it was, when the optimizer
   still holds only the old object (the plain recipe would silently not train the new one), in the middle of a
   window (part of the window's gradient belongs to the old object), under ZeRO on several ranks or FSDP2 (their
-  layouts are not rebuilt for a replacement), for a parameter removed from the model, or for a shape or dtype changed
+  layouts are not rebuilt for a replacement; FSDP2 swaps its own parameters in and out of the modules, so there the
+  strategy says which of its sharded parameters are other objects now, ``ShardingStrategy.replaced_params``), for a parameter removed from the model, or for a shape or dtype changed
   in place (``p.data = x`` of another shape: the optimizer state and fp32 master of the object would not fit it).
 
 ``p.data = x`` of the same shape and dtype keeps the object (the plain recipe's optimizer steps it from ``x``, its
@@ -128,7 +129,7 @@ class ReplacedParams:
             return
         self.pending = []
         if self._seen != _generation:
-            replaced = self._replaced_slots()
+            replaced = self._replaced_slots() + (self.sharding.replaced_params() if self.sharding is not None else [])
             if not replaced:
                 self._seen = _generation
             else:  # looked at again at every micro-batch until adopted (the accumulator then builds a new watch)
@@ -202,7 +203,7 @@ class ReplacedParams:
                 "its layer replaced: model.layer = nn.Linear(...))")
         if not window_start:
             raise ValueError(_refused(name, f"{what}, in the middle of an accumulation window (its micro-batches so "
-                                            "far are the old parameter's)"))
+                                            "far are the old parameter's)", adoptable=self.adopts()))
         if not self.adopts():
             raise ValueError(_refused(name, f"{what}, and {self.sharding.name} does not adopt a replaced parameter",
                                       adoptable=False))

@@ -14,6 +14,7 @@ recipe would silently not train it), one in the middle of a window, or one under
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -592,3 +593,65 @@ def test_replaced_parameters_and_their_masters_are_released():
     assert [r() is None for r in old] == [True] * len(old)
     assert {id(p) for p in acc.params} == {id(p) for p in model.parameters()}
     acc.close()
+
+
+def _fsdp2_case(rank: int, world: int, out) -> dict:
+    """An FSDP2 model (``fully_shard`` per block and the root) on the gloo ranks, one window in; then
+    ``model.load_state_dict(copies of its own state dict, assign=True)`` (new DTensor parameters, which FSDP2 takes
+    as its sharded parameters) at a window start and in the middle of the next window, each time the next
+    ``backward()`` tried (its message, or "accepted", and the window's micro-batches before and after it) and the
+    original parameters put back (``assign=True`` of the objects the accumulator holds): the window then completes."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    from tests.models import ThreeBlocks  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = ThreeBlocks(6, 8, 5)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in (model.l0, model.l1, model.head, model.side):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=LR), accumulation_steps=K,
+                                       max_grad_norm=None, backend="torch")
+    g = torch.Generator().manual_seed(11 + rank)
+    x = [torch.randn(4, 6, generator=g) for _ in range(2 * K)]
+    for b in x[:K]:
+        acc.backward(model(b).pow(2).mean())
+    assert acc.step() is not None
+    originals = dict(model.named_parameters())
+    result = {}
+    for where, b in (("window start", x[K]), ("mid-window", x[K + 1])):
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+        before = acc.num_micro_batches
+        try:
+            acc.backward(model(b).pow(2).mean())
+            result[where] = ("accepted", before, acc.num_micro_batches)
+        except ValueError as exc:
+            result[where] = (str(exc), before, acc.num_micro_batches)
+        model.load_state_dict(originals, assign=True)  # the way on: the parameters the accumulator holds, back
+        acc.backward(model(b).pow(2).mean())
+    result["completed"] = acc.step() is not None
+    acc.close()
+    return result
+
+
+@pytest.mark.multiproc
+def test_fsdp2_replacement_is_refused_naming_the_parameter(tmp_path):
+    """2 gloo ranks, an FSDP2 model: ``load_state_dict(assign=True)`` puts new DTensor parameters in the model, which
+    FSDP2 takes for its own (and gaengine's hooks are on the old ones). The next ``backward()`` raises on every rank
+    naming a parameter, at a window start and mid-window, nothing accumulated (FSDP2's layout is not rebuilt for a
+    replacement). Before: not noticed (the new parameters kept FSDP2's raw reduce-scattered ``.grad``)."""
+    from tests.ranks import launch_scenario  # noqa: PLC0415
+
+    codes, results = launch_scenario(tmp_path, 2, _fsdp2_case, timeout_s=30, join_s=90)
+    assert codes == [0, 0], f"exit codes {codes}"
+    for rank, res in enumerate(results):
+        assert res.pop("completed"), f"rank {rank}: the window put back did not complete"
+        for where, (message, before, after) in res.items():
+            assert re.search(r"parameter '(l0|l1|head|side)\.(weight|bias)' is another tensor.*assign=True", message), (
+                rank, where, message)
+            assert "fsdp2 (fully_shard) does not adopt" in message or "middle of an accumulation window" in message, (
+                rank, where, message)
+            assert after == before, (rank, where, before, after)
+        assert "middle of an accumulation window" in res["mid-window"][0] and res["mid-window"][1] == 1
