@@ -22,8 +22,9 @@ that, and nothing silently:
   still holds only the old object (the plain recipe would silently not train the new one), in the middle of a
   window (part of the window's gradient belongs to the old object), under ZeRO on several ranks or FSDP2 (their
   layouts are not rebuilt for a replacement; FSDP2 swaps its own parameters in and out of the modules, so there the
-  strategy says which of its sharded parameters are other objects now, ``ShardingStrategy.replaced_params``), for a parameter removed from the model, or for a shape or dtype changed
-  in place (``p.data = x`` of another shape: the optimizer state and fp32 master of the object would not fit it).
+  strategy says which of its sharded parameters are other objects now, ``ShardingStrategy.replaced_params``), for a
+  parameter removed from the model, or for a shape or dtype changed in place (``p.data = x`` of another shape: the
+  optimizer state and fp32 master of the object would not fit it).
 
 ``p.data = x`` of the same shape and dtype keeps the object (the plain recipe's optimizer steps it from ``x``, its
 state and ``.grad`` kept) and only matters where the accumulator laid the parameter out in a flat parameter buffer
@@ -69,7 +70,8 @@ def _install() -> None:
 class ReplacedParams:
     """The watch over the accumulator's parameters (``params``, layout order) in ``module`` (None: a model given as
     an iterable of parameters, whose slots are not watched). A DTensor parameter (an FSDP2 model, whose parameters
-    FSDP2 itself swaps in and out of the modules around forward and backward) is watched for shape and dtype only.
+    FSDP2 itself swaps in and out of the modules around forward and backward) is watched for shape and dtype, and
+    through FSDP2's own record of its sharded parameters (``sharding.replaced_params()``).
     ``optimizer``: the accumulator's (or None); ``sharding``: its ``gaengine.sharding.ShardingStrategy``, read at each
     check (whether it adopts a replacement: ``adopts``). Build a new one after the accumulator lays its parameters
     out again.
@@ -146,11 +148,10 @@ class ReplacedParams:
 
     def follow_storage(self, refuse: bool = True) -> None:
         """At every window's first backward, ``step()``, ``state_dict()`` and ``masters_to_model()``: a parameter laid
-        out in a flat parameter buffer whose
-        storage was replaced (``p.data = x``, same shape and dtype: the same object, so the plain recipe's optimizer
-        steps it from ``x`` with its state and the gradient it holds) is put back into its place in the buffer with
-        ``x``'s values, in place (the store's version counters see the write: its fp32 master takes them at the
-        next update, ``ParameterStore.pull_model_writes``), in the replicated mode; elsewhere ``ValueError`` naming
+        out in a flat parameter buffer whose storage was replaced (``p.data = x``, same shape and dtype: the same
+        object, so the plain recipe's optimizer steps it from ``x`` with its state and the gradient it holds) is put
+        back into its place in the buffer with ``x``'s values, in place (``ParameterStore.merge_params``: its fp32
+        master takes them), in the replicated mode; elsewhere ``ValueError`` naming
         it, nothing changed. Left alone, the updates would go into the buffer, which the model no longer reads: the
         parameter would silently never train again. One ``data_ptr()`` per laid-out parameter. ``refuse=False``
         (``state_dict()``, a collective on several ranks): where it is not adopted, leave it to the next
