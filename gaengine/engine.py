@@ -332,10 +332,9 @@ class GradientAccumulator:
         """At a window boundary: the parameters joined or left since, and those replaced in the model
         (``gaengine.replaced``: they join, the old leave), are adopted (``gaengine.membership.adopt_changes``:
         ``ValueError`` naming one that cannot join, nothing changed), then claimed and watched like the others."""
-        if self._replaced.pending:
-            self._members.rescan()
         if not adopt_changes(self._members, self._ranks_members, self.sharding, self.window, self,
-                             self.schedule.update_index, self.scaler is None and self.config.loss_scale == "auto"):
+                             self.schedule.update_index, self.scaler is None and self.config.loss_scale == "auto",
+                             rescan=bool(self._replaced.pending)):
             return
         self.registered_params = self._members.trainable()
         self.named_params = self._members.named()
@@ -655,6 +654,7 @@ class GradientAccumulator:
         self._lending.refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
         from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports DCP (about 2 s)
 
+        self._replaced.follow_storage(refuse=False)  # p.data = x since the window began: the masters saved take x
         self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return accumulator_state_dict(self.state_parts())
 
@@ -718,6 +718,7 @@ class GradientAccumulator:
         masters. Raises ``RuntimeError`` when the model was moved or converted since construction, and at
         ``zero_stage`` >= 1 on several ranks (each rank holds a shard of the masters).
         """
+        self._replaced.follow_storage()  # p.data = x since the window began: into its buffer first
         self.sharding.update.masters_to_model()
 
     def close(self, *, release_optimizer: bool = False) -> None:

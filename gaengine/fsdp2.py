@@ -255,6 +255,8 @@ class FullyShardedGrads(ShardingStrategy):
             if mine:
                 bounds.append((len(order), len(order) + len(mine)))
                 order.extend(mine)
+        self._sharded = [(fp, fp.sharded_param) for g in self.groups for fp in g.fsdp_params
+                         if id(fp.sharded_param) in trainable]  # replaced_params
         main_grad = self._new_main_grad(order)
         layout = main_grad.layout
         offsets = list(layout.offsets) + [layout.total_numel]
@@ -269,6 +271,20 @@ class FullyShardedGrads(ShardingStrategy):
                                         layout=DTensorShards())
             self.master_buffer = self.store.master_buffer
         self.update = Update(self.store, self.accumulation, self.backend, wrap=DTensorShards.wrap)
+
+    def replaced_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The trainable sharded parameters FSDP2 holds as other objects than at construction
+        (``model.load_state_dict(sd, assign=True)``: FSDP2's load hook takes the new DTensor as its sharded parameter,
+        ``FSDPParam.reset_sharded_param``), each ``(name in the model, the new parameter)``; ``gaengine.replaced``
+        refuses them (this strategy lays its parameters out once). A layer swapped for a new module is no FSDP2
+        parameter: its slot tells."""
+        prefix = {id(m): n for n, m in self.model.named_modules()}
+        out = []
+        for fp, p in self._sharded:
+            if fp.sharded_param is not p:
+                module, leaf = fp._module_info.module, fp._module_info.param_name
+                out.append((f"{prefix[id(module)]}.{leaf}" if prefix.get(id(module)) else leaf, fp.sharded_param))
+        return out
 
     def _shared_at_start(self, params: list[torch.Tensor], model: nn.Module | None) -> list[torch.Tensor]:
         """FSDP2's shards differ per rank by construction: only the model's buffers are broadcast."""

@@ -45,7 +45,7 @@ def join_refused(name: str, why: str) -> str:
 
 
 def adopt_changes(members: Membership, ranks: RankMembership | None, sharding: ShardingStrategy, window: Window,
-                  owner: Any, window_id: int, fp16_needs_scale: bool) -> bool:
+                  owner: Any, window_id: int, fp16_needs_scale: bool, rescan: bool = False) -> bool:
     """At a window boundary (its first ``backward()``): the parameters unfrozen or added with
     ``optimizer.add_param_group`` since the last window join, the frozen ones leave; the strategy lays everything out
     again (``ShardingStrategy.adopt``, at every ``zero_stage``), so a joined parameter is accumulated, normalized,
@@ -56,19 +56,50 @@ def adopt_changes(members: Membership, ranks: RankMembership | None, sharding: S
     the left ones released, the ``.grad`` the accumulator left (``window.grads_left``) dropped. Returns whether the
     strategy laid the parameters out anew (the accumulator then claims them and watches them again).
 
-    ``ValueError`` naming the parameter, nothing changed, where the strategy lays out its parameters once (FSDP2),
-    for an optimizer that writes the model itself, or an fp16 parameter without a loss scale
-    (``fp16_needs_scale``: ``loss_scale='auto'`` chose none at construction)."""
+    rescan: parameters were replaced in the model (``gaengine.replaced``): the module is read again first
+    (``Membership.rescan``).
+
+    ``ValueError`` naming the parameter, nothing changed (the membership as it was, a rescan undone), where the
+    strategy lays out its parameters once (FSDP2), for an optimizer that writes the model itself, or an fp16
+    parameter without a loss scale (``fp16_needs_scale``: ``loss_scale='auto'`` chose none at construction);
+    ``RuntimeError`` likewise for a joined parameter another accumulator holds."""
+    saved = members.saved()
+    try:
+        if rescan:
+            members.rescan()
+        joined, left = _checked_changes(members, ranks, sharding, window_id, fp16_needs_scale)
+    except BaseException:
+        members.restore(saved)
+        raise
+    if joined is None:
+        return False
+    if sharding.accumulation.take_stale() | window.grads_left:
+        sharding.accumulation.clear_grads()
+        window.grads_left = False
+    for _, p in left:
+        p.grad = None
+    ownership.release([p for _, p in left], owner)
+    sharding.adopt(members.trainable())
+    known = {id(p) for _, p in members.candidates}
+    sharding.forget([p for _, p in left if id(p) not in known])  # replaced: their fp32 masters are not kept
+    return True
+
+
+def _checked_changes(members: Membership, ranks: RankMembership | None, sharding: ShardingStrategy, window_id: int,
+                     fp16_needs_scale: bool):
+    """``adopt_changes``' checks, before anything is changed but the membership: ``(joined, left)`` to adopt, or
+    ``(None, None)`` where nothing is adopted (no change, the ranks differ, or the parameters left under a strategy
+    that lays them out once); its errors."""
     joined, left = members.changes(sharding.params)
     if ranks is not None and not ranks.check(joined, left, window_id):
-        return False  # the ranks differ: this window runs in the layout every rank has; step() raises on every rank
+        return None, None  # the ranks differ: this window runs in the layout every rank has; step() raises on each
     if not joined and not left:
-        return False
+        return None, None
     if not sharding.adopts_params:
         if joined:
             raise ValueError(join_refused(joined[0][0], f"{sharding.name} lays its parameters out once, "
                                           "at construction (a plain model adopts it at every zero_stage)"))
-        return False  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
+        return None, None  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
     if sharding.update.writes_model:
         raise ValueError(join_refused(
             (joined or left)[0][0], "an optimizer that writes the model itself (gaengine.optim.FusedAdamW with "
@@ -77,14 +108,7 @@ def adopt_changes(members: Membership, ranks: RankMembership | None, sharding: S
         raise ValueError(join_refused(joined[0][0], "an fp16 parameter needs the loss scale that "
                                       "loss_scale='auto' chose against at construction"))
     ownership.take([p for _, p in joined], None)  # another accumulator's: RuntimeError; a stale .grad dropped
-    if sharding.accumulation.take_stale() | window.grads_left:
-        sharding.accumulation.clear_grads()
-        window.grads_left = False
-    for _, p in left:
-        p.grad = None
-    ownership.release([p for _, p in left], owner)
-    sharding.adopt(members.trainable())
-    return True
+    return joined, left
 
 
 def unmanaged_grads(members: Membership, managed: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

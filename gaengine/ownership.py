@@ -148,7 +148,7 @@ class Membership:
     def __init__(self, module: nn.Module | None, params: list[torch.Tensor],
                  optimizer: torch.optim.Optimizer | None) -> None:
         self.module, self.optimizer = module, optimizer
-        self._initial = list(params)
+        self._initial = list(params) if module is None else []  # a module is read itself (not kept: replaced ones)
         self._num_groups = 0
         self.candidates: list[tuple[str, torch.Tensor]] = []
         self.replacements = 0  # rescans that found other parameter objects in the module (fingerprint)
@@ -181,6 +181,16 @@ class Membership:
         self._scan(self._num_groups)
         if [id(p) for _, p in self.candidates] != before:
             self.replacements += 1
+
+    def saved(self) -> tuple:
+        """What ``rescan`` and ``changes`` may change (the candidates, the groups read, the replacements counted), for
+        ``restore``: a refused adoption leaves the membership as it was (``gaengine.membership.adopt_changes``)."""
+        return list(self.candidates), self._num_groups, self.replacements
+
+    def restore(self, saved: tuple) -> None:
+        """Put back what ``saved`` returned."""
+        candidates, self._num_groups, self.replacements = saved
+        self.candidates = list(candidates)
 
     def changes(self, managed: list[torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]],
                                                              list[tuple[str, torch.Tensor]]]:

@@ -21,20 +21,25 @@ that, and nothing silently:
 * ``ValueError`` naming it, nothing of the micro-batch accumulated and the window as it was, when the optimizer
   still holds only the old object (the plain recipe would silently not train the new one), in the middle of a
   window (part of the window's gradient belongs to the old object), under ZeRO on several ranks or FSDP2 (their
-  layouts are not rebuilt for a replacement), for a parameter removed from the model, or for a shape or dtype changed
-  in place (``p.data = x`` of another shape: the optimizer state and fp32 master of the object would not fit it).
+  layouts are not rebuilt for a replacement; FSDP2 swaps its own parameters in and out of the modules, so there the
+  strategy says which of its sharded parameters are other objects now, ``ShardingStrategy.replaced_params``), for a
+  parameter removed from the model, or for a shape or dtype changed in place (``p.data = x`` of another shape: the
+  optimizer state and fp32 master of the object would not fit it).
 
 ``p.data = x`` of the same shape and dtype keeps the object (the plain recipe's optimizer steps it from ``x``, its
 state and ``.grad`` kept) and only matters where the accumulator laid the parameter out in a flat parameter buffer
 (bf16/fp16 with fp32 masters; every parameter under ZeRO): the updates would go into the buffer, which the model no
-longer reads. ``ReplacedParams.follow_storage`` (every backward and ``step()``) puts it back in its place with
-``x``'s values, its master taking them, in the replicated mode, at any micro-batch; elsewhere it refuses naming it.
+longer reads. ``ReplacedParams.follow_storage`` (at every window's first ``backward()``, and in ``step()``,
+``state_dict()`` and ``masters_to_model()``, before anything reads the buffer) puts it back in its place with ``x``'s
+values, its master taking them, in the replicated mode; elsewhere it refuses naming it, nothing applied. In the
+middle of a window that is the ``step()`` ending it: the micro-batches since ``x`` was set computed with ``x``, as the
+plain recipe's do, and their gradients reached the same object's hooks.
 
-Cost: the module's slots are read again only when a parameter or a submodule was registered anywhere since the last
-check (``torch.nn`` calls the global registration hooks installed here, an int increment each, from
-``Module.__setattr__``: ``load_state_dict(assign=True)`` and a layer swap go through it), so an ordinary micro-batch
-pays one int comparison and one ``data_ptr()`` per parameter laid out in a flat buffer; the shapes and dtypes are
-compared once per window (one list comparison).
+Cost: nothing per parameter in the middle of a window (one int comparison per micro-batch: the module's slots are read
+again only when a parameter or a submodule was registered anywhere since the last check, ``torch.nn`` calling the
+global registration hooks installed here, an int increment each, from ``Module.__setattr__``:
+``load_state_dict(assign=True)`` and a layer swap go through it); once per window, one ``data_ptr()`` per parameter
+laid out in a flat buffer and one list comparison of the shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ def _install() -> None:
 class ReplacedParams:
     """The watch over the accumulator's parameters (``params``, layout order) in ``module`` (None: a model given as
     an iterable of parameters, whose slots are not watched). A DTensor parameter (an FSDP2 model, whose parameters
-    FSDP2 itself swaps in and out of the modules around forward and backward) is watched for shape and dtype only.
+    FSDP2 itself swaps in and out of the modules around forward and backward) is watched for shape and dtype, and
+    through FSDP2's own record of its sharded parameters (``sharding.replaced_params()``).
     ``optimizer``: the accumulator's (or None); ``sharding``: its ``gaengine.sharding.ShardingStrategy``, read at each
     check (whether it adopts a replacement: ``adopts``). Build a new one after the accumulator lays its parameters
     out again.
@@ -115,13 +121,17 @@ class ReplacedParams:
         naming a parameter whose shape or dtype changed in place (checked at a window start): nothing changed. A
         replacement found adoptable at this window's start and not adopted (several ranks that replaced differently:
         no rank adopts, and ``step()`` raises on every rank, ``gaengine.ownership.RankMembership``) is not refused
-        again in the window: the ranks' collectives stay matched up to that ``step()``."""
-        self.follow_storage()
+        again in the window: the ranks' collectives stay matched up to that ``step()``.
+
+        In the middle of a window nothing is read per parameter: a ``p.data = x`` there is followed (or refused) by
+        the ``step()`` that ends the window (``follow_storage``), before anything is applied."""
+        if window_start:
+            self.follow_storage()
         if self.pending and not window_start:
             return
         self.pending = []
         if self._seen != _generation:
-            replaced = self._replaced_slots()
+            replaced = self._replaced_slots() + (self.sharding.replaced_params() if self.sharding is not None else [])
             if not replaced:
                 self._seen = _generation
             else:  # looked at again at every micro-batch until adopted (the accumulator then builds a new watch)
@@ -136,24 +146,35 @@ class ReplacedParams:
                                       "shape or dtype: the parameter's optimizer state and fp32 master would not fit "
                                       "it, in the plain recipe too)"))
 
-    def follow_storage(self) -> None:
-        """Before every micro-batch's backward and ``step()``: a parameter laid out in a flat parameter buffer whose
-        storage was replaced (``p.data = x``, same shape and dtype: the same object, so the plain recipe's optimizer
-        steps it from ``x`` with its state and the gradient it holds) is put back into its place in the buffer with
-        ``x``'s values, in place (the store's version counters see the write: its fp32 master takes them at the
-        next update, ``ParameterStore.pull_model_writes``), in the replicated mode; elsewhere ``ValueError`` naming
+    def follow_storage(self, refuse: bool = True) -> None:
+        """At every window's first backward, ``step()``, ``state_dict()`` and ``masters_to_model()``: a parameter laid
+        out in a flat parameter buffer whose storage was replaced (``p.data = x``, same shape and dtype: the same
+        object, so the plain recipe's optimizer steps it from ``x`` with its state and the gradient it holds) is put
+        back into its place in the buffer with ``x``'s values, in place (``ParameterStore.merge_params``: its fp32
+        master takes them), in the replicated mode; elsewhere ``ValueError`` naming
         it, nothing changed. Left alone, the updates would go into the buffer, which the model no longer reads: the
-        parameter would silently never train again. One ``data_ptr()`` per laid-out parameter."""
+        parameter would silently never train again. One ``data_ptr()`` per laid-out parameter. ``refuse=False``
+        (``state_dict()``, a collective on several ranks): where it is not adopted, leave it to the next
+        ``backward()`` or ``step()`` to refuse, rather than raise on some ranks only."""
         if [p.data_ptr() for p in self._laid] == self._ptrs:
             return
-        moved = [(i, view) for i, view, ptr in self._views if self.params[i].data_ptr() != ptr]
+        moved = [(i, view) for i, view, ptr in self._views if self.params[i].data_ptr() != ptr
+                 and _fits(self.params[i], view)]  # another shape, dtype or device: check's or the model watch's
+        if not moved:
+            return
         if not self.adopts():
+            if not refuse:
+                return
             i = moved[0][0]
             name = next((n for n, _, _, q in self._slots if q is self.params[i]), f"params[{i}]")
-            raise ValueError(_refused(name, "has another storage (p.data = ...) than the flat parameter buffer the "
-                                            f"accumulator laid it out in, and {self.sharding.name} does not adopt it "
-                                            "(write values in place: with torch.no_grad(): p.copy_(x))",
-                                      adoptable=False))
+            raise ValueError(
+                f"parameter {name!r} has another storage (p.data = ...) than the flat parameter buffer the accumulator "
+                f"laid it out in, and {self.sharding.name} does not adopt it: the updates would go into the buffer, "
+                "which the model no longer reads, so the parameter would silently never train again. Nothing of "
+                "this call was accumulated or applied: the window is as it was. Write values in place instead "
+                "(with torch.no_grad(): p.copy_(x)). To go on now: acc.zero_grad() (it drops the window), "
+                "acc.close(), then build the optimizer and a new GradientAccumulator over the model as it is now "
+                "(docs/accumulator.md)")
         with torch.no_grad():
             for i, view in moved:
                 p = self.params[i]
@@ -183,7 +204,7 @@ class ReplacedParams:
                 "its layer replaced: model.layer = nn.Linear(...))")
         if not window_start:
             raise ValueError(_refused(name, f"{what}, in the middle of an accumulation window (its micro-batches so "
-                                            "far are the old parameter's)"))
+                                            "far are the old parameter's)", adoptable=self.adopts()))
         if not self.adopts():
             raise ValueError(_refused(name, f"{what}, and {self.sharding.name} does not adopt a replaced parameter",
                                       adoptable=False))
@@ -199,6 +220,12 @@ class ReplacedParams:
         if removed:
             raise ValueError(_refused(removed[0], "was removed from the model", adoptable=False))
         self.pending = [n for n, _ in replaced]
+
+
+def _fits(p: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``p`` (given another storage) can go back into its place ``view`` as it is: same shape, dtype and
+    device."""
+    return p.shape == view.shape and p.dtype == view.dtype and p.device == view.device
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:

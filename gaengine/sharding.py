@@ -309,6 +309,18 @@ class ShardingStrategy(ABC):
             self.store.keep_masters({i: m for i, (_, m) in kept.items() if i in now})
         self._frozen_masters = {i: pm for i, pm in kept.items() if i not in now}
 
+    def replaced_params(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name in the model, the parameter there now)`` of the parameters replaced where the model's slots do
+        not tell (``gaengine.replaced``): none by default, the module's slots telling."""
+        return []
+
+    def forget(self, params: list[torch.Tensor]) -> None:
+        """Drop what is kept for ``params``, parameters that left the model for good (replaced in it,
+        ``gaengine.replaced``: they cannot join again as frozen ones can): their fp32 masters, each of which would
+        otherwise keep its parameter and a whole fp32 copy alive across replacements."""
+        for p in params:
+            self._frozen_masters.pop(id(p), None)
+
     @staticmethod
     def _own_storage(before: list[torch.Tensor], params: list[torch.Tensor]) -> None:
         """The parameters of ``before`` that left (not in ``params``) get their own storage (a copy of their values):

@@ -402,9 +402,11 @@ class ParameterStore:
     def check_model(self) -> None:
         """Raise ``RuntimeError`` when the re-pointed parameters no longer live in the flat parameter buffers (the
         model was moved or converted after the accumulator was built: ``model.to(other device or dtype)``,
-        ``.float()``, ...). One parameter per dtype is looked at: ``Module._apply`` moves them all."""
+        ``.float()``, ...). One parameter per dtype is looked at: ``Module._apply`` moves them all. Another storage
+        of the same dtype and device (``p.data = x``) is not a move: ``gaengine.replaced`` puts it back or refuses
+        it, naming the parameter."""
         for buf, first in self._firsts:
-            if first.device != buf.device or first.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+            if first.device != buf.device or first.dtype != buf.dtype:
                 raise RuntimeError(
                     f"a {buf.dtype} model parameter of shape {tuple(first.shape)} is no longer a view of the "
                     f"accumulator's flat {buf.dtype} buffer (it is {first.dtype} on {first.device}): the model was "

@@ -14,6 +14,7 @@ recipe would silently not train it), one in the middle of a window, or one under
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -332,9 +333,9 @@ def _rank_case(rank: int, stage: int, swap_on: tuple[int, ...]) -> dict:
     return out
 
 
-def _zero_data_case(rank: int) -> str:
-    """``zero_stage=1``: every parameter lives in the flat parameter buffer; ``p.data = x`` on every rank is refused
-    naming it at the next backward (ZeRO does not adopt it), nothing accumulated."""
+def _zero1_after_one_window(rank: int):
+    """A model and its ``zero_stage=1`` accumulator one window in (every parameter lives in the flat parameter
+    buffer)."""
     torch.manual_seed(0)
     model = MLP(6, 8, 3)
     acc = gaengine.GradientAccumulator(model, _sgd(model.parameters()), accumulation_steps=K, max_grad_norm=None,
@@ -342,6 +343,13 @@ def _zero_data_case(rank: int) -> str:
     for b in _batches(K, seed=7 + rank):
         acc.backward(_loss(model, b))
     acc.step()
+    return model, acc
+
+
+def _zero_data_case(rank: int) -> str:
+    """``zero_stage=1``: ``p.data = x`` on every rank is refused naming it at the next backward (ZeRO does not adopt
+    it), nothing accumulated."""
+    model, acc = _zero1_after_one_window(rank)
     model.fc1.weight.data = model.fc1.weight.detach().clone()
     with pytest.raises(ValueError) as refused:  # not raising fails this rank, and the test
         acc.backward(_loss(model, _batches(1, seed=9)[0]))
@@ -349,9 +357,29 @@ def _zero_data_case(rank: int) -> str:
     return f"{refused.value}|{acc.num_micro_batches}"
 
 
+def _zero_data_mid_window_case(rank: int) -> dict:
+    """``zero_stage=1``, ``p.data = x`` on every rank between a window's two micro-batches: nothing is read per
+    micro-batch, so the second backward runs, and the ``step()`` ending the window refuses it naming the parameter,
+    before anything is applied: the parameters bit for bit as before the window, its micro-batches kept."""
+    model, acc = _zero1_after_one_window(rank)
+    before = [p.detach().clone() for p in model.parameters()]
+    batches = _batches(K, seed=9 + rank)
+    acc.backward(_loss(model, batches[0]))
+    model.fc1.weight.data = model.fc1.weight.detach().clone()
+    acc.backward(_loss(model, batches[1]))
+    with pytest.raises(ValueError) as refused:  # not raising fails this rank, and the test
+        acc.step()
+    out = {"error": str(refused.value), "micro_batches": acc.num_micro_batches,
+           "kept": all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))}
+    acc.zero_grad()
+    acc.close()
+    return out
+
+
 def _on_two_ranks(rank, world, out):
     return {"adopted": _rank_case(rank, 0, (0, 1)), "one rank": _rank_case(rank, 0, (0,)),
-            "zero1": _rank_case(rank, 1, (0, 1)), "zero1 data": _zero_data_case(rank)}
+            "zero1": _rank_case(rank, 1, (0, 1)), "zero1 data": _zero_data_case(rank),
+            "zero1 data mid-window": _zero_data_mid_window_case(rank)}
 
 
 @pytest.mark.multiproc
@@ -360,7 +388,8 @@ def test_replacement_on_two_ranks(tmp_path):
     over both ranks' micro-batches. Only rank 0 swapping: no rank adopts and both ranks' ``step()`` raise (before the
     fingerprint counted replacements, rank 0 alone would adopt: its broadcast meeting rank 1's all-reduce).
     ``zero_stage=1``: refused naming the parameter on both ranks, nothing applied; ``p.data = x`` there too (every
-    parameter lives in ZeRO's flat parameter buffer)."""
+    parameter lives in ZeRO's flat parameter buffer), at a window start (refused by its first backward) and between
+    two micro-batches (refused by the ``step()`` ending the window, nothing applied, the window kept)."""
     from tests.ranks import launch_scenario  # noqa: PLC0415
 
     codes, results = launch_scenario(tmp_path, 2, _on_two_ranks, timeout_s=30, join_s=90)
@@ -380,6 +409,21 @@ def test_replacement_on_two_ranks(tmp_path):
         data = res["zero1 data"]
         assert "'fc1.weight' has another storage" in data and "zero_stage=1 does not adopt" in data, data
         assert data.endswith("|0"), data
+        mid = res["zero1 data mid-window"]
+        assert "'fc1.weight' has another storage" in mid["error"] and "zero_stage=1 does not adopt" in mid["error"], (
+            rank, mid)
+        assert mid["micro_batches"] == K and mid["kept"], (rank, mid)
+
+
+def _bf16_beside_plain():
+    """A bf16 model with fp32 masters and its accumulator (SGD with momentum), beside the plain recipe's fp64 copy
+    and its optimizer: ``(model, ref, ref_opt, acc)``."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(torch.bfloat16)
+    ref = copy.deepcopy(model).double()
+    acc = gaengine.GradientAccumulator(model, _sgd(model.parameters()), accumulation_steps=K, max_grad_norm=None,
+                                       backend="torch")
+    return model, ref, _sgd(ref.parameters()), acc
 
 
 def test_parameter_data_replaced_in_a_flat_buffer_trains_as_the_plain_recipe():
@@ -388,11 +432,7 @@ def test_parameter_data_replaced_in_a_flat_buffer_trains_as_the_plain_recipe():
     steps the same object from ``x`` (its momentum and the gradient it holds kept): so does gaengine, every window
     against the plain fp64 recipe doing the same. Before: the updates went into the buffer the model no longer read,
     and the parameter silently never trained again."""
-    torch.manual_seed(0)
-    model = MLP(6, 8, 3).to(torch.bfloat16)
-    ref = copy.deepcopy(model).double()
-    optimizer, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
-    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    model, ref, ref_opt, acc = _bf16_beside_plain()
     batches = _batches(4 * K)
     g = torch.Generator().manual_seed(5)
     at_change = None
@@ -418,3 +458,200 @@ def test_parameter_data_replaced_in_a_flat_buffer_trains_as_the_plain_recipe():
             assert err <= tol, f"window {w}: {name} off by {err:.3e} > {tol:.3e}"
     assert moved > 10 * RTOL[torch.bfloat16] * max(float(q.detach().abs().max()) for q in ref.parameters())
     acc.close()
+
+
+def _data_case(name: str, mid_window: bool) -> float:
+    """bf16 with fp32 masters: ``p.data = x`` (same shape and dtype) on the parameter ``name``, at window 1's start or
+    between its two micro-batches; the largest error / bound over the parameters after each of 3 windows against the
+    plain fp64 recipe doing the same."""
+    model, ref, ref_opt, acc = _bf16_beside_plain()
+    batches = _batches(3 * K)
+    worst, at_change = 0.0, None
+    for w in range(3):
+        ref_opt.zero_grad()
+        for k, b in enumerate(batches[w * K:(w + 1) * K]):
+            if (w, k) == (1, 1 if mid_window else 0):
+                p, q = model.get_parameter(name), ref.get_parameter(name)
+                new = torch.randn(p.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+                p.data = new.clone()
+                q.data = new.double()
+                at_change = [r.detach().clone() for r in ref.parameters()]
+            acc.backward(_loss(model, b))
+            (_loss(ref, b) / K).backward()
+        assert acc.step() is not None
+        ref_opt.step()
+        moved = 0.0 if at_change is None else max(float((r.detach() - a).abs().max())
+                                                  for r, a in zip(ref.parameters(), at_change))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            tol = RTOL[torch.bfloat16] * (float(q.detach().abs().max()) + 4 * moved)  # as the tests above
+            worst = max(worst, float((p.detach().double() - q.detach()).abs().max()) / tol)
+    acc.close()
+    return worst
+
+
+@pytest.mark.parametrize("mid_window", [False, True], ids=["window-start", "mid-window"])
+def test_parameter_data_replaced_on_any_parameter_trains_as_the_plain_recipe(mid_window):
+    """``p.data = x`` on each parameter in turn, the one the store checks for a moved model (the first laid out of
+    its dtype) included: followed (at the window's first backward, or mid-window at the ``step()`` ending it, nothing
+    being read per micro-batch), every window as the plain fp64 recipe's. Before: on the first laid-out parameter,
+    ``RuntimeError`` "the model was moved or converted", for good."""
+    names = [n for n, _ in MLP(6, 8, 3).named_parameters()]
+    errors = {n: _data_case(n, mid_window) for n in names}
+    assert max(errors.values()) <= 1.0, errors
+
+
+def test_state_dict_after_parameter_data_mid_window_saves_its_values():
+    """``p.data = x`` in the middle of a window, then ``acc.state_dict()`` before any other call: the fp32 masters
+    saved are ``x``'s values (exact: a bf16 value is an fp32 value), as the model's state dict saved beside it holds
+    them. Before: the masters of the values before ``x``."""
+    model, acc = _setup(torch.bfloat16)
+    batches = _batches(K)
+    acc.backward(_loss(model, batches[0]))
+    new = torch.randn(model.head.bias.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    model.head.bias.data = new.clone()
+    state = acc.state_dict()
+    assert torch.equal(state["master"]["head.bias"].local.reshape(new.shape), new.float())
+    assert torch.equal(model.head.bias.detach(), new)  # the model still holds x (back in its buffer)
+    acc.backward(_loss(model, batches[1]))
+    assert acc.step() is not None
+    acc.close()
+
+
+def _held_back(model, held: dict) -> None:
+    """Put the parameter objects of ``held`` (name -> Parameter) back into their slots of ``model``."""
+    for name, p in held.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, p)
+
+
+def test_refused_fp16_replacement_leaves_the_accumulator_as_it_was():
+    """An fp32 model whose accumulator has no loss scale (``loss_scale='auto'`` chose none): a checkpoint loaded in
+    fp16 with ``assign=True``, the optimizer pointed at the new objects, is refused at the next window's first
+    ``backward()`` (an fp16 parameter needs a loss scale), twice alike, and changes nothing: the parameters, the
+    window, the fp32 sums and the optimizer bit for bit; the old parameters put back, the next windows train as the
+    plain fp64 recipe. Before: the refusal had already taken the new parameters as the model's (the membership read
+    again), so the old ones were refused too after being put back."""
+    model, acc = _setup()
+    batches = _batches(3 * K)
+    for b in batches[:K]:
+        acc.backward(_loss(model, b))
+    assert acc.step() is not None
+    held = dict(model.named_parameters())
+    groups = [list(g["params"]) for g in acc.optimizer.param_groups]
+
+    def snapshot():
+        return ([id(p) for p in acc.params], [(n, id(p)) for n, p in acc.named_params], acc.num_micro_batches,
+                acc.main_grad.data.clone(), [p.detach().clone() for p in held.values()],
+                [[id(q) for q in g["params"]] for g in acc.optimizer.param_groups])
+
+    before = snapshot()
+    model.load_state_dict({k: v.half() for k, v in model.state_dict().items()}, assign=True)
+    acc.optimizer.param_groups[0]["params"] = list(model.parameters())
+    messages = []
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"parameter 'fc1\.weight'.*fp16 parameter needs the loss scale") as e:
+            acc.backward(model(batches[K][0].half()).float().pow(2).mean())
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    acc.optimizer.param_groups[0]["params"] = groups[0]
+    after = snapshot()
+    assert after[:3] == before[:3] and after[5] == before[5]
+    assert torch.equal(after[3], before[3]) and all(torch.equal(a, b) for a, b in zip(after[4], before[4]))
+    _held_back(model, held)
+    expected = _plain(model, [batches[K:2 * K], batches[2 * K:]])
+    for b in batches[K:]:
+        acc.backward(_loss(model, b))
+        acc.step()
+    _assert_close(model, expected, RTOL[torch.float32], "after the fp32 parameters were put back")
+    acc.close()
+
+
+def test_replaced_parameters_and_their_masters_are_released():
+    """bf16 with fp32 masters, the head replaced by a new layer between windows three times, the optimizer pointed
+    at the model's parameters each time (plain SGD: no state keyed by the old objects): once adopted, nothing of
+    gaengine's keeps an old head's parameters (or, with them, their fp32 masters) alive. Before: the first ones stayed
+    alive for good (the membership's list of the parameters at construction) and each replaced one's fp32 master was
+    kept as a frozen parameter's, with its parameter."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    acc = gaengine.GradientAccumulator(model, optimizer, accumulation_steps=K, max_grad_norm=None, backend="torch")
+    batches = _batches(K)
+    old = []
+    for _ in range(4):
+        for b in batches:
+            acc.backward(_loss(model, b))
+        assert acc.step() is not None
+        if len(old) < 6:
+            old += [weakref.ref(p) for p in model.head.parameters()]
+            model.head = nn.Linear(8, 3).to(torch.bfloat16)
+            optimizer.param_groups[0]["params"] = list(model.parameters())
+    gc.collect()
+    assert [r() is None for r in old] == [True] * len(old)
+    assert {id(p) for p in acc.params} == {id(p) for p in model.parameters()}
+    acc.close()
+
+
+def _fsdp2_case(rank: int, world: int, out) -> dict:
+    """An FSDP2 model (``fully_shard`` per block and the root) on the gloo ranks, one window in; then
+    ``model.load_state_dict(copies of its own state dict, assign=True)`` (new DTensor parameters, which FSDP2 takes
+    as its sharded parameters) at a window start and in the middle of the next window, each time the next
+    ``backward()`` tried (its message, or "accepted", and the window's micro-batches before and after it) and the
+    original parameters put back (``assign=True`` of the objects the accumulator holds): the window then completes."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    from tests.models import ThreeBlocks  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = ThreeBlocks(6, 8, 5)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in (model.l0, model.l1, model.head, model.side):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=LR), accumulation_steps=K,
+                                       max_grad_norm=None, backend="torch")
+    g = torch.Generator().manual_seed(11 + rank)
+    x = [torch.randn(4, 6, generator=g) for _ in range(2 * K)]
+    for b in x[:K]:
+        acc.backward(model(b).pow(2).mean())
+    assert acc.step() is not None
+    originals = dict(model.named_parameters())
+    result = {}
+    for where, b in (("window start", x[K]), ("mid-window", x[K + 1])):
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+        before = acc.num_micro_batches
+        try:
+            acc.backward(model(b).pow(2).mean())
+            result[where] = ("accepted", before, acc.num_micro_batches)
+        except ValueError as exc:
+            result[where] = (str(exc), before, acc.num_micro_batches)
+        model.load_state_dict(originals, assign=True)  # the way on: the parameters the accumulator holds, back
+        acc.backward(model(b).pow(2).mean())
+    result["completed"] = acc.step() is not None
+    acc.close()
+    return result
+
+
+@pytest.mark.multiproc
+def test_fsdp2_replacement_is_refused_naming_the_parameter(tmp_path):
+    """2 gloo ranks, an FSDP2 model: ``load_state_dict(assign=True)`` puts new DTensor parameters in the model, which
+    FSDP2 takes for its own (and gaengine's hooks are on the old ones). The next ``backward()`` raises on every rank
+    naming a parameter, at a window start and mid-window, nothing accumulated (FSDP2's layout is not rebuilt for a
+    replacement). Before: not noticed (the new parameters kept FSDP2's raw reduce-scattered ``.grad``)."""
+    from tests.ranks import launch_scenario  # noqa: PLC0415
+
+    codes, results = launch_scenario(tmp_path, 2, _fsdp2_case, timeout_s=30, join_s=90)
+    assert codes == [0, 0], f"exit codes {codes}"
+    for rank, res in enumerate(results):
+        assert res.pop("completed"), f"rank {rank}: the window put back did not complete"
+        for where, (message, before, after) in res.items():
+            assert re.search(r"parameter '(l0|l1|head|side)\.(weight|bias)' is another tensor.*assign=True", message), (
+                rank, where, message)
+            assert "fsdp2 (fully_shard) does not adopt" in message or "middle of an accumulation window" in message, (
+                rank, where, message)
+            assert after == before, (rank, where, before, after)
+        assert "middle of an accumulation window" in res["mid-window"][0] and res["mid-window"][1] == 1

@@ -7,12 +7,16 @@ a ref, read with ``git archive``), into a scratch directory, and run there twice
 * plainly;
 * through gaengine: a pytest plugin written next to them swaps the framework's class for gaengine's before the test
   modules import it. Transformers: ``transformers.Trainer`` becomes ``GaengineTrainer``. Lightning: every
-  ``lightning.pytorch.Trainer(strategy="auto" | "ddp" | "ddp_spawn")`` gets ``GaengineStrategy()``.
+  ``lightning.pytorch.Trainer(strategy="auto" | "ddp" | "ddp_spawn")`` gets ``GaengineStrategy()``. Fabric (the
+  same checkout's ``tests_fabric``): every ``lightning.Fabric(strategy="auto" | "ddp" | "ddp_spawn")`` gets
+  ``gaengine.integrations.fabric.GaengineStrategy(accumulation_steps=1)`` (``start_method="spawn"`` for
+  ``ddp_spawn``: Fabric's own launcher for it).
 
 Usage (``make framework-tests`` runs it with the checkouts in ``FRAMEWORKS``)::
 
     python tests/external/run_framework_tests.py --transformers ~/src/transformers@v5.24.0 \\
-        --lightning ~/src/pytorch-lightning@2.6.5 [--json results.json] [--keep DIR]
+        --lightning ~/src/pytorch-lightning@2.6.5 --fabric ~/src/pytorch-lightning@2.6.5 \\
+        [--json results.json] [--keep DIR] [--only PATH_PART]
 
 Each path is a checkout's root; ``PATH@REF`` reads REF from the git directory at PATH (a bare mirror works).
 Prints a table of counts per file and mode, and every test that passes plainly but fails through gaengine.
@@ -79,23 +83,36 @@ if os.environ.get("GAENGINE_SWAP") == "1":
     vars(transformers)["Trainer"] = GaengineTrainer
 '''
 
-_LIGHTNING_PLUGIN = _COUNT + '''
+def _swap_plugin(package: str, cls: str, integration: str, strategy: str) -> str:
+    """The plugin's text: ``strategy`` (an expression over ``name``, the strategy asked for; ``GaengineStrategy``
+    imported from ``integration``) in place of ``strategy="auto" | "ddp" | "ddp_spawn"`` in every
+    ``package.cls(...)``."""
+    return _COUNT + f'''
 import functools
 import os
 if os.environ.get("GAENGINE_SWAP") == "1":
-    import lightning.pytorch as pl
-    from gaengine.integrations.lightning import GaengineStrategy
+    import {package} as framework
+    from {integration} import GaengineStrategy
     _counted(GaengineStrategy)
-    _init = pl.Trainer.__init__
+    _init = framework.{cls}.__init__
 
     @functools.wraps(_init)
     def __init__(self, *args, **kwargs):
-        if kwargs.get("strategy", "auto") in ("auto", "ddp", "ddp_spawn"):
-            kwargs["strategy"] = GaengineStrategy()
+        name = kwargs.get("strategy", "auto")
+        if name in ("auto", "ddp", "ddp_spawn"):
+            kwargs["strategy"] = {strategy}
         _init(self, *args, **kwargs)
 
-    pl.Trainer.__init__ = __init__
+    framework.{cls}.__init__ = __init__
 '''
+
+
+_LIGHTNING_PLUGIN = _swap_plugin("lightning.pytorch", "Trainer", "gaengine.integrations.lightning",
+                                 "GaengineStrategy()")
+# Fabric: K = 1 (its tests call optimizer.step() after every backward); ddp_spawn keeps Fabric's spawning launcher
+_FABRIC_PLUGIN = _swap_plugin("lightning.fabric", "Fabric", "gaengine.integrations.fabric",
+                              "GaengineStrategy(accumulation_steps=1, "
+                              "**({\"start_method\": \"spawn\"} if name == \"ddp_spawn\" else {}))")
 
 SUITES = {
     "transformers": Suite(
@@ -112,6 +129,13 @@ SUITES = {
             "tests/tests_pytorch/models/test_hooks.py": None,
             "tests/tests_pytorch/core/test_lightning_module.py": None,
         }, _LIGHTNING_PLUGIN, {"PL_RUN_CUDA_TESTS": "0"}),
+    "fabric": Suite(
+        "fabric", "tests/tests_fabric", {
+            "tests/tests_fabric/test_fabric.py": None,
+            "tests/tests_fabric/test_wrappers.py": None,
+            "tests/tests_fabric/strategies/test_ddp_integration.py": None,
+            "tests/tests_fabric/plugins/precision/test_amp_integration.py": None,
+        }, _FABRIC_PLUGIN, {"PL_RUN_CUDA_TESTS": "0"}),
 }
 
 
@@ -183,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transformers", help="a transformers checkout root, or GITDIR@REF")
     parser.add_argument("--lightning", help="a pytorch-lightning checkout root, or GITDIR@REF")
+    parser.add_argument("--fabric", help="a pytorch-lightning checkout root, or GITDIR@REF (its tests_fabric)")
     parser.add_argument("--json", help="write every test's outcome per mode here")
     parser.add_argument("--keep", help="copy the frameworks' tests here (kept) instead of a temporary directory")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per pytest process")
