@@ -58,10 +58,11 @@ from gaengine.hooks import make_hooks
 from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase
 from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed,
                              wait_for)
-from gaengine.store import ParameterStore, ParamSlot, WindowChunk, reshard_state
+from gaengine.rank_layout import ParamSlot, RankLayout
+from gaengine.store import ParameterStore, WindowChunk, reshard_state
 from gaengine.update import expose_grads, step_scheduler
-from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardedReduction, ShardLayout, ShardReducer,
-                           StagedReduction, zero_order)
+from gaengine.zero import (STAGING_SLOTS, EvenShards, ParamGather, ParamShard, ShardedReduction, ShardLayout,
+                           ShardReducer, StagedReduction, WholeParams, zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "Update", "ZeroStage1", "ZeroStage2", "make_sharding",
            "register_model_strategy", "trainable_params"]
@@ -72,18 +73,18 @@ class Update:
 
     store: the ``gaengine.store.ParameterStore``, or None without an optimizer. accumulation: the layout
     (``gaengine.accumulation.Accumulation``: its ``shard_grads`` and ``chunks`` are what the store updates from).
-    backend: the kernel backend (``scale_``). gather: the parameters' all-gathers after each update
-    (``gaengine.zero.ParamGather``), or None. wrap: how ``expose_grads`` wraps a parameter's local gradient
-    (``gaengine.store.DTensorShards.wrap`` for FSDP2's DTensor parameters), or None.
+    backend: the kernel backend (``scale_``). layout: the rank's layout (``gaengine.rank_layout.RankLayout``: the
+    store's, or one the strategy builds without a store): how ``expose_grads`` wraps a parameter's local gradient and
+    what it refuses. gather: the parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None.
     """
 
-    def __init__(self, store: ParameterStore | None, accumulation: Accumulation, backend,
-                 gather: ParamGather | None = None, wrap=None) -> None:
+    def __init__(self, store: ParameterStore | None, accumulation: Accumulation, backend, layout: RankLayout,
+                 gather: ParamGather | None = None) -> None:
         self.store = store
         self.accumulation = accumulation
         self.backend = backend
+        self.layout = layout
         self.gather = gather
-        self.wrap = wrap
         if store is not None:  # the layout index of each of the store's parameters (its order is fixed)
             position = {id(p): i for i, p in enumerate(accumulation.params)}
             self._store_order = [position[id(p)] for p in store.params]
@@ -111,7 +112,7 @@ class Update:
         the parameters in ``unwritten``)."""
         main_grad = self.accumulation.main_grad
         self.backend.scale_(main_grad.data, coef)
-        expose_grads(self.accumulation.params, main_grad, unwritten, wrap=self.wrap)
+        expose_grads(self.accumulation.params, main_grad, unwritten, wrap=self.layout.wrap)
 
     def pull_model_writes(self) -> None:
         """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
@@ -131,19 +132,15 @@ class Update:
         store = self.store
         if store is None or store.master_buffer is None:
             return
-        if not store.shaped:
-            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
-                               "the fp32 masters; the update gathers them into the model")
+        self.layout.check_masters_to_model()
         store.pull_model_writes()  # a model write since the last update is kept, not overwritten
         store.copy_to_model()
 
     def check_release(self) -> None:
         """``ValueError`` unless the optimizer can be given back to the model (``close(release_optimizer=True)``): not
         where it holds 1-D shards (``zero_stage`` >= 1 on several ranks)."""
-        if self.store is not None and not self.store.shaped:
-            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
-                             "1-D shards of the parameters; gather its state with "
-                             "gaengine.full_optimizer_state_dict first, or close() without it")
+        if self.store is not None:
+            self.layout.check_release()
 
     def release_to_model(self) -> None:
         """The optimizer given back to the model (``gaengine.store.ParameterStore.release_to_model``); nothing
@@ -171,8 +168,9 @@ class ShardingStrategy(ABC):
     hooks, and the reduction's reducer (None on one rank). store: the ``gaengine.store.ParameterStore``, or None
     without an optimizer. master_buffer: the store's fp32 master weights (this rank's, a ``FlatBuffer``), or None.
     layout: the ``gaengine.zero.ShardLayout`` of the sharded strategies (None: ``Replicated``). gather: the
-    parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None. sharded: the optimizer state
-    is split over several ranks (recorded in a checkpoint's meta, ``state_meta``). reduction_type: the
+    parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None. rank_layout: what this rank
+    holds of each parameter (``gaengine.rank_layout.RankLayout``; its ``sharded`` is recorded in a checkpoint's meta,
+    ``state_meta``). reduction_type: the
     ``gaengine.reduce.Reduction`` class ``_lay_out`` builds.
 
     Built from the trainable ``params`` (registration order) and the ``optimizer`` (or None), with the
@@ -189,7 +187,6 @@ class ShardingStrategy(ABC):
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
     holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
-    sharded = False
     reduction_type: type[Reduction] = Reduction
 
     accumulation: Accumulation
@@ -265,7 +262,19 @@ class ShardingStrategy(ABC):
 
     def _build_update(self) -> None:
         """The ``update`` over the current layout, store and gathers (after each of them is built)."""
-        self.update = Update(self.store, self.accumulation, self.backend, self.gather)
+        layout = self.store.layout if self.store is not None else self._new_rank_layout()
+        self.update = Update(self.store, self.accumulation, self.backend, layout, self.gather)
+
+    def _new_rank_layout(self) -> RankLayout:
+        """A fresh ``gaengine.rank_layout.RankLayout`` of what this rank holds of the current layout's parameters (a
+        store calls its ``hold``)."""
+        return WholeParams()
+
+    @property
+    def rank_layout(self) -> RankLayout:
+        """The rank's layout now (``gaengine.rank_layout.RankLayout``: the update's): what this rank holds of each
+        parameter, how its pieces and gradients are wrapped, whether the optimizer state is sharded."""
+        return self.update.layout
 
     @abstractmethod
     def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
@@ -369,7 +378,7 @@ class ShardingStrategy(ABC):
         ``mode`` (its ``name``), ``sharded`` (the optimizer state is split over several ranks) and ``window_rows``
         (mid-window each rank saves its own unreduced sums, one row per rank: ``window_sums``). A state saved
         mid-window resumes only where they and the world size are alike."""
-        return {"mode": self.name, "sharded": self.sharded, "window_rows": False}
+        return {"mode": self.name, "sharded": self.rank_layout.sharded, "window_rows": False}
 
     def window_sums(self, mid_window: bool) -> list[WindowChunk]:
         """Per parameter (layout order), where the window's fp32 gradient sum lies in a checkpoint
@@ -431,7 +440,8 @@ class Replicated(ShardingStrategy):
         super().__init__(params, optimizer, **kwargs)
         self._lay_out(initial_order(params))
         if optimizer is not None:
-            self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights)
+            self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
+                                        layout=self._new_rank_layout())
             self.master_buffer = self.store.master_buffer
             self._build_update()
 
@@ -468,7 +478,7 @@ class Replicated(ShardingStrategy):
         self._lay_out(initial_order(params))
         if optimized:
             self.store = ParameterStore(self.optimizer, self.params, device=self.device,
-                                        master_weights=self.master_weights)
+                                        master_weights=self.master_weights, layout=self._new_rank_layout())
             self.store.keep_masters(masters)
             self.master_buffer = self.store.master_buffer
             self._build_update()
@@ -517,7 +527,6 @@ class _Zero(ShardingStrategy):
     when parameters join or leave (``adopt``); never re-learned from the arrival order."""
 
     adopts_params = True
-    sharded = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -531,12 +540,15 @@ class _Zero(ShardingStrategy):
         self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
         self.store = ParameterStore(self.optimizer, self.params, device=self.device,
-                                    master_weights=self.master_weights, layout=self.layout, rank=self.rank)
+                                    master_weights=self.master_weights, layout=self._new_rank_layout())
         self.master_buffer = self.store.master_buffer
         buckets = [b for b in self.layout.buckets if any(self.store.optimized[b.first:b.last])]
         self.gather = ParamGather(self.store.param_buffers, self.layout, buckets, self.params, self.rank,
                                   self.process_group, self.reducer, self.overlap_param_gather, self.model)
         self._build_update()
+
+    def _new_rank_layout(self) -> RankLayout:
+        return EvenShards(self.layout, self.rank)
 
     def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
         """The rank's shard: at stage 2 its fp32 gradient shard (``reducer.grad_shard``, one chunk, the per-parameter
