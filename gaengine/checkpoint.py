@@ -23,8 +23,9 @@ They take the accumulator's parts (``gaengine.stages.AccumulatorParts``: the str
 ``lr_scheduler``, the parameters and the window's stages, whose ``StageStates`` gives and takes their items) and
 never call back into the accumulator; the strategy is reached through its methods only (``param_slots``,
 ``finish_collectives``, ``state_meta``, ``window_sums``, ``load_window_state``, ``layout_to_resume``, ``set_layout``,
-``optimizer_shards``, ``check_saveable``, ``holds_whole_grad``), never a mode flag: what differs per mode is the
-strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+``optimizer_shards``, ``check_saveable``) and its rank's layout (``rank_layout``: ``gaengine.rank_layout.RankLayout``,
+which wraps and unwraps a piece's local elements and says whether every rank holds the whole gradient), never a
+mode flag: what differs per mode is the strategy's or the layout's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
 ``upgrade`` brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
@@ -921,8 +922,8 @@ def _load_plain_state(acc: AccumulatorParts | None, state: dict[str, Any]) -> No
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
     # The format of a replicated run: it loads where every rank holds the whole buffers in one flat layout
-    # (ShardingStrategy.holds_whole_grad).
-    if acc is None or not acc.sharding.holds_whole_grad:
+    # (RankLayout.holds_whole_grad).
+    if acc is None or not acc.sharding.rank_layout.holds_whole_grad:
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "

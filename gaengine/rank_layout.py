@@ -5,6 +5,8 @@ pieces live on this rank is one object, a ``RankLayout``, built by the sharding 
 handed to the parameter store (``gaengine.store.ParameterStore``), the update (``gaengine.sharding.Update``) and the
 checkpoint (``gaengine.checkpoint``, through ``ShardingStrategy.rank_layout``), none of which asks which mode it is:
 
+* **The gradient views and chunks** (``grad_views``): this rank's views of the window's fp32 sums, what its
+  update, norm and checkpoint read.
 * **Holdings** (``hold``): per trainable parameter, the range ``[lo, hi)`` of the flattened parameter this rank
   holds, the optimizer's piece for it (or None), its fp32 master and the model tensor the master's rounding goes
   into; the flat parameter buffers the parameters were re-pointed into, and the fp32 ``master_buffer``.
@@ -14,7 +16,9 @@ checkpoint (``gaengine.checkpoint``, through ``ShardingStrategy.rank_layout``), 
   that the model still lives where it was laid out (``check_storage``).
 * **What a layout refuses** (``check_masters_to_model``, ``check_release``): where the pieces are 1-D ranges the
   optimizer cannot be given back to the model.
-* ``sharded``: the optimizer state is split over several ranks (a checkpoint's meta records it).
+* ``sharded``: the optimizer state is split over several ranks (a checkpoint's meta records it);
+  ``holds_whole_grad``: every rank holds the window's whole reduced gradient (``step(before_update=...)`` and
+  ``begin_step()`` lend it in ``.grad``; a replicated run's old state dicts load).
 
 Implementations: ``gaengine.zero.WholeParams`` (every rank holds every parameter whole: replicated, and one rank),
 ``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``) and ``gaengine.fsdp2.DTensorShards``
@@ -27,6 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -90,6 +95,7 @@ class RankLayout(ABC):
     """
 
     sharded = False  # the optimizer state is split over several ranks (a checkpoint's meta)
+    holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
     param_buffers: dict[torch.dtype, torch.Tensor]
     master_buffer: FlatBuffer | None = None
 
@@ -101,6 +107,13 @@ class RankLayout(ABC):
         ``device``: re-point parameters into flat buffers where this layout does, build the masters (starting as the
         parameters' exact fp32 values) and the optimizer's pieces. Returns per parameter its ``ParamSlot`` (no
         ``grad``), and the ``Mastered`` entries in the order the masters are copied."""
+
+    def grad_views(self, main_grad: FlatBuffer, reducer) -> dict[str, Any]:
+        """This rank's views of the window's fp32 sums where they are not ``main_grad``'s own, as keyword arguments
+        of ``gaengine.accumulation.Accumulation`` (``shard_grads``, ``chunks``, ``grad_views``): by default none (this
+        rank updates every parameter it holds from ``main_grad``'s views). reducer: the layout's ``BucketReducer``
+        (its ``grad_shard`` where the sums live in a shard), or None."""
+        return {}
 
     def kept_in_groups(self, q: torch.Tensor) -> torch.Tensor | None:
         """What stays in the optimizer's param groups for a parameter it holds that is not trainable (``q``): ``q``

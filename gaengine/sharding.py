@@ -186,7 +186,6 @@ class ShardingStrategy(ABC):
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
-    holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
     reduction_type: type[Reduction] = Reduction
 
     accumulation: Accumulation
@@ -254,7 +253,7 @@ class ShardingStrategy(ABC):
         if not learning:
             hooks.stop_learning()
         self.accumulation = Accumulation(list(order), main_grad, hooks, self.world_size, self.measure_sources,
-                                         **self._rank_views(main_grad, reducer))
+                                         **self._new_rank_layout().grad_views(main_grad, reducer))
         self.reduction = self.reduction_type(reducer, self.accumulation, self.backend, self.process_group,
                                              self.world_size)
         self._build_update()
@@ -289,11 +288,6 @@ class ShardingStrategy(ABC):
     def _acquire(self, reducer: BucketReducer | None):
         """The hooks' ``acquire(b)`` (a destination per bucket and micro-batch), or None: main_grad itself."""
         return None
-
-    def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
-        """This rank's views of the window's sums where they are not ``main_grad``'s own (the accumulation's
-        ``shard_grads``, ``chunks``, ``grad_views``): by default none (every rank holds every parameter whole)."""
-        return {}
 
     def set_layout(self, order: list[torch.Tensor]) -> bool:
         """Lay the parameters out in ``order`` (a resumed state's layout); returns ``_lay_out``'s stale flag.
@@ -359,7 +353,7 @@ class ShardingStrategy(ABC):
 
     def param_slots(self) -> list[ParamSlot]:
         """Per parameter (layout order), what this rank holds of it: its range, the optimizer's piece, whether it
-        is optimized and has a master, and its fp32 gradient view (``gaengine.store.ParamSlot``; what
+        is optimized and has a master, and its fp32 gradient view (``gaengine.rank_layout.ParamSlot``; what
         ``gaengine.checkpoint`` reads)."""
         grads = self.accumulation.shard_grads
         out = []
@@ -434,7 +428,6 @@ class Replicated(ShardingStrategy):
 
     name = "replicated (zero_stage=0)"
     adopts_params = True
-    holds_whole_grad = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -549,18 +542,6 @@ class _Zero(ShardingStrategy):
 
     def _new_rank_layout(self) -> RankLayout:
         return EvenShards(self.layout, self.rank)
-
-    def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
-        """The rank's shard: at stage 2 its fp32 gradient shard (``reducer.grad_shard``, one chunk, the per-parameter
-        views its ranges); at stage 1 its ranges of ``main_grad``, one chunk per bucket."""
-        shards = self.layout.param_shards(self.rank)
-        grad_shard = reducer.grad_shard
-        if grad_shard is not None:  # stage 2: no full-size main_grad exists
-            views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
-            return {"shard_grads": views, "chunks": [grad_shard], "grad_views": views}
-        offsets = self.layout.layout.offsets
-        return {"shard_grads": [main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards],
-                "chunks": [main_grad.data[slice(*b.rank_range(self.rank))] for b in self.layout.buckets]}
 
     def adopt(self, params: list[torch.Tensor]) -> None:
         """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)

@@ -372,6 +372,8 @@ class WholeParams(_FlatParams):
     parameters (the fp32 master, or the parameter itself), so any torch optimizer works, state built before the
     accumulator follows its parameter, and the optimizer can be given back to the model."""
 
+    holds_whole_grad = True  # replicated: the window's last micro-batch all-reduces the whole gradient
+
     def _laid(self, params, optimized, mastered):
         laid = zero_order([p for p, opt in zip(params, optimized) if opt and p.dtype in mastered])
         whole_mb = sum(p.numel() + ALIGN_NUMEL for p in laid) * 4 / 2**20 + 1  # one bucket per dtype
@@ -415,6 +417,18 @@ class EvenShards(_FlatParams):
 
     def _model_view(self, p, flat):
         return flat
+
+    def grad_views(self, main_grad, reducer):
+        """The rank's shard: at stage 2 its fp32 gradient shard (``reducer.grad_shard``, one chunk, the per-parameter
+        views its ranges); at stage 1 its ranges of ``main_grad``, one chunk per bucket."""
+        shards = self.shards.param_shards(self.rank)
+        grad_shard = reducer.grad_shard
+        if grad_shard is not None:  # stage 2: no full-size main_grad exists
+            views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
+            return {"shard_grads": views, "chunks": [grad_shard], "grad_views": views}
+        offsets = self.shards.layout.offsets
+        return {"shard_grads": [main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards],
+                "chunks": [main_grad.data[slice(*b.rank_range(self.rank))] for b in self.shards.buckets]}
 
     def kept_in_groups(self, q):
         return None  # a frozen parameter the optimizer held has no range here
