@@ -139,7 +139,7 @@ class Accumulation:
         """The factor f the hooks' sources are reduced by (they are this rank's shard of the micro-batch's gradient
         summed over the ranks divided by f: FSDP2's ``NativeShardHooks.sources_reduced_by``), or None: this rank's own
         micro-batch (``gaengine.noise.WindowNoise.terms``)."""
-        return getattr(self.hooks, "sources_reduced_by", None)
+        return self.hooks.sources_reduced_by
 
     # ------------------------------------------------------------------ state dict
     def state(self) -> dict[str, Any]:

@@ -23,8 +23,9 @@ They take the accumulator's parts (``gaengine.stages.AccumulatorParts``: the str
 ``lr_scheduler``, the parameters and the window's stages, whose ``StageStates`` gives and takes their items) and
 never call back into the accumulator; the strategy is reached through its methods only (``param_slots``,
 ``finish_collectives``, ``state_meta``, ``window_sums``, ``load_window_state``, ``layout_to_resume``, ``set_layout``,
-``optimizer_shards``, ``check_saveable``, ``holds_whole_grad``), never a mode flag: what differs per mode is the
-strategy's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+``optimizer_shards``, ``check_saveable``) and its rank's layout (``rank_layout``: ``gaengine.rank_layout.RankLayout``,
+which wraps and unwraps a piece's local elements and says whether every rank holds the whole gradient), never a
+mode flag: what differs per mode is the strategy's or the layout's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
 ``upgrade`` brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
@@ -39,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
 
 from gaengine import optimizers, state_checks
 from gaengine.buffer import FlatLayout, copy_into
@@ -48,7 +48,7 @@ from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORM
 from gaengine.protocol import gather_objects
 from gaengine.reduce import Collective, wait_for
 from gaengine.stages import AccumulatorParts
-from gaengine.store import DTensorShards
+from gaengine.rank_layout import RankLayout
 
 if TYPE_CHECKING:  # annotations only: the accumulator calls this module, never the other way round
     from gaengine.engine import GradientAccumulator
@@ -416,7 +416,9 @@ class _Entry:
     grad: ``(hi - lo,)`` fp32 view of the window's gradient sum for that range (stage 2: the gradient shard;
         stage 1: this rank's range of ``main_grad``; unsharded: the whole ``main_grad`` view).
     shard_offset: where ``lo`` lies in the rank's gradient shard (sharded). All from
-    ``acc.sharding.param_slots()`` (``gaengine.store.ParamSlot``).
+    ``acc.sharding.param_slots()`` (``gaengine.rank_layout.ParamSlot``). layout: the rank's layout
+    (``acc.sharding.rank_layout``: a piece's local elements, ``RankLayout.local``, and a loaded state tensor wrapped
+    like the piece, ``RankLayout.wrap``).
     """
 
     key: str
@@ -432,6 +434,7 @@ class _Entry:
     master: bool
     grad: torch.Tensor
     shard_offset: int
+    layout: RankLayout
 
 
 def _param_keys(acc: AccumulatorParts) -> dict[int, str]:
@@ -450,30 +453,30 @@ def _entries(acc: AccumulatorParts) -> list[_Entry]:
     groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(q): g for g, group in enumerate(groups) for q in group["params"]}
     out = []
+    layout = acc.sharding.rank_layout
     for i, s in enumerate(acc.sharding.param_slots()):  # what this rank holds of each parameter
         p, piece = s.param, s.piece
         out.append(_Entry(keys[id(p)], i, p.numel(), p.shape, p.dtype, s.lo, s.hi, piece,
                           group_of.get(id(piece), -1) if piece is not None else -1, s.optimized, s.master, s.grad,
-                          s.shard_offset))
+                          s.shard_offset, layout))
     order = {id(p): j for j, p in enumerate(acc.registered_params)}
     return sorted(out, key=lambda e: order[id(acc.params[e.layout_index])])
 
 
-def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
-    """``t``'s elements this rank holds, flat and in place: the local shard of a DTensor (an FSDP2 piece, its
-    moments), else ``t`` itself; ``ValueError`` when not contiguous."""
-    t = t.to_local() if isinstance(t, DTensor) else t
+def _flat(e: _Entry, t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``'s elements this rank holds (``e``'s piece, or its state), flat and in place (``RankLayout.local``: the
+    local shard of an FSDP2 piece); ``ValueError`` when not contiguous."""
+    t = e.layout.local(t)
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous; gaengine checkpoints read and write it in place")
     return t.view(-1)
 
 
-def _shaped_like(piece: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A loaded optimizer state tensor for ``piece`` from this rank's ``local`` elements: shaped like ``piece``, or,
-    for a DTensor piece (FSDP2), a DTensor laid out like it over ``local`` shaped like its local shard."""
-    if isinstance(piece, DTensor):
-        return DTensorShards.wrap(piece, local.view(piece.to_local().shape))
-    return local.view(piece.shape)
+def _shaped_like(e: _Entry, local: torch.Tensor) -> torch.Tensor:
+    """A loaded optimizer state tensor for ``e``'s piece from this rank's ``local`` elements: shaped like the piece's
+    local elements and wrapped like the piece (``RankLayout.wrap``: a DTensor for an FSDP2 piece)."""
+    piece = e.piece
+    return e.layout.wrap(piece, local.view(e.layout.local(piece).shape))
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -531,7 +534,7 @@ def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
     for e in entries:
         owned = e.piece is not None
         if e.master:
-            masters[e.key] = FlatShard(_flat(e.piece.data, e.key) if owned else e.grad[:0].new_empty(0),
+            masters[e.key] = FlatShard(_flat(e, e.piece.data, e.key) if owned else e.grad[:0].new_empty(0),
                                        e.numel, e.lo)
         if e.optimized and owned:
             state = optimizer.state.get(e.piece) or {}
@@ -557,8 +560,8 @@ def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e:
                              dtype=torch.float64),  # host read: once per checkpoint
     }
     for k in moment_keys:
-        local = _flat(state[k], f"optimizer state {k!r} of {e.key}") if ready else \
-            torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=_flat(e.piece.data, e.key).device)
+        local = _flat(e, state[k], f"optimizer state {k!r} of {e.key}") if ready else \
+            torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=_flat(e, e.piece.data, e.key).device)
         entry[k] = FlatShard(local, e.numel, e.lo)
     return entry
 
@@ -772,7 +775,7 @@ def _checked_values(acc: AccumulatorParts, state: dict[str, Any], meta: dict[str
         owned = e.piece is not None
         if e.master and owned:
             saved = _take(state["master"].get(e.key), e, "state['master']", dtype=torch.float32)
-            masters.append((_flat(e.piece.data, e.key), saved))
+            masters.append((_flat(e, e.piece.data, e.key), saved))
         if e.optimized and owned and not elementwise:
             if e.key in whole_state:
                 loaded[id(e.piece)] = dict(whole_state[e.key])
@@ -807,7 +810,7 @@ def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _
             raise state_checks.corrupt(f"state['optimizer'][{e.key!r}][{k!r}]", "the moment saved with it (a tensor)",
                                        "missing" if k not in saved else type(value).__name__)
         t = _take(value, e, "state['optimizer']")
-        moments[k] = _shaped_like(e.piece, t if isinstance(value, FlatShard) else t.clone())
+        moments[k] = _shaped_like(e, t if isinstance(value, FlatShard) else t.clone())
     step = optimizers.step_key(optimizer, group)  # None: the optimizer keeps no step count (its row of the table)
     return {**({step: torch.tensor(float(saved["step"]), dtype=torch.float32)} if step else {}), **moments}
 
@@ -922,8 +925,8 @@ def _load_plain_state(acc: AccumulatorParts | None, state: dict[str, Any]) -> No
     the saved layout, the scalars beside them. ``ValueError``, nothing changed, for another model or world size,
     or an ``acc`` that is not replicated."""
     # The format of a replicated run: it loads where every rank holds the whole buffers in one flat layout
-    # (ShardingStrategy.holds_whole_grad).
-    if acc is None or not acc.sharding.holds_whole_grad:
+    # (RankLayout.holds_whole_grad).
+    if acc is None or not acc.sharding.rank_layout.holds_whole_grad:
         where = ("no acc" if acc is None else f"acc is {acc.sharding.name} on {acc.world_size} rank(s)")
         raise ValueError(f"state is a {PLAIN_FORMAT} state dict (zero_stage=0, saved by an earlier gaengine): "
                          f"upgrade(state, acc) lays it out by a replicated accumulator (zero_stage=0, or one rank), "

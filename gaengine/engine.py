@@ -431,7 +431,7 @@ class GradientAccumulator:
         """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
         window is incomplete (or empty) and not forced. lends: the window's gradient is to be lent in ``.grad``
         (``before_update``, ``begin_step``), which needs the whole gradient on every rank."""
-        if lends and not self.sharding.holds_whole_grad:
+        if lends and not self.sharding.rank_layout.holds_whole_grad:
             raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
                              f"which {self.sharding.name} does not hold; use zero_stage=0, or read "
                              "StepResult.grad_norm")

@@ -58,10 +58,11 @@ from gaengine.hooks import check_native_hooks
 from gaengine.hot_path import NativeHooks
 from gaengine.optimizers import elementwise_names, is_elementwise, writes_model_params
 from gaengine.reduce import BackwardStart, Reduction, WindowStats, launch_window_stats
-from gaengine.sharding import ShardingStrategy, Update, register_model_strategy
-from gaengine.store import DTensorShards, ParamSlot, ParameterStore
+from gaengine.sharding import ShardingStrategy, register_model_strategy
+from gaengine.rank_layout import Mastered, ParamSlot, RankLayout, copy_all
+from gaengine.store import ParameterStore
 
-__all__ = ["FullyShardedGrads", "FullyShardedReduction", "NativeShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
+__all__ = ["DTensorShards", "FullyShardedGrads", "FullyShardedReduction", "NativeShardHooks", "check_fsdp2_model", "make_shard_hooks", "fsdp2_param_groups", "is_fsdp2_model"]
 
 
 def is_fsdp2_model(model: nn.Module | None) -> bool:
@@ -121,6 +122,58 @@ def check_fsdp2_model(model: nn.Module, params: list[torch.Tensor]) -> None:
                              "dims); gaengine supports FSDP2 over a 1-D data-parallel mesh only: build fully_shard "
                              "with a 1-D DeviceMesh")
     del CPUOffloadPolicy
+
+
+class DTensorShards(RankLayout):
+    """The rank's layout of FSDP2 models (``gaengine.rank_layout.RankLayout``): every parameter a DTensor
+    (``fully_shard``) whose local shard this rank holds, in storage FSDP2 owns (never re-pointed: FSDP2 all-gathers
+    from it). Nothing is laid out: a piece is shaped like its parameter (its DTensor, or an fp32 master DTensor over a
+    view of ``master_buffer``, one fp32 buffer over the local shards of the bf16/fp16 parameters the optimizer holds,
+    with the parameter's mesh, placements, global shape and stride), the gradients are shaped like the local shards
+    and wrapped the same way, and the masters are rounded into the local shards, found afresh each time (FSDP2 may
+    give a parameter a new local tensor, ``reset_sharded_param``)."""
+
+    sharded = True
+
+    def hold(self, params, optimized, mastered, device):
+        self.param_buffers = {}  # FSDP2 owns the parameters' storage: nothing is laid out
+        low = [p for p, opt in zip(params, optimized) if opt and p.dtype in mastered]
+        master_of: dict[int, torch.Tensor] = {}
+        if low:  # one fp32 buffer over their local shards (a local shard may be empty), their exact fp32 values
+            locals_ = [self.local(p) for p in low]
+            self.master_buffer = FlatBuffer(FlatLayout.build(locals_), torch.float32, device)
+            copy_all(self.master_buffer.views, locals_)
+            master_of = {id(p): v for p, v in zip(low, self.master_buffer.views)}
+        slots, entries = [], []
+        for p, opt in zip(params, optimized):
+            master = id(p) in master_of
+            piece = None
+            if master:
+                piece = nn.Parameter(self.wrap(p, master_of[id(p)]), requires_grad=True)
+                entries.append(Mastered(p, piece, master_of[id(p)], None))
+            elif opt:
+                piece = p
+            slots.append(ParamSlot(p, 0, self.local(p).numel(), 0, piece, opt, master))
+        return slots, entries
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s local shard now (``to_local()``), or ``t`` where it is not a DTensor (a piece's plain state)."""
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    wraps = True  # a DTensor over the local shard
+
+    def wrap(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """A DTensor over ``local`` (this rank's shard, shaped like ``p``'s) laid out like ``p``; no communication."""
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only for FSDP2 models
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+    def model_views(self, mastered):
+        return [self.local(m.param) for m in mastered]
+
+    def version_tensors(self, mastered):
+        return self.model_views(mastered)
 
 
 def _local_shard(param: torch.Tensor) -> torch.Tensor | None:
@@ -201,7 +254,6 @@ class FullyShardedGrads(ShardingStrategy):
     """
 
     name = "fsdp2 (fully_shard)"
-    sharded = True
 
     @classmethod
     def takes_model(cls, model: nn.Module | None) -> bool:
@@ -268,9 +320,9 @@ class FullyShardedGrads(ShardingStrategy):
                                                self.groups, self._divide_factor)
         if optimizer is not None:  # the optimizer over the DTensor parameters, or their fp32 master DTensors
             self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
-                                        layout=DTensorShards())
+                                        layout=self._new_rank_layout())
             self.master_buffer = self.store.master_buffer
-        self.update = Update(self.store, self.accumulation, self.backend, wrap=DTensorShards.wrap)
+        self._build_update()
 
     def replaced_params(self) -> list[tuple[str, torch.Tensor]]:
         """The trainable sharded parameters FSDP2 holds as other objects than at construction
@@ -291,6 +343,9 @@ class FullyShardedGrads(ShardingStrategy):
         return list(model.buffers()) if model is not None else []
 
     # ------------------------------------------------------------------ layout
+    def _new_rank_layout(self) -> RankLayout:
+        return DTensorShards()
+
     def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
         return FlatBuffer(FlatLayout.build([p.to_local() for p in params]), torch.float32, self.device)
 

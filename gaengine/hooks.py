@@ -47,6 +47,7 @@ class Hooks(Protocol):
     """
 
     native: bool  # per-parameter work in C++ (no Python per parameter)
+    sources_reduced_by: float | None  # f: the sources are the micro-batch summed over the ranks / f; None: own
     params: list[torch.Tensor]
     num_buckets: int
 

@@ -65,6 +65,7 @@ class NativeHooks:
     """
 
     native = True
+    sources_reduced_by: float | None = None  # this rank's own micro-batch (FSDP2's hooks: its divide factor)
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,

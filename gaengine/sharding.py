@@ -26,7 +26,11 @@ each part, never to the hooks, the reducer or the store behind them:
   the optimizer's pieces) on this rank's gradient views, the parameters' all-gathers (ZeRO) and the scheduler; or,
   without an optimizer, the gradients left in ``.grad``.
 
-What a strategy itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
+What this rank holds of each parameter (its gradient views, the optimizer's pieces, the masters and their way into
+the model, how pieces and gradients are wrapped) is the rank's layout, ``gaengine.rank_layout.RankLayout``, which the
+strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine.zero.EvenShards``,
+``gaengine.fsdp2.DTensorShards``) and the store, the update and the checkpoint ask (``rank_layout``). What a strategy
+itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
 re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
 its part of the state dict (where the window's sums lie in a checkpoint, ``window_sums``/``load_window_state``;
 its meta, ``state_meta``; ``layout_to_resume``, ``optimizer_shards``, ``param_slots``) and ``close``;
@@ -58,10 +62,11 @@ from gaengine.hooks import make_hooks
 from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase
 from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed,
                              wait_for)
-from gaengine.store import ParameterStore, ParamSlot, WindowChunk, reshard_state
+from gaengine.rank_layout import ParamSlot, RankLayout
+from gaengine.store import ParameterStore, WindowChunk, reshard_state
 from gaengine.update import expose_grads, step_scheduler
-from gaengine.zero import (STAGING_SLOTS, ParamGather, ParamShard, ShardedReduction, ShardLayout, ShardReducer,
-                           StagedReduction, zero_order)
+from gaengine.zero import (STAGING_SLOTS, EvenShards, ParamGather, ParamShard, ShardedReduction, ShardLayout,
+                           ShardReducer, StagedReduction, WholeParams, zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "Update", "ZeroStage1", "ZeroStage2", "make_sharding",
            "register_model_strategy", "trainable_params"]
@@ -72,18 +77,18 @@ class Update:
 
     store: the ``gaengine.store.ParameterStore``, or None without an optimizer. accumulation: the layout
     (``gaengine.accumulation.Accumulation``: its ``shard_grads`` and ``chunks`` are what the store updates from).
-    backend: the kernel backend (``scale_``). gather: the parameters' all-gathers after each update
-    (``gaengine.zero.ParamGather``), or None. wrap: how ``expose_grads`` wraps a parameter's local gradient
-    (``gaengine.store.DTensorShards.wrap`` for FSDP2's DTensor parameters), or None.
+    backend: the kernel backend (``scale_``). layout: the rank's layout (``gaengine.rank_layout.RankLayout``: the
+    store's, or one the strategy builds without a store): how ``expose_grads`` wraps a parameter's local gradient and
+    what it refuses. gather: the parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None.
     """
 
-    def __init__(self, store: ParameterStore | None, accumulation: Accumulation, backend,
-                 gather: ParamGather | None = None, wrap=None) -> None:
+    def __init__(self, store: ParameterStore | None, accumulation: Accumulation, backend, layout: RankLayout,
+                 gather: ParamGather | None = None) -> None:
         self.store = store
         self.accumulation = accumulation
         self.backend = backend
+        self.layout = layout
         self.gather = gather
-        self.wrap = wrap
         if store is not None:  # the layout index of each of the store's parameters (its order is fixed)
             position = {id(p): i for i, p in enumerate(accumulation.params)}
             self._store_order = [position[id(p)] for p in store.params]
@@ -111,7 +116,7 @@ class Update:
         the parameters in ``unwritten``)."""
         main_grad = self.accumulation.main_grad
         self.backend.scale_(main_grad.data, coef)
-        expose_grads(self.accumulation.params, main_grad, unwritten, wrap=self.wrap)
+        expose_grads(self.accumulation.params, main_grad, unwritten, wrap=self.layout.wrap)
 
     def pull_model_writes(self) -> None:
         """Model writes since the last update (``model.load_state_dict()``, in-place under ``torch.no_grad()``)
@@ -131,19 +136,15 @@ class Update:
         store = self.store
         if store is None or store.master_buffer is None:
             return
-        if not store.shaped:
-            raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
-                               "the fp32 masters; the update gathers them into the model")
+        self.layout.check_masters_to_model()
         store.pull_model_writes()  # a model write since the last update is kept, not overwritten
         store.copy_to_model()
 
     def check_release(self) -> None:
         """``ValueError`` unless the optimizer can be given back to the model (``close(release_optimizer=True)``): not
         where it holds 1-D shards (``zero_stage`` >= 1 on several ranks)."""
-        if self.store is not None and not self.store.shaped:
-            raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
-                             "1-D shards of the parameters; gather its state with "
-                             "gaengine.full_optimizer_state_dict first, or close() without it")
+        if self.store is not None:
+            self.layout.check_release()
 
     def release_to_model(self) -> None:
         """The optimizer given back to the model (``gaengine.store.ParameterStore.release_to_model``); nothing
@@ -171,8 +172,9 @@ class ShardingStrategy(ABC):
     hooks, and the reduction's reducer (None on one rank). store: the ``gaengine.store.ParameterStore``, or None
     without an optimizer. master_buffer: the store's fp32 master weights (this rank's, a ``FlatBuffer``), or None.
     layout: the ``gaengine.zero.ShardLayout`` of the sharded strategies (None: ``Replicated``). gather: the
-    parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None. sharded: the optimizer state
-    is split over several ranks (recorded in a checkpoint's meta, ``state_meta``). reduction_type: the
+    parameters' all-gathers after each update (``gaengine.zero.ParamGather``), or None. rank_layout: what this rank
+    holds of each parameter (``gaengine.rank_layout.RankLayout``; its ``sharded`` is recorded in a checkpoint's meta,
+    ``state_meta``). reduction_type: the
     ``gaengine.reduce.Reduction`` class ``_lay_out`` builds.
 
     Built from the trainable ``params`` (registration order) and the ``optimizer`` (or None), with the
@@ -188,8 +190,6 @@ class ShardingStrategy(ABC):
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
-    holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
-    sharded = False
     reduction_type: type[Reduction] = Reduction
 
     accumulation: Accumulation
@@ -257,7 +257,7 @@ class ShardingStrategy(ABC):
         if not learning:
             hooks.stop_learning()
         self.accumulation = Accumulation(list(order), main_grad, hooks, self.world_size, self.measure_sources,
-                                         **self._rank_views(main_grad, reducer))
+                                         **self._new_rank_layout().grad_views(main_grad, reducer))
         self.reduction = self.reduction_type(reducer, self.accumulation, self.backend, self.process_group,
                                              self.world_size)
         self._build_update()
@@ -265,7 +265,19 @@ class ShardingStrategy(ABC):
 
     def _build_update(self) -> None:
         """The ``update`` over the current layout, store and gathers (after each of them is built)."""
-        self.update = Update(self.store, self.accumulation, self.backend, self.gather)
+        layout = self.store.layout if self.store is not None else self._new_rank_layout()
+        self.update = Update(self.store, self.accumulation, self.backend, layout, self.gather)
+
+    def _new_rank_layout(self) -> RankLayout:
+        """A fresh ``gaengine.rank_layout.RankLayout`` of what this rank holds of the current layout's parameters (a
+        store calls its ``hold``)."""
+        return WholeParams()
+
+    @property
+    def rank_layout(self) -> RankLayout:
+        """The rank's layout now (``gaengine.rank_layout.RankLayout``: the update's): what this rank holds of each
+        parameter, how its pieces and gradients are wrapped, whether the optimizer state is sharded."""
+        return self.update.layout
 
     @abstractmethod
     def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
@@ -280,11 +292,6 @@ class ShardingStrategy(ABC):
     def _acquire(self, reducer: BucketReducer | None):
         """The hooks' ``acquire(b)`` (a destination per bucket and micro-batch), or None: main_grad itself."""
         return None
-
-    def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
-        """This rank's views of the window's sums where they are not ``main_grad``'s own (the accumulation's
-        ``shard_grads``, ``chunks``, ``grad_views``): by default none (every rank holds every parameter whole)."""
-        return {}
 
     def set_layout(self, order: list[torch.Tensor]) -> bool:
         """Lay the parameters out in ``order`` (a resumed state's layout); returns ``_lay_out``'s stale flag.
@@ -362,7 +369,7 @@ class ShardingStrategy(ABC):
 
     def param_slots(self) -> list[ParamSlot]:
         """Per parameter (layout order), what this rank holds of it: its range, the optimizer's piece, whether it
-        is optimized and has a master, and its fp32 gradient view (``gaengine.store.ParamSlot``; what
+        is optimized and has a master, and its fp32 gradient view (``gaengine.rank_layout.ParamSlot``; what
         ``gaengine.checkpoint`` reads)."""
         grads = self.accumulation.shard_grads
         out = []
@@ -381,7 +388,7 @@ class ShardingStrategy(ABC):
         ``mode`` (its ``name``), ``sharded`` (the optimizer state is split over several ranks) and ``window_rows``
         (mid-window each rank saves its own unreduced sums, one row per rank: ``window_sums``). A state saved
         mid-window resumes only where they and the world size are alike."""
-        return {"mode": self.name, "sharded": self.sharded, "window_rows": False}
+        return {"mode": self.name, "sharded": self.rank_layout.sharded, "window_rows": False}
 
     def window_sums(self, mid_window: bool) -> list[WindowChunk]:
         """Per parameter (layout order), where the window's fp32 gradient sum lies in a checkpoint
@@ -437,13 +444,13 @@ class Replicated(ShardingStrategy):
 
     name = "replicated (zero_stage=0)"
     adopts_params = True
-    holds_whole_grad = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
         self._lay_out(initial_order(params))
         if optimizer is not None:
-            self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights)
+            self.store = ParameterStore(optimizer, self.params, device=self.device, master_weights=self.master_weights,
+                                        layout=self._new_rank_layout())
             self.master_buffer = self.store.master_buffer
             self._build_update()
 
@@ -480,7 +487,7 @@ class Replicated(ShardingStrategy):
         self._lay_out(initial_order(params))
         if optimized:
             self.store = ParameterStore(self.optimizer, self.params, device=self.device,
-                                        master_weights=self.master_weights)
+                                        master_weights=self.master_weights, layout=self._new_rank_layout())
             self.store.keep_masters(masters)
             self.master_buffer = self.store.master_buffer
             self._build_update()
@@ -529,7 +536,6 @@ class _Zero(ShardingStrategy):
     when parameters join or leave (``adopt``); never re-learned from the arrival order."""
 
     adopts_params = True
-    sharded = True
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -543,24 +549,15 @@ class _Zero(ShardingStrategy):
         self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
         self.store = ParameterStore(self.optimizer, self.params, device=self.device,
-                                    master_weights=self.master_weights, layout=self.layout, rank=self.rank)
+                                    master_weights=self.master_weights, layout=self._new_rank_layout())
         self.master_buffer = self.store.master_buffer
         buckets = [b for b in self.layout.buckets if any(self.store.optimized[b.first:b.last])]
         self.gather = ParamGather(self.store.param_buffers, self.layout, buckets, self.params, self.rank,
                                   self.process_group, self.reducer, self.overlap_param_gather, self.model)
         self._build_update()
 
-    def _rank_views(self, main_grad: FlatBuffer, reducer: BucketReducer | None) -> dict[str, Any]:
-        """The rank's shard: at stage 2 its fp32 gradient shard (``reducer.grad_shard``, one chunk, the per-parameter
-        views its ranges); at stage 1 its ranges of ``main_grad``, one chunk per bucket."""
-        shards = self.layout.param_shards(self.rank)
-        grad_shard = reducer.grad_shard
-        if grad_shard is not None:  # stage 2: no full-size main_grad exists
-            views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
-            return {"shard_grads": views, "chunks": [grad_shard], "grad_views": views}
-        offsets = self.layout.layout.offsets
-        return {"shard_grads": [main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards],
-                "chunks": [main_grad.data[slice(*b.rank_range(self.rank))] for b in self.layout.buckets]}
+    def _new_rank_layout(self) -> RankLayout:
+        return EvenShards(self.layout, self.rank)
 
     def adopt(self, params: list[torch.Tensor]) -> None:
         """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)

@@ -1,10 +1,13 @@
 """The parameter store: the model's parameters as the optimizer sees them, the fp32 master weights, and the update.
 
 One ``ParameterStore`` per accumulator with an optimizer, in every mode, built by the sharding strategy
-(``gaengine.sharding``, ``gaengine.fsdp2``) over a layout of pieces: flat views for the replicated and ZeRO modes, a
-``gaengine.zero.ShardLayout`` (rank r of d owns the range ``[lo, hi)`` of every laid-out parameter that the layout
-gives it, ``ParamShard``; the replicated case is the one-shard case, d = 1: every range is the whole parameter);
-``DTensorShards`` for FSDP2 models, whose parameters are DTensors whose local shards this rank holds.
+(``gaengine.sharding``, ``gaengine.fsdp2``) over the rank's layout (``gaengine.rank_layout.RankLayout``), which
+answers everything that differs by mode: which parameters are laid out in flat buffers, the range ``[lo, hi)`` of
+each parameter this rank holds, the shape of its piece, where the masters live and how their rounding reaches the
+model. The store itself never asks which mode it is. The layouts: ``gaengine.zero.WholeParams`` (replicated and one
+rank: every range is the whole parameter, the one-shard case of a ``gaengine.zero.ShardLayout``),
+``gaengine.zero.EvenShards`` (ZeRO: rank r of d owns its range of every bucket of a ``ShardLayout``) and
+``gaengine.fsdp2.DTensorShards`` (FSDP2 models, whose parameters are DTensors whose local shards this rank holds).
 
 * **Parameter buffers.** The laid-out parameters (the same ``Parameter`` objects, ``p.data`` re-pointed: autograd
   keeps their AccumulateGrad nodes and the hooks on them) become views of one flat buffer per dtype laid out like
@@ -49,45 +52,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.autograd.graph import increment_version
 
-from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
+from gaengine.buffer import FlatBuffer
 from gaengine.compat import all_gather_single
 from gaengine.optimizers import STEP_KEY, keeps_step, moment_keys, new_step, takes_grad_scale, writes_model_params
 from gaengine.reduce import Collective, wait_for
+from gaengine.rank_layout import ParamSlot, RankLayout
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
-from gaengine.zero import ShardLayout, zero_order
 
-__all__ = ["PARAM_WRITERS", "DTensorShards", "ParamSlot", "ParameterStore", "WindowChunk", "reshard_state"]
+__all__ = ["PARAM_WRITERS", "ParamSlot", "ParameterStore", "WindowChunk", "reshard_state"]
 
 PARAM_WRITERS = ("eval", "train")
 """Optimizer methods known to write the parameters the optimizer holds outside ``step()``: the schedule-free
 convention (``schedulefree.AdamWScheduleFree.eval()`` sets each parameter to the averaged point x, ``train()`` back
 to the interpolation y; Defazio et al., *The Road Less Scheduled*, 2024), which HF's Trainer and Accelerate call
 around training and evaluation. torch's own optimizers define neither."""
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One trainable parameter as this rank holds it (``ShardingStrategy.param_slots``; what a checkpoint reads).
-
-    param: the model parameter. lo, hi: the range ``[lo, hi)`` of the flattened parameter this rank owns
-    (``0, numel`` on one rank; ``lo == hi``: nothing). shard_offset: where element ``lo`` lies in the rank's
-    gradient shard (d > 1 ranks; 0 on one). piece: the optimizer's parameter holding that
-    range (shaped like ``param`` on one rank, 1-D on several), or None (not optimized, or nothing owned).
-    optimized: the optimizer holds ``param``. master: it has fp32 master weights (``piece`` is then a view of
-    ``master_buffer``). grad: ``(hi - lo,)`` fp32, the window's gradient sum of that range, a view.
-    """
-
-    param: torch.Tensor
-    lo: int
-    hi: int
-    shard_offset: int
-    piece: torch.Tensor | None
-    optimized: bool
-    master: bool
-    grad: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -103,27 +82,6 @@ class WindowChunk:
     own: bool = False
 
 
-class DTensorShards:
-    """The layout of pieces of FSDP2 models (``gaengine.fsdp2``): every parameter a DTensor (``fully_shard``) whose
-    local shard this rank holds, in storage FSDP2 owns (never re-pointed: FSDP2 all-gathers from it). The store lays
-    nothing out: a piece is shaped like its parameter (its DTensor, or an fp32 master DTensor over a view of
-    ``master_buffer`` with the parameter's mesh, placements, global shape and stride), the gradients it is handed are
-    shaped like the local shards and wrapped the same way, and the masters are rounded into the local shards."""
-
-    @staticmethod
-    def local(p: torch.Tensor) -> torch.Tensor:
-        """``p``'s local shard now (``to_local()``: FSDP2 may give ``p`` a new local tensor, e.g. at its lazy init)."""
-        return p.to_local()
-
-    @staticmethod
-    def wrap(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """A DTensor over ``local`` (this rank's shard, shaped like ``p``'s) laid out like ``p``; no communication."""
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only for FSDP2 models
-
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
-
-
 class ParameterStore:
     """The parameter buffers, fp32 masters and optimizer pieces of one rank, and the update (module docstring).
 
@@ -132,10 +90,8 @@ class ParameterStore:
     masters for the bf16/fp16 parameters the optimizer holds; False: the optimizer updates them in place
     (``reads_main_grad`` for ``FusedAdamW``, which takes the fp32 gradient as ``p.main_grad``, else
     ``normalize_before_rounding``: each gradient is rounded once, at its final scale).
-    layout, rank: the ``ShardLayout`` of ``params`` (in its order, every parameter laid out) and this rank, on
-    d > 1 ranks; None on one rank (the store lays out the parameters with masters itself, one bucket per dtype:
-    the layout of ``master_buffer`` depends on the parameters only); ``DTensorShards()`` for FSDP2's DTensor
-    parameters (nothing laid out; pieces, gradients and masters per local shard, gradients wrapped as DTensors).
+    layout: the rank's layout (``gaengine.rank_layout.RankLayout``, fresh: the store calls its ``hold`` once), which
+    lays out ``params`` and builds the masters and the pieces (``slots``).
 
     Attributes: ``pieces[j]`` (the optimizer's parameter for ``params[j]``'s range, or None); ``optimized[j]``;
     ``param_buffers[dtype]`` (the laid-out parameters' storage); ``master_buffer`` (``FlatBuffer`` of the fp32
@@ -145,7 +101,7 @@ class ParameterStore:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, device: torch.device,
-                 master_weights: bool, layout: ShardLayout | DTensorShards | None = None, rank: int = 0) -> None:
+                 master_weights: bool, layout: RankLayout) -> None:
         self.optimizer = optimizer
         self.device = device
         self.params = list(params)
@@ -157,32 +113,15 @@ class ParameterStore:
         self.reads_main_grad = fused_adamw and not master_weights and bool(low)
         self.normalize_before_rounding = not fused_adamw and not master_weights and bool(low)
         mastered = {p.dtype for p in low} if master_weights else set()
-        self.dtensors = layout if isinstance(layout, DTensorShards) else None
-        self.shaped = not isinstance(layout, ShardLayout)  # the optimizer keeps parameter-shaped pieces
-        if self.dtensors is not None:
-            laid, layout = [], None  # FSDP2 owns the parameters' storage: nothing is laid out
-        elif layout is None:
-            laid = zero_order([p for p in low if p.dtype in mastered])
-            whole_mb = sum(p.numel() + ALIGN_NUMEL for p in laid) * 4 / 2**20 + 1  # one bucket per dtype
-            layout = ShardLayout.build(laid, whole_mb, 1) if laid else None
-        else:
-            laid = self.params
         self.layout = layout
-        self.rank = rank
-        shards = {id(p): s for p, s in zip(laid, layout.param_shards(rank))} if layout is not None else {}
-        self._lay_out_params(laid)
-        self.master_buffer: FlatBuffer | None = None
-        self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (model ranges, master ranges)
-        master_of: dict[int, torch.Tensor] = {}
-        if mastered and self.dtensors is not None:
-            master_of = self._master_local_shards(low)
-        elif mastered:
-            master_of = self._master_ranges(laid, shards, mastered)
-        self._make_pieces(shards, {id(p): k for k, p in enumerate(laid)}, mastered, master_of)
+        self.slots, self._mastered = layout.hold(self.params, self.optimized, mastered, device)
+        self.pieces: list[torch.Tensor | None] = [s.piece for s in self.slots]
+        self.param_buffers = layout.param_buffers
+        self.master_buffer: FlatBuffer | None = layout.master_buffer
         self._repoint_optimizer()
         self.optimizer_writes_model = fused_adamw and self.master_buffer is not None
         if self.optimizer_writes_model:
-            optimizer.attach_model_params([(piece, view) for _, piece, _, view in self._mastered])
+            optimizer.attach_model_params([(m.piece, m.view) for m in self._mastered])
         self._versions = param_versions(self._version_tensors())
         self._wrapped: dict[str, object] = {}
         self._wrap_writers()
@@ -218,133 +157,35 @@ class ParameterStore:
                 delattr(self.optimizer, name)
         self._wrapped = {}
 
-    def _lay_out_params(self, laid: list[torch.Tensor]) -> None:
-        """The parameter buffers: the laid-out parameters re-pointed at views of one flat buffer per dtype."""
-        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._firsts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dtype's buffer, its first param): check_model
-        if self.layout is None:
-            return
-        offsets = self.layout.layout.offsets
-        with torch.no_grad():
-            for dtype, (lo, hi) in self.layout.dtype_spans.items():
-                buf = torch.zeros(hi - lo, dtype=dtype, device=self.device)
-                group = [(k, p) for k, p in enumerate(laid) if p.dtype == dtype]
-                for k, p in group:
-                    view = buf[offsets[k] - lo:offsets[k] - lo + p.numel()].view(p.shape)
-                    view.copy_(p.detach())
-                    p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
-                self.param_buffers[dtype] = buf
-                self._firsts.append((buf, group[0][1]))
-
-    def _master_ranges(self, laid: list[torch.Tensor], shards: dict, mastered: set) -> dict[int, torch.Tensor]:
-        """The masters of flat pieces: the rank's range of each bucket of the mastered dtypes, laid out like the
-        rank's shard, starting as the (exact) fp32 values of the parameters. Returns each master, keyed by ``id`` of
-        its parameter (shaped like it on one rank, 1-D on several)."""
-        layout, rank = self.layout, self.rank
-        spans = [layout.dtype_shard_span(dt) for dt in sorted(mastered, key=lambda dt: LOW_PRECISION.index(dt))]
-        m_lo, m_hi = spans[0][0], spans[-1][1]  # bf16 then fp16: adjacent in the shard (zero_order)
-        ranged = [(p, shards[id(p)]) for p in laid  # on several ranks, the ranges this rank owns
-                  if p.dtype in mastered and (self.shaped or shards[id(p)].numel)]
-        flat = FlatLayout(tuple(s.shard_offset - m_lo for _, s in ranged), tuple(s.numel for _, s in ranged),
-                          tuple(p.shape if self.shaped else torch.Size([s.numel]) for p, s in ranged), m_hi - m_lo)
-        self.master_buffer = FlatBuffer(flat, torch.float32, self.device)
-        if self.shaped:  # one rank: each dtype's buffer is one range of the masters, copied whole
-            for dtype in mastered:
-                lo, hi = layout.dtype_spans[dtype]
-                self._copies[0].append(self.param_buffers[dtype])
-                self._copies[1].append(self.master_buffer.data[lo - m_lo:hi - m_lo])
-        else:  # the rank's range of each bucket
-            for b in layout.buckets:
-                if b.dtype in mastered:
-                    r_lo, r_hi = b.rank_range(rank)
-                    span_lo = layout.dtype_spans[b.dtype][0]
-                    self._copies[0].append(self.param_buffers[b.dtype][r_lo - span_lo:r_hi - span_lo])
-                    self._copies[1].append(self.master_buffer.data[b.shard_offset - m_lo:
-                                                                   b.shard_offset - m_lo + b.shard_numel])
-        _copy(self._copies[1], self._copies[0])
-        return {id(p): v for (p, _), v in zip(ranged, self.master_buffer.views)}
-
-    def _master_local_shards(self, low: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The masters of DTensor pieces: one fp32 ``master_buffer`` laid out over the local shards of ``low`` (the
-        bf16/fp16 parameters the optimizer holds, in ``params``' order; a local shard may be empty), starting as
-        their (exact) fp32 values. Returns each master local shard, keyed by ``id`` of its parameter."""
-        locals_ = [self.dtensors.local(p) for p in low]
-        self.master_buffer = FlatBuffer(FlatLayout.build(locals_), torch.float32, self.device)
-        _copy(self.master_buffer.views, locals_)
-        return {id(p): v for p, v in zip(low, self.master_buffer.views)}
-
-    def _make_pieces(self, shards: dict, position: dict[int, int], mastered: set,
-                     master_of: dict[int, torch.Tensor]) -> None:
-        """The pieces, the slots, and each master's model view (what it is rounded into: None for a DTensor, whose
-        local shard is read afresh each time, ``model_views``)."""
-        layout = self.layout
-        self.pieces: list[torch.Tensor | None] = []
-        self.slots: list[ParamSlot] = []
-        self._mastered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        for p, opt in zip(self.params, self.optimized):  # (param, master piece, its master tensor, model view)
-            s = shards.get(id(p))
-            lo, hi = (s.lo, s.hi) if s is not None else (0, self._local(p).numel())
-            if s is not None:
-                o = layout.layout.offsets[position[id(p)]] - layout.dtype_spans[p.dtype][0]
-            piece = None
-            master = opt and p.dtype in mastered  # whether or not this rank owns any of it
-            if opt and (self.shaped or hi > lo):
-                if master:  # aliases the master buffer
-                    piece = nn.Parameter(self._wrap(p, master_of[id(p)]), requires_grad=True)
-                elif self.shaped:
-                    piece = p  # an fp32 parameter, or bf16/fp16 without masters, updated as it is
-                else:
-                    piece = nn.Parameter(self.param_buffers[p.dtype][o + lo:o + hi])  # updated in place
-                if master:
-                    model_view = (None if self.dtensors is not None else p if self.shaped
-                                  else self.param_buffers[p.dtype][o + lo:o + hi])
-                    self._mastered.append((p, piece, master_of[id(p)], model_view))
-            self.pieces.append(piece)
-            self.slots.append(ParamSlot(p, lo, hi, s.shard_offset if s is not None else 0, piece, opt, master))
-        self._low_params = [p for p, _, _, _ in self._mastered]
-
     def _repoint_optimizer(self) -> None:
-        """The optimizer re-pointed at the pieces (parameter-shaped pieces keep what it holds that is not
-        trainable); state built before the accumulator follows its parameter."""
+        """The optimizer re-pointed at the pieces (a parameter it holds that is not trainable stays where the layout
+        keeps it, ``RankLayout.kept_in_groups``); state built before the accumulator follows its parameter."""
         optimizer = self.optimizer
         self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         piece_of = {id(p): piece for p, piece in zip(self.params, self.pieces)}
         for group_ in optimizer.param_groups:
-            group_["params"] = [q2 for q2 in (piece_of.get(id(q), q if self.shaped else None) for q in group_["params"])
-                                if q2 is not None]
+            group_["params"] = [q2 for q2 in (piece_of[id(q)] if id(q) in piece_of else self.layout.kept_in_groups(q)
+                                              for q in group_["params"]) if q2 is not None]
         for p, piece in zip(self.params, self.pieces):
             if piece is not None and p.dtype in LOW_PRECISION and p in optimizer.state:
                 state = optimizer.state.pop(p) if piece is not p else optimizer.state[p]
                 optimizer.state[piece] = state
                 convert_state(state, p, piece.dtype)  # exact to fp32; rounded once to the param dtype
 
-    def _local(self, p: torch.Tensor) -> torch.Tensor:
-        """What this rank holds of ``p``'s storage: its local shard (DTensor pieces), else ``p``."""
-        return self.dtensors.local(p) if self.dtensors is not None else p
-
-    def _wrap(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (shaped like ``p``'s local shard) as the optimizer sees it beside ``p``: a DTensor like ``p``
-        (DTensor pieces), else ``local`` itself."""
-        return self.dtensors.wrap(p, local) if self.dtensors is not None else local
-
     def model_views(self) -> list[torch.Tensor]:
-        """Per master (``_mastered``' order), the model tensor its rounding goes into: the parameter (one rank),
-        its range of the parameter buffer (several), or the parameter's local shard now (DTensor pieces: FSDP2 may
-        give a parameter a new local tensor, ``reset_sharded_param``)."""
-        if self.dtensors is not None:
-            return [self.dtensors.local(p) for p, _, _, _ in self._mastered]
-        return [view for _, _, _, view in self._mastered]
+        """Per master (``_mastered``' order), the model tensor its rounding goes into (``RankLayout.model_views``)."""
+        return self.layout.model_views(self._mastered)
 
     def _version_tensors(self) -> list[torch.Tensor]:
-        """The tensors whose version counters tell a model write (``pull_model_writes``): the bf16/fp16 parameters
-        with masters (their local shards, DTensor pieces)."""
-        return self.model_views() if self.dtensors is not None else self._low_params
+        """The tensors whose version counters tell a model write (``pull_model_writes``;
+        ``RankLayout.version_tensors``)."""
+        return self.layout.version_tensors(self._mastered)
 
     # ------------------------------------------------------------------ a new layout (parameters joined or left)
     def release(self) -> dict[int, torch.Tensor]:
-        """Undo the constructor's re-pointing of the optimizer, for a new store over other parameters (one rank's
-        store, ``shaped``): each piece in its param group is its model parameter again, the state kept on a master
-        piece is keyed by the parameter again (fp32, as it is: the new store's ``convert_state`` to fp32 is then
+        """Undo the constructor's re-pointing of the optimizer, for a new store over other parameters (pieces shaped
+        like their parameters: ``gaengine.zero.WholeParams``): each piece in its param group is its model parameter
+        again, the state kept on a master piece is keyed by the parameter again (fp32, as it is: the new store's ``convert_state`` to fp32 is then
         exact). Returns the fp32 masters, copies keyed by ``id`` of their parameter (``keep_masters``)."""
         self._unwrap_writers()
         param_of = {id(piece): p for p, piece in zip(self.params, self.pieces) if piece is not None}
@@ -353,11 +194,11 @@ class ParameterStore:
         for p, piece in zip(self.params, self.pieces):
             if piece is not None and piece is not p and piece in self.optimizer.state:
                 self.optimizer.state[p] = self.optimizer.state.pop(piece)
-        return {id(p): master.detach().clone() for p, _, master, _ in self._mastered}
+        return {id(m.param): m.master.detach().clone() for m in self._mastered}
 
     def release_to_model(self) -> None:
-        """Give the optimizer back to the model for good (one rank's store, ``shaped``; ``GradientAccumulator.close``
-        with ``release_optimizer=True``): the model's writes since the last update reach the masters, the masters'
+        """Give the optimizer back to the model for good (pieces shaped like their parameters,
+        ``RankLayout.check_release``; ``GradientAccumulator.close`` with ``release_optimizer=True``): the model's writes since the last update reach the masters, the masters'
         rounding is in the model, then ``release``; each re-keyed state takes its parameter's dtype (moments rounded to
         bf16/fp16 once, as ``torch.optim.Optimizer.load_state_dict`` casts them), so the optimizer is the one plain
         training of the model would hold."""
@@ -400,19 +241,9 @@ class ParameterStore:
 
     # ------------------------------------------------------------------ the model
     def check_model(self) -> None:
-        """Raise ``RuntimeError`` when the re-pointed parameters no longer live in the flat parameter buffers (the
-        model was moved or converted after the accumulator was built: ``model.to(other device or dtype)``,
-        ``.float()``, ...). One parameter per dtype is looked at: ``Module._apply`` moves them all. Another storage
-        of the same dtype and device (``p.data = x``) is not a move: ``gaengine.replaced`` puts it back or refuses
-        it, naming the parameter."""
-        for buf, first in self._firsts:
-            if first.device != buf.device or first.dtype != buf.dtype:
-                raise RuntimeError(
-                    f"a {buf.dtype} model parameter of shape {tuple(first.shape)} is no longer a view of the "
-                    f"accumulator's flat {buf.dtype} buffer (it is {first.dtype} on {first.device}): the model was "
-                    "moved or converted after the GradientAccumulator was built (model.to(...), .float(), "
-                    ".cuda(), ...). Move and convert the model first, then build the optimizer and the accumulator"
-                )
+        """Raise ``RuntimeError`` when the re-pointed parameters no longer live where the layout put them (the model
+        was moved or converted after the accumulator was built: ``RankLayout.check_storage``)."""
+        self.layout.check_storage()
 
     def pull_model_writes(self, every: bool = False) -> None:
         """Copy into their fp32 masters the bf16/fp16 parameters written since the masters were last rounded into
@@ -426,9 +257,9 @@ class ParameterStore:
         versions = param_versions(self._version_tensors())
         if versions == self._versions and not every:
             return
-        for (_, _, master, _), view, new, old in zip(self._mastered, self.model_views(), versions, self._versions):
+        for m, view, new, old in zip(self._mastered, self.model_views(), versions, self._versions):
             if new != old or every:
-                merge_model_write(master, view)
+                merge_model_write(m.master, view)
         self._versions = versions
 
     def merge_params(self, params: Sequence[torch.Tensor]) -> None:
@@ -437,25 +268,20 @@ class ParameterStore:
         ``p.data = x`` was put back into its place in the parameter buffer, ``x``'s values copied there): as
         ``pull_model_writes`` merges a write (``merge_model_write``)."""
         ids = {id(p) for p in params}
-        for p, _, master, view in self._mastered:
-            if id(p) in ids:
-                merge_model_write(master, p.detach() if view is None else view)
+        for m in self._mastered:
+            if id(m.param) in ids:
+                merge_model_write(m.master, m.param.detach() if m.view is None else m.view)
 
     def model_written(self) -> None:
         """The masters' rounding is in the model now: the version counters ``pull_model_writes`` compares with."""
         self._versions = param_versions(self._version_tensors())
 
     def copy_to_model(self) -> None:
-        """Round the fp32 masters into the rank's ranges of the parameter buffers (one ``copy_`` per dtype on one
-        rank, one multi-tensor copy over the buckets' ranges on several; the padding is zero in both), bumping the
-        parameters' version counters as an in-place op would; FSDP2: into the local shards, in place. Raises
-        ``RuntimeError`` as ``check_model``."""
+        """Round the fp32 masters into the model (``RankLayout.copy_masters``: one ``copy_`` per dtype or bucket
+        range of the parameter buffers, one multi-tensor copy for more; FSDP2: into the local shards), bumping the
+        parameters' version counters as an in-place op would. Raises ``RuntimeError`` as ``check_model``."""
         self.check_model()
-        if self.dtensors is not None:  # each master into its parameter's local shard
-            _copy(self.model_views(), [master for _, _, master, _ in self._mastered])
-        else:
-            _copy(*self._copies)
-            increment_version(self._low_params)  # p.data = view gave each parameter its own version counter
+        self.layout.copy_masters(self._mastered)
         self.model_written()
 
     # ------------------------------------------------------------------ the update
@@ -482,6 +308,7 @@ class ParameterStore:
             elif chunks:
                 torch._foreach_mul_(chunks, coef)  # one multi-tensor launch over the ranges
         targets = []  # the pieces handed a gradient: none of them keeps one after the step
+        wrap = self.layout.wrap if self.layout.wraps else None  # no Python call per parameter where it wraps nothing
         for piece, grad in zip(self.pieces, grads):
             if piece is None:
                 continue  # trainable but not optimized (counted in the norm, left alone), or nothing owned here
@@ -489,12 +316,11 @@ class ParameterStore:
             if grad is None:
                 piece.grad = None
             elif piece.dtype == torch.float32:
-                piece.grad = grad if self.dtensors is None else self.dtensors.wrap(piece, grad)  # the view itself
+                piece.grad = grad if wrap is None else wrap(piece, grad)  # the view itself
             elif self.reads_main_grad:
                 piece.main_grad = grad  # FusedAdamW reads the fp32 gradient in place, no copy
             else:  # rounded once, at its final scale (normalize_before_rounding)
-                piece.grad = (grad.to(piece.dtype) if self.dtensors is None  # no Python call per parameter
-                              else self.dtensors.wrap(piece, grad.to(piece.dtype)))
+                piece.grad = grad.to(piece.dtype) if wrap is None else wrap(piece, grad.to(piece.dtype))
         try:
             applied = step_optimizer(optimizer, coef, skipped, scaled)
         finally:
@@ -508,16 +334,6 @@ class ParameterStore:
             self.copy_to_model()
         self.model_written()
         return applied
-
-
-def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dsts[i].copy_(srcs[i])`` for all i: ``copy_`` for one or two (one per dtype), else one multi-tensor launch."""
-    with torch.no_grad():
-        if len(dsts) <= len(LOW_PRECISION):
-            for dst, src in zip(dsts, srcs):
-                dst.copy_(src)
-        else:
-            torch._foreach_copy_(dsts, srcs)
 
 
 def reshard_state(old: ParameterStore, new: ParameterStore, states: dict[int, dict], kept: dict[int, dict],
@@ -598,13 +414,14 @@ def _move_buckets(old: ParameterStore, new: ParameterStore, states: dict[int, di
     (``id`` of the piece -> state); the whole moments and masters of the parameters ``new`` does not hold (``id`` of
     the parameter -> state, -> master)."""
     optimizer, device = new.optimizer, new.device
-    world = old.layout.world_size
+    shards = old.layout.shards  # the old store's ShardLayout (gaengine.zero.EvenShards)
+    world = shards.world_size
     new_slots = {id(s.param): s for s in new.slots}
     fresh: dict[int, dict] = {}  # id(new piece) -> its state
     left: dict[int, dict] = {}  # id(parameter) -> its whole state
     left_masters: dict[int, torch.Tensor] = {}  # id(parameter) -> its whole master
-    offsets = old.layout.layout.offsets
-    for b in old.layout.buckets:
+    offsets = shards.layout.offsets
+    for b in shards.buckets:
         members = range(b.first, b.last)
         keys = sorted({k for j in members if has_state[j]
                        for k in moment_keys(optimizer, optimizer.param_groups[group_of[id(old.params[j])]])})

@@ -151,7 +151,7 @@ class SchedulerWatch:
 def expose_grads(params: list[torch.Tensor], main_grad: FlatBuffer, unwritten: list[int], wrap=None) -> None:
     """No optimizer: ``p.grad`` = the final gradient (the view of main_grad for fp32 params, a rounded copy for
     bf16/fp16), None for the params in ``unwritten`` (no gradient in the window). wrap: ``wrap(p, grad)`` is what
-    ``p.grad`` takes (``gaengine.store.DTensorShards.wrap`` for FSDP2's DTensor parameters, whose ``main_grad`` views
+    ``p.grad`` takes (``gaengine.fsdp2.DTensorShards.wrap`` for FSDP2's DTensor parameters, whose ``main_grad`` views
     are shaped like their local shards), or None: the gradient itself."""
     unused = set(unwritten)
     with torch.no_grad():

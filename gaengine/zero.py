@@ -79,16 +79,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.autograd.graph import increment_version
 
 from gaengine.bucket import Bucket
-from gaengine.buffer import ALIGN_NUMEL, FlatLayout
+from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single, reduce_scatter_single
 from gaengine.optimizers import elementwise_names, is_elementwise
+from gaengine.rank_layout import Mastered, ParamSlot, RankLayout, copy_all
 from gaengine.reduce import BackwardStart, BucketReducer, Collective, Reduction, WindowStats, wait_for, wait_quietly
+from gaengine.update import LOW_PRECISION
 
-__all__ = ["STAGING_SLOTS", "ZERO_STAGES", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout", "ShardReducer",
-           "ShardedReduction", "StagedReduction", "check_zero_optimizer", "pad_unit", "zero_order"]
+__all__ = ["STAGING_SLOTS", "ZERO_STAGES", "EvenShards", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout",
+           "ShardReducer", "ShardedReduction", "StagedReduction", "WholeParams", "check_zero_optimizer", "pad_unit",
+           "zero_order"]
 
 ZERO_STAGES = (0, 1, 2)
 STAGING_SLOTS = 2  # stage 2: bucket-sized fp32 staging buffers in the ring (``ShardReducer.acquire``)
@@ -237,6 +241,207 @@ class ShardLayout:
         if not bs:
             return 0, 0
         return bs[0].shard_offset, bs[-1].shard_offset + bs[-1].shard_numel
+
+
+class _FlatParams(RankLayout):
+    """The layouts over a ``ShardLayout`` (``gaengine.rank_layout.RankLayout``): the laid-out parameters become views of
+    one flat buffer per dtype laid out like the dtype's span of the layout (``param_buffers[dtype]``, the same
+    ``Parameter`` objects, ``p.data`` re-pointed: autograd keeps their AccumulateGrad nodes and the hooks on them;
+    Megatron-Core's distributed optimizer re-points its parameters the same way; padding zero and staying zero), and
+    the fp32 masters (``master_buffer``) hold this rank's range of every bucket of the mastered dtypes, laid out like
+    the rank's shard. A subclass says which parameters are laid out (``_laid``) and how a piece is shaped
+    (``_piece_shape``, ``_owns``, ``_own_piece``, ``_model_view``)."""
+
+    rank = 0
+
+    def _laid(self, params: Sequence[torch.Tensor], optimized: Sequence[bool],
+              mastered: set[torch.dtype]) -> tuple[list[torch.Tensor], ShardLayout | None]:
+        """The parameters laid out in flat buffers (layout order) and their ``ShardLayout`` (None: none)."""
+        raise NotImplementedError
+
+    def _piece_shape(self, p: torch.Tensor, s: ParamShard) -> torch.Size:
+        """The shape of the optimizer's piece of ``p``'s range ``s``."""
+        raise NotImplementedError
+
+    def _owns(self, lo: int, hi: int) -> bool:
+        """Whether an optimized parameter whose range here is ``[lo, hi)`` gets a piece on this rank."""
+        raise NotImplementedError
+
+    def _own_piece(self, p: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
+        """The piece of an optimized parameter without a master: ``flat`` is its range of the parameter buffer (None
+        where it is not laid out)."""
+        raise NotImplementedError
+
+    def _model_view(self, p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The model tensor a master's rounding goes into, given ``p``'s range of the parameter buffer ``flat``."""
+        raise NotImplementedError
+
+    def hold(self, params, optimized, mastered, device):
+        laid, shards = self._laid(params, optimized, mastered)
+        self.shards = shards
+        ranges = {id(p): s for p, s in zip(laid, shards.param_shards(self.rank))} if shards is not None else {}
+        position = {id(p): k for k, p in enumerate(laid)}
+        self._lay_out_params(laid, device)
+        self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (model ranges, master ranges)
+        master_of = self._master_ranges(laid, ranges, mastered, device) if mastered else {}
+        slots, entries = [], []
+        for p, opt in zip(params, optimized):
+            s = ranges.get(id(p))
+            lo, hi = (s.lo, s.hi) if s is not None else (0, p.numel())
+            flat = None
+            if s is not None:
+                o = shards.layout.offsets[position[id(p)]] - shards.dtype_spans[p.dtype][0]
+                flat = self.param_buffers[p.dtype][o + lo:o + hi]
+            master = opt and p.dtype in mastered  # whether or not this rank owns any of it
+            piece = None
+            if opt and self._owns(lo, hi):
+                if master:  # aliases the master buffer
+                    piece = nn.Parameter(master_of[id(p)], requires_grad=True)
+                    entries.append(Mastered(p, piece, master_of[id(p)], self._model_view(p, flat)))
+                else:
+                    piece = self._own_piece(p, flat)
+            slots.append(ParamSlot(p, lo, hi, s.shard_offset if s is not None else 0, piece, opt, master))
+        self._low_params = [m.param for m in entries]
+        return slots, entries
+
+    def _lay_out_params(self, laid: list[torch.Tensor], device: torch.device) -> None:
+        """The parameter buffers: the laid-out parameters re-pointed at views of one flat buffer per dtype."""
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._firsts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dtype's buffer, its first param): check_storage
+        if self.shards is None:
+            return
+        offsets = self.shards.layout.offsets
+        with torch.no_grad():
+            for dtype, (lo, hi) in self.shards.dtype_spans.items():
+                buf = torch.zeros(hi - lo, dtype=dtype, device=device)
+                group = [(k, p) for k, p in enumerate(laid) if p.dtype == dtype]
+                for k, p in group:
+                    view = buf[offsets[k] - lo:offsets[k] - lo + p.numel()].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view  # same Parameter, dtype and device: autograd and the hooks are kept
+                self.param_buffers[dtype] = buf
+                self._firsts.append((buf, group[0][1]))
+
+    def _master_ranges(self, laid: list[torch.Tensor], ranges: dict, mastered: set,
+                       device: torch.device) -> dict[int, torch.Tensor]:
+        """The masters: the rank's range of each bucket of the mastered dtypes, laid out like the rank's shard,
+        starting as the (exact) fp32 values of the parameters. Returns each master, keyed by ``id`` of its parameter
+        (shaped like its piece)."""
+        shards, rank = self.shards, self.rank
+        spans = [shards.dtype_shard_span(dt) for dt in sorted(mastered, key=lambda dt: LOW_PRECISION.index(dt))]
+        m_lo, m_hi = spans[0][0], spans[-1][1]  # bf16 then fp16: adjacent in the shard (zero_order)
+        ranged = [(p, ranges[id(p)]) for p in laid
+                  if p.dtype in mastered and self._owns(ranges[id(p)].lo, ranges[id(p)].hi)]
+        flat = FlatLayout(tuple(s.shard_offset - m_lo for _, s in ranged), tuple(s.numel for _, s in ranged),
+                          tuple(self._piece_shape(p, s) for p, s in ranged), m_hi - m_lo)
+        self.master_buffer = FlatBuffer(flat, torch.float32, device)
+        for b in shards.buckets:  # the rank's range of each bucket
+            if b.dtype in mastered:
+                r_lo, r_hi = b.rank_range(rank)
+                span_lo = shards.dtype_spans[b.dtype][0]
+                self._copies[0].append(self.param_buffers[b.dtype][r_lo - span_lo:r_hi - span_lo])
+                self._copies[1].append(self.master_buffer.data[b.shard_offset - m_lo:
+                                                               b.shard_offset - m_lo + b.shard_numel])
+        copy_all(self._copies[1], self._copies[0])
+        return {id(p): v for (p, _), v in zip(ranged, self.master_buffer.views)}
+
+    def copy_masters(self, mastered):
+        """One ``copy_`` per bucket range of the mastered dtypes (one multi-tensor copy for more than two), then the
+        parameters' version counters bumped (``p.data = view`` gave each its own)."""
+        copy_all(*self._copies)
+        increment_version(self._low_params)
+
+    def check_storage(self) -> None:
+        """``RuntimeError`` when the re-pointed parameters no longer live in the flat parameter buffers (the model was
+        moved or converted after the accumulator was built: ``model.to(other device or dtype)``, ``.float()``, ...).
+        One parameter per dtype is looked at: ``Module._apply`` moves them all. Another storage of the same dtype and
+        device (``p.data = x``) is not a move: ``gaengine.replaced`` puts it back or refuses it, naming the parameter."""
+        for buf, first in self._firsts:
+            if first.device != buf.device or first.dtype != buf.dtype:
+                raise RuntimeError(
+                    f"a {buf.dtype} model parameter of shape {tuple(first.shape)} is no longer a view of the "
+                    f"accumulator's flat {buf.dtype} buffer (it is {first.dtype} on {first.device}): the model was "
+                    "moved or converted after the GradientAccumulator was built (model.to(...), .float(), "
+                    ".cuda(), ...). Move and convert the model first, then build the optimizer and the accumulator"
+                )
+
+
+class WholeParams(_FlatParams):
+    """Every rank holds every parameter whole (replicated, and one rank): the one-shard case, d = 1. Only the
+    parameters that need a flat buffer are laid out (the bf16/fp16 ones the optimizer holds, when they have masters:
+    one flat master -> model copy per dtype, one bucket per dtype); the optimizer's pieces are shaped like their
+    parameters (the fp32 master, or the parameter itself), so any torch optimizer works, state built before the
+    accumulator follows its parameter, and the optimizer can be given back to the model."""
+
+    holds_whole_grad = True  # replicated: the window's last micro-batch all-reduces the whole gradient
+
+    def _laid(self, params, optimized, mastered):
+        laid = zero_order([p for p, opt in zip(params, optimized) if opt and p.dtype in mastered])
+        whole_mb = sum(p.numel() + ALIGN_NUMEL for p in laid) * 4 / 2**20 + 1  # one bucket per dtype
+        return laid, ShardLayout.build(laid, whole_mb, 1) if laid else None
+
+    def _piece_shape(self, p, s):
+        return p.shape
+
+    def _owns(self, lo, hi):
+        return True
+
+    def _own_piece(self, p, flat):
+        return p  # an fp32 parameter, or bf16/fp16 without masters, updated as it is
+
+    def _model_view(self, p, flat):
+        return p
+
+
+class EvenShards(_FlatParams):
+    """ZeRO's even flat shards (module docstring): every trainable parameter laid out by ``shards`` (a ``ShardLayout``
+    of d > 1 ranks, in the store's order), this ``rank`` owning its range of every bucket; the optimizer's pieces are
+    1-D ``nn.Parameter``s, one per non-empty (parameter, rank) range: a view of the master shard, or of the rank's
+    range of the parameter buffer itself (fp32, or bf16/fp16 without masters, updated in place)."""
+
+    sharded = True
+
+    def __init__(self, shards: ShardLayout, rank: int) -> None:
+        self.shards, self.rank = shards, rank
+
+    def _laid(self, params, optimized, mastered):
+        return list(params), self.shards
+
+    def _piece_shape(self, p, s):
+        return torch.Size([s.numel])
+
+    def _owns(self, lo, hi):
+        return hi > lo
+
+    def _own_piece(self, p, flat):
+        return nn.Parameter(flat)  # updated in place
+
+    def _model_view(self, p, flat):
+        return flat
+
+    def grad_views(self, main_grad, reducer):
+        """The rank's shard: at stage 2 its fp32 gradient shard (``reducer.grad_shard``, one chunk, the per-parameter
+        views its ranges); at stage 1 its ranges of ``main_grad``, one chunk per bucket."""
+        shards = self.shards.param_shards(self.rank)
+        grad_shard = reducer.grad_shard
+        if grad_shard is not None:  # stage 2: no full-size main_grad exists
+            views = [grad_shard[s.shard_offset:s.shard_offset + s.numel] for s in shards]
+            return {"shard_grads": views, "chunks": [grad_shard], "grad_views": views}
+        offsets = self.shards.layout.offsets
+        return {"shard_grads": [main_grad.data[offsets[s.index] + s.lo:offsets[s.index] + s.hi] for s in shards],
+                "chunks": [main_grad.data[slice(*b.rank_range(self.rank))] for b in self.shards.buckets]}
+
+    def kept_in_groups(self, q):
+        return None  # a frozen parameter the optimizer held has no range here
+
+    def check_masters_to_model(self) -> None:
+        raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds a shard of "
+                           "the fp32 masters; the update gathers them into the model")
+
+    def check_release(self) -> None:
+        raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: the optimizer holds "
+                         "1-D shards of the parameters; gather its state with "
+                         "gaengine.full_optimizer_state_dict first, or close() without it")
 
 
 def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:

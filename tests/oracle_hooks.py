@@ -291,6 +291,7 @@ class PythonHooks:
     """
 
     native = False  # per-parameter work runs in Python (one hook call per parameter)
+    sources_reduced_by: float | None = None  # this rank's own micro-batch (ShardHooks: FSDP2's divide factor)
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  reducer: BucketReducer | None, measure_sources: bool = False, acquire=None) -> None:

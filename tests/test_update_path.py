@@ -330,7 +330,7 @@ def test_store_update_matches_the_plain_recipe(layout, opt, dtype, masters):
     ``optimizer.step()`` after each changes nothing."""
     from gaengine.buffer import FlatBuffer, FlatLayout  # noqa: PLC0415
     from gaengine.store import ParameterStore  # noqa: PLC0415
-    from gaengine.zero import ShardLayout  # noqa: PLC0415
+    from gaengine.zero import EvenShards, ShardLayout, WholeParams  # noqa: PLC0415
 
     torch.manual_seed(3)
     values = [torch.randn(*shape).to(dtype) for shape in _STORE_SHAPES]
@@ -340,8 +340,8 @@ def test_store_update_matches_the_plain_recipe(layout, opt, dtype, masters):
         params = [nn.Parameter(v.clone()) for v in values]
         optimizer = _store_optimizer(opt, params)
         shard = ShardLayout.build(params, 1e-3, world) if layout != "shaped" else None  # 1e-3 MiB: several buckets
-        store = ParameterStore(optimizer, params, device=torch.device("cpu"), master_weights=masters, layout=shard,
-                               rank=rank)
+        store = ParameterStore(optimizer, params, device=torch.device("cpu"), master_weights=masters,
+                               layout=EvenShards(shard, rank) if shard is not None else WholeParams())
         grad_buf = FlatBuffer(shard.layout if shard is not None else FlatLayout.build(params), torch.float32,
                               torch.device("cpu"))
         if shard is None:

@@ -1,0 +1,158 @@
+"""The rank's layout: what this rank holds of each trainable parameter, answered in one place for every mode.
+
+Everything that differs between the data-parallel modes about *where* a parameter's values, masters and optimizer
+pieces live on this rank is one object, a ``RankLayout``, built by the sharding strategy (``gaengine.sharding``) and
+handed to the parameter store (``gaengine.store.ParameterStore``), the update (``gaengine.sharding.Update``) and the
+checkpoint (``gaengine.checkpoint``, through ``ShardingStrategy.rank_layout``), none of which asks which mode it is:
+
+* **The gradient views and chunks** (``grad_views``): this rank's views of the window's fp32 sums, what its
+  update, norm and checkpoint read.
+* **Holdings** (``hold``): per trainable parameter, the range ``[lo, hi)`` of the flattened parameter this rank
+  holds, the optimizer's piece for it (or None), its fp32 master and the model tensor the master's rounding goes
+  into; the flat parameter buffers the parameters were re-pointed into, and the fp32 ``master_buffer``.
+* **Pieces as the optimizer and the user see them** (``local``, ``wrap``): a piece's local elements, and a local
+  tensor wrapped like its parameter (a DTensor for FSDP2's parameters, the tensor itself otherwise).
+* **The masters' rounding into the model** (``copy_masters``, ``model_views``, ``version_tensors``) and the check
+  that the model still lives where it was laid out (``check_storage``).
+* **What a layout refuses** (``check_masters_to_model``, ``check_release``): where the pieces are 1-D ranges the
+  optimizer cannot be given back to the model.
+* ``sharded``: the optimizer state is split over several ranks (a checkpoint's meta records it);
+  ``holds_whole_grad``: every rank holds the window's whole reduced gradient (``step(before_update=...)`` and
+  ``begin_step()`` lend it in ``.grad``; a replicated run's old state dicts load).
+
+Implementations: ``gaengine.zero.WholeParams`` (every rank holds every parameter whole: replicated, and one rank),
+``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``) and ``gaengine.fsdp2.DTensorShards``
+(FSDP2's DTensor local shards). A new layout (e.g. whole-matrix owners, each parameter held whole by one rank) is one
+more subclass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gaengine.buffer import FlatBuffer
+from gaengine.update import LOW_PRECISION
+
+__all__ = ["Mastered", "ParamSlot", "RankLayout", "copy_all"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One trainable parameter as this rank holds it (``RankLayout.hold``, ``ShardingStrategy.param_slots``; what a
+    checkpoint reads).
+
+    param: the model parameter. lo, hi: the range ``[lo, hi)`` of the flattened parameter this rank owns
+    (``0, numel`` where it holds it whole; ``lo == hi``: nothing). shard_offset: where element ``lo`` lies in the
+    rank's flat shard (0 where there is none). piece: the optimizer's parameter holding that range (shaped like
+    ``param``, or 1-D over a range), or None (not optimized, or nothing owned). optimized: the optimizer holds
+    ``param``. master: it has fp32 master weights (``piece`` is then a view of ``master_buffer``). grad:
+    ``(hi - lo,)`` fp32, the window's gradient sum of that range, a view.
+    """
+
+    param: torch.Tensor
+    lo: int
+    hi: int
+    shard_offset: int
+    piece: torch.Tensor | None
+    optimized: bool
+    master: bool
+    grad: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Mastered:
+    """One parameter with an fp32 master held on this rank: the model ``param``, the optimizer's ``piece`` (a view of
+    the master, wrapped like the parameter), the ``master`` itself (this rank's fp32 elements) and ``view``, the model
+    tensor its rounding goes into (None where the layout finds it afresh each time: ``RankLayout.model_views``)."""
+
+    param: torch.Tensor
+    piece: torch.Tensor
+    master: torch.Tensor
+    view: torch.Tensor | None
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i: ``copy_`` for one or two (one per dtype), else one multi-tensor launch."""
+    with torch.no_grad():
+        if len(dsts) <= len(LOW_PRECISION):
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
+        else:
+            torch._foreach_copy_(dsts, srcs)
+
+
+class RankLayout(ABC):
+    """What this rank holds of each trainable parameter (module docstring). Built by the strategy; ``hold`` is called
+    once, by the store built over it (a new layout of the parameters is a new ``RankLayout``).
+
+    Attributes set by ``hold``: ``param_buffers`` (dtype -> the flat buffer the laid-out parameters are views of;
+    empty where none is laid out), ``master_buffer`` (``FlatBuffer`` of this rank's fp32 masters, or None).
+    """
+
+    sharded = False  # the optimizer state is split over several ranks (a checkpoint's meta)
+    holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
+    param_buffers: dict[torch.dtype, torch.Tensor]
+    master_buffer: FlatBuffer | None = None
+
+    @abstractmethod
+    def hold(self, params: Sequence[torch.Tensor], optimized: Sequence[bool], mastered: set[torch.dtype],
+             device: torch.device) -> tuple[list[ParamSlot], list[Mastered]]:
+        """Lay out what this rank holds of ``params`` (every trainable parameter, the store's order; ``optimized[j]``:
+        the optimizer holds ``params[j]``; ``mastered``: the dtypes whose optimized parameters get fp32 masters) on
+        ``device``: re-point parameters into flat buffers where this layout does, build the masters (starting as the
+        parameters' exact fp32 values) and the optimizer's pieces. Returns per parameter its ``ParamSlot`` (no
+        ``grad``), and the ``Mastered`` entries in the order the masters are copied."""
+
+    def grad_views(self, main_grad: FlatBuffer, reducer) -> dict[str, Any]:
+        """This rank's views of the window's fp32 sums where they are not ``main_grad``'s own, as keyword arguments
+        of ``gaengine.accumulation.Accumulation`` (``shard_grads``, ``chunks``, ``grad_views``): by default none (this
+        rank updates every parameter it holds from ``main_grad``'s views). reducer: the layout's ``BucketReducer``
+        (its ``grad_shard`` where the sums live in a shard), or None."""
+        return {}
+
+    def kept_in_groups(self, q: torch.Tensor) -> torch.Tensor | None:
+        """What stays in the optimizer's param groups for a parameter it holds that is not trainable (``q``): ``q``
+        itself where the pieces are shaped like their parameters (so the optimizer can be given back); None where
+        they are ranges."""
+        return q
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The elements of ``t`` (a parameter, a piece or its state) this rank holds, as a plain tensor: ``t``."""
+        return t
+
+    wraps = False  # whether wrap() gives anything but what it is given (the update skips the call where not)
+
+    def wrap(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (shaped like ``local(p)``) as the optimizer and the user see it beside ``p``: ``local`` itself."""
+        return local
+
+    def model_views(self, mastered: Sequence[Mastered]) -> list[torch.Tensor]:
+        """Per entry of ``mastered``, the model tensor its master's rounding goes into now."""
+        return [m.view for m in mastered]
+
+    def version_tensors(self, mastered: Sequence[Mastered]) -> list[torch.Tensor]:
+        """The tensors whose version counters tell a write into the model (``ParameterStore.pull_model_writes``): the
+        parameters with masters."""
+        return [m.param for m in mastered]
+
+    def copy_masters(self, mastered: Sequence[Mastered]) -> None:
+        """Round the fp32 masters of ``mastered`` into the model (``model_views``), bumping the version counters of
+        ``version_tensors`` as an in-place op would."""
+        copy_all(self.model_views(mastered), [m.master for m in mastered])
+
+    def check_storage(self) -> None:
+        """``RuntimeError`` where the parameters left the storage this layout put them in (the model was moved or
+        converted after the accumulator was built); nothing where it put them nowhere."""
+
+    def check_masters_to_model(self) -> None:
+        """``RuntimeError`` where ``GradientAccumulator.masters_to_model()`` cannot run on this rank's masters
+        (they are ranges, rounded into the model by the update's gathers); nothing by default."""
+
+    def check_release(self) -> None:
+        """``ValueError`` where the optimizer cannot be given back to the model (``close(release_optimizer=True)``):
+        its pieces are not shaped like their parameters; nothing by default."""

@@ -1,0 +1,94 @@
+"""The rank's layout (``gaengine.rank_layout.RankLayout``) is the one object the parameter store asks what this rank
+holds: a layout the library does not ship (each parameter held whole by one rank, the whole-matrix owners that matrix
+optimizers need at ZeRO) is one subclass, and the store updates over it as the plain recipe does, unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gaengine.backends import get_backend
+from gaengine.buffer import FlatBuffer, FlatLayout
+from gaengine.rank_layout import Mastered, ParamSlot, RankLayout, copy_all
+from gaengine.store import ParameterStore
+
+_SHAPES = [(33, 5), (127,), (4, 4), (70,), (3,)]
+
+
+class _WholeOwners(RankLayout):
+    """Parameter j held whole by rank ``j % world``: its piece shaped like it (its fp32 master, or itself), nothing
+    of it on the other ranks. Nothing is laid out in flat buffers; the masters of the owned parameters lie in one fp32
+    buffer and are rounded into the parameters themselves."""
+
+    sharded = True
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def hold(self, params, optimized, mastered, device):
+        self.param_buffers = {}
+        owned = [j % self.world == self.rank for j in range(len(params))]
+        with_master = [p for p, opt, mine in zip(params, optimized, owned) if opt and mine and p.dtype in mastered]
+        master_of = {}
+        if with_master:
+            self.master_buffer = FlatBuffer(FlatLayout.build(with_master), torch.float32, device)
+            copy_all(self.master_buffer.views, [p.detach() for p in with_master])
+            master_of = {id(p): v for p, v in zip(with_master, self.master_buffer.views)}
+        slots, entries = [], []
+        for p, opt, mine in zip(params, optimized, owned):
+            master = opt and p.dtype in mastered
+            piece = None
+            if opt and mine:
+                piece = nn.Parameter(master_of[id(p)]) if master else p
+                if master:
+                    entries.append(Mastered(p, piece, master_of[id(p)], p.data))
+            slots.append(ParamSlot(p, 0, p.numel() if mine else 0, 0, piece, opt, master))
+        return slots, entries
+
+    def kept_in_groups(self, q):
+        return None  # held whole by another rank, or frozen
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw-foreach", "adamw-fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_a_new_layout_is_one_subclass_and_the_store_updates_over_it_as_the_plain_recipe(dtype, fused):
+    """Two ranks' stores over ``_WholeOwners`` (built here, no collective needed: each rank updates only the
+    parameters it owns), three updates (a plain one, a skipped one, one with a parameter without gradient), against
+    the plain recipe on the same gradients: fp32 masters (or the fp32 parameters) stepped by the same AdamW on
+    ``grad * coef``, bit for bit on each parameter's owner; the other ranks' copies untouched by the update."""
+    torch.manual_seed(5)
+    values = [torch.randn(*shape).to(dtype) for shape in _SHAPES]
+    world, ranks = 2, []
+    for rank in range(world):
+        params = [nn.Parameter(v.clone()) for v in values]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=not fused, fused=fused or None)
+        store = ParameterStore(optimizer, params, device=torch.device("cpu"), master_weights=True,
+                               layout=_WholeOwners(rank, world))
+        held = [q for g in optimizer.param_groups for q in g["params"]]
+        assert len(held) == sum(j % world == rank for j in range(len(params)))  # only the owned pieces
+        ranks.append((params, store))
+    ref_held = [nn.Parameter(v.float()) for v in values]
+    ref_opt = torch.optim.AdamW(ref_held, lr=1e-2, weight_decay=0.1, foreach=not fused, fused=fused or None)
+    coef = torch.tensor(0.5)  # a power of two: the scale pass and grad_scale give grad * coef exactly
+    g = torch.Generator().manual_seed(9)
+    for update in range(3):
+        raw = [torch.randn(*shape, generator=g) for shape in _SHAPES]
+        skipped = torch.tensor(update == 1)
+        unused = 1 if update == 2 else None
+        for params, store in ranks:
+            before = [p.detach().clone() for p in params]
+            grads = [None if j == unused else r.clone() for j, r in enumerate(raw)]
+            store.update(grads, [x for x in grads if x is not None], coef, skipped, get_backend("torch"))
+            for j, (p, b) in enumerate(zip(params, before)):
+                if store.slots[j].piece is None:
+                    assert torch.equal(p, b), (update, j)  # another rank's parameter: not this rank's update
+        if update != 1:
+            for j, (q, r) in enumerate(zip(ref_held, raw)):
+                q.grad = None if j == unused else r * 0.5
+            ref_opt.step()
+        for params, store in ranks:
+            for j, (p, s) in enumerate(zip(params, store.slots)):
+                if s.piece is not None:
+                    assert torch.equal(p.detach(), ref_held[j].detach().to(dtype)), (update, j)
+                    assert torch.equal(s.piece.detach().float(), ref_held[j].detach()), (update, j)
