@@ -12,6 +12,7 @@ Sizes with a tail, an empty parameter, one over many blocks, and an unaligned on
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ops.conftest import DTYPES, TRITON_DEVICE
+from tests.ops.conftest import DTYPES, HAS_GPU, TRITON_DEVICE
 from tests.reference import adamw_step_fp64
 from tests.tolerances import ADAMW_RTOL, assert_bitwise_equal
 
@@ -37,6 +38,29 @@ HYPER = {  # lr, beta1, beta2, eps, weight_decay, maximize; beta1 = 0.3: torch's
 # Bitwise equal to the CPU kernel, another implementation of the same fp32 operations in the same order (the CPU
 # kernel itself is held to the fp64 oracle alone: compared with itself a check could not fail).
 FUSED = ("triton", "cuda-emu", "cuda-gpu")
+
+
+# The tests that compare the Triton kernel's bits with the CPU kernel's: skipped where the interpreter's tl.fma
+# rounds twice (tests/ops/fma_probe.py: Triton 3.8, with torch 2.14), which no GPU does.
+TRITON_BITWISE = ("test_masters_against_fp64_and_the_cpu_kernel", "test_in_place_bitwise_equal_to_cpu_kernel",
+                  "test_found_inf_skips_everything", "test_many_params_one_increment_each",
+                  "test_cpu_and_triton_kernels_agree_bitwise", "test_in_place_cpu_and_triton_kernels_agree_bitwise")
+
+
+@pytest.fixture(autouse=True)
+def _triton_fma_rounds_once(request):
+    if request.node.originalname not in TRITON_BITWISE or "triton" not in request.node.name or HAS_GPU:
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        return  # the test skips on its own
+    from tests.ops.fma_probe import interpreter_fma_rounds_once  # noqa: PLC0415
+
+    if not interpreter_fma_rounds_once():
+        import triton  # noqa: PLC0415
+
+        pytest.skip(f"Triton {triton.__version__}'s interpreter rounds tl.fma twice (x * y + z in numpy): the AdamW "
+                    "kernel's bits cannot equal the CPU kernel's here; a GPU's fma rounds once (Triton 3.9's "
+                    "interpreter too)")
 
 
 def sizes_for(backend, sizes=SIZES):
