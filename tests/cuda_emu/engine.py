@@ -31,6 +31,7 @@ cached under ``build/cuda_emu_engine`` (ninja rebuilds what changed).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
@@ -101,6 +102,11 @@ _LOADED: dict = {}  # (build_dir, kernels) -> the module this process loaded fro
 
 
 def _build_locked(build_dir, kernels, verbose, cpp_extension, start):
+    # torch's own build lock (a FileBaton: the file "lock" in the build directory, waited on without end) is taken
+    # only inside cpp_extension.load, under this process's file lock: one found here was left by a process killed
+    # mid-build, and would make every later build wait forever.
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(build_dir, "lock"))
     srcs = sources(build_dir, kernels)
     # "../adamw.h" and "../op_library.h" of cuda_ops.cpp resolve through csrc/cuda; the copy's own directory holds the
     # rewritten kernels.cuh, found first, and its "kernels/*.cuh" beside it (a quoted include looks beside its
