@@ -44,6 +44,7 @@ when != 0 nothing is written, step counts included). Both are read by the kernel
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -499,17 +500,20 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
             states = [state if state else self.state[p] for p, state in zip(params, states)]
         models = [a[1] if a is not None else None for a in map(self._model_params.get, map(id, params))]
         grads = [g.contiguous() for g in grads]
+        steps = [s["step"] for s in states] if self.KEEPS_STEP else []
+        moments = [[s[key] for s in states] for key in self.STATE_KEYS]
         devices = {p.device for p in params}
         for device in devices:
             # One device (the common case): the lists as they are, no Python call per parameter
             # (tests/test_step_host_cost.py); several: each device's part.
             on = None if len(devices) == 1 else [p.device == device for p in params]
-            pick = (lambda xs: xs) if on is None else (lambda xs: [x for x, keep in zip(xs, on) if keep])
+
+            def pick(xs: list, on: list[bool] | None = on) -> list:
+                return xs if on is None else list(itertools.compress(xs, on))
+
             dev_params, dev_models = pick(params), pick(models)
-            steps = pick([s["step"] for s in states]) if self.KEEPS_STEP else []
-            moments = [pick([s[key] for s in states]) for key in self.STATE_KEYS]
-            self._launch(self._kernel(device), dev_params, pick(grads), moments, steps, dev_models, group,
-                         _on(grad_scale, device), _on(found_inf, device))
+            self._launch(self._kernel(device), dev_params, pick(grads), [pick(m) for m in moments], pick(steps),
+                         dev_models, group, _on(grad_scale, device), _on(found_inf, device))
             increment_version(dev_params + [m for m in dev_models if m is not None])  # they were written in place
 
 

@@ -18,6 +18,7 @@ embeddings, the head, the norms and the biases, two optimizers stepped one after
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
@@ -49,10 +50,8 @@ class _ListState(MutableMapping):
         self._home: dict[int, tuple[weakref.ref, int]] = {}  # id(parameter) -> (the parameter, optimizer index)
 
     def _remember(self, key: Any, index: int) -> None:
-        try:
+        with contextlib.suppress(TypeError):  # not weakly referenceable: not a tensor, nothing to remember
             self._home[id(key)] = (weakref.ref(key), index)
-        except TypeError:  # not weakly referenceable: not a tensor, nothing to remember
-            pass
 
     def _holder(self, key: Any) -> int | None:
         for i, opt in enumerate(self._owner.optimizers):

@@ -257,24 +257,29 @@ class _FlatParams(RankLayout):
     def _laid(self, params: Sequence[torch.Tensor], optimized: Sequence[bool],
               mastered: set[torch.dtype]) -> tuple[list[torch.Tensor], ShardLayout | None]:
         """The parameters laid out in flat buffers (layout order) and their ``ShardLayout`` (None: none)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _laid (which parameters are laid out; "
+                                  "every _FlatParams layout does)")
 
     def _piece_shape(self, p: torch.Tensor, s: ParamShard) -> torch.Size:
         """The shape of the optimizer's piece of ``p``'s range ``s``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _piece_shape (the shape of a piece; "
+                                  "every _FlatParams layout does)")
 
     def _owns(self, lo: int, hi: int) -> bool:
         """Whether an optimized parameter whose range here is ``[lo, hi)`` gets a piece on this rank."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _owns (whether a range gets a piece here; "
+                                  "every _FlatParams layout does)")
 
     def _own_piece(self, p: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
         """The piece of an optimized parameter without a master: ``flat`` is its range of the parameter buffer (None
         where it is not laid out)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _own_piece (a piece without a master; "
+                                  "every _FlatParams layout does)")
 
     def _model_view(self, p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """The model tensor a master's rounding goes into, given ``p``'s range of the parameter buffer ``flat``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _model_view (where a master's rounding goes; "
+                                  "every _FlatParams layout does)")
 
     def hold(self, params, optimized, mastered, device):
         laid, shards = self._laid(params, optimized, mastered)
@@ -354,8 +359,9 @@ class _FlatParams(RankLayout):
     def check_storage(self) -> None:
         """``RuntimeError`` when the re-pointed parameters no longer live in the flat parameter buffers (the model was
         moved or converted after the accumulator was built: ``model.to(other device or dtype)``, ``.float()``, ...).
-        One parameter per dtype is looked at: ``Module._apply`` moves them all. Another storage of the same dtype and
-        device (``p.data = x``) is not a move: ``gaengine.replaced`` puts it back or refuses it, naming the parameter."""
+        One parameter per dtype is looked at: ``Module._apply`` moves them all. Another storage of the same dtype
+        and device (``p.data = x``) is not a move: ``gaengine.replaced`` puts it back or refuses it, naming the
+        parameter."""
         for buf, first in self._firsts:
             if first.device != buf.device or first.dtype != buf.dtype:
                 raise RuntimeError(
