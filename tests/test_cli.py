@@ -380,9 +380,10 @@ def test_info_reports_what_was_built(capsys):
     import importlib.util
 
     assert main(["info"]) == 0
-    rows = {}
+    rows, item = {}, None
     for line in capsys.readouterr().out.splitlines():
-        if line.startswith("    "):  # a long finding wraps under itself
+        if line.startswith("    "):  # a long finding wraps under the row above it
+            assert item is not None, f"a continuation line before any row: {line!r}"
             rows[item] += " " + line.strip()
             continue
         item, _, finding = line.strip().partition("  ")
