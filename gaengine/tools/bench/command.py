@@ -13,10 +13,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from gaengine.tools.bench import e2e, fusion, host, kernels, memory
+from gaengine.tools.bench import e2e, fusion, host, kernels, memory, optimizers
 from gaengine.tools.bench.common import device_name, git_sha, print_note, write_json
 
-BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "fusion", "e2e", "memory")
+BENCHMARKS = ("accumulate", "l2norm", "scale", "host", "fusion", "e2e", "memory", "optimizers")
 """Names accepted by ``--only``, in the order they run."""
 
 
@@ -32,7 +32,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      "fp64), and an end-to-end GPT (bf16 where the device computes bf16 fast, else fp32) against the plain "
                      "recipe and torch's native fp32 accumulation, on one device; peak bandwidth is measured in "
                      "the same run. The memory table: bytes per parameter per rank of ZeRO stages 0/1/2, the plain "
-                     "recipe and torch DDP on 1, 2 and 4 gloo processes on the CPU, and their bytes on the wire."),
+                     "recipe and torch DDP on 1, 2 and 4 gloo processes on the CPU, and their bytes on the wire. The optimizers "
+                     "table: torch's Muon + AdamW recipe at ZeRO stages 0/1/2 on the same processes: the optimizer "
+                     "step's time, bytes on the wire, and optimizer state and masters per rank against the "
+                     "replicated run."),
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
@@ -159,6 +162,15 @@ def _memory_section(quick: bool) -> _Section:
     return rows, {"memory": info}, lambda: memory.print_tables(rows, info)
 
 
+def _optimizers_section(quick: bool) -> _Section:
+    """The Muon + AdamW rows over gloo processes on the CPU (1 and 2 with ``quick``)."""
+    worlds = (1, 2) if quick else optimizers.WORLD_SIZES
+    print_note(f"optimizers: Muon + AdamW, d = {', '.join(map(str, worlds))} gloo processes on the CPU ...",
+               flush=True)
+    rows, info = optimizers.bench_optimizers(optimizers.QUICK if quick else optimizers.OptimizersConfig(), worlds)
+    return rows, {"optimizers": info}, lambda: optimizers.print_tables(rows, info)
+
+
 def _run(args: argparse.Namespace, device: torch.device) -> int:
     """Run the selected benchmarks in ``BENCHMARKS`` order, then print their tables and write --json / --plot."""
     which = list(args.only or BENCHMARKS)
@@ -171,7 +183,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
 
     params: dict[str, object] = {"device": str(device), "device_name": name, "quick": quick, "benchmarks": which,
                                  "torch_threads": torch.get_num_threads()}
-    kernel_names = [w for w in which if w not in ("host", "fusion", "e2e", "memory")]
+    kernel_names = [w for w in which if w not in ("host", "fusion", "e2e", "memory", "optimizers")]
     sections: list[_Section] = []
     if kernel_names:
         sections.append(_kernel_section(device, kernel_names, numel, warmup, repeats))
@@ -183,6 +195,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         sections.append(_e2e_section(device, quick, args.e2e_updates))
     if "memory" in which:
         sections.append(_memory_section(quick))
+    if "optimizers" in which:
+        sections.append(_optimizers_section(quick))
 
     rows: list[dict] = []
     print()
