@@ -143,7 +143,8 @@ def test_quick_prints_a_table_per_benchmark(quick_run):
     valid = {r["variant"]: r["valid"] for r in json.loads((out / "r.json").read_text())["results"] if "valid" in r}
     tables = _tables(text)
     titles = [title for title, _, _ in tables]
-    assert len(tables) == 11, titles  # three kernels, host (2), fusion, e2e (2), memory (2), FSDP2 memory
+    assert len(tables) == 12, titles  # three kernels, host (2), fusion, e2e (2), memory (2), FSDP2 memory, optimizers
+    assert titles[-1].startswith("optimizers: Muon (2-D weights) + AdamW (biases)")
     for (title, header, body), name in zip(tables[:3], ("accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32")):
         assert title.startswith(f"{name}: 1,048,576 elements, ") and title.endswith(" B/element")
         assert header == KERNEL_HEADER
@@ -231,7 +232,7 @@ def test_quick_ratios_say_when_they_are_noise(quick_run):
     rows = json.loads((out / "r.json").read_text())["results"]
     cells = [row[-1] for _, header, body in _tables(text) if header[0] not in ("dtype", "recipe")
              and header[-1].startswith("vs ") for row in body]
-    timed = [r for r in rows if not r["benchmark"].startswith(("host", "memory"))]  # memory: bytes, no ratios
+    timed = [r for r in rows if not r["benchmark"].startswith(("host", "memory", "optimizers"))]  # bytes, no ratios
     assert len(cells) == len(timed)
     for cell, r in zip(cells, timed):
         assert cell == bench.ratio_text(r)
@@ -258,7 +259,7 @@ def test_quick_writes_json(quick_run):
     assert peak["bytes_per_element"] == 8 and peak["gb_s"] > 0
 
     rows = payload["results"]
-    kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host", "memory", "fusion"))]
+    kernels = [r for r in rows if not r["benchmark"].startswith(("e2e", "host", "memory", "fusion", "optimizers"))]
     assert {r["benchmark"] for r in kernels} == {"accumulate bf16->fp32", "l2norm_sq fp32", "scale_ fp32"}
     assert any(r["variant"] == "gaengine torch: accumulate_" for r in kernels)
     repeats = payload["params"]["repeats"]
@@ -289,6 +290,8 @@ def test_quick_writes_json(quick_run):
     memory_rows = [r for r in rows if r["benchmark"] == "memory"]  # --quick: d = 1, 2
     assert {(r["variant"], r["world"]) for r in memory_rows} >= {("plain", 1), ("torch DDP", 2), ("gaengine stage 1", 2)}
     assert payload["params"]["memory"]["numel"] > 0
+    optimizer_rows = {(r["stage"], r["world"]) for r in rows if r["benchmark"] == "optimizers"}  # --quick: d = 1, 2
+    assert optimizer_rows == {(0, 1), (0, 2), (1, 2), (2, 2)}
 
 
 @multiproc
