@@ -52,10 +52,17 @@ optimizer state live on it); built again when parameters join or leave between w
   the master shard (bf16/fp16 with masters), or of the rank's range of the parameter buffer itself (fp32
   parameters; bf16/fp16 with ``master_weights=False``, updated in place). Each piece stays in its parameter's
   param group, so hyper-parameters are kept per group, and its state (8 B/param of AdamW moments, 12/d with the
-  masters) exists on one rank only. Only elementwise optimizers can run on pieces: ``torch.optim.Adam``,
-  ``AdamW``, ``SGD`` (fused or not) and ``gaengine.optim.FusedAdamW``; anything else raises ``ValueError``
-  naming ``zero_stage``. A parameter no rank used in the window gets no update (its pieces' ``.grad`` is None),
-  as with torch's optimizers.
+  masters) exists on one rank only. Only elementwise optimizers (``gaengine.optimizers.is_elementwise``) run on
+  these 1-D pieces (``EvenShards``). A parameter no rank used in the window gets no update (its pieces' ``.grad``
+  is None), as with torch's optimizers.
+* **Whole-matrix owners** (``owner_layout``, ``WholeOwners``): for any other optimizer (Muon, Adafactor,
+  Shampoo, a class gaengine has no row for) or a list holding one, every parameter is placed so that one rank's
+  range of its bucket holds it whole: that rank, its *owner* (chosen largest first onto the least loaded rank),
+  receives its whole reduced gradient (the same reduce-scatter, the same stage-2 gradient shard), holds its whole
+  fp32 master and the optimizer's piece shaped like it (2-D stays 2-D), and its optimizer steps on it once per
+  window after the window's norm, clip and skip; the all-gather brings it to the others. Everything above holds
+  unchanged; only the pieces' shapes and the placement differ. Parameters joining later are refused (laid out
+  once).
 * **Step.** Each rank takes the sum of squares and the non-finite flag of its gradient shard; one all-reduce of
   those two floats gives every rank the global norm and skip decision (no host read). The pieces are updated
   with normalization and clipping folded in (``grad_scale``/``found_inf`` for fused optimizers), the masters
