@@ -117,6 +117,20 @@ def zero_order(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return sorted(params, key=lambda p: _DTYPE_ORDER.index(p.dtype))
 
 
+def _grouped_dtypes(params: Sequence[torch.Tensor], world_size: int) -> tuple[torch.dtype, ...]:
+    """The parameters' dtypes; ``ValueError`` for ``world_size < 1`` or parameters not grouped by dtype."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    dtypes = tuple(p.dtype for p in params)
+    seen: list[torch.dtype] = []
+    for dt in dtypes:
+        if not seen or seen[-1] != dt:
+            if dt in seen:
+                raise ValueError("params must be grouped by dtype (gaengine.zero.zero_order)")
+            seen.append(dt)
+    return dtypes
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
@@ -185,15 +199,7 @@ class ShardLayout:
         """Lay ``params`` (in layout order, grouped by dtype: ``zero_order``) out in buckets of at least
         ``bucket_size_mb`` MiB of fp32 gradient (the last of each dtype may be smaller), each padded to a multiple
         of ``pad_unit(world_size)``. Raises ``ValueError`` if the params are not grouped by dtype."""
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        dtypes = tuple(p.dtype for p in params)
-        seen: list[torch.dtype] = []
-        for dt in dtypes:
-            if not seen or seen[-1] != dt:
-                if dt in seen:
-                    raise ValueError("params must be grouped by dtype (gaengine.zero.zero_order)")
-                seen.append(dt)
+        dtypes = _grouped_dtypes(params, world_size)
         cap = max(1, int(bucket_size_mb * 2**20) // 4)
         unit = pad_unit(world_size)
         offsets: list[int] = []
@@ -477,15 +483,7 @@ def owner_layout(params: Sequence[torch.Tensor], bucket_size_mb: float,
     Returns the layout, ``params`` in its order (within a bucket by owner, then layout order: the hooks' buckets
     are ranges of it) and each parameter's owner rank (in that order). ``ValueError`` for ``world_size < 1`` or
     parameters not grouped by dtype."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    dtypes = [p.dtype for p in params]
-    seen: list[torch.dtype] = []
-    for dt in dtypes:
-        if not seen or seen[-1] != dt:
-            if dt in seen:
-                raise ValueError("params must be grouped by dtype (gaengine.zero.zero_order)")
-            seen.append(dt)
+    dtypes = _grouped_dtypes(params, world_size)
     cap = max(1, int(bucket_size_mb * 2**20) // 4)
     seg_unit = pad_unit(world_size) // world_size
     largest = {dt: max(p.numel() for p, d in zip(params, dtypes) if d == dt) for dt in set(dtypes)}

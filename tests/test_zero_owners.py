@@ -447,3 +447,43 @@ def test_checkpoint_reshards_one_process_to_two_ranks(two_ranks):
     for result in results:
         for a, b in zip(result["params_from_one"], params):
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ the layout alone
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_owner_layout_holds_each_parameter_whole_on_one_rank(world):
+    """``owner_layout``: every parameter lies whole in exactly one rank's range of its bucket (``param_shards`` gives
+    its owner ``[0, numel)`` and every other rank nothing), the owners are the ones returned, each bucket's rank
+    ranges are a multiple of ``pad_unit(d) / d``, and a rank's part of a bucket exceeds the bucket's mean by at
+    most its largest parameter (Graham's bound for largest-first onto the least loaded)."""
+    from gaengine.buffer import ALIGN_NUMEL
+    from gaengine.zero import owner_layout, pad_unit, zero_order
+
+    params = zero_order([torch.empty(n) for n in (700, 33, 4096, 5, 64, 1000, 128)]
+                        + [torch.empty(s, dtype=torch.bfloat16) for s in ((16, 8), (8, 16), (17, 8))])
+    layout, order, owners = owner_layout(params, 0.001, world)
+    assert sorted(map(id, order)) == sorted(map(id, params))
+    assert [p.dtype for p in order] == [p.dtype for p in params]  # grouped as given
+    per_rank = [layout.param_shards(r) for r in range(world)]
+    for i, p in enumerate(order):
+        held = [r for r in range(world) if per_rank[r][i].numel]
+        assert held == [owners[i]]
+        assert (per_rank[owners[i]][i].lo, per_rank[owners[i]][i].hi) == (0, p.numel())
+    for b in layout.buckets:
+        assert b.shard_numel % (pad_unit(world) // world) == 0
+        sizes = [sum(-(-order[i].numel() // ALIGN_NUMEL) * ALIGN_NUMEL for i in range(b.first, b.last)
+                     if owners[i] == r) for r in range(world)]
+        largest = max(order[i].numel() for i in range(b.first, b.last))
+        assert max(sizes) <= sum(sizes) / world + largest + ALIGN_NUMEL
+    again = owner_layout(params, 0.001, world)
+    assert again[0] == layout and again[2] == owners  # deterministic: every rank computes the same
+
+
+def test_owner_layout_refuses_bad_input():
+    from gaengine.zero import owner_layout
+
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        owner_layout([torch.empty(3)], 1.0, 0)
+    mixed = [torch.empty(3), torch.empty(3, dtype=torch.bfloat16), torch.empty(3)]
+    with pytest.raises(ValueError, match="grouped by dtype"):
+        owner_layout(mixed, 1.0, 2)
