@@ -143,7 +143,31 @@ def _scenario(rank, world, out, stages, cases=tuple(CASES), extras=True, memory=
         acc.close()
     if world == 2:
         results.update(_checkpoints(rank, out, batches))
+    if world == 3:
+        results.update(_refusals(rank, batches))
     return results
+
+
+def _refusals(rank, batches):
+    """What owners refuse, each with its message, nothing changed: a parameter that becomes trainable after
+    construction (the layout is made once), and ``gaengine.full_optimizer_state_dict`` (save through DCP)."""
+    out = {}
+    model = _model()
+    model.norm.weight.requires_grad_(False)  # frozen at construction (still in AdamW's group: allowed)
+    acc = gaengine.GradientAccumulator(model, model.muon_adamw(), K, max_grad_norm=MAX_NORM, zero_stage=1)
+    _train(acc, model, batches[:K], rank)
+    try:
+        gaengine.full_optimizer_state_dict(acc)
+    except TypeError as exc:
+        out["export"] = str(exc)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.norm.weight.requires_grad_(True)
+    try:
+        _train(acc, model, batches[K:2 * K], rank)
+    except ValueError as exc:
+        out["join"] = str(exc)
+    out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return out
 
 
 def _whole_states(acc) -> dict[str, dict]:
@@ -225,6 +249,16 @@ def four_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     return _launch(tmp_path_factory, 3, (1,), cases=("muon+adamw",), extras=False, memory=False)
+
+
+def test_owners_refuse_a_joining_parameter_and_the_export(three_ranks):
+    """3 ranks at zero_stage=1 with Muon + AdamW: a parameter unfrozen after construction is refused naming it
+    (owners lay the parameters out once) with the parameters as they were; ``gaengine.full_optimizer_state_dict``
+    raises ``TypeError`` naming DCP instead (each owner holds its parameters' whole state)."""
+    for result in _ok(three_ranks):
+        assert "'norm.weight' became trainable" in result["join"] and "lays its parameters out once" in result["join"]
+        assert result["unchanged"]
+        assert "torch.distributed.checkpoint" in result["export"] and "owner" in result["export"]
 
 
 def _ok(launched):
