@@ -120,13 +120,16 @@ def _scenario(rank, world, out, stages, cases=tuple(CASES), extras=True, memory=
     results = {}
     for stage in stages:
         for name in cases:
+            calls.shapes.clear()
             model = _model()
             opts = _optimizers(name, model)
             acc = gaengine.GradientAccumulator(model, opts, K, max_grad_norm=MAX_NORM, zero_stage=stage)
             _train(acc, model, batches, rank)
             results[(name, stage)] = [p.detach().clone() for p in model.parameters()]
+            if name == "muon+adamw":  # K = 4: WINDOWS windows
+                results[("ns", stage, K)] = list(calls.shapes)
             acc.close()
-        for k in (1, 4) if extras else ():
+        for k in (1,) if extras else ():  # K = 1: 3 windows
             calls.shapes.clear()
             model = _model()
             acc = gaengine.GradientAccumulator(model, model.muon_adamw(), k, max_grad_norm=MAX_NORM,
@@ -406,12 +409,13 @@ def test_three_ranks_equal_one_process(newton_schulz, three_ranks):
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("k", [1, 4])
 def test_newton_schulz_runs_once_per_window_per_matrix(two_ranks, stage, k):
-    """Over the ranks, Newton–Schulz runs windows x matrices times (3 windows, 2 matrices), whatever K is: each
-    matrix on its owner only, once per window, never per micro-batch."""
+    """Over the ranks, Newton–Schulz runs windows x matrices times (3 windows at K = 1, WINDOWS at K = 4; 2
+    matrices), whatever K is: each matrix on its owner only, once per window, never per micro-batch."""
     results = _ok(two_ranks)
     shapes = sorted(s for result in results for s in result[("ns", stage, k)])
     model = _model()
-    assert shapes == sorted(tuple(p.shape) for _ in range(3) for p in model.hidden_matrices())
+    windows = {1: 3, K: WINDOWS}[k]
+    assert shapes == sorted(tuple(p.shape) for _ in range(windows) for p in model.hidden_matrices())
     assert all(result[("ns", stage, k)] for result in results), "each rank owns one matrix of the two"
 
 
