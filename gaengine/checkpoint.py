@@ -492,9 +492,11 @@ def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
     * ``master``: each parameter with fp32 master weights, ``(numel,)`` fp32, this rank's range ``[lo, hi)``
       (``ShardingStrategy.param_slots``: the whole parameter unsharded, a view of the masters).
     * ``optimizer``: each optimized parameter this rank holds a range of, ``{"initialized": 0-d, "step": 0-d
-      fp64, <moment>: FlatShard (numel,) in the state's dtype}`` for ``torch.optim.Adam``/``AdamW``/``SGD`` and
-      ``gaengine.optim.FusedAdamW`` (views of the optimizer's state); any other optimizer (unsharded strategies
-      only) keeps its whole state as CPU copies in the meta blob (``optimizer_state``).
+      fp64, <moment>: FlatShard (numel,) in the state's dtype}`` for the elementwise optimizers of
+      ``gaengine.optimizers.OPTIMIZERS`` (views of the optimizer's state); for any other optimizer (held whole by one
+      rank: every rank replicated, the owner at ``zero_stage`` >= 1) ``{"initialized", "step", "whole": bytes}``, the
+      parameter's whole state as ``torch.save`` bytes of CPU copies (``_whole_state_entry``), saved by the rank that
+      holds it and loaded by the one that holds it then, at any world size.
     * ``window_grad``: the window's fp32 gradient sum, as the strategy places it (``ShardingStrategy.window_sums``).
       Between windows a template (``FlatShard.template``: DCP saves ``None``). Mid-window this rank's range of the
       sum over the ranks (``(numel,)``; sharded strategies, and one rank), or, for a replicated run on several
@@ -539,8 +541,7 @@ def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
         if e.optimized and owned:
             state = optimizer.state.get(e.piece) or {}
             if not elementwise:
-                if state:
-                    whole_state[e.key] = {k: _cpu_copy(v) for k, v in state.items()}
+                opt_state[e.key] = _whole_state_entry(state)
             else:
                 opt_state[e.key] = _moments_to_save(optimizer, state, e)
         window[e.key] = window_shards[e.layout_index]
@@ -564,6 +565,40 @@ def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e:
             torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=_flat(e, e.piece.data, e.key).device)
         entry[k] = FlatShard(local, e.numel, e.lo)
     return entry
+
+
+def _whole_state_entry(state: dict[str, Any]) -> dict[str, Any]:
+    """The state of a parameter of an optimizer that is not elementwise (held whole by this rank: its owner, or
+    every rank of a replicated run) as a checkpoint holds it: ``initialized``, ``step`` (0-d, as an elementwise
+    entry's; the step, if any, is in the state) and ``whole``, ``torch.save`` bytes of the state with its tensors
+    as CPU copies (any shapes: Adafactor's row and column factors, Shampoo's preconditioners). DCP saves the bytes
+    from the rank that holds the parameter and loads them on the rank that holds it then, at any world size."""
+    blob = io.BytesIO()
+    torch.save({k: _cpu_copy(v) for k, v in state.items()}, blob)
+    return {"initialized": torch.tensor(float(bool(state))), "step": torch.tensor(0.0, dtype=torch.float64),
+            "whole": blob.getvalue()}
+
+
+def _saved_whole_state(state: dict[str, Any], whole_state: dict[str, Any], e: _Entry) -> dict[str, Any]:
+    """The saved whole state of ``e``'s parameter (``_whole_state_entry``; a state saved before those entries kept
+    it in the meta's ``optimizer_state``), ``{}`` where it had none; ``ValueError`` naming the key when it is missing
+    or does not decode."""
+    entry = state["optimizer"].get(e.key)
+    if entry is None and not state["optimizer"]:  # saved before: whole states in the meta, or none at all
+        return dict(whole_state.get(e.key, {}))
+    if not isinstance(entry, Mapping) or "whole" not in entry:
+        raise ValueError(f"state['optimizer'][{e.key!r}] is missing or holds no 'whole' state: it was saved with "
+                         "another optimizer, or take the state dict from this run's accumulator (acc.state_dict()) "
+                         "before dcp.load")
+    blob = entry["whole"]
+    try:
+        loaded = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+    except Exception as exc:
+        raise state_checks.corrupt(f"state['optimizer'][{e.key!r}]['whole']", "torch.save bytes of the parameter's "
+                                   "optimizer state", type(blob).__name__) from exc
+    if not isinstance(loaded, dict):
+        raise state_checks.corrupt(f"state['optimizer'][{e.key!r}]['whole']", "a dict", type(loaded).__name__)
+    return loaded
 
 
 def _meta_blob(acc: AccumulatorParts, entries: list[_Entry], whole_state: dict[str, Any], ranks: list) -> bytes:
@@ -777,8 +812,9 @@ def _checked_values(acc: AccumulatorParts, state: dict[str, Any], meta: dict[str
             saved = _take(state["master"].get(e.key), e, "state['master']", dtype=torch.float32)
             masters.append((_flat(e, e.piece.data, e.key), saved))
         if e.optimized and owned and not elementwise:
-            if e.key in whole_state:
-                loaded[id(e.piece)] = dict(whole_state[e.key])
+            whole = _saved_whole_state(state, whole_state, e)
+            if whole:
+                loaded[id(e.piece)] = whole
         elif e.optimized and owned:
             moments = _saved_moments(optimizer, state, e)
             if moments is not None:

@@ -166,10 +166,11 @@ class AccumulatorConfig:
     are reduce-scattered (in ``reduce_dtype``) and added into the rank's fp32 shard, K reductions per window instead
     of one: it trades communication for memory. Each micro-batch's buckets are staged in a ring of
     ``gaengine.zero.STAGING_SLOTS`` bucket-sized fp32 buffers (S x ``bucket_size_mb``; no full-size main_grad; the
-    first window, which learns the layout, stages all its buckets at once). Needs an elementwise optimizer
-    (``torch.optim.Adam``, ``AdamW``, ``SGD``, ``gaengine.optim.FusedAdamW``) with no state yet (the accumulator
-    checks it); the layout is not re-learned from the first window. ``ValueError`` naming ``zero_stage`` for another
-    value or optimizer."""
+    first window, which learns the layout, stages all its buckets at once). Needs an optimizer with no state yet (the
+    accumulator checks it): an elementwise one (``gaengine.optimizers.OPTIMIZERS``) updates even flat ranges, any
+    other (Muon, Adafactor, ...) whole parameters on owner ranks (``gaengine.zero.WholeOwners``); the layout is not
+    re-learned from the first window. ``ValueError`` naming ``zero_stage`` for another value, no optimizer or one
+    with state."""
 
     overlap_param_gather: bool = False
     """With ``zero_stage`` >= 1, leave the parameters' all-gather in flight after ``step()``.

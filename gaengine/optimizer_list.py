@@ -315,17 +315,18 @@ class SchedulerList:
 
 def check_sharded_list(optimizer: OptimizerList, where: str) -> None:
     """``ValueError`` naming the first optimizer of the list that is not elementwise (``gaengine.optimizers``'
-    table) when the list is to run ``where`` (``zero_stage=1``, ``zero_stage=2``, an FSDP2 model): those update
-    flat ranges or shards of the parameters, which only an elementwise update can."""
+    table) when the list is to run ``where`` (an FSDP2 model): FSDP2 gives every optimizer its DTensor shards of the
+    parameters, which only an elementwise update can take. (``zero_stage`` 1 and 2 of a plain model run any list:
+    whole-matrix owners, ``gaengine.zero.WholeOwners``.)"""
     for i, o in enumerate(optimizer.optimizers):
         if not is_elementwise(o):
             raise ValueError(
                 f"optimizer[{i}] ({_name(o)}) is not an elementwise optimizer of gaengine.optimizers.OPTIMIZERS "
-                f"({', '.join(elementwise_names())}), and {where} updates each rank's flat range of the parameters, "
-                "which only an elementwise update can (a whole-matrix optimizer such as Muon or Adafactor needs each "
-                "matrix whole). Use zero_stage=0 (replicated: every rank holds the whole optimizer state), where any "
-                "list of optimizers runs; or register the class as elementwise (gaengine.optimizers."
-                "register_optimizer) if its update of an element reads only that element")
+                f"({', '.join(elementwise_names())}), and {where} gives each optimizer its shards of the parameters, "
+                "which only an elementwise update can take (a whole-matrix optimizer such as Muon or Adafactor needs "
+                "each matrix whole). Pass the plain model instead, with zero_stage=1 or 2 (each matrix whole on one "
+                "owner rank) or 0; or register the class as elementwise (gaengine.optimizers.register_optimizer) if "
+                "its update of an element reads only that element")
 
 
 def combine(optimizer: Any, lr_scheduler: Any, zero_stage: int = 0) -> tuple[Any, Any]:
@@ -336,8 +337,9 @@ def combine(optimizer: Any, lr_scheduler: Any, zero_stage: int = 0) -> tuple[Any
     Raises ``TypeError`` for an entry that is not a ``torch.optim.Optimizer`` (naming its index) or whose ``step()``
     needs an argument (``gaengine.update.check_optimizer_step``: a closure optimizer such as ``LBFGS``),
     ``ValueError`` for an empty list, one optimizer twice, a scheduler list of another length, a scheduler built over
-    another optimizer than the one at its index, a list of schedulers with one optimizer, or, at ``zero_stage`` 1
-    and 2, an optimizer of the list that is not elementwise (``check_sharded_list``)."""
+    another optimizer than the one at its index, or a list of schedulers with one optimizer. Any list runs at every
+    ``zero_stage`` (a list holding an optimizer that is not elementwise on whole-matrix owners,
+    ``gaengine.zero.WholeOwners``); ``zero_stage`` is accepted for the callers' sake and checks nothing more."""
     if not isinstance(optimizer, (list, tuple)):
         if isinstance(lr_scheduler, (list, tuple)):
             raise ValueError(f"lr_scheduler is a list of {len(lr_scheduler)} schedulers but optimizer is one "
@@ -366,10 +368,7 @@ def combine(optimizer: Any, lr_scheduler: Any, zero_stage: int = 0) -> tuple[Any
                 raise ValueError(f"lr_scheduler[{i}] was built over another optimizer than optimizer[{i}] "
                                  f"({type(o).__name__}): list the schedulers in the optimizers' order")
         schedulers = SchedulerList(lr_scheduler)
-    combined = OptimizerList(optimizer)
-    if zero_stage:
-        check_sharded_list(combined, f"zero_stage={zero_stage}")
-    return combined, schedulers
+    return OptimizerList(optimizer), schedulers
 
 
 def check_coverage(optimizer: Any, params: list[torch.Tensor], module: nn.Module | None) -> None:

@@ -21,9 +21,10 @@ checkpoint (``gaengine.checkpoint``, through ``ShardingStrategy.rank_layout``), 
   ``begin_step()`` lend it in ``.grad``; a replicated run's old state dicts load).
 
 Implementations: ``gaengine.zero.WholeParams`` (every rank holds every parameter whole: replicated, and one rank),
-``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``) and ``gaengine.fsdp2.DTensorShards``
-(FSDP2's DTensor local shards). A new layout (e.g. whole-matrix owners, each parameter held whole by one rank) is one
-more subclass.
+``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``), ``gaengine.zero.WholeOwners`` (ZeRO's
+shards laid out so that each parameter lies whole in one rank's: whole-matrix owners, for optimizers that are not
+elementwise) and ``gaengine.fsdp2.DTensorShards`` (FSDP2's DTensor local shards). A new layout is one more
+subclass.
 """
 
 from __future__ import annotations

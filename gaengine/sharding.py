@@ -29,7 +29,7 @@ each part, never to the hooks, the reducer or the store behind them:
 What this rank holds of each parameter (its gradient views, the optimizer's pieces, the masters and their way into
 the model, how pieces and gradients are wrapped) is the rank's layout, ``gaengine.rank_layout.RankLayout``, which the
 strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine.zero.EvenShards``,
-``gaengine.fsdp2.DTensorShards``) and the store, the update and the checkpoint ask (``rank_layout``). What a strategy
+``gaengine.zero.WholeOwners`` where the optimizer is not elementwise, ``gaengine.fsdp2.DTensorShards``) and the store, the update and the checkpoint ask (``rank_layout``). What a strategy
 itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
 re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
 its part of the state dict (where the window's sums lie in a checkpoint, ``window_sums``/``load_window_state``;
@@ -65,8 +65,9 @@ from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_fro
 from gaengine.rank_layout import ParamSlot, RankLayout
 from gaengine.store import ParameterStore, WindowChunk, reshard_state
 from gaengine.update import expose_grads, step_scheduler
+from gaengine.optimizers import is_elementwise
 from gaengine.zero import (STAGING_SLOTS, EvenShards, ParamGather, ParamShard, ShardedReduction, ShardLayout,
-                           ShardReducer, StagedReduction, WholeParams, zero_order)
+                           ShardReducer, StagedReduction, WholeOwners, WholeParams, owner_layout, zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "Update", "ZeroStage1", "ZeroStage2", "make_sharding",
            "register_model_strategy", "trainable_params"]
@@ -535,7 +536,11 @@ class _Zero(ShardingStrategy):
     parameters' all-gathers after each update (``gaengine.zero.ParamGather``). Built at construction, and again
     when parameters join or leave (``adopt``); never re-learned from the arrival order."""
 
-    adopts_params = True
+    @property
+    def adopts_params(self) -> bool:
+        """Parameters joining or leaving are laid out anew (``adopt``) on even flat ranges; whole-matrix owners lay
+        theirs out once (a joining parameter is refused naming it; a frozen one gets no gradient, so no update)."""
+        return not self.whole_matrix
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
@@ -546,7 +551,10 @@ class _Zero(ShardingStrategy):
         """Everything over ``order`` (layout order, grouped by dtype): the layout, ``main_grad`` (and the gradient
         shard), the reducer, the hooks, the gradient views, the store (parameter buffers, masters, pieces) and the
         gathers. The store is built from the parameters' values: ``adopt`` moves the masters and the state after."""
-        self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
+        if self.whole_matrix:  # each parameter whole on one rank, its owner (gaengine.zero.owner_layout)
+            self.layout, order, _ = owner_layout(order, self.bucket_size_mb, self.world_size)
+        else:
+            self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
         self.store = ParameterStore(self.optimizer, self.params, device=self.device,
                                     master_weights=self.master_weights, layout=self._new_rank_layout())
@@ -556,8 +564,15 @@ class _Zero(ShardingStrategy):
                                   self.process_group, self.reducer, self.overlap_param_gather, self.model)
         self._build_update()
 
+    @property
+    def whole_matrix(self) -> bool:
+        """The optimizer (or one of a list) is not an elementwise one of ``gaengine.optimizers.OPTIMIZERS`` (Muon,
+        Adafactor, Shampoo, any class gaengine has no row for): every parameter is held whole by one owner rank
+        (``gaengine.zero.WholeOwners``); else ZeRO's even flat ranges (``gaengine.zero.EvenShards``)."""
+        return self.optimizer is not None and not is_elementwise(self.optimizer)
+
     def _new_rank_layout(self) -> RankLayout:
-        return EvenShards(self.layout, self.rank)
+        return (WholeOwners if self.whole_matrix else EvenShards)(self.layout, self.rank)
 
     def adopt(self, params: list[torch.Tensor]) -> None:
         """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)
@@ -598,6 +613,11 @@ class _Zero(ShardingStrategy):
                             grad_shard, staging_slots=STAGING_SLOTS if self.zero_stage == 2 else 0)
 
     def optimizer_shards(self) -> tuple[list[list[ParamShard]], int]:
+        if self.whole_matrix:
+            raise TypeError(f"gaengine.full_optimizer_state_dict gathers an elementwise optimizer's moments by ranges; "
+                            f"at {self.name} on several ranks this optimizer's state is held whole by each "
+                            "parameter's owner rank (whole-matrix owners): save it with acc.state_dict() through "
+                            "torch.distributed.checkpoint, which loads at any world size")
         return [self.layout.param_shards(r) for r in range(self.world_size)], self.layout.shard_numel
 
     def close(self) -> None:

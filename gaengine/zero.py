@@ -52,10 +52,17 @@ optimizer state live on it); built again when parameters join or leave between w
   the master shard (bf16/fp16 with masters), or of the rank's range of the parameter buffer itself (fp32
   parameters; bf16/fp16 with ``master_weights=False``, updated in place). Each piece stays in its parameter's
   param group, so hyper-parameters are kept per group, and its state (8 B/param of AdamW moments, 12/d with the
-  masters) exists on one rank only. Only elementwise optimizers can run on pieces: ``torch.optim.Adam``,
-  ``AdamW``, ``SGD`` (fused or not) and ``gaengine.optim.FusedAdamW``; anything else raises ``ValueError``
-  naming ``zero_stage``. A parameter no rank used in the window gets no update (its pieces' ``.grad`` is None),
-  as with torch's optimizers.
+  masters) exists on one rank only. Only elementwise optimizers (``gaengine.optimizers.is_elementwise``) run on
+  these 1-D pieces (``EvenShards``). A parameter no rank used in the window gets no update (its pieces' ``.grad``
+  is None), as with torch's optimizers.
+* **Whole-matrix owners** (``owner_layout``, ``WholeOwners``): for any other optimizer (Muon, Adafactor,
+  Shampoo, a class gaengine has no row for) or a list holding one, every parameter is placed so that one rank's
+  range of its bucket holds it whole: that rank, its *owner* (chosen largest first onto the least loaded rank),
+  receives its whole reduced gradient (the same reduce-scatter, the same stage-2 gradient shard), holds its whole
+  fp32 master and the optimizer's piece shaped like it (2-D stays 2-D), and its optimizer steps on it once per
+  window after the window's norm, clip and skip; the all-gather brings it to the others. Everything above holds
+  unchanged; only the pieces' shapes and the placement differ. Parameters joining later are refused (laid out
+  once).
 * **Step.** Each rank takes the sum of squares and the non-finite flag of its gradient shard; one all-reduce of
   those two floats gives every rank the global norm and skip decision (no host read). The pieces are updated
   with normalization and clipping folded in (``grad_scale``/``found_inf`` for fused optimizers), the masters
@@ -85,14 +92,13 @@ from torch.autograd.graph import increment_version
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single, reduce_scatter_single
-from gaengine.optimizers import elementwise_names, is_elementwise
 from gaengine.rank_layout import Mastered, ParamSlot, RankLayout, copy_all
 from gaengine.reduce import BackwardStart, BucketReducer, Collective, Reduction, WindowStats, wait_for, wait_quietly
 from gaengine.update import LOW_PRECISION
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "EvenShards", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout",
-           "ShardReducer", "ShardedReduction", "StagedReduction", "WholeParams", "check_zero_optimizer", "pad_unit",
-           "zero_order"]
+           "ShardReducer", "ShardedReduction", "StagedReduction", "WholeOwners", "WholeParams", "check_zero_optimizer",
+           "owner_layout", "pad_unit", "zero_order"]
 
 ZERO_STAGES = (0, 1, 2)
 STAGING_SLOTS = 2  # stage 2: bucket-sized fp32 staging buffers in the ring (``ShardReducer.acquire``)
@@ -109,6 +115,20 @@ def zero_order(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``params`` (already in layout order, e.g. reverse registration order) grouped by dtype, bf16, fp16, fp32,
     keeping their order within a dtype (a stable sort)."""
     return sorted(params, key=lambda p: _DTYPE_ORDER.index(p.dtype))
+
+
+def _grouped_dtypes(params: Sequence[torch.Tensor], world_size: int) -> tuple[torch.dtype, ...]:
+    """The parameters' dtypes; ``ValueError`` for ``world_size < 1`` or parameters not grouped by dtype."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    dtypes = tuple(p.dtype for p in params)
+    seen: list[torch.dtype] = []
+    for dt in dtypes:
+        if not seen or seen[-1] != dt:
+            if dt in seen:
+                raise ValueError("params must be grouped by dtype (gaengine.zero.zero_order)")
+            seen.append(dt)
+    return dtypes
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -179,15 +199,7 @@ class ShardLayout:
         """Lay ``params`` (in layout order, grouped by dtype: ``zero_order``) out in buckets of at least
         ``bucket_size_mb`` MiB of fp32 gradient (the last of each dtype may be smaller), each padded to a multiple
         of ``pad_unit(world_size)``. Raises ``ValueError`` if the params are not grouped by dtype."""
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        dtypes = tuple(p.dtype for p in params)
-        seen: list[torch.dtype] = []
-        for dt in dtypes:
-            if not seen or seen[-1] != dt:
-                if dt in seen:
-                    raise ValueError("params must be grouped by dtype (gaengine.zero.zero_order)")
-                seen.append(dt)
+        dtypes = _grouped_dtypes(params, world_size)
         cap = max(1, int(bucket_size_mb * 2**20) // 4)
         unit = pad_unit(world_size)
         offsets: list[int] = []
@@ -450,6 +462,111 @@ class EvenShards(_FlatParams):
                          "gaengine.full_optimizer_state_dict first, or close() without it")
 
 
+def owner_layout(params: Sequence[torch.Tensor], bucket_size_mb: float,
+                 world_size: int) -> tuple[ShardLayout, list[torch.Tensor], list[int]]:
+    """The whole-matrix owners' ``ShardLayout`` (``WholeOwners``): a layout of ``params`` (layout order, grouped by
+    dtype: ``zero_order``) in which each rank's range of every bucket holds whole parameters only, so that the
+    reduce-scatter, the gradient shard (stage 2), the masters, the all-gathers and the checkpoint's ranges of
+    ``EvenShards`` give each parameter whole to one rank, its owner, and nothing of it to the others.
+
+    Buckets: within a dtype, parameters in layout order, a bucket closing once it holds at least ``bucket_size_mb``
+    MiB of fp32 gradient and at least ``2 d`` times its dtype's largest parameter (so the greedy below can balance
+    it). Owners (Graham's largest-processing-time-first rule, as Megatron-Core's and torchtitan's sharded Muon
+    balance whole matrices): the bucket's parameters by size, largest first (ties by layout position), each onto
+    the rank holding the fewest elements of the bucket so far (ties: the fewest of all buckets, then the lowest
+    rank); deterministic, the same on every rank. Rank r's range of the bucket (its *segment*) holds its
+    parameters in layout order, each starting on a multiple of ``ALIGN_NUMEL``; every segment has the length of the
+    longest, rounded up to ``pad_unit(d) / d`` (the bucket then a multiple of ``pad_unit(d)``): padding is zero and
+    stays zero, and by the rule's bound (Graham 1969) a segment exceeds the bucket's mean by at most one
+    parameter, so the masters and the gradient shard are 1/d of the whole up to that.
+
+    Returns the layout, ``params`` in its order (within a bucket by owner, then layout order: the hooks' buckets
+    are ranges of it) and each parameter's owner rank (in that order). ``ValueError`` for ``world_size < 1`` or
+    parameters not grouped by dtype."""
+    dtypes = _grouped_dtypes(params, world_size)
+    cap = max(1, int(bucket_size_mb * 2**20) // 4)
+    seg_unit = pad_unit(world_size) // world_size
+    largest = {dt: max(p.numel() for p, d in zip(params, dtypes) if d == dt) for dt in set(dtypes)}
+    groups: list[list[int]] = []  # each bucket's parameter indices (into params)
+    size = 0
+    for i, p in enumerate(params):
+        if not groups or dtypes[groups[-1][0]] != p.dtype or size >= max(cap, 2 * world_size * largest[p.dtype]):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += _round_up(p.numel(), ALIGN_NUMEL)
+    total = [0] * world_size  # elements held per rank over every bucket
+    order: list[torch.Tensor] = []
+    owners: list[int] = []
+    offsets: list[int] = []
+    buckets: list[ShardBucket] = []
+    spans: dict[torch.dtype, tuple[int, int]] = {}
+    cursor = shard_cursor = 0
+    for members in groups:
+        load = [0] * world_size
+        owner_of: dict[int, int] = {}
+        for i in sorted(members, key=lambda i: (-params[i].numel(), i)):
+            r = min(range(world_size), key=lambda r: (load[r], total[r], r))
+            owner_of[i] = r
+            n = _round_up(params[i].numel(), ALIGN_NUMEL)
+            load[r] += n
+            total[r] += n
+        seg = _round_up(max(max(load), 1), seg_unit)
+        first = len(order)
+        for r in range(world_size):
+            at = cursor + r * seg
+            for i in members:
+                if owner_of[i] == r:
+                    order.append(params[i])
+                    owners.append(r)
+                    offsets.append(at)
+                    at += _round_up(params[i].numel(), ALIGN_NUMEL)
+        dtype = dtypes[members[0]]
+        buckets.append(ShardBucket(len(buckets), first, len(order), cursor, cursor + world_size * seg, dtype, seg,
+                                   shard_cursor))
+        lo, _ = spans.get(dtype, (cursor, cursor))
+        spans[dtype] = (lo, cursor + world_size * seg)
+        cursor += world_size * seg
+        shard_cursor += seg
+    layout = FlatLayout(tuple(offsets), tuple(p.numel() for p in order), tuple(p.shape for p in order), cursor)
+    return (ShardLayout(world_size, layout, tuple(buckets), tuple(p.dtype for p in order), spans, shard_cursor),
+            order, owners)
+
+
+class WholeOwners(EvenShards):
+    """Whole-matrix owners (``owner_layout``): every parameter held whole by one rank, its owner, for the optimizers
+    whose update needs the whole parameter (Muon's Newton–Schulz, Adafactor's row and column factors, Shampoo's
+    preconditioners, any optimizer ``gaengine.optimizers`` has no elementwise row for). ``EvenShards`` over an owner
+    layout (its reduce-scatter, gradient shard, masters, all-gathers and checkpoint ranges unchanged): only the
+    pieces differ, each shaped like its parameter (a 2-D matrix stays 2-D), and so do the gradients the optimizer
+    reads; a rank's optimizer holds its owned parameters only."""
+
+    def _piece_shape(self, p, s):
+        return p.shape
+
+    def _own_piece(self, p, flat):
+        return nn.Parameter(flat.view(p.shape))  # updated in place
+
+    def _model_view(self, p, flat):
+        return flat.view(p.shape)
+
+    def grad_views(self, main_grad, reducer):
+        """``EvenShards``' views, each owned parameter's shaped like it (an empty 1-D view where another rank owns
+        it)."""
+        views = super().grad_views(main_grad, reducer)
+        shapes = self.shards.layout.shapes
+        views["shard_grads"] = [g.view(shapes[i]) if g.numel() else g for i, g in enumerate(views["shard_grads"])]
+        return views
+
+    def check_masters_to_model(self) -> None:
+        raise RuntimeError("masters_to_model() on several ranks at zero_stage >= 1: each rank holds the fp32 masters "
+                           "of the parameters it owns; the update gathers them into the model")
+
+    def check_release(self) -> None:
+        raise ValueError("close(release_optimizer=True) at zero_stage >= 1 on several ranks: each rank's optimizer "
+                         "holds only the parameters it owns (whole-matrix owners); close() without it")
+
+
 def _reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> Collective:
     return Collective(reduce_scatter_single(), output, inp, op=dist.ReduceOp.SUM, group=group)
 
@@ -595,20 +712,15 @@ class ShardReducer(BucketReducer):
 
 
 def check_zero_optimizer(optimizer, zero_stage: int) -> None:
-    """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` is one gaengine can run on flat ranges of
-    parameters (an elementwise update: ``gaengine.optimizers.is_elementwise``, ``torch.optim.Adam``, ``AdamW``,
-    ``SGD``, ``gaengine.optim.FusedAdamW``; subclasses are refused, as gaengine cannot prove them elementwise),
-    with no state yet. ``zero_stage=0``: any."""
+    """Raise ``ValueError`` naming ``zero_stage`` unless ``optimizer`` can be sharded: an optimizer (not None) with
+    no state yet. Any optimizer whose ``step()`` needs no argument runs: an elementwise one
+    (``gaengine.optimizers.is_elementwise``) on even flat ranges (``EvenShards``), any other on whole-matrix owners
+    (``WholeOwners``). ``zero_stage=0``: any."""
     if not zero_stage:
         return
     if optimizer is None:
         raise ValueError(f"zero_stage={zero_stage} shards the optimizer state and needs an optimizer; with "
                          "optimizer=None (gradients left in .grad) use zero_stage=0")
-    if not is_elementwise(optimizer):
-        raise ValueError(
-            f"zero_stage={zero_stage} updates each rank's flat range of the parameters, which only an elementwise "
-            f"optimizer can do: {', '.join(elementwise_names())} (fused or not); got "
-            f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use zero_stage=0 with this optimizer")
     if any(optimizer.state.values()):
         raise ValueError(f"zero_stage={zero_stage} needs an optimizer with no state yet (its state is sharded over "
                          "the ranks when the accumulator is built); build the accumulator before the first update "

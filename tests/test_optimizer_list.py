@@ -2,8 +2,8 @@
 s2])`` against torch's own Muon + AdamW recipe (``torch.optim.Muon``'s docstring: Muon for the 2-D hidden weights,
 AdamW for the embedding, head, norm and biases; two optimizers, ``clip_grad_norm_`` over all the parameters,
 ``loss / K``), on one process and on 2 gloo ranks; torch's Adafactor and schedule-free AdamW alone in the same style;
-what is refused (a parameter in two optimizers or in none, closure optimizers, whole-matrix optimizers at
-``zero_stage`` >= 1) and that a refusal changes nothing; ``state_dict`` round trips of every optimizer.
+what is refused (a parameter in two optimizers or in none, closure optimizers; whole-matrix optimizers at
+``zero_stage`` >= 1 run: tests/test_zero_owners.py) and that a refusal changes nothing; ``state_dict`` round trips of every optimizer.
 
 Newton–Schulz runs in fp64 on both sides here (the ``newton_schulz`` fixture: torch's iteration with its bf16 cast
 made an fp64 one, the same function on both sides; the model, the optimizers' state and the gradients stay fp32): torch's
@@ -26,6 +26,7 @@ from torch import nn
 
 import gaengine
 from tests.models import MuonLM
+from tests.muon import NewtonSchulzCalls, newton_schulz, newton_schulz_gain, ns_fp64  # noqa: F401 - a fixture
 from tests.ranks import launch_scenario
 from tests.tolerances import (adamw_param_rtol, clipped_grad_rtol, dot_rtol, recipe_grad_rtol, recipe_param_rtol,
                               rel_diff, unit_roundoff, update_rtol)
@@ -34,37 +35,6 @@ K, WINDOWS, MAX_NORM, VOCAB, ROWS, SEQ = 4, 5, 0.05, 17, 3, 5
 """Micro-batches per window (a power of two: ``loss / K`` scales each micro-batch's backward exactly, so both sides sum
 the same values), updates, the clipping norm (below the windows' gradient norms: every window is clipped), the
 vocabulary, rows per micro-batch, tokens per row."""
-
-
-def _ns_fp64(grad, ns_coefficients, ns_steps, eps):
-    """torch's ``_zeropower_via_newtonschulz`` (torch/optim/_muon.py) with the iterate in fp64 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.double()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
-class NewtonSchulzCalls:
-    """torch's Muon orthogonalization replaced by ``_ns_fp64``, counting its calls (and their matrices' shapes)."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __call__(self, grad, ns_coefficients, ns_steps, eps):
-        self.shapes.append(tuple(grad.shape))
-        return _ns_fp64(grad, ns_coefficients, ns_steps, eps)
-
-
-@pytest.fixture
-def newton_schulz(monkeypatch) -> NewtonSchulzCalls:
-    calls = NewtonSchulzCalls()
-    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", calls)
-    return calls
 
 
 def _batches(n: int, rows: int = ROWS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -126,26 +96,6 @@ def plain_recipe(model: MuonLM, batches, k: int = K, windows: int = WINDOWS, cli
     return model
 
 
-def newton_schulz_gain(coefficients=(torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C),
-                       ns_steps: int = torch_muon.DEFAULT_NS_STEPS) -> float:
-    """A first-order bound of how much ``ns_steps`` Newton–Schulz iterations ``X <- f(X) = a X + b X X^T X + c (X
-    X^T)^2 X`` grow a perturbation of their input X (Frobenius norm, ||X||_2 <= 1 after the normalization): in the
-    SVD basis of X the derivative of the odd matrix polynomial f acts by the divided differences (f(s_i) - f(s_j)) /
-    (s_i - s_j) and (f(s_i) + f(s_j)) / (s_i + s_j) of its scalar f (Higham, "Functions of Matrices", Thm 3.11 for
-    polynomials), each at most max(|f'|, f(s)/s) over the singular values' interval (the mean value theorem); that
-    interval after each iteration is f's image of the one before (from [0, 1])."""
-    a, b, c = coefficients
-    gain, hi = 1.0, 1.0
-    for _ in range(ns_steps):
-        s = torch.linspace(0.0, hi, 100001, dtype=torch.float64)
-        f = a * s + b * s**3 + c * s**5
-        slope = (a + 3 * b * s**2 + 5 * c * s**4).abs().max()
-        ratio = (a + b * s**2 + c * s**4).abs().max()  # f(s) / s
-        gain *= float(max(slope, ratio))
-        hi = float(f.abs().max())
-    return gain
-
-
 def muon_param_rtol(p: torch.Tensor, lr_adjusted: float, grad_rtol: float, cancellation: float,
                     updates: int = WINDOWS, ns_steps: int = torch_muon.DEFAULT_NS_STEPS) -> float:
     """A Muon matrix ``p`` (the reference's, after ``updates`` updates) of two runs whose window gradients agree
@@ -196,7 +146,7 @@ def test_newton_schulz_gain_bounds_the_iteration():
     x = torch.randn(16, 8, generator=g, dtype=torch.float64)
     e = torch.randn(16, 8, generator=g, dtype=torch.float64) * 1e-9 * x.norm()
     coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
-    out, out_e = (_ns_fp64(m, coefficients, torch_muon.DEFAULT_NS_STEPS, 0.0) for m in (x, x + e))
+    out, out_e = (ns_fp64(m, coefficients, torch_muon.DEFAULT_NS_STEPS, 0.0) for m in (x, x + e))
     assert 1.0 < (out_e - out).norm() / (e.norm() / x.norm()) <= 2 * newton_schulz_gain()
 
 
@@ -336,16 +286,6 @@ def test_closure_optimizer_in_a_list_is_refused():
     lbfgs = torch.optim.LBFGS(adamw.param_groups[0]["params"])
     with pytest.raises(TypeError, match=r"LBFGS.step\(\) requires 'closure'.*closure optimizer"):
         gaengine.GradientAccumulator(model, [muon, lbfgs])
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_whole_matrix_optimizer_in_a_list_is_refused_at_zero_stage(stage):
-    """zero_stage 1/2 update flat ranges: a list holding Muon is refused naming it and zero_stage=0 (on one rank
-    too: the check is the configuration's)."""
-    model = _model()
-    with pytest.raises(ValueError, match=r"optimizer\[0\] \(torch.optim.Muon\) is not an elementwise.*"
-                                         r"Use zero_stage=0"):
-        gaengine.GradientAccumulator(model, model.muon_adamw(), zero_stage=stage)
 
 
 # ------------------------------------------------------------------------------------------------ state dicts

@@ -363,14 +363,10 @@ def test_bad_zero_arguments_name_the_argument():
         gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=3)
     with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
         gaengine.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=True)
-    with pytest.raises(ValueError, match="zero_stage=1 updates each rank's flat range.*LBFGS"):
+    # A closure optimizer cannot run at any zero_stage; any other runs (a class without an elementwise row, such as
+    # a subclass of AdamW, on whole-matrix owners: tests/test_zero_owners.py).
+    with pytest.raises(TypeError, match=r"LBFGS.step\(\) requires 'closure'"):
         gaengine.GradientAccumulator(model, torch.optim.LBFGS(model.parameters()), zero_stage=1)
-
-    class MyAdamW(torch.optim.AdamW):
-        pass
-
-    with pytest.raises(ValueError, match="zero_stage=2 .*MyAdamW"):
-        gaengine.GradientAccumulator(model, MyAdamW(model.parameters()), zero_stage=2)
     with pytest.raises(ValueError, match="zero_stage=1 shards the optimizer state and needs an optimizer"):
         gaengine.GradientAccumulator(model, None, zero_stage=1)
     with pytest.raises(ValueError, match="overlap_param_gather=True needs zero_stage=1 or 2"):
