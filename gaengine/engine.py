@@ -1,11 +1,14 @@
 """``GradientAccumulator``: fp32 flat-buffer gradient accumulation, late normalization, clipping, update.
 
-This module runs one accumulation window of K micro-batches (docs/design.md has the data flow): ``backward()``
-runs autograd while the hooks add each bucket of gradients into the fp32 ``main_grad`` (``gaengine.hooks``,
-``gaengine.bucket``); ``step()`` applies the window's one denominator (micro-batches, or items with
-``num_items=``) folded into the clip coefficient (``gaengine.norm``), then updates (``gaengine.store``). What
-differs between modes (replicated, ZeRO-1/2, FSDP2) is the sharding strategy's (``gaengine.sharding``); the
-window's counters are ``gaengine.window``'s, the loss scale ``gaengine.scaler``'s, K ``gaengine.schedules``'.
+This module is the pipeline's driver: it runs one accumulation window of K micro-batches (docs/design.md has the
+data flow) and calls each stage, which owns its work and its state. ``backward()`` runs autograd while the hooks add
+each bucket of gradients into the fp32 ``main_grad`` (``gaengine.hooks``, ``gaengine.bucket``); ``step()`` applies
+the window's one denominator (micro-batches, or items with ``num_items=``) folded into the clip coefficient
+(``gaengine.lending``, ``gaengine.norm``), then updates (``gaengine.store``). The stages built at construction are
+``gaengine.construction``'s, the window's checks, stats and end ``gaengine.window_end``'s, parameters joining or
+leaving ``gaengine.membership``'s; what differs between modes (replicated, ZeRO-1/2, FSDP2) is the sharding
+strategy's (``gaengine.sharding``); the window's counters are ``gaengine.window``'s, the loss scale
+``gaengine.scaler``'s, K ``gaengine.schedules``'.
 """
 
 from __future__ import annotations
@@ -17,56 +20,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gaengine.backends import get_backend
-from gaengine.batchnorm import WindowBatchNorm, warn_batchnorm
 from gaengine import ownership
-from gaengine.protocol import CONSTRUCTION, REDUCTIONS, open_phase
+from gaengine.backends import get_backend
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, CheckedSetting, check_max_grad_norm, check_optional_count
+from gaengine.construction import init_members, init_window, join_ranks, release
 from gaengine.fusion import LinearFusion, check_fusion
-from gaengine.lending import CompleteWindow, Lending, step_norm, window_denominator
-from gaengine.membership import adopt_changes, membership_term, refuse_unmanaged_grads, unmanaged_grads
-from gaengine.noise import NoiseEstimate, WindowNoise
-from gaengine.reduce import check_ranks_agree, group_device, wait_quietly
-from gaengine.replaced import ReplacedParams
-from gaengine.scaler import (ConsecutiveSkips, LossScaler, autocast_loss_scaler, check_loss, check_min_loss_scale,
-                             choose_loss_scaler, guard_grad_scaler, warn_if_divided_by_k)
-from gaengine.schedules import AccumulationSchedule, WindowSchedule
-from gaengine.stages import AccumulatorParts, StageStates
-from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
+from gaengine.membership import adopt
 from gaengine.optimizer_list import check_coverage, combine as combine_optimizers
-from gaengine.optimizers import takes_grad_scale
+from gaengine.reduce import wait_quietly
+from gaengine.replaced import ReplacedParams
+from gaengine.scaler import check_min_loss_scale, guard_grad_scaler
+from gaengine.schedules import AccumulationSchedule
+from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
+from gaengine.stages import AccumulatorParts, StageStates
 from gaengine.update import SchedulerWatch
-from gaengine.window import (FAILED_WINDOW, MEMBERSHIP_SETTING, RankCounts, StepResult, Window, check_num_items,
-                             foreign_gradient_error, warn_dropped_window)
+from gaengine.window import StepResult, foreign_gradient_error, warn_dropped_window
+from gaengine.window_end import (apply_window, check_micro_batch, complete_window, drop_reductions,
+                                 launch_window_stats, prepare_micro_batch, window_to_step)
 
 __all__ = ["GradientAccumulator", "StepResult"]
-
-
-def _watch_model(sharding: ShardingStrategy, device: torch.device) -> ownership.ModelWatch:
-    """The watch on the model being moved or converted (``gaengine.ownership.ModelWatch``) over the strategy's
-    parameters, with the store's own check (``gaengine.sharding.Update.check_model``, of the strategy's update at
-    the time of the check). It holds the strategy, not the accumulator (garbage collection of the accumulator)."""
-    return ownership.ModelWatch(sharding.params, device, lambda: sharding.update.check_model())
-
-
-def _join_ranks(config: AccumulatorConfig, process_group: dist.ProcessGroup | None,
-                named_params: list[tuple[str, torch.Tensor]], backend) -> int:
-    """The world size of ``process_group`` (by default the global group when ``torch.distributed`` is initialized);
-    on several ranks, before the first collective (the parameters' broadcast), ``ValueError`` on every rank unless
-    they agree on the parameters and the options (``gaengine.reduce.check_ranks_agree``)."""
-    world_size = dist.get_world_size(process_group) if (
-        process_group is not None or (dist.is_available() and dist.is_initialized())) else 1
-    if world_size > 1:  # the construction's header first (gaengine.protocol), then the agreement
-        open_phase(CONSTRUCTION, 0, world_size, dist.get_rank(process_group), group_device(process_group),
-                   process_group)
-        check_ranks_agree(config.rank_settings(named_params, backend), process_group)
-    return world_size
-
-
-WINDOW_SETTINGS = ("accumulation_steps", "max_grad_norm", MEMBERSHIP_SETTING)
-"""The names of what every rank must hold alike in a window, compared in its stats all-reduce
-(``GradientAccumulator._launch_window_stats``: 8 agreement terms each, ``gaengine.reduce.setting_terms``)."""
 
 
 class GradientAccumulator:
@@ -138,7 +111,7 @@ class GradientAccumulator:
         if config.gradient_accumulation_fusion:
             check_fusion(model, self.backend, self.device)  # ValueError naming the option
         self.process_group = process_group
-        self.world_size = _join_ranks(config, process_group, self.named_params or [
+        self.world_size = join_ranks(config, process_group, self.named_params or [
             (f"param[{i}]", p) for i, p in enumerate(params)], self.backend)
         self.distributed = self.world_size > 1
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -148,47 +121,21 @@ class GradientAccumulator:
         self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
         self.min_loss_scale = config.min_loss_scale
         self.zero_stage, self.bucket_size_mb = config.zero_stage, config.bucket_size_mb  # zero_stage: as asked
-        self._init_window(accumulation_steps, params, module)
+        init_window(self, accumulation_steps, params, module)
         self._init_sharding(params, optimizer, module)
         ownership.claim(self.params, self)
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
 
-    def _init_window(self, accumulation_steps: int | AccumulationSchedule, params: list[torch.Tensor],
-                     module: nn.Module | None) -> None:
-        """The window (counters, loss sum, failed flag, stats: ``gaengine.window``), K per window and the updates
-        so far (``gaengine.schedules``), the counts a ``step()`` left unread (several ranks), the loss scale, the
-        noise scale and the window's BatchNorm statistics (``batchnorm="window"``; else a warning for BatchNorm)."""
-        config = self.config
-        self.window = Window(self.device)
-        self.schedule = WindowSchedule(accumulation_steps)
-        self._counts = RankCounts(self.world_size, self.device, self.process_group)
-        self._skips = ConsecutiveSkips(config.max_consecutive_skips)
-        self.scaler: LossScaler | None = choose_loss_scaler(config.loss_scale, params, self.device, self.min_loss_scale)
-        self._auto_loss_scale = config.loss_scale == "auto" and self.scaler is None  # till a backward sees autocast
-        self._noise = WindowNoise(config.noise_scale_ema, self.device) if config.measure_noise_scale else None
-        self.window_batchnorm: WindowBatchNorm | None = None
-        if module is not None and config.batchnorm == "window":
-            self.window_batchnorm = WindowBatchNorm(module)
-        elif module is not None:
-            warn_batchnorm(module, self.accumulation_steps)
-        self._lending = Lending(self.backend)  # the window's gradient lent in .grad (begin_step, before_update)
-
     def _init_sharding(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                        module: nn.Module | None) -> None:
         """The layout, ``main_grad``, the hooks (per-parameter, per-micro-batch state: ``gaengine.hooks``), the
         reducer, the masters and the update: one data-parallel sharding strategy (``gaengine.sharding``); the
-        parameters joining or leaving after construction (``gaengine.ownership.Membership``); the fused Linear
+        parameters joining or leaving after construction (``gaengine.construction.init_members``); the fused Linear
         forwards (``gradient_accumulation_fusion``, until ``close()``: ``gaengine.fusion``) and the watch on the
         model being moved."""
         config = self.config
-        # Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
-        # window boundaries, adopted by the strategy (gaengine.ownership.Membership, docs/accumulator.md).
-        self._members = ownership.Membership(module, params, optimizer)
-        # Several ranks: every rank must change them alike (one small all-reduce per window boundary).
-        self._ranks_members = ownership.RankMembership(
-            self._members, self.world_size, dist.get_rank(self.process_group), self.device, self.process_group) if (
-            self.distributed) else None
+        init_members(self, params, optimizer, module)  # joining or leaving after construction
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
             process_group=self.process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
@@ -199,7 +146,7 @@ class GradientAccumulator:
             config.gradient_accumulation_fusion) else None
         if self._fusion is not None:  # a layer whose weight or bias holds a user hook is not fused
             self._fusion.follow_hooks(self.sharding.accumulation, self.params)
-        self._model = _watch_model(self.sharding, self.device)
+        self._model = ownership.watch_model(self.sharding, self.device)
         self._replaced = ReplacedParams(module, self.params, self.optimizer, self.sharding)  # adopted or refused
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
@@ -239,38 +186,13 @@ class GradientAccumulator:
         """
         self._lending.refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
         self._lending.refuse_lent("acc.backward()")
-        num_items = self._check_micro_batch(loss, num_items)
+        num_items = check_micro_batch(self, loss, num_items)
         window = self.window
-        if window.num_micro_batches == 0 and num_items is None and not getattr(self, "_divided_warned", False):
-            # The plain recipe's `loss / K` (mean mode; the window's K, asked of a schedule once per window):
-            # LossDividedByKWarning once per accumulator, before anything is accumulated. O(1) per window.
-            self._divided_warned = warn_if_divided_by_k(loss, self.accumulation_steps)
         if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
-            self._adopt_changes()
+            adopt(self)
             if self._fusion is not None:  # hooks registered or removed since: fused or not from this window on
                 self._fusion.follow_hooks(self.sharding.accumulation, self.params)
-        if self._ranks_members is not None:  # the headers of the reductions (gaengine.protocol)
-            self._ranks_members.protocol.before_backward(
-                self.schedule.update_index, window.num_micro_batches,
-                window.num_micro_batches == self.accumulation_steps - 1,
-                self.sharding.reduction.reduces_every_micro_batch)
-        window.claim_graph(loss, bool(backward_kwargs.get("retain_graph") or backward_kwargs.get("create_graph")))
-        if self.sharding.accumulation.take_stale() | self.window.grads_left:  # both read: take_stale() clears its flag
-            self._clear_grads()
-        last = window.num_micro_batches == self.accumulation_steps - 1
-        # The parameters whole (their all-gathers complete, overlap_param_gather), then the reduction prepares the
-        # micro-batch (Reduction.begin_backward: armed, the hooks launch each bucket's collective as it completes);
-        # where the hooks restart their written flags (zero_stage=2), the window keeps which parameters it reached.
-        self.sharding.update.wait_gathers()
-        start = self.sharding.reduction.begin_backward(window.num_micro_batches == 0, last,
-                                                       self.config.overlap_grad_reduce)
-        if start.used is not None:
-            window.mark_used(start.used)
-        armed = start.armed
-        if self._auto_loss_scale:  # the first backward: fp16 autocast makes loss_scale="auto" dynamic
-            self.scaler = autocast_loss_scaler(self.device, self.min_loss_scale)
-            self._auto_loss_scale = False
-        scaled = loss if self.scaler is None else loss * self.scaler.scale
+        scaled, last, armed = prepare_micro_batch(self, loss, backward_kwargs)
 
         self.sharding.accumulation.begin(last, armed)
         try:
@@ -281,7 +203,7 @@ class GradientAccumulator:
             if self._noise is not None:
                 self._noise.add_micro_batch(counted)
             if self.sharding.reduction.end_backward(armed, last):
-                self._launch_window_stats()
+                launch_window_stats(self)
         except BaseException as exc:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
             # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
@@ -294,55 +216,6 @@ class GradientAccumulator:
             if foreign is not None:
                 raise foreign from exc
             raise
-
-    def _check_micro_batch(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> int | torch.Tensor | None:
-        """``backward()``'s checks before anything is accumulated (its errors; the window as it was): ``loss``, the
-        model not moved, the ``lr_scheduler`` not stepped outside ``step()``, the window neither failed nor complete,
-        the last window's per-rank counts (several ranks), and ``num_items`` (returned checked, or None)."""
-        check_loss(loss)
-        self._model.check()
-        self._replaced.check(self.window.num_micro_batches == 0)  # replaced parameters: adoptable, else ValueError
-        self._scheduler.check()
-        window = self.window
-        if window.failed:
-            raise RuntimeError(FAILED_WINDOW)
-        if self._counts.pending:  # the last window's per-rank counts, unread by its step(): RankCounts.take_error
-            self._raise_count_mismatch(self._counts.take_error(self.schedule, self.scaler))
-        if window.num_micro_batches >= self.accumulation_steps:
-            raise RuntimeError(
-                f"the accumulation window already holds accumulation_steps={self.accumulation_steps} micro-batches; "
-                "call acc.step() before the next acc.backward()")
-        window.check_next(num_items is not None)
-        return None if num_items is None else check_num_items(num_items, self.device)
-
-    def _launch_window_stats(self) -> None:
-        """The window's last reductions and its stats all-reduce (``Reduction.launch_window_stats``, with what every
-        rank must hold alike and the noise-scale terms), kept in the window (``Window.stats``)."""
-        # What every rank must have set alike for this window, compared in its stats all-reduce
-        # (gaengine.reduce.WindowStats.settings_mismatch): K, max_grad_norm and the parameters joined or left.
-        values = (self.accumulation_steps, self.max_grad_norm, membership_term(self._members, self.params))
-        self.window.settings = tuple(zip(WINDOW_SETTINGS, values, strict=True))
-        self.window.stats = self.sharding.reduction.launch_window_stats(self.window, None if self._noise is None else (
-            self._noise.window_terms(self.sharding.accumulation, self.window, self.scaler)))
-        if self._ranks_members is not None:
-            self._ranks_members.protocol.reducing = False
-
-    # ------------------------------------------------------------------ parameters joining or leaving
-    def _adopt_changes(self) -> None:
-        """At a window boundary: the parameters joined or left since, and those replaced in the model
-        (``gaengine.replaced``: they join, the old leave), are adopted (``gaengine.membership.adopt_changes``:
-        ``ValueError`` naming one that cannot join, nothing changed), then claimed and watched like the others."""
-        if not adopt_changes(self._members, self._ranks_members, self.sharding, self.window, self,
-                             self.schedule.update_index, self.scaler is None and self.config.loss_scale == "auto",
-                             rescan=bool(self._replaced.pending)):
-            return
-        self.registered_params = self._members.trainable()
-        self.named_params = self._members.named()
-        self._model = _watch_model(self.sharding, self.device)
-        self._replaced = ReplacedParams(self._members.module, self.params, self.optimizer, self.sharding)
-        ownership.claim(self.params, self)
-        if self._ranks_members is not None:
-            self._ranks_members.adopted()
 
     # ------------------------------------------------------------------ update
     def step(self, force: bool = False, *, before_update: Callable[[], None] | None = None) -> StepResult | None:
@@ -387,130 +260,15 @@ class GradientAccumulator:
         self._lending.refuse_in_before_update("acc.step()", "apply the window twice")
         lent = self._lending.lent  # begin_step() lent it already
         if lent is None:
-            k = self._window_to_step(force, before_update is not None)
+            k = window_to_step(self, force, before_update is not None)
             if k is None:
                 return None
-            lent = self._complete_window(k)
+            lent = complete_window(self, k)
             if before_update is not None:
                 self._lending.lend(lent, False, self.sharding.accumulation, self.named_params)
         if before_update is not None:
             self._lending.run_before_update(lent, before_update, self.sharding.accumulation)
-        window = self.window
-        k, partial = lent.k, lent.partial
-        loss_sum, denom, num_items, mismatch = lent.totals
-        norm = (self.sharding.reduction.norm(lent.grad_denom, self.max_grad_norm) if lent.grads is None else
-                self._lending.norm_of_lent(lent, self.sharding.accumulation, self.max_grad_norm))
-        skipped, grad_norm = step_norm(lent, norm, mismatch)
-        unwritten, invalid_items = lent.unwritten, lent.invalid_items
-        self._lending.lent = None
-        loss_scale = None if self.scaler is None else self.scaler.scale.clone()
-        noise: NoiseEstimate | None = None
-        if self._noise is not None:  # before the update: main_grad and the scale are still the window's
-            terms = (window.stats.extra() if self.distributed else
-                     self._noise.window_terms(self.sharding.accumulation, window, self.scaler))
-            noise = self._noise.update(terms, norm.grad_norm.double().square(), denom, skipped)
-        if self.optimizer is None:
-            self.sharding.update.expose_grads(norm.coef, unwritten)
-            self.window.grads_left = True
-        else:
-            self.sharding.update.apply(norm.coef, skipped, unwritten, self.lr_scheduler)
-            self._scheduler.stepped()
-        if lent.keep:  # begin_step(): .grad holds the gradient as applied (edited, clipped) until the next backward
-            lent.grads.lend()
-            self.window.grads_left = True
-        result = StepResult(grad_norm=grad_norm, clip_coef=norm.clip_coef, skipped=skipped,
-                            num_micro_batches=k, num_items=num_items, loss=loss_sum / denom, loss_scale=loss_scale,
-                            invalid_num_items=invalid_items,
-                            **({} if noise is None else dict(grad_noise_scale=noise.grad_noise_scale,
-                                                             noise_trace_sigma=noise.trace_sigma,
-                                                             noise_grad_sq=noise.grad_sq)))
-        self._end_step(result, partial, mismatch, norm.skipped)
-        return result
-
-    def _window_to_step(self, force: bool, lends: bool) -> int | None:
-        """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
-        window is incomplete (or empty) and not forced. lends: the window's gradient is to be lent in ``.grad``
-        (``before_update``, ``begin_step``), which needs the whole gradient on every rank."""
-        if lends and not self.sharding.rank_layout.holds_whole_grad:
-            raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
-                             f"which {self.sharding.name} does not hold; use zero_stage=0, or read "
-                             "StepResult.grad_norm")
-        self._scheduler.check()
-        window = self.window
-        k = window.num_micro_batches
-        if self._counts.pending:  # the last window's per-rank counts, unread by its step(): RankCounts.take_error
-            self._raise_count_mismatch(self._counts.take_error(self.schedule, self.scaler))
-        if k == 0 or (k < self.accumulation_steps and not force):
-            return None
-        self._model.check()
-        self._replaced.follow_storage()  # p.data = x of a parameter laid out in a flat buffer (gaengine.replaced)
-        if window.failed:
-            raise RuntimeError(FAILED_WINDOW)
-        if self._ranks_members is not None:  # the ranks changed their parameters differently at this window's start
-            error = self._ranks_members.take()
-            if error is not None:
-                raise error
-        refuse_unmanaged_grads(self._members, self.params)
-        if self._fusion is not None:  # a hook registered mid-window on a fused parameter: RuntimeError
-            self._fusion.check_window(self.params, self.named_params)
-        return k
-
-    def _complete_window(self, k: int) -> CompleteWindow:
-        """The window of ``k`` micro-batches made complete for its update: its reductions complete (several ranks;
-        ``force=True`` on a partial window: nothing is launched yet, so its reductions and stats are launched first,
-        ``Reduction.end_partial_window``, and ``partial`` says so), its totals, the parameters no micro-batch reached
-        (their gradient zeroed) and the denominator of its raw sums (``gaengine.lending.window_denominator``)."""
-        window = self.window
-        partial = self.distributed and window.stats is None
-        if partial:
-            self._ranks_members.protocol.open(REDUCTIONS, self.schedule.update_index)  # gaengine.protocol
-            self.sharding.reduction.end_partial_window(self.accumulation_steps - k)
-            self._launch_window_stats()
-        if self.distributed:
-            self.sharding.reduction.wait()
-        totals = window.totals(self.world_size)
-        unwritten = self.sharding.accumulation.unwritten(window)
-        self.sharding.reduction.zero_unused(unwritten)  # parameters with no gradient in this window (unused branches)
-        grad_denom, invalid_items, no_items = window_denominator(
-            window, totals[1], None if self.scaler is None else self.scaler.scale, self.distributed)
-        return CompleteWindow(k, partial, totals, unwritten, grad_denom, invalid_items, no_items)
-
-    def _end_step(self, result: StepResult, partial: bool, mismatch: torch.Tensor | None,
-                  overflow: torch.Tensor) -> None:
-        """After the update: the ranks' counts (read now where ``step()`` reads the device anyway or ends an epoch,
-        ``partial``; else by the next ``backward()``/``step()``, which then undoes what this step counted), the loss
-        scale (``overflow``: the gradient itself was non-finite), the window's BatchNorm, the schedule and the skips,
-        then a new window (the strategy's too: ``end_window``). Raises the count mismatch's error, or the loss
-        scale's floor error."""
-        k, window = result.num_micro_batches, self.window
-        counts = None if mismatch is None else self._counts.read(
-            # read now where step() reads its skip flag on the host anyway: a non-fused optimizer (it cannot skip on
-            # the device), an lr_scheduler (it runs on the host) or max_consecutive_skips
-            window.stats, now=partial or window.stats.host_counts is not None or self.lr_scheduler is not None or (
-                self.optimizer is not None and not takes_grad_scale(self.optimizer)) or self._skips.limit is not None,
-            saved=lambda: (self.schedule.update_index, self.schedule.items_seen, None if self.scaler is None or not
-                           self.scaler.dynamic else (self.scaler.scale.clone(), self.scaler.growth_tracker.clone())))
-        counts, settings_differ = counts if counts is not None else (None, [])
-        differ = counts is not None and (any(c != k for c in counts) or bool(settings_differ))
-        if self.scaler is not None and not differ:
-            self.scaler.update(overflow.to(torch.float32))
-        if self.window_batchnorm is not None:
-            self.window_batchnorm.end_window()
-        self.schedule.observe(result)
-        if not differ:
-            self.schedule.advance(k, self.world_size, self.micro_batch_size)
-            self._skips.observe(overflow, result.loss_scale,
-                               lambda: self.sharding.accumulation.finite_by_param(self.named_params))
-        self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
-        if self._noise is not None:
-            self._noise.reset()
-        # The hooks' window is reset too; the first window's end lays the buffer out in its arrival order (a
-        # collective: every rank gets here).
-        self.window.grads_left |= self.sharding.end_window()
-        if differ:
-            self._raise_count_mismatch(self._counts.error(counts, differ=settings_differ))
-        if self.scaler is not None and self.scaler.floor_reached():
-            raise self.scaler.floor_error()
+        return apply_window(self, lent)
 
     # ------------------------------------------------------------------ the window's gradient lent in .grad
     def begin_step(self, force: bool = False) -> bool:
@@ -535,21 +293,11 @@ class GradientAccumulator:
         self._lending.refuse_in_before_update("acc.begin_step()", "lend the window again")
         if self._lending.lent is not None:
             return True
-        k = self._window_to_step(force, True)
+        k = window_to_step(self, force, True)
         if k is None:
             return False
-        self._lending.lend(self._complete_window(k), True, self.sharding.accumulation, self.named_params)
+        self._lending.lend(complete_window(self, k), True, self.sharding.accumulation, self.named_params)
         return True
-
-    def _raise_count_mismatch(self, error: Exception | None) -> None:
-        """Raise ``error``, that of a window whose ranks held different micro-batch counts or settings
-        (``gaengine.window.RankCounts``); without an optimizer, the gradients ``step()`` left in ``.grad`` are
-        dropped first. Nothing for None."""
-        if error is None:
-            return
-        if self.optimizer is None:
-            self._clear_grads()
-        raise error
 
     @property
     def accumulation_steps(self) -> int:
@@ -604,14 +352,14 @@ class GradientAccumulator:
         self._lending.refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
         self._lending.lent = None
         if self._ranks_members is not None and self._ranks_members.protocol.reducing:
-            self._drop_reductions()  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
+            drop_reductions(self)  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
         self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
         self.sharding.accumulation.drop()  # the hooks' window and what they hold
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
         self._clear_grads()
         # unfrozen mid-window (frozen again or not): autograd's raw .grad,
-        for _, p in unmanaged_grads(self._members, self.params):
+        for _, p in self._members.unmanaged_grads(self.params):
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
         self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
         if self._noise is not None:
@@ -620,21 +368,6 @@ class GradientAccumulator:
             self._ranks_members.drop()
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
-
-    def _drop_reductions(self) -> None:
-        """``zero_grad()`` on several ranks after this rank opened its window's reductions (``gaengine.protocol``)
-        without launching its stats all-reduce (its last micro-batch's backward raised): the buckets not launched
-        and the stats all-reduce are launched, its count marked dropped, so the other ranks' collectives are matched
-        and their ``step()`` raises naming this rank. The window is dropped either way: errors are ignored (a peer
-        that failed too), the waits are ``zero_grad()``'s."""
-        self._ranks_members.protocol.reducing = False
-        if self.window.stats is not None:
-            return
-        self.window.fail()  # its stats carry gaengine.reduce.DROPPED_COUNT
-        try:
-            self._launch_window_stats()
-        except Exception:  # noqa: BLE001 - the window is dropped either way
-            pass
 
     def state_dict(self) -> dict:
         """Everything needed to resume, mid-window included: the window's fp32 sums and counts, the fp32 masters,
@@ -752,22 +485,11 @@ class GradientAccumulator:
             update.release_to_model()
         for p in self.params:
             p.grad = None
-        self._release()
-
-    def _release(self) -> None:
-        sharding = getattr(self, "sharding", None)  # None: the constructor raised before building it
-        if sharding is None:
-            return
-        sharding.close()  # the hooks, the collectives in flight, the forward pre-hooks of overlap_param_gather
-        if getattr(self, "_fusion", None) is not None:
-            self._fusion.close()  # the Linear layers' own forwards again
-        if self.window_batchnorm is not None:
-            self.window_batchnorm.close()
-        ownership.release(self.params, self)
+        release(self)
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
             warn_dropped_window(getattr(self, "window", None), "garbage collection of the GradientAccumulator")
-            self._release()  # garbage collection leaves .grad alone: only an explicit close() drops it
+            release(self)  # garbage collection leaves .grad alone: only an explicit close() drops it
         except Exception:
             pass

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from gaengine.accumulation import Accumulation
 from gaengine.norm import WindowNorm, window_norm
 from gaengine.update import WindowGrads
 from gaengine.window import Window
+
+if TYPE_CHECKING:  # annotations only: the accumulation sits above this module
+    from gaengine.accumulation import Accumulation
 
 __all__ = ["CompleteWindow", "Lending", "step_norm", "window_denominator"]
 

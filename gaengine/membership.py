@@ -2,10 +2,11 @@
 
 A parameter unfrozen (``requires_grad_(True)``) or added with ``optimizer.add_param_group`` joins at the next window
 boundary, a frozen one leaves (gradual unfreezing; docs/accumulator.md). ``gaengine.ownership.Membership`` finds the
-changes and ``RankMembership`` checks that every rank makes them alike; this module decides what the accumulator does
-with them at a window's first ``backward()`` (``adopt_changes``: the strategy lays everything out again,
-``ShardingStrategy.adopt``), what a window's stats all-reduce compares of them (``membership_term``), and refuses a
-``step()`` whose window a parameter joined in its middle (``refuse_unmanaged_grads``).
+changes, ``RankMembership`` checks that every rank makes them alike, and ``Membership.window_term`` /
+``Membership.refuse_unmanaged_grads`` are what a window's stats all-reduce compares of them and the refusal of a
+``step()`` whose window a parameter joined in its middle; this module decides what the accumulator does with them at a
+window's first ``backward()``: ``adopt_changes`` (the strategy lays everything out again, ``ShardingStrategy.adopt``),
+and ``adopt``, which then claims and watches the new layout's parameters for the accumulator.
 """
 
 from __future__ import annotations
@@ -18,21 +19,13 @@ from gaengine import ownership
 from gaengine.ownership import Membership, RankMembership
 from gaengine.window import Window
 
-if TYPE_CHECKING:  # annotations only: the strategy sits above this module
+from gaengine.replaced import ReplacedParams
+
+if TYPE_CHECKING:  # annotations only: the strategy and the engine sit above this module
+    from gaengine.engine import GradientAccumulator
     from gaengine.sharding import ShardingStrategy
 
-__all__ = ["adopt_changes", "join_refused", "membership_term", "refuse_unmanaged_grads", "unmanaged_grads"]
-
-
-def membership_term(members: Membership, managed: list[torch.Tensor]) -> int:
-    """The membership term of what every rank must have set alike for a window (``MEMBERSHIP_SETTING``, compared in
-    its stats all-reduce): 0 where no parameter was made trainable or frozen since the window began (``managed``:
-    the parameters in the layout), else the digest of the trainable set (``Membership.fingerprint``). A rank that
-    unfreezes a parameter in the middle of a window refuses that window's ``step()`` itself
-    (``refuse_unmanaged_grads``); with this term the other ranks refuse it too, instead of applying a window that
-    rank did not."""
-    joined, left = members.changes(managed)
-    return members.fingerprint() if joined or left else 0
+__all__ = ["adopt", "adopt_changes", "join_refused"]
 
 
 def join_refused(name: str, why: str) -> str:
@@ -111,26 +104,19 @@ def _checked_changes(members: Membership, ranks: RankMembership | None, sharding
     return joined, left
 
 
-def unmanaged_grads(members: Membership, managed: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The parameters of the model or the optimizer that the accumulator does not manage in this window (not in
-    ``managed``: frozen at its start) and that hold a ``.grad``: autograd's, from a micro-batch of this window after
-    they were unfrozen. The optimizer would apply such a ``.grad`` raw, frozen again or not (torch's optimizers skip
-    only a ``.grad`` that is None)."""
-    ids = {id(p) for p in managed}
-    return [(n, p) for n, p in members.candidates if p.grad is not None and id(p) not in ids]
-
-
-def refuse_unmanaged_grads(members: Membership, managed: list[torch.Tensor]) -> None:
-    """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle of
-    this window (it holds autograd's raw ``.grad`` of part of the window, outside ``main_grad``, the norm and the
-    clip): its window is not the sum of the window's micro-batches, and the optimizer would apply it raw."""
-    raw = [name for name, _ in unmanaged_grads(members, managed)]
-    if raw:
-        raise ValueError(
-            f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation window "
-            f"(and holds a .grad, whether frozen again since or not; the optimizer would apply it): "
-            f"its .grad is autograd's raw sum over part of the window, not gaengine's normalized, clipped window "
-            f"gradient, so nothing was applied (the window stays open). Unfreeze parameters between windows "
-            f"(after acc.step()): they join at the next window. To go on now, either freeze it again "
-            f"(requires_grad_(False) and .grad = None) and call acc.step() again, or drop the window with "
-            f"acc.zero_grad() (which drops that .grad too)")
+def adopt(acc: GradientAccumulator) -> None:
+    """At a window boundary of ``acc`` (its window's first ``backward()``): the parameters joined or left since, and
+    those replaced in the model (``gaengine.replaced``: they join, the old leave), are adopted (``adopt_changes``:
+    ``ValueError`` naming one that cannot join, nothing changed), then claimed and watched like the others (the
+    accumulator's ``registered_params`` and ``named_params`` follow the membership)."""
+    if not adopt_changes(acc._members, acc._ranks_members, acc.sharding, acc.window, acc,
+                         acc.schedule.update_index, acc.scaler is None and acc.config.loss_scale == "auto",
+                         rescan=bool(acc._replaced.pending)):
+        return
+    acc.registered_params = acc._members.trainable()
+    acc.named_params = acc._members.named()
+    acc._model = ownership.watch_model(acc.sharding, acc.device)
+    acc._replaced = ReplacedParams(acc._members.module, acc.params, acc.optimizer, acc.sharding)
+    ownership.claim(acc.params, acc)
+    if acc._ranks_members is not None:
+        acc._ranks_members.adopted()

@@ -6,9 +6,12 @@
   ``.grad`` left from before (``UserWarning``): a window holds only its own micro-batches.
 * ``claim`` / ``release``: mark each parameter with its accumulator (a weak reference, read by
   ``gaengine.clip`` and ``gaengine.verify``), and unmark it at ``close()``.
-* ``ModelWatch``: a model moved or converted after construction raises, for good.
+* ``ModelWatch`` (``watch_model``: over a strategy's parameters): a model moved or converted after construction
+  raises, for good.
 * ``Membership``: parameters that join (unfrozen, or added with ``optimizer.add_param_group``) or leave (frozen)
-  after construction, found at the window boundaries (gradual unfreezing; docs/accumulator.md).
+  after construction, found at the window boundaries (gradual unfreezing; docs/accumulator.md); what a window's stats
+  all-reduce compares of them (``window_term``), and the refusal of a ``step()`` whose window a parameter joined in
+  its middle (``refuse_unmanaged_grads``).
 * ``RankMembership``: several ranks must change their trainable parameters alike, at the same window boundary.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +30,9 @@ from gaengine.protocol import WINDOW_START, RankProtocol, payload_numel
 from gaengine.reduce import HostMailbox, setting_terms
 from gaengine.update import check_optimizer_step
 from gaengine.zero import check_zero_optimizer
+
+if TYPE_CHECKING:  # annotations only: the strategy sits above this module
+    from gaengine.sharding import ShardingStrategy
 
 __all__ = ["Membership", "ModelWatch", "RankMembership", "check_arguments", "claim", "release", "take"]
 
@@ -132,6 +138,13 @@ class ModelWatch:
             raise RuntimeError(self.error)
 
 
+def watch_model(sharding: ShardingStrategy, device: torch.device) -> ModelWatch:
+    """The watch on the model being moved or converted over the strategy's parameters, with the store's own check (``gaengine.sharding.Update.check_model``, of
+    the strategy's update at the time of the check). It holds the strategy, not the accumulator (garbage collection
+    of the accumulator)."""
+    return ModelWatch(sharding.params, device, lambda: sharding.update.check_model())
+
+
 class Membership:
     """The parameters that may join or leave the accumulator after construction (gradual unfreezing).
 
@@ -225,6 +238,39 @@ class Membership:
         if self.replacements:
             trainable.append(self.replacements)
         return int.from_bytes(hashlib.blake2b(repr(trainable).encode(), digest_size=8).digest(), "little") >> 12
+
+    def window_term(self, managed: list[torch.Tensor]) -> int:
+        """The membership term of what every rank must have set alike for a window (``MEMBERSHIP_SETTING``, compared
+        in its stats all-reduce): 0 where no parameter was made trainable or frozen since the window began
+        (``managed``: the parameters in the layout), else the digest of the trainable set (``fingerprint``). A rank
+        that unfreezes a parameter in the middle of a window refuses that window's ``step()`` itself
+        (``refuse_unmanaged_grads``); with this term the other ranks refuse it too, instead of applying a window
+        that rank did not."""
+        joined, left = self.changes(managed)
+        return self.fingerprint() if joined or left else 0
+
+    def unmanaged_grads(self, managed: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The parameters of the model or the optimizer that the accumulator does not manage in this window (not in
+        ``managed``: frozen at its start) and that hold a ``.grad``: autograd's, from a micro-batch of this window
+        after they were unfrozen. The optimizer would apply such a ``.grad`` raw, frozen again or not (torch's
+        optimizers skip only a ``.grad`` that is None)."""
+        ids = {id(p) for p in managed}
+        return [(n, p) for n, p in self.candidates if p.grad is not None and id(p) not in ids]
+
+    def refuse_unmanaged_grads(self, managed: list[torch.Tensor]) -> None:
+        """Before ``step()`` applies anything: ``ValueError`` naming a parameter that became trainable in the middle
+        of this window (it holds autograd's raw ``.grad`` of part of the window, outside ``main_grad``, the norm and
+        the clip): its window is not the sum of the window's micro-batches, and the optimizer would apply it raw."""
+        raw = [name for name, _ in self.unmanaged_grads(managed)]
+        if raw:
+            raise ValueError(
+                f"parameter {raw[0]!r} became trainable (requires_grad=True) in the middle of this accumulation "
+                f"window (and holds a .grad, whether frozen again since or not; the optimizer would apply it): "
+                f"its .grad is autograd's raw sum over part of the window, not gaengine's normalized, clipped window "
+                f"gradient, so nothing was applied (the window stays open). Unfreeze parameters between windows "
+                f"(after acc.step()): they join at the next window. To go on now, either freeze it again "
+                f"(requires_grad_(False) and .grad = None) and call acc.step() again, or drop the window with "
+                f"acc.zero_grad() (which drops that .grad too)")
 
 
 _TERMS = len(setting_terms(0))  # agreement terms of the fingerprint (the chunks of its fp64 bits and their squares)

@@ -8,7 +8,7 @@ another size aborts the process (``EnforceNotMet``, SIGABRT), one of the same si
 So every phase of gaengine's collectives on several ranks opens with a header all-reduce of one fixed size,
 ``header_numel(W)`` fp64 values, whatever the phase:
 
-* ``CONSTRUCTION``: the accumulator's construction (``GradientAccumulator._join_ranks``), before the settings'
+* ``CONSTRUCTION``: the accumulator's construction (``gaengine.construction.join_ranks``), before the settings'
   ``all_gather_object`` (``gaengine.reduce.check_ranks_agree``) and the parameters' broadcast;
 * ``WINDOW_START``: a window's first ``backward()``, carrying the parameter-change check's values
   (``gaengine.ownership.RankMembership``: the header is that all-reduce, no collective of its own);

@@ -16,6 +16,8 @@ checkpoint (``gaengine.checkpoint``, through ``ShardingStrategy.rank_layout``), 
   that the model still lives where it was laid out (``check_storage``).
 * **What a layout refuses** (``check_masters_to_model``, ``check_release``): where the pieces are 1-D ranges the
   optimizer cannot be given back to the model.
+* **Where the window's sums lie in a checkpoint** (``window_chunks``, ``window_rows``): this rank's ranges of the
+  parameters, or its own row of unreduced sums (replicated on several ranks).
 * ``sharded``: the optimizer state is split over several ranks (a checkpoint's meta records it);
   ``holds_whole_grad``: every rank holds the window's whole reduced gradient (``step(before_update=...)`` and
   ``begin_step()`` lend it in ``.grad``; a replicated run's old state dicts load).
@@ -39,7 +41,7 @@ import torch
 from gaengine.buffer import FlatBuffer
 from gaengine.update import LOW_PRECISION
 
-__all__ = ["Mastered", "ParamSlot", "RankLayout", "copy_all"]
+__all__ = ["Mastered", "ParamSlot", "RankLayout", "WindowChunk", "copy_all"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,19 @@ class Mastered:
     view: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class WindowChunk:
+    """Where one parameter's window gradient sum lies in a checkpoint (``RankLayout.window_chunks``, ``ShardingStrategy.window_sums``;
+    ``gaengine.checkpoint`` saves it as a ``FlatShard``). local: the ``(length,)`` fp32 sum this rank saves or
+    loads into. numel: elements of the whole saved tensor. start: where ``local`` starts in it. own: ``local`` is
+    this rank's own row of a tensor holding one row per rank (a replicated run's unreduced sums on several ranks)."""
+
+    local: torch.Tensor
+    numel: int
+    start: int
+    own: bool = False
+
+
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for all i: ``copy_`` for one or two (one per dtype), else one multi-tensor launch."""
     with torch.no_grad():
@@ -96,6 +111,11 @@ class RankLayout(ABC):
     """
 
     sharded = False  # the optimizer state is split over several ranks (a checkpoint's meta)
+    window_rows: tuple[int, int] | None = None
+    """``(rank, world)`` where this rank's window sums are its own unreduced sums of whole parameters (replicated on
+    several ranks: reduced only by the window's last micro-batch), saved as its row of one per rank
+    (``window_chunks``; a checkpoint's meta records it, and such a state resumes mid-window only on the same world
+    size); None where they are this rank's ranges of the parameters."""
     holds_whole_grad = False  # every rank holds the window's whole reduced gradient (it can be lent in .grad)
     param_buffers: dict[torch.dtype, torch.Tensor]
     master_buffer: FlatBuffer | None = None
@@ -115,6 +135,17 @@ class RankLayout(ABC):
         rank updates every parameter it holds from ``main_grad``'s views). reducer: the layout's ``BucketReducer``
         (its ``grad_shard`` where the sums live in a shard), or None."""
         return {}
+
+    def window_chunks(self, slots: Sequence[ParamSlot], sums: Sequence[torch.Tensor]) -> list[WindowChunk]:
+        """Per parameter (layout order, ``slots``: ``ShardingStrategy.param_slots``), where the window's fp32 gradient
+        sum ``sums[i]`` (``(hi - lo,)``, this rank's) lies in a checkpoint: the range ``[lo, hi)`` of the flattened
+        parameter (``(numel,)``); with ``window_rows``, this rank's row of a ``(world x numel,)`` tensor
+        (``WindowChunk.own``), so that a window resumes bit-identically on the same world size."""
+        if self.window_rows is None:
+            return [WindowChunk(local, s.param.numel(), s.lo) for s, local in zip(slots, sums, strict=True)]
+        rank, world = self.window_rows
+        return [WindowChunk(local, world * s.param.numel(), rank * s.param.numel() + s.lo, own=True)
+                for s, local in zip(slots, sums, strict=True)]
 
     def kept_in_groups(self, q: torch.Tensor) -> torch.Tensor | None:
         """What stays in the optimizer's param groups for a parameter it holds that is not trainable (``q``): ``q``

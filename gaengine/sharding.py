@@ -32,8 +32,9 @@ strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine
 ``gaengine.zero.WholeOwners`` where the optimizer is not elementwise, ``gaengine.fsdp2.DTensorShards``) and the store, the update and the checkpoint ask (``rank_layout``). What a strategy
 itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
 re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
-its part of the state dict (where the window's sums lie in a checkpoint, ``window_sums``/``load_window_state``;
-its meta, ``state_meta``; ``layout_to_resume``, ``optimizer_shards``, ``param_slots``) and ``close``;
+its part of the state dict (the window's sums to save and how they load, ``window_sums``/``load_window_state``,
+placed where the rank's layout says, ``RankLayout.window_chunks``; its meta, ``state_meta``; ``layout_to_resume``,
+``optimizer_shards``, ``param_slots``) and ``close``;
 ``gaengine.checkpoint`` reads no mode flag of it. What the engine owns: the window (micro-batch count, items, loss
 sum, which parameters it reached), the loss scale, the noise scale and the schedule.
 
@@ -62,8 +63,8 @@ from gaengine.hooks import make_hooks
 from gaengine.protocol import ANY_WINDOW, LAYOUT, open_phase
 from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_from_first_rank, collective_failed,
                              wait_for)
-from gaengine.rank_layout import ParamSlot, RankLayout
-from gaengine.store import ParameterStore, WindowChunk, reshard_state
+from gaengine.rank_layout import ParamSlot, RankLayout, WindowChunk
+from gaengine.store import ParameterStore, reshard_state
 from gaengine.update import expose_grads, step_scheduler
 from gaengine.optimizers import is_elementwise
 from gaengine.zero import (STAGING_SLOTS, EvenShards, ParamGather, ParamShard, ShardedReduction, ShardLayout,
@@ -356,8 +357,8 @@ class ShardingStrategy(ABC):
 
     # ------------------------------------------------------------------ state dict
     # One format for every strategy (gaengine.checkpoint.accumulator_state_dict): what differs per strategy is what
-    # its ranges of the parameters are (param_slots), where the window's sums lie in the checkpoint and how they
-    # load (window_sums, load_window_state), which layout a resumed state goes on in (layout_to_resume), what the
+    # its ranges of the parameters are (param_slots), the window's sums it saves and how they load (window_sums,
+    # load_window_state; where they lie in the checkpoint is the rank layout's answer, RankLayout.window_chunks), which layout a resumed state goes on in (layout_to_resume), what the
     # meta records of it (state_meta) and where its optimizer's state lies (optimizer_shards). gaengine.checkpoint
     # asks these; it reads no flag of the strategy.
     FORMAT = STATE_FORMAT  # the tag of a state dict (gaengine.stages.StageStates.state_items)
@@ -386,21 +387,23 @@ class ShardingStrategy(ABC):
 
     def state_meta(self) -> dict[str, Any]:
         """This strategy's entries in a checkpoint's meta (``gaengine.checkpoint.accumulator_state_dict``):
-        ``mode`` (its ``name``), ``sharded`` (the optimizer state is split over several ranks) and ``window_rows``
-        (mid-window each rank saves its own unreduced sums, one row per rank: ``window_sums``). A state saved
-        mid-window resumes only where they and the world size are alike."""
-        return {"mode": self.name, "sharded": self.rank_layout.sharded, "window_rows": False}
+        ``mode`` (its ``name``), and of the rank's layout ``sharded`` (the optimizer state is split over several ranks)
+        and ``window_rows`` (each rank saves its own unreduced sums, one row per rank: ``RankLayout.window_rows``). A
+        state saved mid-window resumes only where they and the world size are alike."""
+        layout = self.rank_layout
+        return {"mode": self.name, "sharded": layout.sharded, "window_rows": layout.window_rows is not None}
 
     def window_sums(self, mid_window: bool) -> list[WindowChunk]:
         """Per parameter (layout order), where the window's fp32 gradient sum lies in a checkpoint
         (``gaengine.store.WindowChunk``; ``gaengine.checkpoint`` wraps each in a ``FlatShard``, a template between
-        windows): by default ``param_slots``' range ``[lo, hi)`` of the flattened parameter (``(numel,)``).
-        Mid-window the sums (``_window_sums_to_save``); between windows the gradient views (``dcp.load`` reads into
-        them). A loading checkpoint takes the chunks where these say (``load_window_state``). Every rank calls it
-        (``ZeroStage1``: a collective)."""
+        windows), as the rank's layout places them (``RankLayout.window_chunks``: ``param_slots``' range ``[lo, hi)``
+        of the flattened parameter, or this rank's row of unreduced sums). Mid-window the sums
+        (``_window_sums_to_save``); between windows the gradient views (``dcp.load`` reads into them). A loading
+        checkpoint takes the chunks where these say (``load_window_state``). Every rank calls it (``ZeroStage1``: a
+        collective)."""
         slots = self.param_slots()
         sums = self._window_sums_to_save() if mid_window else [s.grad for s in slots]
-        return [WindowChunk(local, s.param.numel(), s.lo) for s, local in zip(slots, sums)]
+        return self.rank_layout.window_chunks(slots, sums)
 
     def _window_sums_to_save(self) -> list[torch.Tensor]:
         """Mid-window, per parameter (layout order): the ``(hi - lo,)`` fp32 sum of the window's gradient over this
@@ -513,18 +516,13 @@ class Replicated(ShardingStrategy):
             return False
         return self._lay_out([self.params[i] for i in order])
 
-    def state_meta(self) -> dict[str, Any]:
-        return {**super().state_meta(), "window_rows": self.distributed}
-
-    def window_sums(self, mid_window: bool) -> list[WindowChunk]:
-        """Several ranks: each rank holds its own unreduced sums of whole parameters, saved as its row of a
-        ``(world x numel,)`` tensor (``WindowChunk.own``), so that a window resumes bit-identically on the same world
-        size; one rank: the whole parameters (``ShardingStrategy.window_sums``)."""
-        if not self.distributed:
-            return super().window_sums(mid_window)
-        rank, world = dist.get_rank(self.process_group), self.world_size
-        return [WindowChunk(s.grad, world * s.param.numel(), rank * s.param.numel() + s.lo, own=True)
-                for s in self.param_slots()]
+    def _new_rank_layout(self) -> RankLayout:
+        """``WholeParams``; on several ranks each rank's window sums are its own, unreduced until the window's last
+        micro-batch, so a checkpoint saves them as its row of one per rank (``RankLayout.window_rows``)."""
+        layout = WholeParams()
+        if self.distributed:
+            layout.window_rows = (dist.get_rank(self.process_group), self.world_size)
+        return layout
 
     def layout_to_resume(self, saved: list[int], own: list[int]) -> list[int]:
         return saved  # the layout follows the arrival order: set_layout lays the saved one out

@@ -48,7 +48,6 @@ rank: every range is the whole parameter, the one-shard case of a ``gaengine.zer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from gaengine.buffer import FlatBuffer
 from gaengine.compat import all_gather_single
 from gaengine.optimizers import STEP_KEY, keeps_step, moment_keys, new_step, takes_grad_scale, writes_model_params
 from gaengine.reduce import Collective, wait_for
-from gaengine.rank_layout import ParamSlot, RankLayout
+from gaengine.rank_layout import ParamSlot, RankLayout, WindowChunk
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
 
 __all__ = ["PARAM_WRITERS", "ParamSlot", "ParameterStore", "WindowChunk", "reshard_state"]
@@ -67,19 +66,6 @@ PARAM_WRITERS = ("eval", "train")
 convention (``schedulefree.AdamWScheduleFree.eval()`` sets each parameter to the averaged point x, ``train()`` back
 to the interpolation y; Defazio et al., *The Road Less Scheduled*, 2024), which HF's Trainer and Accelerate call
 around training and evaluation. torch's own optimizers define neither."""
-
-
-@dataclass(frozen=True)
-class WindowChunk:
-    """Where one parameter's window gradient sum lies in a checkpoint (``ShardingStrategy.window_sums``;
-    ``gaengine.checkpoint`` saves it as a ``FlatShard``). local: the ``(length,)`` fp32 sum this rank saves or
-    loads into. numel: elements of the whole saved tensor. start: where ``local`` starts in it. own: ``local`` is
-    this rank's own row of a tensor holding one row per rank (a replicated run's unreduced sums on several ranks)."""
-
-    local: torch.Tensor
-    numel: int
-    start: int
-    own: bool = False
 
 
 class ParameterStore:

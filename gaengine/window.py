@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gaengine.reduce import HostMailbox, WindowStats, count_mismatch_message
 
 MEMBERSHIP_SETTING = "trainable parameters changed in the window"
-"""The window setting (``gaengine.membership.membership_term``) that tells ranks which changed their trainable
+"""The window setting (``gaengine.ownership.Membership.window_term``) that tells ranks which changed their trainable
 parameters in the middle of a window from those which did not."""
 
 __all__ = ["FAILED_WINDOW", "RankCounts", "StepResult", "Window", "check_num_items", "foreign_gradient_error",

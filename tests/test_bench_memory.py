@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gaengine.engine import WINDOW_SETTINGS
+from gaengine.window_end import WINDOW_SETTINGS
 from gaengine.protocol import header_numel
 from gaengine.tools.bench import memory
 from gaengine.zero import STAGING_SLOTS

@@ -92,3 +92,43 @@ def test_a_new_layout_is_one_subclass_and_the_store_updates_over_it_as_the_plain
                 if s.piece is not None:
                     assert torch.equal(p.detach(), ref_held[j].detach().to(dtype)), (update, j)
                     assert torch.equal(s.piece.detach().float(), ref_held[j].detach()), (update, j)
+
+
+@pytest.mark.parametrize("layout", ["whole-owners", "replicated-rows"])
+def test_where_the_window_sums_lie_in_a_checkpoint_is_the_layouts_answer(layout):
+    """``RankLayout.window_chunks`` places each rank's window sums in the checkpoint's tensors (what
+    ``ShardingStrategy.window_sums`` hands ``gaengine.checkpoint``): for two ranks' layouts, every saved tensor is
+    assembled from the chunks both ranks give and compared with the independent reference, exactly once per element:
+    a whole-matrix owner's sums at their parameter's place, nothing from the other rank (``_WholeOwners``, a layout
+    the library does not ship, placed by the default answer); a replicated run's own unreduced sums as row ``r`` of a
+    ``(world x numel,)`` tensor (``WholeParams`` with ``window_rows``), as ``torch.stack`` of the ranks' sums."""
+    from gaengine.zero import WholeParams  # noqa: PLC0415
+
+    torch.manual_seed(11)
+    world = 2
+    params = [nn.Parameter(torch.randn(shape)) for shape in _SHAPES]
+    sums = [[torch.randn(p.numel()) for p in params] for _ in range(world)]  # each rank's own fp32 sums
+    assembled = [None] * len(params)
+    writes = [None] * len(params)
+    for rank in range(world):
+        if layout == "whole-owners":
+            rank_layout = _WholeOwners(rank, world)
+        else:
+            rank_layout = WholeParams()
+            rank_layout.window_rows = (rank, world)
+        slots, _ = rank_layout.hold(params, [True] * len(params), set(), torch.device("cpu"))
+        local = [s[slot.lo:slot.hi] for s, slot in zip(sums[rank], slots)]
+        for j, chunk in enumerate(rank_layout.window_chunks(slots, local)):
+            if assembled[j] is None:
+                assembled[j] = torch.full((chunk.numel,), float("nan"))
+                writes[j] = torch.zeros(chunk.numel, dtype=torch.int64)
+            assert chunk.own == (layout == "replicated-rows")
+            assembled[j][chunk.start:chunk.start + chunk.local.numel()] = chunk.local
+            writes[j][chunk.start:chunk.start + chunk.local.numel()] += 1
+    for j, p in enumerate(params):
+        if layout == "whole-owners":
+            expected = sums[j % world][j]  # the owner's sums, the parameter's whole range
+        else:
+            expected = torch.stack([sums[r][j] for r in range(world)]).flatten()
+        assert torch.equal(writes[j], torch.ones_like(writes[j])), (layout, j)
+        assert torch.equal(assembled[j], expected), (layout, j)
