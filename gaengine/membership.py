@@ -90,8 +90,7 @@ def _checked_changes(members: Membership, ranks: RankMembership | None, sharding
         return None, None
     if not sharding.adopts_params:
         if joined:
-            raise ValueError(join_refused(joined[0][0], f"{sharding.name} lays its parameters out once, "
-                                          "at construction (a plain model adopts it at every zero_stage)"))
+            raise ValueError(join_refused(joined[0][0], f"{sharding.name} {sharding.fixed_layout}"))
         return None, None  # a frozen parameter gets no gradient: no update, as a parameter no micro-batch reaches
     if sharding.update.writes_model:
         raise ValueError(join_refused(

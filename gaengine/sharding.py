@@ -192,6 +192,8 @@ class ShardingStrategy(ABC):
     name = "?"
     zero_stage = 0  # the ZeRO stage this implements (0: nothing sharded)
     adopts_params = False  # parameters joining or leaving after construction are laid out anew (adopt)
+    fixed_layout = "lays its parameters out once, at construction (a plain model adopts it at every zero_stage)"
+    """Why a parameter cannot join a strategy that does not adopt parameters, for the refusal's message."""
     reduction_type: type[Reduction] = Reduction
 
     accumulation: Accumulation
@@ -539,6 +541,11 @@ class _Zero(ShardingStrategy):
         """Parameters joining or leaving are laid out anew (``adopt``) on even flat ranges; whole-matrix owners lay
         theirs out once (a joining parameter is refused naming it; a frozen one gets no gradient, so no update)."""
         return not self.whole_matrix
+
+    @property
+    def fixed_layout(self) -> str:
+        return ("lays its parameters out once, at construction: each whole on one owner rank for the optimizer that "
+                "is not elementwise (a list of elementwise optimizers adopts it at zero_stage 1 and 2)")
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)

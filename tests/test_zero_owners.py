@@ -259,7 +259,8 @@ def test_owners_refuse_a_joining_parameter_and_the_export(three_ranks):
     (owners lay the parameters out once) with the parameters as they were; ``gaengine.full_optimizer_state_dict``
     raises ``TypeError`` naming DCP instead (each owner holds its parameters' whole state)."""
     for result in _ok(three_ranks):
-        assert "'norm.weight' became trainable" in result["join"] and "lays its parameters out once" in result["join"]
+        assert "'norm.weight' became trainable" in result["join"] and "lays its parameters out once" in result["join"] \
+            and "owner rank" in result["join"] and "adopts it at every zero_stage" not in result["join"]
         assert result["unchanged"]
         assert "torch.distributed.checkpoint" in result["export"] and "owner" in result["export"]
 
