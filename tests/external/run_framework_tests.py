@@ -60,12 +60,14 @@ class Suite:
 _COUNT = '''
 import os as _os
 
+_LOG = _os.environ["GAENGINE_BUILT_LOG"]  # read once: some tests clear os.environ before building
+
 
 def _counted(cls):
     init = cls.__init__
 
     def __init__(self, *args, **kwargs):
-        with open(_os.environ["GAENGINE_BUILT_LOG"], "a") as log:
+        with open(_LOG, "a") as log:
             log.write(f"{cls.__name__} {_os.getpid()}\\n")
         init(self, *args, **kwargs)
 
