@@ -142,7 +142,8 @@ torch-oldest:
 
 # The frameworks' own accumulation tests, plainly and through gaengine (tests/external/run_framework_tests.py): give
 # the checkouts, e.g. make framework-tests FRAMEWORKS="--transformers ../transformers@v5.24.0 --lightning
-# ../pytorch-lightning@2.6.5 --fabric ../pytorch-lightning@2.6.5". Slow (minutes); not part of `make test`.
+# ../pytorch-lightning@2.6.5 --fabric ../pytorch-lightning@2.6.5 --accelerate ../accelerate@v1.14.0". Slow (minutes);
+# not part of `make test`.
 .PHONY: framework-tests
 FRAMEWORKS ?=
 framework-tests: $(DEV_STAMP) install

@@ -10,13 +10,15 @@ a ref, read with ``git archive``), into a scratch directory, and run there twice
   ``lightning.pytorch.Trainer(strategy="auto" | "ddp" | "ddp_spawn")`` gets ``GaengineStrategy()``. Fabric (the
   same checkout's ``tests_fabric``): every ``lightning.Fabric(strategy="auto" | "ddp" | "ddp_spawn")`` gets
   ``gaengine.integrations.fabric.GaengineStrategy(accumulation_steps=1)`` (``start_method="spawn"`` for
-  ``ddp_spawn``: Fabric's own launcher for it).
+  ``ddp_spawn``: Fabric's own launcher for it). Accelerate: ``accelerate.Accelerator`` becomes
+  ``GaengineAccelerator`` (with the name bound in ``test_utils/scripts/test_sync.py``, whose scenarios a generated
+  test file runs one by one, each on 1 and on 2 processes of Accelerate's ``debug_launcher``: gloo on CPU, forked).
 
 Usage (``make framework-tests`` runs it with the checkouts in ``FRAMEWORKS``)::
 
     python tests/external/run_framework_tests.py --transformers ~/src/transformers@v5.24.0 \\
         --lightning ~/src/pytorch-lightning@2.6.5 --fabric ~/src/pytorch-lightning@2.6.5 \\
-        [--json results.json] [--keep DIR] [--only PATH_PART]
+        --accelerate ~/src/accelerate@v1.14.0 [--json results.json] [--keep DIR] [--only PATH_PART]
 
 Each path is a checkout's root; ``PATH@REF`` reads REF from the git directory at PATH (a bare mirror works).
 Prints a table of counts per file and mode, and every test that passes plainly but fails through gaengine.
@@ -49,26 +51,27 @@ class Suite:
     files: dict[str, str | None]
     plugin: str
     env: dict[str, str] = field(default_factory=dict)
+    generated: dict[str, str] = field(default_factory=dict)  # test files written into the copy: path -> text
 
 
-# Written next to the copied tests as the pytest plugin ``gaengine_swap``; ``_BUILT`` counts the gaengine objects the
-# tests built (printed at the end: the swap took effect).
+# Written next to the copied tests as the pytest plugin ``gaengine_swap``; every gaengine object the tests build, in
+# the pytest process or in a process forked from it (Accelerate's debug_launcher), adds a line to the file
+# ``GAENGINE_BUILT_LOG`` names: the run counts them (the swap took effect).
 _COUNT = '''
-_BUILT = [0]
+import os as _os
+
+_LOG = _os.environ["GAENGINE_BUILT_LOG"]  # read once: some tests clear os.environ before building
 
 
 def _counted(cls):
     init = cls.__init__
 
     def __init__(self, *args, **kwargs):
-        _BUILT[0] += 1
+        with open(_LOG, "a") as log:
+            log.write(f"{cls.__name__} {_os.getpid()}\\n")
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
-
-
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"gaengine objects built: {_BUILT[0]}")
 '''
 
 _TRANSFORMERS_PLUGIN = _COUNT + '''
@@ -82,6 +85,66 @@ if os.environ.get("GAENGINE_SWAP") == "1":
     transformers.trainer.Trainer = GaengineTrainer
     vars(transformers)["Trainer"] = GaengineTrainer
 '''
+
+_ACCELERATE_PLUGIN = _COUNT + '''
+import os
+if os.environ.get("GAENGINE_SWAP") == "1":
+    import accelerate
+    import accelerate.accelerator
+    from gaengine.integrations.accelerate import GaengineAccelerator
+    _counted(GaengineAccelerator)
+    accelerate.accelerator.Accelerator = GaengineAccelerator
+    vars(accelerate)["Accelerator"] = GaengineAccelerator
+    from accelerate.test_utils.scripts import test_sync
+    test_sync.Accelerator = GaengineAccelerator
+'''
+
+# Accelerate's test_sync.py is a script whose main() runs its scenarios in turn and stops at the first failure; this
+# file runs each scenario alone, on 1 and on 2 processes (Accelerate's debug_launcher, as its tests/test_grad_sync.py)
+_ACCELERATE_SYNC_SCENARIOS = '''
+import functools
+import itertools
+import os
+
+import pytest
+from accelerate import debug_launcher
+from accelerate.test_utils.scripts import test_sync
+
+# the swap took effect before this module bound the name
+SWAPPED = os.environ["GAENGINE_SWAP"] == "1"
+assert test_sync.Accelerator.__name__ == ("GaengineAccelerator" if SWAPPED else "Accelerator")
+
+FLAGS = list(itertools.product([True, False], repeat=3))  # split_batches, dispatch_batches, sync_each_batch
+
+
+def _with_accelerator(name):
+    accelerator = test_sync.Accelerator()
+    getattr(test_sync, name)(accelerator)
+    accelerator.state.destroy_process_group()
+
+
+def _with_flags(name, flags):
+    getattr(test_sync, name)(*flags)
+    test_sync.Accelerator().state.destroy_process_group()
+
+
+SCENARIOS = {
+    "dataloader_break": functools.partial(_with_flags, "test_dataloader_break", ()),
+    **{name: functools.partial(_with_accelerator, f"test_{name}")
+       for name in ("noop_sync", "distributed_sync", "distributed_sync_multiple_fwd")},
+    **{f"gradient_accumulation-{flags}": functools.partial(_with_flags, "test_gradient_accumulation", flags)
+       for flags in FLAGS},
+    **{f"gradient_accumulation_with_opt_and_scheduler-{flags}": functools.partial(
+        _with_flags, "test_gradient_accumulation_with_opt_and_scheduler", flags) for flags in FLAGS},
+}
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_sync_scenario(scenario, processes):
+    debug_launcher(SCENARIOS[scenario], num_processes=processes)
+'''
+
 
 def _swap_plugin(package: str, cls: str, integration: str, strategy: str) -> str:
     """The plugin's text: ``strategy`` (an expression over ``name``, the strategy asked for; ``GaengineStrategy``
@@ -136,6 +199,13 @@ SUITES = {
             "tests/tests_fabric/strategies/test_ddp_integration.py": None,
             "tests/tests_fabric/plugins/precision/test_amp_integration.py": None,
         }, _FABRIC_PLUGIN, {"PL_RUN_CUDA_TESTS": "0"}),
+    "accelerate": Suite(
+        "accelerate", "tests", {
+            "tests/gaengine_test_sync_scenarios.py": None,
+            "tests/test_scheduler.py": None,
+            "tests/test_state_checkpointing.py": None,
+        }, _ACCELERATE_PLUGIN, {"OMP_NUM_THREADS": "1"},
+        {"tests/gaengine_test_sync_scenarios.py": _ACCELERATE_SYNC_SCENARIOS}),
 }
 
 
@@ -169,6 +239,8 @@ def run_suite(suite: Suite, source: str, work: Path, timeout: int, only: str | N
     and mode, each test's outcome."""
     if not (work / suite.root).exists():
         copy_tree(source, suite.root, work)
+    for path, text in suite.generated.items():
+        (work / path).write_text(text)
     plugin_dir = work / "_gaengine_swap"
     plugin_dir.mkdir(exist_ok=True)
     (plugin_dir / "gaengine_swap.py").write_text(suite.plugin)
@@ -182,7 +254,10 @@ def run_suite(suite: Suite, source: str, work: Path, timeout: int, only: str | N
         results[path] = {}
         for mode in ("plain", "gaengine"):
             junit = work / f"junit-{suite.name}-{Path(path).stem}-{mode}.xml"
+            built_log = work / f"built-{suite.name}-{Path(path).stem}-{mode}.log"
+            built_log.unlink(missing_ok=True)
             env = {**os.environ, **suite.env, "GAENGINE_SWAP": "1" if mode == "gaengine" else "0",
+                   "GAENGINE_BUILT_LOG": str(built_log),
                    "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(work / Path(suite.root).parent), str(REPO),
                                                   os.environ.get("PYTHONPATH", "")])}
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gaengine_swap", "-n", "0",
@@ -190,12 +265,11 @@ def run_suite(suite: Suite, source: str, work: Path, timeout: int, only: str | N
             if select:
                 cmd += ["-k", select]
             try:
-                out = subprocess.run(cmd, cwd=work, env=env, timeout=timeout, capture_output=True, text=True).stdout
+                subprocess.run(cmd, cwd=work, env=env, timeout=timeout, capture_output=True, text=True)
             except subprocess.TimeoutExpired:
-                out = ""
+                pass
             results[path][mode] = outcomes(junit) if junit.exists() else {}
-            built = [line.split(":")[1] for line in out.splitlines() if line.startswith("gaengine objects built:")]
-            results[path][f"{mode}_built"] = int(built[-1]) if built else None
+            results[path][f"{mode}_built"] = len(built_log.read_text().splitlines()) if built_log.exists() else 0
     return results
 
 
@@ -208,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transformers", help="a transformers checkout root, or GITDIR@REF")
     parser.add_argument("--lightning", help="a pytorch-lightning checkout root, or GITDIR@REF")
     parser.add_argument("--fabric", help="a pytorch-lightning checkout root, or GITDIR@REF (its tests_fabric)")
+    parser.add_argument("--accelerate", help="an accelerate checkout root, or GITDIR@REF (its tests/; test_sync.py "
+                        "is the installed package's)")
     parser.add_argument("--json", help="write every test's outcome per mode here")
     parser.add_argument("--keep", help="copy the frameworks' tests here (kept) instead of a temporary directory")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per pytest process")
@@ -215,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = {name: getattr(args, name) for name in SUITES if getattr(args, name)}
     if not chosen:
-        parser.error("give --transformers and/or --lightning")
+        parser.error("give at least one of --transformers, --lightning, --fabric, --accelerate")
     all_results = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.keep) if args.keep else Path(tmp)
