@@ -23,6 +23,7 @@ does (on c20f3af, before owners, every case here was refused at construction).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
@@ -50,6 +51,10 @@ try:
     import schedulefree
 except ImportError:  # an optional dependency (the dev extras)
     schedulefree = None
+try:
+    import pytorch_optimizer
+except ImportError:  # an optional dependency (the dev extras)
+    pytorch_optimizer = None
 
 
 def _model(seed: int = 0, n_hidden: int = 2) -> MuonLM:
@@ -66,10 +71,23 @@ def _optimizers(name: str, model: MuonLM) -> list[torch.optim.Optimizer]:
         opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2, warmup_steps=0)
         opt.train()  # its training mode, as its docs ask
         return [opt]
+    if name == "po-lion":  # pytorch-optimizer's classes: no row in gaengine.optimizers, so whole-matrix owners
+        return [pytorch_optimizer.Lion(model.parameters(), lr=1e-3, weight_decay=0.01)]
+    if name == "po-lamb":
+        return [pytorch_optimizer.Lamb(model.parameters(), lr=1e-2, weight_decay=0.01)]
+    if name == "po-shampoo":
+        return [pytorch_optimizer.Shampoo(model.parameters(), lr=1e-2, momentum=0.9)]
     raise ValueError(name)
 
 
-CASES = ["muon+adamw", "adafactor"] + (["schedulefree"] if schedulefree is not None else [])
+CASES = ["muon+adamw", "adafactor"] + (["schedulefree"] if schedulefree is not None else []) + (
+    ["po-lion", "po-lamb"] if pytorch_optimizer is not None else [])
+EXACT_CASES = ["po-shampoo"] if pytorch_optimizer is not None else []
+"""Optimizers whose update is a matrix function of the gradient's statistics with no first-order bound here
+(Shampoo's inverse fourth roots of ``G G^T + eps``: its gain is the preconditioners' conditioning). They run where
+both sides see the same gradient bits: K = 1 on 2 ranks without clipping, the two ranks' micro-batch gradients
+summed once on either side (one addition, commutative) and scaled by 1/2 (exact), so the owner's update must equal
+the one process's bit for bit."""
 
 
 def _batches(n: int, rows: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,6 +147,14 @@ def _scenario(rank, world, out, stages, cases=tuple(CASES), extras=True, memory=
             if name == "muon+adamw":  # K = 4: WINDOWS windows
                 results[("ns", stage, K)] = list(calls.shapes)
             acc.close()
+        for name in EXACT_CASES if world == 2 else ():  # K = 1, no clipping: the same gradient bits
+            with _one_thread():
+                model = _model()
+                acc = gaengine.GradientAccumulator(model, _optimizers(name, model), 1, max_grad_norm=None,
+                                                   zero_stage=stage)
+                _train(acc, model, batches, rank, 1)
+                results[(name, stage, "exact")] = [p.detach().clone() for p in model.parameters()]
+                acc.close()
         for k in (1,) if extras else ():  # K = 1: 3 windows
             calls.shapes.clear()
             model = _model()
@@ -390,6 +416,44 @@ def test_two_ranks_equal_one_process(newton_schulz, two_ranks, name, stage):
     results = _ok(two_ranks)
     for rank, result in enumerate(results):
         _assert_matches(result[(name, stage)], name, 2, f"{name} zero_stage={stage} rank {rank}")
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread on both sides of ``EXACT_CASES``: a CPU kernel's summation order may follow the thread
+    count, and the same gradient bits need the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _exact_reference(name: str, n: int) -> MuonLM:
+    """``name``'s optimizer on one process over 2 ranks' rows: K = 1, no clipping, ``(loss / 2).backward()`` per
+    rank's rows, one ``step()`` per window."""
+    model = _model()
+    [opt] = _optimizers(name, model)
+    for tokens, labels in _batches(n, 2 * ROWS):
+        for r in range(2):
+            (_loss(model, tokens[r * ROWS:(r + 1) * ROWS], labels[r * ROWS:(r + 1) * ROWS]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", EXACT_CASES)
+def test_two_ranks_equal_one_process_bit_for_bit_on_the_same_gradients(two_ranks, name, stage):
+    """``EXACT_CASES`` (pytorch-optimizer's Shampoo) on 2 gloo ranks, K = 1, no clipping, 16 updates, each parameter
+    whole on its owner: every rank's model equals the one process's bit for bit (the same gradient bits reach the
+    same update)."""
+    with _one_thread():
+        reference = _exact_reference(name, K * WINDOWS)
+    for rank, result in enumerate(_ok(two_ranks)):
+        for (pname, q), p in zip(reference.named_parameters(), result[(name, stage, "exact")]):
+            assert torch.equal(p, q.detach()), f"{name} zero_stage={stage} rank {rank} {pname}: {rel_diff(p, q):.3g}"
 
 
 def test_four_ranks_equal_one_process(newton_schulz, four_ranks):
