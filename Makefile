@@ -120,9 +120,10 @@ $(DEV_STAMP): $(DEPS_STAMP) pyproject.toml
 FORCE:
 
 # The torch range gaengine claims (docs/install.md), .ci/torch_range.sh:
-#   make torch-headers  csrc/*.cpp compiled against the oldest supported torch's headers (2.9.1; CI runs it)
+#   make torch-headers  csrc/*.cpp compiled against the oldest and the newest supported torch's headers (2.9.1 and
+#                       2.14.1; CI runs it, beside the install)
 #   make torch-newest   torch 2.14.1 (the newest supported) in a scratch virtualenv, gaengine._C built against it and
-#                       the smoke subset run (CI runs it; the virtualenv, 5.6 GB, is kept and reused)
+#                       the smoke subset run (by hand: docs/install.md; the virtualenv, 5.6 GB, is kept and reused)
 #   make torch-oldest   the same for torch 2.9.1 (the oldest supported: a CUDA wheel and its nvidia-* wheels
 #                       downloaded, several GB on first use)
 #   make torch-range    all of it: both versions' headers, then both smoke runs
@@ -132,7 +133,7 @@ torch-range:
 	PYTHON=$(PY) bash .ci/torch_range.sh full
 
 torch-headers:
-	PYTHON=$(PY) bash .ci/torch_range.sh headers 2.9.1
+	PYTHON=$(PY) bash .ci/torch_range.sh headers 2.9.1 2.14.1
 
 torch-newest:
 	PYTHON=$(PY) bash .ci/torch_range.sh smoke 2.14.1

@@ -41,7 +41,7 @@ FUSED = ("triton", "cuda-emu", "cuda-gpu")
 
 
 # The tests that compare the Triton kernel's bits with the CPU kernel's: skipped where the interpreter's tl.fma
-# rounds twice (tests/ops/fma_probe.py: Triton 3.8, with torch 2.14), which no GPU does.
+# rounds twice (tests/ops/interpreter_probe.py: Triton 3.8, with torch 2.14), which no GPU does.
 TRITON_BITWISE = ("test_masters_against_fp64_and_the_cpu_kernel", "test_in_place_bitwise_equal_to_cpu_kernel",
                   "test_found_inf_skips_everything", "test_many_params_one_increment_each",
                   "test_cpu_and_triton_kernels_agree_bitwise", "test_in_place_cpu_and_triton_kernels_agree_bitwise")
@@ -53,7 +53,7 @@ def _triton_fma_rounds_once(request):
         return
     if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
         return  # the test skips on its own
-    from tests.ops.fma_probe import interpreter_fma_rounds_once  # noqa: PLC0415
+    from tests.ops.interpreter_probe import interpreter_fma_rounds_once  # noqa: PLC0415
 
     if not interpreter_fma_rounds_once():
         import triton  # noqa: PLC0415
