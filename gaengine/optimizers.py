@@ -84,6 +84,11 @@ def _of_group(optimizer: Any, group: dict[str, Any] | None) -> Any:
     return optimizer.optimizers[0]
 
 
+def each_optimizer(optimizer: Any) -> list[Any]:
+    """The optimizers of a list of optimizers (``gaengine.optimizer_list.OptimizerList``), else ``[optimizer]``."""
+    return list(optimizer.optimizers) if hasattr(optimizer, "optimizer_of_group") else [optimizer]
+
+
 def _spec(optimizer: Any, exact: bool) -> OptimizerSpec | None:
     if exact:
         return OPTIMIZERS.get(type(optimizer))

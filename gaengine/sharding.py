@@ -567,7 +567,16 @@ class _Zero(ShardingStrategy):
         buckets = [b for b in self.layout.buckets if any(self.store.optimized[b.first:b.last])]
         self.gather = ParamGather(self.store.param_buffers, self.layout, buckets, self.params, self.rank,
                                   self.process_group, self.reducer, self.overlap_param_gather, self.model)
+        self.store.after_model_write = self._gather_model
         self._build_update()
+
+    def _gather_model(self) -> None:
+        """Every rank's part of the parameters on every rank, now: after an optimizer call outside ``step()`` wrote
+        this rank's pieces (schedule-free's ``eval()`` / ``train()``; ``gaengine.store.PARAM_WRITERS``)."""
+        self.gather.wait()
+        self.gather.launch()
+        self.gather.wait()
+        self.store.model_written()
 
     @property
     def whole_matrix(self) -> bool:

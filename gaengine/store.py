@@ -47,14 +47,14 @@ rank: every range is the whole parameter, the one-shard case of a ``gaengine.zer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from gaengine.buffer import FlatBuffer
 from gaengine.compat import all_gather_single
-from gaengine.optimizers import STEP_KEY, keeps_step, moment_keys, new_step, takes_grad_scale, writes_model_params
+from gaengine.optimizers import STEP_KEY, each_optimizer, keeps_step, moment_keys, new_step, takes_grad_scale, writes_model_params
 from gaengine.reduce import Collective, wait_for
 from gaengine.rank_layout import ParamSlot, RankLayout, WindowChunk
 from gaengine.update import LOW_PRECISION, convert_state, merge_model_write, param_versions, step_optimizer
@@ -109,39 +109,55 @@ class ParameterStore:
         if self.optimizer_writes_model:
             optimizer.attach_model_params([(m.piece, m.view) for m in self._mastered])
         self._versions = param_versions(self._version_tensors())
-        self._wrapped: dict[str, object] = {}
+        # Set by a sharded strategy: what brings every rank's part of the model to every rank after a PARAM_WRITERS
+        # call wrote this rank's (ZeRO's all-gather of the parameter buffers, a collective: every rank calls the
+        # method, as the trainers do).
+        self.after_model_write: Callable[[], None] | None = None
+        self._wrapped: list[tuple[object, str, object]] = []
         self._wrap_writers()
 
+    def _written_version(self) -> int:
+        """A host-side sum of version counters that an in-place write of the pieces bumps: the fp32 masters' buffer,
+        or without masters the pieces themselves (views of the parameter buffers, or the parameters)."""
+        if self.master_buffer is not None:
+            return self.master_buffer.data._version
+        return sum(q._version for q in self.pieces if q is not None)
+
     def _wrap_writers(self) -> None:
-        """Wrap the optimizer instance's ``PARAM_WRITERS`` methods (those its class defines) so that a call that
-        wrote the fp32 masters rounds them into the model (``copy_to_model``; one host-side integer compared, no
-        device work when nothing was written). Nothing without masters: the optimizer then writes the model itself."""
-        if self.master_buffer is None:
+        """Wrap the optimizer instance's ``PARAM_WRITERS`` methods (those its class defines; for a list of
+        optimizers, each one's: a user calls them on the optimizer they built, and the list's own call each) so that
+        a call that wrote the pieces reaches the model: the fp32 masters rounded into it (``copy_to_model``; one
+        host-side integer compared, no device work when nothing was written), and on sharded ranks every rank's part
+        gathered (``after_model_write``, at every call: a collective every rank issues alike, whichever pieces it
+        holds). Nothing on one rank without masters: the optimizer then writes the model itself."""
+        if self.master_buffer is None and not self.layout.sharded:
             return
-        optimizer = self.optimizer
-        for name in PARAM_WRITERS:
-            method = getattr(type(optimizer), name, None)
-            if not callable(method) or name in vars(optimizer):
-                continue
-            bound = getattr(optimizer, name)
+        for optimizer in each_optimizer(self.optimizer):
+            for name in PARAM_WRITERS:
+                method = getattr(type(optimizer), name, None)
+                if not callable(method) or name in vars(optimizer):
+                    continue
+                bound = getattr(optimizer, name)
 
-            def wrapper(*args, _bound=bound, **kwargs):
-                before = self.master_buffer.data._version
-                out = _bound(*args, **kwargs)
-                if self.master_buffer.data._version != before:
-                    self.copy_to_model()
-                return out
+                def wrapper(*args, _bound=bound, **kwargs):
+                    before = self._written_version()
+                    out = _bound(*args, **kwargs)
+                    if self.master_buffer is not None and self._written_version() != before:
+                        self.copy_to_model()
+                    if self.after_model_write is not None:  # on every rank, whether it wrote or owns nothing
+                        self.after_model_write()
+                    return out
 
-            wrapper.__doc__ = bound.__doc__
-            setattr(optimizer, name, wrapper)
-            self._wrapped[name] = wrapper
+                wrapper.__doc__ = bound.__doc__
+                setattr(optimizer, name, wrapper)
+                self._wrapped.append((optimizer, name, wrapper))
 
     def _unwrap_writers(self) -> None:
-        """The optimizer's own ``PARAM_WRITERS`` methods again (``release``)."""
-        for name, wrapper in self._wrapped.items():
-            if vars(self.optimizer).get(name) is wrapper:
-                delattr(self.optimizer, name)
-        self._wrapped = {}
+        """The optimizers' own ``PARAM_WRITERS`` methods again (``release``)."""
+        for optimizer, name, wrapper in self._wrapped:
+            if vars(optimizer).get(name) is wrapper:
+                delattr(optimizer, name)
+        self._wrapped = []
 
     def _repoint_optimizer(self) -> None:
         """The optimizer re-pointed at the pieces (a parameter it holds that is not trainable stays where the layout

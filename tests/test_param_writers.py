@@ -62,15 +62,19 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_schedule_free_eval_and_train_reach_the_bf16_model():
+@pytest.mark.parametrize("as_list", [False, True], ids=["optimizer", "list-of-optimizers"])
+def test_schedule_free_eval_and_train_reach_the_bf16_model(as_list):
     """After 3 updates, ``optimizer.eval()`` leaves the model holding the rounding of the averaged point x as the
     recipe does (bit for bit), and ``optimizer.train()`` the interpolation y again. Before this, eval() moved the
-    masters only: the model kept the training point (moved by 0.0; the recipe moves it by ~2e-3)."""
+    masters only: the model kept the training point (moved by 0.0; the recipe moves it by ~2e-3). Given to the
+    accumulator in a list (``GradientAccumulator(model, [opt])``), the user still calls ``opt.eval()`` on the optimizer
+    they built: that call reaches the model too (before, only the list's own ``eval()`` did)."""
     ref, ref_opt, ref_to_model = _recipe()
     model, (xs, ys) = _model(), _data()
     opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2, warmup_steps=0)
     opt.train()
-    acc = gaengine.GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=None, backend="cpu")
+    acc = gaengine.GradientAccumulator(model, [opt] if as_list else opt, accumulation_steps=K, max_grad_norm=None,
+                                       backend="cpu")
     for s in range(STEPS):
         for k in range(K):
             acc.backward(_loss(model, xs[s, k], ys[s, k]))

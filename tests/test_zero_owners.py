@@ -24,6 +24,7 @@ does (on c20f3af, before owners, every case here was refused at construction).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 import math
@@ -144,6 +145,11 @@ def _scenario(rank, world, out, stages, cases=tuple(CASES), extras=True, memory=
             acc = gaengine.GradientAccumulator(model, opts, K, max_grad_norm=MAX_NORM, zero_stage=stage)
             _train(acc, model, batches, rank)
             results[(name, stage)] = [p.detach().clone() for p in model.parameters()]
+            if name == "schedulefree":  # every rank's eval() / train(), as the trainers call them
+                opts[0].eval()
+                results[(name, stage, "eval")] = [p.detach().clone() for p in model.parameters()]
+                opts[0].train()
+                results[(name, stage, "train")] = [p.detach().clone() for p in model.parameters()]
             if name == "muon+adamw":  # K = 4: WINDOWS windows
                 results[("ns", stage, K)] = list(calls.shapes)
             acc.close()
@@ -352,6 +358,7 @@ def plain_recipe(name: str, world: int, record: Record | None = None) -> MuonLM:
         if record is not None:
             for n, p in model.named_parameters():
                 record.steps[n] = max(record.steps.get(n, 0.0), float((p.detach() - before[n]).abs().max()))
+    model.optimizers = opts  # for the calls after training (schedule-free's eval(): _eval_reference)
     return model
 
 
@@ -390,13 +397,17 @@ def _grad_rtol(world: int, n: int) -> float:
     return split_batch_rtol(K * world) + clipped_grad_rtol(n)
 
 
-def _assert_matches(params: list[torch.Tensor], name: str, world: int, label: str) -> dict[str, float]:
+def _assert_matches(params: list[torch.Tensor], name: str, world: int, label: str,
+                    against: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """``params`` against the reference's (or ``against``, a point of the same run: schedule-free's x) within the
+    derived bound of each parameter."""
     reference, record = _reference(name, world)
     n = sum(p.numel() for p in reference.parameters())
     grad_rtol = _grad_rtol(world, n)
     muon = {f"hidden.{i}.weight" for i in range(len(reference.hidden))} if name == "muon+adamw" else set()
     measured = {}
-    for (pname, q), p in zip(reference.named_parameters(), params):
+    wanted = against if against is not None else [q for _, q in reference.named_parameters()]
+    for (pname, _), q, p in zip(reference.named_parameters(), wanted, params):
         if pname in muon:
             rtol = muon_rtol(q, pname, record, grad_rtol)
         else:
@@ -441,6 +452,25 @@ def _exact_reference(name: str, n: int) -> MuonLM:
         opt.step()
         opt.zero_grad()
     return model
+
+
+@pytest.mark.skipif(schedulefree is None, reason="schedulefree is not installed (the dev extras)")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_schedule_free_eval_and_train_reach_every_ranks_model(newton_schulz, two_ranks, stage):
+    """Schedule-free AdamW under owners on 2 gloo ranks: after training, ``optimizer.eval()`` on every rank leaves
+    every rank's whole model at the averaged point x, and ``train()`` back at y, as the one process's optimizer does
+    (each rank's own parameters and the other rank's, gathered), within the same derived bound as the training.
+    Before, each rank moved only the parameters it owns: the others stayed at y."""
+    reference, _ = _reference("schedulefree", 2)
+    averaged = copy.deepcopy(reference)  # the model and its optimizer together: eval() on the copy
+    averaged.optimizers[0].eval()
+    moved = max(rel_diff(p, q) for p, q in zip(averaged.parameters(), reference.parameters()))
+    for rank, result in enumerate(_ok(two_ranks)):
+        _assert_matches(result[("schedulefree", stage, "eval")], "schedulefree", 2,
+                        f"eval zero_stage={stage} rank {rank}", against=list(averaged.parameters()))
+        _assert_matches(result[("schedulefree", stage, "train")], "schedulefree", 2,
+                        f"train zero_stage={stage} rank {rank}")
+    assert moved > 1e-4, moved  # eval() moves the parameters far beyond the bound: the test can tell
 
 
 @pytest.mark.parametrize("stage", [1, 2])
