@@ -68,6 +68,12 @@ to the interpolation y; Defazio et al., *The Road Less Scheduled*, 2024), which 
 around training and evaluation. torch's own optimizers define neither."""
 
 
+def _group_settings(optimizer) -> list[dict]:
+    """The scalar settings of ``optimizer``'s param groups (flags and hyper-parameters, no tensors): alike on every
+    rank, so what a call changed in them is a decision every rank takes alike."""
+    return [{k: v for k, v in g.items() if isinstance(v, (bool, int, float, str))} for g in optimizer.param_groups]
+
+
 class ParameterStore:
     """The parameter buffers, fp32 masters and optimizer pieces of one rank, and the update (module docstring).
 
@@ -128,8 +134,10 @@ class ParameterStore:
         optimizers, each one's: a user calls them on the optimizer they built, and the list's own call each) so that
         a call that wrote the pieces reaches the model: the fp32 masters rounded into it (``copy_to_model``; one
         host-side integer compared, no device work when nothing was written), and on sharded ranks every rank's part
-        gathered (``after_model_write``, at every call: a collective every rank issues alike, whichever pieces it
-        holds). Nothing on one rank without masters: the optimizer then writes the model itself."""
+        gathered (``after_model_write``: a collective, issued when the call changed the param groups' settings,
+        schedule-free's ``train_mode``, which every rank's optimizer holds alike, whichever pieces the rank holds; a
+        call that changes nothing, the Trainer's ``train()`` before every step, gathers nothing). Nothing on one rank
+        without masters: the optimizer then writes the model itself."""
         if self.master_buffer is None and not self.layout.sharded:
             return
         for optimizer in each_optimizer(self.optimizer):
@@ -139,13 +147,13 @@ class ParameterStore:
                     continue
                 bound = getattr(optimizer, name)
 
-                def wrapper(*args, _bound=bound, **kwargs):
-                    before = self._written_version()
+                def wrapper(*args, _bound=bound, _optimizer=optimizer, **kwargs):
+                    before, mode = self._written_version(), _group_settings(_optimizer)
                     out = _bound(*args, **kwargs)
                     if self.master_buffer is not None and self._written_version() != before:
                         self.copy_to_model()
-                    if self.after_model_write is not None:  # on every rank, whether it wrote or owns nothing
-                        self.after_model_write()
+                    if self.after_model_write is not None and _group_settings(_optimizer) != mode:
+                        self.after_model_write()  # the same on every rank (their groups alike), whatever it holds
                     return out
 
                 wrapper.__doc__ = bound.__doc__

@@ -146,10 +146,15 @@ def _scenario(rank, world, out, stages, cases=tuple(CASES), extras=True, memory=
             _train(acc, model, batches, rank)
             results[(name, stage)] = [p.detach().clone() for p in model.parameters()]
             if name == "schedulefree":  # every rank's eval() / train(), as the trainers call them
+                gather = acc.sharding.gather
+                issued = gather.gathers_issued
                 opts[0].eval()
                 results[(name, stage, "eval")] = [p.detach().clone() for p in model.parameters()]
                 opts[0].train()
                 results[(name, stage, "train")] = [p.detach().clone() for p in model.parameters()]
+                switching = gather.gathers_issued - issued
+                opts[0].train()  # already training: as HF's Trainer calls it before every step
+                results[(name, stage, "gathers")] = (switching, gather.gathers_issued - issued - switching)
             if name == "muon+adamw":  # K = 4: WINDOWS windows
                 results[("ns", stage, K)] = list(calls.shapes)
             acc.close()
@@ -459,8 +464,9 @@ def _exact_reference(name: str, n: int) -> MuonLM:
 def test_schedule_free_eval_and_train_reach_every_ranks_model(newton_schulz, two_ranks, stage):
     """Schedule-free AdamW under owners on 2 gloo ranks: after training, ``optimizer.eval()`` on every rank leaves
     every rank's whole model at the averaged point x, and ``train()`` back at y, as the one process's optimizer does
-    (each rank's own parameters and the other rank's, gathered), within the same derived bound as the training.
-    Before, each rank moved only the parameters it owns: the others stayed at y."""
+    (each rank's own parameters and the other rank's, gathered), within the same derived bound as the training; a
+    ``train()`` that changes nothing issues no all-gather. Before, each rank moved only the parameters it owns: the
+    others stayed at y."""
     reference, _ = _reference("schedulefree", 2)
     averaged = copy.deepcopy(reference)  # the model and its optimizer together: eval() on the copy
     averaged.optimizers[0].eval()
@@ -470,6 +476,8 @@ def test_schedule_free_eval_and_train_reach_every_ranks_model(newton_schulz, two
                         f"eval zero_stage={stage} rank {rank}", against=list(averaged.parameters()))
         _assert_matches(result[("schedulefree", stage, "train")], "schedulefree", 2,
                         f"train zero_stage={stage} rank {rank}")
+        switching, repeated = result[("schedulefree", stage, "gathers")]
+        assert switching > 0 and repeated == 0, (switching, repeated)  # a train() that changes nothing gathers nothing
     assert moved > 1e-4, moved  # eval() moves the parameters far beyond the bound: the test can tell
 
 
