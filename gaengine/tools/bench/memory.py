@@ -346,23 +346,30 @@ def _measure_fsdp2(cfg: MemoryConfig, key: str, world: int, rank: int) -> dict[s
             "gather_wire": sum(share * n for kind, n in log if kind == "all_gather")}
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: MemoryConfig, out_dir: str) -> None:
+def _measure_all(rank: int, world: int, cfg: MemoryConfig) -> dict[str, dict]:
+    """Every recipe's row on this rank (``bench_memory``)."""
+    results = {}
+    if world == 1:
+        results["plain"] = _measure_plain(cfg, world, rank, ddp=False)
+    else:
+        results["ddp"] = _measure_plain(cfg, world, rank, ddp=True)
+    for stage in MEMORY_STAGES:
+        results[f"stage{stage}"] = _measure_gaengine(cfg, stage, world, rank)
+    if world > 1:
+        for key in FSDP2_RECIPES:
+            results[key] = _measure_fsdp2(cfg, key, world, rank)
+    return results
+
+
+def _rank_main(rank: int, world: int, init_file: str, measure: Callable, args: tuple, out_dir: str) -> None:
+    """One spawned rank of ``run_world``: one thread, a gloo group (several ranks), ``measure(rank, world, *args)``
+    saved as ``rank{rank}.pt`` in ``out_dir``."""
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     try:
-        results = {}
-        if world == 1:
-            results["plain"] = _measure_plain(cfg, world, rank, ddp=False)
-        else:
-            results["ddp"] = _measure_plain(cfg, world, rank, ddp=True)
-        for stage in MEMORY_STAGES:
-            results[f"stage{stage}"] = _measure_gaengine(cfg, stage, world, rank)
-        if world > 1:
-            for key in FSDP2_RECIPES:
-                results[key] = _measure_fsdp2(cfg, key, world, rank)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(measure(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
         if world > 1:
             dist.barrier()  # no rank tears the group down while a peer's collectives are still in flight
     finally:
@@ -370,10 +377,13 @@ def _worker(rank: int, world: int, init_file: str, cfg: MemoryConfig, out_dir: s
             dist.destroy_process_group()
 
 
-def _run_world(cfg: MemoryConfig, world: int, timeout_s: float = 600.0) -> list[dict[str, dict]]:
-    with tempfile.TemporaryDirectory(prefix="gaengine-bench-memory-") as tmp:
+def run_world(name: str, measure: Callable, world: int, args: tuple, timeout_s: float = 600.0) -> list[dict]:
+    """``measure(rank, world, *args)`` (a module-level function: the ranks are spawned) on ``world`` processes, one
+    thread each, in one gloo group; returns what each returned, in rank order. ``RuntimeError`` naming benchmark
+    ``name`` when a process fails or outlives ``timeout_s``."""
+    with tempfile.TemporaryDirectory(prefix=f"gaengine-bench-{name}-") as tmp:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, tmp))
+        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "store"), measure, args, tmp))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -383,9 +393,13 @@ def _run_world(cfg: MemoryConfig, world: int, timeout_s: float = 600.0) -> list[
         for p in alive:
             p.kill()
         if alive or any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"memory benchmark on {world} ranks failed (exit codes "
+            raise RuntimeError(f"{name} benchmark on {world} ranks failed (exit codes "
                                f"{[p.exitcode for p in procs]}; see the ranks' tracebacks above)")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+def _run_world(cfg: MemoryConfig, world: int) -> list[dict[str, dict]]:
+    return run_world("memory", _measure_all, world, (cfg,))
 
 
 def bench_memory(cfg: MemoryConfig, worlds: Sequence[int] = MEMORY_WORLD_SIZES,

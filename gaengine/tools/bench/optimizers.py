@@ -25,17 +25,13 @@ Columns (the largest over the ranks, except ``step ms``: the median over the tim
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gaengine.tools.bench import memory
 from gaengine.tools.bench.common import print_note, print_table
@@ -138,43 +134,19 @@ def _measure(cfg: OptimizersConfig, stage: int, world: int, rank: int) -> dict[s
     return {**row, "wire": memory.ring_bytes(log, world), "step_ms": statistics.median(step_ms)}
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: OptimizersConfig, stages: Sequence[int],
-            out_dir: str) -> None:
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-    try:
-        results = {}
-        for stage in stages:
-            try:
-                results[stage] = _measure(cfg, stage, world, rank)
-            except ValueError as e:  # a stage this build refuses for these optimizers: the row says why
-                results[stage] = {"refused": str(e)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        if world > 1:
-            dist.barrier()
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+def _measure_stages(rank: int, world: int, cfg: OptimizersConfig, stages: Sequence[int]) -> dict[int, dict]:
+    """Each of ``stages`` on this rank; a stage this build refuses for these optimizers: its error's message."""
+    results = {}
+    for stage in stages:
+        try:
+            results[stage] = _measure(cfg, stage, world, rank)
+        except ValueError as e:  # the row says why
+            results[stage] = {"refused": str(e)}
+    return results
 
 
-def _run_world(cfg: OptimizersConfig, world: int, stages: Sequence[int], timeout_s: float = 600.0) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="gaengine-bench-optimizers-") as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, stages, tmp))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout_s)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        if alive or any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"optimizers benchmark on {world} ranks failed (exit codes "
-                               f"{[p.exitcode for p in procs]}; see the ranks' tracebacks above)")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+def _run_world(cfg: OptimizersConfig, world: int, stages: Sequence[int]) -> list[dict]:
+    return memory.run_world("optimizers", _measure_stages, world, (cfg, stages))
 
 
 def bench_optimizers(cfg: OptimizersConfig, worlds: Sequence[int] = WORLD_SIZES,
