@@ -25,7 +25,7 @@ def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm.
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def warn_batchnorm(model: nn.Module, accumulation_steps: int) -> None:
+def warn_batchnorm(model: nn.Module, accumulation_steps: int, stacklevel: int = 3) -> None:
     """Warn once per model that its BatchNorm layers see micro-batches, not the effective batch."""
     mods = [name for name, m in batchnorm_modules(model) if not isinstance(m, nn.SyncBatchNorm)]
     if not mods or accumulation_steps <= 1 or id(model) in _warned:
@@ -38,7 +38,7 @@ def warn_batchnorm(model: nn.Module, accumulation_steps: int) -> None:
         "or GradientAccumulator(..., batchnorm='window') so the running statistics are updated once per window "
         "from the combined micro-batch statistics.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 

@@ -69,7 +69,7 @@ def init_window(acc: GradientAccumulator, accumulation_steps: int | Accumulation
     if module is not None and config.batchnorm == "window":
         acc.window_batchnorm = WindowBatchNorm(module)
     elif module is not None:
-        warn_batchnorm(module, acc.accumulation_steps)
+        warn_batchnorm(module, acc.accumulation_steps, stacklevel=4)  # the user's GradientAccumulator(...) line
     acc._lending = Lending(acc.backend)  # the window's gradient lent in .grad (begin_step, before_update)
 
 

@@ -66,7 +66,7 @@ def check_micro_batch(acc: GradientAccumulator, loss: torch.Tensor,
     if window.num_micro_batches == 0 and num_items is None and not getattr(acc, "_divided_warned", False):
         # The plain recipe's `loss / K` (mean mode; the window's K, asked of a schedule once per window):
         # LossDividedByKWarning once per accumulator, before anything is accumulated. O(1) per window.
-        acc._divided_warned = warn_if_divided_by_k(loss, acc.accumulation_steps)
+        acc._divided_warned = warn_if_divided_by_k(loss, acc.accumulation_steps, stacklevel=4)  # the user's line
     return num_items
 
 

@@ -18,8 +18,9 @@ from tests.tolerances import (adamw_param_rtol, assert_bitwise_equal, clipped_gr
 # ---------------------------------------------------------------- BatchNorm
 def test_batchnorm_warns_once_per_model():
     model = ConvBN()
-    with pytest.warns(UserWarning, match=r"\['bn'\].*GroupNorm or LayerNorm.*SyncBatchNorm"):
+    with pytest.warns(UserWarning, match=r"\['bn'\].*GroupNorm or LayerNorm.*SyncBatchNorm") as caught:
         gaengine.GradientAccumulator(model, None, accumulation_steps=4).close()
+    assert [w.filename for w in caught] == [__file__]  # the user's line (stacklevel), not gaengine's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gaengine.GradientAccumulator(model, None, accumulation_steps=4).close()  # not again for this model
