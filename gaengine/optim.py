@@ -30,14 +30,14 @@ to its view of the fp32 main_grad buffer for the duration of ``step()``), else `
 
 Kernels: ``adamw_kernel(backend, device)`` (``backend=``, ``"auto"`` by default: the backend
 ``gaengine.backends.get_backend`` picks for the parameters' device, asked for its AdamW step,
-``Backend.optimizer_step(FusedAdamW.STEP)``; the AdamW step is not an op of the table). ``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or
-portable, ``at::parallel_for``) and on CUDA tensors when the extension carries its CUDA kernels (one launch per 384
-parameters and dtype; ``csrc/cuda/``), else ``gaengine.kernels.adamw`` (Triton, one launch per parameter) on CUDA
-tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a plain-torch fallback
-(``adamw_step_reference``). On the CPU and Triton paths the result is bitwise equal to
-``torch.optim.AdamW(fused=True)`` on CPU (outside torch's scalar tail: the last ``numel % 8`` elements, where torch
-skips an FMA), and within 1e-6 relative of the default ``torch.optim.AdamW`` (which rounds ``sqrt(v) / sqrt(bc2)``
-differently).
+``Backend.optimizer_step(FusedAdamW.STEP)``; the AdamW step is not an op of the table).
+``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or portable, ``at::parallel_for``) and
+on CUDA tensors when the extension carries its CUDA kernels (one launch per 384 parameters and dtype; ``csrc/cuda/``),
+else ``gaengine.kernels.adamw`` (Triton, one launch per parameter) on CUDA tensors (and CPU tensors under
+``TRITON_INTERPRET=1``), and a plain-torch fallback (``adamw_step_reference``). On the CPU and Triton paths the result
+is bitwise equal to ``torch.optim.AdamW(fused=True)`` on CPU (outside torch's scalar tail: the last ``numel % 8``
+elements, where torch skips an FMA), and within 1e-6 relative of the default ``torch.optim.AdamW`` (which rounds
+``sqrt(v) / sqrt(bc2)`` differently).
 
 Integration protocol (the one torch's fused optimizers share with ``torch.amp.GradScaler``):
 ``_step_supports_amp_scaling = True`` and ``defaults["fused"] = True``; before ``step()`` a caller may set
@@ -105,8 +105,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
 
 def adamw_step_reference(*args, **kwargs) -> None:
     """One AdamW update of every ``params[i]``: the plain-torch reference and fallback of the AdamW kernels
-    (``FusedAdamW.STEP``'s: the ``torch`` backend's). Its arguments (``*AdamWStep(...)``, positional or by name) and contract are
-    ``AdamWStep``'s (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
+    (``FusedAdamW.STEP``'s: the ``torch`` backend's). Its arguments (``*AdamWStep(...)``, positional or by name) and
+    contract are ``AdamWStep``'s (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
 
     Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
     Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
@@ -180,9 +180,9 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
     flag (``found_inf``) and the fp32 master -> bf16/fp16 model write (``attach_model_params``) folded in, no
     host sync.
 
-    A subclass is the optimizer: ``STATE_KEYS`` (its per-element state tensors, in its functor's order),
-    ``KEEPS_STEP`` (a 0-d fp32 ``step`` per parameter), ``STEP`` (``gaengine.contract.FusedStep``: its kernel name and
-    plain-torch step, from which each backend gives its kernel), ``_check_hyperparameters(group)`` (``ValueError`` naming the
+    A subclass is the optimizer: ``STATE_KEYS`` (its per-element state tensors, in its functor's order), ``KEEPS_STEP``
+    (a 0-d fp32 ``step`` per parameter), ``STEP`` (``gaengine.contract.FusedStep``: its kernel name and plain-torch
+    step, from which each backend gives its kernel), ``_check_hyperparameters(group)`` (``ValueError`` naming the
     argument) and ``_hyper(group)`` (its functor's hyper list). Its kernels take ``(params, grads, states, steps,
     model_params, hyper, grad_scale, found_inf)``: per device, ``states[k][i]`` state ``STATE_KEYS[k]`` of
     ``params[i]``. Its row of ``gaengine.optimizers.OPTIMIZERS`` goes beside it (``register_optimizer``).
@@ -593,9 +593,10 @@ register_optimizer(FusedAdamW, OptimizerSpec(name="gaengine.optim.FusedAdamW", e
 # ------------------------------------------------------------------------------------------------ Lion
 def lion_step_reference(params, grads, states, steps, model_params, hyper, grad_scale=None, found_inf=None) -> None:
     """One Lion update of every ``params[i]``: the plain-torch reference and fallback of the Lion kernels
-    (``FusedLion.STEP``'s: the ``torch`` backend's), with the arguments of every fused optimizer's kernel (``FusedElementwiseOptimizer``;
-    ``states == [exp_avgs]``, ``steps == []``, ``hyper == [lr, beta1, beta2, weight_decay]``). Several passes per
-    parameter in fp32 (bf16/fp16 ones on fp32 copies, each rounded back by ``copy_``); the skip by ``torch.where``."""
+    (``FusedLion.STEP``'s: the ``torch`` backend's), with the arguments of every fused optimizer's kernel
+    (``FusedElementwiseOptimizer``; ``states == [exp_avgs]``, ``steps == []``, ``hyper == [lr, beta1, beta2,
+    weight_decay]``). Several passes per parameter in fp32 (bf16/fp16 ones on fp32 copies, each rounded back by
+    ``copy_``); the skip by ``torch.where``."""
     (exp_avgs,) = states
     lr, beta1, beta2, weight_decay = (float(h) for h in hyper)
     skip = None if found_inf is None else found_inf != 0
