@@ -26,8 +26,8 @@ from gaengine.contract import FusedStep
 from gaengine.optim import FusedAdamW, FusedLion
 from tests.conftest import seeded_randn
 from tests.models import MLP
-from tests.tolerances import adamw_param_rtol, clip_coef_rtol, network_rtol, norm_rtol, rel_diff, split_batch_rtol, \
-    unit_roundoff
+from tests.tolerances import (adamw_param_rtol, clip_coef_rtol, network_rtol, norm_rtol, rel_diff, split_batch_rtol,
+                              unit_roundoff)
 
 ROOT = Path(__file__).resolve().parents[1]
 
