@@ -13,15 +13,22 @@ backend asked for by name that cannot load raises ``RuntimeError`` with the reas
 ``make install``. The CUDA kernels are in it only when it was built against a CUDA torch with a CUDA toolkit, both
 >= 12.1 (``setup.py``), and launch only on a driver for CUDA >= 12.1 (``cuda_kernels_unusable``).
 
+A backend is one unit: its ``Backend`` class (the ops, how the hooks drive it, and its fused optimizers' step
+kernels, ``Backend.optimizer_step``) and one ``register_backend`` call (its name, its device types, whether
+``auto`` may pick it); the fused optimizers (``gaengine.optim``) ask the chosen backend for their step and keep no
+table of backends. Adding one touches its module, its registration, its test and its docs (docs/backends.md).
+
 Every op checks its arguments in Python (``gaengine.contract``) before anything is written and before any call
 into ``gaengine._C``. Nothing outside this module branches on a backend's ``name``.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +37,7 @@ from gaengine.contract import (
     OPS,
     Backend,
     ContractError,
+    FusedStep,
     Scale,
     check_accumulate_args,
     check_bucket_args,
@@ -40,13 +48,12 @@ from gaengine.contract import (
     register_bucket_kernel,
 )
 
-__all__ = ["Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTENSION_ABI_VERSION", "OPS",
-           "ReferenceBackend", "TritonBackend", "get_backend", "load_extension",
+__all__ = ["Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTENSION_ABI_VERSION", "FusedStep", "OPS",
+           "ReferenceBackend", "TritonBackend", "get_backend", "load_extension", "register_backend",
            "register_bucket_kernel"]
 
 logger = logging.getLogger("gaengine")
 
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 # What this gaengine expects of gaengine._C: csrc/op_library.h's GAENGINE_ABI_VERSION, raised with it.
 EXTENSION_ABI_VERSION = 6
 
@@ -261,6 +268,27 @@ class CompiledBackend(Backend):
     def finish_norm_partials(self, partials):
         return self._layout.finish(partials)
 
+    def optimizer_step(self, step: FusedStep):
+        """The compiled module's kernel of ``step`` (looked up at each call, as the ops above): its own op when it has
+        one (``step.op``: AdamW's ``adamw_step_``), else ``optimizer_step_(step.name, ...)`` (``csrc/optim/step.h``:
+        the multi-tensor launcher over the functor of that name), its per-state lists flattened state-major as the op
+        takes them. cpu: one parallel region per parameter; cuda: one launch per 384 parameters and dtype."""
+        ops, namespace = self._ops, self._C.OP_NAMESPACE
+        if step.op is not None:
+            op = step.op
+
+            def own_op(*args, **kwargs) -> None:
+                getattr(ops, op)(*args, **kwargs)
+
+            return own_op, f"torch.ops.{namespace}.{op}"
+        name = step.name
+
+        def launcher(params, grads, states, steps, model_params, hyper, grad_scale=None, found_inf=None) -> None:
+            ops.optimizer_step_(name, params, grads, [t for state in states for t in state], steps, model_params,
+                                hyper, grad_scale, found_inf)
+
+        return launcher, f"torch.ops.{namespace}.optimizer_step_({name!r})"
+
     def kernels_problem(self):
         return self._problem()
 
@@ -303,6 +331,17 @@ class TritonBackend(_RegisteredBucketKernel, Backend):
         # gaengine.kernels.bucket checks every argument (ValueError) before it launches.
         return self._bucket.accumulate_bucket_(dst, srcs, offsets, 1.0, overwrite, partials=partials,
                                                source_partials=source_partials)
+
+    def optimizer_step(self, step: FusedStep):
+        """``gaengine.kernels.<step.name>.<step.name>_step_``: the optimizer's Triton kernel, one launch per
+        parameter; ``RuntimeError`` naming it when there is none."""
+        where = f"gaengine.kernels.{step.name}.{step.name}_step_"
+        try:
+            kernel = getattr(importlib.import_module(f"gaengine.kernels.{step.name}"), f"{step.name}_step_")
+        except (ImportError, AttributeError) as exc:
+            raise RuntimeError(f"backend 'triton' has no kernel for the fused optimizer {step.name!r} ({where}: "
+                               f"{exc}); use backend='torch' for its plain-torch step") from exc
+        return kernel, where
 
 
 # cudaDriverGetVersion()'s 1000 * major + 10 * minor of CUDA 12.1: the first driver that launches kernels with more
@@ -398,11 +437,93 @@ def _cuda_backend() -> CompiledBackend:
     return CompiledBackend("cuda", module, _cuda_device_type(), ChunkPartials(ops), problem=cuda_kernels_unusable)
 
 
-_FACTORIES: dict[str, Callable[[], Backend]] = {"torch": ReferenceBackend, "cpu": _cpu_backend,
-                                                "triton": TritonBackend, "cuda": _cuda_backend}
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_device_types() -> tuple[str, ...]:
+    """CUDA tensors, and CPU ones under ``TRITON_INTERPRET=1``."""
+    return ("cuda", "cpu") if _interpreter_on() else ("cuda",)
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+class Registration(NamedTuple):
+    """One backend as ``register_backend`` recorded it (its arguments)."""
+
+    factory: Callable[[], Backend]
+    device_types: tuple[str, ...] | Callable[[], tuple[str, ...]] | None
+    auto_for: tuple[str, ...] | None
+    auto_rank: int
+    hint: str
+
+
+_REGISTRY: dict[str, Registration] = {}
 _instances: dict[str, Backend] = {}
 _load_errors: dict[str, BaseException] = {}
 _announced: set[tuple[str, str]] = set()
+
+
+def register_backend(name: str, factory: Callable[[], Backend], *,
+                     device_types: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
+                     auto_for: tuple[str, ...] | None = (), auto_rank: int = 0, hint: str = "") -> None:
+    """Register the backend ``name``: the one place a backend is added (gaengine's own four are registered below).
+
+    name: what users pass as ``backend=`` (``GradientAccumulator``, ``FusedAdamW``, ``gaengine.ops``,
+        ``GAENGINE_BACKEND``): a Python identifier (a Python backend's bucket kernel is registered as an op in the
+        ``torch.library`` namespace ``gaengine_<name>``, ``register_bucket_kernel``), not ``"auto"``.
+    factory: builds the ``Backend`` (``gaengine.contract``: the ops of ``OPS``, how the hooks drive it, and its fused
+        optimizers' step kernels, ``Backend.optimizer_step``), whose ``name`` is ``name``; called once, at the first
+        ``get_backend`` that needs it. An exception it raises is kept: ``get_backend(name)`` re-raises it as
+        ``RuntimeError`` with the reason, and ``"auto"`` passes this backend by.
+    device_types: the ``torch.device`` types its tensors live on, or a function of no arguments returning them (read
+        at each ``get_backend``); None: any device. ``get_backend`` raises ``RuntimeError`` for another device,
+        before loading it, with ``hint`` appended.
+    auto_for: the device types on which ``"auto"`` may pick it (None: every one; default: none, so registering a
+        backend changes no ``"auto"`` choice); among them the one with the highest ``auto_rank`` that loads and runs
+        on the device (registration order breaks ties).
+
+    Raises ``ValueError`` naming the argument for a name that is not an identifier, is ``"auto"`` or is already
+    registered (nothing is registered then).
+    """
+    if not isinstance(name, str) or not name.isidentifier() or name == "auto":
+        raise ValueError(f"name must be a Python identifier other than 'auto' (it names the backend's op namespace), "
+                         f"got {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"name: a backend {name!r} is already registered; pick another name")
+    if not callable(factory):
+        raise ValueError(f"factory must be a callable returning the Backend, got {type(factory).__name__}")
+    _REGISTRY[name] = Registration(factory, device_types, None if auto_for is None else tuple(auto_for),
+                                   int(auto_rank), hint)
+
+
+class _BackendNames(Sequence):
+    """``BACKEND_NAMES``: ``"auto"`` and every registered backend's name, in registration order, read from the
+    registry at each use (a backend registered later is in it)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return ("auto", *_REGISTRY)
+
+    def __getitem__(self, index):
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return 1 + len(_REGISTRY)
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+BACKEND_NAMES: Sequence[str] = _BackendNames()
+"""The names ``backend=`` takes: ``"auto"`` and every registered backend's (``register_backend``)."""
+
+# gaengine's own backends: the reference anywhere (auto's last resort), the compiled kernels on their device type,
+# Triton on CUDA after the compiled CUDA kernels.
+register_backend("torch", ReferenceBackend, auto_for=None)
+register_backend("cpu", _cpu_backend, device_types=("cpu",), auto_for=("cpu",), auto_rank=2)
+register_backend("triton", TritonBackend, device_types=_triton_device_types, auto_for=("cuda",), auto_rank=1,
+                 hint=" (CPU tensors need TRITON_INTERPRET=1)")
+register_backend("cuda", _cuda_backend, device_types=lambda: (_cuda_device_type(),), auto_for=("cuda",),
+                 auto_rank=2)
 
 
 def _load(name: str) -> Backend | None:
@@ -411,26 +532,51 @@ def _load(name: str) -> Backend | None:
     if name in _load_errors:
         return None
     try:
-        _instances[name] = _FACTORIES[name]()
+        _instances[name] = _REGISTRY[name].factory()
     except Exception as exc:  # kept and re-raised only when this backend is asked for by name
         _load_errors[name] = exc
         return None
     return _instances[name]
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _device_problem(name: str, device: torch.device) -> str | None:
+    """Why the backend ``name`` cannot take tensors on ``device`` (its registered device types), or None."""
+    entry = _REGISTRY[name]
+    types = entry.device_types() if callable(entry.device_types) else entry.device_types
+    if types is None or device.type in types:
+        return None
+    kinds = " or ".join("CPU" if t == "cpu" else t.upper() for t in types)
+    return f"backend {name!r} runs on {kinds} tensors only, got device {device}{entry.hint}"
+
+
+def _auto(device: torch.device) -> Backend:
+    """``"auto"``'s backend for ``device``: the registered candidates for its type, highest ``auto_rank`` first,
+    the first that runs there and loads; says which once (and why the first choice did not)."""
+    candidates = sorted((n for n, r in _REGISTRY.items() if r.auto_for is None or device.type in r.auto_for),
+                        key=lambda n: -_REGISTRY[n].auto_rank)
+    candidates = [n for n in candidates if _device_problem(n, device) is None]
+    chosen = next((n for n in candidates if _load(n) is not None), None)
+    if chosen is None:
+        raise RuntimeError(f"no backend loads for {device.type} tensors (tried {candidates}); pass backend= by name "
+                           "to see why")
+    preferred = candidates[0]
+    if (device.type, chosen) not in _announced:
+        _announced.add((device.type, chosen))
+        why = "" if chosen == preferred else f" ({preferred} unavailable: {_load_errors.get(preferred)})"
+        logger.info("gaengine: backend %r for %s tensors%s", chosen, device.type, why)
+    return _instances[chosen]
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
     """Return the backend ``name`` for tensors on ``device``.
 
-    ``name``: one of ``BACKEND_NAMES``; ``"auto"`` reads ``GAENGINE_BACKEND`` first, then picks ``cuda``
-    for CUDA devices when ``gaengine._C`` carries its CUDA kernels and the driver can launch them
-    (``cuda_kernels_unusable``; the native hot path launches them from C++, ``gaengine.hot_path``), else
-    ``triton``, and ``cpu`` for CPU ones, falling back to ``torch`` quietly (logged once).
-    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when a backend asked for by name
-    cannot load or cannot run on ``device`` (the original import error is chained).
+    ``name``: one of ``BACKEND_NAMES``; ``"auto"`` reads ``GAENGINE_BACKEND`` first, then picks among the backends
+    registered for ``device``'s type (``register_backend``'s ``auto_for``): ``cuda`` for CUDA devices when
+    ``gaengine._C`` carries its CUDA kernels and the driver can launch them (``cuda_kernels_unusable``; the native hot
+    path launches them from C++, ``gaengine.hot_path``), else ``triton``, and ``cpu`` for CPU ones, falling back to
+    ``torch`` quietly (logged once).
+    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when a backend asked for by name cannot run on
+    ``device`` (its registered device types) or cannot load (the original error is chained).
     """
     device = torch.device(device)
     if name == "auto":
@@ -438,20 +584,11 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        preferred = "cuda" if device.type == "cuda" else "cpu" if device.type == "cpu" else "torch"
-        backend = _load(preferred) or (_load("triton") if device.type == "cuda" else None) or _load("torch")
-        if (device.type, backend.name) not in _announced:
-            _announced.add((device.type, backend.name))
-            why = "" if backend.name == preferred else f" ({preferred} unavailable: {_load_errors.get(preferred)})"
-            logger.info("gaengine: backend %r for %s tensors%s", backend.name, device.type, why)
-        return backend
-    if name == "cpu" and device.type != "cpu":
-        raise RuntimeError(f"backend 'cpu' runs on CPU tensors only, got device {device}")
-    if name == "triton" and device.type == "cpu" and not _interpreter_on():
-        raise RuntimeError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        return _auto(device)
+    problem = _device_problem(name, device)
+    if problem is not None:
+        raise RuntimeError(problem)
     backend = _load(name)
     if backend is None:
         raise RuntimeError(f"backend {name!r} could not be loaded: {_load_errors[name]}") from _load_errors[name]
-    if name == "cuda" and device.type != _cuda_device_type():
-        raise RuntimeError(f"backend 'cuda' runs on CUDA tensors only, got device {device}")
     return backend

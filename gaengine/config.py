@@ -69,7 +69,7 @@ class AccumulatorConfig:
 
     One of ``gaengine.backends.BACKEND_NAMES``: "auto" (default; reads ``GAENGINE_BACKEND``, then picks ``cuda``
     or ``triton`` for CUDA parameters and ``cpu`` or ``torch`` for CPU ones), "torch", "cpu", "triton", "cuda"
-    (``gaengine.backends``). The per-parameter hooks are native (``gaengine._C``, ``gaengine.hot_path``) for every
+    (``gaengine.backends``), or a backend registered with ``gaengine.backends.register_backend``. The per-parameter hooks are native (``gaengine._C``, ``gaengine.hot_path``) for every
     backend: "triton" and "torch" run their bucket kernel from them, once per complete bucket (``gaengine.hooks``), so
     every backend needs the compiled extension. A backend asked for by name that cannot load raises ``RuntimeError``
     at construction; an unknown name ``ValueError`` naming ``backend``."""

@@ -1,7 +1,9 @@
 """The backend contract: what every backend of ``gaengine.backends`` implements (``Backend``), the argument checks
-every implementation runs before its kernels, and the arguments of the fused AdamW step (``AdamWStep``), which is
-not a backend op: ``gaengine.optim.FusedAdamW`` reaches its kernels through its own table
-(``gaengine.optim.adamw_kernel``).
+every implementation runs before its kernels, what a fused elementwise optimizer gives every backend to build its
+step kernel from (``FusedStep``; ``Backend.optimizer_step``), and the arguments of the fused AdamW step
+(``AdamWStep``). An optimizer step is not an op of the table: ``gaengine.optim``'s optimizers ask the backend
+``gaengine.backends.get_backend`` picks for their step (``gaengine.optim.optimizer_kernel``), so neither side keeps a
+table of the other's names.
 
 Every backend implements the same ops (``OPS``):
 
@@ -43,11 +45,11 @@ import abc
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["AdamWStep", "Backend", "ContractError", "OPS", "Scale"]
+__all__ = ["AdamWStep", "Backend", "ContractError", "FusedStep", "OPS", "Scale"]
 
 Scale = Union[float, torch.Tensor]
 # The operation table: every backend implements each of these.
@@ -66,8 +68,8 @@ class ContractError(ValueError, RuntimeError):
 class AdamWStep(NamedTuple):
     """The arguments of the multi-tensor AdamW step, in their positional order: the one spelling of the signature
     of every AdamW kernel (``gaengine.optim.adamw_step_reference``, the Triton ``adamw_step_``,
-    ``torch.ops.gaengine.adamw_step_`` of ``csrc/adamw.h``; ``gaengine.optim.FusedAdamW`` calls the one
-    ``gaengine.optim.adamw_kernel`` picks), which take ``*AdamWStep(...)``.
+    ``torch.ops.gaengine.adamw_step_`` of ``csrc/adamw.h``; ``gaengine.optim.FusedAdamW`` calls the one its backend
+    gives, ``gaengine.optim.adamw_kernel``), which take ``*AdamWStep(...)``.
 
     One AdamW update (``torch.optim.AdamW``; Loshchilov & Hutter 2019) of every ``params[i]``:
 
@@ -99,6 +101,25 @@ class AdamWStep(NamedTuple):
     maximize: bool
     grad_scale: Optional[torch.Tensor]
     found_inf: Optional[torch.Tensor]
+
+
+class FusedStep(NamedTuple):
+    """A fused elementwise optimizer's step as every backend builds its kernel from it (``Backend.optimizer_step``):
+    the optimizer's side of the one lookup, so that adding an optimizer touches no backend and adding a backend no
+    optimizer.
+
+    name: the optimizer's kernel name: its functor ``csrc/optim/<name>.h`` (``torch.ops.gaengine.optimizer_step_(name,
+        ...)``, the C++ and CUDA multi-tensor launchers) and its Triton kernel ``gaengine.kernels.<name>.<name>_step_``.
+    reference: its plain-torch step (the ``torch`` backend's kernel, and what a backend without a kernel of its own
+        for this optimizer runs), with the arguments every kernel of this optimizer takes.
+    op: None (the kernel takes ``(params, grads, states, steps, model_params, hyper, grad_scale, found_inf)``,
+        ``gaengine.optim.FusedElementwiseOptimizer``), or the name of an op of the compiled module of the optimizer's
+        own, with the reference's arguments (AdamW's ``adamw_step_``, taking ``*AdamWStep(...)``).
+    """
+
+    name: str
+    reference: Callable[..., None]
+    op: Optional[str] = None
 
 
 class Backend(abc.ABC):
@@ -148,6 +169,14 @@ class Backend(abc.ABC):
         """``(sum_sq, found_inf)``, fp32 on ``partials.device``, of a table (or a stack of tables) this backend's
         ``accumulate_bucket_`` wrote, summed in a fixed order. No host sync."""
 
+
+    def optimizer_step(self, step: FusedStep) -> tuple[Callable[..., None], str]:
+        """This backend's kernel of the fused optimizer step ``step`` as ``(kernel, where)``: ``kernel`` takes the
+        arguments of ``step.reference``, ``where`` names it (e.g. ``"torch.ops.gaengine.adamw_step_"``). By default
+        the plain-torch reference itself (the ``torch`` backend's, and a backend's that has no fused optimizer
+        kernels); a backend with its own kernels overrides this (``gaengine.backends``' ``cpu``, ``cuda`` and
+        ``triton``). Raises ``RuntimeError`` naming the optimizer when this backend cannot run it."""
+        return step.reference, f"{step.reference.__module__}.{step.reference.__qualname__}"
 
     def kernels_problem(self) -> str | None:
         """Why this backend's kernels cannot run now (the native hooks then fall back), or None."""

@@ -1,8 +1,11 @@
 """gaengine's fused elementwise optimizers: ``FusedAdamW`` and ``FusedLion``, each torch's update (or the paper's) in
 one pass per parameter, with the clip coefficient, the skip flag and the fp32 master -> bf16/fp16 model write folded
 in, and no host sync. Both are ``FusedElementwiseOptimizer``s: an optimizer is its class (with its row of
-``gaengine.optimizers.OPTIMIZERS``), its functor (``csrc/optim/<name>.h``, run by the C++ and CUDA multi-tensor
-launchers through the op ``optimizer_step_``), its Triton kernel (``gaengine.kernels.<name>``) and its test.
+``gaengine.optimizers.OPTIMIZERS`` and its ``STEP``, ``gaengine.contract.FusedStep``: its kernel name and its
+plain-torch step), its functor (``csrc/optim/<name>.h``, run by the C++ and CUDA multi-tensor launchers through the
+op ``optimizer_step_``), its Triton kernel (``gaengine.kernels.<name>``) and its test. The kernel of each device is
+the one the backend ``gaengine.backends.get_backend`` picks there gives for ``STEP`` (``optimizer_kernel``): no
+table of backends here, none of optimizers in the backends.
 
 ``FusedAdamW``: torch's AdamW in one pass per parameter, with the clip coefficient, the skip flag and the
 fp32 master -> bf16/fp16 model write folded in, and no host sync.
@@ -26,15 +29,15 @@ name: an fp32 gradient of a bf16/fp16 parameter, which ``p.grad`` cannot hold; `
 to its view of the fp32 main_grad buffer for the duration of ``step()``), else ``p.grad``.
 
 Kernels: ``adamw_kernel(backend, device)`` (``backend=``, ``"auto"`` by default: the backend
-``gaengine.backends.get_backend`` picks for the parameters' device, mapped to its AdamW step by ``ADAMW_KERNELS``; the
-AdamW step is not a backend op). ``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or
-portable, ``at::parallel_for``) and on CUDA tensors when the extension carries its CUDA kernels (one launch per 384
-parameters and dtype; ``csrc/cuda/``), else ``gaengine.kernels.adamw`` (Triton, one launch per parameter) on CUDA
-tensors (and CPU tensors under ``TRITON_INTERPRET=1``), and a plain-torch fallback
-(``adamw_step_reference``). On the CPU and Triton paths the result is bitwise equal to
-``torch.optim.AdamW(fused=True)`` on CPU (outside torch's scalar tail: the last ``numel % 8`` elements, where torch
-skips an FMA), and within 1e-6 relative of the default ``torch.optim.AdamW`` (which rounds ``sqrt(v) / sqrt(bc2)``
-differently).
+``gaengine.backends.get_backend`` picks for the parameters' device, asked for its AdamW step,
+``Backend.optimizer_step(FusedAdamW.STEP)``; the AdamW step is not an op of the table).
+``torch.ops.gaengine.adamw_step_`` of ``gaengine._C`` on CPU tensors (C++, AVX2 or portable, ``at::parallel_for``) and
+on CUDA tensors when the extension carries its CUDA kernels (one launch per 384 parameters and dtype; ``csrc/cuda/``),
+else ``gaengine.kernels.adamw`` (Triton, one launch per parameter) on CUDA tensors (and CPU tensors under
+``TRITON_INTERPRET=1``), and a plain-torch fallback (``adamw_step_reference``). On the CPU and Triton paths the result
+is bitwise equal to ``torch.optim.AdamW(fused=True)`` on CPU (outside torch's scalar tail: the last ``numel % 8``
+elements, where torch skips an FMA), and within 1e-6 relative of the default ``torch.optim.AdamW`` (which rounds
+``sqrt(v) / sqrt(bc2)`` differently).
 
 Integration protocol (the one torch's fused optimizers share with ``torch.amp.GradScaler``):
 ``_step_supports_amp_scaling = True`` and ``defaults["fused"] = True``; before ``step()`` a caller may set
@@ -54,12 +57,11 @@ from torch.autograd.graph import increment_version
 
 from gaengine.backends import BACKEND_NAMES, get_backend
 from gaengine.buffer import FlatLayout
-from gaengine.contract import AdamWStep
+from gaengine.contract import AdamWStep, FusedStep
 from gaengine.optimizers import OptimizerSpec, register_optimizer
 
-__all__ = ["ADAMW_KERNELS", "FusedAdamW", "FusedElementwiseOptimizer", "FusedLion", "LION_KERNELS", "OptimizerKernel",
-           "adamw_kernel", "adamw_step_reference", "compiled_optimizer_step", "flat_moments", "lion_step_reference",
-           "optimizer_kernel"]
+__all__ = ["FusedAdamW", "FusedElementwiseOptimizer", "FusedLion", "OptimizerKernel", "adamw_kernel",
+           "adamw_step_reference", "flat_moments", "lion_step_reference", "optimizer_kernel"]
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,8 +105,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
 
 def adamw_step_reference(*args, **kwargs) -> None:
     """One AdamW update of every ``params[i]``: the plain-torch reference and fallback of the AdamW kernels
-    (``ADAMW_KERNELS["torch"]``). Its arguments (``*AdamWStep(...)``, positional or by name) and contract are
-    ``AdamWStep``'s (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
+    (``FusedAdamW.STEP``'s: the ``torch`` backend's). Its arguments (``*AdamWStep(...)``, positional or by name) and
+    contract are ``AdamWStep``'s (``gaengine.contract``; the C++ kernels ``csrc/adamw.h``).
 
     Here: several passes and temporaries per parameter, and the skip applied by ``torch.where`` (no host sync).
     Numerics: torch's eager ops (``lerp``, ``addcmul``) in fp32, within a few fp32 ulps of the fused kernels
@@ -140,44 +142,12 @@ def adamw_step_reference(*args, **kwargs) -> None:
             model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
 
 
-# ------------------------------------------------------------------------------------------------ the AdamW kernels
-def _compiled_step(backend) -> tuple[KernelFn, str]:
-    """``torch.ops.<namespace>.adamw_step_`` of the backend's compiled module (``csrc/adamw.h``; looked up at each
-    call, as the backend's own ops are): cpu, one parallel region per parameter; cuda, one launch per 384 parameters
-    and dtype."""
-    module = backend.extension()[0]  # a CompiledBackend's is its module, loaded when get_backend built it
-    ops = getattr(torch.ops, module.OP_NAMESPACE)
-
-    def step(*args: Any, **kwargs: Any) -> None:
-        ops.adamw_step_(*args, **kwargs)
-
-    return step, f"torch.ops.{module.OP_NAMESPACE}.adamw_step_"
-
-
-def _triton_step(backend) -> tuple[KernelFn, str]:
-    """``gaengine.kernels.adamw.adamw_step_``: one Triton launch per parameter."""
-    from gaengine.kernels.adamw import adamw_step_  # noqa: PLC0415 - imports triton
-
-    return adamw_step_, "gaengine.kernels.adamw.adamw_step_"
-
-
-ADAMW_KERNELS: dict[str, Callable[[Any], tuple[KernelFn, str]]] = {
-    "torch": lambda backend: (adamw_step_reference, "gaengine.optim.adamw_step_reference"),
-    "cpu": _compiled_step,
-    "cuda": _compiled_step,
-    "triton": _triton_step,
-}
-"""The AdamW step's kernel for each kernel family (the backend names of ``gaengine.backends``): a function of the
-chosen backend returning ``(step, where)``, ``step`` a callable taking ``*AdamWStep(...)`` (``gaengine.contract``),
-``where`` its name."""
-
-
 class OptimizerKernel(NamedTuple):
     """The kernel a fused optimizer runs on one device: ``backend`` the kernel family (a backend name, as
     ``gaengine.backends.get_backend`` chose it), ``step`` the function, ``where`` its name (e.g.
     ``"torch.ops.gaengine.adamw_step_"``). ``FusedAdamW``'s is called as ``step(*AdamWStep(...))``, every other
     fused optimizer's as ``step(params, grads, states, steps, model_params, hyper, grad_scale, found_inf)``
-    (``FusedElementwiseOptimizer``)."""
+    (``FusedElementwiseOptimizer``; ``gaengine.contract.FusedStep``)."""
 
     backend: str
     step: KernelFn
@@ -187,38 +157,20 @@ class OptimizerKernel(NamedTuple):
         self.step(*args, **kwargs)
 
 
-def optimizer_kernel(kernels: dict[str, Callable[[Any], tuple[KernelFn, str]]], backend: str,
-                     device: torch.device | str) -> OptimizerKernel:
-    """The kernel of ``kernels`` (kernel family -> factory, e.g. ``ADAMW_KERNELS``) for ``backend`` (one of
-    ``gaengine.backends.BACKEND_NAMES``) on ``device``: the same choice as the accumulate kernels' (``get_backend``:
-    "auto" is "cuda" on CUDA when ``gaengine._C`` carries its CUDA kernels and the driver can launch them, else
-    "triton"; "cpu" on CPU). Raises what ``get_backend`` raises (``ValueError`` for an unknown name,
-    ``RuntimeError`` when a backend asked for by name cannot run on ``device``)."""
+def optimizer_kernel(step: FusedStep, backend: str, device: torch.device | str) -> OptimizerKernel:
+    """The kernel of the fused optimizer step ``step`` (an optimizer's ``STEP``) for ``backend`` (one of
+    ``gaengine.backends.BACKEND_NAMES``) on ``device``: the backend ``get_backend`` chooses, as for the accumulate
+    kernels ("auto" is "cuda" on CUDA when ``gaengine._C`` carries its CUDA kernels and the driver can launch them,
+    else "triton"; "cpu" on CPU), asked for its kernel (``Backend.optimizer_step``). Raises what ``get_backend``
+    raises (``ValueError`` for an unknown name, ``RuntimeError`` when a backend asked for by name cannot run on
+    ``device``) and ``RuntimeError`` when the backend has no kernel for ``step``."""
     chosen = get_backend(backend, device)
-    return OptimizerKernel(chosen.name, *kernels[chosen.name](chosen))
+    return OptimizerKernel(chosen.name, *chosen.optimizer_step(step))
 
 
 def adamw_kernel(backend: str, device: torch.device | str) -> OptimizerKernel:
-    """The AdamW kernel for ``backend`` on ``device`` (``optimizer_kernel`` over ``ADAMW_KERNELS``)."""
-    return optimizer_kernel(ADAMW_KERNELS, backend, device)
-
-
-def compiled_optimizer_step(name: str) -> Callable[[Any], tuple[KernelFn, str]]:
-    """The kernel factory of the fused optimizer ``name`` (a functor of ``csrc/optim/all.h``) in a backend's compiled
-    module: ``torch.ops.<namespace>.optimizer_step_(name, ...)`` (``csrc/optim/step.h``; the CPU and CUDA
-    multi-tensor launchers), its per-state lists flattened state-major as the op takes them."""
-
-    def factory(backend) -> tuple[KernelFn, str]:
-        module = backend.extension()[0]
-        ops = getattr(torch.ops, module.OP_NAMESPACE)
-
-        def step(params, grads, states, steps, model_params, hyper, grad_scale=None, found_inf=None) -> None:
-            ops.optimizer_step_(name, params, grads, [t for state in states for t in state], steps, model_params,
-                                hyper, grad_scale, found_inf)
-
-        return step, f"torch.ops.{module.OP_NAMESPACE}.optimizer_step_({name!r})"
-
-    return factory
+    """The AdamW kernel for ``backend`` on ``device`` (``optimizer_kernel`` of ``FusedAdamW.STEP``)."""
+    return optimizer_kernel(FusedAdamW.STEP, backend, device)
 
 
 class FusedElementwiseOptimizer(torch.optim.Optimizer):
@@ -228,9 +180,9 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
     flag (``found_inf``) and the fp32 master -> bf16/fp16 model write (``attach_model_params``) folded in, no
     host sync.
 
-    A subclass is the optimizer: ``STATE_KEYS`` (its per-element state tensors, in its functor's order),
-    ``KEEPS_STEP`` (a 0-d fp32 ``step`` per parameter), ``KERNELS`` (kernel family -> ``(step, where)`` factory:
-    ``"torch"``, ``"cpu"``, ``"cuda"``, ``"triton"``), ``_check_hyperparameters(group)`` (``ValueError`` naming the
+    A subclass is the optimizer: ``STATE_KEYS`` (its per-element state tensors, in its functor's order), ``KEEPS_STEP``
+    (a 0-d fp32 ``step`` per parameter), ``STEP`` (``gaengine.contract.FusedStep``: its kernel name and plain-torch
+    step, from which each backend gives its kernel), ``_check_hyperparameters(group)`` (``ValueError`` naming the
     argument) and ``_hyper(group)`` (its functor's hyper list). Its kernels take ``(params, grads, states, steps,
     model_params, hyper, grad_scale, found_inf)``: per device, ``states[k][i]`` state ``STATE_KEYS[k]`` of
     ``params[i]``. Its row of ``gaengine.optimizers.OPTIMIZERS`` goes beside it (``register_optimizer``).
@@ -245,7 +197,7 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # step() reads grad_scale / found_inf (torch.amp.GradScaler's protocol)
     STATE_KEYS: tuple[str, ...] = ()
     KEEPS_STEP: bool = True
-    KERNELS: dict[str, Callable[[Any], tuple[KernelFn, str]]] = {}
+    STEP: FusedStep
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any],
                  backend: str) -> None:
@@ -366,7 +318,7 @@ class FusedElementwiseOptimizer(torch.optim.Optimizer):
         # Raises when a backend asked for by name cannot run. "auto" is "cuda" on CUDA when gaengine._C carries
         # its CUDA kernels and the driver can launch them (backends.cuda_kernels_unusable, the one decision): one
         # launch for the whole list (Triton launches once per parameter).
-        kernel = self._kernels[device] = optimizer_kernel(self.KERNELS, self.backend, device)
+        kernel = self._kernels[device] = optimizer_kernel(self.STEP, self.backend, device)
         return kernel
 
     def _launch(self, kernel: OptimizerKernel, params: list, grads: list, states: list[list], steps: list,
@@ -545,8 +497,9 @@ class FusedAdamW(FusedElementwiseOptimizer):
         amsgrad: must be False (``ValueError`` otherwise; kept so torch's signature and state dicts fit).
         maximize: ascend the objective instead.
         backend: the AdamW kernel's family, one of ``gaengine.backends.BACKEND_NAMES`` ("auto" | "torch" | "cpu"
-            | "cuda" | "triton"), chosen for each parameter device as ``gaengine.backends.get_backend`` chooses a
-            backend and mapped to that family's AdamW step by ``ADAMW_KERNELS`` (``adamw_kernel``). "auto": the
+            | "cuda" | "triton", or a backend registered with ``gaengine.backends.register_backend``), chosen for each
+            parameter device as ``gaengine.backends.get_backend`` chooses a backend, whose AdamW step it runs
+            (``Backend.optimizer_step``, ``adamw_kernel``). "auto": the
             C++ kernel for CPU tensors; for CUDA ones the CUDA kernel when ``gaengine._C`` carries it and the
             driver can launch it, else Triton; the plain-torch reference when neither loads. An unknown name
             raises ``ValueError`` here; a family asked for by name that cannot run on the parameters' device
@@ -580,7 +533,7 @@ class FusedAdamW(FusedElementwiseOptimizer):
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
     KEEPS_STEP = True
-    KERNELS = ADAMW_KERNELS
+    STEP = FusedStep("adamw", adamw_step_reference, op="adamw_step_")
     _plain_alternative = "torch.optim.AdamW"
 
     def __init__(
@@ -640,9 +593,10 @@ register_optimizer(FusedAdamW, OptimizerSpec(name="gaengine.optim.FusedAdamW", e
 # ------------------------------------------------------------------------------------------------ Lion
 def lion_step_reference(params, grads, states, steps, model_params, hyper, grad_scale=None, found_inf=None) -> None:
     """One Lion update of every ``params[i]``: the plain-torch reference and fallback of the Lion kernels
-    (``LION_KERNELS["torch"]``), with the arguments of every fused optimizer's kernel (``FusedElementwiseOptimizer``;
-    ``states == [exp_avgs]``, ``steps == []``, ``hyper == [lr, beta1, beta2, weight_decay]``). Several passes per
-    parameter in fp32 (bf16/fp16 ones on fp32 copies, each rounded back by ``copy_``); the skip by ``torch.where``."""
+    (``FusedLion.STEP``'s: the ``torch`` backend's), with the arguments of every fused optimizer's kernel
+    (``FusedElementwiseOptimizer``; ``states == [exp_avgs]``, ``steps == []``, ``hyper == [lr, beta1, beta2,
+    weight_decay]``). Several passes per parameter in fp32 (bf16/fp16 ones on fp32 copies, each rounded back by
+    ``copy_``); the skip by ``torch.where``."""
     (exp_avgs,) = states
     lr, beta1, beta2, weight_decay = (float(h) for h in hyper)
     skip = None if found_inf is None else found_inf != 0
@@ -664,22 +618,6 @@ def lion_step_reference(params, grads, states, steps, model_params, hyper, grad_
             model.copy_(rounded if skip is None else torch.where(skip, model, rounded))
 
 
-def _triton_lion(backend) -> tuple[KernelFn, str]:
-    """``gaengine.kernels.lion.lion_step_``: one Triton launch per parameter."""
-    from gaengine.kernels.lion import lion_step_  # noqa: PLC0415 - imports triton
-
-    return lion_step_, "gaengine.kernels.lion.lion_step_"
-
-
-LION_KERNELS: dict[str, Callable[[Any], tuple[KernelFn, str]]] = {
-    "torch": lambda backend: (lion_step_reference, "gaengine.optim.lion_step_reference"),
-    "cpu": compiled_optimizer_step("lion"),
-    "cuda": compiled_optimizer_step("lion"),
-    "triton": _triton_lion,
-}
-"""The Lion step's kernel for each kernel family (as ``ADAMW_KERNELS``)."""
-
-
 class FusedLion(FusedElementwiseOptimizer):
     """Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023, Algorithm 2: decoupled weight
     decay), one fused pass per parameter, no host sync (``FusedElementwiseOptimizer``: masters and the bf16/fp16
@@ -696,7 +634,8 @@ class FusedLion(FusedElementwiseOptimizer):
         betas: ``(beta1, beta2)``, each in [0, 1): the interpolation of the update direction and the decay of the
             momentum (the paper's (0.9, 0.99)).
         weight_decay: decoupled weight decay ``lambda`` >= 0: ``p *= 1 - lr * lambda`` (default 0).
-        backend: the kernel family, as ``FusedAdamW``'s (``LION_KERNELS``).
+        backend: the kernel family, as ``FusedAdamW``'s (the backend's Lion step: ``torch.ops.gaengine.optimizer_step_(
+            "lion", ...)`` for cpu and cuda, ``gaengine.kernels.lion.lion_step_`` for triton, the reference for torch).
 
     Per-parameter state: ``exp_avg`` (the momentum ``m``, the parameter's shape and dtype), created at the
     parameter's first update; no ``step``. Raises ``ValueError`` naming the argument for a bad hyper-parameter
@@ -706,7 +645,7 @@ class FusedLion(FusedElementwiseOptimizer):
 
     STATE_KEYS = ("exp_avg",)
     KEEPS_STEP = False
-    KERNELS = LION_KERNELS
+    STEP = FusedStep("lion", lion_step_reference)
     _plain_alternative = "an unfused Lion"
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-4,

@@ -230,17 +230,16 @@ def test_no_module_outside_backends_compares_a_backend_name():
 
 
 def test_the_adamw_kernels_are_the_optimizers_not_a_backend_op():
-    """The AdamW step left the backend contract: no backend has it, and ``gaengine.optim.adamw_kernel`` maps every
-    kernel family to its AdamW kernel, choosing the family exactly as ``get_backend`` does."""
-    from gaengine.backends import BACKEND_NAMES  # noqa: PLC0415
-    from gaengine.optim import ADAMW_KERNELS, adamw_kernel  # noqa: PLC0415
+    """The AdamW step is not an op of the table: no backend has it as an op, and ``gaengine.optim.adamw_kernel`` is
+    the AdamW kernel the backend ``get_backend`` chooses gives (``Backend.optimizer_step(FusedAdamW.STEP)``)."""
+    from gaengine.optim import FusedAdamW, adamw_kernel  # noqa: PLC0415
 
     assert "adamw_step_" not in OPS and not hasattr(Backend, "adamw_step_")
-    assert set(ADAMW_KERNELS) == set(BACKEND_NAMES) - {"auto"}
     for name in ("auto", "torch", "cpu"):
-        kernel = adamw_kernel(name, "cpu")
-        assert kernel.backend == get_backend(name, "cpu").name
-        assert not hasattr(get_backend(name, "cpu"), "adamw_step_")
+        kernel, chosen = adamw_kernel(name, "cpu"), get_backend(name, "cpu")
+        assert kernel.backend == chosen.name
+        assert kernel.where == chosen.optimizer_step(FusedAdamW.STEP)[1]
+        assert not hasattr(chosen, "adamw_step_")
     assert adamw_kernel("torch", "cpu").step is adamw_step_reference
     with pytest.raises(ValueError, match="backend must be one of"):
         adamw_kernel("fast", "cpu")

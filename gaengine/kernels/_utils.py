@@ -1,6 +1,7 @@
 """Helpers shared by the Triton launchers: argument contracts, the device guard and block-size checks. (The
 arguments of the multi-tensor AdamW step every AdamW kernel takes, ``AdamWStep``, are written in
-``gaengine.contract``; ``gaengine.optim.ADAMW_KERNELS`` picks the kernel.)
+``gaengine.contract``; the triton backend gives ``gaengine.kernels.<name>.<name>_step_`` as a fused optimizer's
+kernel, ``Backend.optimizer_step``.)
 
 Nothing here imports triton, so the contracts can be checked (and tested) without it.
 """

@@ -25,7 +25,7 @@ into a separate module ``gaengine_emu_C`` (``torch.utils.cpp_extension.load``, n
 ``use(monkeypatch, module)`` points ``gaengine.backends._EMULATED_CUDA_MODULE`` (the one test hook) at the module,
 with fresh backend caches: ``backend="cuda"`` on a CPU device is then a ``CompiledBackend`` over its ops
 (``torch.ops.<module.OP_NAMESPACE>``), the native hot path builds its ``HotPath`` (``backend.extension()``), and
-``FusedAdamW(backend="cuda")`` runs its ``adamw_step_`` (``gaengine.optim.ADAMW_KERNELS["cuda"]``). The build is
+``FusedAdamW(backend="cuda")`` runs its ``adamw_step_`` (``CompiledBackend.optimizer_step``). The build is
 cached under ``build/cuda_emu_engine`` (ninja rebuilds what changed).
 """
 

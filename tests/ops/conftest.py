@@ -20,8 +20,8 @@ The ``Backend`` interface (``gaengine/contract.py``) has ``accumulate_``, ``l2no
 ``accumulate_bucket_``, ``new_bucket_partials`` and ``finish_norm_partials``; the tests call those on
 ``backend.ops``. ``OpBackend.accumulate_bucket_`` adds a scale (the torch reference: one ``accumulate_`` per source;
 triton: its kernel with small blocks). ``OpBackend.adamw_step_`` is the AdamW kernel of the same family, which is not
-a backend op: ``gaengine.optim.adamw_kernel``'s choice (``gaengine.optim.ADAMW_KERNELS``; triton: its kernel, called
-with small blocks).
+a backend op: ``gaengine.optim.adamw_kernel``'s choice (the backend's ``optimizer_step(FusedAdamW.STEP)``; triton: its
+kernel, called with small blocks).
 """
 
 from __future__ import annotations
@@ -195,6 +195,26 @@ def _cuda_backend(name: str, device: torch.device, max_numel: int | None) -> OpB
                      _bucket=bucket, _num_partials=C.bucket_num_chunks, _adamw=adamw_kernel("cuda", device))
 
 
+def _registered_backend(name: str) -> OpBackend:
+    """A backend of ``tests/conftest.py``'s list without a builder of its own here (one registered with
+    ``gaengine.backends.register_backend``): its ``Backend`` as it is, on CPU tensors, its bucket op unscaled, its
+    partials layout read from its ``partials_dim`` and its AdamW kernel the one it gives (``adamw_kernel``)."""
+    from gaengine.backends import get_backend  # noqa: PLC0415
+    from gaengine.optim import adamw_kernel  # noqa: PLC0415
+
+    device = torch.device("cpu")
+    ops = get_backend(name, device)
+
+    def bucket(dst, srcs, offsets, overwrite, scale, partials):
+        ops.accumulate_bucket_(dst, srcs, offsets, overwrite, partials)
+
+    def num_partials(numels):
+        return ops.new_bucket_partials(numels, device).shape[ops.partials_dim]
+
+    return OpBackend(name, device, ops, bucket_scale=False, partials_layout="rows" if ops.partials_dim == 0 else
+                     "columns", _bucket=bucket, _num_partials=num_partials, _adamw=adamw_kernel(name, device))
+
+
 BACKEND_PARAMS = backend_params()  # tests/conftest.py's list of the backends that exist here
 
 
@@ -212,7 +232,9 @@ def backend(request) -> OpBackend:
         emu_engine, module = request.getfixturevalue("emulated_cuda_module")
         emu_engine.use(request.getfixturevalue("monkeypatch"), module)
         return _cuda_backend("cuda-emu", torch.device("cpu"), EMULATION_MAX_NUMEL)
-    return _cuda_backend("cuda-gpu", torch.device("cuda"), None)
+    if name == "cuda-gpu":
+        return _cuda_backend("cuda-gpu", torch.device("cuda"), None)
+    return _registered_backend(name)
 
 
 # --- inputs shared by the op files ----------------------------------------------------------------------------

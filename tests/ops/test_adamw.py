@@ -1,4 +1,4 @@
-"""The multi-tensor AdamW step of every kernel family (``gaengine.optim.ADAMW_KERNELS``; not a backend op):
+"""The multi-tensor AdamW step of every kernel family (each backend's ``optimizer_step(FusedAdamW.STEP)``; not an op):
 ``gaengine.optim.adamw_step_reference`` (torch), ``torch.ops.gaengine.adamw_step_`` (cpu; cuda, emulated and on a
 GPU), ``gaengine.kernels.adamw.adamw_step_`` (triton), each the one ``gaengine.optim.adamw_kernel`` picks for the
 backend, called through ``OpBackend.adamw_step_`` (``conftest.py``); the bitwise cpu-vs-triton cases call the two
