@@ -129,6 +129,11 @@ class RankLayout(ABC):
         parameters' exact fp32 values) and the optimizer's pieces. Returns per parameter its ``ParamSlot`` (no
         ``grad``), and the ``Mastered`` entries in the order the masters are copied."""
 
+    def state_meta(self) -> dict[str, bool]:
+        """This layout's entries in a checkpoint's meta (``ShardingStrategy.state_meta``): ``sharded`` and
+        ``window_rows`` (whether it is set). A state saved mid-window resumes only where they are alike."""
+        return {"sharded": self.sharded, "window_rows": self.window_rows is not None}
+
     def grad_views(self, main_grad: FlatBuffer, reducer) -> dict[str, Any]:
         """This rank's views of the window's fp32 sums where they are not ``main_grad``'s own, as keyword arguments
         of ``gaengine.accumulation.Accumulation`` (``shard_grads``, ``chunks``, ``grad_views``): by default none (this
