@@ -190,6 +190,14 @@ class RankLayout(ABC):
         """``RuntimeError`` where ``GradientAccumulator.masters_to_model()`` cannot run on this rank's masters
         (they are ranges, rounded into the model by the update's gathers); nothing by default."""
 
+    def check_lend(self, mode: str) -> None:
+        """``ValueError`` where the window's whole reduced gradient cannot be lent in ``.grad``
+        (``step(before_update=...)``, ``begin_step()``): every rank must hold it (``holds_whole_grad``). mode: the
+        strategy's name, for the message."""
+        if not self.holds_whole_grad:
+            raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
+                             f"which {mode} does not hold; use zero_stage=0, or read StepResult.grad_norm")
+
     def check_release(self) -> None:
         """``ValueError`` where the optimizer cannot be given back to the model (``close(release_optimizer=True)``):
         its pieces are not shaped like their parameters; nothing by default."""
