@@ -26,7 +26,8 @@ Implementations: ``gaengine.zero.WholeParams`` (every rank holds every parameter
 ``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``), ``gaengine.zero.WholeOwners`` (ZeRO's
 shards laid out so that each parameter lies whole in one rank's: whole-matrix owners, for optimizers that are not
 elementwise) and ``gaengine.fsdp2.DTensorShards`` (FSDP2's DTensor local shards). A new layout is one more
-subclass.
+subclass; one of ZeRO's shards (an ``EvenShards`` subclass answering ``takes`` and ``plan``) is plugged in by
+``gaengine.sharding.register_zero_layout``, with no change to the engine, the store or ``gaengine.checkpoint``.
 """
 
 from __future__ import annotations

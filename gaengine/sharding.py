@@ -28,8 +28,10 @@ each part, never to the hooks, the reducer or the store behind them:
 
 What this rank holds of each parameter (its gradient views, the optimizer's pieces, the masters and their way into
 the model, how pieces and gradients are wrapped) is the rank's layout, ``gaengine.rank_layout.RankLayout``, which the
-strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine.zero.EvenShards``,
-``gaengine.zero.WholeOwners`` where the optimizer is not elementwise, ``gaengine.fsdp2.DTensorShards``) and the store, the update and the checkpoint ask (``rank_layout``). What a strategy
+strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine.fsdp2.DTensorShards``, and at ZeRO
+the layout class ``zero_layout_for(optimizer)`` chooses: ``gaengine.zero.EvenShards``, ``gaengine.zero.WholeOwners``
+where the optimizer is not elementwise, or one registered with ``register_zero_layout``) and the store, the update
+and the checkpoint ask (``rank_layout``). What a strategy
 itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
 re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
 its part of the state dict (the window's sums to save and how they load, ``window_sums``/``load_window_state``,

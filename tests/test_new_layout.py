@@ -17,7 +17,6 @@ exactly the parameters the round-robin rule gives it, and:
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
 
 import pytest
@@ -28,6 +27,7 @@ import gaengine
 from gaengine.rank_layout import RankLayout
 from gaengine.zero import WholeOwners, largest_first, owner_layout
 from tests.models import MuonLM
+from tests.helpers import one_thread
 from tests.ranks import launch_scenario
 
 VOCAB, ROWS, SEQ, WINDOWS = 17, 2, 5, 4
@@ -72,16 +72,6 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _loss(model, tokens, labels, rank):
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     return nn.functional.cross_entropy(model(tokens[rows]).reshape(-1, VOCAB), labels[rows].reshape(-1))
-
-
-@contextlib.contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _acc(name: str, stage: int, k: int):
@@ -148,7 +138,7 @@ def two_ranks(tmp_path_factory):
 def _plain_recipe(name: str) -> MuonLM:
     """The same optimizers on one process over both ranks' rows: K = 1, ``(loss / 2).backward()`` per rank's rows,
     each optimizer's ``step()`` per window (module docstring)."""
-    with _one_thread():
+    with one_thread():
         model = _model()
         opts = _optimizers(name, model)
         for tokens, labels in _batches(2 * WINDOWS)[:WINDOWS]:
