@@ -100,8 +100,13 @@ def _scenario(rank, world, out):
         for stage in STAGES:
             model, acc = _acc(name, stage, 1)
             results[(name, stage, "owned")] = _owned(acc, model)
-            for tokens, labels in batches[:WINDOWS]:
+            for w, (tokens, labels) in enumerate(batches[:WINDOWS]):
                 acc.backward(_loss(model, tokens, labels, rank))
+                if w == 0:  # the layout refuses to lend the gradient in .grad: no rank holds it whole
+                    try:
+                        acc.step(before_update=lambda: None)
+                    except ValueError as exc:
+                        results[(name, stage, "lend")] = str(exc)
                 acc.step()
             results[(name, stage, "trained")] = [p.detach().clone() for p in model.parameters()]
             acc.close()
@@ -183,6 +188,18 @@ def test_the_registered_layout_trains_as_the_plain_recipe(two_ranks, name, stage
     for rank, result in enumerate(two_ranks):
         for (pname, q), p in zip(reference.named_parameters(), result[(name, stage, "trained")]):
             assert torch.equal(p, q.detach()), f"{name} zero_stage={stage} rank {rank} {pname}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("name", CASES)
+def test_the_registered_layout_refuses_to_lend_the_gradient_and_keeps_the_window(two_ranks, name, stage):
+    """``step(before_update=...)`` needs the whole gradient on every rank, which the layout does not hold: refused
+    with a ``ValueError`` naming the call, the mode and what to do, and the window applied by the next ``step()``
+    is the whole one (the same run equals the plain recipe: test_the_registered_layout_trains_as_the_plain_recipe)."""
+    for result in two_ranks:
+        message = result[(name, stage, "lend")]
+        assert "step(before_update=...)" in message and f"zero_stage={stage}" in message \
+            and "use zero_stage=0" in message, message
 
 
 @pytest.mark.parametrize("stage", STAGES)
