@@ -560,7 +560,7 @@ class _Zero(ShardingStrategy):
         """Everything over ``order`` (layout order, grouped by dtype): the layout, ``main_grad`` (and the gradient
         shard), the reducer, the hooks, the gradient views, the store (parameter buffers, masters, pieces) and the
         gathers. The store is built from the parameters' values: ``adopt`` moves the masters and the state after."""
-        self.layout, order = self.layout_type.plan(order, self.bucket_size_mb, self.world_size)
+        self.layout, order = _checked_plan(self.layout_type, order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
         self.store = ParameterStore(self.optimizer, self.params, device=self.device,
                                     master_weights=self.master_weights, layout=self._new_rank_layout())
@@ -710,6 +710,26 @@ def register_zero_layout(cls: type[EvenShards]) -> type[EvenShards]:
     if cls not in _ZERO_LAYOUTS:
         _ZERO_LAYOUTS.insert(0, cls)
     return cls
+
+
+def _checked_plan(cls: type[EvenShards], params: list[torch.Tensor], bucket_size_mb: float,
+                  world_size: int) -> tuple[ShardLayout, list[torch.Tensor]]:
+    """``cls.plan(params, bucket_size_mb, world_size)``, checked before anything is built over it: ``ValueError``
+    naming ``cls.plan`` unless it returns a ``ShardLayout`` of ``world_size`` ranks and every parameter once, laid
+    out with its element count."""
+    layout, order = cls.plan(params, bucket_size_mb, world_size)
+    where = f"{cls.__name__}.plan (a layout registered with gaengine.sharding.register_zero_layout)"
+    if not isinstance(layout, ShardLayout) or layout.world_size != world_size:
+        raise ValueError(f"{where} must return a gaengine.zero.ShardLayout of world_size={world_size} and the "
+                         f"parameters in its order, got {type(layout).__name__}")
+    order = list(order)
+    if sorted(map(id, order)) != sorted(map(id, params)) or len(order) != len(params):
+        raise ValueError(f"{where} must return every one of the {len(params)} parameters once, in the layout's "
+                         f"order; got {len(order)} tensor(s), not each of them once")
+    if tuple(layout.layout.numels) != tuple(p.numel() for p in order):
+        raise ValueError(f"{where}: its ShardLayout does not lay the returned parameters out in their order (element "
+                         "counts differ); build it from that order (gaengine.zero.ShardLayout.build, owner_layout)")
+    return layout, order
 
 
 def zero_layout_for(optimizer) -> type[EvenShards]:

@@ -52,6 +52,18 @@ class RoundRobinOwners(WholeOwners):
         return True
 
 
+class DroppingPlan(RoundRobinOwners):
+    """A broken layout: its plan leaves the last parameter out. It takes only an optimizer marked ``bad_plan``."""
+
+    @classmethod
+    def takes(cls, optimizer) -> bool:
+        return getattr(optimizer, "bad_plan", False)
+
+    @classmethod
+    def plan(cls, params, bucket_size_mb, world_size):
+        return owner_layout(params[:-1], bucket_size_mb, world_size)[:2]
+
+
 def _model() -> MuonLM:
     torch.manual_seed(0)
     return MuonLM(vocab=VOCAB)
@@ -93,8 +105,19 @@ def _scenario(rank, world, out):
     from gaengine.sharding import register_zero_layout
 
     register_zero_layout(RoundRobinOwners)  # this rank's process only: every rank registers alike
+    register_zero_layout(DroppingPlan)  # asked first; takes only an optimizer marked bad_plan
     torch.set_num_threads(1)
     results = {}
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters())
+    opt.bad_plan = True
+    try:
+        gaengine.GradientAccumulator(model, opt, 1, zero_stage=1)
+    except ValueError as exc:
+        results["bad plan"] = str(exc)
+    results["bad plan unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not any(
+        opt.state.values()) and all(p.data._base is None for p in model.parameters())
     batches = _batches(2 * WINDOWS)
     for name in CASES:
         for stage in STAGES:
@@ -210,6 +233,15 @@ def test_the_registered_layout_resumes_a_dcp_checkpoint_bit_for_bit(two_ranks, n
     for rank, result in enumerate(two_ranks):
         for a, b in zip(result[(name, stage, "resumed")], result[(name, stage, "uninterrupted")]):
             assert torch.equal(a, b), (name, stage, rank)
+
+
+def test_a_registered_plan_that_drops_a_parameter_is_refused(two_ranks):
+    """A registered layout whose ``plan`` leaves a parameter out is refused at construction with a ``ValueError``
+    naming its ``plan`` and what it must return, before anything is built over it (the model's parameters as they
+    were, in their own storage; the optimizer without state)."""
+    for result in two_ranks:
+        assert "DroppingPlan.plan" in result["bad plan"] and "every one of the 9 parameters once" in result["bad plan"]
+        assert result["bad plan unchanged"]
 
 
 def test_register_zero_layout_refuses_what_is_not_a_zero_layout():
