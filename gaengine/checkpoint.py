@@ -25,7 +25,10 @@ never call back into the accumulator; the strategy is reached through its method
 ``finish_collectives``, ``state_meta``, ``window_sums``, ``load_window_state``, ``layout_to_resume``, ``set_layout``,
 ``optimizer_shards``, ``check_saveable``) and its rank's layout (``rank_layout``: ``gaengine.rank_layout.RankLayout``,
 which wraps and unwraps a piece's local elements and says whether every rank holds the whole gradient), never a
-mode flag: what differs per mode is the strategy's or the layout's answer. ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW`` loads, for export.
+mode flag: what differs per mode is the strategy's or the layout's answer. How an optimizer's per-parameter state
+is held (by ranges, or whole by the rank that holds the parameter) is the optimizer's answer
+(``gaengine.optimizer_state.state_form``). ``full_optimizer_state_dict`` gathers a state dict ``torch.optim.AdamW``
+loads, for export.
 ``upgrade`` brings a state dict of an earlier gaengine's format (``gaengine.formats``) to today's.
 """
 
@@ -44,6 +47,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from gaengine import optimizers, state_checks
 from gaengine.buffer import FlatLayout, copy_into
 from gaengine.compat import all_gather_single
+from gaengine.optimizer_state import cpu_copy, state_form
 from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
 from gaengine.protocol import gather_objects
 from gaengine.reduce import Collective, wait_for
@@ -436,6 +440,23 @@ class _Entry:
     shard_offset: int
     layout: RankLayout
 
+    # What the optimizer state's form (gaengine.optimizer_state) asks of the entry it saves or loads.
+    def chunk(self, local: torch.Tensor) -> FlatShard:
+        """``local``, this rank's ``(hi - lo,)`` elements, as the chunk ``[lo, hi)`` of the ``(numel,)`` tensor."""
+        return FlatShard(local, self.numel, self.lo)
+
+    def take(self, value: Any, what: str) -> torch.Tensor:
+        """This rank's elements of a loaded ``value`` (``_take``)."""
+        return _take(value, self, what)
+
+    def flat(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t``'s elements this rank holds, flat and in place (``_flat``)."""
+        return _flat(self, t, what)
+
+    def shaped(self, local: torch.Tensor) -> torch.Tensor:
+        """A loaded state tensor shaped and wrapped like the piece (``_shaped_like``)."""
+        return _shaped_like(self, local)
+
 
 def _param_keys(acc: AccumulatorParts) -> dict[int, str]:
     """id(parameter) -> its checkpoint key: its name in the model (the first, for a tied parameter), else
@@ -479,10 +500,6 @@ def _shaped_like(e: _Entry, local: torch.Tensor) -> torch.Tensor:
     return e.layout.wrap(piece, local.view(e.layout.local(piece).shape))
 
 
-def _cpu_copy(value: Any) -> Any:
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
 def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
     """``acc.state_dict()`` for every sharding strategy (see ``GradientAccumulator.state_dict``).
 
@@ -491,12 +508,12 @@ def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
 
     * ``master``: each parameter with fp32 master weights, ``(numel,)`` fp32, this rank's range ``[lo, hi)``
       (``ShardingStrategy.param_slots``: the whole parameter unsharded, a view of the masters).
-    * ``optimizer``: each optimized parameter this rank holds a range of, ``{"initialized": 0-d, "step": 0-d
-      fp64, <moment>: FlatShard (numel,) in the state's dtype}`` for the elementwise optimizers of
-      ``gaengine.optimizers.OPTIMIZERS`` (views of the optimizer's state); for any other optimizer (held whole by one
-      rank: every rank replicated, the owner at ``zero_stage`` >= 1) ``{"initialized", "step", "whole": bytes}``, the
-      parameter's whole state as ``torch.save`` bytes of CPU copies (``_whole_state_entry``), saved by the rank that
-      holds it and loaded by the one that holds it then, at any world size.
+    * ``optimizer``: each optimized parameter this rank holds a range of, in the form the optimizer's state takes
+      (``gaengine.optimizer_state.state_form``): for the elementwise optimizers of ``gaengine.optimizers.OPTIMIZERS``
+      ``{"initialized": 0-d, "step": 0-d fp64, <moment>: FlatShard (numel,) in the state's dtype}`` (views of the
+      optimizer's state); for any other (held whole by one rank: every rank replicated, the owner at ``zero_stage``
+      >= 1) ``{"initialized", "step", "whole": bytes}``, the parameter's whole state as ``torch.save`` bytes of CPU
+      copies, saved by the rank that holds it and loaded by the one that holds it then, at any world size.
     * ``window_grad``: the window's fp32 gradient sum, as the strategy places it (``ShardingStrategy.window_sums``).
       Between windows a template (``FlatShard.template``: DCP saves ``None``). Mid-window this rank's range of the
       sum over the ranks (``(numel,)``; sharded strategies, and one rank), or, for a replicated run on several
@@ -523,14 +540,14 @@ def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
     sharding.finish_collectives()  # the parameters (model.state_dict() views) whole, the gradient shard reduced
     entries = _entries(acc)
     optimizer = acc.optimizer
-    elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
+    form = state_form(optimizer) if optimizer is not None else None  # how each parameter's state is held
 
     per_rank: dict[str, Any] = {"scalars": acc.stages.state_items()}  # with the window's (gaengine.window)
     ranks = [per_rank]
     if mid_window and world > 1:  # each rank resumes its own window counters
         ranks = gather_objects(per_rank, acc.schedule.update_index, group, "the ranks' window counters "
                                "(acc.state_dict() mid-window)")
-    masters, opt_state, window, whole_state = {}, {}, {}, {}
+    masters, opt_state, window = {}, {}, {}
     window_shards = [FlatShard(c.local, c.numel, c.start, template=not mid_window, own=c.own)  # per layout index
                      for c in sharding.window_sums(mid_window)]  # mid-window at stage 1: a collective
     for e in entries:
@@ -539,79 +556,23 @@ def accumulator_state_dict(acc: AccumulatorParts) -> dict[str, Any]:
             masters[e.key] = FlatShard(_flat(e, e.piece.data, e.key) if owned else e.grad[:0].new_empty(0),
                                        e.numel, e.lo)
         if e.optimized and owned:
-            state = optimizer.state.get(e.piece) or {}
-            if not elementwise:
-                opt_state[e.key] = _whole_state_entry(state)
-            else:
-                opt_state[e.key] = _moments_to_save(optimizer, state, e)
+            opt_state[e.key] = form.save(optimizer, optimizer.state.get(e.piece) or {}, e)
         window[e.key] = window_shards[e.layout_index]
-    return {"format": STATE_FORMAT, "meta": _meta_blob(acc, entries, whole_state, ranks), "master": masters,
+    return {"format": STATE_FORMAT, "meta": _meta_blob(acc, entries, ranks), "master": masters,
             "optimizer": opt_state, "window_grad": window}
 
 
-def _moments_to_save(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _Entry) -> dict[str, Any]:
-    """``e``'s elementwise optimizer state as a checkpoint holds it: ``initialized`` and ``step`` (0-d), each moment a
-    ``FlatShard`` of this rank's range (zeros where the optimizer has not stepped the piece yet)."""
-    moment_keys = optimizers.moment_keys(optimizer, optimizer.param_groups[e.group])
-    ready = all(isinstance(state.get(k), torch.Tensor) for k in moment_keys) and bool(state)
-    step = optimizers.step_key(optimizer, optimizer.param_groups[e.group])  # None: keeps no step count
-    entry: dict[str, Any] = {
-        "initialized": torch.tensor(float(ready)),
-        "step": torch.tensor(float(state[step]) if ready and step in state else 0.0,
-                             dtype=torch.float64),  # host read: once per checkpoint
-    }
-    for k in moment_keys:
-        local = _flat(e, state[k], f"optimizer state {k!r} of {e.key}") if ready else \
-            torch.zeros(e.hi - e.lo, dtype=e.piece.dtype, device=_flat(e, e.piece.data, e.key).device)
-        entry[k] = FlatShard(local, e.numel, e.lo)
-    return entry
-
-
-def _whole_state_entry(state: dict[str, Any]) -> dict[str, Any]:
-    """The state of a parameter of an optimizer that is not elementwise (held whole by this rank: its owner, or
-    every rank of a replicated run) as a checkpoint holds it: ``initialized``, ``step`` (0-d, as an elementwise
-    entry's; the step, if any, is in the state) and ``whole``, ``torch.save`` bytes of the state with its tensors
-    as CPU copies (any shapes: Adafactor's row and column factors, Shampoo's preconditioners). DCP saves the bytes
-    from the rank that holds the parameter and loads them on the rank that holds it then, at any world size."""
-    blob = io.BytesIO()
-    torch.save({k: _cpu_copy(v) for k, v in state.items()}, blob)
-    return {"initialized": torch.tensor(float(bool(state))), "step": torch.tensor(0.0, dtype=torch.float64),
-            "whole": blob.getvalue()}
-
-
-def _saved_whole_state(state: dict[str, Any], whole_state: dict[str, Any], e: _Entry) -> dict[str, Any]:
-    """The saved whole state of ``e``'s parameter (``_whole_state_entry``; a state saved before those entries kept
-    it in the meta's ``optimizer_state``), ``{}`` where it had none; ``ValueError`` naming the key when it is missing
-    or does not decode."""
-    entry = state["optimizer"].get(e.key)
-    if entry is None and not state["optimizer"]:  # saved before: whole states in the meta, or none at all
-        return dict(whole_state.get(e.key, {}))
-    if not isinstance(entry, Mapping) or "whole" not in entry:
-        raise ValueError(f"state['optimizer'][{e.key!r}] is missing or holds no 'whole' state: it was saved with "
-                         "another optimizer, or take the state dict from this run's accumulator (acc.state_dict()) "
-                         "before dcp.load")
-    blob = entry["whole"]
-    try:
-        loaded = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
-    except Exception as exc:
-        raise state_checks.corrupt(f"state['optimizer'][{e.key!r}]['whole']", "torch.save bytes of the parameter's "
-                                   "optimizer state", type(blob).__name__) from exc
-    if not isinstance(loaded, dict):
-        raise state_checks.corrupt(f"state['optimizer'][{e.key!r}]['whole']", "a dict", type(loaded).__name__)
-    return loaded
-
-
-def _meta_blob(acc: AccumulatorParts, entries: list[_Entry], whole_state: dict[str, Any], ranks: list) -> bytes:
+def _meta_blob(acc: AccumulatorParts, entries: list[_Entry], ranks: list) -> bytes:
     """The ``torch.save`` bytes of a checkpoint's meta (``accumulator_state_dict``'s docstring)."""
     optimizer = acc.optimizer
     meta = {
         "world_size": acc.world_size, **acc.sharding.state_meta(),
         "params": [(e.key, list(e.shape), str(e.dtype), e.optimized, e.master) for e in entries],
         "param_groups": ([] if optimizer is None else
-                         [{k: _cpu_copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
+                         [{k: cpu_copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
         "optimizer_type": _optimizer_type(optimizer),
         "lr_scheduler": None if acc.lr_scheduler is None else acc.lr_scheduler.state_dict(),
-        "optimizer_state": whole_state,
+        "optimizer_state": {},  # where an earlier gaengine kept whole states (gaengine.optimizer_state.WholeState)
         "ranks": ranks,
     }
     blob = io.BytesIO()
@@ -804,21 +765,16 @@ def _checked_values(acc: AccumulatorParts, state: dict[str, Any], meta: dict[str
     grads: dict[str, torch.Tensor] = {}
     loaded: dict[int, dict[str, Any]] = {}
     where = acc.sharding.window_sums(False) if mid_window else None  # the chunk each saved window sum must hold
-    whole_state = meta["optimizer_state"]
-    elementwise = optimizer is not None and optimizers.is_elementwise(optimizer)
+    form = state_form(optimizer) if optimizer is not None else None  # how each parameter's state is held
     for e in entries:
         owned = e.piece is not None
         if e.master and owned:
             saved = _take(state["master"].get(e.key), e, "state['master']", dtype=torch.float32)
             masters.append((_flat(e, e.piece.data, e.key), saved))
-        if e.optimized and owned and not elementwise:
-            whole = _saved_whole_state(state, whole_state, e)
-            if whole:
-                loaded[id(e.piece)] = whole
-        elif e.optimized and owned:
-            moments = _saved_moments(optimizer, state, e)
-            if moments is not None:
-                loaded[id(e.piece)] = moments
+        if e.optimized and owned:
+            value = form.load(optimizer, state["optimizer"], meta["optimizer_state"], e)
+            if value is not None:
+                loaded[id(e.piece)] = value
         if mid_window:
             grad = state["window_grad"].get(e.key)
             if grad is None:
@@ -826,29 +782,6 @@ def _checked_values(acc: AccumulatorParts, state: dict[str, Any], meta: dict[str
             chunk = where[e.layout_index]
             grads[e.key] = _take(grad, e, "state['window_grad']", chunk.start, chunk.numel, torch.float32)
     return masters, loaded, grads
-
-
-def _saved_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any], e: _Entry) -> dict[str, Any] | None:
-    """The elementwise optimizer state of ``e``'s piece as saved (``step`` and the moments shaped like the piece),
-    or None where the saved run had not stepped it; ``ValueError`` when it is missing or of another range."""
-    saved = state["optimizer"].get(e.key)
-    if not isinstance(saved, dict):
-        raise ValueError(f"state['optimizer'][{e.key!r}] is missing: it was saved with another optimizer, "
-                         "or take the state dict from this run's accumulator (acc.state_dict()) before "
-                         "dcp.load")
-    if not float(saved["initialized"]):
-        return None
-    group = optimizer.param_groups[e.group]
-    moments = {}
-    for k in optimizers.moment_keys(optimizer, group):  # a FlatShard's chunk is taken as is (no copy)
-        value = saved.get(k)
-        if not isinstance(value, torch.Tensor):
-            raise state_checks.corrupt(f"state['optimizer'][{e.key!r}][{k!r}]", "the moment saved with it (a tensor)",
-                                       "missing" if k not in saved else type(value).__name__)
-        t = _take(value, e, "state['optimizer']")
-        moments[k] = _shaped_like(e, t if isinstance(value, FlatShard) else t.clone())
-    step = optimizers.step_key(optimizer, group)  # None: the optimizer keeps no step count (its row of the table)
-    return {**({step: torch.tensor(float(saved["step"]), dtype=torch.float32)} if step else {}), **moments}
 
 
 def _load_optimizer(acc: AccumulatorParts, meta: dict[str, Any], entries: list[_Entry],

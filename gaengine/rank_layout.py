@@ -26,7 +26,8 @@ Implementations: ``gaengine.zero.WholeParams`` (every rank holds every parameter
 ``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``), ``gaengine.zero.WholeOwners`` (ZeRO's
 shards laid out so that each parameter lies whole in one rank's: whole-matrix owners, for optimizers that are not
 elementwise) and ``gaengine.fsdp2.DTensorShards`` (FSDP2's DTensor local shards). A new layout is one more
-subclass.
+subclass; one of ZeRO's shards (an ``EvenShards`` subclass answering ``takes`` and ``plan``) is plugged in by
+``gaengine.sharding.register_zero_layout``, with no change to the engine, the store or ``gaengine.checkpoint``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ class RankLayout(ABC):
         parameters' exact fp32 values) and the optimizer's pieces. Returns per parameter its ``ParamSlot`` (no
         ``grad``), and the ``Mastered`` entries in the order the masters are copied."""
 
+    def state_meta(self) -> dict[str, bool]:
+        """This layout's entries in a checkpoint's meta (``ShardingStrategy.state_meta``): ``sharded`` and
+        ``window_rows`` (whether it is set). A state saved mid-window resumes only where they are alike."""
+        return {"sharded": self.sharded, "window_rows": self.window_rows is not None}
+
     def grad_views(self, main_grad: FlatBuffer, reducer) -> dict[str, Any]:
         """This rank's views of the window's fp32 sums where they are not ``main_grad``'s own, as keyword arguments
         of ``gaengine.accumulation.Accumulation`` (``shard_grads``, ``chunks``, ``grad_views``): by default none (this
@@ -184,6 +190,14 @@ class RankLayout(ABC):
     def check_masters_to_model(self) -> None:
         """``RuntimeError`` where ``GradientAccumulator.masters_to_model()`` cannot run on this rank's masters
         (they are ranges, rounded into the model by the update's gathers); nothing by default."""
+
+    def check_lend(self, mode: str) -> None:
+        """``ValueError`` where the window's whole reduced gradient cannot be lent in ``.grad``
+        (``step(before_update=...)``, ``begin_step()``): every rank must hold it (``holds_whole_grad``). mode: the
+        strategy's name, for the message."""
+        if not self.holds_whole_grad:
+            raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
+                             f"which {mode} does not hold; use zero_stage=0, or read StepResult.grad_norm")
 
     def check_release(self) -> None:
         """``ValueError`` where the optimizer cannot be given back to the model (``close(release_optimizer=True)``):

@@ -28,8 +28,10 @@ each part, never to the hooks, the reducer or the store behind them:
 
 What this rank holds of each parameter (its gradient views, the optimizer's pieces, the masters and their way into
 the model, how pieces and gradients are wrapped) is the rank's layout, ``gaengine.rank_layout.RankLayout``, which the
-strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine.zero.EvenShards``,
-``gaengine.zero.WholeOwners`` where the optimizer is not elementwise, ``gaengine.fsdp2.DTensorShards``) and the store, the update and the checkpoint ask (``rank_layout``). What a strategy
+strategy builds (``_new_rank_layout``: ``gaengine.zero.WholeParams``, ``gaengine.fsdp2.DTensorShards``, and at ZeRO
+the layout class ``zero_layout_for(optimizer)`` chooses: ``gaengine.zero.EvenShards``, ``gaengine.zero.WholeOwners``
+where the optimizer is not elementwise, or one registered with ``register_zero_layout``) and the store, the update
+and the checkpoint ask (``rank_layout``). What a strategy
 itself keeps is what is per mode: construction, building the layout and its parts (``_lay_out``,
 re-learned from the arrival order at a window's end, ``end_window``), ``adopt`` (parameters joining or leaving),
 its part of the state dict (the window's sums to save and how they load, ``window_sums``/``load_window_state``,
@@ -66,12 +68,11 @@ from gaengine.reduce import (BucketReducer, Collective, Reduction, broadcast_fro
 from gaengine.rank_layout import ParamSlot, RankLayout, WindowChunk
 from gaengine.store import ParameterStore, reshard_state
 from gaengine.update import expose_grads, step_scheduler
-from gaengine.optimizers import is_elementwise
 from gaengine.zero import (STAGING_SLOTS, EvenShards, ParamGather, ParamShard, ShardedReduction, ShardLayout,
-                           ShardReducer, StagedReduction, WholeOwners, WholeParams, owner_layout, zero_order)
+                           ShardReducer, StagedReduction, WholeOwners, WholeParams, zero_order)
 
 __all__ = ["Replicated", "ShardingStrategy", "Update", "ZeroStage1", "ZeroStage2", "make_sharding",
-           "register_model_strategy", "trainable_params"]
+           "register_model_strategy", "register_zero_layout", "trainable_params", "zero_layout_for"]
 
 
 class Update:
@@ -392,8 +393,7 @@ class ShardingStrategy(ABC):
         ``mode`` (its ``name``), and of the rank's layout ``sharded`` (the optimizer state is split over several ranks)
         and ``window_rows`` (each rank saves its own unreduced sums, one row per rank: ``RankLayout.window_rows``). A
         state saved mid-window resumes only where they and the world size are alike."""
-        layout = self.rank_layout
-        return {"mode": self.name, "sharded": layout.sharded, "window_rows": layout.window_rows is not None}
+        return {"mode": self.name, **self.rank_layout.state_meta()}
 
     def window_sums(self, mid_window: bool) -> list[WindowChunk]:
         """Per parameter (layout order), where the window's fp32 gradient sum lies in a checkpoint
@@ -534,32 +534,33 @@ class _Zero(ShardingStrategy):
     """ZeRO stages 1 and 2 on several ranks (``gaengine.zero``): one ``ShardLayout`` for ``main_grad``, the reducer,
     the parameter buffers, the master shards and the optimizer pieces (the store over the rank's shard), and the
     parameters' all-gathers after each update (``gaengine.zero.ParamGather``). Built at construction, and again
-    when parameters join or leave (``adopt``); never re-learned from the arrival order."""
+    when parameters join or leave (``adopt``); never re-learned from the arrival order. Its rank layout is the class
+    ``zero_layout_for(optimizer)`` (``layout_type``) over the ``ShardLayout`` that class plans."""
+
+    staging_slots = 0  # the staging ring of a sharded gradient sum (ZeroStage2); 0: main_grad holds the sums
 
     @property
     def adopts_params(self) -> bool:
-        """Parameters joining or leaving are laid out anew (``adopt``) on even flat ranges; whole-matrix owners lay
-        theirs out once (a joining parameter is refused naming it; a frozen one gets no gradient, so no update)."""
-        return not self.whole_matrix
+        """Parameters joining or leaving are laid out anew (``adopt``) where the layout class says so (even flat
+        ranges); whole-matrix owners lay theirs out once (a joining parameter is refused naming it; a frozen one gets
+        no gradient, so no update)."""
+        return self.layout_type.adopts_params
 
     @property
     def fixed_layout(self) -> str:
-        return ("lays its parameters out once, at construction: each whole on one owner rank for the optimizer that "
-                "is not elementwise (a list of elementwise optimizers adopts it at zero_stage 1 and 2)")
+        return self.layout_type.fixed_layout or super().fixed_layout
 
     def __init__(self, params: list[torch.Tensor], optimizer, **kwargs) -> None:
         super().__init__(params, optimizer, **kwargs)
         self.rank = dist.get_rank(self.process_group)
+        self.layout_type = zero_layout_for(optimizer)
         self._build(zero_order(initial_order(params)))
 
     def _build(self, order: list[torch.Tensor]) -> None:
         """Everything over ``order`` (layout order, grouped by dtype): the layout, ``main_grad`` (and the gradient
         shard), the reducer, the hooks, the gradient views, the store (parameter buffers, masters, pieces) and the
         gathers. The store is built from the parameters' values: ``adopt`` moves the masters and the state after."""
-        if self.whole_matrix:  # each parameter whole on one rank, its owner (gaengine.zero.owner_layout)
-            self.layout, order, _ = owner_layout(order, self.bucket_size_mb, self.world_size)
-        else:
-            self.layout = ShardLayout.build(order, self.bucket_size_mb, self.world_size)
+        self.layout, order = _checked_plan(self.layout_type, order, self.bucket_size_mb, self.world_size)
         self._lay_out(order)
         self.store = ParameterStore(self.optimizer, self.params, device=self.device,
                                     master_weights=self.master_weights, layout=self._new_rank_layout())
@@ -578,15 +579,8 @@ class _Zero(ShardingStrategy):
         self.gather.wait()
         self.store.model_written()
 
-    @property
-    def whole_matrix(self) -> bool:
-        """The optimizer (or one of a list) is not an elementwise one of ``gaengine.optimizers.OPTIMIZERS`` (Muon,
-        Adafactor, Shampoo, any class gaengine has no row for): every parameter is held whole by one owner rank
-        (``gaengine.zero.WholeOwners``); else ZeRO's even flat ranges (``gaengine.zero.EvenShards``)."""
-        return self.optimizer is not None and not is_elementwise(self.optimizer)
-
     def _new_rank_layout(self) -> RankLayout:
-        return (WholeOwners if self.whole_matrix else EvenShards)(self.layout, self.rank)
+        return self.layout_type(self.layout, self.rank)  # zero_layout_for(optimizer), over plan's ShardLayout
 
     def adopt(self, params: list[torch.Tensor]) -> None:
         """A parameter joined (unfrozen, or in a group added with ``optimizer.add_param_group``) or left (frozen)
@@ -622,16 +616,12 @@ class _Zero(ShardingStrategy):
 
     def _new_reducer(self, main_grad: FlatBuffer) -> BucketReducer:
         grad_shard = (torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
-                      if self.zero_stage == 2 else None)
+                      if self.staging_slots else None)
         return ShardReducer(main_grad.data, self.layout, self.rank, self.reduce_dtype, self.process_group,
-                            grad_shard, staging_slots=STAGING_SLOTS if self.zero_stage == 2 else 0)
+                            grad_shard, staging_slots=self.staging_slots)
 
     def optimizer_shards(self) -> tuple[list[list[ParamShard]], int]:
-        if self.whole_matrix:
-            raise TypeError(f"gaengine.full_optimizer_state_dict gathers an elementwise optimizer's moments by ranges; "
-                            f"at {self.name} on several ranks this optimizer's state is held whole by each "
-                            "parameter's owner rank (whole-matrix owners): save it with acc.state_dict() through "
-                            "torch.distributed.checkpoint, which loads at any world size")
+        self.rank_layout.check_export()
         return [self.layout.param_shards(r) for r in range(self.world_size)], self.layout.shard_numel
 
     def close(self) -> None:
@@ -690,12 +680,62 @@ class ZeroStage2(_Zero):
     name = "zero_stage=2"
     zero_stage = 2
     reduction_type = StagedReduction
+    staging_slots = STAGING_SLOTS
 
     def _new_main_grad(self, params: list[torch.Tensor]) -> FlatBuffer:
         return FlatBuffer(self.layout.layout, torch.float32, torch.device("meta"))  # layout only
 
     def _acquire(self, reducer: BucketReducer | None):
         return reducer.acquire  # each bucket into a staging buffer of the ring
+
+
+_ZERO_LAYOUTS: list[type[EvenShards]] = [EvenShards, WholeOwners]
+
+
+def register_zero_layout(cls: type[EvenShards]) -> type[EvenShards]:
+    """Register ``cls``, a rank layout for ``zero_stage`` 1 and 2 on several ranks (``gaengine.rank_layout.RankLayout``
+    over a ``gaengine.zero.ShardLayout``: a subclass of ``gaengine.zero.EvenShards``, whose reduce-scatter, gradient
+    shard, masters, all-gathers and checkpoint ranges it keeps), asked before those registered earlier and the
+    built-in ones (``EvenShards`` for elementwise optimizers, then ``WholeOwners`` for any). ``cls`` answers, as
+    classmethods, ``takes(optimizer) -> bool`` (it runs this optimizer) and ``plan(params, bucket_size_mb,
+    world_size) -> (ShardLayout, params in its order)``; ``adopts_params`` and ``fixed_layout`` (whether joining
+    parameters are laid out anew, and why not) and ``check_export()`` as ``EvenShards``'. The strategy builds
+    ``cls(layout, rank)`` (``_Zero``); ``gaengine.store``, the update and ``gaengine.checkpoint`` only ask it. The
+    registry is per process (every rank registers alike, before building the accumulator). Returns ``cls`` (a class
+    decorator); registering a class twice keeps one entry. ``TypeError`` for a class that is not an
+    ``EvenShards``."""
+    if not (isinstance(cls, type) and issubclass(cls, EvenShards)):
+        raise TypeError(f"register_zero_layout takes a subclass of gaengine.zero.EvenShards (a layout over a "
+                        f"ShardLayout), got {cls!r}")
+    if cls not in _ZERO_LAYOUTS:
+        _ZERO_LAYOUTS.insert(0, cls)
+    return cls
+
+
+def _checked_plan(cls: type[EvenShards], params: list[torch.Tensor], bucket_size_mb: float,
+                  world_size: int) -> tuple[ShardLayout, list[torch.Tensor]]:
+    """``cls.plan(params, bucket_size_mb, world_size)``, checked before anything is built over it: ``ValueError``
+    naming ``cls.plan`` unless it returns a ``ShardLayout`` of ``world_size`` ranks and every parameter once, laid
+    out with its element count."""
+    layout, order = cls.plan(params, bucket_size_mb, world_size)
+    where = f"{cls.__name__}.plan (a layout registered with gaengine.sharding.register_zero_layout)"
+    if not isinstance(layout, ShardLayout) or layout.world_size != world_size:
+        raise ValueError(f"{where} must return a gaengine.zero.ShardLayout of world_size={world_size} and the "
+                         f"parameters in its order, got {type(layout).__name__}")
+    order = list(order)
+    if sorted(map(id, order)) != sorted(map(id, params)) or len(order) != len(params):
+        raise ValueError(f"{where} must return every one of the {len(params)} parameters once, in the layout's "
+                         f"order; got {len(order)} tensor(s), not each of them once")
+    if tuple(layout.layout.numels) != tuple(p.numel() for p in order):
+        raise ValueError(f"{where}: its ShardLayout does not lay the returned parameters out in their order (element "
+                         "counts differ); build it from that order (gaengine.zero.ShardLayout.build, owner_layout)")
+    return layout, order
+
+
+def zero_layout_for(optimizer) -> type[EvenShards]:
+    """The layout class ``zero_stage`` 1 and 2 run ``optimizer`` on: the latest registered that ``takes`` it
+    (``register_zero_layout``; built in: ``EvenShards`` for an elementwise optimizer, else ``WholeOwners``)."""
+    return next(cls for cls in _ZERO_LAYOUTS if cls.takes(optimizer))
 
 
 _MODEL_STRATEGIES: list[type[ShardingStrategy]] = []

@@ -136,10 +136,8 @@ def window_to_step(acc: GradientAccumulator, force: bool, lends: bool) -> int | 
     """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
     window is incomplete (or empty) and not forced. lends: the window's gradient is to be lent in ``.grad``
     (``before_update``, ``begin_step``), which needs the whole gradient on every rank."""
-    if lends and not acc.sharding.rank_layout.holds_whole_grad:
-        raise ValueError(f"step(before_update=...) and begin_step() need the whole window gradient on every rank, "
-                         f"which {acc.sharding.name} does not hold; use zero_stage=0, or read "
-                         "StepResult.grad_norm")
+    if lends:
+        acc.sharding.rank_layout.check_lend(acc.sharding.name)
     acc._scheduler.check()
     window = acc.window
     k = window.num_micro_batches

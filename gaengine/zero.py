@@ -81,7 +81,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +92,14 @@ from torch.autograd.graph import increment_version
 from gaengine.bucket import Bucket
 from gaengine.buffer import ALIGN_NUMEL, FlatBuffer, FlatLayout
 from gaengine.compat import all_gather_single, reduce_scatter_single
+from gaengine.optimizers import is_elementwise
 from gaengine.rank_layout import Mastered, ParamSlot, RankLayout, copy_all
 from gaengine.reduce import BackwardStart, BucketReducer, Collective, Reduction, WindowStats, wait_for, wait_quietly
 from gaengine.update import LOW_PRECISION
 
 __all__ = ["STAGING_SLOTS", "ZERO_STAGES", "EvenShards", "ParamGather", "ParamShard", "ShardBucket", "ShardLayout",
            "ShardReducer", "ShardedReduction", "StagedReduction", "WholeOwners", "WholeParams", "check_zero_optimizer",
-           "owner_layout", "pad_unit", "zero_order"]
+           "largest_first", "owner_layout", "pad_unit", "zero_order"]
 
 ZERO_STAGES = (0, 1, 2)
 STAGING_SLOTS = 2  # stage 2: bucket-sized fp32 staging buffers in the ring (``ShardReducer.acquire``)
@@ -418,9 +419,33 @@ class EvenShards(_FlatParams):
     range of the parameter buffer itself (fp32, or bf16/fp16 without masters, updated in place)."""
 
     sharded = True
+    adopts_params = True
+    """Parameters joining or leaving between windows are laid out anew (``plan`` again, the state moved:
+    ``gaengine.sharding`` ``_Zero.adopt``); False: the layout is made once, and a joining parameter is refused with
+    ``fixed_layout``."""
+    fixed_layout = ""  # why the layout is made once (the refusal's message), where it does not adopt
 
     def __init__(self, shards: ShardLayout, rank: int) -> None:
         self.shards, self.rank = shards, rank
+
+    # What the ZeRO strategy asks a layout class before it builds one (``gaengine.sharding.register_zero_layout``).
+    @classmethod
+    def takes(cls, optimizer) -> bool:
+        """Whether this layout runs ``optimizer`` (a torch optimizer or a ``gaengine.OptimizerList``): the
+        elementwise ones only (``gaengine.optimizers.is_elementwise``), whose update runs on any flat range."""
+        return optimizer is None or is_elementwise(optimizer)
+
+    @classmethod
+    def plan(cls, params: Sequence[torch.Tensor], bucket_size_mb: float,
+             world_size: int) -> tuple[ShardLayout, list[torch.Tensor]]:
+        """The ``ShardLayout`` of ``params`` (layout order, grouped by dtype: ``zero_order``) over ``world_size``
+        ranks and the parameters in its order (``ShardLayout.build``: even flat ranges, ``params`` as given). The
+        strategy then builds ``cls(layout, rank)``."""
+        return ShardLayout.build(params, bucket_size_mb, world_size), list(params)
+
+    def check_export(self) -> None:
+        """``TypeError`` where ``gaengine.full_optimizer_state_dict`` cannot gather the optimizer's state by this
+        layout's ranges (``ShardLayout.param_shards``); nothing here: the pieces are those ranges."""
 
     def _laid(self, params, optimized, mastered):
         return list(params), self.shards
@@ -462,8 +487,26 @@ class EvenShards(_FlatParams):
                          "gaengine.full_optimizer_state_dict first, or close() without it")
 
 
-def owner_layout(params: Sequence[torch.Tensor], bucket_size_mb: float,
-                 world_size: int) -> tuple[ShardLayout, list[torch.Tensor], list[int]]:
+def largest_first(sizes: Sequence[int], held: Sequence[int]) -> list[int]:
+    """The owners of one bucket's parameters (``owner_layout``'s default ``place``): Graham's
+    largest-processing-time-first rule (as Megatron-Core's and torchtitan's sharded Muon balance whole matrices), the
+    parameters by size, largest first (ties by position), each onto the rank holding the fewest elements of the bucket
+    so far (ties: the fewest of all buckets, ``held`` plus the bucket's, then the lowest rank). sizes: each parameter's
+    elements in its segment (``ALIGN_NUMEL``-rounded), in layout order; held: per rank, the elements it holds of the
+    earlier buckets. Returns each parameter's rank, in ``sizes``' order; deterministic."""
+    world = len(held)
+    load = [0] * world
+    out = [0] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        r = min(range(world), key=lambda r: (load[r], held[r] + load[r], r))
+        out[j] = r
+        load[r] += sizes[j]
+    return out
+
+
+def owner_layout(params: Sequence[torch.Tensor], bucket_size_mb: float, world_size: int,
+                 place: Callable[[Sequence[int], Sequence[int]], list[int]] = largest_first,
+                 ) -> tuple[ShardLayout, list[torch.Tensor], list[int]]:
     """The whole-matrix owners' ``ShardLayout`` (``WholeOwners``): a layout of ``params`` (layout order, grouped by
     dtype: ``zero_order``) in which each rank's range of every bucket holds whole parameters only, so that the
     reduce-scatter, the gradient shard (stage 2), the masters, the all-gathers and the checkpoint's ranges of
@@ -471,13 +514,13 @@ def owner_layout(params: Sequence[torch.Tensor], bucket_size_mb: float,
 
     Buckets: within a dtype, parameters in layout order, a bucket closing once it holds at least ``bucket_size_mb``
     MiB of fp32 gradient and at least ``2 d`` times its dtype's largest parameter (so the greedy below can balance
-    it). Owners (Graham's largest-processing-time-first rule, as Megatron-Core's and torchtitan's sharded Muon
-    balance whole matrices): the bucket's parameters by size, largest first (ties by layout position), each onto
-    the rank holding the fewest elements of the bucket so far (ties: the fewest of all buckets, then the lowest
-    rank); deterministic, the same on every rank. Rank r's range of the bucket (its *segment*) holds its
+    it). Owners: ``place(sizes, held)`` per bucket (``largest_first`` by default: Graham's rule; any deterministic
+    rule gives every rank the same layout), given the bucket's parameters' ``ALIGN_NUMEL``-rounded sizes in layout
+    order and the elements each rank holds of the earlier buckets, returning one rank per parameter (``ValueError``
+    otherwise). Rank r's range of the bucket (its *segment*) holds its
     parameters in layout order, each starting on a multiple of ``ALIGN_NUMEL``; every segment has the length of the
     longest, rounded up to ``pad_unit(d) / d`` (the bucket then a multiple of ``pad_unit(d)``): padding is zero and
-    stays zero, and by the rule's bound (Graham 1969) a segment exceeds the bucket's mean by at most one
+    stays zero, and by ``largest_first``'s bound (Graham 1969) a segment exceeds the bucket's mean by at most one
     parameter, so the masters and the gradient shard are 1/d of the whole up to that.
 
     Returns the layout, ``params`` in its order (within a bucket by owner, then layout order: the hooks' buckets
@@ -503,12 +546,14 @@ def owner_layout(params: Sequence[torch.Tensor], bucket_size_mb: float,
     spans: dict[torch.dtype, tuple[int, int]] = {}
     cursor = shard_cursor = 0
     for members in groups:
+        sizes = [_round_up(params[i].numel(), ALIGN_NUMEL) for i in members]
+        placed = place(sizes, list(total))
+        if len(placed) != len(members) or not all(isinstance(r, int) and 0 <= r < world_size for r in placed):
+            raise ValueError(f"place must return one rank in [0, {world_size}) per parameter of the bucket "
+                             f"({len(members)}), got {placed!r}")
+        owner_of = dict(zip(members, placed))
         load = [0] * world_size
-        owner_of: dict[int, int] = {}
-        for i in sorted(members, key=lambda i: (-params[i].numel(), i)):
-            r = min(range(world_size), key=lambda r: (load[r], total[r], r))
-            owner_of[i] = r
-            n = _round_up(params[i].numel(), ALIGN_NUMEL)
+        for r, n in zip(placed, sizes):
             load[r] += n
             total[r] += n
         seg = _round_up(max(max(load), 1), seg_unit)
@@ -539,7 +584,31 @@ class WholeOwners(EvenShards):
     preconditioners, any optimizer ``gaengine.optimizers`` has no elementwise row for). ``EvenShards`` over an owner
     layout (its reduce-scatter, gradient shard, masters, all-gathers and checkpoint ranges unchanged): only the
     pieces differ, each shaped like its parameter (a 2-D matrix stays 2-D), and so do the gradients the optimizer
-    reads; a rank's optimizer holds its owned parameters only."""
+    reads; a rank's optimizer holds its owned parameters only. Which rank owns which parameter is ``place`` (a
+    subclass with another rule is another layout: ``gaengine.sharding.register_zero_layout``)."""
+
+    adopts_params = False
+    fixed_layout = ("lays its parameters out once, at construction: each whole on one owner rank for the optimizer "
+                    "that is not elementwise (a list of elementwise optimizers adopts it at zero_stage 1 and 2)")
+    place = staticmethod(largest_first)  # owner_layout's placement rule: (sizes, held) -> one rank per parameter
+
+    @classmethod
+    def takes(cls, optimizer) -> bool:
+        """Any optimizer: each parameter is whole on its owner (``gaengine.sharding`` asks the elementwise
+        ``EvenShards`` first)."""
+        return True
+
+    @classmethod
+    def plan(cls, params, bucket_size_mb, world_size):
+        """``owner_layout`` with this class's ``place``: each parameter whole in one rank's range of its bucket."""
+        layout, order, _ = owner_layout(params, bucket_size_mb, world_size, place=cls.place)
+        return layout, order
+
+    def check_export(self) -> None:
+        raise TypeError("gaengine.full_optimizer_state_dict gathers an elementwise optimizer's moments by ranges; at "
+                        "zero_stage >= 1 on several ranks this optimizer's state is held whole by each parameter's "
+                        "owner rank (whole-matrix owners): save it with acc.state_dict() through "
+                        "torch.distributed.checkpoint, which loads at any world size")
 
     def _piece_shape(self, p, s):
         return p.shape

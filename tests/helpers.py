@@ -1,5 +1,5 @@
 """Helpers several test files share (one definition each): a guard against host reads, nvcc's location, an engine
-bug to plant, and the hooks of a model driven without an accumulator."""
+bug to plant, the hooks of a model driven without an accumulator, and one intra-op thread."""
 
 from __future__ import annotations
 
@@ -47,6 +47,18 @@ def forbid_host_reads():
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread within it (put back after): a CPU kernel's summation order may follow the thread count, so
+    two runs that must see the same gradient bits run on one thread each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def find_nvcc() -> str | None:

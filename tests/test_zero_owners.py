@@ -23,7 +23,6 @@ does (on c20f3af, before owners, every case here was refused at construction).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import io
@@ -37,6 +36,7 @@ import torch.optim._muon as torch_muon
 from torch import nn
 
 import gaengine
+from tests.helpers import one_thread
 from tests.models import MuonLM
 from tests.muon import NewtonSchulzCalls, newton_schulz, ns_fp64  # noqa: F401 - a fixture
 from tests.ranks import launch_scenario
@@ -159,7 +159,7 @@ def _scenario(rank, world, out, stages, cases=tuple(CASES), extras=True, memory=
                 results[("ns", stage, K)] = list(calls.shapes)
             acc.close()
         for name in EXACT_CASES if world == 2 else ():  # K = 1, no clipping: the same gradient bits
-            with _one_thread():
+            with one_thread():
                 model = _model()
                 acc = gaengine.GradientAccumulator(model, _optimizers(name, model), 1, max_grad_norm=None,
                                                    zero_stage=stage)
@@ -434,18 +434,6 @@ def test_two_ranks_equal_one_process(newton_schulz, two_ranks, name, stage):
         _assert_matches(result[(name, stage)], name, 2, f"{name} zero_stage={stage} rank {rank}")
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One intra-op thread on both sides of ``EXACT_CASES``: a CPU kernel's summation order may follow the thread
-    count, and the same gradient bits need the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _exact_reference(name: str, n: int) -> MuonLM:
     """``name``'s optimizer on one process over 2 ranks' rows: K = 1, no clipping, ``(loss / 2).backward()`` per
     rank's rows, one ``step()`` per window."""
@@ -487,7 +475,7 @@ def test_two_ranks_equal_one_process_bit_for_bit_on_the_same_gradients(two_ranks
     """``EXACT_CASES`` (pytorch-optimizer's Shampoo) on 2 gloo ranks, K = 1, no clipping, 16 updates, each parameter
     whole on its owner: every rank's model equals the one process's bit for bit (the same gradient bits reach the
     same update)."""
-    with _one_thread():
+    with one_thread():
         reference = _exact_reference(name, K * WINDOWS)
     for rank, result in enumerate(_ok(two_ranks)):
         for (pname, q), p in zip(reference.named_parameters(), result[(name, stage, "exact")]):
