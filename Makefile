@@ -8,7 +8,7 @@
 #   3. $(DEV_STAMP)         `make test` only: the `dev` extra (pytest, hypothesis, triton, transformers, Lightning,
 #                           ...) from pyproject.toml, without building gaengine._C; redone when pyproject.toml or torch
 #                           changed. Before the build: pip's downloads and unpacking use one core at most, which leaves
-#                           the other to .ci/run's `make torch-headers`, while the build takes both
+#                           the other to .ci/run's torch range job (niced), while the build takes both
 #   4. $(BUILD_STAMP)       `pip install -e .`: gaengine, its base dependencies (numpy, tqdm, matplotlib) and
 #                           gaengine._C compiled from csrc/ (the CPU ops alone on a CPU build of torch), MAX_JOBS
 #                           files at once (default: one per core), its progress shown: a line per file compiled and,
@@ -70,8 +70,7 @@ TEST_WORKERS ?= auto
 test: $(DEV_STAMP) install
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
-# What `make test` installs first, in its order, without running the suite (.ci/run: `make torch-headers` compiles
-# meanwhile).
+# What `make test` installs first, in its order, without running the suite.
 test-deps: $(DEV_STAMP) $(BUILD_STAMP)
 
 bench: install
@@ -121,19 +120,24 @@ FORCE:
 
 # The torch range gaengine claims (docs/install.md), .ci/torch_range.sh:
 #   make torch-headers  csrc/*.cpp compiled against the oldest and the newest supported torch's headers (2.9.1 and
-#                       2.14.1; CI runs it, beside the install)
+#                       2.14.1), in minutes, nothing installed
+#   make torch-ci       both versions installed, gaengine._C built against each and the CI subset of the smoke tests
+#                       run there (CI runs it beside the suite, on one core, niced)
 #   make torch-newest   torch 2.14.1 (the newest supported) in a scratch virtualenv, gaengine._C built against it and
 #                       the smoke subset run (by hand: docs/install.md; the virtualenv, 5.6 GB, is kept and reused)
 #   make torch-oldest   the same for torch 2.9.1 (the oldest supported: a CUDA wheel and its nvidia-* wheels
 #                       downloaded, several GB on first use)
 #   make torch-range    all of it: both versions' headers, then both smoke runs
 # Run `make torch-range` before each submission that touches csrc/ or gaengine/compat.py.
-.PHONY: torch-range torch-headers torch-newest torch-oldest
+.PHONY: torch-range torch-headers torch-ci torch-newest torch-oldest
 torch-range:
 	PYTHON=$(PY) bash .ci/torch_range.sh full
 
 torch-headers:
 	PYTHON=$(PY) bash .ci/torch_range.sh headers 2.9.1 2.14.1
+
+torch-ci:
+	PYTHON=$(PY) bash .ci/torch_range.sh ci
 
 torch-newest:
 	PYTHON=$(PY) bash .ci/torch_range.sh smoke 2.14.1

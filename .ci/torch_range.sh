@@ -10,9 +10,15 @@
 #                                                   # hand, docs/install.md)
 #   bash .ci/torch_range.sh full                    # headers of 2.9.1 and 2.14.1, then smoke 2.14.1 and 2.9.1
 #                                                   # (`make torch-range`)
+#   bash .ci/torch_range.sh ci                      # 2.14.1 and 2.9.1 each installed and built against, then the
+#                                                   # CI subset run against both at once (`make torch-ci`); .ci/run
+#                                                   # runs its two halves, `ci-build` (niced, on one core, beside
+#                                                   # `make test`) and `ci-test` (after it)
 #
 # The smoke subset (SMOKE_TESTS below, the one list): the hot path, the ops, ZeRO and FSDP2 basics, the bench's quick
-# rows and their plausibility checks, the range checks themselves.
+# rows and their plausibility checks, the range checks themselves. The CI subset (SMOKE_CI_TESTS) is a cut of it that
+# fits beside the suite in CI's time: the same files but tests/ops (whose ops test_op_table.py runs on every backend),
+# 2 ranks only, without the torchrun scripts and without the emulated CUDA build (about 4 CPU minutes a version).
 #
 # Headers: only torch 2.13 has a CPU wheel on the development machine; on x86_64 any other version is a CUDA wheel
 # (900 MB for 2.9.1, Python 3.11). The headers come from the version's Linux aarch64 wheel instead (2.9.1: a CPU
@@ -97,11 +103,26 @@ SMOKE_TESTS=(
     tests/test_torch_range.py       # the range itself, and no version-dependent access outside gaengine/compat.py
 )
 
-# smoke VERSION: torch VERSION (with what the smoke subset needs) in a scratch virtualenv, gaengine._C built against
-# it in a copy of the working tree, the smoke subset run there.
-smoke() {
+# The CI subset: what `.ci/run` builds and runs against the oldest and the newest torch on each submission, one test
+# process each, under `-k "not cuda-emu and not emulated"` (no emulated CUDA build).
+SMOKE_CI_TESTS=(
+    tests/test_torch_range.py
+    tests/test_hot_path.py
+    tests/test_op_table.py
+    tests/test_plausible.py
+    "tests/test_zero.py::test_stages_match_one_process[2]"
+    tests/test_zero.py::test_bytes_per_window_and_no_host_sync
+    tests/test_zero.py::test_stage2_double_arrival_and_unused_match_one_process
+    "tests/test_fsdp2.py::test_fsdp2_against_plain_recipe[2]"
+    tests/test_fsdp2.py::test_checkpoint_2_ranks_to_3
+    tests/test_fsdp2.py::test_mid_window_resume_bf16_masters
+)
+
+# prepare VERSION: torch VERSION (with what the smoke subsets need) in a scratch virtualenv, gaengine._C built against
+# it in a copy of the working tree ($SCRATCH/src-VERSION).
+prepare() {
     local version="$1" scratch="${SCRATCH:-/tmp/gaengine-torch-range}"
-    local venv="$scratch/venv-$version" src="$scratch/src-$version" t0=$SECONDS
+    local venv="$scratch/venv-$version" src="$scratch/src-$version"
     # The build tools of pyproject.toml's [build-system] requires (torch aside), the base dependencies, the test tools.
     local reqs
     mapfile -t reqs < <("$PYTHON" -c 'import sys
@@ -115,7 +136,7 @@ print("\n".join(["torch==" + sys.argv[1]] + deps + ["pytest", "pytest-xdist>=3.7
     if [[ ! -x "$venv/bin/python" ]] || ! printf '%s\n' "${reqs[@]}" | cmp -s - "$venv/.gaengine-smoke-reqs"; then
         rm -rf "$venv"
         TIMEFORMAT="torch $version: virtualenv installed in %0R s (%0U s user, %0S s sys)"
-        time { "$PYTHON" -m venv "$venv" && "$venv/bin/python" -m pip install --disable-pip-version-check -q "${reqs[@]}"; }
+        time { "$PYTHON" -m venv "$venv" && "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-compile "${reqs[@]}"; }
         printf '%s\n' "${reqs[@]}" > "$venv/.gaengine-smoke-reqs"
         echo "torch $version: virtualenv $(du -sm "$venv" | cut -f1) MB"
     else
@@ -128,10 +149,48 @@ print("\n".join(["torch==" + sys.argv[1]] + deps + ["pytest", "pytest-xdist>=3.7
     time (cd "$src" && PATH="$venv/bin:$PATH" GAENGINE_BUILD_CUDA=0 MAX_JOBS="$jobs" "$venv/bin/python" setup.py -q \
         build_ext --inplace > build.log 2>&1) \
         || { tail -40 "$src/build.log" >&2; echo "FAILED: building gaengine._C against torch $version (log: $src/build.log)" >&2; exit 1; }
-    TIMEFORMAT="torch $version: smoke subset run in %0R s (%0U s user, %0S s sys)"
+}
+
+# run_subset VERSION full|ci: the smoke subset (ci: the CI subset) against torch VERSION, in what prepare left.
+run_subset() {
+    local version="$1" subset="$2" scratch="${SCRATCH:-/tmp/gaengine-torch-range}"
+    local venv="$scratch/venv-$version" src="$scratch/src-$version"
+    local tests=("${SMOKE_TESTS[@]}") select=()
+    if [[ "$subset" == ci ]]; then
+        tests=("${SMOKE_CI_TESTS[@]}")
+        select=(-k "not cuda-emu and not emulated")
+    fi
+    local workers=(-n "$jobs" --dist loadfile)
+    [[ "$jobs" -gt 1 ]] || workers=(-n 0)
+    TIMEFORMAT="torch $version: the $subset smoke subset run in %0R s (%0U s user, %0S s sys)"
     time (cd "$src" && PATH="$venv/bin:$PATH" PYTHONPATH="$src" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-        -n "$jobs" --dist loadfile --durations=10 "${SMOKE_TESTS[@]}")
-    echo "torch $version: passed, $((SECONDS - t0)) s in all"
+        "${workers[@]}" --durations=10 "${select[@]}" "${tests[@]}")
+}
+
+# smoke VERSION: prepare, then the smoke subset.
+smoke() {
+    local t0=$SECONDS
+    prepare "$1"
+    run_subset "$1" full
+    echo "torch $1: passed, $((SECONDS - t0)) s in all"
+}
+
+# ci_tests: the CI subset against both ends at once, one test process each (the multi-rank tests' deadlines, 120 s a
+# test, hold on an idle machine), each one's output printed whole once both are done.
+ci_tests() {
+    local newest_log oldest_log newest_rc=0 oldest_rc=0
+    newest_log="$(mktemp)"
+    oldest_log="$(mktemp)"
+    run_subset 2.14.1 ci > "$newest_log" 2>&1 &
+    local newest_pid=$!
+    run_subset 2.9.1 ci > "$oldest_log" 2>&1 || oldest_rc=$?
+    wait "$newest_pid" || newest_rc=$?
+    echo "== torch 2.14.1, the CI subset (exit $newest_rc)"
+    cat "$newest_log"
+    echo "== torch 2.9.1, the CI subset (exit $oldest_rc)"
+    cat "$oldest_log"
+    rm -f "$newest_log" "$oldest_log"
+    [[ $newest_rc -eq 0 && $oldest_rc -eq 0 ]] || { echo "FAILED: the CI subset against torch 2.14.1 (exit $newest_rc) or 2.9.1 (exit $oldest_rc)" >&2; exit 1; }
 }
 
 mode="${1:-headers}"
@@ -147,6 +206,18 @@ headers)
 smoke)
     smoke "${1:?usage: bash .ci/torch_range.sh smoke VERSION}"
     ;;
+ci-build)
+    prepare 2.14.1
+    prepare 2.9.1
+    ;;
+ci-test)
+    jobs=1 ci_tests
+    ;;
+ci)
+    prepare 2.14.1
+    prepare 2.9.1
+    jobs=1 ci_tests
+    ;;
 full)
     syntax 2.9.1
     syntax 2.14.1
@@ -154,7 +225,7 @@ full)
     smoke 2.9.1
     ;;
 *)
-    echo "usage: bash .ci/torch_range.sh headers [VERSION ...] | smoke VERSION | full" >&2
+    echo "usage: bash .ci/torch_range.sh headers [VERSION ...] | smoke VERSION | ci | ci-build | ci-test | full" >&2
     exit 2
     ;;
 esac
