@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gaengine import compat
 from gaengine.hooks import native_hooks_problem
 
 __all__ = ["LinearFusion", "check_fusion", "observes_fusion", "register_triton_wgrad", "user_hooks"]
@@ -97,7 +98,7 @@ def check_fusion(model: Any, backend, device: torch.device) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"{OPTION}=True needs model as an nn.Module (its torch.nn.Linear layers are routed through "
                          f"the fused op), got {type(model).__name__}: pass the module, or set {OPTION}=False")
-    fsdp_module = getattr(torch.distributed.fsdp, "FSDPModule", None) if torch.distributed.is_available() else None
+    fsdp_module = compat.fsdp_module_class()
     if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         raise ValueError(f"{OPTION}=True is not supported with an FSDP2 (fully_shard) model: FSDP2 reduce-scatters "
                          f"the unsharded .grad, which the fused op does not produce; set {OPTION}=False")
