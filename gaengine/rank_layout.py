@@ -189,7 +189,7 @@ class RankLayout(ABC):
 
     def adopts_replaced(self) -> bool:
         """Whether a parameter replaced in the model between windows (another object in its slot, or another
-        storage, ``p.data = x``) can be taken in on this rank alone (``gaengine.replaced.ReplacedWatch``, where the
+        storage, ``p.data = x``) can be taken in on this rank alone (``gaengine.replaced.ReplacedParams``, where the
         strategy adopts parameters at all, ``ShardingStrategy.adopts_params``): only where this rank holds every
         parameter whole, so that its new values reach its fp32 master and optimizer state here with nothing held on
         other ranks to agree. By default False (it is refused, naming the parameter)."""
