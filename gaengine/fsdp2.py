@@ -160,7 +160,9 @@ class DTensorShards(RankLayout):
         """``t``'s local shard now (``to_local()``), or ``t`` where it is not a DTensor (a piece's plain state)."""
         return t.to_local() if hasattr(t, "to_local") else t
 
-    wraps = True  # a DTensor over the local shard
+    def grad_wrapper(self):
+        """``wrap``: each piece's gradient a DTensor over the local shard (``RankLayout.grad_wrapper``)."""
+        return self.wrap
 
     def wrap(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """A DTensor over ``local`` (this rank's shard, shaped like ``p``'s) laid out like ``p``; no communication."""

@@ -21,6 +21,11 @@ checkpoint (``gaengine.checkpoint``, through ``ShardingStrategy.rank_layout``), 
 * ``sharded``: the optimizer state is split over several ranks (a checkpoint's meta records it);
   ``holds_whole_grad``: every rank holds the window's whole reduced gradient (``step(before_update=...)`` and
   ``begin_step()`` lend it in ``.grad``; a replicated run's old state dicts load).
+* **What the store and the replaced-parameter watch ask** (so that neither reads a mode flag):
+  ``follows_param_writes`` (whether an optimizer call outside ``step()`` that writes the pieces must be followed
+  into the model), ``grad_wrapper`` (the function the update wraps each piece's gradient with, or None: no Python
+  call per parameter) and ``adopts_replaced`` (whether a parameter replaced in the model can be taken in on this
+  rank alone).
 
 Implementations: ``gaengine.zero.WholeParams`` (every rank holds every parameter whole: replicated, and one rank),
 ``gaengine.zero.EvenShards`` (ZeRO's even flat shards of a ``ShardLayout``), ``gaengine.zero.WholeOwners`` (ZeRO's
@@ -33,7 +38,7 @@ subclass; one of ZeRO's shards (an ``EvenShards`` subclass answering ``takes`` a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,11 +168,32 @@ class RankLayout(ABC):
         """The elements of ``t`` (a parameter, a piece or its state) this rank holds, as a plain tensor: ``t``."""
         return t
 
-    wraps = False  # whether wrap() gives anything but what it is given (the update skips the call where not)
-
     def wrap(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``local`` (shaped like ``local(p)``) as the optimizer and the user see it beside ``p``: ``local`` itself."""
         return local
+
+    def grad_wrapper(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The function the update gives each piece's gradient through (``wrap``, called as ``f(piece, grad)``), or
+        None where ``wrap`` gives back what it is given: the update then makes no Python call per parameter (its
+        loop runs once per parameter at every step). By default None."""
+        return None
+
+    def follows_param_writes(self, mastered: bool) -> bool:
+        """Whether an optimizer call outside ``step()`` that writes the pieces (``gaengine.store.PARAM_WRITERS``:
+        schedule-free's ``eval()`` / ``train()``) must be followed for the model to hold what it wrote
+        (``ParameterStore`` then wraps those methods): where the pieces are fp32 masters (``mastered``: the store has
+        a ``master_buffer``, rounded into the model), or where they are only this rank's part of the parameters
+        (``sharded``: the other ranks' parts must reach the model too). Not where the pieces are the model's own
+        parameters, whole on this rank: the optimizer then writes the model itself."""
+        return mastered or self.sharded
+
+    def adopts_replaced(self) -> bool:
+        """Whether a parameter replaced in the model between windows (another object in its slot, or another
+        storage, ``p.data = x``) can be taken in on this rank alone (``gaengine.replaced.ReplacedParams``, where the
+        strategy adopts parameters at all, ``ShardingStrategy.adopts_params``): only where this rank holds every
+        parameter whole, so that its new values reach its fp32 master and optimizer state here with nothing held on
+        other ranks to agree. By default False (it is refused, naming the parameter)."""
+        return False
 
     def model_views(self, mastered: Sequence[Mastered]) -> list[torch.Tensor]:
         """Per entry of ``mastered``, the model tensor its master's rounding goes into now."""

@@ -106,11 +106,12 @@ class ReplacedParams:
         self._ptrs = [ptr for _, _, ptr in self._views]
 
     def adopts(self) -> bool:
-        """Whether the accumulator adopts a replaced parameter at a window boundary: the replicated mode (one rank, or
-        ``zero_stage=0``), whose layout, store and hooks are built again for joining parameters, with an optimizer
-        that does not round its masters into the model itself."""
+        """Whether the accumulator adopts a replaced parameter at a window boundary: a strategy whose layout, store
+        and hooks are built again for joining parameters (``adopts_params``), over a rank layout that holds every
+        parameter whole on this rank (``RankLayout.adopts_replaced``: the replicated mode, one rank or
+        ``zero_stage=0``), with an optimizer that does not round its masters into the model itself."""
         sharding = self.sharding
-        return (sharding is not None and sharding.adopts_params and sharding.zero_stage == 0
+        return (sharding is not None and sharding.adopts_params and sharding.rank_layout.adopts_replaced()
                 and not sharding.update.writes_model)
 
     def check(self, window_start: bool) -> None:

@@ -136,9 +136,10 @@ class ParameterStore:
         host-side integer compared, no device work when nothing was written), and on sharded ranks every rank's part
         gathered (``after_model_write``: a collective, issued when the call changed the param groups' settings,
         schedule-free's ``train_mode``, which every rank's optimizer holds alike, whichever pieces the rank holds; a
-        call that changes nothing, the Trainer's ``train()`` before every step, gathers nothing). Nothing on one rank
-        without masters: the optimizer then writes the model itself."""
-        if self.master_buffer is None and not self.layout.sharded:
+        call that changes nothing, the Trainer's ``train()`` before every step, gathers nothing). Nothing where the
+        layout says the pieces are the model's own parameters, whole on this rank (``RankLayout.follows_param_writes``):
+        the optimizer then writes the model itself."""
+        if not self.layout.follows_param_writes(self.master_buffer is not None):
             return
         for optimizer in each_optimizer(self.optimizer):
             for name in PARAM_WRITERS:
@@ -318,7 +319,7 @@ class ParameterStore:
             elif chunks:
                 torch._foreach_mul_(chunks, coef)  # one multi-tensor launch over the ranges
         targets = []  # the pieces handed a gradient: none of them keeps one after the step
-        wrap = self.layout.wrap if self.layout.wraps else None  # no Python call per parameter where it wraps nothing
+        wrap = self.layout.grad_wrapper()  # None: no Python call per parameter where it wraps nothing
         for piece, grad in zip(self.pieces, grads):
             if piece is None:
                 continue  # trainable but not optimized (counted in the norm, left alone), or nothing owned here

@@ -394,6 +394,10 @@ class WholeParams(_FlatParams):
 
     holds_whole_grad = True  # replicated: the window's last micro-batch all-reduces the whole gradient
 
+    def adopts_replaced(self) -> bool:
+        """True: every parameter is held whole here, its piece shaped like it (``RankLayout.adopts_replaced``)."""
+        return True
+
     def _laid(self, params, optimized, mastered):
         laid = zero_order([p for p, opt in zip(params, optimized) if opt and p.dtype in mastered])
         whole_mb = sum(p.numel() + ALIGN_NUMEL for p in laid) * 4 / 2**20 + 1  # one bucket per dtype

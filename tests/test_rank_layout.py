@@ -132,3 +132,82 @@ def test_where_the_window_sums_lie_in_a_checkpoint_is_the_layouts_answer(layout)
             expected = torch.stack([sums[r][j] for r in range(world)]).flatten()
         assert torch.equal(writes[j], torch.ones_like(writes[j])), (layout, j)
         assert torch.equal(assembled[j], expected), (layout, j)
+
+
+class _TrainModeSGD(torch.optim.SGD):
+    """SGD with schedule-free's ``train()`` (``gaengine.store.PARAM_WRITERS``): it flips a param-group setting, as
+    ``schedulefree``'s optimizers flip ``train_mode``."""
+
+    def train(self) -> None:
+        for group in self.param_groups:
+            group["train_mode"] = not group.get("train_mode", False)
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["default-answers", "layout-answers"])
+def test_the_store_asks_the_layout_how_to_wrap_gradients_and_whether_to_follow_writes(answers):
+    """``ParameterStore`` reads no mode flag: it gives each piece's gradient through ``RankLayout.grad_wrapper``'s
+    function (called once per piece with a gradient; None by default: no call) and wraps the optimizer's
+    ``PARAM_WRITERS`` where ``RankLayout.follows_param_writes`` says so (a ``train()`` that changed a group setting
+    then reaches ``after_model_write`` once; by default, fp32 pieces that are the model's own whole parameters, it is
+    the optimizer's own method). The update itself is the plain recipe's SGD step on ``grad * coef``, bit for bit."""
+    from gaengine.zero import WholeParams  # noqa: PLC0415
+
+    calls = []
+
+    class Answering(WholeParams):
+        def grad_wrapper(self):
+            return (lambda piece, grad: calls.append(piece) or grad) if answers else None
+
+        def follows_param_writes(self, mastered):
+            return answers
+
+    torch.manual_seed(3)
+    values = [torch.randn(*shape) for shape in _SHAPES]
+    params = [nn.Parameter(v.clone()) for v in values]
+    optimizer = _TrainModeSGD(params, lr=0.1)
+    store = ParameterStore(optimizer, params, device=torch.device("cpu"), master_weights=True, layout=Answering())
+    gathers = []
+    store.after_model_write = lambda: gathers.append(1)
+    ref = [nn.Parameter(v.clone()) for v in values]
+    ref_opt = torch.optim.SGD(ref, lr=0.1)
+    raw = [torch.randn(*shape) for shape in _SHAPES]
+    grads = [None if j == 1 else r.clone() for j, r in enumerate(raw)]
+    store.update(grads, [x for x in grads if x is not None], torch.tensor(0.5), torch.tensor(False),
+                 get_backend("torch"))
+    for j, (q, r) in enumerate(zip(ref, raw)):
+        q.grad = None if j == 1 else r * 0.5
+    ref_opt.step()
+    for p, q in zip(params, ref):
+        assert torch.equal(p.detach(), q.detach())
+    assert [id(q) for q in calls] == ([id(p) for j, p in enumerate(params) if j != 1] if answers else [])
+    optimizer.train()
+    assert gathers == ([1] if answers else [])
+    assert ("train" in vars(optimizer)) == answers
+
+
+@pytest.mark.parametrize("adopts", [False, True], ids=["refused", "adopted"])
+def test_whether_a_replaced_parameter_is_adopted_is_the_layouts_answer(adopts):
+    """``gaengine.replaced.ReplacedParams`` asks the rank's layout (``RankLayout.adopts_replaced``), not the strategy's
+    ``zero_stage``: a strategy that adopts parameters, at ``zero_stage`` 0, over ``WholeParams`` (every parameter
+    whole on this rank) takes a layer's replaced weight in at the window start; over a layout the library does not
+    ship (``_WholeOwners``, the default answer) the same replacement is refused with a ``ValueError`` naming it,
+    nothing pending."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from gaengine.replaced import ReplacedParams  # noqa: PLC0415
+    from gaengine.zero import WholeParams  # noqa: PLC0415
+
+    model = nn.Linear(3, 2)
+    layout = WholeParams() if adopts else _WholeOwners(0, 2)
+    strategy = SimpleNamespace(name="a stand-in strategy", adopts_params=True, zero_stage=0, store=None,
+                               rank_layout=layout, update=SimpleNamespace(writes_model=False),
+                               replaced_params=lambda: [])
+    watch = ReplacedParams(model, list(model.parameters()), None, strategy)
+    model.weight = nn.Parameter(torch.randn(2, 3))
+    if adopts:
+        watch.check(window_start=True)
+        assert watch.pending == ["weight"]
+    else:
+        with pytest.raises(ValueError, match=r"'?weight'?.*does not adopt a replaced parameter"):
+            watch.check(window_start=True)
+        assert watch.pending == []
