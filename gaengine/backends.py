@@ -48,7 +48,7 @@ logger = logging.getLogger("gaengine")
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 # What this gaengine expects of gaengine._C: csrc/op_library.h's GAENGINE_ABI_VERSION, raised with it.
-EXTENSION_ABI_VERSION = 6
+EXTENSION_ABI_VERSION = 7
 
 
 def load_extension():
