@@ -416,40 +416,6 @@ class HotPathCore {
     return main_grad_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes());
   }
 
-  // Where parameter i's fused gradient goes, and whether the kernel writes it (write) or adds to it. Measuring the
-  // sources (the noise scale needs each micro-batch's own gradient norm, which a GEMM adding into main_grad cannot
-  // give): an fp32 tensor of the parameter's shape, this pass's fused uses summed in it, which its hook then holds
-  // like an arrived gradient (the bucket launch adds it to main_grad exactly and measures it). Otherwise its
-  // main_grad slice (claim()).
-  at::Tensor fused_destination(int64_t i, bool& write) {
-    fused_[i] = 1;
-    if (!source_table_.defined()) {
-      write = claim(i);
-      return slice(i);
-    }
-    at::Tensor& source = fused_sources_[i];
-    write = !source.defined();
-    if (write) source = at::empty(params_[i].sizes(), like_.options());
-    return source;
-  }
-
-  // Parameter i's slice is about to receive a fused gradient: whether the kernel writes it (the window's first
-  // contribution) or adds to it. Its next hook call counts an arrival even without p.grad; the free-norm and
-  // source partials of this micro-batch no longer cover every value written (step() reads the buffer once).
-  bool claim(int64_t i) {
-    fused_[i] = 1;
-    norm_missed_ = true;
-    if (source_table_.defined()) sources_inexact_.back() = true;
-    if (held_at_[i] >= 0) {  // an earlier arrival of this micro-batch is held: it adds to what the kernel writes
-      Held& h = held_[bucket_of_[i]][held_at_[i]];
-      return std::exchange(h.overwrite, false);
-    }
-    if (written_[i]) return false;
-    written_[i] = 1;
-    if (learning_) arrival_.push_back(i);
-    return true;
-  }
-
   void drop_held() {
     for (auto& source : fused_sources_) source.reset();
     for (auto& held : held_) held.clear();
@@ -838,6 +804,40 @@ class HotPath : public HotPathCore {
   // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p in this autograd
   // pass into p.grad. Several passes of one backward (reentrant checkpointing) each call it.
   void on_gradient(size_t i) { receive(i, params_[i].mutable_grad()); }
+
+  // Where parameter i's fused gradient goes, and whether the kernel writes it (write) or adds to it. Measuring the
+  // sources (the noise scale needs each micro-batch's own gradient norm, which a GEMM adding into main_grad cannot
+  // give): an fp32 tensor of the parameter's shape, this pass's fused uses summed in it, which its hook then holds
+  // like an arrived gradient (the bucket launch adds it to main_grad exactly and measures it). Otherwise its
+  // main_grad slice (claim()).
+  at::Tensor fused_destination(int64_t i, bool& write) {
+    fused_[i] = 1;
+    if (!source_table_.defined()) {
+      write = claim(i);
+      return slice(i);
+    }
+    at::Tensor& source = fused_sources_[i];
+    write = !source.defined();
+    if (write) source = at::empty(params_[i].sizes(), like_.options());
+    return source;
+  }
+
+  // Parameter i's slice is about to receive a fused gradient: whether the kernel writes it (the window's first
+  // contribution) or adds to it. Its next hook call counts an arrival even without p.grad; the free-norm and
+  // source partials of this micro-batch no longer cover every value written (step() reads the buffer once).
+  bool claim(int64_t i) {
+    fused_[i] = 1;
+    norm_missed_ = true;
+    if (source_table_.defined()) sources_inexact_.back() = true;
+    if (held_at_[i] >= 0) {  // an earlier arrival of this micro-batch is held: it adds to what the kernel writes
+      Held& h = held_[bucket_of_[i]][held_at_[i]];
+      return std::exchange(h.overwrite, false);
+    }
+    if (written_[i]) return false;
+    written_[i] = 1;
+    if (learning_) arrival_.push_back(i);
+    return true;
+  }
 
   std::optional<c10::TypedOperatorHandle<WgradAccumulateKernel>> wgrad_op_;  // its wgrad_accumulate_, if any
   // The owning pointer to a node: c10::intrusive_ptr from torch 2.12 on, std::shared_ptr before.
