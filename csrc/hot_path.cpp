@@ -1,4 +1,9 @@
-// gaengine._C.HotPath: the per-parameter work of GradientAccumulator, in C++ hooks on AccumulateGrad nodes.
+// gaengine._C.HotPath and gaengine._C.HotPathCore: the per-parameter work of GradientAccumulator, in C++.
+//
+// HotPathCore owns main_grad's slots, the window's counts, the held gradients and the bucket launches, and takes
+// each gradient handed to arrive(i, grad) (FSDP2's reduce-scattered shards, gaengine/fsdp2.py). HotPath is the same
+// core fed by C++ hooks on AccumulateGrad nodes, plus gradient accumulation fusion, which needs those hooks. How a
+// gradient arrives is which object is built; the core never asks.
 //
 // On a GPU the plain recipe is launch-bound, so every host microsecond per parameter is wall time. torch DDP's
 // Reducer (torch/csrc/distributed/c10d/reducer.cpp) registers a C++ post-hook on each parameter's AccumulateGrad
@@ -107,15 +112,19 @@ std::unordered_map<const c10::TensorImpl*, FusedOwner>& fusion_owners() {
   return owners;
 }
 
-class HotPath {
+// The core: main_grad and its slots, the window's written flags, the arrival counts, the held gradients and the
+// bucket launches, the partials tables. It registers no hook: each gradient is handed to arrive(i, grad) (FSDP2's
+// sharded parameters, whose reduce-scattered shards FSDP2 assigns and hands over itself, gaengine/fsdp2.py), and
+// HotPath below, its hooked front, hands over each parameter's p.grad from an AccumulateGrad post-hook. Both reach
+// the one receive(); nothing in it depends on which front is built.
+class HotPathCore {
  public:
-  // params: the accumulator's parameters in layout order (leaf tensors that require grad, all on main_grad's
-  //   device). op_namespace: the torch.library namespace whose accumulate_bucket_ (and, for fusion,
-  //   wgrad_accumulate_) the launches dispatch to: the compiled ops' (GAENGINE_OP_NAMESPACE), or one where a
-  //   backend registered its own kernel of the same schema (gaengine.backends: torch, triton). external: no
-  //   AccumulateGrad hooks; each gradient is handed over with arrive(i, grad) (FSDP2's sharded parameters, whose
-  //   reduce-scattered shards FSDP2 assigns itself), params then only giving the shapes and device of main_grad's
-  //   slices (the local shards). main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
+  // params: the tensors whose gradients main_grad accumulates, in layout order, all on main_grad's device (the
+  //   hooked front's: leaf tensors that require grad; the core alone only reads their shapes and device, e.g. the
+  //   local shards of FSDP2's parameters). op_namespace: the torch.library namespace whose accumulate_bucket_ (and,
+  //   for HotPath's fusion, wgrad_accumulate_) the launches dispatch to: the compiled ops' (GAENGINE_OP_NAMESPACE),
+  //   or one where a backend registered its own kernel of the same schema (gaengine.backends: torch, triton).
+  //   main_grad: (n,) fp32 contiguous, the flat buffer; offsets[i]: where parameter i starts in it.
   // bucket_of[i]: parameter i's bucket (buckets are runs of consecutive parameters, 0 .. n_buckets - 1).
   // partials_like: a tensor (any device: only its shape and dtype are read) shaped as the backend's partials table
   //   of all parameters in layout order (Backend.new_bucket_partials: (P, 2) fp64 rows on cpu, (2, n_chunks) fp32
@@ -123,10 +132,9 @@ class HotPath {
   //   tables, partials_extent[i] parameter i's extent along it (cpu: 1 row, cuda: its chunks). A launch's table is
   //   a slice along partials_dim. on_bucket_ready: a Python callable(int), or None. main_grad may be on the meta
   //   device (layout only) when every bucket is written into the destinations set_acquire's callable gives.
-  HotPath(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
-          std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
-          std::vector<int64_t> partials_extent, py::object on_bucket_ready, const std::string& op_namespace,
-          bool external)
+  HotPathCore(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
+              std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
+              std::vector<int64_t> partials_extent, py::object on_bucket_ready, const std::string& op_namespace)
       : params_(std::move(params)),
         main_grad_(std::move(main_grad)),
         offsets_(std::move(offsets)),
@@ -135,8 +143,6 @@ class HotPath {
         partials_dim_(partials_dim),
         on_bucket_ready_(std::move(on_bucket_ready)),
         op_(find_op(op_namespace, "accumulate_bucket_").typed<AccumulateBucketKernel>()) {
-    const auto wgrad = c10::Dispatcher::singleton().findOp({op_namespace + "::wgrad_accumulate_", ""});
-    if (wgrad.has_value() && wgrad->hasSchema()) wgrad_op_ = wgrad->typed<WgradAccumulateKernel>();
     const size_t n = params_.size();
     TORCH_CHECK_VALUE(n > 0, "params must not be empty");
     like_ = main_grad_.is_meta() ? at::empty({0}, params_[0].options().dtype(at::kFloat)) : main_grad_;
@@ -153,8 +159,6 @@ class HotPath {
     int64_t total_extent = 0;
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
-      TORCH_CHECK_VALUE(external || (p.requires_grad() && p.is_leaf()), "params[", i,
-                        "] must be a leaf tensor that requires grad");
       TORCH_CHECK_VALUE(p.device() == like_.device(), "params[", i, "] is on ", p.device(), ", main_grad on ",
                         like_.device());
       TORCH_CHECK_VALUE(offsets_[i] >= 0 && offsets_[i] + p.numel() <= main_grad_.numel(), "offsets[", i,
@@ -187,36 +191,14 @@ class HotPath {
     held_.resize(n_buckets);
     source_written_.assign(n_buckets, 0);
     pending_ = bucket_size_;
-    // One hook per parameter on its AccumulateGrad node, which we keep alive (a parameter holds its node only
-    // weakly, and a node made afresh would not carry the hook). External: none, the gradients come via arrive().
-    external_ = external;
-    if (external) return;
-    nodes_.reserve(n);
-    keys_of_hooks_.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      NodePtr node = torch::autograd::impl::grad_accumulator(params_[i]);
-      TORCH_CHECK(node, "params[", i, "] has no AccumulateGrad node");
-      keys_of_hooks_.push_back(node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, i](const variable_list& outputs, const variable_list& /*inputs*/) {
-            on_gradient(i);
-            return outputs;
-          })));
-      nodes_.push_back(std::move(node));
-    }
   }
 
-  ~HotPath() { close(); }
+  HotPathCore(const HotPathCore&) = delete;
+  HotPathCore& operator=(const HotPathCore&) = delete;
 
-  HotPath(const HotPath&) = delete;
-  HotPath& operator=(const HotPath&) = delete;
-
-  // Remove the hooks (idempotent). Gradients held for an incomplete bucket are dropped.
+  // Drop the gradients held for an incomplete bucket (idempotent; the core has no hook to remove).
   void close() {
-    set_fusion(false);
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_of_hooks_[i]);
-    nodes_.clear();
-    keys_of_hooks_.clear();
     drop_held();
   }
 
@@ -285,11 +267,9 @@ class HotPath {
     partials_ = at::Tensor();
   }
 
-  // External mode (FSDP2, gaengine/fsdp2.py): parameter index's gradient handed over by its caller (this rank's
-  // reduce-scattered shard, shaped as params[index]), received as the AccumulateGrad hook receives p.grad.
+  // Parameter index's gradient handed over by its caller (FSDP2, gaengine/fsdp2.py: this rank's reduce-scattered
+  // shard, shaped as params[index]), received as HotPath's AccumulateGrad hook receives p.grad.
   void arrive(int64_t index, at::Tensor grad) {
-    TORCH_CHECK_VALUE(external_, "arrive() is for a HotPath built with external=True (its gradients are handed over; "
-                      "this one takes them from the AccumulateGrad hooks)");
     TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(params_.size()), "index ", index,
                       " out of range for ", params_.size(), " parameters");
     TORCH_CHECK_VALUE(!grad.defined() || (grad.sizes() == params_[index].sizes() &&
@@ -297,64 +277,6 @@ class HotPath {
                       "grad of parameter ", index, " must have shape ", params_[index].sizes(), " on ",
                       params_[index].device(), ", got ", grad.sizes(), " on ", grad.device());
     receive(static_cast<size_t>(index), grad);
-  }
-
-  // Gradient accumulation fusion on (register the parameters: fused_linear's backward hands their gradients to
-  // fuse()) or off (unregister them). Off is idempotent; close() turns it off.
-  void set_fusion(bool on) { set_fused(std::vector<bool>(params_.size(), on)); }
-
-  // Gradient accumulation fusion per parameter: which[i] registers parameter i (fused_linear's backward hands its
-  // gradient to fuse()), false unregisters it (fused_linear's backward returns its ordinary gradient to autograd,
-  // which runs the parameter's tensor and post-accumulate hooks before this HotPath's AccumulateGrad hook takes it:
-  // the unfused path, gaengine.fusion.FusionHooks). Takes effect at the next backward.
-  void set_fused(const std::vector<bool>& which) {
-    TORCH_CHECK_VALUE(which.size() == params_.size(), "set_fused needs one flag per parameter (", params_.size(),
-                      "), got ", which.size());
-    const bool any = std::find(which.begin(), which.end(), true) != which.end();
-    TORCH_CHECK_VALUE(!any || !external_, "gradient accumulation fusion needs the parameters' own AccumulateGrad ",
-                      "hooks, which a HotPath built with external=True does not have");
-    TORCH_CHECK_VALUE(!any || wgrad_op_.has_value(), "gradient accumulation fusion needs wgrad_accumulate_ in the ",
-                      "namespace of this HotPath's kernels, which has none (the compiled backends' namespace has it)");
-    std::lock_guard<std::mutex> registry(fusion_mutex());
-    auto& owners = fusion_owners();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const c10::TensorImpl* key = params_[i].unsafeGetTensorImpl();
-      if (which[i]) {
-        owners[key] = {this, static_cast<int64_t>(i)};
-      } else {
-        auto it = owners.find(key);
-        if (it != owners.end() && it->second.hot == this) owners.erase(it);
-      }
-    }
-  }
-
-  // fused_linear's backward (take_fused_gradients, with the registry lock held): write or add the gradient of
-  // parameter weight_index (a Linear weight, (out, in)) and/or bias_index (its bias, (out,)), -1 for none, into
-  // their main_grad slices with one wgrad_accumulate_ call (transposed: a weight (in, out), whose gradient
-  // input^T @ grad_output is a call with the operands swapped, and the bias a second call). grad_output: (N, out),
-  // input: (N, in). Each parameter
-  // counts as arrived at its AccumulateGrad hook, which autograd still runs (with no p.grad, or with the gradient
-  // of the parameter's other, unfused uses, which is then added).
-  void fuse(int64_t weight_index, int64_t bias_index, const at::Tensor& grad_output, const at::Tensor& input,
-            bool transposed) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(in_backward_, "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); ",
-                "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)");
-    TORCH_CHECK(acquire_.is_none(), "gaengine: gradient accumulation fusion needs main_grad, not per-bucket staging ",
-                "(a bug: the accumulator refuses zero_stage=2 with gradient_accumulation_fusion)");
-    std::optional<at::Tensor> dw, db;
-    bool write_w = false, write_b = false;
-    if (weight_index >= 0) dw = fused_destination(weight_index, write_w);
-    if (bias_index >= 0) db = fused_destination(bias_index, write_b);
-    if (transposed && dw.has_value()) {  // dW (in, out) = input^T @ grad_output: the op with its operands swapped
-      wgrad_op_->redispatch(keys_, dw, std::nullopt, input, grad_output, write_w, false);
-      ++launches_;
-      if (!db.has_value()) return;
-      dw.reset();
-      write_w = false;
-    }
-    wgrad_op_->redispatch(keys_, dw, db, grad_output, input, write_w, write_b);
-    ++launches_;
   }
 
   // The free-norm partials of the last micro-batch when they cover every parameter, else None: the backend's
@@ -466,7 +388,7 @@ class HotPath {
     dest_.assign(n_buckets, at::Tensor());
   }
 
- private:
+ protected:
   struct Held {
     int64_t index;
     at::Tensor grad;
@@ -494,40 +416,6 @@ class HotPath {
     return main_grad_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes());
   }
 
-  // Where parameter i's fused gradient goes, and whether the kernel writes it (write) or adds to it. Measuring the
-  // sources (the noise scale needs each micro-batch's own gradient norm, which a GEMM adding into main_grad cannot
-  // give): an fp32 tensor of the parameter's shape, this pass's fused uses summed in it, which its hook then holds
-  // like an arrived gradient (the bucket launch adds it to main_grad exactly and measures it). Otherwise its
-  // main_grad slice (claim()).
-  at::Tensor fused_destination(int64_t i, bool& write) {
-    fused_[i] = 1;
-    if (!source_table_.defined()) {
-      write = claim(i);
-      return slice(i);
-    }
-    at::Tensor& source = fused_sources_[i];
-    write = !source.defined();
-    if (write) source = at::empty(params_[i].sizes(), like_.options());
-    return source;
-  }
-
-  // Parameter i's slice is about to receive a fused gradient: whether the kernel writes it (the window's first
-  // contribution) or adds to it. Its next hook call counts an arrival even without p.grad; the free-norm and
-  // source partials of this micro-batch no longer cover every value written (step() reads the buffer once).
-  bool claim(int64_t i) {
-    fused_[i] = 1;
-    norm_missed_ = true;
-    if (source_table_.defined()) sources_inexact_.back() = true;
-    if (held_at_[i] >= 0) {  // an earlier arrival of this micro-batch is held: it adds to what the kernel writes
-      Held& h = held_[bucket_of_[i]][held_at_[i]];
-      return std::exchange(h.overwrite, false);
-    }
-    if (written_[i]) return false;
-    written_[i] = 1;
-    if (learning_) arrival_.push_back(i);
-    return true;
-  }
-
   void drop_held() {
     for (auto& source : fused_sources_) source.reset();
     for (auto& held : held_) held.clear();
@@ -540,10 +428,6 @@ class HotPath {
     sources_inexact_.clear();
     source_table_ = at::Tensor();  // a backward under way writes no table
   }
-
-  // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p in this autograd
-  // pass into p.grad. Several passes of one backward (reentrant checkpointing) each call it.
-  void on_gradient(size_t i) { receive(i, params_[i].mutable_grad()); }
 
   // Parameter i's gradient of this autograd pass, in `slot` (p.grad, which is emptied: the parameter lets go of it).
   void receive(size_t i, at::Tensor& slot) {
@@ -773,13 +657,8 @@ class HotPath {
   std::vector<int64_t> bucket_span_;     // acquire: per bucket, the elements its destination must hold
   std::vector<at::Tensor> dest_;         // acquire: per bucket, this micro-batch's destination, or undefined
   c10::TypedOperatorHandle<AccumulateBucketKernel> op_;  // torch.ops.<namespace>.accumulate_bucket_
-  std::optional<c10::TypedOperatorHandle<WgradAccumulateKernel>> wgrad_op_;  // its wgrad_accumulate_, if any
   c10::DispatchKeySet keys_;                            // its kernel for main_grad's device (kernel_keys)
 
-  // The owning pointer to a node: c10::intrusive_ptr from torch 2.12 on, std::shared_ptr before.
-  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-  std::vector<NodePtr> nodes_;
-  std::vector<uintptr_t> keys_of_hooks_;
   std::vector<int64_t> bucket_size_;
   std::vector<int64_t> bucket_start_;    // per bucket: its first position in a partials table along partials_dim_
   std::vector<int64_t> bucket_extent_;   // per bucket: its extent there
@@ -788,7 +667,7 @@ class HotPath {
 
   std::mutex mutex_;
   std::vector<uint8_t> written_;        // per parameter: written in this window (later micro-batches add)
-  std::vector<uint8_t> fused_;          // per parameter: fuse() wrote it since its last hook call
+  std::vector<uint8_t> fused_;          // per parameter: HotPath::fuse() wrote it since its last hook call
   std::vector<at::Tensor> fused_sources_;  // measuring sources: per parameter, its fused uses since its last hook
   std::vector<int64_t> arrival_;        // first arrivals of the window being learned
   bool learning_ = false;
@@ -802,7 +681,6 @@ class HotPath {
   std::string late_;                     // the first arrival too late to be reduced (armed), raised by end()
   int64_t late_count_ = 0;
   bool in_backward_ = false;
-  bool external_ = false;                // gradients via arrive(), no AccumulateGrad hooks
   bool armed_ = false;
   bool stale_ = false;
   at::Tensor partials_;                  // this micro-batch's free-norm table (want_norm), or undefined
@@ -813,6 +691,159 @@ class HotPath {
   std::vector<int64_t> source_written_;  // per bucket: extent of this micro-batch's table a launch wrote
   std::optional<c10::Stream> tables_stream_;  // where begin() made the tables
   int64_t launches_ = 0;
+};
+
+// The hooked front: the core fed by a C++ post-hook on each parameter's AccumulateGrad node, and gradient
+// accumulation fusion (fused_linear's backward writing registered parameters' gradients into main_grad), which
+// needs those hooks. The hook calls the core's receive() directly (no virtual call, no allocation).
+class HotPath : public HotPathCore {
+ public:
+  // The core's arguments (HotPathCore); params must be leaf tensors that require grad.
+  HotPath(std::vector<at::Tensor> params, at::Tensor main_grad, std::vector<int64_t> offsets,
+          std::vector<int64_t> bucket_of, const at::Tensor& partials_like, int64_t partials_dim,
+          std::vector<int64_t> partials_extent, py::object on_bucket_ready, const std::string& op_namespace)
+      : HotPathCore(std::move(params), std::move(main_grad), std::move(offsets), std::move(bucket_of),
+                    partials_like, partials_dim, std::move(partials_extent), std::move(on_bucket_ready),
+                    op_namespace) {
+    const auto wgrad = c10::Dispatcher::singleton().findOp({op_namespace + "::wgrad_accumulate_", ""});
+    if (wgrad.has_value() && wgrad->hasSchema()) wgrad_op_ = wgrad->typed<WgradAccumulateKernel>();
+    const size_t n = params_.size();
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(params_[i].requires_grad() && params_[i].is_leaf(), "params[", i,
+                        "] must be a leaf tensor that requires grad (HotPath hooks its AccumulateGrad node; ",
+                        "gradients handed over by the caller go to a HotPathCore's arrive())");
+    }
+    // One hook per parameter on its AccumulateGrad node, which we keep alive (a parameter holds its node only
+    // weakly, and a node made afresh would not carry the hook).
+    nodes_.reserve(n);
+    keys_of_hooks_.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      NodePtr node = torch::autograd::impl::grad_accumulator(params_[i]);
+      TORCH_CHECK(node, "params[", i, "] has no AccumulateGrad node");
+      keys_of_hooks_.push_back(node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, i](const variable_list& outputs, const variable_list& /*inputs*/) {
+            on_gradient(i);
+            return outputs;
+          })));
+      nodes_.push_back(std::move(node));
+    }
+  }
+
+  ~HotPath() { close(); }
+
+  // Remove the hooks and the fusion registrations (idempotent). Gradients held for an incomplete bucket are
+  // dropped.
+  void close() {
+    set_fusion(false);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_of_hooks_[i]);
+    nodes_.clear();
+    keys_of_hooks_.clear();
+    drop_held();
+  }
+
+  // Gradient accumulation fusion on (register the parameters: fused_linear's backward hands their gradients to
+  // fuse()) or off (unregister them). Off is idempotent; close() turns it off.
+  void set_fusion(bool on) { set_fused(std::vector<bool>(params_.size(), on)); }
+
+  // Gradient accumulation fusion per parameter: which[i] registers parameter i (fused_linear's backward hands its
+  // gradient to fuse()), false unregisters it (fused_linear's backward returns its ordinary gradient to autograd,
+  // which runs the parameter's tensor and post-accumulate hooks before this HotPath's AccumulateGrad hook takes it:
+  // the unfused path, gaengine.fusion.FusionHooks). Takes effect at the next backward.
+  void set_fused(const std::vector<bool>& which) {
+    TORCH_CHECK_VALUE(which.size() == params_.size(), "set_fused needs one flag per parameter (", params_.size(),
+                      "), got ", which.size());
+    const bool any = std::find(which.begin(), which.end(), true) != which.end();
+    TORCH_CHECK_VALUE(!any || wgrad_op_.has_value(), "gradient accumulation fusion needs wgrad_accumulate_ in the ",
+                      "namespace of this HotPath's kernels, which has none (the compiled backends' namespace has it)");
+    std::lock_guard<std::mutex> registry(fusion_mutex());
+    auto& owners = fusion_owners();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const c10::TensorImpl* key = params_[i].unsafeGetTensorImpl();
+      if (which[i]) {
+        owners[key] = {this, static_cast<int64_t>(i)};
+      } else {
+        auto it = owners.find(key);
+        if (it != owners.end() && it->second.hot == this) owners.erase(it);
+      }
+    }
+  }
+
+  // fused_linear's backward (take_fused_gradients, with the registry lock held): write or add the gradient of
+  // parameter weight_index (a Linear weight, (out, in)) and/or bias_index (its bias, (out,)), -1 for none, into
+  // their main_grad slices with one wgrad_accumulate_ call (transposed: a weight (in, out), whose gradient
+  // input^T @ grad_output is a call with the operands swapped, and the bias a second call). grad_output: (N, out),
+  // input: (N, in). Each parameter
+  // counts as arrived at its AccumulateGrad hook, which autograd still runs (with no p.grad, or with the gradient
+  // of the parameter's other, unfused uses, which is then added).
+  void fuse(int64_t weight_index, int64_t bias_index, const at::Tensor& grad_output, const at::Tensor& input,
+            bool transposed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(in_backward_, "a gradient reached a parameter managed by GradientAccumulator outside acc.backward(); ",
+                "call acc.backward(loss) instead of loss.backward() (or acc.close() to detach the accumulator)");
+    TORCH_CHECK(acquire_.is_none(), "gaengine: gradient accumulation fusion needs main_grad, not per-bucket staging ",
+                "(a bug: the accumulator refuses zero_stage=2 with gradient_accumulation_fusion)");
+    std::optional<at::Tensor> dw, db;
+    bool write_w = false, write_b = false;
+    if (weight_index >= 0) dw = fused_destination(weight_index, write_w);
+    if (bias_index >= 0) db = fused_destination(bias_index, write_b);
+    if (transposed && dw.has_value()) {  // dW (in, out) = input^T @ grad_output: the op with its operands swapped
+      wgrad_op_->redispatch(keys_, dw, std::nullopt, input, grad_output, write_w, false);
+      ++launches_;
+      if (!db.has_value()) return;
+      dw.reset();
+      write_w = false;
+    }
+    wgrad_op_->redispatch(keys_, dw, db, grad_output, input, write_w, write_b);
+    ++launches_;
+  }
+
+ private:
+  using HotPathCore::arrive;  // the gradients come from the hooks
+
+  // The post-hook of parameter i's AccumulateGrad node: autograd has just summed every use of p in this autograd
+  // pass into p.grad. Several passes of one backward (reentrant checkpointing) each call it.
+  void on_gradient(size_t i) { receive(i, params_[i].mutable_grad()); }
+
+  // Where parameter i's fused gradient goes, and whether the kernel writes it (write) or adds to it. Measuring the
+  // sources (the noise scale needs each micro-batch's own gradient norm, which a GEMM adding into main_grad cannot
+  // give): an fp32 tensor of the parameter's shape, this pass's fused uses summed in it, which its hook then holds
+  // like an arrived gradient (the bucket launch adds it to main_grad exactly and measures it). Otherwise its
+  // main_grad slice (claim()).
+  at::Tensor fused_destination(int64_t i, bool& write) {
+    fused_[i] = 1;
+    if (!source_table_.defined()) {
+      write = claim(i);
+      return slice(i);
+    }
+    at::Tensor& source = fused_sources_[i];
+    write = !source.defined();
+    if (write) source = at::empty(params_[i].sizes(), like_.options());
+    return source;
+  }
+
+  // Parameter i's slice is about to receive a fused gradient: whether the kernel writes it (the window's first
+  // contribution) or adds to it. Its next hook call counts an arrival even without p.grad; the free-norm and
+  // source partials of this micro-batch no longer cover every value written (step() reads the buffer once).
+  bool claim(int64_t i) {
+    fused_[i] = 1;
+    norm_missed_ = true;
+    if (source_table_.defined()) sources_inexact_.back() = true;
+    if (held_at_[i] >= 0) {  // an earlier arrival of this micro-batch is held: it adds to what the kernel writes
+      Held& h = held_[bucket_of_[i]][held_at_[i]];
+      return std::exchange(h.overwrite, false);
+    }
+    if (written_[i]) return false;
+    written_[i] = 1;
+    if (learning_) arrival_.push_back(i);
+    return true;
+  }
+
+  std::optional<c10::TypedOperatorHandle<WgradAccumulateKernel>> wgrad_op_;  // its wgrad_accumulate_, if any
+  // The owning pointer to a node: c10::intrusive_ptr from torch 2.12 on, std::shared_ptr before.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> nodes_;
+  std::vector<uintptr_t> keys_of_hooks_;
 };
 
 }  // namespace
@@ -836,48 +867,63 @@ FusedTaken take_fused_gradients(int64_t weight_key, int64_t bias_key, const at::
   return {w.hot != nullptr, b.hot != nullptr};
 }
 
-void register_hot_path(py::module_& m) {
-  py::class_<HotPath>(m, "HotPath",
-                      "The accumulator's per-parameter work in C++ post-hooks on AccumulateGrad nodes "
-                      "(csrc/hot_path.cpp; bound in gaengine/hot_path.py)")
+namespace {
+
+// What HotPathCore and HotPath both bind: the window's calls and state. Each class binds them on its own (no Python
+// base class), so that neither has the other's way in: arrive() only on the core, set_fusion() only on the front.
+template <class T>
+py::class_<T>& bind_core(py::class_<T>& cls) {
+  return cls
       .def(py::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>,
-                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object, const std::string&, bool>(),
+                    const at::Tensor&, int64_t, std::vector<int64_t>, py::object, const std::string&>(),
            py::arg("params"), py::arg("main_grad"), py::arg("offsets"), py::arg("bucket_of"), py::arg("partials_like"),
            py::arg("partials_dim"), py::arg("partials_extent"), py::arg("on_bucket_ready"),
-           py::arg("op_namespace") = std::string(GAENGINE_OP_NAMESPACE_NAME), py::arg("external") = false)
-      .def("begin", &HotPath::begin, "start of a micro-batch's backward", py::arg("want_norm"), py::arg("armed"),
+           py::arg("op_namespace") = std::string(GAENGINE_OP_NAMESPACE_NAME))
+      .def("begin", &T::begin, "start of a micro-batch's backward", py::arg("want_norm"), py::arg("armed"),
            py::call_guard<py::gil_scoped_release>())
-      .def("arrive", &HotPath::arrive, "external=True: parameter index's gradient, handed over",
-           py::arg("index"), py::arg("grad"), py::call_guard<py::gil_scoped_release>())
-      .def("end", &HotPath::end, "after backward: accumulate the incomplete buckets",
+      .def("end", &T::end, "after backward: accumulate the incomplete buckets",
            py::call_guard<py::gil_scoped_release>())
-      .def("abort", &HotPath::abort, "backward raised: drop what is held", py::call_guard<py::gil_scoped_release>())
-      .def("close", &HotPath::close, "remove the hooks", py::call_guard<py::gil_scoped_release>())
-      .def("norm_partials", &HotPath::norm_partials, "the last micro-batch's free-norm partials, or None")
-      .def("set_measure_sources", &HotPath::set_measure_sources,
+      .def("abort", &T::abort, "backward raised: drop what is held", py::call_guard<py::gil_scoped_release>())
+      .def("close", &T::close, "drop what is held (HotPath: and remove the hooks)",
+           py::call_guard<py::gil_scoped_release>())
+      .def("norm_partials", &T::norm_partials, "the last micro-batch's free-norm partials, or None")
+      .def("set_measure_sources", &T::set_measure_sources,
            "write the sources' partials in every micro-batch from the next begin() (False: stop and forget them)",
            py::arg("on"))
-      .def("source_partials", &HotPath::source_partials,
+      .def("source_partials", &T::source_partials,
            "(tables, inexact): one source-partials table per micro-batch since clear_sources(), and which are inexact")
-      .def("clear_sources", &HotPath::clear_sources, "forget the source-partials tables")
-      .def("written", &HotPath::written, "per parameter: written in this window")
-      .def("set_all_written", &HotPath::set_all_written, py::arg("values"))
-      .def("arrival", &HotPath::arrival, "first-arrival order being learned, or None")
-      .def("set_arrival", &HotPath::set_arrival, "learn from first arrivals after `order` (None: stop)",
-           py::arg("order"))
-      .def("expected_arrivals", &HotPath::expected_arrivals, "per parameter: gradient arrivals per backward, learned")
-      .def("set_expected_arrivals", &HotPath::set_expected_arrivals, py::arg("values"))
-      .def("take_stale", &HotPath::take_stale, "a gradient was dropped outside acc.backward() (clears the flag)")
-      .def("launches", &HotPath::launches, "accumulate launches since construction")
-      .def("num_buckets", &HotPath::num_buckets)
+      .def("clear_sources", &T::clear_sources, "forget the source-partials tables")
+      .def("written", &T::written, "per parameter: written in this window")
+      .def("set_all_written", &T::set_all_written, py::arg("values"))
+      .def("arrival", &T::arrival, "first-arrival order being learned, or None")
+      .def("set_arrival", &T::set_arrival, "learn from first arrivals after `order` (None: stop)", py::arg("order"))
+      .def("expected_arrivals", &T::expected_arrivals, "per parameter: gradient arrivals per backward, learned")
+      .def("set_expected_arrivals", &T::set_expected_arrivals, py::arg("values"))
+      .def("take_stale", &T::take_stale, "a gradient was dropped outside acc.backward() (clears the flag)")
+      .def("launches", &T::launches, "accumulate launches since construction")
+      .def("num_buckets", &T::num_buckets)
+      .def("set_acquire", &T::set_acquire, "write each bucket into acquire(b) (None: into main_grad)",
+           py::arg("acquire"), py::arg("bucket_base"));
+}
+
+}  // namespace
+
+void register_hot_path(py::module_& m) {
+  py::class_<HotPathCore> core(m, "HotPathCore",
+                               "The accumulator's per-parameter work with the gradients handed over by the caller "
+                               "(arrive; FSDP2's shards), no hook (csrc/hot_path.cpp; bound in gaengine/hot_path.py)");
+  bind_core(core).def("arrive", &HotPathCore::arrive, "parameter index's gradient, handed over", py::arg("index"),
+                      py::arg("grad"), py::call_guard<py::gil_scoped_release>());
+  py::class_<HotPath> hooked(m, "HotPath",
+                             "The accumulator's per-parameter work in C++ post-hooks on AccumulateGrad nodes "
+                             "(csrc/hot_path.cpp; bound in gaengine/hot_path.py)");
+  bind_core(hooked)
       .def("set_fusion", &HotPath::set_fusion,
            "gradient accumulation fusion: fused_linear's backward writes these parameters' gradients into main_grad",
            py::arg("on"), py::call_guard<py::gil_scoped_release>())
       .def("set_fused", &HotPath::set_fused,
            "gradient accumulation fusion per parameter: which[i] False gives parameter i its ordinary gradient",
-           py::arg("which"), py::call_guard<py::gil_scoped_release>())
-      .def("set_acquire", &HotPath::set_acquire, "write each bucket into acquire(b) (None: into main_grad)",
-           py::arg("acquire"), py::arg("bucket_base"));
+           py::arg("which"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace gaengine

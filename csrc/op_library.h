@@ -25,11 +25,12 @@
 #define GAENGINE_CUDA_DISPATCH_KEY CUDA
 #endif
 
-// The version of what gaengine._C offers Python: its ops' schemas, HotPath's methods, its module attributes.
+// The version of what gaengine._C offers Python: its ops' schemas, HotPath's and HotPathCore's methods, its module
+// attributes.
 // Compiled into the module as gaengine._C.ABI_VERSION and compared, when gaengine loads the extension, with
 // gaengine.backends.EXTENSION_ABI_VERSION: a module built from other sources is refused with one message (rebuild
 // it with `make install`). Raise both together whenever any of those changes.
-#define GAENGINE_ABI_VERSION 6
+#define GAENGINE_ABI_VERSION 7
 
 // The namespace of the ops: torch.ops.gaengine. tests/cuda_emu/engine.py's emulated build, loaded beside gaengine._C
 // in one process, defines it as its module name (a library namespace may be defined once per process).

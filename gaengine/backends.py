@@ -55,7 +55,7 @@ __all__ = ["Backend", "BACKEND_NAMES", "CompiledBackend", "ContractError", "EXTE
 logger = logging.getLogger("gaengine")
 
 # What this gaengine expects of gaengine._C: csrc/op_library.h's GAENGINE_ABI_VERSION, raised with it.
-EXTENSION_ABI_VERSION = 6
+EXTENSION_ABI_VERSION = 7
 
 
 def load_extension():

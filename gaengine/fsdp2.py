@@ -7,9 +7,10 @@ post-accumulate-grad hooks itself, right after it assigned the shard to ``.grad`
 autograd, so hooks on their AccumulateGrad nodes never fire). ``FullyShardedGrads`` is the sharding strategy
 (``gaengine.sharding.ShardingStrategy``) built on that hook:
 
-* **Hooks** (``make_shard_hooks``: ``NativeShardHooks``, the one native hot path of ``csrc/hot_path.cpp`` in its
-  external mode, each Python hook FSDP2 calls handing the shard to ``HotPath.arrive``): each hook adds ``p.grad.to_local()`` (this
-  rank's shard of the micro-batch's reduced gradient, in the sharded parameter's dtype) into one flat fp32
+* **Hooks** (``make_shard_hooks``: ``NativeShardHooks``, the core of the one native hot path, ``csrc/hot_path.cpp``'s
+  ``HotPathCore``, each Python hook FSDP2 calls handing the shard to ``HotPathCore.arrive``): each hook adds
+  ``p.grad.to_local()`` (this rank's shard of the micro-batch's reduced gradient, in the sharded parameter's dtype)
+  into one flat fp32
   ``main_grad`` laid out over the local shards (local numels, possibly 0) and sets ``p.grad = None``. A bucket is
   one FSDP2 parameter group: its hooks fire back to back in one ``foreach_reduce``, so a group costs one
   accumulate launch, on the stream FSDP2 runs them on (its ``post_reduce_stream`` on CUDA, before it records the
@@ -193,16 +194,18 @@ def _local_shard(param: torch.Tensor) -> torch.Tensor | None:
 
 class NativeShardHooks(NativeHooks):
     """``gaengine.hot_path.NativeHooks`` over FSDP2's sharded parameters (``params``: DTensors, layout order): the
-    one hot path (``csrc/hot_path.cpp``) in its external mode, over the local shards' layout. FSDP2 calls a Python
-    post-accumulate-grad hook per parameter after its reduce-scatter (the sharded parameters never enter
-    autograd); the hook hands the local shard to ``HotPath.arrive``, which holds and accumulates it as the
-    AccumulateGrad hooks do: one launch per complete bucket (an FSDP2 parameter group) into ``main_grad``. There is
-    no reducer (FSDP2 reduces)."""
+    core of the one hot path (``csrc/hot_path.cpp``'s ``HotPathCore``, no AccumulateGrad hooks), over the local
+    shards' layout. FSDP2 calls a Python post-accumulate-grad hook per parameter after its reduce-scatter (the
+    sharded parameters never enter autograd); the hook hands the local shard to ``HotPathCore.arrive``, which holds
+    and accumulates it as ``HotPath``'s AccumulateGrad hooks do: one launch per complete bucket (an FSDP2 parameter
+    group) into ``main_grad``. There is no reducer (FSDP2 reduces), and no gradient accumulation fusion (refused
+    for FSDP2 models, ``gaengine.fusion``)."""
+
+    hot_path_class = "HotPathCore"
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  measure_sources: bool = False, divide_factor=lambda: 1.0) -> None:
-        super().__init__([p.to_local() for p in params], main_grad, backend, buckets, None, measure_sources,
-                         external=True)
+        super().__init__([p.to_local() for p in params], main_grad, backend, buckets, None, measure_sources)
         self._divide_factor = divide_factor
         ref = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(ref, i)) for i, p in enumerate(params)]
@@ -216,6 +219,12 @@ class NativeShardHooks(NativeHooks):
                 hooks.arrive(i, local)
 
         return hook
+
+    def arrive(self, index: int, grad: torch.Tensor) -> None:
+        """Parameter ``index``'s gradient (its local shard's shape, on its device), handed over as ``HotPath``'s
+        AccumulateGrad hook hands ``p.grad`` over (``HotPathCore.arrive``: ``ValueError`` for another shape or
+        device, ``IndexError`` for an index out of range)."""
+        self._hot.arrive(index, grad)
 
     @property
     def sources_reduced_by(self) -> float:

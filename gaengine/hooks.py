@@ -4,9 +4,9 @@ One interface, ``Hooks``, and one implementation, built by ``make_hooks``: ``gae
 post-hooks on each parameter's AccumulateGrad node (``csrc/hot_path.cpp``), no Python per parameter, for every
 backend: the ``cpu`` and ``cuda`` bucket kernels are ``gaengine._C``'s ops, the ``torch`` and ``triton`` ones
 registered as kernels of an op of the same schema (``Backend.hot_path_namespace``). Over FSDP2's shards the same hot
-path runs in its external mode (``gaengine.fsdp2.NativeShardHooks``). ``gaengine._C`` is required: an install
-without it raises at construction, saying how to build it. (The tests hold a second, independent implementation
-in Python as their oracle: ``tests/oracle_hooks.py``.)
+path's core, with no hooks of its own, takes the shards FSDP2's hooks hand it (``gaengine.fsdp2.NativeShardHooks``).
+``gaengine._C`` is required: an install without it raises at construction, saying how to build it. (The tests hold a
+second, independent implementation in Python as their oracle: ``tests/oracle_hooks.py``.)
 
 ``measure_sources``: every accumulate launch then also writes the partial sums of squares of its sources (the
 gradients autograd made in this micro-batch), kept per micro-batch until ``window_source_sumsq()`` finishes them

@@ -1,5 +1,11 @@
 """``NativeHooks``: ``gaengine._C.HotPath`` (``csrc/hot_path.cpp``) behind ``gaengine.hooks.Hooks``.
 
+``csrc/hot_path.cpp`` builds two objects over one core: ``HotPathCore`` owns main_grad's slots, the window's counts,
+the held gradients and the bucket launches, and takes each gradient handed to ``arrive(i, grad)``; ``HotPath`` is
+that core fed by C++ hooks on the AccumulateGrad nodes, with gradient accumulation fusion (which needs those hooks).
+``NativeHooks`` builds ``hot_path_class``: ``HotPath``; FSDP2's ``gaengine.fsdp2.NativeShardHooks`` builds the core
+and hands it each shard.
+
 No Python runs per parameter per micro-batch. ``HotPath`` registers a C++ post-hook on each parameter's
 AccumulateGrad node (the nodes are kept alive, as torch DDP's Reducer keeps them) that takes ``p.grad`` at once,
 holds it until every parameter of its bucket has arrived as often as learned, and then accumulates the whole
@@ -58,18 +64,18 @@ class NativeHooks:
     (``window_source_sumsq``). acquire: None, or ``acquire(b)`` -> bucket b's destination per micro-batch
     (``HotPath.set_acquire``; main_grad may then be on ``meta``). fusion: the backward of
     ``torch.ops.gaengine.fused_linear`` writes these parameters' gradients into main_grad (``gaengine.fusion``;
-    ``HotPath.set_fusion``, undone by ``close()``). external: no AccumulateGrad hooks; each gradient comes through
-    ``arrive(i, grad)`` (FSDP2's shards, ``gaengine.fsdp2``), ``params`` then only giving the slices' shapes and
-    device. Raises ``RuntimeError`` with the reason when
-    ``gaengine._C`` cannot run the hooks.
+    ``HotPath.set_fusion``, undone by ``close()``). Raises ``RuntimeError`` with the reason when ``gaengine._C``
+    cannot run the hooks.
     """
 
+    #: The ``gaengine._C`` class built over the parameters: ``HotPath`` (C++ hooks on their AccumulateGrad nodes).
+    hot_path_class = "HotPath"
     native = True
     sources_reduced_by: float | None = None  # this rank's own micro-batch (FSDP2's hooks: its divide factor)
 
     def __init__(self, params: list[torch.Tensor], main_grad: FlatBuffer, backend, buckets: list[Bucket],
                  reducer: BucketReducer | None, measure_sources: bool = False, acquire=None,
-                 fusion: bool = False, external: bool = False) -> None:
+                 fusion: bool = False) -> None:
         _C, why = load_native(backend)
         if _C is None:
             raise RuntimeError(why)
@@ -85,8 +91,9 @@ class NativeHooks:
         dim = backend.partials_dim
         whole = backend.new_bucket_partials(numels, "meta")
         extents = [backend.new_bucket_partials([n], "meta").shape[dim] for n in numels]
-        self._hot = _C.HotPath(self.params, main_grad.data, list(main_grad.layout.offsets), bucket_of, whole, dim,
-                               extents, callback, backend.hot_path_namespace(_C), external)
+        self._hot = getattr(_C, self.hot_path_class)(self.params, main_grad.data, list(main_grad.layout.offsets),
+                                                     bucket_of, whole, dim, extents, callback,
+                                                     backend.hot_path_namespace(_C))
         self._hot.set_arrival([])
         if acquire is not None:
             self._hot.set_acquire(acquire, [b.start for b in buckets])
@@ -106,11 +113,6 @@ class NativeHooks:
         if which != self._fused:
             self._hot.set_fused(which)
             self._fused = which
-
-    def arrive(self, index: int, grad: torch.Tensor) -> None:
-        """``external=True``: parameter ``index``'s gradient (shaped as ``params[index]``, on its device), handed over
-        as its AccumulateGrad hook would hand ``p.grad`` over (``HotPath.arrive``)."""
-        self._hot.arrive(index, grad)
 
     def begin(self, last: bool, want_norm: bool, armed: bool) -> None:
         self._hot.begin(want_norm, armed)

@@ -35,11 +35,11 @@ def test_python_expects_the_abi_version_the_sources_define():
 
 
 def test_the_built_module_binds_only_what_is_not_an_op():
-    """No pybind11 entry point for an op: the module's public names are HotPath and three constants, and every op of
-    the operation table that has a kernel is a torch.ops.gaengine op with a CPU kernel."""
+    """No pybind11 entry point for an op: the module's public names are HotPath, HotPathCore and three constants, and
+    every op of the operation table that has a kernel is a torch.ops.gaengine op with a CPU kernel."""
     _C = pytest.importorskip("gaengine._C", reason="gaengine._C is not built")
-    assert {name for name in dir(_C) if not name.startswith("_")} == {"ABI_VERSION", "HotPath", "OP_NAMESPACE",
-                                                                      "WITH_CUDA"}
+    assert {name for name in dir(_C) if not name.startswith("_")} == {"ABI_VERSION", "HotPath", "HotPathCore",
+                                                                      "OP_NAMESPACE", "WITH_CUDA"}
     assert _C.ABI_VERSION == _source_abi_version() and _C.OP_NAMESPACE == "gaengine"
     for op in ("accumulate_", "l2norm_sq", "scale_", "accumulate_bucket_", "adamw_step_", "optimizer_step_",
                "wgrad_accumulate_"):

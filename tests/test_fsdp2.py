@@ -619,7 +619,8 @@ def _check_case(name: str, world: int, results: list[dict]) -> None:
             rtol = _param_rtol(q, world, cfg["opt"], cfg["clip"], ref["grad_norm_max"])
             assert rel_diff(p, q) <= rtol, f"{name} rank {rank} param {i}: {rel_diff(p, q):.2e} from the reference"
         assert not any(got["grads_left"]), f"{name}: a .grad left on a parameter"
-        # The one hot path (csrc/hot_path.cpp, external mode) wherever gaengine._C is built; the Python hooks asked for
+        # The one hot path's core (csrc/hot_path.cpp's HotPathCore) wherever gaengine._C is built; the Python hooks
+        # asked for
         want = "NativeShardHooks" if cfg["hot_path"] == "native" else "ShardHooks"
         assert got["hooks"] == want, f"{name} rank {rank}: hooks {got['hooks']}, expected {want}"
         assert repr(got["norms"]) == repr(results[0][name]["norms"]), f"{name}: ranks disagree on the norm"

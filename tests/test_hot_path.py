@@ -240,15 +240,15 @@ def test_hot_path_refuses_a_namespace_without_the_op():
                    "no_such_namespace")
 
 
-def test_external_hot_path_takes_handed_over_gradients():
-    """external=True (FSDP2's shards): no AccumulateGrad hooks; arrive(i, grad) holds and accumulates as the hook
+def test_hot_path_core_takes_handed_over_gradients():
+    """HotPathCore (FSDP2's shards): no AccumulateGrad hooks; arrive(i, grad) holds and accumulates as HotPath's hook
     does (micro-batch 0 writes, later ones add: the fp64 sum of what was handed over, exact in fp32 here), and its
     contracts name the argument."""
     params = [torch.zeros(3, 4), torch.zeros(5)]
     main_grad = torch.full((128,), float("nan"))
     backend = gaengine.backends.get_backend("cpu")
     table = backend.new_bucket_partials([12, 5], "meta")
-    hot = _C.HotPath(params, main_grad, [0, 64], [0, 0], table, backend.partials_dim, [1, 1], None, "gaengine", True)
+    hot = _C.HotPathCore(params, main_grad, [0, 64], [0, 0], table, backend.partials_dim, [1, 1], None, "gaengine")
     grads = [[torch.full((3, 4), 0.5 * (k + 1)), torch.full((5,), 0.25 * (k + 1))] for k in range(3)]
     hot.set_arrival(None)
     for k in range(3):
@@ -263,8 +263,39 @@ def test_external_hot_path_takes_handed_over_gradients():
         hot.arrive(1, torch.zeros(4))
     with pytest.raises(IndexError, match="index 2 out of range for 2 parameters"):
         hot.arrive(2, torch.zeros(5))
-    hooked = _C.HotPath([nn.Parameter(torch.zeros(4))], torch.zeros(64), [0], [0],
-                        backend.new_bucket_partials([4], "meta"), backend.partials_dim, [1], None)
-    with pytest.raises(ValueError, match=r"arrive\(\) is for a HotPath built with external=True"):
-        hooked.arrive(0, torch.zeros(4))
-    hot.close(), hooked.close()
+    hot.close()
+
+
+def _one_parameter_hot_path(cls, param):
+    backend = gaengine.backends.get_backend("cpu")
+    return cls([param], torch.zeros(64), [0], [0], backend.new_bucket_partials([param.numel()], "meta"),
+               backend.partials_dim, [1], None)
+
+
+def test_hot_path_and_its_core_each_refuse_the_other_way_in():
+    """How a gradient arrives is which object is built, with no mode argument: the core registers no hook (a
+    backward leaves p.grad as the plain recipe does), has no fusion and takes gradients only through arrive();
+    HotPath (hooks on AccumulateGrad, fusion) has no arrive() and refuses a parameter it cannot hook, naming it and
+    the core as the way to hand gradients over."""
+    for cls in (_C.HotPath, _C.HotPathCore):  # the hot path's mode argument is gone
+        with pytest.raises(TypeError, match="incompatible constructor arguments"):
+            cls([nn.Parameter(torch.zeros(4))], torch.zeros(64), [0], [0], torch.empty(1, 2, dtype=torch.float64), 0,
+                [1], None, "gaengine", True)
+    w = nn.Parameter(torch.ones(4))
+    core = _one_parameter_hot_path(_C.HotPathCore, w)
+    assert not hasattr(core, "set_fusion") and not hasattr(core, "set_fused")
+    core.begin(False, False)
+    (w * torch.arange(4.0)).sum().backward()  # the plain recipe's p.grad, which the core does not take
+    core.end()
+    assert torch.equal(w.grad, torch.arange(4.0)) and core.launches() == 0
+    core.close()
+    hooked = _one_parameter_hot_path(_C.HotPath, w)
+    assert not hasattr(hooked, "arrive")
+    w.grad = None
+    hooked.begin(False, False)
+    (w * torch.arange(4.0)).sum().backward()  # taken by HotPath's AccumulateGrad hook
+    hooked.end()
+    assert w.grad is None and hooked.launches() == 1
+    hooked.close()
+    with pytest.raises(ValueError, match=r"params\[0\] must be a leaf tensor that requires grad .*HotPathCore"):
+        _one_parameter_hot_path(_C.HotPath, torch.zeros(4))
