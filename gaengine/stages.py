@@ -14,7 +14,7 @@ checkpointing never calls back into the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # annotations only: the strategy sits above this module
 
     from gaengine.sharding import ShardingStrategy
 
-__all__ = ["AccumulatorParts", "StageStates"]
+__all__ = ["AccumulatorParts", "HasParts", "StageStates"]
 
 
 @dataclass
@@ -166,3 +166,15 @@ class AccumulatorParts:
     def schedule(self) -> WindowSchedule:
         """The window schedule (``update_index``: the updates so far, the protocol's window number)."""
         return self.stages.schedule
+
+
+class HasParts(Protocol):
+    """What ``gaengine.checkpoint``'s public functions (``full_optimizer_state_dict``, ``upgrade``) ask of an
+    accumulator (a ``GradientAccumulator``), so that checkpointing never names the engine: its ``optimizer`` (None
+    without one), its parts (``state_parts``: ``AccumulatorParts``) and its ``state_dict()``."""
+
+    optimizer: torch.optim.Optimizer | None
+
+    def state_parts(self, accumulation_steps: str | None = None) -> AccumulatorParts: ...
+
+    def state_dict(self) -> dict: ...
