@@ -243,3 +243,49 @@ def test_the_checker_sees_test_models(tmp_path):
         (tmp_path / name).write_text(text)
     offenders = _module_classes_outside_models(sorted(tmp_path.rglob("*.py")), root=tmp_path)
     assert offenders == ["tests/test_a.py:2 _MLP", "tests/test_b.py:3 Tied"], offenders
+
+
+# The engine is the pipeline's driver, at the top of the library: a stage is given the parts it works on and never
+# names the engine, not even for annotations (an import under TYPE_CHECKING is a cycle in the type graph: the hub
+# hidden). The package's __init__, the integrations and the tools stand on it (its public API); verify.py's lazy import
+# checks the engine from above it.
+_STANDING_ON_THE_ENGINE = ("gaengine.integrations", "gaengine.tools")
+
+
+def _engine_importers(arrows) -> list[str]:
+    """``"<module>:<line> (<kind>)"`` for each module-level or ``TYPE_CHECKING`` import of ``gaengine.engine`` by a
+    module other than the engine, the package's ``__init__``, the integrations and the tools."""
+    return sorted(f"{a.source}:{a.line} ({a.kind})" for a in arrows
+                  if a.target == "gaengine.engine" and a.kind != "lazy" and a.source not in ("gaengine",
+                                                                                             "gaengine.engine")
+                  and not any(a.source == p or a.source.startswith(p + ".") for p in _STANDING_ON_THE_ENGINE))
+
+
+def test_no_stage_imports_the_engine():
+    whole, _ = _import_structure().analyse(None)
+    assert any(a.target == "gaengine.engine" for a in whole.arrows), "expected gaengine/__init__.py to import it"
+    offenders = _engine_importers(whole.arrows)
+    assert not offenders, ("a library module imports gaengine.engine (at module level or under TYPE_CHECKING): give "
+                           "it the stages it works on (or a Protocol, gaengine.stages.HasParts) instead:\n"
+                           + "\n".join(offenders))
+
+
+def test_the_checker_sees_engine_imports(tmp_path):
+    """A TYPE_CHECKING import and a module-level one are caught; __init__, the integrations, the tools and a lazy
+    import are not."""
+    files = {
+        "__init__.py": "from gaengine.engine import GradientAccumulator\n",
+        "engine.py": "from gaengine import stage\n",
+        "stage.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gaengine.engine import A\n",
+        "other.py": "import gaengine.engine\n",
+        "verify.py": "def f():\n    from gaengine.engine import GradientAccumulator\n",
+        "integrations/__init__.py": "",
+        "integrations/hf.py": "from gaengine.engine import GradientAccumulator\n",
+        "tools/__init__.py": "",
+        "tools/train.py": "from gaengine.engine import GradientAccumulator\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "gaengine" / name).write_text(text)
+    whole, _ = _import_structure().analyse(None, root=tmp_path)
+    assert _engine_importers(whole.arrows) == ["gaengine.other:1 (module)", "gaengine.stage:3 (typing)"]
