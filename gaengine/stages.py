@@ -37,11 +37,12 @@ __all__ = ["AccumulatorParts", "HasParts", "StageStates", "WindowStages"]
 
 @dataclass
 class WindowStages:
-    """The window's stages, built at construction (``gaengine.construction.init_window``), for the window stage (``gaengine.window_end.WindowEnd``): the window's counters
-    (``gaengine.window.Window``), K per window and the updates so far (``gaengine.schedules.WindowSchedule``), the
-    counts a ``step()`` left unread (several ranks, ``RankCounts``), the skipped windows in a row, the loss scale
-    (None: none, or not chosen yet: ``auto_loss_scale``), the noise scale and the window's BatchNorm (either None
-    where not asked) and the lending of the window's gradient in ``.grad`` (``gaengine.lending.Lending``)."""
+    """The window's stages, built at construction (``gaengine.construction.init_window``) for the window stage
+    (``gaengine.window_end.WindowEnd``): the window's counters (``gaengine.window.Window``), K per window and the
+    updates so far (``gaengine.schedules.WindowSchedule``), the counts a ``step()`` left unread (several ranks,
+    ``RankCounts``), the skipped windows in a row, the loss scale (None: none, or not chosen yet:
+    ``auto_loss_scale``), the noise scale and the window's BatchNorm (either None where not asked) and the lending of
+    the window's gradient in ``.grad`` (``gaengine.lending.Lending``)."""
 
     window: Window
     schedule: WindowSchedule
