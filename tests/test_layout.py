@@ -148,6 +148,13 @@ def _import_structure():
     return module
 
 
+def _write_package(root: Path, files: dict[str, str]) -> None:
+    """A ``gaengine`` package under ``root``: each of ``files`` (a path inside the package -> its text) written."""
+    for name, text in files.items():
+        (root / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "gaengine" / name).write_text(text)
+
+
 def test_import_structure_of_a_known_package(tmp_path):
     """benchmarks/import_structure.py on a package whose floors, arrows back up and cycles are known by hand."""
     files = {
@@ -162,9 +169,7 @@ def test_import_structure_of_a_known_package(tmp_path):
         "tools/cli.py": "import gaengine\nfrom gaengine.tools import helper\n",
         "tools/helper.py": "def g():\n    from gaengine.tools.cli import main\n",
     }
-    for name, text in files.items():
-        (tmp_path / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "gaengine" / name).write_text(text)
+    _write_package(tmp_path, files)
     whole, library = _import_structure().analyse(None, root=tmp_path)
     # low 1, side 2, mid 2, top 3, __init__ 4; tools 1, helper 1, cli 5 (imports __init__ at module level)
     assert whole.floors == {"gaengine.low": 1, "gaengine.side": 2, "gaengine.mid": 2, "gaengine.top": 3,
@@ -284,8 +289,6 @@ def test_the_checker_sees_engine_imports(tmp_path):
         "tools/__init__.py": "",
         "tools/train.py": "from gaengine.engine import GradientAccumulator\n",
     }
-    for name, text in files.items():
-        (tmp_path / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "gaengine" / name).write_text(text)
+    _write_package(tmp_path, files)
     whole, _ = _import_structure().analyse(None, root=tmp_path)
     assert _engine_importers(whole.arrows) == ["gaengine.other:1 (module)", "gaengine.stage:3 (typing)"]
