@@ -37,8 +37,9 @@ from gaengine.schedules import AccumulationSchedule, WindowSchedule
 from gaengine.stages import WindowStages
 from gaengine.window import RankCounts, Window
 
-if TYPE_CHECKING:  # annotations only: the fused forwards sit above this module
+if TYPE_CHECKING:  # annotations only
     from gaengine.fusion import LinearFusion
+    from gaengine.sharding import ShardingStrategy
 
 __all__ = ["init_window", "join_ranks", "release"]
 
@@ -80,7 +81,8 @@ def init_window(config: AccumulatorConfig, accumulation_steps: int | Accumulatio
         Lending(backend))
 
 
-def release(owner: Any, sharding: Any, fusion: LinearFusion | None, batchnorm: WindowBatchNorm | None) -> None:
+def release(owner: Any, sharding: ShardingStrategy | None, fusion: LinearFusion | None,
+            batchnorm: WindowBatchNorm | None) -> None:
     """Give back what ``owner`` (the accumulator) holds: the strategy's hooks, collectives in flight and forward
     pre-hooks (``ShardingStrategy.close``), the Linear layers' own forwards (``fusion``:
     ``gradient_accumulation_fusion``), the window's BatchNorm layers and the parameters' claims (another accumulator
