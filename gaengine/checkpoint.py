@@ -37,7 +37,7 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,11 +51,8 @@ from gaengine.optimizer_state import cpu_copy, state_form
 from gaengine.formats import FSDP2_FORMAT, OLD_FORMATS, PLAIN_FORMAT, STATE_FORMAT, ZERO_FORMAT
 from gaengine.protocol import gather_objects
 from gaengine.reduce import Collective, wait_for
-from gaengine.stages import AccumulatorParts
+from gaengine.stages import AccumulatorParts, HasParts
 from gaengine.rank_layout import RankLayout
-
-if TYPE_CHECKING:  # annotations only: the accumulator calls this module, never the other way round
-    from gaengine.engine import GradientAccumulator
 
 __all__ = ["PLAIN_FORMAT", "STATE_FORMAT", "ZERO_FORMAT", "FlatShard", "Piece", "accumulator_state_dict",
            "full_optimizer_state_dict", "gather_full", "load_accumulator_state_dict", "load_shard_state_dict",
@@ -302,7 +299,7 @@ def gather_full(shard: torch.Tensor, all_pieces: Sequence[Sequence[Piece]], shap
     return [t.view(s) for t, s in zip(out, shapes)]
 
 
-def full_optimizer_state_dict(acc: GradientAccumulator, device: torch.device | str | None = "cpu") -> dict[str, Any]:
+def full_optimizer_state_dict(acc: HasParts, device: torch.device | str | None = "cpu") -> dict[str, Any]:
     """Gather ``acc``'s optimizer state into the state dict of an unsharded optimizer over the model's parameters.
 
     acc: a ``GradientAccumulator`` with an optimizer, at any ``zero_stage``. Sharded (``zero_stage >= 1`` on
@@ -845,7 +842,7 @@ def _layout_order(acc: AccumulatorParts) -> list[int]:
 # State dicts of earlier gaengine versions
 
 
-def upgrade(state: dict[str, Any], acc: GradientAccumulator | None = None) -> dict[str, Any]:
+def upgrade(state: dict[str, Any], acc: HasParts | None = None) -> dict[str, Any]:
     """``state``, a state dict saved by an earlier gaengine, in today's format (``gaengine.formats.STATE_FORMAT``,
     what ``acc.state_dict()`` returns and ``acc.load_state_dict`` loads); a ``STATE_FORMAT`` state as it is.
 

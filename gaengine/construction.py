@@ -6,16 +6,20 @@ parameters (``gaengine.ownership``), then builds its stages through this module 
 
 * ``join_ranks``: the world size, and on several ranks the construction's header and the ranks' agreement on the
   parameters and the options, before the first collective;
-* ``init_window``: the window's stages (the ``Window``, the schedule, the ranks' counts, the loss scale, the skips,
-  the noise scale, the window's BatchNorm, the lending of the window's gradient);
-* ``init_members``: the parameters that may join or leave after construction, and on several ranks their check;
+* ``init_window``: the window's stages (``gaengine.stages.WindowStages``: the ``Window``, the schedule, the
+  ranks' counts, the loss scale, the skips, the noise scale, the window's BatchNorm, the lending of the window's
+  gradient);
 * ``release``: what ``close()`` and garbage collection give back (the hooks, the fused forwards, the BatchNorm
   layers, the parameters' claims).
+
+Each takes the parts it needs and returns what it builds; the engine keeps them, and builds the membership stage
+(``gaengine.membership.MembershipStage.build``) and the window stage (``gaengine.window_end.WindowEnd``) over them and
+the strategy.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,12 +34,14 @@ from gaengine.protocol import CONSTRUCTION, open_phase
 from gaengine.reduce import check_ranks_agree, group_device
 from gaengine.scaler import ConsecutiveSkips, choose_loss_scaler
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
+from gaengine.stages import WindowStages
 from gaengine.window import RankCounts, Window
 
-if TYPE_CHECKING:  # annotations only: the engine sits above this module and calls it
-    from gaengine.engine import GradientAccumulator
+if TYPE_CHECKING:  # annotations only
+    from gaengine.fusion import LinearFusion
+    from gaengine.sharding import ShardingStrategy
 
-__all__ = ["init_members", "init_window", "join_ranks", "release"]
+__all__ = ["init_window", "join_ranks", "release"]
 
 
 def join_ranks(config: AccumulatorConfig, process_group: dist.ProcessGroup | None,
@@ -52,50 +58,40 @@ def join_ranks(config: AccumulatorConfig, process_group: dist.ProcessGroup | Non
     return world_size
 
 
-def init_window(acc: GradientAccumulator, accumulation_steps: int | AccumulationSchedule,
-                params: list[torch.Tensor], module: nn.Module | None) -> None:
-    """``acc``'s window (counters, loss sum, failed flag, stats: ``gaengine.window``), K per window and the updates
-    so far (``gaengine.schedules``), the counts a ``step()`` left unread (several ranks), the loss scale, the
-    noise scale and the window's BatchNorm statistics (``batchnorm="window"``; else a warning for BatchNorm)."""
-    config = acc.config
-    acc.window = Window(acc.device)
-    acc.schedule = WindowSchedule(accumulation_steps)
-    acc._counts = RankCounts(acc.world_size, acc.device, acc.process_group)
-    acc._skips = ConsecutiveSkips(config.max_consecutive_skips)
-    acc.scaler = choose_loss_scaler(config.loss_scale, params, acc.device, acc.min_loss_scale)
-    acc._auto_loss_scale = config.loss_scale == "auto" and acc.scaler is None  # till a backward sees autocast
-    acc._noise = WindowNoise(config.noise_scale_ema, acc.device) if config.measure_noise_scale else None
-    acc.window_batchnorm = None
+def init_window(config: AccumulatorConfig, accumulation_steps: int | AccumulationSchedule, params: list[torch.Tensor],
+                module: nn.Module | None, device: torch.device, world_size: int,
+                process_group: dist.ProcessGroup | None, backend: Any) -> WindowStages:
+    """The window's stages (``WindowStages``): the window (counters, loss sum, failed flag, stats:
+    ``gaengine.window``), K per window and the updates so far (``gaengine.schedules``), the counts a ``step()`` left
+    unread (several ranks), the skips, the loss scale, the noise scale, the window's BatchNorm statistics
+    (``batchnorm="window"``; else a warning for BatchNorm) and the lending of the window's gradient (over
+    ``backend``, ``gaengine.backends``)."""
+    schedule = WindowSchedule(accumulation_steps)
+    scaler = choose_loss_scaler(config.loss_scale, params, device, config.min_loss_scale)
+    batchnorm = None
     if module is not None and config.batchnorm == "window":
-        acc.window_batchnorm = WindowBatchNorm(module)
+        batchnorm = WindowBatchNorm(module)
     elif module is not None:
-        warn_batchnorm(module, acc.accumulation_steps, stacklevel=4)  # the user's GradientAccumulator(...) line
-    acc._lending = Lending(acc.backend)  # the window's gradient lent in .grad (begin_step, before_update)
+        warn_batchnorm(module, schedule.k(0), stacklevel=4)  # the user's GradientAccumulator(...) line
+    return WindowStages(
+        Window(device), schedule, RankCounts(world_size, device, process_group),
+        ConsecutiveSkips(config.max_consecutive_skips), scaler,
+        config.loss_scale == "auto" and scaler is None,  # till a backward sees autocast
+        WindowNoise(config.noise_scale_ema, device) if config.measure_noise_scale else None, batchnorm,
+        Lending(backend))
 
 
-def init_members(acc: GradientAccumulator, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                 module: nn.Module | None) -> None:
-    """Parameters joining (unfrozen, a param group added) or leaving (frozen) after construction: found at the
-    window boundaries, adopted by the strategy (``gaengine.ownership.Membership``, ``gaengine.membership.adopt``,
-    docs/accumulator.md); on several ranks every rank must change them alike (one small all-reduce per window
-    boundary, ``gaengine.ownership.RankMembership``)."""
-    acc._members = ownership.Membership(module, params, optimizer)
-    acc._ranks_members = ownership.RankMembership(
-        acc._members, acc.world_size, dist.get_rank(acc.process_group), acc.device, acc.process_group) if (
-        acc.distributed) else None
-
-
-def release(acc: GradientAccumulator) -> None:
-    """Give back what ``acc`` holds: the strategy's hooks, collectives in flight and forward pre-hooks
-    (``ShardingStrategy.close``), the Linear layers' own forwards (``gradient_accumulation_fusion``), the window's
-    BatchNorm layers and the parameters' claims (another accumulator may take them). Nothing where the constructor
-    raised before building the strategy."""
-    sharding = getattr(acc, "sharding", None)  # None: the constructor raised before building it
+def release(owner: Any, sharding: ShardingStrategy | None, fusion: LinearFusion | None,
+            batchnorm: WindowBatchNorm | None) -> None:
+    """Give back what ``owner`` (the accumulator) holds: the strategy's hooks, collectives in flight and forward
+    pre-hooks (``ShardingStrategy.close``), the Linear layers' own forwards (``fusion``:
+    ``gradient_accumulation_fusion``), the window's BatchNorm layers and the parameters' claims (another accumulator
+    may take them). Nothing where the constructor raised before building the strategy (``sharding`` None)."""
     if sharding is None:
         return
     sharding.close()  # the hooks, the collectives in flight, the forward pre-hooks of overlap_param_gather
-    if getattr(acc, "_fusion", None) is not None:
-        acc._fusion.close()  # the Linear layers' own forwards again
-    if acc.window_batchnorm is not None:
-        acc.window_batchnorm.close()
-    ownership.release(acc.params, acc)
+    if fusion is not None:
+        fusion.close()  # the Linear layers' own forwards again
+    if batchnorm is not None:
+        batchnorm.close()
+    ownership.release(sharding.params, owner)

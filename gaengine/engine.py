@@ -4,11 +4,10 @@ This module is the pipeline's driver: it runs one accumulation window of K micro
 data flow) and calls each stage, which owns its work and its state. ``backward()`` runs autograd while the hooks add
 each bucket of gradients into the fp32 ``main_grad`` (``gaengine.hooks``, ``gaengine.bucket``); ``step()`` applies
 the window's one denominator (micro-batches, or items with ``num_items=``) folded into the clip coefficient
-(``gaengine.lending``, ``gaengine.norm``), then updates (``gaengine.store``). The stages built at construction are
-``gaengine.construction``'s, the window's checks, stats and end ``gaengine.window_end``'s, parameters joining or
-leaving ``gaengine.membership``'s; what differs between modes (replicated, ZeRO-1/2, FSDP2) is the sharding
-strategy's (``gaengine.sharding``); the window's counters are ``gaengine.window``'s, the loss scale
-``gaengine.scaler``'s, K ``gaengine.schedules``'.
+(``gaengine.lending``, ``gaengine.norm``), then updates (``gaengine.store``). The stages are built at construction
+(``gaengine.construction``): the window's checks, stats and end are ``gaengine.window_end.WindowEnd``'s (it owns the
+loss scale), parameters joining or leaving ``gaengine.membership.MembershipStage``'s, what differs between modes
+(replicated, ZeRO-1/2, FSDP2) the sharding strategy's (``gaengine.sharding``), K ``gaengine.schedules``'.
 """
 
 from __future__ import annotations
@@ -24,20 +23,18 @@ from gaengine import ownership
 from gaengine.backends import get_backend
 from gaengine.clip import guard_torch_clip_grad_norm
 from gaengine.config import AccumulatorConfig, CheckedSetting, check_max_grad_norm, check_optional_count
-from gaengine.construction import init_members, init_window, join_ranks, release
+from gaengine.construction import init_window, join_ranks, release
 from gaengine.fusion import LinearFusion, check_fusion
-from gaengine.membership import adopt
+from gaengine.membership import MembershipStage
 from gaengine.optimizer_list import check_coverage, combine as combine_optimizers
 from gaengine.reduce import wait_quietly
-from gaengine.replaced import ReplacedParams
 from gaengine.scaler import check_min_loss_scale, guard_grad_scaler
 from gaengine.schedules import AccumulationSchedule
 from gaengine.sharding import ShardingStrategy, make_sharding, trainable_params
-from gaengine.stages import AccumulatorParts, StageStates
+from gaengine.stages import AccumulatorParts, StageStates, WindowStages
 from gaengine.update import SchedulerWatch
 from gaengine.window import StepResult, foreign_gradient_error, warn_dropped_window
-from gaengine.window_end import (apply_window, check_micro_batch, complete_window, drop_reductions,
-                                 launch_window_stats, prepare_micro_batch, window_to_step)
+from gaengine.window_end import StepSettings, WindowEnd
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -121,21 +118,23 @@ class GradientAccumulator:
         self.max_grad_norm, self.micro_batch_size = config.max_grad_norm, config.micro_batch_size
         self.min_loss_scale = config.min_loss_scale
         self.zero_stage, self.bucket_size_mb = config.zero_stage, config.bucket_size_mb  # zero_stage: as asked
-        init_window(self, accumulation_steps, params, module)
-        self._init_sharding(params, optimizer, module)
+        st = init_window(config, accumulation_steps, params, module, self.device, self.world_size, process_group,
+                         self.backend)  # the window's stages (gaengine.stages.WindowStages)
+        self.window, self.schedule, self._skips, self._noise = st.window, st.schedule, st.skips, st.noise
+        self.window_batchnorm, self._lending = st.batchnorm, st.lending
+        self._init_sharding(params, optimizer, module, st)
         ownership.claim(self.params, self)
         guard_torch_clip_grad_norm()  # a habit's clip_grad_norm_ over these parameters warns (their .grad is None)
         guard_grad_scaler()  # a habit's GradScaler-scaled loss is refused by backward()
 
     def _init_sharding(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                       module: nn.Module | None) -> None:
-        """The layout, ``main_grad``, the hooks (per-parameter, per-micro-batch state: ``gaengine.hooks``), the
-        reducer, the masters and the update: one data-parallel sharding strategy (``gaengine.sharding``); the
-        parameters joining or leaving after construction (``gaengine.construction.init_members``); the fused Linear
-        forwards (``gradient_accumulation_fusion``, until ``close()``: ``gaengine.fusion``) and the watch on the
-        model being moved."""
+                       module: nn.Module | None, stages: WindowStages) -> None:
+        """The membership stage (``gaengine.membership``), one data-parallel sharding strategy (``gaengine.sharding``:
+        the layout, ``main_grad``, the hooks, the reducer, the masters, the update), the fused Linear forwards
+        (``gradient_accumulation_fusion``, until ``close()``: ``gaengine.fusion``), then the window stage over them."""
         config = self.config
-        init_members(self, params, optimizer, module)  # joining or leaving after construction
+        self._membership = MembershipStage.build(params, optimizer, module, self.world_size, self.process_group,
+                                                 self.device)
         self.sharding: ShardingStrategy = make_sharding(
             config.zero_stage, self.world_size, params, optimizer, backend=self.backend, device=self.device,
             process_group=self.process_group, bucket_size_mb=config.bucket_size_mb, reduce_dtype=config.reduce_dtype,
@@ -146,8 +145,9 @@ class GradientAccumulator:
             config.gradient_accumulation_fusion) else None
         if self._fusion is not None:  # a layer whose weight or bias holds a user hook is not fused
             self._fusion.follow_hooks(self.sharding.accumulation, self.params)
-        self._model = ownership.watch_model(self.sharding, self.device)
-        self._replaced = ReplacedParams(module, self.params, self.optimizer, self.sharding)  # adopted or refused
+        self._membership.watch(self.sharding, self.optimizer, self.device)  # the model moved, parameters replaced
+        self._window_end = WindowEnd(stages, self.sharding, self._membership, self._scheduler, self._fusion,
+                                     config.overlap_grad_reduce, self.device, self.world_size)
 
     # ------------------------------------------------------------------ the strategy's parts (gaengine.sharding)
     params = property(lambda self: self.sharding.params,
@@ -162,6 +162,11 @@ class GradientAccumulator:
         "accumulator itself reaches them only through the strategy's ``accumulation`` (``gaengine.accumulation``)."))
     master_buffer = property(lambda self: self.sharding.master_buffer, doc=(
         "This rank's flat fp32 master weights (``gaengine.store.ParameterStore.master_buffer``), or None."))
+    scaler = property(lambda self: self._window_end.scaler, doc="The loss scale (``gaengine.scaler.LossScaler``) or "
+                      "None: the window stage's (``loss_scale='auto'`` chooses it at the first ``backward()``).")
+
+    _settings = property(lambda self: StepSettings(self.max_grad_norm, self.micro_batch_size, self.min_loss_scale,
+                                                   self.optimizer, self.lr_scheduler, self.named_params))
 
     # ------------------------------------------------------------------ hot path
     def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None, **backward_kwargs: Any) -> None:
@@ -186,14 +191,16 @@ class GradientAccumulator:
         """
         self._lending.refuse_in_before_update("acc.backward()", "add a micro-batch to the window being applied")
         self._lending.refuse_lent("acc.backward()")
-        num_items = check_micro_batch(self, loss, num_items)
+        end, settings, members = self._window_end, self._settings, self._membership
+        num_items = end.check_micro_batch(loss, num_items, settings)
         window = self.window
         if window.num_micro_batches == 0:  # a window boundary: parameters unfrozen or frozen since are adopted
-            adopt(self)
+            if members.adopt(self.sharding, window, self, self.schedule.update_index,
+                             self.scaler is None and self.config.loss_scale == "auto", self.optimizer, self.device):
+                self.registered_params, self.named_params = members.members.trainable(), members.members.named()
             if self._fusion is not None:  # hooks registered or removed since: fused or not from this window on
                 self._fusion.follow_hooks(self.sharding.accumulation, self.params)
-        scaled, last, armed = prepare_micro_batch(self, loss, backward_kwargs)
-
+        scaled, last, armed = end.prepare_micro_batch(loss, backward_kwargs, settings)
         self.sharding.accumulation.begin(last, armed)
         try:
             scaled.backward(**backward_kwargs)
@@ -203,7 +210,7 @@ class GradientAccumulator:
             if self._noise is not None:
                 self._noise.add_micro_batch(counted)
             if self.sharding.reduction.end_backward(armed, last):
-                launch_window_stats(self)
+                end.launch_window_stats(self.max_grad_norm)
         except BaseException as exc:
             # Some parameters of this micro-batch may be accumulated and others not, or all of them without the
             # micro-batch counted: the window is no longer a sum of whole, counted micro-batches. zero_grad()
@@ -260,15 +267,15 @@ class GradientAccumulator:
         self._lending.refuse_in_before_update("acc.step()", "apply the window twice")
         lent = self._lending.lent  # begin_step() lent it already
         if lent is None:
-            k = window_to_step(self, force, before_update is not None)
+            k = self._window_end.window_to_step(force, before_update is not None, self._settings)
             if k is None:
                 return None
-            lent = complete_window(self, k)
+            lent = self._window_end.complete_window(k, self.max_grad_norm)
             if before_update is not None:
                 self._lending.lend(lent, False, self.sharding.accumulation, self.named_params)
         if before_update is not None:
             self._lending.run_before_update(lent, before_update, self.sharding.accumulation)
-        return apply_window(self, lent)
+        return self._window_end.apply_window(lent, self._settings)  # max_grad_norm as before_update left it
 
     # ------------------------------------------------------------------ the window's gradient lent in .grad
     def begin_step(self, force: bool = False) -> bool:
@@ -293,10 +300,11 @@ class GradientAccumulator:
         self._lending.refuse_in_before_update("acc.begin_step()", "lend the window again")
         if self._lending.lent is not None:
             return True
-        k = window_to_step(self, force, True)
+        k = self._window_end.window_to_step(force, True, self._settings)
         if k is None:
             return False
-        self._lending.lend(complete_window(self, k), True, self.sharding.accumulation, self.named_params)
+        lent = self._window_end.complete_window(k, self.max_grad_norm)
+        self._lending.lend(lent, True, self.sharding.accumulation, self.named_params)
         return True
 
     @property
@@ -332,10 +340,6 @@ class GradientAccumulator:
         "naming ``min_loss_scale`` for anything else, as the constructor (the value kept)."),
         then=lambda acc, value: setattr(acc.scaler, "min_scale", value) if getattr(acc, "scaler", None) else None)
 
-    def _clear_grads(self) -> None:
-        self.sharding.accumulation.clear_grads()
-        self.window.grads_left = False
-
     # ------------------------------------------------------------------ lifecycle
     num_micro_batches = property(lambda self: self.window.num_micro_batches,
                                  doc="Micro-batches accumulated in the current window (an int).")
@@ -351,21 +355,21 @@ class GradientAccumulator:
         """
         self._lending.refuse_in_before_update("acc.zero_grad()", "drop the window being applied")
         self._lending.lent = None
-        if self._ranks_members is not None and self._ranks_members.protocol.reducing:
-            drop_reductions(self)  # this rank's reductions began: the other ranks' are matched (gaengine.protocol)
+        if (ranks := self._membership.ranks) is not None and ranks.protocol.reducing:
+            self._window_end.drop_reductions(self.max_grad_norm)  # the other ranks' matched (gaengine.protocol)
         self.sharding.reduction.drain()  # the reductions in flight (errors ignored)
         self.sharding.accumulation.drop()  # the hooks' window and what they hold
         if self.window.stats is not None:
             wait_quietly(self.window.stats.work)
-        self._clear_grads()
+        self._window_end.clear_grads()
         # unfrozen mid-window (frozen again or not): autograd's raw .grad,
-        for _, p in self._members.unmanaged_grads(self.params):
+        for _, p in self._membership.members.unmanaged_grads(self.params):
             p.grad = None  # dropped as optimizer.zero_grad() drops every .grad of its groups
         self.window.reset()  # the strategy resets the hooks' part (end_window, drain)
         if self._noise is not None:
             self._noise.reset()
-        if self._ranks_members is not None:
-            self._ranks_members.drop()
+        if ranks is not None:
+            ranks.drop()
         if self.window_batchnorm is not None:
             self.window_batchnorm.reset()
 
@@ -387,7 +391,7 @@ class GradientAccumulator:
         self._lending.refuse_lent("acc.state_dict()")  # main_grad holds the normalized gradient, maybe edited
         from gaengine.checkpoint import accumulator_state_dict  # noqa: PLC0415 - imports DCP (about 2 s)
 
-        self._replaced.follow_storage(refuse=False)  # p.data = x since the window began: the masters saved take x
+        self._membership.replaced.follow_storage(refuse=False)  # p.data = x mid-window: the masters saved take x
         self.sharding.update.pull_model_writes()  # the masters saved are the model's (after a model.load_state_dict())
         return accumulator_state_dict(self.state_parts())
 
@@ -451,7 +455,7 @@ class GradientAccumulator:
         masters. Raises ``RuntimeError`` when the model was moved or converted since construction, and at
         ``zero_stage`` >= 1 on several ranks (each rank holds a shard of the masters).
         """
-        self._replaced.follow_storage()  # p.data = x since the window began: into its buffer first
+        self._membership.replaced.follow_storage()  # p.data = x since the window began: into its buffer first
         self.sharding.update.masters_to_model()
 
     def close(self, *, release_optimizer: bool = False) -> None:
@@ -478,18 +482,18 @@ class GradientAccumulator:
         if update is not None:
             update.check_release()  # ValueError: the optimizer holds 1-D shards
         warn_dropped_window(self.window, "acc.close()")
-        if self._ranks_members is not None and (self.window.failed or self._ranks_members.protocol.reducing):
+        if (ranks := self._membership.ranks) is not None and (self.window.failed or ranks.protocol.reducing):
             self.zero_grad()  # a failed micro-batch's reductions complete first: the other ranks' are matched
         self._lending.lent = None
         if update is not None:
             update.release_to_model()
         for p in self.params:
             p.grad = None
-        release(self)
+        release(self, self.sharding, self._fusion, self.window_batchnorm)
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
             warn_dropped_window(getattr(self, "window", None), "garbage collection of the GradientAccumulator")
-            release(self)  # garbage collection leaves .grad alone: only an explicit close() drops it
+            release(self, getattr(self, "sharding", None), getattr(self, "_fusion", None), self.window_batchnorm)  # .grad kept
         except Exception:
             pass

@@ -14,18 +14,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from gaengine import ownership
 from gaengine.ownership import Membership, RankMembership
+from gaengine.replaced import ReplacedParams
 from gaengine.window import Window
 
-from gaengine.replaced import ReplacedParams
-
-if TYPE_CHECKING:  # annotations only: the strategy and the engine sit above this module
-    from gaengine.engine import GradientAccumulator
+if TYPE_CHECKING:  # annotations only: the strategy sits above this module
     from gaengine.sharding import ShardingStrategy
 
-__all__ = ["adopt", "adopt_changes", "join_refused"]
+__all__ = ["MembershipStage", "adopt_changes", "join_refused"]
 
 
 def join_refused(name: str, why: str) -> str:
@@ -103,19 +102,48 @@ def _checked_changes(members: Membership, ranks: RankMembership | None, sharding
     return joined, left
 
 
-def adopt(acc: GradientAccumulator) -> None:
-    """At a window boundary of ``acc`` (its window's first ``backward()``): the parameters joined or left since, and
-    those replaced in the model (``gaengine.replaced``: they join, the old leave), are adopted (``adopt_changes``:
-    ``ValueError`` naming one that cannot join, nothing changed), then claimed and watched like the others (the
-    accumulator's ``registered_params`` and ``named_params`` follow the membership)."""
-    if not adopt_changes(acc._members, acc._ranks_members, acc.sharding, acc.window, acc,
-                         acc.schedule.update_index, acc.scaler is None and acc.config.loss_scale == "auto",
-                         rescan=bool(acc._replaced.pending)):
-        return
-    acc.registered_params = acc._members.trainable()
-    acc.named_params = acc._members.named()
-    acc._model = ownership.watch_model(acc.sharding, acc.device)
-    acc._replaced = ReplacedParams(acc._members.module, acc.params, acc.optimizer, acc.sharding)
-    ownership.claim(acc.params, acc)
-    if acc._ranks_members is not None:
-        acc._ranks_members.adopted()
+class MembershipStage:
+    """The membership stage (module docstring): ``members`` (``gaengine.ownership.Membership``), ``ranks`` (their
+    check on several ranks, ``RankMembership``, else None) and, once ``watch`` has run after the strategy is built,
+    ``model`` (``ownership.ModelWatch``: the model moved or converted) and ``replaced`` (``ReplacedParams``) over the
+    strategy's current parameters."""
+
+    def __init__(self, members: Membership, ranks: RankMembership | None) -> None:
+        self.members, self.ranks = members, ranks
+        self.model: ownership.ModelWatch | None = None
+        self.replaced: ReplacedParams | None = None
+
+    @classmethod
+    def build(cls, params: list[torch.Tensor], optimizer: Any, module: Any, world_size: int, process_group: Any,
+              device: torch.device) -> MembershipStage:
+        """The stage at construction, before the strategy: parameters joining (unfrozen, a param group added) or
+        leaving (frozen) after construction, found at the window boundaries and adopted by the strategy
+        (``gaengine.ownership.Membership``, ``adopt``, docs/accumulator.md); on several ranks every rank must change
+        them alike (one small all-reduce per window boundary, ``gaengine.ownership.RankMembership``). Its watches are
+        set once the strategy is built (``watch``)."""
+        members = ownership.Membership(module, params, optimizer)
+        ranks = RankMembership(members, world_size, dist.get_rank(process_group), device, process_group) if (
+            world_size > 1) else None
+        return cls(members, ranks)
+
+    def watch(self, sharding: ShardingStrategy, optimizer: Any, device: torch.device) -> None:
+        """Watch the strategy's parameters (in their current layout): the model moved or converted, parameters
+        replaced in the module (adopted or refused)."""
+        self.model = ownership.watch_model(sharding, device)
+        self.replaced = ReplacedParams(self.members.module, sharding.params, optimizer, sharding)
+
+    def adopt(self, sharding: ShardingStrategy, window: Window, owner: Any, window_id: int, fp16_needs_scale: bool,
+              optimizer: Any, device: torch.device) -> bool:
+        """At a window boundary (its first ``backward()``): the parameters joined or left since, and those replaced in
+        the model (``gaengine.replaced``: they join, the old leave), are adopted (``adopt_changes``: ``ValueError``
+        naming one that cannot join, nothing changed), then claimed for ``owner`` and watched like the others.
+        Returns whether the strategy laid them out anew (the accumulator's ``registered_params`` and
+        ``named_params`` then follow ``members.trainable()`` / ``members.named()``)."""
+        if not adopt_changes(self.members, self.ranks, sharding, window, owner, window_id, fp16_needs_scale,
+                             rescan=bool(self.replaced.pending)):
+            return False
+        self.watch(sharding, optimizer, device)
+        ownership.claim(sharding.params, owner)
+        if self.ranks is not None:
+            self.ranks.adopted()
+        return True

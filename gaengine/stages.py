@@ -14,23 +14,45 @@ checkpointing never calls back into the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from gaengine import state_checks
 from gaengine.formats import STATE_FORMAT
+from gaengine.batchnorm import WindowBatchNorm
 from gaengine.noise import WindowNoise
 from gaengine.scaler import ConsecutiveSkips, LossScaler
 from gaengine.schedules import AccumulationSchedule, WindowSchedule
-from gaengine.window import Window
+from gaengine.window import RankCounts, Window
 
-if TYPE_CHECKING:  # annotations only: the strategy sits above this module
+if TYPE_CHECKING:  # annotations only: the strategy and the lending sit above this module
     import torch.distributed as dist
 
+    from gaengine.lending import Lending
     from gaengine.sharding import ShardingStrategy
 
-__all__ = ["AccumulatorParts", "StageStates"]
+__all__ = ["AccumulatorParts", "HasParts", "StageStates", "WindowStages"]
+
+
+@dataclass
+class WindowStages:
+    """The window's stages, built at construction (``gaengine.construction.init_window``) for the window stage
+    (``gaengine.window_end.WindowEnd``): the window's counters (``gaengine.window.Window``), K per window and the
+    updates so far (``gaengine.schedules.WindowSchedule``), the counts a ``step()`` left unread (several ranks,
+    ``RankCounts``), the skipped windows in a row, the loss scale (None: none, or not chosen yet:
+    ``auto_loss_scale``), the noise scale and the window's BatchNorm (either None where not asked) and the lending of
+    the window's gradient in ``.grad`` (``gaengine.lending.Lending``)."""
+
+    window: Window
+    schedule: WindowSchedule
+    counts: RankCounts
+    skips: ConsecutiveSkips
+    scaler: LossScaler | None
+    auto_loss_scale: bool
+    noise: WindowNoise | None
+    batchnorm: WindowBatchNorm | None
+    lending: Lending
 
 
 @dataclass
@@ -166,3 +188,15 @@ class AccumulatorParts:
     def schedule(self) -> WindowSchedule:
         """The window schedule (``update_index``: the updates so far, the protocol's window number)."""
         return self.stages.schedule
+
+
+class HasParts(Protocol):
+    """What ``gaengine.checkpoint``'s public functions (``full_optimizer_state_dict``, ``upgrade``) ask of an
+    accumulator (a ``GradientAccumulator``), so that checkpointing never names the engine: its ``optimizer`` (None
+    without one), its parts (``state_parts``: ``AccumulatorParts``) and its ``state_dict()``."""
+
+    optimizer: torch.optim.Optimizer | None
+
+    def state_parts(self, accumulation_steps: str | None = None) -> AccumulatorParts: ...
+
+    def state_dict(self) -> dict: ...

@@ -148,6 +148,13 @@ def _import_structure():
     return module
 
 
+def _write_package(root: Path, files: dict[str, str]) -> None:
+    """A ``gaengine`` package under ``root``: each of ``files`` (a path inside the package -> its text) written."""
+    for name, text in files.items():
+        (root / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "gaengine" / name).write_text(text)
+
+
 def test_import_structure_of_a_known_package(tmp_path):
     """benchmarks/import_structure.py on a package whose floors, arrows back up and cycles are known by hand."""
     files = {
@@ -162,9 +169,7 @@ def test_import_structure_of_a_known_package(tmp_path):
         "tools/cli.py": "import gaengine\nfrom gaengine.tools import helper\n",
         "tools/helper.py": "def g():\n    from gaengine.tools.cli import main\n",
     }
-    for name, text in files.items():
-        (tmp_path / "gaengine" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "gaengine" / name).write_text(text)
+    _write_package(tmp_path, files)
     whole, library = _import_structure().analyse(None, root=tmp_path)
     # low 1, side 2, mid 2, top 3, __init__ 4; tools 1, helper 1, cli 5 (imports __init__ at module level)
     assert whole.floors == {"gaengine.low": 1, "gaengine.side": 2, "gaengine.mid": 2, "gaengine.top": 3,
@@ -243,3 +248,47 @@ def test_the_checker_sees_test_models(tmp_path):
         (tmp_path / name).write_text(text)
     offenders = _module_classes_outside_models(sorted(tmp_path.rglob("*.py")), root=tmp_path)
     assert offenders == ["tests/test_a.py:2 _MLP", "tests/test_b.py:3 Tied"], offenders
+
+
+# The engine is the pipeline's driver, at the top of the library: a stage is given the parts it works on and never
+# names the engine, not even for annotations (an import under TYPE_CHECKING is a cycle in the type graph: the hub
+# hidden). The package's __init__, the integrations and the tools stand on it (its public API); verify.py's lazy import
+# checks the engine from above it.
+_STANDING_ON_THE_ENGINE = ("gaengine.integrations", "gaengine.tools")
+
+
+def _engine_importers(arrows) -> list[str]:
+    """``"<module>:<line> (<kind>)"`` for each module-level or ``TYPE_CHECKING`` import of ``gaengine.engine`` by a
+    module other than the engine, the package's ``__init__``, the integrations and the tools."""
+    return sorted(f"{a.source}:{a.line} ({a.kind})" for a in arrows
+                  if a.target == "gaengine.engine" and a.kind != "lazy" and a.source not in ("gaengine",
+                                                                                             "gaengine.engine")
+                  and not any(a.source == p or a.source.startswith(p + ".") for p in _STANDING_ON_THE_ENGINE))
+
+
+def test_no_stage_imports_the_engine():
+    whole, _ = _import_structure().analyse(None)
+    assert any(a.target == "gaengine.engine" for a in whole.arrows), "expected gaengine/__init__.py to import it"
+    offenders = _engine_importers(whole.arrows)
+    assert not offenders, ("a library module imports gaengine.engine (at module level or under TYPE_CHECKING): give "
+                           "it the stages it works on (or a Protocol, gaengine.stages.HasParts) instead:\n"
+                           + "\n".join(offenders))
+
+
+def test_the_checker_sees_engine_imports(tmp_path):
+    """A TYPE_CHECKING import and a module-level one are caught; __init__, the integrations, the tools and a lazy
+    import are not."""
+    files = {
+        "__init__.py": "from gaengine.engine import GradientAccumulator\n",
+        "engine.py": "from gaengine import stage\n",
+        "stage.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gaengine.engine import A\n",
+        "other.py": "import gaengine.engine\n",
+        "verify.py": "def f():\n    from gaengine.engine import GradientAccumulator\n",
+        "integrations/__init__.py": "",
+        "integrations/hf.py": "from gaengine.engine import GradientAccumulator\n",
+        "tools/__init__.py": "",
+        "tools/train.py": "from gaengine.engine import GradientAccumulator\n",
+    }
+    _write_package(tmp_path, files)
+    whole, _ = _import_structure().analyse(None, root=tmp_path)
+    assert _engine_importers(whole.arrows) == ["gaengine.other:1 (module)", "gaengine.stage:3 (typing)"]
