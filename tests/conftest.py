@@ -1,4 +1,3 @@
-import importlib.util
 import os
 import sys
 
@@ -42,11 +41,9 @@ def _heavy_files_first(items) -> None:
 @pytest.fixture(scope="module")
 def setup_py():
     """``setup.py`` imported under another name than ``__main__``: its helpers, no ``setup()`` call."""
-    spec = importlib.util.spec_from_file_location("gaengine_setup_under_test",
-                                                  os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.helpers import load_file  # noqa: PLC0415 - the engine imported only once a test asks for setup.py
+
+    return load_file("gaengine_setup_under_test", os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,11 @@
 """Helpers several test files share (one definition each): a guard against host reads, nvcc's location, an engine
-bug to plant, the hooks of a model driven without an accumulator, and one intra-op thread."""
+bug to plant, the hooks of a model driven without an accumulator, one intra-op thread, and a script imported from
+its file."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -16,6 +18,20 @@ from gaengine.buffer import FlatBuffer, FlatLayout
 from gaengine.engine import GradientAccumulator
 from gaengine.hooks import make_hooks
 from tests.oracle_hooks import use_hooks
+
+
+
+def load_file(name: str, path, register: bool = False):
+    """The Python file ``path`` (a script of benchmarks/, examples/, setup.py) imported as module ``name``, without
+    running its ``__main__`` block; ``register``: put in ``sys.modules`` first (a file whose dataclasses look their
+    module up while their classes are made)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 _SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__", "numpy")
 

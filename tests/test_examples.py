@@ -4,7 +4,6 @@ the example's code line for line."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import math
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import load_file
 from tests.tolerances import mean_rtol
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,10 +24,7 @@ QUICKSTART = ROOT / "examples" / "quickstart.py"
 
 
 def _load_quickstart():
-    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("quickstart", QUICKSTART)
 
 
 def _readme_quick_start() -> list[str]:
@@ -121,10 +118,7 @@ def _fresh_environ():
 
 
 def _load_example(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(name, path)
 
 
 @pytest.mark.parametrize("kind", ["automatic", "manual"])

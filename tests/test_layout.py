@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from tests.helpers import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gaengine"
@@ -141,11 +142,7 @@ def test_cli_entry_point_resolves():
 
 
 def _import_structure():
-    spec = importlib.util.spec_from_file_location("import_structure", ROOT / "benchmarks" / "import_structure.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return load_file("import_structure", ROOT / "benchmarks" / "import_structure.py", register=True)
 
 
 def _write_package(root: Path, files: dict[str, str]) -> None:

@@ -3,20 +3,18 @@ the layouts), on sources whose sites are known by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "mode_branches.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("mode_branches", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("mode_branches", SCRIPT)
 
 
 KNOWN = '''"""A docstring naming isinstance(p, DTensor) and zero_stage == 1: not code."""

@@ -6,16 +6,15 @@ are timed inside synchronized regions (a fake asynchronous device)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 import torch
 
 from gaengine.tools.bench import common, plausible
+from tests.helpers import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -96,10 +95,7 @@ def test_committed_results_h100_fused_adamw_row_flagged():
 
 
 def _bench_step():
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("bench_step", ROOT / "benchmarks" / "bench_step.py")
 
 
 def test_bench_step_fused_adamw_row_times_the_real_update():
