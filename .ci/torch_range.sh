@@ -104,7 +104,10 @@ SMOKE_TESTS=(
 )
 
 # The CI subset: what `.ci/run` builds and runs against the oldest and the newest torch on each submission, one test
-# process each, under `-k "not cuda-emu and not emulated"` (no emulated CUDA build).
+# process each, under `-k "not cuda-emu and not emulated and not times_the_real_update"`: no emulated CUDA build, and
+# not the one test that times memory bandwidth against a peak measured in the same run (test_plausible's
+# FusedAdamW row): both versions run it at the same moment, each contending with the other's bandwidth, and one CI run
+# judged the row over its bound that way; the suite runs it.
 SMOKE_CI_TESTS=(
     tests/test_torch_range.py
     tests/test_hot_path.py
@@ -158,7 +161,7 @@ run_subset() {
     local tests=("${SMOKE_TESTS[@]}") select=()
     if [[ "$subset" == ci ]]; then
         tests=("${SMOKE_CI_TESTS[@]}")
-        select=(-k "not cuda-emu and not emulated")
+        select=(-k "not cuda-emu and not emulated and not times_the_real_update")
     fi
     local workers=(-n "$jobs" --dist loadfile)
     [[ "$jobs" -gt 1 ]] || workers=(-n 0)
