@@ -25,6 +25,7 @@ Nothing here is public API: the engine's methods are, and their docstrings say w
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -181,10 +182,8 @@ class WindowEnd:
         if self.window.stats is not None:
             return
         self.window.fail()  # its stats carry gaengine.reduce.DROPPED_COUNT
-        try:
+        with contextlib.suppress(Exception):  # the window is dropped either way
             self.launch_window_stats(max_grad_norm)
-        except Exception:  # noqa: BLE001 - the window is dropped either way
-            pass
 
     def window_to_step(self, force: bool, lends: bool, settings: StepSettings) -> int | None:
         """``step()``'s checks (its errors, nothing changed): the window's micro-batch count k, or None while the
